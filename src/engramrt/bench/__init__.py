@@ -1,0 +1,1 @@
+"""Benchmarks: a registry of cases (:mod:`.registry`) and one runner (:mod:`.runner`)."""

@@ -1,0 +1,90 @@
+"""One registry of benchmark cases.
+
+A case builds fresh random inputs on a device, runs each implementation
+once, checks every output against the reference (a case whose check fails
+is reported as failed, never timed), then times each implementation. The
+runner (:mod:`engramrt.bench.runner`) reports time, rate, bandwidth and the
+percent of the copy ceiling measured in the same run.
+
+Cases live in ``engramrt/bench/cases_<op>.py``: each module decorates a
+factory with :func:`register`; the factory takes ``quick`` (a short run)
+and returns that operation's cases.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+Inputs = dict[str, Any]
+
+
+@dataclass
+class Case:
+    """One benchmark case: a shape, its implementations and their check.
+
+    Attributes:
+        name: unique name, ``"<group>/<shape>"``, e.g. ``"gate/T=8192"``.
+        group: the operation (``"hash"``, ``"lookup"``, ``"gate"``, ...).
+        params: the shape and settings, reported next to the numbers.
+        make: builds fresh random inputs on a device (never zeros).
+        impls: implementation name -> callable taking the inputs.
+        baseline: the name in ``impls`` every other one is compared to.
+        check: given the inputs and each implementation's output, raises
+            ``AssertionError`` with the worst mismatches when one is wrong.
+        bytes_moved: the fewest bytes one call must move through the memory
+            that bounds it (each input read once, each output written once).
+        items: how many units one call handles (rows, tokens).
+        item_name: what a unit is, for the rate column.
+        ceiling: which measured copy ceiling bounds it: ``"d2d"`` (device
+            memory, counting read + write) or ``"h2d"`` (host to device).
+        graph: also time under CUDA-graph replay (for capturable impls).
+        requires_cuda: skip on machines without a GPU.
+    """
+
+    name: str
+    group: str
+    params: dict[str, Any]
+    make: Callable[[torch.device], Inputs]
+    impls: dict[str, Callable[[Inputs], Any]]
+    baseline: str
+    check: Callable[[Inputs, dict[str, Any]], None]
+    bytes_moved: int
+    items: int
+    item_name: str
+    ceiling: Literal["d2d", "h2d"] = "d2d"
+    graph: bool = False
+    graph_impls: tuple[str, ...] = field(default_factory=tuple)
+    requires_cuda: bool = True
+
+
+CaseFactory = Callable[[bool], Iterable[Case]]
+_FACTORIES: list[CaseFactory] = []
+
+
+def register(factory: CaseFactory) -> CaseFactory:
+    """Decorator: ``factory(quick)`` yields the cases of one operation."""
+    _FACTORIES.append(factory)
+    return factory
+
+
+def all_cases(quick: bool = False, groups: Iterable[str] | None = None) -> list[Case]:
+    """Every registered case, optionally only those of some groups."""
+    import importlib
+    import pkgutil
+
+    import engramrt.bench as pkg
+
+    for info in pkgutil.iter_modules(pkg.__path__):
+        if info.name.startswith("cases_"):
+            importlib.import_module(f"engramrt.bench.{info.name}")
+    wanted = set(groups) if groups is not None else None
+    cases: list[Case] = []
+    for factory in _FACTORIES:
+        for case in factory(quick):
+            if wanted is None or case.group in wanted:
+                cases.append(case)
+    return cases

