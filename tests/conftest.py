@@ -31,3 +31,11 @@ def token_map(tmp_path_factory: pytest.TempPathFactory):
     from engramrt.tokenmap import TokenMap
 
     return TokenMap.from_tokenizer_file(cache_dir=tmp_path_factory.mktemp("tokenmap-cache"))
+
+
+@pytest.fixture(scope="session")
+def device():
+    """Where kernel tests run: ``ENGRAMRT_TEST_DEVICE`` (e.g. ``cuda`` on a GPU machine), else CPU."""
+    import torch
+
+    return torch.device(os.environ.get("ENGRAMRT_TEST_DEVICE", "cpu"))

@@ -78,9 +78,13 @@ def all_cases(quick: bool = False, groups: Iterable[str] | None = None) -> list[
 
     import engramrt.bench as pkg
 
-    for info in pkgutil.iter_modules(pkg.__path__):
-        if info.name.startswith("cases_"):
-            importlib.import_module(f"engramrt.bench.{info.name}")
+    groups = list(groups) if groups is not None else None
+    modules = [
+        info.name for info in pkgutil.iter_modules(pkg.__path__) if info.name.startswith("cases_")
+    ]
+    for name in modules:
+        if groups is None or name.removeprefix("cases_") in groups:
+            importlib.import_module(f"engramrt.bench.{name}")
     wanted = set(groups) if groups is not None else None
     cases: list[Case] = []
     for factory in _FACTORIES:

@@ -1,0 +1,225 @@
+"""History stores: where a stateless kernel finds tokens before a chunk.
+
+Engines differ in what they remember (SPEC §5), so hashing takes its
+history from one of three places:
+
+1. nothing but the batch: ``lookback_token_ids [R, N-1]`` per request;
+2. :class:`SlotHashCache`: one int32 per KV-cache slot holding the
+   compressed id (or DEAD) of the token last written there. The engine's
+   ``slot_mapping`` says where new tokens go and its ``block_table`` where an
+   older position lives, so prefix-cache hits and speculative rollbacks read
+   exactly what the owning request wrote;
+3. :class:`RequestHistory`: a small ring per request slot, for engines that
+   keep no token history at all. Each entry is tagged with its position, so
+   a rejected speculative token can never be mistaken for an accepted one.
+
+Codes: a compressed id (>= 0), ``EMPTY`` (-1, unknown: hashes as pad) or
+``DEAD`` (-2, blocks n-grams through it).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from engramrt.errors import ValidationError
+from engramrt.hashing.types import DEAD, EMPTY, HashBatch
+
+__all__ = ["RequestHistory", "SlotHashCache"]
+
+
+def _np(x: torch.Tensor) -> np.ndarray:
+    return x.detach().cpu().numpy()
+
+
+class SlotHashCache:
+    """Compressed id of the token in every KV-cache slot.
+
+    Args:
+        num_slots: slots of the KV cache (``num_blocks * block_size``).
+        block_size: tokens per KV block.
+        device: where the cache lives (with the KV cache).
+    """
+
+    def __init__(self, num_slots: int, block_size: int, device: torch.device | str = "cpu") -> None:
+        self.slots = torch.empty(0, dtype=torch.int32)
+        self.block_size = 0
+        self.bind(num_slots, block_size, device)
+
+    def bind(
+        self, num_slots: int, block_size: int, device: torch.device | str | None = None
+    ) -> None:
+        """(Re)allocate for a KV cache of ``num_slots``; all old history is discarded.
+
+        Engines first bind a small cache to profile memory, then the real
+        one: nothing from the first may leak into the second.
+        """
+        if isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots <= 0:
+            raise ValidationError(f"num_slots={num_slots!r} must be a positive integer")
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
+            raise ValidationError(f"block_size={block_size!r} must be a positive integer")
+        if num_slots % block_size:
+            raise ValidationError(
+                f"num_slots={num_slots} must be a multiple of block_size={block_size}"
+            )
+        device = self.slots.device if device is None else torch.device(device)
+        self.slots = torch.full((num_slots,), EMPTY, dtype=torch.int32, device=device)
+        self.block_size = block_size
+
+    @property
+    def num_slots(self) -> int:
+        return int(self.slots.shape[0])
+
+    @property
+    def device(self) -> torch.device:
+        return self.slots.device
+
+    def commit_reference(self, batch: HashBatch, token_map: np.ndarray) -> None:
+        """Write the batch's tokens to their slots (what the kernel does in-launch)."""
+        if batch.slot_mapping is None:
+            raise ValidationError("slot_mapping is required with a SlotHashCache")
+        qsl = _np(batch.query_start_loc)
+        owned = int(qsl[-1])
+        slots = _np(batch.slot_mapping)[:owned].astype(np.int64)
+        codes = token_map[_np(batch.input_ids)[:owned].astype(np.int64)].astype(np.int32)
+        if batch.dead_mask is not None:
+            codes[_np(batch.dead_mask)[:owned].astype(bool)] = DEAD
+        keep = slots >= 0
+        index = torch.from_numpy(slots[keep]).to(self.device)
+        self.slots[index] = torch.from_numpy(codes[keep]).to(self.device)
+        if batch.lookback_token_ids is not None and batch.block_table is not None:
+            self._seed_from_lookback(batch, token_map)
+
+    def _seed_from_lookback(self, batch: HashBatch, token_map: np.ndarray) -> None:
+        """Write each chunk's known lookback ids to the slots of their positions."""
+        assert batch.lookback_token_ids is not None and batch.block_table is not None
+        qsl = _np(batch.query_start_loc).astype(np.int64)
+        positions = _np(batch.positions).astype(np.int64)
+        lookback = _np(batch.lookback_token_ids).astype(np.int64)
+        lb_dead = (
+            _np(batch.lookback_dead).astype(bool)
+            if batch.lookback_dead is not None
+            else np.zeros(lookback.shape, dtype=bool)
+        )
+        table = _np(batch.block_table).astype(np.int64)
+        for r in range(qsl.shape[0] - 1):
+            if qsl[r] == qsl[r + 1]:
+                continue
+            start = int(positions[qsl[r]])
+            for j in range(lookback.shape[1]):
+                pos = start - 1 - j
+                if pos < 0 or lookback[r, j] < 0:
+                    continue
+                slot = (
+                    int(table[r, pos // self.block_size]) * self.block_size + pos % self.block_size
+                )
+                self.slots[slot] = DEAD if lb_dead[r, j] else int(token_map[lookback[r, j]])
+
+
+class RequestHistory:
+    """The last ``window`` tokens of each live request, for engines that keep none.
+
+    Args:
+        max_requests: request slots (the engine's persistent batch size).
+        window: positions remembered per request; at least N-1, plus the
+            longest speculative draft so that rejected drafts cannot
+            overwrite accepted history. Default: N-1 + 16.
+        device: where the ring lives.
+
+    The engine tells hashing which slot each request uses through
+    ``HashBatch.request_slots``; it calls :meth:`reset` when a slot is given
+    to a new request, :meth:`seed` when a request arrives with history from
+    elsewhere (disaggregated prefill), and :meth:`rollback` after rejecting
+    speculative tokens.
+    """
+
+    def __init__(
+        self,
+        max_requests: int,
+        max_ngram_size: int,
+        window: int | None = None,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        if isinstance(max_requests, bool) or not isinstance(max_requests, int) or max_requests <= 0:
+            raise ValidationError(f"max_requests={max_requests!r} must be a positive integer")
+        window = max_ngram_size - 1 + 16 if window is None else window
+        if isinstance(window, bool) or not isinstance(window, int) or window < max_ngram_size - 1:
+            raise ValidationError(
+                f"window={window!r} must be an integer >= N-1 = {max_ngram_size - 1}"
+            )
+        self.max_requests = max_requests
+        self.window = window
+        self.max_ngram_size = max_ngram_size
+        self.slots = torch.full((max_requests * window,), EMPTY, dtype=torch.int32, device=device)
+        self.tags = torch.full((max_requests * window,), -1, dtype=torch.int64, device=device)
+
+    @property
+    def device(self) -> torch.device:
+        return self.slots.device
+
+    def _check_slot(self, request_slot: int) -> None:
+        if not 0 <= request_slot < self.max_requests:
+            raise ValidationError(
+                f"request_slot={request_slot} must be in [0, {self.max_requests})"
+            )
+
+    def reset(self, request_slot: int) -> None:
+        """Forget everything of one request slot (a new request takes it)."""
+        self._check_slot(request_slot)
+        ring = slice(request_slot * self.window, (request_slot + 1) * self.window)
+        self.slots[ring] = EMPTY
+        self.tags[ring] = -1
+
+    def seed(
+        self,
+        request_slot: int,
+        chunk_start: int,
+        compressed_lookback: np.ndarray | list[int],
+        lookback_dead: np.ndarray | list[bool] | None = None,
+    ) -> None:
+        """Start a slot from transferred history (disaggregated prefill).
+
+        ``compressed_lookback[j]`` is the *compressed* id at position
+        ``chunk_start - 1 - j`` (-1 unknown), as :meth:`TokenMap.compress` returns.
+        """
+        self.reset(request_slot)
+        ids = np.asarray(compressed_lookback, dtype=np.int64).reshape(-1)
+        dead = (
+            np.zeros(ids.shape, dtype=bool)
+            if lookback_dead is None
+            else np.asarray(lookback_dead, dtype=bool).reshape(-1)
+        )
+        for j, (tok, is_dead) in enumerate(zip(ids.tolist(), dead.tolist(), strict=True)):
+            pos = chunk_start - 1 - j
+            if pos < 0 or tok < 0 or j >= self.window:
+                continue
+            slot = request_slot * self.window + pos % self.window
+            self.slots[slot] = DEAD if is_dead else tok
+            self.tags[slot] = pos
+
+    def rollback(self, request_slot: int, num_tokens: int) -> None:
+        """Forget positions ``>= num_tokens`` of a request (rejected speculative tokens)."""
+        self._check_slot(request_slot)
+        ring = slice(request_slot * self.window, (request_slot + 1) * self.window)
+        stale = self.tags[ring] >= num_tokens
+        self.slots[ring][stale] = EMPTY
+        self.tags[ring][stale] = -1
+
+    def commit_reference(self, batch: HashBatch, token_map: np.ndarray) -> None:
+        """Write the last ``window`` tokens of each chunk (what the commit kernel does)."""
+        if batch.request_slots is None:
+            raise ValidationError("request_slots is required with a RequestHistory")
+        qsl = _np(batch.query_start_loc).astype(np.int64)
+        ids = _np(batch.input_ids).astype(np.int64)
+        positions = _np(batch.positions).astype(np.int64)
+        dead = _np(batch.dead_mask).astype(bool) if batch.dead_mask is not None else None
+        req_slots = _np(batch.request_slots).astype(np.int64)
+        slots = self.slots.cpu().numpy().copy()
+        tags = self.tags.cpu().numpy().copy()
+        for r in range(qsl.shape[0] - 1):
+            for i in range(max(int(qsl[r]), int(qsl[r + 1]) - self.window), int(qsl[r + 1])):
+                slot = req_slots[r] * self.window + positions[i] % self.window
+                slots[slot] = DEAD if dead is not None and dead[i] else token_map[ids[i]]
+                tags[slot] = positions[i]
+        self.slots.copy_(torch.from_numpy(slots))
+        self.tags.copy_(torch.from_numpy(tags))

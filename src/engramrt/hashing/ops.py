@@ -1,0 +1,254 @@
+"""``NgramHasher``: row ids of one engine step, through the kernel or the reference."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from engramrt._backend import resolve_backend
+from engramrt.errors import ValidationError
+from engramrt.hashing.history import RequestHistory, SlotHashCache
+from engramrt.hashing.reference import hash_batch_reference
+from engramrt.hashing.types import HashBatch, HashConstants
+from engramrt.hashing.validate import validate_batch
+
+if TYPE_CHECKING:
+    from engramrt.config import EngramConfig
+    from engramrt.tokenmap import TokenMap
+
+__all__ = ["NgramHasher"]
+
+History = SlotHashCache | RequestHistory
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+class NgramHasher:
+    """Computes ``[T, n_layers, C]`` row ids for every Engram layer of a batch.
+
+    One call is one launch of ``_ngram_hash_kernel`` (two with a
+    :class:`RequestHistory`, whose ring is written by a second kernel), with
+    no host synchronisation when ``validate=False``: the call can be
+    captured in a CUDA graph.
+
+    Args:
+        consts: multipliers, primes, offsets and pad id (see :class:`HashConstants`).
+        token_map: ``[V]`` tokenizer id -> compressed id.
+        device: where batches live.
+        backend: ``"auto"``, ``"triton"`` or ``"reference"`` (see ``_backend``).
+        validate: check every batch on the host first (synchronises).
+        out_dtype: ``torch.int32`` (default when every row id fits) or ``torch.int64``.
+        block_t: tokens per program of the kernel.
+    """
+
+    def __init__(
+        self,
+        consts: HashConstants,
+        token_map: np.ndarray | TokenMap,
+        device: torch.device | str = "cpu",
+        *,
+        backend: str = "auto",
+        validate: bool = True,
+        out_dtype: torch.dtype | None = None,
+        block_t: int = 64,
+        num_warps: int = 4,
+    ) -> None:
+        mapping = token_map if isinstance(token_map, np.ndarray) else token_map.map
+        self.consts = consts
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.backend = resolve_backend(backend, self.device)
+        self.validate = validate
+        self.vocab_size = int(mapping.shape[0])
+        self.token_map = np.asarray(mapping, dtype=np.int64)
+        fits32 = consts.max_row_id < 2**31
+        if out_dtype is None:
+            out_dtype = torch.int32 if fits32 else torch.int64
+        if out_dtype not in (torch.int32, torch.int64):
+            raise ValidationError(f"out_dtype={out_dtype} must be torch.int32 or torch.int64")
+        if out_dtype == torch.int32 and not fits32:
+            raise ValidationError(
+                f"out_dtype=torch.int32 cannot hold row id {consts.max_row_id:,}; use torch.int64"
+            )
+        self.out_dtype = out_dtype
+        self.block_t = block_t
+        self.num_warps = num_warps
+        self.token_map_dev = torch.as_tensor(self.token_map.astype(np.int32), device=self.device)
+        self.consts_dev = consts.packed(self.device)
+        self._launchers: tuple[Any, Any] | None = None
+
+    @classmethod
+    def from_config(
+        cls,
+        config: EngramConfig,
+        token_map: TokenMap | None = None,
+        device: torch.device | str = "cpu",
+        *,
+        seed: int | None = None,
+        **kwargs: object,
+    ) -> NgramHasher:
+        """A hasher for a config, with its token map (default: DeepSeek-V4)."""
+        from engramrt.tokenmap import TokenMap
+
+        token_map = token_map or TokenMap.from_tokenizer_file()
+        consts = HashConstants.from_config(config, token_map, seed)
+        return cls(consts, token_map, device, **kwargs)  # type: ignore[arg-type]
+
+    @property
+    def num_cols(self) -> int:
+        return self.consts.n_cols
+
+    def __call__(
+        self,
+        batch: HashBatch,
+        history: History | None = None,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Row ids ``[T, L, C]`` of ``batch``; updates ``history`` with the batch's tokens.
+
+        Args:
+            batch: the step (see :class:`HashBatch`).
+            history: a :class:`SlotHashCache` or :class:`RequestHistory`, or
+                None when lookback ids (or nothing) carry the history.
+            out: optional preallocated ``[T, L, C]`` output (fixed address
+                for CUDA graphs).
+        """
+        if self.validate:
+            validate_batch(
+                batch,
+                vocab_size=self.vocab_size,
+                max_ngram_size=self.consts.max_ngram_size,
+                history=history,
+            )
+            if batch.device != self.device:
+                raise ValidationError(
+                    f"batch is on {batch.device}; this hasher was built for {self.device}"
+                )
+        shape = (batch.num_tokens, self.consts.n_layers, self.consts.n_cols)
+        if out is None:
+            out = torch.empty(shape, dtype=self.out_dtype, device=self.device)
+        elif self.validate and (
+            tuple(out.shape) != shape or out.dtype not in (torch.int32, torch.int64)
+        ):
+            raise ValidationError(
+                f"out has shape {list(out.shape)} and dtype {out.dtype}; expected {list(shape)} int32/int64"
+            )
+        if batch.num_tokens == 0:
+            return out
+        if self.backend == "reference":
+            ids = hash_batch_reference(batch, self.consts, self.token_map, history)
+            out.copy_(torch.from_numpy(ids).to(out.device, out.dtype))
+            return out
+        self._launch(batch, history, out)
+        return out
+
+    def _launch(self, batch: HashBatch, history: History | None, out: torch.Tensor) -> None:
+        if self._launchers is None:
+            from engramrt._launch import CachedLauncher
+            from engramrt.hashing.kernel import _history_commit_kernel, _ngram_hash_kernel
+
+            self._launchers = (
+                CachedLauncher(_ngram_hash_kernel),
+                CachedLauncher(_history_commit_kernel),
+            )
+        hash_kernel, commit_kernel = self._launchers
+
+        consts = self.consts
+        t_len, n_req = batch.num_tokens, batch.num_requests
+        dummy = batch.input_ids
+        dead = batch.dead_mask
+        if dead is not None and dead.dtype == torch.bool:
+            dead = dead.view(torch.uint8)
+        lookback = batch.lookback_token_ids
+        lookback_dead = batch.lookback_dead
+        if lookback is not None:
+            lookback = lookback.contiguous()
+        if lookback_dead is not None:
+            lookback_dead = lookback_dead.contiguous()
+            if lookback_dead.dtype == torch.bool:
+                lookback_dead = lookback_dead.view(torch.uint8)
+        mode, slots, tags, slot_mapping, table, block_size, table_stride = (
+            0,
+            dummy,
+            dummy,
+            dummy,
+            dummy,
+            1,
+            0,
+        )
+        if isinstance(history, SlotHashCache):
+            assert batch.slot_mapping is not None and batch.block_table is not None
+            mode, slots, slot_mapping = 1, history.slots, batch.slot_mapping
+            table, block_size = batch.block_table, history.block_size
+            table_stride = table.stride(0)
+        elif isinstance(history, RequestHistory):
+            assert batch.request_slots is not None
+            mode, slots, tags = 2, history.slots, history.tags
+            table, block_size = batch.request_slots, history.window
+        # Rounded up to a multiple of 4 so only a few variants ever compile.
+        search_steps = -(-max(1, n_req.bit_length()) // 4) * 4
+        grid = (triton_cdiv(t_len, self.block_t),)
+        hash_kernel(
+            grid,
+            out,
+            batch.input_ids,
+            batch.positions,
+            batch.query_start_loc,
+            dead if dead is not None else dummy,
+            lookback if lookback is not None else dummy,
+            lookback_dead if lookback_dead is not None else dummy,
+            self.token_map_dev,
+            self.consts_dev,
+            slots,
+            tags,
+            slot_mapping,
+            table,
+            t_len,
+            n_req,
+            self.vocab_size,
+            consts.pad_id,
+            block_size,
+            table_stride,
+            consts.max_ngram_size - 1,
+            L=consts.n_layers,
+            N=consts.max_ngram_size,
+            H=consts.n_heads,
+            L_PAD=_next_pow2(consts.n_layers),
+            H_PAD=_next_pow2(consts.n_heads),
+            BLOCK_T=self.block_t,
+            HAS_DEAD=dead is not None,
+            HAS_LOOKBACK=lookback is not None,
+            HAS_LOOKBACK_DEAD=lookback_dead is not None,
+            HISTORY=mode,
+            SEARCH_STEPS=search_steps,
+            num_warps=self.num_warps,
+        )
+        if isinstance(history, RequestHistory):
+            commit_kernel(
+                grid,
+                history.slots,
+                history.tags,
+                batch.input_ids,
+                batch.positions,
+                batch.query_start_loc,
+                dead if dead is not None else dummy,
+                batch.request_slots,
+                self.token_map_dev,
+                t_len,
+                n_req,
+                self.vocab_size,
+                history.window,
+                BLOCK_T=self.block_t,
+                HAS_DEAD=dead is not None,
+                SEARCH_STEPS=search_steps,
+                num_warps=self.num_warps,
+            )
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)

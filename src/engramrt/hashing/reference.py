@@ -1,0 +1,161 @@
+"""Reference n-gram hashing (SPEC §4 and §5), in numpy int64.
+
+Two functions define what every kernel must return, bit for bit:
+
+- :func:`hash_sequence` hashes one whole sequence at once (SPEC §4);
+- :func:`hash_batch_reference` hashes one engine step: a ragged batch of
+  chunks whose history comes from the chunk, ``lookback_token_ids`` or a
+  history store (SPEC §5), updating that store as the kernel does.
+
+They are written for reading, not speed: loops over tokens and shifts.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from engramrt.hashing.types import DEAD, EMPTY, HashBatch, HashConstants
+
+if TYPE_CHECKING:
+    from engramrt.hashing.history import RequestHistory, SlotHashCache
+
+__all__ = ["hash_batch_reference", "hash_sequence"]
+
+
+def _hash_values(values: np.ndarray, consts: HashConstants) -> np.ndarray:
+    """Row ids ``[L, C]`` of one token from its N (already padded) values.
+
+    ``values[k]`` is the compressed id at shift k, or the pad id.
+    """
+    out = np.empty((consts.n_layers, consts.n_cols), dtype=np.int64)
+    with np.errstate(over="ignore"):
+        for li in range(consts.n_layers):
+            rolling = np.int64(values[0]) * consts.multipliers[li, 0]
+            for k in range(1, consts.max_ngram_size):
+                rolling = np.bitwise_xor(rolling, np.int64(values[k]) * consts.multipliers[li, k])
+                for h in range(consts.n_heads):
+                    col = (k - 1) * consts.n_heads + h
+                    out[li, col] = rolling % consts.col_primes[li, col] + consts.offsets[li, col]
+    return out
+
+
+def hash_sequence(
+    compressed_ids: np.ndarray, consts: HashConstants, dead: np.ndarray | None = None
+) -> np.ndarray:
+    """Row ids ``[T, L, C]`` int64 of one whole sequence (SPEC §4).
+
+    Args:
+        compressed_ids: ``[T]`` compressed ids of the sequence from position 0.
+        consts: multipliers, primes, offsets and the pad id.
+        dead: optional ``[T]`` bool; a dead token (an image span) hashes as
+            pad and blocks every n-gram that reaches through it.
+    """
+    ids = np.asarray(compressed_ids, dtype=np.int64)
+    t_len = ids.shape[0]
+    dead_mask = np.zeros(t_len, dtype=bool) if dead is None else np.asarray(dead, dtype=bool)
+    out = np.empty((t_len, consts.n_layers, consts.n_cols), dtype=np.int64)
+    values = np.empty(consts.max_ngram_size, dtype=np.int64)
+    for p in range(t_len):
+        blocked = False
+        for k in range(consts.max_ngram_size):
+            blocked = blocked or p - k < 0 or bool(dead_mask[p - k])
+            values[k] = consts.pad_id if blocked else ids[p - k]
+        out[p] = _hash_values(values, consts)
+    return out
+
+
+def hash_batch_reference(
+    batch: HashBatch,
+    consts: HashConstants,
+    token_map: np.ndarray,
+    history: SlotHashCache | RequestHistory | None = None,
+) -> np.ndarray:
+    """Row ids ``[T, L, C]`` int64 of one engine step (SPEC §5).
+
+    History of a token comes, in order of precedence, from the chunk itself,
+    ``batch.lookback_token_ids`` (column j = position ``chunk_start - 1 - j``,
+    -1 unknown), then the history store (a :class:`SlotHashCache` read through
+    ``block_table``, or a :class:`RequestHistory` read through
+    ``request_slots``). Unknown history hashes as pad. Tokens after
+    ``query_start_loc[-1]`` are padding rows: they hash as a sequence start.
+
+    With a history store, the step's tokens are written to it afterwards,
+    exactly as the kernel path does.
+    """
+    from engramrt.hashing.history import RequestHistory, SlotHashCache
+
+    n = consts.max_ngram_size
+    ids = _np(batch.input_ids)
+    positions = _np(batch.positions)
+    qsl = _np(batch.query_start_loc)
+    t_len, n_req = ids.shape[0], qsl.shape[0] - 1
+    dead = _np(batch.dead_mask).astype(bool) if batch.dead_mask is not None else None
+    lookback = _np(batch.lookback_token_ids) if batch.lookback_token_ids is not None else None
+    lookback_dead = (
+        _np(batch.lookback_dead).astype(bool) if batch.lookback_dead is not None else None
+    )
+    block_table = _np(batch.block_table) if batch.block_table is not None else None
+    request_slots = _np(batch.request_slots) if batch.request_slots is not None else None
+    store = _np(history.slots) if isinstance(history, (SlotHashCache, RequestHistory)) else None
+    tags = _np(history.tags) if isinstance(history, RequestHistory) else None
+
+    def lookup_history(r: int, pos: int) -> tuple[bool, int, bool]:
+        """(known, compressed id, dead) of position ``pos`` of request r from the store."""
+        if isinstance(history, SlotHashCache):
+            assert block_table is not None and store is not None
+            bs = history.block_size
+            slot = int(block_table[r, pos // bs]) * bs + pos % bs
+            code = int(store[slot])
+        elif isinstance(history, RequestHistory):
+            assert request_slots is not None and store is not None and tags is not None
+            slot = int(request_slots[r]) * history.window + pos % history.window
+            code = int(store[slot]) if int(tags[slot]) == pos else EMPTY
+        else:
+            return False, 0, False
+        if code == EMPTY:
+            return False, 0, False
+        return True, max(code, 0), code == DEAD
+
+    out = np.empty((t_len, consts.n_layers, consts.n_cols), dtype=np.int64)
+    values = np.empty(n, dtype=np.int64)
+    for i in range(t_len):
+        r = int(np.searchsorted(qsl[1:], i, side="right"))  # request owning token i
+        padding_row = r >= n_req
+        start = i if padding_row else int(qsl[r])
+        p = int(positions[i])
+        chunk_start_pos = p - (i - start)
+        blocked = False
+        for k in range(n):
+            pos = p - k
+            if i - k >= start:  # 1. the chunk itself
+                known = True
+                value = int(token_map[ids[i - k]])
+                is_dead = dead is not None and bool(dead[i - k])
+            else:
+                known, value, is_dead = False, 0, False
+                if padding_row or pos < 0:
+                    pass
+                else:
+                    j = chunk_start_pos - 1 - pos
+                    if lookback is not None and j < n - 1 and lookback[r, j] >= 0:  # 2.
+                        known = True
+                        value = int(token_map[lookback[r, j]])
+                        is_dead = lookback_dead is not None and bool(lookback_dead[r, j])
+                    else:  # 3. the history store
+                        known, value, is_dead = lookup_history(r, pos)
+            blocked = blocked or pos < 0 or (padding_row and k > 0) or (known and is_dead)
+            values[k] = consts.pad_id if blocked or not known else value
+        out[i] = _hash_values(values, consts)
+
+    if history is not None:
+        history.commit_reference(batch, token_map)
+    return out
+
+
+def _np(x: object) -> np.ndarray:
+    """A numpy view of a tensor or array (copied to the host if needed)."""
+    if hasattr(x, "detach"):
+        return x.detach().cpu().numpy()  # type: ignore[no-any-return, attr-defined]
+    return np.asarray(x)
