@@ -6,11 +6,14 @@ than the kernel itself for a decode step. :class:`CachedLauncher` goes
 through ``kernel[grid]`` once per specialisation, keeps the compiled kernel,
 and afterwards calls its launcher directly.
 
-A specialisation is keyed by the constexpr values, the dtype and 16-byte
-alignment of every tensor argument, and, for integer arguments that Triton
-specialises (the value 1, divisibility by 16), those properties: a later
-call whose arguments would have compiled differently compiles its own.
-Under ``TRITON_INTERPRET=1`` it simply calls ``kernel[grid]``.
+A specialisation is keyed by the device, the constexpr values and, for each
+argument, what Triton specialises on: a tensor's dtype (and its 16-byte
+alignment unless the kernel lists it in ``do_not_specialize_on_alignment``),
+an integer's width (and the value 1 / divisibility by 16 unless listed in
+``do_not_specialize``). A call whose arguments would compile differently
+compiles its own. Kernels on hot paths list all their runtime arguments as
+unspecialised, so the key is cheap. Under ``TRITON_INTERPRET=1`` this simply
+calls ``kernel[grid]``.
 """
 
 from __future__ import annotations
@@ -24,49 +27,80 @@ from engramrt._backend import interpreter_enabled
 __all__ = ["CachedLauncher"]
 
 
-def _arg_key(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return (value.dtype, value.data_ptr() % 16 == 0)
-    if isinstance(value, bool):
-        return ("b", value)
-    if isinstance(value, int):
-        return ("i", value == 1, value % 16 == 0, -(2**31) <= value < 2**31)
-    return ("o", type(value))
+def _raw_stream(device_index: int) -> int:
+    getter = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if getter is not None:
+        return int(getter(device_index))
+    return int(torch.cuda.current_stream(device_index).cuda_stream)
 
 
 class CachedLauncher:
-    """Launch ``kernel`` with positional runtime args and keyword constexprs."""
+    """Launch ``kernel`` with positional runtime args and keyword constexprs.
+
+    Runtime arguments must come before the constexprs in the kernel's
+    signature and be passed positionally, constexprs by keyword.
+    """
 
     def __init__(self, kernel: Any) -> None:
         self.kernel = kernel
         self._compiled: dict[Any, Any] = {}
+        self._layout: tuple[list[str], list[int], list[int]] | None = None
+
+    def _signature(self, n_args: int) -> tuple[list[str], list[int], list[int]]:
+        """(constexpr names, args keyed on alignment, ints keyed on value)."""
+        if self._layout is None:
+            params = self.kernel.params
+            if any(p.is_constexpr for p in params[:n_args]) or not all(
+                p.is_constexpr for p in params[n_args:]
+            ):
+                raise TypeError(
+                    f"{self.kernel.__name__}: CachedLauncher needs every runtime argument "
+                    "before the constexprs, passed positionally"
+                )
+            names = [p.name for p in params[n_args:]]
+            aligned = [
+                i for i, p in enumerate(params[:n_args]) if not p.do_not_specialize_on_alignment
+            ]
+            valued = [i for i, p in enumerate(params[:n_args]) if not p.do_not_specialize]
+            self._layout = (names, aligned, valued)
+        return self._layout
 
     def __call__(self, grid: tuple[int, ...], *args: Any, **constexprs: Any) -> None:
         if interpreter_enabled():
             self.kernel[grid](*args, **constexprs)
             return
+        names, aligned, valued = self._signature(len(args))
         device = next(a.device for a in args if isinstance(a, torch.Tensor))
-        key = (device.index, tuple(sorted(constexprs.items())), tuple(_arg_key(a) for a in args))
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        key_parts: list[Any] = [index, tuple(constexprs.values())]
+        for a in args:
+            if isinstance(a, torch.Tensor):
+                key_parts.append(a.dtype)
+            elif isinstance(a, int):
+                key_parts.append(-(2**31) <= a < 2**31)
+        for i in aligned:
+            a = args[i]
+            key_parts.append(a.data_ptr() % 16 == 0 if isinstance(a, torch.Tensor) else None)
+        for i in valued:
+            a = args[i]
+            key_parts.append((a == 1, a % 16 == 0) if isinstance(a, int) else None)
+        key = tuple(key_parts)
         compiled = self._compiled.get(key)
         if compiled is None:
-            with torch.cuda.device(device):
-                compiled = self.kernel[grid](*args, **constexprs)
-            self._compiled[key] = compiled
+            with torch.cuda.device(index):
+                self._compiled[key] = self.kernel[grid](*args, **constexprs)
             return
         from triton import knobs
 
-        stream = torch.cuda.current_stream(device).cuda_stream
+        stream = _raw_stream(index)
         enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
-        # All parameters in declaration order: runtime args, then constexprs
-        # (the compiled launcher skips the constexprs).
-        values = [*args, *(constexprs[name] for name in self._constexpr_names(len(args)))]
+        # All parameters in declaration order; the compiled launcher skips constexprs.
+        values = [*args, *(constexprs[name] for name in names)]
         metadata = compiled.launch_metadata(grid, stream, *values) if enter or leave else None
-        grid_y = grid[1] if len(grid) > 1 else 1
-        grid_z = grid[2] if len(grid) > 2 else 1
         compiled.run(
             grid[0],
-            grid_y,
-            grid_z,
+            grid[1] if len(grid) > 1 else 1,
+            grid[2] if len(grid) > 2 else 1,
             stream,
             compiled.function,
             compiled.packed_metadata,
@@ -75,18 +109,3 @@ class CachedLauncher:
             leave,
             *values,
         )
-
-    def _constexpr_names(self, n_args: int) -> list[str]:
-        names = getattr(self, "_names", None)
-        if names is None:
-            params = self.kernel.params
-            if not all(p.is_constexpr for p in params[n_args:]) or any(
-                p.is_constexpr for p in params[:n_args]
-            ):
-                raise TypeError(
-                    f"{self.kernel.__name__}: CachedLauncher needs every runtime argument before "
-                    "the constexprs, passed positionally"
-                )
-            names = [p.name for p in params[n_args:]]
-            self._names = names
-        return names

@@ -329,8 +329,8 @@ def test_default_config_is_sane(hc: int, dim: int) -> None:
     hc_pad = 1 << (hc - 1).bit_length()
     assert hc_pad * config.block_d <= 8192 or config.block_d == 8  # the register budget
     assert 1 <= config.num_warps <= 8
-    if (hc, dim) == (4, 5120):
-        assert (config.block_d, config.num_warps) == (2048, 8)
+    if (hc, dim) == (4, 5120):  # the configuration measured best on the H200
+        assert (config.block_d, config.num_warps, config.programs_per_sm) == (1024, 4, None)
 
 
 def test_importing_the_gate_does_not_import_triton() -> None:

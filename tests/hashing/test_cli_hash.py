@@ -17,7 +17,7 @@ def _run(capsys, *args: str) -> tuple[int, str, str]:
 
 @pytest.mark.parametrize("history", ["lookback", "slot", "request"])
 @pytest.mark.parametrize("backend", ["reference", "triton"])
-def test_hash_chunks_match_one_shot_and_save(capsys, tmp_path, history, backend) -> None:
+def test_hash_chunks_match_one_shot_and_save(capsys, tmp_path, history, backend, device) -> None:
     out_file = tmp_path / "ids.npy"
     code, out, _ = _run(
         capsys,
@@ -35,6 +35,8 @@ def test_hash_chunks_match_one_shot_and_save(capsys, tmp_path, history, backend)
         "--out",
         str(out_file),
         "--json",
+        "--device",
+        str(device) if backend == "triton" else "cpu",
     )
     assert code == 0
     report = json.loads(out)

@@ -69,35 +69,36 @@ class GateConfig:
 
 
 def default_gate_config(hc: int, dim: int, element_bytes: int = 2) -> GateConfig:
-    """A launch configuration from the shape alone (no tuning on this machine).
+    """A launch configuration from the shape alone.
 
     ``element_bytes`` is the widest element among hidden, kv and the weights.
-    One chunk is a ``[next_pow2(hc), block_d]`` tile of at most 16 KB per
-    tensor, 64 bytes per thread at 8 warps (four 16-byte loads each of x, the
-    key and the two weights). Compiled for sm_90 by Triton 3.6 (ptxas, no GPU
-    needed) that is 128 registers per thread with bf16 operands, no spills,
-    so 2 programs of 8 warps fit on an SM, keeping ~64 KB of DRAM reads in
-    flight per SM (8 MB on an H200): the Little's-law amount for ~2 µs of
-    loaded latency at 4.3 TB/s.
+    One chunk is a ``[next_pow2(hc), block_d]`` tile of at most 8 KB per
+    tensor at 4 warps, one program per token (no persistent grid).
 
-    ============  =========  =======  =====  =========================
-    hc, D         dtypes     block_d  warps  chunks
-    ============  =========  =======  =====  =========================
-    4, 5120       bf16       2048     8      3 (the last half full)
-    4, 5120       fp32 w     1024     8      5
-    4, 128        bf16       128      1      1
-    1, 5120       bf16       8192     8      1 (5/8 full)
-    ============  =========  =======  =====  =========================
+    Measured on an H200 (torch 2.11, Triton 3.6; ``bench/tune_gate.py``), hc=4,
+    D=5120, bf16, T=8192, percent of the 4.27 TB/s device copy ceiling:
 
-    Candidates to try on the GPU: ``GateConfig(1024, 4, programs_per_sm=4)``
-    (5 full chunks at D=5120, more programs, more L2 pressure) and
-    ``num_stages=2`` (prefetch the next chunk through shared memory).
+    =======================================  ======  ==========================
+    GateConfig(block_d, warps, per_sm, st)   T=8192  T=256 (graph replay)
+    =======================================  ======  ==========================
+    (1024, 4, None, 1)  -- chosen            88.3%   11.4 µs
+    (1024, 4, 4, 1)                          87.2%   11.0 µs
+    (512, 4, 8, 1)                           77.8%   18.0 µs
+    (2048, 8, 2, 1)                          76.7%   10.7 µs
+    (2048, 8, None, 1)                       75.2%   11.1 µs
+    (1024, 8, 2, 1)                          64.3%   12.0 µs
+    (2048, 16, 1, 1)                         51.2%   15.5 µs
+    (1024, 4, 4, 2), (2048, 8, 2, 2)         26.8%   ~36 µs
+    =======================================  ======  ==========================
+
+    Software pipelining through shared memory (``num_stages=2``) costs 3x:
+    the loads are already 16 bytes wide and enough tokens are in flight.
     """
     hc_pad = triton.next_power_of_2(hc)
-    tile_bytes = 16384
+    tile_bytes = 8192
     block_d = max(VEC, min(triton.next_power_of_2(dim), tile_bytes // element_bytes // hc_pad))
-    num_warps = max(1, min(8, hc_pad * block_d * element_bytes // 2048))
-    return GateConfig(block_d=block_d, num_warps=num_warps)
+    num_warps = max(1, min(4, hc_pad * block_d * element_bytes // 2048))
+    return GateConfig(block_d=block_d, num_warps=num_warps, programs_per_sm=None)
 
 
 @triton.jit

@@ -24,11 +24,19 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-EMPTY = -1
-DEAD = -2
+# Must match engramrt.hashing.types; constexpr so kernels may read them.
+EMPTY = tl.constexpr(-1)
+DEAD = tl.constexpr(-2)
 
 
-@triton.jit
+# Integer arguments are not specialised on their values, so the launcher's
+# cache key stays cheap (see engramrt._launch); pointers keep their 16-byte
+# alignment specialisation, which vectorises the per-token loads.
+_HASH_INTS = ["T", "R", "V", "pad_id", "block_size", "table_stride", "lb_stride"]
+_COMMIT_INTS = ["T", "R", "V", "window"]
+
+
+@triton.jit(do_not_specialize=_HASH_INTS)
 def _ngram_hash_kernel(
     out_ptr,  # [T, L, C] int32 or int64
     input_ids_ptr,  # [T]
@@ -193,7 +201,7 @@ def _ngram_hash_kernel(
         tl.store(slots_ptr + slot, code.to(tl.int32), mask=write)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_COMMIT_INTS)
 def _history_commit_kernel(
     slots_ptr,  # [max_requests * W] int32
     tags_ptr,  # [max_requests * W] int64

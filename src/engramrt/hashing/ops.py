@@ -81,6 +81,14 @@ class NgramHasher:
         self.token_map_dev = torch.as_tensor(self.token_map.astype(np.int32), device=self.device)
         self.consts_dev = consts.packed(self.device)
         self._launchers: tuple[Any, Any] | None = None
+        self._shape_constexprs = {
+            "L": consts.n_layers,
+            "N": consts.max_ngram_size,
+            "H": consts.n_heads,
+            "L_PAD": _next_pow2(consts.n_layers),
+            "H_PAD": _next_pow2(consts.n_heads),
+            "BLOCK_T": block_t,
+        }
 
     @classmethod
     def from_config(
@@ -215,12 +223,7 @@ class NgramHasher:
             block_size,
             table_stride,
             consts.max_ngram_size - 1,
-            L=consts.n_layers,
-            N=consts.max_ngram_size,
-            H=consts.n_heads,
-            L_PAD=_next_pow2(consts.n_layers),
-            H_PAD=_next_pow2(consts.n_heads),
-            BLOCK_T=self.block_t,
+            **self._shape_constexprs,
             HAS_DEAD=dead is not None,
             HAS_LOOKBACK=lookback is not None,
             HAS_LOOKBACK_DEAD=lookback_dead is not None,

@@ -1,0 +1,72 @@
+"""Sweep launch configurations of the fused gate at V4.1-Flash shapes (GPU).
+
+    python bench/tune_gate.py
+
+Each configuration is checked against the reference (derived tolerance)
+before it is timed; prints median µs and percent of the measured copy ceiling.
+"""
+
+from __future__ import annotations
+
+import torch
+from triton.testing import do_bench
+
+from engramrt.bench.runner import measure_ceilings
+from engramrt.gate import engram_gate_reference
+from engramrt.gate.kernel import GateConfig, default_gate_config, engram_gate_triton
+from engramrt.gate.reference import assert_within_tolerance, gate_tolerance
+
+CONFIGS = [
+    GateConfig(2048, 8, 2, 1),
+    GateConfig(1024, 4, 4, 1),
+    GateConfig(1024, 8, 2, 1),
+    GateConfig(2048, 8, 2, 2),
+    GateConfig(1024, 4, 4, 2),
+    GateConfig(512, 4, 8, 1),
+    GateConfig(2048, 16, 1, 1),
+    GateConfig(1024, 4, None, 1),
+    GateConfig(2048, 8, None, 1),
+]
+
+
+def main() -> None:
+    device = torch.device("cuda")
+    d2d = measure_ceilings(device)["d2d"]
+    hc, dim = 4, 5120
+    print("default", default_gate_config(hc, dim))
+    for t_len in (256, 8192):
+        g = torch.Generator(device=device).manual_seed(t_len)
+        hidden = torch.randn(t_len, hc, dim, device=device, generator=g).bfloat16()
+        kv = torch.randn(t_len, (hc + 1) * dim, device=device, generator=g).bfloat16()
+        q_w = (1 + 0.1 * torch.randn(hc, dim, device=device, generator=g)).bfloat16()
+        k_w = (1 + 0.1 * torch.randn(hc, dim, device=device, generator=g)).bfloat16()
+        ref = engram_gate_reference(hidden, kv, q_w, k_w, 1e-6)
+        tol = gate_tolerance(hidden, kv, q_w, k_w, 1e-6, ref)
+        nbytes = 2 * (hc * dim + (hc + 1) * dim + hc * dim) * t_len
+        out = torch.empty_like(hidden)
+        for cfg in CONFIGS:
+            try:
+                got = engram_gate_triton(hidden, kv, q_w, k_w, 1e-6, out=out, config=cfg)
+                assert_within_tolerance(got, ref, tol)
+                ms = do_bench(
+                    lambda cfg=cfg: engram_gate_triton(hidden, kv, q_w, k_w, 1e-6, out=out, config=cfg),
+                    warmup=25, rep=200, return_mode="median",
+                )
+                stream = torch.cuda.Stream()
+                stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(stream):
+                    engram_gate_triton(hidden, kv, q_w, k_w, 1e-6, out=out, config=cfg)
+                torch.cuda.current_stream().wait_stream(stream)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    for _ in range(20):
+                        engram_gate_triton(hidden, kv, q_w, k_w, 1e-6, out=out, config=cfg)
+                gms = do_bench(graph.replay, warmup=10, rep=100, return_mode="median") / 20
+                print(f"T={t_len} {cfg}: {ms * 1e3:.1f} us, graph {gms * 1e3:.1f} us, "
+                      f"{100 * nbytes / (min(ms, gms) * 1e-3) / d2d:.1f}% of d2d")
+            except Exception as exc:
+                print(f"T={t_len} {cfg}: FAILED {type(exc).__name__}: {str(exc)[:300]}")
+
+
+if __name__ == "__main__":
+    main()

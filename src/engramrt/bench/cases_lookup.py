@@ -1,0 +1,242 @@
+"""Benchmark cases of the row lookup at DeepSeek-V4.1-Flash shapes, per storage tier.
+
+``T`` tokens x ``C = 24`` hash columns of ``E = 256`` values, gathered from
+a table of 8 GiB (1 GiB for ``quick``; a V4.1 layer is 94.4 GiB, so the
+rows are spread far beyond any cache either way) of random packed rows:
+random value bytes (the two e4m3fn NaN codes remapped so every result is
+finite) and scale bytes in 110..135. Row ids are uniform, int32, as
+hashing produces them.
+
+- ``device`` tier: the Triton kernel (default settings, the
+  hardware-conversion variant, and at T=8192 three other tilings, so the
+  H200 run shows which is best) against ``torch-eager``,
+  an ``index_select`` of packed rows followed by the reference dequantise,
+  both on the GPU. Ceiling: device copy, ``rows * 264`` bytes read plus
+  ``rows * E * 2`` written.
+- ``uva``, ``host``, ``disk`` tiers: the tier's lookup against
+  ``torch-eager``, a plain CPU ``index_select`` of the packed rows, then
+  ``.to('cuda')``, then the reference dequantise on the GPU. Ceiling:
+  host-to-device copy of ``rows * 264`` bytes.
+- ``disk``: the packed-row file is written to ``$ENGRAMRT_BENCH_DIR`` (default
+  the temp dir), flushed and dropped from the page cache
+  (``posix_fadvise(DONTNEED)``) before timing; the timed calls repeat the same
+  ids, so after the first call the touched pages are in the page cache and
+  the case measures the memory-mapped gather path, not the drive.
+
+Every output is compared bit for bit with the baseline's (the reference)
+before anything is timed.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import weakref
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from engramrt.bench.registry import Case, Inputs, register
+from engramrt.lookup import lookup_rows_reference, unpack_rows
+from engramrt.lookup.reference import row_bytes_for
+from engramrt.quant import dequantize_rows_reference
+
+E = 256
+COLS = 24  # (N - 1) * H hash columns per layer
+ROW_BYTES = row_bytes_for(E)  # 264
+_FILL_ROWS = 1 << 22  # rows generated per piece when filling host and disk tables
+_TILINGS = ((8, 4), (32, 4), (32, 8))  # (rows per program, warps) besides the default
+
+
+def _random_packed_rows(
+    num_rows: int, device: torch.device, generator: torch.Generator
+) -> torch.Tensor:
+    """``[num_rows, 264]`` uint8 on ``device``: finite random rows, scales 110..135."""
+    rows = torch.randint(
+        0, 256, (num_rows, ROW_BYTES), dtype=torch.uint8, device=device, generator=generator
+    )
+    values = rows[:, :E]
+    values ^= ((values & 0x7F) == 0x7F).to(torch.uint8)  # NaN codes 0x7F/0xFF -> +-448
+    rows[:, E:] = torch.randint(
+        110, 136, (num_rows, E // 32), dtype=torch.uint8, device=device, generator=generator
+    )
+    return rows
+
+
+# One store per tier, kept across the cases of a run (building 8 GiB tables
+# is the slow part); a case with another table size replaces it.
+_STORES: dict[str, tuple[tuple[int, str], Any]] = {}
+
+
+def _bench_dir() -> Path:
+    return Path(os.environ.get("ENGRAMRT_BENCH_DIR") or tempfile.gettempdir())
+
+
+def _drop_page_cache(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def _store(tier: str, num_rows: int, device: torch.device) -> Any:
+    from engramrt.lookup.tiers import DiskRowStore, RowStore, make_store
+
+    key = (num_rows, str(device))
+    cached = _STORES.get(tier)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    _STORES.pop(tier, None)
+    torch.cuda.empty_cache()
+    generator = torch.Generator(device=device).manual_seed(1234)
+    store: RowStore
+    if tier == "disk":
+        path = _bench_dir() / f"engramrt-bench-lookup-{os.getpid()}.rows"
+        store = DiskRowStore(path, num_rows, E, create=True, device=device)
+        weakref.finalize(store, path.unlink, missing_ok=True)
+    else:
+        store = make_store(tier, num_rows=num_rows, E=E, device=device, backend="triton")
+    for start in range(0, num_rows, _FILL_ROWS):  # generated on the GPU, in pieces
+        count = min(_FILL_ROWS, num_rows - start)
+        store.write_rows(start, _random_packed_rows(count, device, generator))
+    if tier == "disk":
+        assert isinstance(store, DiskRowStore)
+        store.flush()
+        _drop_page_cache(store.path)
+    _STORES[tier] = (key, store)
+    return store
+
+
+def _host_table(store: Any) -> torch.Tensor:
+    """The CPU tensor of packed rows behind a host-side store (for the baseline)."""
+    return store.host_table if store.tier == "uva" else store.source
+
+
+def _make(tier: str, num_tokens: int, num_rows: int) -> Callable[[torch.device], Inputs]:
+    def make(device: torch.device) -> Inputs:
+        store = _store(tier, num_rows, device)
+        row_ids = torch.randint(0, num_rows, (num_tokens, COLS), dtype=torch.int32, device=device)
+        return {
+            "store": store,
+            "row_ids": row_ids,
+            # a fixed output address, so the capturable tiers can be graph-captured
+            "out": torch.empty((num_tokens, COLS, E), dtype=torch.bfloat16, device=device),
+        }
+
+    return make
+
+
+def _tier_lookup(inputs: Inputs) -> torch.Tensor:
+    return inputs["store"].lookup(inputs["row_ids"], out=inputs["out"])
+
+
+def _variant(
+    rows_per_program: int | None = None, num_warps: int | None = None, hw_convert: bool = False
+) -> Callable[[Inputs], torch.Tensor]:
+    """The device-tier kernel with other settings, on the same table."""
+
+    def run(inputs: Inputs) -> torch.Tensor:
+        from engramrt.lookup import lookup_rows
+
+        return lookup_rows(
+            inputs["row_ids"],
+            inputs["store"].table,
+            backend="triton",
+            rows_per_program=rows_per_program,
+            num_warps=num_warps,
+            hw_convert=hw_convert,
+        )
+
+    return run
+
+
+def _device_torch_eager(inputs: Inputs) -> torch.Tensor:
+    """index_select of packed rows, then the reference dequantise, on the GPU."""
+    return lookup_rows_reference(inputs["row_ids"], inputs["store"].table, E)
+
+
+def _host_torch_eager(inputs: Inputs) -> torch.Tensor:
+    """CPU index_select of packed rows, ``.to('cuda')``, reference dequantise on the GPU."""
+    row_ids = inputs["row_ids"]
+    packed = _host_table(inputs["store"]).index_select(0, row_ids.cpu().reshape(-1).to(torch.int64))
+    values, scales = unpack_rows(packed.to(row_ids.device))
+    return dequantize_rows_reference(values, scales).reshape(*row_ids.shape, E)
+
+
+def _check(inputs: Inputs, outputs: dict[str, Any]) -> None:
+    """Every implementation's bf16 bits equal the baseline's (the reference)."""
+    expected = outputs["torch-eager"].view(torch.int16)
+    for name, actual in outputs.items():
+        if name == "torch-eager":
+            continue
+        got = actual.view(torch.int16)
+        if got.shape != expected.shape:
+            raise AssertionError(f"{name}: shape {tuple(got.shape)} != {tuple(expected.shape)}")
+        bad = (got != expected).nonzero()
+        if bad.numel() > 0:
+            first = ", ".join(
+                f"{tuple(i)}: {int(got[tuple(i)]) & 0xFFFF:#06x} != {int(expected[tuple(i)]) & 0xFFFF:#06x}"
+                for i in bad[:8].tolist()
+            )
+            raise AssertionError(
+                f"{name}: {bad.shape[0]} values differ from torch-eager; first {first}"
+            )
+
+
+@register
+def lookup_cases(quick: bool) -> list[Case]:
+    table_bytes = (1 if quick else 8) << 30
+    num_rows = table_bytes // ROW_BYTES + 1  # at least table_bytes
+    cases = []
+    for tier in ("device", "uva", "host", "disk"):
+        for num_tokens in (256, 8192):
+            rows = num_tokens * COLS
+            impls: dict[str, Callable[[Inputs], Any]]
+            ceiling: Literal["d2d", "h2d"]
+            if tier == "device":
+                impls = {
+                    "triton": _tier_lookup,
+                    "triton[hw_convert]": _variant(hw_convert=True),
+                    "torch-eager": _device_torch_eager,
+                }
+                if num_tokens == 8192:
+                    for rows_per_program, num_warps in _TILINGS:
+                        impls[f"triton[rows={rows_per_program},warps={num_warps}]"] = _variant(
+                            rows_per_program, num_warps
+                        )
+                bytes_moved, ceiling = rows * ROW_BYTES + rows * E * 2, "d2d"
+            else:
+                impls = {tier: _tier_lookup, "torch-eager": _host_torch_eager}
+                bytes_moved, ceiling = rows * ROW_BYTES, "h2d"
+            capturable = tier in ("device", "uva")
+            cases.append(
+                Case(
+                    name=f"lookup/{tier}/T={num_tokens}",
+                    group="lookup",
+                    params={
+                        "tier": tier,
+                        "T": num_tokens,
+                        "C": COLS,
+                        "E": E,
+                        "table_GiB": round(num_rows * ROW_BYTES / 2**30, 2),
+                        "ids": "uniform int32",
+                    },
+                    make=_make(tier, num_tokens, num_rows),
+                    impls=impls,
+                    baseline="torch-eager",
+                    check=_check,
+                    bytes_moved=bytes_moved,
+                    items=rows,
+                    item_name="rows",
+                    ceiling=ceiling,
+                    graph=capturable,
+                    graph_impls=(("triton",) if tier == "device" else (tier,))
+                    if capturable
+                    else (),
+                )
+            )
+    return cases

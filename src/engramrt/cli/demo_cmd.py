@@ -1,0 +1,234 @@
+"""``engramrt demo``: stream a text through Engram hashing like an engine, and check it."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+DEFAULT_TEXT = (
+    "Only Alexander the Great could tame the horse Bucephalus. THE GREAT horse and the great "
+    "Alexander rode east; the Great Sea lay behind them. Alexander the Great could tame the "
+    "horse Bucephalus, and only Alexander THE GREAT could ride him."
+)
+
+
+def _stream_checked(
+    hasher: Any, token_ids: Any, token_map: Any, consts: Any
+) -> list[dict[str, Any]]:
+    """Hash ``token_ids`` as two requests through a slot cache, checking every step.
+
+    Request A: chunked prefill, decode steps, one speculative step whose
+    drafts are rejected. Request B: shares A's first blocks (a prefix-cache
+    hit) and prefills the rest.
+    """
+    import numpy as np
+    import torch
+
+    from engramrt.hashing import HashBatch, SlotHashCache, hash_sequence
+
+    device = hasher.device
+    block = 8
+    t_len = len(token_ids)
+    cache = SlotHashCache(block * (2 * (t_len // block + 2)), block, device)
+    blocks_a = list(range(t_len // block + 2))
+    blocks_b = blocks_a[:2] + [len(blocks_a) + i for i in range(t_len // block + 2)]
+    steps: list[dict[str, Any]] = []
+
+    def run(label: str, seq: Any, start: int, end: int, blocks: list[int]) -> None:
+        batch = HashBatch.single(seq[start:end], start=start, device=device)
+        batch.slot_mapping = torch.tensor(
+            [blocks[p // block] * block + p % block for p in range(start, end)], device=device
+        )
+        batch.block_table = torch.tensor([blocks], dtype=torch.int32, device=device)
+        got = hasher(batch, cache).to(torch.int64).cpu().numpy()
+        want = hash_sequence(token_map.compress(seq[:end]), consts)[start:end]
+        steps.append({"step": label, "tokens": end - start, "ok": bool(np.array_equal(got, want))})
+
+    ids = np.asarray(token_ids, dtype=np.int64)
+    prefill_end = max(1, t_len - 6)
+    for start in range(0, prefill_end, 11):
+        run(
+            f"A prefill {start}:{min(start + 11, prefill_end)}",
+            ids,
+            start,
+            min(start + 11, prefill_end),
+            blocks_a,
+        )
+    pos = prefill_end
+    # A speculative step: the real next token plus two wrong drafts, then rejected.
+    drafted = np.concatenate([ids[: pos + 1], [(ids[pos] + 1) % len(token_map.map), 7]])
+    run(f"A verify {pos}:{pos + 3} (2 drafts, rejected)", drafted, pos, pos + 3, blocks_a)
+    pos += 1
+    while pos < t_len:
+        run(f"A decode {pos}", ids, pos, pos + 1, blocks_a)
+        pos += 1
+    run(f"B prefix hit, prefill {2 * block}:{t_len}", ids, 2 * block, t_len, blocks_b)
+    return steps
+
+
+def register(app: typer.Typer) -> None:
+    @app.command()
+    def demo(
+        config: Annotated[
+            str, typer.Option("--config", "-c", help="Preset or config.json.")
+        ] = "dsv41-flash",
+        text: Annotated[
+            str | None, typer.Option(help="Text to stream (default: a built-in one).")
+        ] = None,
+        file: Annotated[Path | None, typer.Option(help="Read the text from a file.")] = None,
+        device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto",
+    ) -> None:
+        """Stream a text through Engram like an engine would and check every step."""
+        import numpy as np
+        import torch
+        from rich.table import Table
+
+        from engramrt.cli import console
+        from engramrt.config import load_config
+        from engramrt.errors import EngramError
+        from engramrt.gate import engram_gate, engram_gate_reference
+        from engramrt.gate.reference import gate_tolerance
+        from engramrt.hashing import HashBatch, HashConstants, NgramHasher
+        from engramrt.layout import EngramLayout
+        from engramrt.plan import memory_plan
+        from engramrt.tokenmap import TokenMap, load_tokenizer
+
+        if text is not None and file is not None:
+            raise EngramError("give --text or --file, not both")
+        if file is not None:
+            try:
+                text = file.read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError) as exc:
+                raise EngramError(f"--file {str(file)!r} cannot be read: {exc}") from exc
+        text = text or DEFAULT_TEXT
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        dev = torch.device(device)
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise EngramError("--device cuda but no CUDA device is visible")
+        cfg = load_config(config)
+        layout = EngramLayout(cfg)
+        token_map = TokenMap.from_tokenizer_file()
+        tokenizer = load_tokenizer()
+        consts = HashConstants.from_layout(layout, token_map.pad_id(cfg))
+        token_ids = np.array(tokenizer.encode(text, add_special_tokens=False).ids, dtype=np.int64)
+        if token_ids.size < 24:
+            raise EngramError(f"the text has {token_ids.size} tokens; the demo needs at least 24")
+        hasher = NgramHasher(consts, token_map, dev)
+        console.print(
+            f"[bold]engramrt demo[/]: {cfg.name} layout ({cfg.n_layers} layers, C={cfg.n_cols}, "
+            f"{sum(layout.num_embeddings):,} rows), {token_ids.size} tokens, device {dev}, "
+            f"hash backend {hasher.backend}"
+        )
+
+        comp = token_map.compress(token_ids)
+        sharing = np.bincount(token_map.map, minlength=token_map.num_compressed)
+        first = Table(
+            title="first tokens: compressed ids merge case and space variants", title_justify="left"
+        )
+        for name in ("pos", "token", "id", "compressed", "ids sharing it"):
+            first.add_column(name, justify="right")
+        for p in range(min(12, token_ids.size)):
+            piece = tokenizer.decode([int(token_ids[p])])
+            first.add_row(
+                str(p), repr(piece), str(token_ids[p]), str(comp[p]), str(sharing[comp[p]])
+            )
+        console.print(first)
+
+        row_ids = hasher(HashBatch.single(token_ids, device=dev)).to(torch.int64).cpu().numpy()
+        repeats, seen = [], set()
+        for p in range(2, token_ids.size):
+            for q in range(1, p):
+                pair = (int(token_ids[p - 1]), int(token_ids[p]))
+                if (
+                    comp[p] == comp[q]
+                    and comp[p - 1] == comp[q - 1]
+                    and token_ids[p - 1] != token_ids[q - 1]
+                    and pair not in seen
+                ):
+                    seen.add(pair)
+                    same = bool(
+                        np.array_equal(row_ids[p, :, : cfg.n_heads], row_ids[q, :, : cfg.n_heads])
+                    )
+                    repeats.append((q, p, same))
+                    break
+        variants = Table(
+            title="bigrams that differ in case or spacing share their 2-gram rows",
+            title_justify="left",
+        )
+        for name in ("bigram", "earlier", "same rows"):
+            variants.add_column(name)
+        for q, p, same in repeats[:6]:
+            variants.add_row(
+                repr(tokenizer.decode([int(token_ids[p - 1]), int(token_ids[p])])),
+                repr(tokenizer.decode([int(token_ids[q - 1]), int(token_ids[q])])),
+                "yes" if same else "[red]NO[/]",
+            )
+        console.print(variants)
+
+        steps = _stream_checked(hasher, token_ids, token_map, consts)
+        checks = Table(
+            title="streaming like an engine (slot cache): every step vs one-shot hashing",
+            title_justify="left",
+        )
+        for name in ("step", "tokens", "matches"):
+            checks.add_column(name)
+        for s in steps:
+            checks.add_row(s["step"], str(s["tokens"]), "yes" if s["ok"] else "[red]NO[/]")
+        console.print(checks)
+
+        # Gate on synthetic hidden states and projected rows (values from the row ids).
+        t_len, hc, dim = int(token_ids.size), cfg.hc_mult, min(cfg.hidden_size, 1024)
+        gen = torch.Generator().manual_seed(int(row_ids.sum() % (2**31)))
+        hidden = torch.randn(t_len, hc, dim, generator=gen).bfloat16().to(dev)
+        kv = torch.randn(t_len, (hc + 1) * dim, generator=gen).bfloat16().to(dev)
+        q_w = (1 + 0.1 * torch.randn(hc, dim, generator=gen)).bfloat16().to(dev)
+        k_w = (1 + 0.1 * torch.randn(hc, dim, generator=gen)).bfloat16().to(dev)
+        out = engram_gate(hidden, kv, q_w, k_w, cfg.rms_norm_eps)
+        ref = engram_gate_reference(hidden, kv, q_w, k_w, cfg.rms_norm_eps)
+        tol = gate_tolerance(
+            hidden, kv, q_w, k_w, cfg.rms_norm_eps, ref, truncating_store=dev.type == "cpu"
+        )
+        gate_ok = bool(((out.double() - ref.double()).abs() <= tol.to(out.device)).all())
+        steps.append({"step": "fused gate vs reference", "tokens": t_len, "ok": gate_ok})
+
+        timing = Table(
+            title=f"per-stage time on {dev} ({t_len} tokens, median of 20)", title_justify="left"
+        )
+        timing.add_column("stage")
+        timing.add_column("ms", justify="right")
+        batch = HashBatch.single(token_ids, device=dev)
+        for label, fn in (
+            ("hash ids", lambda: hasher(batch)),
+            (f"gate (D={dim})", lambda: engram_gate(hidden, kv, q_w, k_w, cfg.rms_norm_eps)),
+        ):
+            times = []
+            for _ in range(20):
+                start = time.perf_counter()
+                fn()
+                if dev.type == "cuda":
+                    torch.cuda.synchronize()
+                times.append((time.perf_counter() - start) * 1e3)
+            timing.add_row(label, f"{sorted(times)[10]:.3f}")
+        console.print(timing)
+
+        plan = Table(title=f"memory plan for {cfg.name} tables", title_justify="left")
+        for name in ("tp", "GPU / rank", "host / node", "disk / node"):
+            plan.add_column(name, justify="right")
+        for tp in (t for t in (1, 2, 4, 8) if (t - 1) * -(-cfg.n_cols // t) < cfg.n_cols):
+            gpu, host, disk = memory_plan(layout, tp)
+            plan.add_row(
+                str(tp),
+                f"{gpu.gpu_bytes_per_rank / 2**30:.1f} GiB",
+                f"{host.host_bytes_per_node / 2**30:.1f} GiB",
+                f"{disk.disk_bytes_per_node / 2**30:.1f} GiB",
+            )
+        console.print(plan)
+        failed = [s["step"] for s in steps if not s["ok"]]
+        if failed or not all(same for *_, same in repeats):
+            console.print(f"[bold red]FAILED[/]: {failed}")
+            raise typer.Exit(code=1)
+        console.print(f"[bold green]all {len(steps)} checks passed[/]")

@@ -1,0 +1,151 @@
+"""Triton gather + dequantise kernel for the row lookup.
+
+Design (one launch, no host synchronisation, capturable in a CUDA graph):
+
+- The ``T * C`` lookups are flattened; each program serves ``ROWS``
+  consecutive ones as a tile ``[ROWS, NB, 32]`` (rows x scale blocks x
+  values), so every program has ``ROWS * 264`` independent bytes in flight
+  for ``E = 256`` and a block's scale broadcasts over its 32 values without
+  a reshape. ``ROWS * E = 4096`` by default: with 4 warps each thread
+  issues four 8-byte loads and four 16-byte stores.
+- Every index is int64 (program id cast first): ``row_id * 264`` overflows
+  int32 past 8.1 M rows, far below a V4.1 table's 384 M.
+- Loads: a packed row starts at ``local_row * (E + E/32)``, a multiple of 8
+  for ``E = 256``, which Triton's alignment analysis sees (a product's
+  divisibility is the product of the factors'), so the value bytes load as
+  8-byte vectors. 16-byte vectors would need 16-byte aligned row starts;
+  264-byte rows alternate between 0 and 8 mod 16, so 8 bytes is the widest
+  load that is legal for every row without padding the table format.
+- Non-owned columns (tensor-parallel shards) load nothing and store +0.0.
+- Conversions are the integer formulations of :mod:`engramrt.quant.kernel`,
+  so the bytes equal :func:`engramrt.lookup.reference.lookup_rows_reference`
+  on the GPU and in Triton's interpreter alike (about 15 integer/float
+  operations per value). ``hw_convert=True`` swaps in the GPU's conversion
+  instructions (about 6 per value), for the case where the integer pipe,
+  not memory, bounds the kernel on the H200; it must be re-checked there.
+
+``table`` may be any object with ``data_ptr()`` and ``dtype`` (Triton only
+uses those), e.g. a pointer to pinned host memory mapped into the device's
+address space (the UVA tier).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+from engramrt.quant.kernel import _dequantize_to_bf16_bits
+
+__all__ = ["DEFAULT_NUM_WARPS", "DEFAULT_TILE_ELEMENTS", "lookup_rows_triton"]
+
+DEFAULT_TILE_ELEMENTS = 4096
+"""Values per program (``ROWS * E``)."""
+
+DEFAULT_NUM_WARPS = 4
+
+
+@triton.jit
+def _lookup_rows_kernel(
+    row_ids_ptr,  # [T, C] int32 / int64, strides (stride_t, stride_c)
+    table_ptr,  # [num_rows, ROW_BYTES] uint8, packed rows
+    out_ptr,  # [T, C, E] int16 (bf16 bits), contiguous
+    n_lookups,  # T * C
+    num_cols,  # C
+    stride_t,
+    stride_c,
+    col_begin,
+    col_end,
+    row_begin,
+    E: tl.constexpr,
+    ROW_BYTES: tl.constexpr,
+    NB: tl.constexpr,
+    NB_PAD: tl.constexpr,
+    ROWS: tl.constexpr,
+    HW_CONVERT: tl.constexpr,
+):
+    pid = tl.program_id(0).to(tl.int64)
+    lookup = pid * ROWS + tl.arange(0, ROWS).to(tl.int64)  # [ROWS] flat (t, c)
+    in_batch = lookup < n_lookups
+    token = lookup // num_cols
+    col = lookup - token * num_cols
+    owned = in_batch & (col >= col_begin) & (col < col_end)
+    row_id = tl.load(row_ids_ptr + token * stride_t + col * stride_c, mask=owned, other=0)
+    local_row = tl.where(owned, row_id.to(tl.int64) - row_begin, 0)
+    row_start = local_row * ROW_BYTES  # [ROWS] int64 byte offsets
+
+    block = tl.arange(0, NB_PAD)
+    lane = tl.arange(0, 32)
+    if NB_PAD != NB:
+        load_ok = (owned[:, None] & (block < NB)[None, :])[:, :, None]  # [ROWS, NB_PAD, 1]
+        store_ok = (in_batch[:, None] & (block < NB)[None, :])[:, :, None]
+    else:
+        load_ok = owned[:, None, None]  # [ROWS, 1, 1]
+        store_ok = in_batch[:, None, None]
+    value_offsets = row_start[:, None, None] + (block[None, :, None] * 32 + lane[None, None, :])
+    value_bytes = tl.load(table_ptr + value_offsets, mask=load_ok, other=0)  # [ROWS, NB_PAD, 32]
+    scale_offsets = row_start[:, None, None] + E + block[None, :, None]  # [ROWS, NB_PAD, 1]
+    scale_bytes = tl.load(table_ptr + scale_offsets, mask=load_ok, other=127)
+    bf16_bits = _dequantize_to_bf16_bits(value_bytes, scale_bytes, HW_CONVERT)
+
+    out_offsets = lookup[:, None, None] * E + block[None, :, None] * 32 + lane[None, None, :]
+    tl.store(out_ptr + out_offsets, bf16_bits, mask=store_ok)
+
+
+def lookup_rows_triton(
+    row_ids: torch.Tensor,
+    table: Any,
+    out: torch.Tensor,
+    *,
+    E: int,
+    col_begin: int,
+    col_end: int,
+    row_begin: int,
+    rows_per_program: int | None = None,
+    num_warps: int | None = None,
+    hw_convert: bool = False,
+) -> torch.Tensor:
+    """Launch :func:`_lookup_rows_kernel` (inputs validated by the caller).
+
+    Args:
+        row_ids: ``[T, C]`` int32/int64 on the compute device (any strides).
+        table: packed ``[num_rows, E + E/32]`` uint8 rows: a contiguous tensor
+            or an object with ``data_ptr()`` and ``dtype`` readable by the device.
+        out: contiguous ``[T, C, E]`` bf16, fully written.
+        rows_per_program, num_warps: tuning knobs (defaults: 4096 values per
+            program, 4 warps).
+        hw_convert: decode and round with the GPU's conversion instructions
+            instead of integer operations (see
+            :func:`engramrt.quant.kernel._dequantize_to_bf16_bits`).
+    """
+    num_tokens, num_cols = row_ids.shape
+    n_lookups = num_tokens * num_cols
+    if n_lookups == 0:
+        return out
+    blocks = E // 32
+    blocks_pad = triton.next_power_of_2(blocks)
+    rows = rows_per_program or max(1, DEFAULT_TILE_ELEMENTS // (blocks_pad * 32))
+    rows = triton.next_power_of_2(rows)
+    grid = (triton.cdiv(n_lookups, rows),)
+    _lookup_rows_kernel[grid](
+        row_ids,
+        table,
+        out.view(torch.int16),
+        n_lookups,
+        num_cols,
+        row_ids.stride(0),
+        row_ids.stride(1),
+        col_begin,
+        col_end,
+        row_begin,
+        E=E,
+        ROW_BYTES=E + blocks,
+        NB=blocks,
+        NB_PAD=blocks_pad,
+        ROWS=rows,
+        HW_CONVERT=hw_convert,
+        num_warps=num_warps or DEFAULT_NUM_WARPS,
+    )
+    return out

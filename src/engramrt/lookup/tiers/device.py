@@ -1,0 +1,93 @@
+"""Device tier: the packed table lives in the compute device's memory.
+
+The fastest tier: one launch of the gather + dequantise kernel, no host
+synchronisation, capturable in a CUDA graph. On a machine without a GPU the
+"device" is the CPU: the table is a CPU tensor served by the reference
+(or by the kernel under ``TRITON_INTERPRET=1``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engramrt.lookup import lookup_rows
+from engramrt.lookup.tiers import memory
+from engramrt.lookup.tiers.base import RowStore
+
+__all__ = ["DeviceRowStore"]
+
+
+class DeviceRowStore(RowStore):
+    """Packed rows in device memory (HBM), or in CPU memory on a CPU-only machine.
+
+    Args:
+        num_rows, E, device, row_begin, col_begin, col_end, validate: see
+            :class:`RowStore`.
+        backend: ``"auto"``, ``"triton"`` or ``"reference"`` for the lookup.
+        rows_per_program, num_warps, hw_convert: kernel settings (see
+            :func:`engramrt.lookup.lookup_rows`).
+
+    Raises:
+        CapacityError: the device (or, on a CPU device, the host) has less
+            free memory than the table needs.
+    """
+
+    tier = "device"
+
+    def __init__(
+        self,
+        num_rows: int,
+        E: int,
+        *,
+        device: torch.device | str | None = None,
+        row_begin: int = 0,
+        col_begin: int = 0,
+        col_end: int | None = None,
+        validate: bool = False,
+        backend: str = "auto",
+        rows_per_program: int | None = None,
+        num_warps: int | None = None,
+        hw_convert: bool = False,
+    ) -> None:
+        super().__init__(
+            num_rows,
+            E,
+            device=device,
+            row_begin=row_begin,
+            col_begin=col_begin,
+            col_end=col_end,
+            validate=validate,
+        )
+        what = f"tier='device' ({self.num_rows} rows of {self.row_bytes} B)"
+        if self.device.type == "cuda":
+            memory.require(
+                what, self.nbytes, memory.device_free_bytes(self.device), str(self.device)
+            )
+        else:
+            memory.require(what, self.nbytes, memory.host_available_bytes(), "host memory")
+        self.backend = backend
+        self.rows_per_program = rows_per_program
+        self.num_warps = num_warps
+        self.hw_convert = hw_convert
+        self.table = torch.empty(
+            (self.num_rows, self.row_bytes), dtype=torch.uint8, device=self.device
+        )
+
+    def _write(self, start: int, packed: torch.Tensor) -> None:
+        self.table[start : start + packed.shape[0]].copy_(packed)
+
+    def _lookup(
+        self, row_ids: torch.Tensor, col_end: int, out: torch.Tensor | None
+    ) -> torch.Tensor:
+        return lookup_rows(
+            row_ids.to(self.device, non_blocking=True),
+            self.table,
+            col_begin=self.col_begin,
+            col_end=col_end,
+            row_begin=self.row_begin,
+            out=out,
+            backend=self.backend,
+            rows_per_program=self.rows_per_program,
+            num_warps=self.num_warps,
+            hw_convert=self.hw_convert,
+        )

@@ -1,0 +1,143 @@
+"""UVA tier: pinned host memory read directly by the lookup kernel.
+
+The table is ordinary host memory registered with CUDA
+(``cudaHostRegister``, portable + mapped) so the GPU can read it over PCIe
+through unified virtual addressing; the same gather + dequantise kernel as
+the device tier then runs unchanged, each row crossing the bus once. No
+host synchronisation, so it can be captured in a CUDA graph, but every
+lookup is a small random PCIe read: measured at 26 M rows/s (73 M rows/s
+with ids sorted first) against the host-gather tier's bulk copies, so
+``make_store(tier="auto")`` never picks it.
+
+Triton refuses pointers it cannot map to the device; it resolves a
+pointer argument with ``cuPointerGetAttribute(DEVICE_POINTER)``, which for
+registered host memory returns its device address. So the kernel receives
+an object whose ``data_ptr()`` is the host address and ``dtype`` is uint8.
+
+Registration is done on pageable memory rather than through
+``pin_memory=True`` because PyTorch's pinned-memory allocator rounds each
+block up to a power of two (a 94 GiB table would take 128 GiB).
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from engramrt.errors import CapacityError
+from engramrt.lookup.tiers import memory
+from engramrt.lookup.tiers.base import RowStore
+
+__all__ = ["UvaRowStore"]
+
+_CUDA_HOST_REGISTER_PORTABLE_MAPPED = 0x01 | 0x02
+
+
+class _MappedHostRows:
+    """What Triton needs of a pointer argument: ``data_ptr()`` and ``dtype``."""
+
+    dtype = torch.uint8
+
+    def __init__(self, host_pointer: int) -> None:
+        self._host_pointer = host_pointer
+
+    def data_ptr(self) -> int:
+        return self._host_pointer
+
+
+def _unregister(host_tensor: torch.Tensor) -> None:
+    # Runs before ``host_tensor`` (held by this finaliser) is freed.
+    torch.cuda.cudart().cudaHostUnregister(host_tensor.data_ptr())
+
+
+class UvaRowStore(RowStore):
+    """Packed rows in page-locked host memory, read by the kernel over PCIe.
+
+    Args:
+        num_rows, E, device, row_begin, col_begin, col_end, validate: see
+            :class:`RowStore`; ``device`` must be a CUDA device.
+        rows_per_program, num_warps, hw_convert: kernel settings (see
+            :func:`engramrt.lookup.lookup_rows`).
+
+    Raises:
+        CapacityError: no CUDA device, or less available host memory than
+            the table needs, or the registration failed.
+    """
+
+    tier = "uva"
+
+    def __init__(
+        self,
+        num_rows: int,
+        E: int,
+        *,
+        device: torch.device | str | None = None,
+        row_begin: int = 0,
+        col_begin: int = 0,
+        col_end: int | None = None,
+        validate: bool = False,
+        rows_per_program: int | None = None,
+        num_warps: int | None = None,
+        hw_convert: bool = False,
+    ) -> None:
+        super().__init__(
+            num_rows,
+            E,
+            device=device,
+            row_begin=row_begin,
+            col_begin=col_begin,
+            col_end=col_end,
+            validate=validate,
+        )
+        if self.device.type != "cuda" or not torch.cuda.is_available():
+            raise CapacityError(
+                f"tier='uva' needs a CUDA device to map host memory into; got device "
+                f"{self.device} (CUDA available: {torch.cuda.is_available()}); use tier='host' "
+                f"or tier='device' on this machine"
+            )
+        what = f"tier='uva' ({self.num_rows} rows of {self.row_bytes} B, page-locked)"
+        memory.require(what, self.nbytes, memory.host_available_bytes(), "host memory")
+        self.rows_per_program = rows_per_program
+        self.num_warps = num_warps
+        self.hw_convert = hw_convert
+        self.host_table = torch.empty((self.num_rows, self.row_bytes), dtype=torch.uint8)
+        if self.nbytes > 0:
+            status = int(
+                torch.cuda.cudart().cudaHostRegister(
+                    self.host_table.data_ptr(), self.nbytes, _CUDA_HOST_REGISTER_PORTABLE_MAPPED
+                )
+            )
+            if status != 0:
+                raise CapacityError(
+                    f"tier='uva' could not page-lock {memory.format_bytes(self.nbytes)} of host "
+                    f"memory: cudaHostRegister returned cudaError {status} (is the memlock "
+                    f"limit, ulimit -l, below the table size?)"
+                )
+            weakref.finalize(self, _unregister, self.host_table)
+        self._mapped = _MappedHostRows(self.host_table.data_ptr())
+
+    def _write(self, start: int, packed: torch.Tensor) -> None:
+        self.host_table[start : start + packed.shape[0]].copy_(packed)
+
+    def _lookup(
+        self, row_ids: torch.Tensor, col_end: int, out: torch.Tensor | None
+    ) -> torch.Tensor:
+        row_ids = row_ids.to(self.device, non_blocking=True)
+        if out is None:
+            out = torch.empty((*row_ids.shape, self.E), dtype=torch.bfloat16, device=self.device)
+        from engramrt.lookup.kernel import lookup_rows_triton  # imports Triton
+
+        with torch.cuda.device(self.device):
+            return lookup_rows_triton(
+                row_ids,
+                self._mapped,
+                out,
+                E=self.E,
+                col_begin=self.col_begin,
+                col_end=col_end,
+                row_begin=self.row_begin,
+                rows_per_program=self.rows_per_program,
+                num_warps=self.num_warps,
+                hw_convert=self.hw_convert,
+            )

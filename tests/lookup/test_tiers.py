@@ -1,0 +1,296 @@
+"""Storage tiers: every tier returns the reference's bytes, checks capacity
+before allocating, and rejects bad ids and arguments with clear errors."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    # Triton reads this when kernels are decorated, i.e. on first import.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from pathlib import Path
+
+import pytest
+
+from engramrt.errors import CapacityError, CheckpointError, ValidationError
+from engramrt.lookup import lookup_rows_reference, pack_rows
+from engramrt.lookup.tiers import (
+    DeviceRowStore,
+    DiskRowStore,
+    HostGatherRowStore,
+    RowStore,
+    UvaRowStore,
+    make_store,
+    memory,
+)
+
+CUDA = torch.cuda.is_available()
+DEVICE = torch.device("cuda" if CUDA else "cpu")
+TIERS = [
+    "device",
+    pytest.param(
+        "uva",
+        marks=pytest.mark.skipif(
+            not CUDA, reason="UVA maps host memory into a GPU's address space; no GPU here"
+        ),
+    ),
+    "host",
+    "disk",
+]
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:(overflow|invalid value) encountered:RuntimeWarning"
+)
+
+
+def random_packed_table(num_rows: int, E: int, seed: int) -> torch.Tensor:
+    """Random value bytes (NaN codes included) and scale bytes in 110..135."""
+    g = torch.Generator().manual_seed(seed)
+    values = torch.randint(0, 256, (num_rows, E), generator=g, dtype=torch.uint8)
+    scales = torch.randint(110, 136, (num_rows, E // 32), generator=g, dtype=torch.uint8)
+    return pack_rows(values.view(torch.float8_e4m3fn), scales)
+
+
+def assert_same_bits(found: torch.Tensor, expected: torch.Tensor) -> None:
+    assert found.shape == expected.shape and found.dtype == expected.dtype == torch.bfloat16
+    a = found.view(torch.int16).cpu()
+    b = expected.view(torch.int16).cpu()
+    diff = (a != b).nonzero()
+    assert diff.numel() == 0, f"{diff.shape[0]} values differ; first at " + ", ".join(
+        f"{tuple(i)}: {a[tuple(i)].item() & 0xFFFF:#06x} != {b[tuple(i)].item() & 0xFFFF:#06x}"
+        for i in diff[:8].tolist()
+    )
+
+
+def build(tier: str, table: torch.Tensor, tmp_path: Path, **kwargs: object) -> RowStore:
+    return make_store(tier, packed=table, path=tmp_path / f"{tier}.rows", **kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("tier", TIERS)
+@pytest.mark.parametrize(
+    ("T", "C", "E", "id_dtype", "cols", "row_begin"),
+    [
+        (11, 5, 64, torch.int32, (0, None), 0),
+        (7, 24, 256, torch.int64, (8, 16), 1_000_003),  # a tensor-parallel rank's shard
+        (5, 3, 96, torch.int64, (2, 3), 2**33),  # ids past int32
+    ],
+)
+def test_tier_matches_reference(
+    tier: str,
+    T: int,
+    C: int,
+    E: int,
+    id_dtype: torch.dtype,
+    cols: tuple[int, int | None],
+    row_begin: int,
+    tmp_path: Path,
+) -> None:
+    num_rows = 300
+    table = random_packed_table(num_rows, E, seed=T + C)
+    col_begin, col_end = cols
+    store = build(
+        tier,
+        table,
+        tmp_path,
+        row_begin=row_begin,
+        col_begin=col_begin,
+        col_end=col_end,
+        chunk_rows=8,
+        num_threads=3,
+    )
+    assert store.tier == tier and store.num_rows == num_rows and store.E == E
+    assert store.row_bytes == E + E // 32 and store.nbytes == num_rows * store.row_bytes
+    assert store.row_end == row_begin + num_rows and store.device.type == DEVICE.type
+
+    g = torch.Generator().manual_seed(E)
+    row_ids = torch.randint(row_begin, row_begin + 40, (T, C), generator=g)  # many duplicates
+    row_ids[0, :] = row_begin + num_rows - 1  # the shard's last row
+    row_ids[:, :col_begin] = -7  # other shards' columns hold anything
+    if col_end is not None:
+        row_ids[:, col_end:] = 2**40
+    if id_dtype == torch.int32:
+        row_ids = row_ids.clamp(-(2**31), 2**31 - 1)
+    row_ids = row_ids.to(id_dtype).to(DEVICE)
+    expected = lookup_rows_reference(row_ids.cpu(), table, E, col_begin, col_end, row_begin)
+
+    out = torch.full((T, C, E), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    got = store.lookup(row_ids, out=out)
+    assert got.data_ptr() == out.data_ptr()
+    assert_same_bits(got, expected)
+    assert_same_bits(store.lookup(row_ids.cpu()), expected)  # ids from the host too
+
+
+@pytest.mark.parametrize("tier", ["host", "disk"])
+@pytest.mark.parametrize(("chunk_rows", "num_threads"), [(1, 1), (5, 2), (10_000, 4)])
+def test_host_gather_chunking(tier: str, chunk_rows: int, num_threads: int, tmp_path: Path) -> None:
+    """Chunks smaller than, equal to and larger than the unique rows all agree."""
+    table = random_packed_table(2000, 32, seed=12)
+    store = build(tier, table, tmp_path, chunk_rows=chunk_rows, num_threads=num_threads)
+    row_ids = torch.randint(0, 2000, (37, 29), generator=torch.Generator().manual_seed(13))
+    assert_same_bits(store.lookup(row_ids.to(DEVICE)), lookup_rows_reference(row_ids, table, 32))
+
+
+def test_host_gather_splits_work_across_threads(monkeypatch: pytest.MonkeyPatch) -> None:
+    from engramrt.lookup.tiers import host_gather
+
+    monkeypatch.setattr(host_gather, "_MIN_ROWS_PER_TASK", 4)
+    table = random_packed_table(500, 32, seed=14)
+    store = make_store("host", packed=table, num_threads=3, chunk_rows=64)
+    row_ids = torch.randint(0, 500, (50, 7), generator=torch.Generator().manual_seed(15))
+    assert_same_bits(store.lookup(row_ids.to(DEVICE)), lookup_rows_reference(row_ids, table, 32))
+    assert store._pool is not None  # the work did go through the pool
+
+
+@pytest.mark.parametrize("tier", TIERS)
+def test_store_without_owned_columns_and_empty_batch(tier: str, tmp_path: Path) -> None:
+    table = random_packed_table(20, 32, seed=16)
+    store = build(tier, table, tmp_path, col_begin=3, col_end=3)
+    got = store.lookup(torch.full((4, 5), -1, dtype=torch.int64, device=DEVICE))
+    assert got.shape == (4, 5, 32) and bool((got.view(torch.int16) == 0).all())
+    assert store.lookup(torch.empty((0, 5), dtype=torch.int32, device=DEVICE)).shape == (0, 5, 32)
+
+
+# --------------------------------------------------------------------------
+# Disk files.
+# --------------------------------------------------------------------------
+
+
+def test_disk_tier_reads_a_file_written_elsewhere(tmp_path: Path) -> None:
+    table = random_packed_table(123, 96, seed=17)
+    path = tmp_path / "layer1.rows"
+    path.write_bytes(table.numpy().tobytes())
+    store = DiskRowStore(path, None, 96, row_begin=1000, col_begin=1, col_end=4)
+    assert store.num_rows == 123
+    row_ids = torch.randint(1000, 1123, (9, 4), generator=torch.Generator().manual_seed(18))
+    expected = lookup_rows_reference(row_ids, table, 96, 1, 4, 1000)
+    assert_same_bits(store.lookup(row_ids.to(DEVICE)), expected)
+    with pytest.raises(ValidationError, match="opened read-only"):
+        store.write_rows(0, table[:1])
+    with pytest.raises(CheckpointError, match=r"has 12177 bytes; expected 124 rows x 99 B = 12276"):
+        DiskRowStore(path, 124, 96)
+    with pytest.raises(CheckpointError, match="expected a multiple of the 264-byte rows"):
+        DiskRowStore(path, None, 256)
+    with pytest.raises(CheckpointError, match="is not a file"):
+        DiskRowStore(tmp_path / "missing.rows", None, 96)
+
+
+def test_disk_tier_writes_in_pieces(tmp_path: Path) -> None:
+    table = random_packed_table(50, 32, seed=19)
+    path = tmp_path / "new.rows"
+    store = DiskRowStore(path, 50, 32, create=True)
+    store.write_rows(0, table[:20])
+    store.write_rows(20, table[20:])
+    store.flush()
+    assert path.read_bytes() == table.numpy().tobytes()
+
+
+# --------------------------------------------------------------------------
+# Checked mode, capacity and argument errors.
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tier", TIERS)
+def test_checked_mode_names_column_and_id(tier: str, tmp_path: Path) -> None:
+    table = random_packed_table(10, 32, seed=20)
+    store = build(tier, table, tmp_path, row_begin=100, col_begin=1, validate=True)
+    row_ids = torch.full((3, 5), 104, dtype=torch.int64, device=DEVICE)
+    row_ids[:, 0] = -5  # not owned
+    row_ids[1, 3] = 110
+    with pytest.raises(
+        ValidationError, match=r"row_ids\[1, 3\] = 110 for hash column 3; expected .* \[100, 110\)"
+    ):
+        store.lookup(row_ids)
+
+
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_host_tiers_reject_bad_ids_even_unchecked(tier: str, tmp_path: Path) -> None:
+    """Sorted unique ids make the range check free, so it is always on."""
+    table = random_packed_table(10, 32, seed=21)
+    store = build(tier, table, tmp_path, row_begin=100, validate=False)
+    row_ids = torch.full((3, 5), 104, dtype=torch.int64, device=DEVICE)
+    row_ids[2, 1] = 99
+    with pytest.raises(ValidationError, match=r"row_ids\[2, 1\] = 99 for hash column 1"):
+        store.lookup(row_ids)
+
+
+def test_capacity_errors_report_the_numbers(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setattr(memory, "host_available_bytes", lambda: 1000)
+    monkeypatch.setattr(memory, "device_free_bytes", lambda device: 2000)
+    monkeypatch.setattr(memory, "disk_free_bytes", lambda path: 3000)
+    rows = 10**9  # 264 GB at E=256: absurd for every probe above
+    with pytest.raises(
+        CapacityError,
+        match=r"tier='host' \(1000000000 rows of 264 B\) needs 264000000000 bytes \(245.87 GiB\) but host memory has only 1000 bytes",
+    ):
+        HostGatherRowStore(rows, 256)
+    with pytest.raises(
+        CapacityError,
+        match=r"needs 264000000000 bytes .* only 2000 bytes" if CUDA else r"only 1000 bytes",
+    ):
+        DeviceRowStore(rows, 256)
+    with pytest.raises(
+        CapacityError, match=r"tier='disk' file .* but its file system has only 3000 bytes"
+    ):
+        DiskRowStore(tmp_path / "huge.rows", rows, 256, create=True)
+    assert not (tmp_path / "huge.rows").exists()  # checked before creating anything
+    with pytest.raises(
+        CapacityError, match=r"tier='auto' needs 264000000000 bytes .* no path was given"
+    ):
+        make_store("auto", num_rows=rows, E=256)
+    if CUDA:
+        with pytest.raises(CapacityError, match=r"tier='uva' .* only 1000 bytes"):
+            UvaRowStore(rows, 256)
+
+
+def test_auto_tier_choice(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    table = random_packed_table(40, 32, seed=22)
+    assert make_store("auto", packed=table).tier == "device"
+    monkeypatch.setattr(memory, "host_available_bytes", lambda: 100)
+    monkeypatch.setattr(memory, "device_free_bytes", lambda device: 100)
+    store = make_store("auto", packed=table, path=tmp_path / "auto.rows")
+    assert store.tier == "disk"
+    row_ids = torch.randint(0, 40, (3, 4), generator=torch.Generator().manual_seed(23))
+    assert_same_bits(store.lookup(row_ids.to(DEVICE)), lookup_rows_reference(row_ids, table, 32))
+
+
+@pytest.mark.skipif(CUDA, reason="checks the error raised on machines without a GPU")
+def test_uva_refuses_cpu_only_machine() -> None:
+    with pytest.raises(CapacityError, match=r"tier='uva' needs a CUDA device .* got device cpu"):
+        UvaRowStore(10, 32)
+
+
+def test_store_argument_errors(tmp_path: Path) -> None:
+    table = random_packed_table(10, 64, seed=24)
+    with pytest.raises(
+        ValidationError, match="tier = 'gpu'; expected one of auto, device, uva, host, disk"
+    ):
+        make_store("gpu", packed=table)
+    with pytest.raises(ValidationError, match="E = 32 but packed rows hold E = 64 values"):
+        make_store("host", packed=table, E=32)
+    with pytest.raises(
+        ValidationError, match="rows of 48 values; expected a positive multiple of 32"
+    ):
+        make_store("host", num_rows=4, E=48)
+    with pytest.raises(ValidationError, match="path = None"):
+        make_store("disk", packed=table)
+    store = make_store("host", packed=table)
+    with pytest.raises(
+        ValidationError, match=r"rows \[8, 12\) to write; expected a range inside \[0, 10\)"
+    ):
+        store.write_rows(8, table[:4])
+    with pytest.raises(
+        ValidationError, match=r"packed is torch.uint8 \(4, 33\); expected uint8 \[n, 66\]"
+    ):
+        store.write_rows(0, table[:4, :33])
+    with pytest.raises(ValidationError, match=r"row_ids has dtype torch\.float32"):
+        store.lookup(torch.zeros((2, 2)))
+    with pytest.raises(ValidationError, match=r"out is torch.float32"):
+        store.lookup(
+            torch.zeros((2, 2), dtype=torch.int64), out=torch.empty((2, 2, 64), device=DEVICE)
+        )
+    with pytest.raises(ValidationError, match="chunk_rows = 0; expected >= 1"):
+        HostGatherRowStore(4, 32, chunk_rows=0)
