@@ -30,7 +30,11 @@ BACKENDS: tuple[str, ...] = ("auto", "triton", "reference")
 
 
 def interpreter_enabled() -> bool:
-    """True when Triton kernels run through its CPU interpreter."""
+    """True when Triton kernels run through its CPU interpreter.
+
+    Read from the environment on every call (tests switch it); ``os.environ``
+    lookups cost well under a microsecond.
+    """
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 

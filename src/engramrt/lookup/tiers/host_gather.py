@@ -1,4 +1,4 @@
-"""Host-gather tier: CPU threads gather the needed rows, bulk copies move them.
+"""Host-gather tier: the CPU gathers the needed rows, bulk copies move them.
 
 For tables larger than device memory. One lookup:
 
@@ -9,36 +9,37 @@ For tables larger than device memory. One lookup:
 2. the unique ids come to the host (the one host synchronisation: the CPU
    cannot gather rows it has not been told about, so this tier is not
    capturable in a CUDA graph);
-3. the sorted unique ids are split into ``num_threads`` contiguous slices,
-   one task per gather thread (a thread-pool task costs ~10 µs, so there is
-   one per thread per lookup, not one per chunk); each thread walks its
-   slice in chunks of ``chunk_rows``: ``torch.index_select`` into one of its
-   two pinned staging buffers, then a ``non_blocking`` copy to the device
-   on its own side stream, so the copy of one chunk runs while the next
-   one gathers (an event per buffer keeps it from being refilled before
-   its copy has left it);
+3. the rows are gathered into a persistent pinned staging buffer in
+   ``pieces`` of ``chunk_rows`` rows, each by one ``torch.index_select``
+   that runs on torch's intra-op thread pool (``num_threads`` threads), over
+   the widest integer view of a row (int64 words for 264-byte rows); each
+   piece is copied to the device on a side stream while the next one is
+   gathered;
 4. the lookup kernel, given the unique rows as its table and the inverse
    index as row ids, dequantises them and scatters them back to
    ``[T, C, E]`` (zeros for columns this shard does not own).
 
-Only unique rows cross the bus, each as one 264-byte packed row. On a
-CPU-only machine the same path runs without the copy, and the last step
-is the reference (or the kernel under ``TRITON_INTERPRET=1``).
+Why this shape (measured on an H200 host, 16 vCPUs, 196,608 random 264-byte
+rows of an 8 GiB table; ``bench/study_host_tier.py``): one ``index_select``
+with 16 intra-op threads gathers 172 M rows/s, while 16 Python threads each
+running ``index_select`` on a slice reach 98 M rows/s and chunked
+per-thread gather-and-copy pipelines 10-45 M rows/s (GIL and per-chunk
+overhead); int64 words beat bytes (98 vs 83 M rows/s) and numpy's ``take``
+(72 M rows/s); transparent huge pages did not help (48 vs 98 M rows/s).
+The pinned copy runs at 205 M rows/s, unique on the GPU and the ids'
+trip to the host take ~0.2 ms each.
 
 Out-of-range ids are always caught here, for free: the unique ids are
 sorted, so checking the first and the last is enough.
 
 A store is meant to be used from one thread at a time (it owns the
-staging buffers).
+staging buffer).
 """
 
 from __future__ import annotations
 
-import itertools
-import os
-import weakref
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+import contextlib
+from collections.abc import Iterator
 
 import torch
 
@@ -47,43 +48,49 @@ from engramrt.lookup import check_row_ids_in_shard, lookup_rows
 from engramrt.lookup.tiers import memory
 from engramrt.lookup.tiers.base import RowStore
 
-__all__ = ["DEFAULT_CHUNK_ROWS", "HostGatherRowStore", "default_num_threads"]
+__all__ = ["DEFAULT_CHUNK_ROWS", "HostGatherRowStore"]
 
-DEFAULT_CHUNK_ROWS = 4096
-"""Rows per staged chunk and thread: 1.08 MB at 264 B. One thread gathers
-it in ~0.3 ms (200 M rows/s measured with 16 threads, ~12 M rows/s each)
-and the copy takes ~20 µs at 55 GB/s, so 16 threads together keep the bus
-busy; 8192 tokens x 24 columns is three chunks per thread."""
+DEFAULT_CHUNK_ROWS = 65536
+"""Rows per pipelined piece (17 MB at 264 B): 8,192 tokens x 24 columns is
+three pieces, so the copy of one overlaps the gather of the next while each
+gather is still long enough to keep 16 threads busy."""
 
-_MIN_ROWS_PER_TASK = 1024
-"""A thread's slice is at least this long; fewer rows are gathered inline."""
+_WORD_DTYPES = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8))
 
 
-def default_num_threads() -> int:
-    """One gather thread per CPU this process may use, at most 16."""
+def _word_view(rows: torch.Tensor) -> torch.Tensor:
+    """``rows [N, B]`` uint8 viewed as the widest integer words that divide B."""
+    width = rows.shape[1]
+    for size, dtype in _WORD_DTYPES:
+        if width % size == 0:
+            return rows.view(dtype)
+    return rows  # pragma: no cover - size 1 always divides
+
+
+@contextlib.contextmanager
+def _intra_op_threads(count: int | None) -> Iterator[None]:
+    """Run with ``count`` torch intra-op threads (None: leave torch's setting)."""
+    if count is None or count == torch.get_num_threads():
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(count)
     try:
-        available = len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - not Linux
-        available = os.cpu_count() or 1
-    return max(1, min(16, available))
-
-
-def _single_threaded_worker() -> None:
-    # Each worker gathers its own slice; with OpenMP, torch.set_num_threads
-    # only changes the calling thread, so workers do not each start a team
-    # of intra-op threads (num_threads x cores threads in all).
-    if "OpenMP" in torch.__config__.parallel_info():
-        torch.set_num_threads(1)
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 class HostGatherRowStore(RowStore):
-    """Packed rows in host memory (pageable), gathered by CPU threads per lookup.
+    """Packed rows in host memory (pageable), gathered by the CPU per lookup.
 
     Args:
         num_rows, E, device, row_begin, col_begin, col_end, validate: see
             :class:`RowStore`.
-        chunk_rows: rows per staged chunk.
-        num_threads: gather threads (default :func:`default_num_threads`).
+        chunk_rows: rows per pipelined piece (gather of one piece overlaps
+            the copy of the previous).
+        num_threads: torch intra-op threads for the gather; None keeps
+            torch's setting (by default one per core).
         backend: ``"auto"``, ``"triton"`` or ``"reference"`` for the final
             dequantise-and-scatter.
 
@@ -117,21 +124,20 @@ class HostGatherRowStore(RowStore):
             col_end=col_end,
             validate=validate,
         )
-        num_threads = default_num_threads() if num_threads is None else num_threads
         if chunk_rows < 1:
             raise ValidationError(f"chunk_rows = {chunk_rows}; expected >= 1")
-        if num_threads < 1:
-            raise ValidationError(f"num_threads = {num_threads}; expected >= 1")
+        if num_threads is not None and num_threads < 1:
+            raise ValidationError(f"num_threads = {num_threads}; expected >= 1 or None")
         self.chunk_rows = int(chunk_rows)
-        self.num_threads = int(num_threads)
+        self.num_threads = num_threads
         self.backend = backend
         self.source = self._allocate_source()  # [num_rows, row_bytes] uint8, CPU
-        self._pool: ThreadPoolExecutor | None = None
-        # Per gather thread, created on the first CUDA lookup: two pinned
-        # staging buffers, an event per buffer (its copy is done) and a side stream.
-        self._staging: list[list[torch.Tensor]] = []
-        self._staging_free: list[list[torch.cuda.Event]] = []
-        self._copy_streams: list[torch.cuda.Stream] = []
+        # Created on the first CUDA lookup and grown on demand: a pinned
+        # staging buffer, the side stream that copies out of it and an event
+        # marking when its last copy has left it.
+        self._staging: torch.Tensor | None = None
+        self._copy_stream: torch.cuda.Stream | None = None
+        self._staging_free: torch.cuda.Event | None = None
 
     def _allocate_source(self) -> torch.Tensor:
         what = f"tier='{self.tier}' ({self.num_rows} rows of {self.row_bytes} B)"
@@ -143,84 +149,45 @@ class HostGatherRowStore(RowStore):
 
     # -- gathering ---------------------------------------------------------
 
-    def _thread_pool(self) -> ThreadPoolExecutor:
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(
-                max_workers=self.num_threads,
-                thread_name_prefix=f"engramrt-{self.tier}-gather",
-                initializer=_single_threaded_worker,
-            )
-            weakref.finalize(self, self._pool.shutdown, wait=False)
-        return self._pool
-
-    def _split(self, count: int) -> list[tuple[int, int]]:
-        """Contiguous ``[lo, hi)`` slices of ``count`` rows, one per gather task."""
-        parts = min(self.num_threads, max(1, count // _MIN_ROWS_PER_TASK))
-        bounds = [count * k // parts for k in range(parts + 1)]
-        return list(itertools.pairwise(bounds))
-
-    def _run_tasks(
-        self, task: Callable[[int, int, int], None], slices: list[tuple[int, int]]
-    ) -> None:
-        """``task(worker, lo, hi)`` per slice: inline when there is one, else on the pool."""
-        if len(slices) == 1:
-            task(0, *slices[0])
-            return
-        pool = self._thread_pool()
-        futures = [pool.submit(task, worker, lo, hi) for worker, (lo, hi) in enumerate(slices)]
-        for future in futures:
-            future.result()
-
-    def _ensure_staging(self, workers: int) -> None:
-        chunk = min(self.chunk_rows, max(self.num_rows, 1))
-        while len(self._staging) < workers:
-            self._staging.append(
-                [
-                    torch.empty((chunk, self.row_bytes), dtype=torch.uint8, pin_memory=True)
-                    for _ in range(2)
-                ]
-            )
-            self._staging_free.append([torch.cuda.Event(), torch.cuda.Event()])
-            self._copy_streams.append(torch.cuda.Stream(self.device))
+    def _staging_for(self, count: int) -> torch.Tensor:
+        """A pinned ``[>= count, row_bytes]`` buffer no copy is still reading."""
+        if self._staging_free is not None:
+            self._staging_free.synchronize()
+        if self._staging is None or self._staging.shape[0] < count:
+            self._staging = torch.empty((count, self.row_bytes), dtype=torch.uint8, pin_memory=True)
+        if self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream(self.device)
+            self._staging_free = torch.cuda.Event()
+        return self._staging
 
     def _gather_to_device(self, local_ids: torch.Tensor) -> torch.Tensor:
         """Rows ``source[local_ids]`` as ``[U, row_bytes]`` uint8 on :attr:`device`."""
         unique_count = local_ids.shape[0]
-        slices = self._split(unique_count)
+        source = _word_view(self.source)
         if self.device.type != "cuda":
             rows = torch.empty((unique_count, self.row_bytes), dtype=torch.uint8)
-
-            def gather(worker: int, lo: int, hi: int) -> None:
-                torch.index_select(self.source, 0, local_ids[lo:hi], out=rows[lo:hi])
-
-            self._run_tasks(gather, slices)
+            with _intra_op_threads(self.num_threads):
+                torch.index_select(source, 0, local_ids, out=_word_view(rows))
             return rows if self.device.type == "cpu" else rows.to(self.device)
 
-        self._ensure_staging(len(slices))
+        staging = self._staging_for(unique_count)
+        staged = _word_view(staging)
         rows = torch.empty((unique_count, self.row_bytes), dtype=torch.uint8, device=self.device)
-        compute_stream = torch.cuda.current_stream(self.device)
-        streams = self._copy_streams[: len(slices)]
-        for stream in streams:
-            # ``rows`` may reuse memory whose last reader is still queued on
-            # the compute stream: the copies must start after it.
-            stream.wait_stream(compute_stream)
-
-        def gather_and_copy(worker: int, lo: int, hi: int) -> None:
-            staging, staging_free = self._staging[worker], self._staging_free[worker]
-            chunk = staging[0].shape[0]
-            with torch.cuda.device(self.device), torch.cuda.stream(streams[worker]):
-                for index, start in enumerate(range(lo, hi, chunk)):
-                    slot = index % 2
-                    stop = min(start + chunk, hi)
-                    buffer = staging[slot][: stop - start]
-                    staging_free[slot].synchronize()  # its previous copy has left the buffer
-                    torch.index_select(self.source, 0, local_ids[start:stop], out=buffer)
-                    rows[start:stop].copy_(buffer, non_blocking=True)
-                    staging_free[slot].record(streams[worker])
-
-        self._run_tasks(gather_and_copy, slices)
-        for stream in streams:
-            compute_stream.wait_stream(stream)
+        compute = torch.cuda.current_stream(self.device)
+        copy_stream = self._copy_stream
+        assert copy_stream is not None and self._staging_free is not None
+        # ``rows`` may reuse memory whose last reader is still queued on the
+        # compute stream: the copies must start after it.
+        copy_stream.wait_stream(compute)
+        with _intra_op_threads(self.num_threads):
+            for lo in range(0, unique_count, self.chunk_rows):
+                hi = min(lo + self.chunk_rows, unique_count)
+                torch.index_select(source, 0, local_ids[lo:hi], out=staged[lo:hi])
+                with torch.cuda.stream(copy_stream):
+                    rows[lo:hi].copy_(staging[lo:hi], non_blocking=True)
+        self._staging_free.record(copy_stream)
+        compute.wait_stream(copy_stream)
+        rows.record_stream(copy_stream)
         return rows
 
     # -- lookup ------------------------------------------------------------
