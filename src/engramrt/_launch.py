@@ -44,11 +44,11 @@ class CachedLauncher:
     def __init__(self, kernel: Any) -> None:
         self.kernel = kernel
         self._compiled: dict[Any, Any] = {}
-        self._layout: tuple[list[str], list[int], list[int]] | None = None
+        self._layout: tuple[list[str], list[tuple[bool, bool]]] | None = None
         self._knobs: Any = None
 
-    def _signature(self, n_args: int) -> tuple[list[str], list[int], list[int]]:
-        """(constexpr names, args keyed on alignment, ints keyed on value)."""
+    def _signature(self, n_args: int) -> tuple[list[str], list[tuple[bool, bool]]]:
+        """(constexpr names, per runtime arg: keyed on alignment, keyed on value)."""
         if self._layout is None:
             params = self.kernel.params
             if any(p.is_constexpr for p in params[:n_args]) or not all(
@@ -59,38 +59,39 @@ class CachedLauncher:
                     "before the constexprs, passed positionally"
                 )
             names = [p.name for p in params[n_args:]]
-            aligned = [
-                i for i, p in enumerate(params[:n_args]) if not p.do_not_specialize_on_alignment
+            flags = [
+                (not p.do_not_specialize_on_alignment, not p.do_not_specialize)
+                for p in params[:n_args]
             ]
-            valued = [i for i, p in enumerate(params[:n_args]) if not p.do_not_specialize]
-            self._layout = (names, aligned, valued)
+            self._layout = (names, flags)
         return self._layout
 
     def __call__(self, grid: tuple[int, ...], *args: Any, **constexprs: Any) -> None:
         if interpreter_enabled():
             self.kernel[grid](*args, **constexprs)
             return
-        names, aligned, valued = self._signature(len(args))
+        names, flags = self._signature(len(args))
         first = args[0]
         device = first.device if isinstance(first, torch.Tensor) else _first_device(args)
         index = device.index if device.index is not None else torch.cuda.current_device()
-        # Tensors go to the compiled launcher as raw addresses (it accepts
+        # One pass builds the specialisation key and the launcher's values;
+        # tensors go to the compiled launcher as raw addresses (it accepts
         # ints), so each data_ptr() is read once, here.
-        values: list[Any] = list(args)
-        types: list[Any] = []
-        for i, a in enumerate(args):
+        values: list[Any] = []
+        key_parts: list[Any] = [index, *constexprs.values()]
+        for a, (by_alignment, by_value) in zip(args, flags, strict=True):
             if isinstance(a, torch.Tensor):
-                types.append(a.dtype)
-                values[i] = a.data_ptr()
+                ptr = a.data_ptr()
+                values.append(ptr)
+                key_parts.append(a.dtype)
+                if by_alignment:
+                    key_parts.append(ptr % 16 == 0)
             else:
-                types.append(-(2**31) <= a < 2**31)
-        key = (
-            index,
-            tuple(constexprs.values()),
-            tuple(types),
-            tuple([values[i] % 16 == 0 for i in aligned if isinstance(args[i], torch.Tensor)]),
-            tuple([(args[i] == 1, args[i] % 16 == 0) for i in valued if isinstance(args[i], int)]),
-        )
+                values.append(a)
+                key_parts.append(-(2**31) <= a < 2**31)
+                if by_value:
+                    key_parts.append((a == 1, a % 16 == 0))
+        key = tuple(key_parts)
         compiled = self._compiled.get(key)
         if compiled is None:
             with torch.cuda.device(index):
@@ -107,8 +108,10 @@ class CachedLauncher:
         tail = [constexprs[name] for name in names]
         values.extend(tail)
         metadata = None
-        if enter or leave:  # profiler hooks see the tensors themselves
+        if _hooked(enter) or _hooked(leave):  # profiler hooks see the tensors themselves
             metadata = compiled.launch_metadata(grid, stream, *args, *tail)
+        else:  # Triton always installs (empty) hook chains: skip two Python calls
+            enter = leave = None
         compiled.run(
             grid[0],
             grid[1] if len(grid) > 1 else 1,
@@ -121,6 +124,11 @@ class CachedLauncher:
             leave,
             *values,
         )
+
+
+def _hooked(hook: Any) -> bool:
+    """True for a launch hook that would do something (not None, not an empty chain)."""
+    return hook is not None and bool(getattr(hook, "calls", True))
 
 
 def _first_device(args: tuple[Any, ...]) -> torch.device:
