@@ -24,6 +24,8 @@ def atomic_writer(path: str | Path) -> Iterator[BinaryIO]:
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
     try:
+        # mkstemp creates 0600; give the file the mode open() would have.
+        os.fchmod(fd, 0o666 & ~_umask())
         with os.fdopen(fd, "wb") as f:
             yield f
             f.flush()
@@ -38,6 +40,18 @@ def atomic_writer(path: str | Path) -> Iterator[BinaryIO]:
             os.fsync(dir_fd)
         finally:
             os.close(dir_fd)
+
+
+def _umask() -> int:
+    """The process umask, read without changing it (``os.umask`` would, process-wide)."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    return 0o022
 
 
 def atomic_write_bytes(path: str | Path, data: bytes) -> None:

@@ -1,0 +1,76 @@
+"""Engram tables in safetensors checkpoints: read a rank's rows, write, convert.
+
+- :func:`load_table` / :func:`load_tables`: stream one tensor-parallel
+  rank's rows of each layer's fp8 table (values ``F8_E4M3 [rows, E]`` plus
+  ue8m0 scales ``F8_E8M0`` or ``U8 [rows, E/32]``) from a checkpoint file or
+  directory (``*.safetensors`` with an optional
+  ``model.safetensors.index.json``) into a
+  :class:`~engramrt.lookup.tiers.RowStore`, reading only those rows.
+- :func:`save_tables`: write fp8 tables atomically, in DeepSeek's layout.
+- :func:`convert_checkpoint`: quantise float tables (bf16/fp16/fp32) into
+  fp8 files, one per rank with ``tp=N`` (``engramrt convert``).
+
+Tensor names are configurable per role (:class:`TensorNames`); the
+defaults are in :mod:`engramrt.checkpoint.names`. The files engramrt
+writes carry the metadata of :mod:`engramrt.checkpoint.metadata`; the
+format itself is in :mod:`engramrt.checkpoint.safetensors_format`.
+This package imports torch and safetensors; ``import engramrt`` does not
+import it.
+"""
+
+from __future__ import annotations
+
+from engramrt.checkpoint.convert import (
+    ConversionPlan,
+    convert_checkpoint,
+    output_paths,
+    plan_conversion,
+    run_conversion,
+)
+from engramrt.checkpoint.metadata import LayerSlot
+from engramrt.checkpoint.names import (
+    DEFAULT_SCALE_NAME,
+    DEFAULT_SOURCE_NAMES,
+    DEFAULT_WEIGHT_NAME,
+    TensorNames,
+    load_names,
+)
+from engramrt.checkpoint.reader import (
+    DEFAULT_BLOCK_BYTES,
+    SafetensorsCheckpoint,
+    iter_packed_rows,
+    load_table,
+    load_tables,
+    read_table,
+)
+from engramrt.checkpoint.safetensors_format import (
+    SafetensorsStreamWriter,
+    TensorSpec,
+    read_header,
+)
+from engramrt.checkpoint.writer import SCALE_DTYPES, save_tables
+
+__all__ = [
+    "DEFAULT_BLOCK_BYTES",
+    "DEFAULT_SCALE_NAME",
+    "DEFAULT_SOURCE_NAMES",
+    "DEFAULT_WEIGHT_NAME",
+    "SCALE_DTYPES",
+    "ConversionPlan",
+    "LayerSlot",
+    "SafetensorsCheckpoint",
+    "SafetensorsStreamWriter",
+    "TensorNames",
+    "TensorSpec",
+    "convert_checkpoint",
+    "iter_packed_rows",
+    "load_names",
+    "load_table",
+    "load_tables",
+    "output_paths",
+    "plan_conversion",
+    "read_header",
+    "read_table",
+    "run_conversion",
+    "save_tables",
+]

@@ -1,0 +1,258 @@
+"""Quantise float Engram tables into fp8 + ue8m0 safetensors files.
+
+The source is a safetensors checkpoint (file or directory, see
+:class:`~engramrt.checkpoint.reader.SafetensorsCheckpoint`) holding, per
+Engram layer, a float table ``[num_embeddings, E]`` (bf16, fp16 or fp32):
+what a model trained with DeepSeek's demo code saves for its
+``nn.Embedding``. The role ``source`` of
+:class:`~engramrt.checkpoint.names.TensorNames` names it.
+
+The destination is one file of full tables (``tp=1``) or one file per
+tensor-parallel rank holding only that rank's rows (``tp=N``), named by
+:func:`output_paths`. Rows go through
+:func:`engramrt.quant.quantize_rows` (SPEC §6, bit for bit) one block at a
+time: a block of ``block_rows`` source rows is read with ``get_slice``,
+quantised and appended to the output, so memory stays bounded by a few
+blocks whatever the table size. All outputs are written to temporary
+files that are renamed into place only after every one is complete.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engramrt._io import atomic_writer
+from engramrt.checkpoint.names import TensorNames
+from engramrt.checkpoint.reader import (
+    SOURCE_DTYPES,
+    ConfigSource,
+    NamesSpec,
+    SafetensorsCheckpoint,
+    TensorPiece,
+    check_block_rows,
+    check_table_tensor,
+    open_checkpoint,
+    read_rows,
+    safe_slice,
+)
+from engramrt.checkpoint.safetensors_format import SafetensorsStreamWriter
+from engramrt.checkpoint.writer import (
+    FileLayout,
+    check_disk_space,
+    file_layout,
+    layer_slots,
+    tensor_bytes,
+)
+from engramrt.config import EngramConfig, load_config
+from engramrt.errors import CheckpointError
+from engramrt.layout import EngramLayout
+from engramrt.quant import quantize_rows
+
+__all__ = [
+    "ConversionPlan",
+    "convert_checkpoint",
+    "output_paths",
+    "plan_conversion",
+    "run_conversion",
+]
+
+SINGLE_FILE_NAME = "engram.safetensors"
+
+
+def output_paths(dst: str | os.PathLike[str], tp: int) -> list[Path]:
+    """Where a conversion writes.
+
+    ``tp=1``: ``dst`` itself when it ends in ``.safetensors`` or is an
+    existing file, else ``dst/engram.safetensors``. ``tp=N``: one file per
+    rank, ``dst/engram-rank<r>-of-<N>.safetensors`` (``dst`` is a directory).
+    """
+    target = Path(dst)
+    if tp == 1:
+        if target.suffix == ".safetensors" or target.is_file():
+            return [target]
+        return [target / SINGLE_FILE_NAME]
+    if target.suffix == ".safetensors" or target.is_file():
+        raise CheckpointError(
+            f"DST {str(target)!r} is a file; expected a directory for tp={tp} (one file per rank)"
+        )
+    return [target / f"engram-rank{rank}-of-{tp}.safetensors" for rank in range(tp)]
+
+
+@dataclass(frozen=True)
+class ConversionPlan:
+    """A checked conversion: source pieces per layer and the files to write.
+
+    Attributes:
+        config: the config the tables follow.
+        sources: per layer (``config.layer_ids`` order), the source tensor
+            pieces covering every row an output needs.
+        files: the output files, one per rank (one in all for ``tp=1``).
+        tp: tensor-parallel size of the outputs.
+    """
+
+    config: EngramConfig
+    sources: tuple[tuple[TensorPiece, ...], ...]
+    files: tuple[FileLayout, ...]
+    tp: int
+
+    @property
+    def num_rows(self) -> int:
+        """Rows quantised in all (the progress total)."""
+        return sum(f.num_rows for f in self.files)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes written in all."""
+        return sum(f.nbytes for f in self.files)
+
+
+def plan_conversion(
+    src: SafetensorsCheckpoint | str | os.PathLike[str],
+    dst: str | os.PathLike[str],
+    config: ConfigSource,
+    *,
+    tp: int = 1,
+    names: NamesSpec = None,
+    scale_dtype: str = "uint8",
+) -> ConversionPlan:
+    """Locate and check every source tensor and lay out every output; writes nothing.
+
+    Raises:
+        CheckpointError: SRC is missing, a source tensor is missing, or its
+            dtype or shape does not match the config.
+        ShardingError: ``tp`` leaves a rank without a hash column.
+    """
+    cfg = load_config(config)
+    layout = EngramLayout(cfg)
+    if tp != 1:
+        layout.cols_per_rank(tp)  # refuse a tp that leaves a rank without columns
+    tensor_names = TensorNames.from_spec(names)
+    checkpoint = open_checkpoint(src)
+    paths = output_paths(dst, tp)
+    files = []
+    for rank, path in enumerate(paths):
+        slots = layer_slots(cfg, layout, tensor_names, tp=None if tp == 1 else tp, rank=rank)
+        files.append(file_layout(path, cfg, slots, scale_dtype=scale_dtype, tp=tp, rank=rank))
+    source_names = tensor_names.per_layer("source", cfg)
+    sources = []
+    for index, layer_id in enumerate(cfg.layer_ids):
+        row_end = max(f.slots[index].row_end for f in files)
+        pieces = checkpoint.find(
+            source_names[index],
+            role="source",
+            layer_id=layer_id,
+            row_begin=0,
+            row_end=row_end,
+            check=functools.partial(
+                check_table_tensor,
+                role="source",
+                layer_id=layer_id,
+                layer_index=index,
+                dtypes=SOURCE_DTYPES,
+                width=cfg.head_dim,
+                width_note=f"engram_head_dim = {cfg.head_dim}",
+                config=cfg,
+                rows_needed=int(layout.rows_needed[index]),
+            ),
+        )
+        sources.append(tuple(pieces))
+    for path in paths:
+        for piece in (p for layer in sources for p in layer):
+            if path.absolute() == piece.location.file.absolute():
+                raise CheckpointError(f"DST {str(path)!r} is a source file; expected another path")
+    return ConversionPlan(cfg, tuple(sources), tuple(files), tp)
+
+
+def _check_finite(block: torch.Tensor, name: str, layer_id: int, row_begin: int) -> None:
+    finite = torch.isfinite(block)
+    if not bool(finite.all()):
+        row, col = (int(i) for i in torch.nonzero(~finite)[0].tolist())
+        raise CheckpointError(
+            f"source tensor {name!r} (layer {layer_id}) has {block[row, col].item()} at "
+            f"[{row_begin + row}, {col}]; expected finite values (a block with inf/nan has no scale)"
+        )
+
+
+def run_conversion(
+    plan: ConversionPlan,
+    *,
+    block_rows: int | None = None,
+    device: torch.device | str = "cpu",
+    backend: str | None = None,
+    on_rows: Callable[[int], None] | None = None,
+) -> list[Path]:
+    """Quantise and write what ``plan`` describes; returns the files written.
+
+    Args:
+        plan: from :func:`plan_conversion`.
+        block_rows: source rows per block (default: about 64 MiB of fp32).
+        device: where blocks are quantised (``"cuda"`` to use a GPU).
+        backend: ``quantize_rows`` backend; default the Triton kernel on a
+            CUDA device and the reference on the CPU (both give the same bytes).
+        on_rows: called with the row count after each block (progress).
+
+    Raises:
+        CapacityError: the destination file system has too little free space.
+        CheckpointError: a source block holds inf or nan.
+    """
+    cfg = plan.config
+    compute_device = torch.device(device)
+    if backend is None:
+        backend = "reference" if compute_device.type == "cpu" else "auto"
+    rows_per_block = check_block_rows(block_rows, 4 * cfg.head_dim)
+    check_disk_space(plan.files)
+    with contextlib.ExitStack() as stack:
+        writers = []
+        for output in plan.files:
+            handle = stack.enter_context(atomic_writer(output.path))
+            writers.append(SafetensorsStreamWriter(handle, output.specs, output.metadata))
+        for index, pieces in enumerate(plan.sources):
+            layer_id = cfg.layer_ids[index]
+            for output, writer in zip(plan.files, writers, strict=True):
+                slot = output.slots[index]
+                for piece in pieces:
+                    begin = max(piece.row_begin, slot.row_begin)
+                    end = min(piece.row_end, slot.row_end)
+                    if begin >= end:
+                        continue
+                    source = safe_slice(piece.location.file, piece.location.name)
+                    for block_begin in range(begin, end, rows_per_block):
+                        block_end = min(block_begin + rows_per_block, end)
+                        block = read_rows(piece, source, block_begin, block_end)  # [n, E] float
+                        block = block.to(compute_device)
+                        _check_finite(block, piece.location.name, layer_id, block_begin)
+                        values, scales = quantize_rows(block, backend=backend, validate=False)
+                        writer.append(slot.weight, tensor_bytes(values))
+                        writer.append(slot.scale, tensor_bytes(scales))
+                        if on_rows is not None:
+                            on_rows(block_end - block_begin)
+        for writer in writers:
+            writer.finish()
+    return [output.path for output in plan.files]
+
+
+def convert_checkpoint(
+    src: str | os.PathLike[str],
+    dst: str | os.PathLike[str],
+    config: ConfigSource,
+    *,
+    tp: int = 1,
+    names: NamesSpec = None,
+    scale_dtype: str = "uint8",
+    block_rows: int | None = None,
+    device: torch.device | str = "cpu",
+    backend: str | None = None,
+    on_rows: Callable[[int], None] | None = None,
+) -> list[Path]:
+    """:func:`plan_conversion` then :func:`run_conversion`; returns the files written."""
+    plan = plan_conversion(src, dst, config, tp=tp, names=names, scale_dtype=scale_dtype)
+    return run_conversion(
+        plan, block_rows=block_rows, device=device, backend=backend, on_rows=on_rows
+    )

@@ -1,0 +1,667 @@
+"""Read Engram tables out of safetensors checkpoints, one rank's rows at a time.
+
+A checkpoint is one ``*.safetensors`` file or a directory of them, with or
+without a ``*.safetensors.index.json`` (Hugging Face's ``weight_map``:
+tensor name -> file). A tensor named in the index is read from the file
+the index names; any other is looked up in the headers of every file of
+the directory (a header is one small read, no tensor data).
+
+Loading a tensor-parallel rank reads only that rank's rows
+(:meth:`EngramLayout.column_shard`), through ``safe_open(...).get_slice``
+in blocks of ``block_rows`` rows, and writes each block into a
+:class:`~engramrt.lookup.tiers.RowStore`: peak memory is the store plus one
+block, never the table twice. The rows may come from one full tensor (a
+DeepSeek checkpoint) or be stitched from several partial ones (the
+per-rank files of ``engramrt convert --tp N``, which record the global
+rows they hold in their metadata), so a tp=2 rank can load from a tp=4
+conversion.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import json
+import os
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeAlias
+
+import torch
+
+from engramrt.checkpoint.metadata import RowRange, tensor_row_ranges
+from engramrt.checkpoint.names import TensorNames
+from engramrt.checkpoint.safetensors_format import SafetensorsHeader, TensorEntry, read_header
+from engramrt.config import EngramConfig, load_config
+from engramrt.errors import CheckpointError, ValidationError
+from engramrt.layout import ColumnShard, EngramLayout
+from engramrt.lookup.reference import pack_rows, row_bytes_for
+from engramrt.lookup.tiers import DiskRowStore, RowStore, choose_tier, make_store
+from engramrt.lookup.tiers.base import default_compute_device
+
+__all__ = [
+    "DEFAULT_BLOCK_BYTES",
+    "FP8_DTYPE",
+    "SCALE_DTYPES_READ",
+    "SOURCE_DTYPES",
+    "ConfigSource",
+    "NamesSpec",
+    "SafetensorsCheckpoint",
+    "TensorLocation",
+    "TensorPiece",
+    "default_block_rows",
+    "iter_packed_rows",
+    "load_table",
+    "load_tables",
+    "open_checkpoint",
+    "read_table",
+]
+
+DEFAULT_BLOCK_BYTES = 64 * 2**20
+"""Rows are streamed in blocks of about this many bytes (see :func:`default_block_rows`)."""
+
+FP8_DTYPE = "F8_E4M3"
+SCALE_DTYPES_READ = ("F8_E8M0", "U8")
+SOURCE_DTYPES = ("BF16", "F16", "F32")
+
+ConfigSource: TypeAlias = "EngramConfig | str | Path | Mapping[str, Any]"
+"""A config, preset name, ``config.json`` / model directory, or HF dict (see ``load_config``)."""
+
+NamesSpec: TypeAlias = "TensorNames | Mapping[str, Any] | str | os.PathLike[str] | None"
+"""Tensor names: defaults (None), role overrides, or a JSON file of them."""
+
+_TORCH_NAMES = {
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E8M0": "float8_e8m0fnu",
+    "U8": "uint8",
+    "BF16": "bfloat16",
+    "F16": "float16",
+    "F32": "float32",
+}
+
+INDEX_SUFFIX = ".safetensors.index.json"
+_LISTED_FILES = 6
+
+
+def default_block_rows(row_bytes: int, block_bytes: int = DEFAULT_BLOCK_BYTES) -> int:
+    """Rows per streamed block: ``block_bytes`` worth of rows of ``row_bytes`` bytes, at least 1."""
+    return max(1, block_bytes // max(1, row_bytes))
+
+
+def check_block_rows(block_rows: int | None, row_bytes: int) -> int:
+    """``block_rows`` checked (a positive int), or the default for rows of ``row_bytes``."""
+    if block_rows is None:
+        return default_block_rows(row_bytes)
+    if isinstance(block_rows, bool) or not isinstance(block_rows, int) or block_rows < 1:
+        raise ValidationError(f"block_rows = {block_rows!r}; expected a positive integer")
+    return block_rows
+
+
+@dataclass(frozen=True)
+class TensorLocation:
+    """A tensor in one file, and the global table rows its local rows hold.
+
+    ``row_range`` is ``None`` for a tensor that is a full table (local row
+    ``i`` is global row ``i``), else the range its file's engramrt metadata
+    records.
+    """
+
+    name: str
+    file: Path
+    entry: TensorEntry
+    row_range: RowRange | None
+
+    @property
+    def row_begin(self) -> int:
+        return 0 if self.row_range is None else self.row_range.row_begin
+
+    @property
+    def row_end(self) -> int:
+        if self.row_range is not None:
+            return self.row_range.row_end
+        return self.entry.shape[0] if self.entry.shape else 0
+
+    def describe(self) -> str:
+        rows = f", rows [{self.row_begin}, {self.row_end})" if self.row_range is not None else ""
+        return (
+            f"{self.name!r} in {self.file.name} ({self.entry.dtype} {list(self.entry.shape)}{rows})"
+        )
+
+
+@dataclass(frozen=True)
+class TensorPiece:
+    """Global rows ``[row_begin, row_end)`` read from ``location``."""
+
+    row_begin: int
+    row_end: int
+    location: TensorLocation
+
+    def local(self, row_begin: int, row_end: int) -> slice:
+        """The local slice of the tensor holding global rows ``[row_begin, row_end)``."""
+        offset = self.location.row_begin
+        return slice(row_begin - offset, row_end - offset)
+
+
+class SafetensorsCheckpoint:
+    """A safetensors checkpoint: one file, or a directory of files (optionally indexed).
+
+    Args:
+        path: a ``.safetensors`` file or a directory holding ``*.safetensors``
+            files and optionally ``model.safetensors.index.json``.
+
+    Raises:
+        CheckpointError: the path does not exist, holds no safetensors file,
+            or its index is unreadable.
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        self.weight_map: dict[str, str] = {}
+        self.index_files: list[Path] = []
+        if self.path.is_file():
+            self.files = [self.path]
+        elif self.path.is_dir():
+            self.files = sorted(p for p in self.path.glob("*.safetensors") if p.is_file())
+            self.index_files = sorted(p for p in self.path.glob(f"*{INDEX_SUFFIX}") if p.is_file())
+            for index in self.index_files:
+                self.weight_map.update(self._read_index(index))
+            if not self.files and not self.weight_map:
+                raise CheckpointError(
+                    f"checkpoint directory {str(self.path)!r} holds no *.safetensors file"
+                )
+        else:
+            raise CheckpointError(f"checkpoint {str(self.path)!r} does not exist")
+        self._headers: dict[Path, SafetensorsHeader] = {}
+        self._ranges: dict[Path, dict[str, RowRange]] = {}
+
+    @staticmethod
+    def _read_index(index: Path) -> dict[str, str]:
+        try:
+            data = json.loads(index.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise CheckpointError(f"index {str(index)!r} cannot be read as JSON: {exc}") from exc
+        weight_map = data.get("weight_map") if isinstance(data, dict) else None
+        if not isinstance(weight_map, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
+        ):
+            raise CheckpointError(
+                f"index {str(index)!r} has no weight_map object of tensor name -> file name"
+            )
+        return weight_map
+
+    def header(self, file: Path) -> SafetensorsHeader:
+        """The parsed header of ``file`` (cached)."""
+        if file not in self._headers:
+            header = read_header(file)
+            self._headers[file] = header
+            self._ranges[file] = tensor_row_ranges(header.metadata, file)
+        return self._headers[file]
+
+    def describe(self) -> str:
+        """Where tensors are searched, for error messages."""
+        if self.path.is_file():
+            return str(self.path)
+        names = [f.name for f in self.files]
+        listed = ", ".join(names[:_LISTED_FILES])
+        if len(names) > _LISTED_FILES:
+            listed += f", ... {len(names) - _LISTED_FILES} more"
+        index = f"; index {', '.join(i.name for i in self.index_files)}" if self.index_files else ""
+        return f"{self.path} ({len(names)} file(s): {listed}{index})"
+
+    def locations(self, name: str) -> list[TensorLocation]:
+        """Every file holding a tensor called ``name`` (the index's file, if it lists ``name``)."""
+        if name in self.weight_map:
+            file = self.path / self.weight_map[name]
+            index = ", ".join(i.name for i in self.index_files)
+            if not file.is_file():
+                raise CheckpointError(
+                    f"index {index} maps tensor {name!r} to {file.name}, which does not exist "
+                    f"in {self.path}"
+                )
+            if name not in self.header(file).tensors:
+                raise CheckpointError(
+                    f"index {index} maps tensor {name!r} to {file.name}, whose header lacks it"
+                )
+            files = [file]
+        else:
+            files = [f for f in self.files if name in self.header(f).tensors]
+        return [
+            TensorLocation(name, f, self.header(f).tensors[name], self._ranges[f].get(name))
+            for f in files
+        ]
+
+    def find(
+        self,
+        candidates: Sequence[str],
+        *,
+        role: str,
+        layer_id: int,
+        row_begin: int,
+        row_end: int,
+        check: Callable[[TensorLocation], None] | None = None,
+    ) -> list[TensorPiece]:
+        """Pieces of the first of ``candidates`` that exists, covering global rows ``[row_begin, row_end)``.
+
+        ``check`` is called on every location found before the rows are
+        matched, so a tensor of the wrong shape is reported as such.
+
+        Raises:
+            CheckpointError: no candidate exists (naming them, the layer and
+                the files searched), or the tensors found do not cover the rows.
+        """
+        for name in candidates:
+            found = self.locations(name)
+            if found:
+                if check is not None:
+                    for location in found:
+                        check(location)
+                return _cover(found, row_begin, row_end, role=role, layer_id=layer_id)
+        tried = " or ".join(repr(n) for n in candidates)
+        raise CheckpointError(
+            f"layer {layer_id}: no {role} tensor {tried} in {self.describe()}; "
+            f"pass names= (engramrt convert --names) if the checkpoint names it differently"
+        )
+
+
+def open_checkpoint(
+    checkpoint: SafetensorsCheckpoint | str | os.PathLike[str],
+) -> SafetensorsCheckpoint:
+    return (
+        checkpoint
+        if isinstance(checkpoint, SafetensorsCheckpoint)
+        else SafetensorsCheckpoint(checkpoint)
+    )
+
+
+def _cover(
+    found: list[TensorLocation], row_begin: int, row_end: int, *, role: str, layer_id: int
+) -> list[TensorPiece]:
+    """Greedy cover of ``[row_begin, row_end)`` by the row ranges of ``found``."""
+    pieces: list[TensorPiece] = []
+    cursor = row_begin
+    while cursor < row_end:
+        usable = [loc for loc in found if loc.row_begin <= cursor < loc.row_end]
+        if not usable:
+            have = "; ".join(loc.describe() for loc in found)
+            raise CheckpointError(
+                f"layer {layer_id}: no {role} tensor holds global row {cursor}; rows "
+                f"[{row_begin}, {row_end}) are needed and the checkpoint has {have}"
+            )
+        best = max(usable, key=lambda loc: loc.row_end)
+        end = min(best.row_end, row_end)
+        pieces.append(TensorPiece(cursor, end, best))
+        cursor = end
+    return pieces
+
+
+def check_table_tensor(
+    location: TensorLocation,
+    *,
+    role: str,
+    layer_id: int,
+    layer_index: int,
+    dtypes: Sequence[str],
+    width: int,
+    width_note: str,
+    config: EngramConfig,
+    rows_needed: int,
+) -> None:
+    """Refuse a tensor whose dtype, row width or row count does not fit the config."""
+    entry = location.entry
+    where = f"tensor {location.name!r} in {location.file.name} (layer {layer_id} {role})"
+    if entry.dtype not in dtypes:
+        wanted = " or ".join(f"{d} (torch.{_TORCH_NAMES.get(d, d)})" for d in dtypes)
+        raise CheckpointError(f"{where} has dtype {entry.dtype}; expected {wanted}")
+    num_embeddings = config.num_embeddings[layer_index]
+    rows = location.row_end - location.row_begin
+    expected = [num_embeddings if location.row_range is None else rows, width]
+    if len(entry.shape) != 2 or entry.shape[1] != width:
+        raise CheckpointError(
+            f"{where} has shape {list(entry.shape)}; expected {expected} ({width_note})"
+        )
+    if location.row_range is None:
+        if entry.shape[0] != num_embeddings:
+            raise CheckpointError(
+                f"{where} has shape {list(entry.shape)}; expected [{num_embeddings}, {width}] "
+                f"(engram_num_embeddings[{layer_index}] = {num_embeddings} rows; the hash layout "
+                f"needs {rows_needed})"
+            )
+    else:
+        if location.row_range.num_embeddings != num_embeddings:
+            raise CheckpointError(
+                f"{where} is a piece of a table of {location.row_range.num_embeddings} rows; "
+                f"expected engram_num_embeddings[{layer_index}] = {num_embeddings}"
+            )
+        if entry.shape[0] != rows:
+            raise CheckpointError(
+                f"{where} has shape {list(entry.shape)}; expected {expected} (its metadata says "
+                f"it holds rows [{location.row_begin}, {location.row_end}))"
+            )
+
+
+@dataclass(frozen=True)
+class _Segment:
+    """Global rows ``[row_begin, row_end)`` whose weight and scale each sit in one tensor."""
+
+    row_begin: int
+    row_end: int
+    weight: TensorPiece
+    scale: TensorPiece
+
+
+def _merge(weight: list[TensorPiece], scale: list[TensorPiece]) -> list[_Segment]:
+    bounds = sorted({p.row_begin for p in weight + scale} | {p.row_end for p in weight + scale})
+    segments = []
+    for begin, end in itertools.pairwise(bounds):
+        w = next(p for p in weight if p.row_begin <= begin < p.row_end)
+        s = next(p for p in scale if p.row_begin <= begin < p.row_end)
+        segments.append(_Segment(begin, end, w, s))
+    return segments
+
+
+@dataclass(frozen=True)
+class LayerRead:
+    """A checked plan to read one layer's rows of one shard."""
+
+    layer_index: int
+    layer_id: int
+    shard: ColumnShard
+    E: int
+    segments: tuple[_Segment, ...]
+
+
+def plan_layer_read(
+    checkpoint: SafetensorsCheckpoint,
+    config: EngramConfig,
+    layout: EngramLayout,
+    layer_index: int,
+    shard: ColumnShard,
+    names: TensorNames,
+) -> LayerRead:
+    """Locate and check the weight and scale tensors holding ``shard``'s rows."""
+    layer_id = config.layer_ids[layer_index]
+    E = config.head_dim
+    rows_needed = int(layout.rows_needed[layer_index])
+    weight_names = names.per_layer("weight", config)[layer_index]
+    scale_names = names.per_layer("scale", config)[layer_index]
+    pieces: dict[str, list[TensorPiece]] = {}
+    for role, candidates, dtypes, width, note in (
+        ("weight", weight_names, (FP8_DTYPE,), E, f"engram_head_dim = {E}"),
+        ("scale", scale_names, SCALE_DTYPES_READ, E // 32, f"one ue8m0 byte per 32 of E = {E}"),
+    ):
+        pieces[role] = checkpoint.find(
+            candidates,
+            role=role,
+            layer_id=layer_id,
+            row_begin=shard.row_begin,
+            row_end=shard.row_end,
+            check=functools.partial(
+                check_table_tensor,
+                role=role,
+                layer_id=layer_id,
+                layer_index=layer_index,
+                dtypes=dtypes,
+                width=width,
+                width_note=note,
+                config=config,
+                rows_needed=rows_needed,
+            ),
+        )
+    segments = _merge(pieces["weight"], pieces["scale"])
+    return LayerRead(layer_index, layer_id, shard, E, tuple(segments))
+
+
+def safe_slice(file: Path, name: str) -> Any:
+    """``safe_open(file).get_slice(name)``, with the file's errors as :class:`CheckpointError`."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        return safe_open(str(file), framework="pt").get_slice(name)
+    except (OSError, SafetensorError) as exc:
+        raise CheckpointError(f"{file}: cannot read tensor {name!r}: {exc}") from exc
+
+
+def read_rows(piece: TensorPiece, tensor_slice: Any, row_begin: int, row_end: int) -> torch.Tensor:
+    """Global rows ``[row_begin, row_end)`` of ``piece`` (one ``get_slice`` read)."""
+    local = piece.local(row_begin, row_end)
+    try:
+        return tensor_slice[local.start : local.stop]
+    except Exception as exc:  # safetensors raises its own error types here
+        raise CheckpointError(
+            f"{piece.location.file}: reading rows [{local.start}, {local.stop}) of "
+            f"{piece.location.name!r} failed: {exc}"
+        ) from exc
+
+
+def _iter_plan(plan: LayerRead, block_rows: int) -> Iterator[tuple[int, torch.Tensor]]:
+    for segment in plan.segments:
+        weight = safe_slice(segment.weight.location.file, segment.weight.location.name)
+        scale = safe_slice(segment.scale.location.file, segment.scale.location.name)
+        for begin in range(segment.row_begin, segment.row_end, block_rows):
+            end = min(begin + block_rows, segment.row_end)
+            values = read_rows(segment.weight, weight, begin, end)  # [n, E] float8_e4m3fn
+            scales = read_rows(segment.scale, scale, begin, end)  # [n, E/32] e8m0 or uint8
+            yield begin - plan.shard.row_begin, pack_rows(values, scales)
+
+
+def _resolve(
+    config: ConfigSource,
+    layout: EngramLayout | None,
+) -> tuple[EngramConfig, EngramLayout]:
+    cfg = load_config(config)
+    if layout is None:
+        layout = EngramLayout(cfg)
+    elif layout.config != cfg:
+        raise ValidationError(
+            "layout was built for another config; expected layout.config == config"
+        )
+    return cfg, layout
+
+
+def iter_packed_rows(
+    checkpoint: SafetensorsCheckpoint | str | os.PathLike[str],
+    config: ConfigSource,
+    layer_index: int,
+    *,
+    tp: int = 1,
+    rank: int = 0,
+    names: NamesSpec = None,
+    block_rows: int | None = None,
+    layout: EngramLayout | None = None,
+) -> Iterator[tuple[int, torch.Tensor]]:
+    """Stream the packed rows of one rank's shard of layer ``layer_index``.
+
+    Checks every tensor first (so errors come before the first block), then
+    yields ``(local_row, packed [n, E + E/32] uint8)`` with ``n <= block_rows``,
+    local rows counted from the shard's ``row_begin``, in order.
+
+    Args:
+        checkpoint: a file or directory (see :class:`SafetensorsCheckpoint`).
+        config: an :class:`EngramConfig`, preset name or config path.
+        layer_index: position in ``config.layer_ids``.
+        tp, rank: the shard (SPEC §7); ``tp=1`` reads every row the layout uses.
+        names: tensor names (see :mod:`engramrt.checkpoint.names`).
+        block_rows: rows per block (default: about 64 MiB).
+        layout: the config's layout, if already built.
+    """
+    ckpt = open_checkpoint(checkpoint)
+    cfg, layout = _resolve(config, layout)
+    shard = layout.column_shard(layer_index, tp, rank)
+    plan = plan_layer_read(ckpt, cfg, layout, layer_index, shard, TensorNames.from_spec(names))
+    return _iter_plan(plan, check_block_rows(block_rows, row_bytes_for(cfg.head_dim)))
+
+
+def _check_store(store: RowStore, shard: ColumnShard, E: int) -> None:
+    if (store.num_rows, store.E, store.row_begin) != (shard.num_rows, E, shard.row_begin):
+        raise ValidationError(
+            f"store holds {store.num_rows} rows of E={store.E} from row {store.row_begin}; "
+            f"expected {shard.num_rows} rows of E={E} from row {shard.row_begin} "
+            f"(rank {shard.rank} of tp={shard.tp})"
+        )
+
+
+def _new_store(
+    tier: str,
+    shard: ColumnShard,
+    E: int,
+    *,
+    device: torch.device | str | None,
+    disk_path: str | os.PathLike[str] | None,
+    store_options: Mapping[str, Any],
+) -> RowStore:
+    compute_device = torch.device(device) if device is not None else default_compute_device()
+    if tier == "auto":
+        tier = choose_tier(shard.num_rows * row_bytes_for(E), compute_device, disk_path)
+    geometry: dict[str, Any] = {
+        "device": compute_device,
+        "row_begin": shard.row_begin,
+        "col_begin": shard.col_begin,
+        "col_end": shard.col_end,
+    }
+    if tier == "disk":
+        if disk_path is None:
+            raise ValidationError("disk_path = None; expected the packed-row file of tier='disk'")
+        return DiskRowStore(
+            disk_path, shard.num_rows, E, create=True, **geometry, **dict(store_options)
+        )
+    return make_store(tier, num_rows=shard.num_rows, E=E, **geometry, **dict(store_options))
+
+
+def load_table(
+    checkpoint: SafetensorsCheckpoint | str | os.PathLike[str],
+    config: ConfigSource,
+    layer_index: int,
+    *,
+    tp: int = 1,
+    rank: int = 0,
+    names: NamesSpec = None,
+    tier: str = "auto",
+    store: RowStore | None = None,
+    device: torch.device | str | None = None,
+    disk_path: str | os.PathLike[str] | None = None,
+    block_rows: int | None = None,
+    layout: EngramLayout | None = None,
+    **store_options: Any,
+) -> RowStore:
+    """Load one rank's rows of one layer's table into a :class:`RowStore`.
+
+    Only rows ``[shard.row_begin, shard.row_end)`` of the checkpoint are
+    read, in blocks of ``block_rows``, each written into the store as it
+    arrives: memory peaks at the store plus one block.
+
+    Args:
+        checkpoint, config, layer_index, tp, rank, names, block_rows, layout:
+            see :func:`iter_packed_rows`.
+        tier: ``"auto"``, ``"device"``, ``"uva"``, ``"host"`` or ``"disk"``
+            (see :func:`engramrt.lookup.tiers.make_store`).
+        store: an empty store to fill instead (its rows, E and row_begin
+            must match the shard).
+        device: the store's compute device.
+        disk_path: the packed-row file tier ``"disk"`` creates.
+        store_options: further :func:`make_store` settings (``backend``,
+            ``validate``, ``chunk_rows``, ...).
+
+    Raises:
+        CheckpointError: a tensor is missing or has the wrong dtype or shape.
+        CapacityError: the chosen memory or disk is too small.
+    """
+    ckpt = open_checkpoint(checkpoint)
+    cfg, layout = _resolve(config, layout)
+    shard = layout.column_shard(layer_index, tp, rank)
+    plan = plan_layer_read(ckpt, cfg, layout, layer_index, shard, TensorNames.from_spec(names))
+    rows_per_block = check_block_rows(block_rows, row_bytes_for(cfg.head_dim))
+    if store is None:
+        store = _new_store(
+            tier,
+            shard,
+            cfg.head_dim,
+            device=device,
+            disk_path=disk_path,
+            store_options=store_options,
+        )
+    else:
+        _check_store(store, shard, cfg.head_dim)
+    for local_row, packed in _iter_plan(plan, rows_per_block):
+        store.write_rows(local_row, packed)
+    if isinstance(store, DiskRowStore):
+        store.flush()
+    return store
+
+
+def load_tables(
+    checkpoint: SafetensorsCheckpoint | str | os.PathLike[str],
+    config: ConfigSource,
+    *,
+    tp: int = 1,
+    rank: int = 0,
+    names: NamesSpec = None,
+    tier: str = "auto",
+    device: torch.device | str | None = None,
+    disk_dir: str | os.PathLike[str] | None = None,
+    block_rows: int | None = None,
+    **store_options: Any,
+) -> list[RowStore]:
+    """:func:`load_table` for every Engram layer, in ``config.layer_ids`` order.
+
+    Tier ``"disk"`` (or ``"auto"`` falling back to it) writes
+    ``engram-layer<id>-rank<r>-of-<tp>.rows`` files under ``disk_dir``.
+    """
+    ckpt = open_checkpoint(checkpoint)
+    cfg, layout = _resolve(config, None)
+    stores = []
+    for layer_index, layer_id in enumerate(cfg.layer_ids):
+        disk_path = (
+            None
+            if disk_dir is None
+            else Path(disk_dir) / f"engram-layer{layer_id}-rank{rank}-of-{tp}.rows"
+        )
+        stores.append(
+            load_table(
+                ckpt,
+                cfg,
+                layer_index,
+                tp=tp,
+                rank=rank,
+                names=names,
+                tier=tier,
+                device=device,
+                disk_path=disk_path,
+                block_rows=block_rows,
+                layout=layout,
+                **store_options,
+            )
+        )
+    return stores
+
+
+def read_table(
+    checkpoint: SafetensorsCheckpoint | str | os.PathLike[str],
+    config: ConfigSource,
+    layer_index: int,
+    *,
+    tp: int = 1,
+    rank: int = 0,
+    names: NamesSpec = None,
+    block_rows: int | None = None,
+) -> torch.Tensor:
+    """One rank's rows of one layer as a CPU ``[num_rows, E + E/32]`` uint8 tensor.
+
+    A convenience for small tables and tests; serving code should use
+    :func:`load_table`, which fills a store without this extra copy.
+    """
+    cfg, layout = _resolve(config, None)
+    shard = layout.column_shard(layer_index, tp, rank)
+    packed = torch.empty((shard.num_rows, row_bytes_for(cfg.head_dim)), dtype=torch.uint8)
+    for local_row, block in iter_packed_rows(
+        checkpoint,
+        cfg,
+        layer_index,
+        tp=tp,
+        rank=rank,
+        names=names,
+        block_rows=block_rows,
+        layout=layout,
+    ):
+        packed[local_row : local_row + block.shape[0]] = block
+    return packed
