@@ -41,6 +41,7 @@ import torch
 from engramrt.bench.registry import Case, Inputs, register
 from engramrt.lookup import lookup_rows_reference, unpack_rows
 from engramrt.lookup.reference import row_bytes_for
+from engramrt.lookup.synthetic import random_packed_rows
 from engramrt.quant import dequantize_rows_reference
 
 E = 256
@@ -54,15 +55,7 @@ def _random_packed_rows(
     num_rows: int, device: torch.device, generator: torch.Generator
 ) -> torch.Tensor:
     """``[num_rows, 264]`` uint8 on ``device``: finite random rows, scales 110..135."""
-    rows = torch.randint(
-        0, 256, (num_rows, ROW_BYTES), dtype=torch.uint8, device=device, generator=generator
-    )
-    values = rows[:, :E]
-    values ^= ((values & 0x7F) == 0x7F).to(torch.uint8)  # NaN codes 0x7F/0xFF -> +-448
-    rows[:, E:] = torch.randint(
-        110, 136, (num_rows, E // 32), dtype=torch.uint8, device=device, generator=generator
-    )
-    return rows
+    return random_packed_rows(num_rows, E, device, generator)
 
 
 # One store per tier, kept across the cases of a run (building 8 GiB tables

@@ -1,0 +1,225 @@
+"""What does keeping the Engram tables off the GPU cost? (run on a GPU machine)
+
+    python bench/runtime_overhead.py [--table-gib 16] [--out report.json]
+
+A synthetic backbone of 30 dense bf16 blocks sized like a 7B model (hidden
+4096, MLP 11008, no attention kernel: the projections only), Engram layers
+after blocks 1 and 14 with V4.1-Flash row shapes (C = 24 columns of E = 256)
+and a V4.1 layout scaled so each layer's table is ``--table-gib`` GiB (default
+16: 32 GiB for the two). Each step: hash ids for both layers (one launch),
+start both lookups, run the blocks; at block 1 and 14 wait for that layer's
+rows, project them (wkv, bf16) and apply the fused gate over 4 streams.
+
+Workloads (the paper's): decode steps of 256 requests x 1 token; prefill of
+512 sequences with lengths uniform in 100..1024, packed into 8,192-token
+chunks. Placements: tables in GPU memory, in host memory (host-gather
+tier); with prefetch (the next step's lookups start before this step's
+blocks) and without. Reports step time and tokens/s per configuration and
+the throughput loss of each host configuration against GPU memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import numpy as np
+import torch
+
+from engramrt.config import PRESETS
+from engramrt.gate import engram_gate
+from engramrt.hashing import HashBatch, HashConstants, NgramHasher
+from engramrt.layout import EngramLayout
+from engramrt.runtime import EngramRuntime, synthetic_stores
+from engramrt.tokenmap import TokenMap
+
+D, FFN, BLOCKS, HC = 4096, 11008, 30, 4
+ENGRAM_AT = {1: 0, 14: 1}  # block -> Engram layer index
+
+
+def scaled_config(table_gib: float):
+    base = PRESETS["dsv41-flash"]
+    rows = int(table_gib * 2**30) // base.row_bytes
+    vocab = rows // base.n_cols
+    cfg = base.replace(
+        vocab_size=(vocab,) * 3, num_embeddings=(1, 1), hidden_size=D, name=f"v41-{table_gib}GiB"
+    )
+    needed = EngramLayout(cfg, check_num_embeddings=False).num_embeddings
+    return cfg.replace(num_embeddings=needed)
+
+
+def make_backbone(device):
+    g = torch.Generator(device=device).manual_seed(0)
+
+    def w(*shape):
+        return (torch.randn(*shape, device=device, generator=g) * 0.02).bfloat16()
+
+    blocks = [(w(D, 3 * D), w(D, D), w(D, 2 * FFN), w(FFN, D)) for _ in range(BLOCKS)]
+    engram = [
+        (w((HC + 1) * D, 24 * 256), (1 + w(HC, D)).bfloat16(), (1 + w(HC, D)).bfloat16())
+        for _ in range(2)
+    ]
+    return blocks, engram
+
+
+def run_block(x, weights):
+    wqkv, wo, w13, w2 = weights
+    h = (x @ wqkv)[:, :D]
+    x = x + h @ wo
+    m = x @ w13
+    return x + (torch.nn.functional.silu(m[:, :FFN]) * m[:, FFN:]) @ w2
+
+
+def engram_layer(x, rows, weights, eps):
+    wkv, q_w, k_w = weights
+    t_len = x.shape[0]
+    kv = rows.reshape(t_len, -1) @ wkv.t()  # [T, (hc+1) D]
+    hidden = x.unsqueeze(1).expand(t_len, HC, D).contiguous()
+    return engram_gate(hidden, kv, q_w, k_w, eps, validate=False)[:, 0]
+
+
+def decode_batches(rng, vocab, steps, device):
+    out = []
+    pos = rng.integers(100, 1000, 256)
+    for _ in range(steps):
+        out.append(
+            HashBatch(
+                input_ids=torch.tensor(rng.integers(0, vocab, 256), device=device),
+                positions=torch.tensor(pos, device=device),
+                query_start_loc=torch.arange(257, dtype=torch.int32, device=device),
+                lookback_token_ids=torch.tensor(rng.integers(0, vocab, (256, 3)), device=device),
+            )
+        )
+        pos = pos + 1
+    return out
+
+
+def prefill_batches(rng, vocab, device, chunk=8192):
+    lengths = rng.integers(100, 1025, 512)
+    seqs = [rng.integers(0, vocab, n) for n in lengths]
+    batches, cur = [], []
+    for s in seqs:
+        start = 0
+        while start < len(s):
+            room = chunk - sum(len(c[1]) for c in cur)
+            take = min(room, len(s) - start)
+            cur.append((start, s[start : start + take], s[max(0, start - 3) : start][::-1]))
+            start += take
+            if sum(len(c[1]) for c in cur) == chunk:
+                batches.append(cur)
+                cur = []
+    if cur:
+        batches.append(cur)
+    out = []
+    for parts in batches:
+        ids = np.concatenate([p[1] for p in parts])
+        pos = np.concatenate([np.arange(p[0], p[0] + len(p[1])) for p in parts])
+        qsl = np.concatenate([[0], np.cumsum([len(p[1]) for p in parts])])
+        lb = np.full((len(parts), 3), -1)
+        for r, p in enumerate(parts):
+            lb[r, : len(p[2])] = p[2]
+        out.append(
+            HashBatch(
+                input_ids=torch.tensor(ids, device=device),
+                positions=torch.tensor(pos, device=device),
+                query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
+                lookback_token_ids=torch.tensor(lb, device=device),
+            )
+        )
+    return out
+
+
+def run(runtime, batches, backbone, eps, prefetch, device):
+    blocks, engram = backbone
+    tokens = sum(b.num_tokens for b in batches)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    handle = runtime.step(batches[0])
+    for i, batch in enumerate(batches):
+        nxt = None
+        if prefetch and i + 1 < len(batches):
+            nxt = runtime.prefetch(batches[i + 1])
+        x = torch.randn(batch.num_tokens, D, device=device, dtype=torch.bfloat16)
+        for b, weights in enumerate(blocks):
+            x = run_block(x, weights)
+            if b in ENGRAM_AT:
+                li = ENGRAM_AT[b]
+                x = engram_layer(x, handle.rows(li), engram[li], eps)
+        if i + 1 < len(batches):
+            handle = nxt if nxt is not None else runtime.step(batches[i + 1])
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    return {
+        "steps": len(batches),
+        "tokens": tokens,
+        "seconds": seconds,
+        "tokens_per_s": tokens / seconds,
+        "ms_per_step": 1e3 * seconds / len(batches),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--table-gib", type=float, default=16.0)
+    parser.add_argument("--decode-steps", type=int, default=40)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    cfg = scaled_config(args.table_gib)
+    layout = EngramLayout(cfg)
+    token_map = TokenMap.from_tokenizer_file()
+    consts = HashConstants.from_layout(layout, token_map.pad_id(cfg))
+    rng = np.random.default_rng(0)
+    workloads = {
+        "decode 256x1": decode_batches(rng, token_map.vocab_size, args.decode_steps, device),
+        "prefill 512 seqs 100-1024": prefill_batches(rng, token_map.vocab_size, device),
+    }
+    backbone = make_backbone(device)
+    results = []
+    for tier in ("device", "host"):
+        stores = synthetic_stores(layout, tier, device=device, seed=1)
+        hasher = NgramHasher(consts, token_map, device, validate=False)
+        runtime = EngramRuntime(hasher, stores, max_tokens=8192, max_requests=512, validate=False)
+        for name, batches in workloads.items():
+            for prefetch in (False, True):
+                run(runtime, batches[:3], backbone, cfg.rms_norm_eps, prefetch, device)  # warm-up
+                res = run(runtime, batches, backbone, cfg.rms_norm_eps, prefetch, device)
+                res.update(tier=tier, workload=name, prefetch=prefetch)
+                results.append(res)
+                print(
+                    f"{tier:6s} {name:26s} prefetch={prefetch!s:5s} {res['ms_per_step']:8.2f} ms/step "
+                    f"{res['tokens_per_s']:12,.0f} tok/s",
+                    flush=True,
+                )
+        runtime.close()
+        del stores, runtime
+        torch.cuda.empty_cache()
+    base = {
+        (r["workload"], r["prefetch"]): r["tokens_per_s"] for r in results if r["tier"] == "device"
+    }
+    for r in results:
+        r["loss_vs_gpu_pct"] = 100 * (1 - r["tokens_per_s"] / base[(r["workload"], r["prefetch"])])
+    for r in results:
+        if r["tier"] != "device":
+            print(
+                f"host tables, {r['workload']}, prefetch={r['prefetch']}: {r['loss_vs_gpu_pct']:.2f}% throughput loss"
+            )
+    if args.out:
+        import triton
+
+        report = {
+            "date": time.strftime("%Y-%m-%d"),
+            "torch": torch.__version__,
+            "triton": triton.__version__,
+            "gpu": torch.cuda.get_device_name(),
+            "table_gib_per_layer": args.table_gib,
+            "config": cfg.to_hf_dict(),
+            "results": results,
+        }
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,134 @@
+"""The runtime's rows equal hashing + the reference lookup, step after step."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from engramrt.config import PRESETS
+from engramrt.errors import ValidationError
+from engramrt.hashing import HashBatch, HashConstants, NgramHasher, SlotHashCache, hash_sequence
+from engramrt.layout import EngramLayout
+from engramrt.lookup import lookup_rows_reference
+from engramrt.runtime import EngramRuntime, synthetic_stores
+
+CFG = PRESETS["tiny"]
+
+
+@pytest.fixture(scope="module")
+def layout() -> EngramLayout:
+    return EngramLayout(CFG)
+
+
+def _runtime(layout, token_map, device, tier="device", tp=1, rank=0, history=None, **kw):
+    consts = HashConstants.from_layout(layout, token_map.pad_id(CFG))
+    hasher = NgramHasher(consts, token_map, device)
+    stores = synthetic_stores(layout, tier, device=device, tp=tp, rank=rank, seed=3)
+    return EngramRuntime(
+        hasher, stores, history=history, **{"max_tokens": 64, "max_requests": 8, **kw}
+    )
+
+
+@pytest.mark.parametrize("tier", ["device", "host"])
+def test_step_rows_equal_reference_lookups(tier, layout, token_map, device, tmp_path) -> None:
+    runtime = _runtime(layout, token_map, device, tier=tier)
+    rng = np.random.default_rng(1)
+    ids = rng.integers(0, token_map.vocab_size, 40)
+    batch = HashBatch.single(ids[10:], start=10, device=device)
+    batch.lookback_token_ids = torch.from_numpy(ids[9:6:-1].copy()).view(1, 3).to(device)
+    handle = runtime.step(batch)
+    want_ids = hash_sequence(
+        token_map.compress(ids), HashConstants.from_layout(layout, token_map.pad_id(CFG))
+    )[10:]
+    np.testing.assert_array_equal(handle.row_ids.cpu().numpy(), want_ids)
+    for li, store in enumerate(runtime.stores):
+        packed = _packed(store)
+        want = lookup_rows_reference(
+            torch.from_numpy(want_ids[:, li]), packed, CFG.head_dim, row_begin=store.row_begin
+        )
+        got = handle.rows(li).cpu()
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16)), f"layer {li}"
+    runtime.close()
+
+
+def _packed(store) -> torch.Tensor:
+    """The packed rows a store holds, read back through its own memory."""
+    for name in ("source", "table", "_table", "packed"):
+        rows = getattr(store, name, None)
+        if isinstance(rows, torch.Tensor):
+            return rows.cpu()
+    raise AssertionError(f"cannot read the rows of {store!r}")
+
+
+def test_streaming_through_runtime_matches_one_shot(layout, token_map, device) -> None:
+    cache = SlotHashCache(32 * 4, 4, device)
+    runtime = _runtime(layout, token_map, device, history=cache)
+    consts = HashConstants.from_layout(layout, token_map.pad_id(CFG))
+    ids = np.random.default_rng(2).integers(0, token_map.vocab_size, 30)
+    want = hash_sequence(token_map.compress(ids), consts)
+    start = 0
+    handles = []
+    for size in (7, 1, 1, 5, 16):
+        batch = HashBatch.single(ids[start : start + size], start=start, device=device)
+        batch.slot_mapping = torch.arange(start, start + size, device=device)
+        batch.block_table = torch.arange(32, dtype=torch.int32, device=device)[None]
+        handle = runtime.step(batch)
+        np.testing.assert_array_equal(handle.row_ids.cpu().numpy(), want[start : start + size])
+        handles.append(handle)
+        start += size
+    runtime.close()
+
+
+def test_prefetch_uses_the_other_slot(layout, token_map, device) -> None:
+    runtime = _runtime(layout, token_map, device)
+    first = runtime.step(HashBatch.single([5, 6, 7], device=device))
+    before = first.rows(0).clone()
+    second = runtime.prefetch(HashBatch.single([8, 9], start=3, device=device))
+    assert first.slot != second.slot
+    assert torch.equal(first.rows(0), before)  # the prefetch did not overwrite the current rows
+    runtime.close()
+
+
+def test_sizes_are_enforced(layout, token_map, device) -> None:
+    runtime = _runtime(layout, token_map, device, max_tokens=4, max_requests=1)
+    with pytest.raises(ValidationError, match=r"5 tokens.*max_tokens=4"):
+        runtime.step(HashBatch.single([1, 2, 3, 4, 5], device=device))
+    two = HashBatch(
+        input_ids=torch.tensor([1, 2], device=device),
+        positions=torch.tensor([0, 0], device=device),
+        query_start_loc=torch.tensor([0, 1, 2], dtype=torch.int32, device=device),
+    )
+    with pytest.raises(ValidationError, match=r"2 requests.*max_requests=1"):
+        runtime.step(two)
+    with pytest.raises(ValidationError, match="layer_index=5"):
+        runtime.step(HashBatch.single([1], device=device)).rows(5)
+    consts = HashConstants.from_layout(layout, token_map.pad_id(CFG))
+    with pytest.raises(ValidationError, match="stores has 1 entries"):
+        EngramRuntime(
+            NgramHasher(consts, token_map, device), runtime.stores[:1], max_tokens=4, max_requests=1
+        )
+    with pytest.raises(ValidationError, match="max_tokens=0"):
+        EngramRuntime(
+            NgramHasher(consts, token_map, device), runtime.stores, max_tokens=0, max_requests=1
+        )
+    runtime.close()
+
+
+def test_tensor_parallel_shards_hold_their_columns(layout, token_map, device) -> None:
+    full = _runtime(layout, token_map, device)
+    ids = np.random.default_rng(4).integers(0, token_map.vocab_size, 12)
+    want = [full.step(HashBatch.single(ids, device=device)).rows(li).clone() for li in range(2)]
+    for rank in range(3):
+        part = _runtime(layout, token_map, device, tp=3, rank=rank)
+        handle = part.step(HashBatch.single(ids, device=device))
+        for li in range(2):
+            shard = layout.column_shard(li, 3, rank)
+            got = handle.rows(li).view(torch.int16)
+            mine = slice(shard.col_begin, shard.col_end)
+            assert torch.equal(got[:, mine], want[li].view(torch.int16)[:, mine])
+            others = torch.ones(CFG.n_cols, dtype=torch.bool)
+            others[mine] = False
+            assert bool((got[:, others] == 0).all())  # +0.0 for columns other ranks own
+        part.close()
+    full.close()
