@@ -12,16 +12,30 @@ def _run(capsys, *args: str) -> tuple[int, str, str]:
     return int(info.value.code or 0), " ".join(out.split()), err
 
 
-def test_demo_runs_and_checks_every_step(capsys) -> None:
-    code, out, _ = _run(capsys, "demo", "--device", "cpu")
+def test_demo_runs_and_checks_every_step(capsys, tmp_path) -> None:
+    chart = tmp_path / "demo.png"
+    code, out, _ = _run(capsys, "demo", "--device", "cpu", "--plot", str(chart))
     assert code == 0
     assert "B prefix hit" in out and "rejected" in out and "checks passed" in out
+    assert "row lookup" in out and "fused gate" in out
     assert "NO" not in out
+    assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_demo_on_tiny_config_with_text(capsys) -> None:
+def test_demo_on_tiny_config_with_text(capsys, tmp_path) -> None:
     text = "The cat and THE CAT and the cat sat on the mat while the Cat slept on The Mat all day long, and the cat woke up."
-    code, out, _ = _run(capsys, "demo", "--config", "tiny", "--text", text, "--device", "cpu")
+    code, out, _ = _run(
+        capsys,
+        "demo",
+        "--config",
+        "tiny",
+        "--text",
+        text,
+        "--device",
+        "cpu",
+        "--plot",
+        str(tmp_path / "c.png"),
+    )
     assert code == 0 and "checks passed" in out
 
 

@@ -69,6 +69,51 @@ def _stream_checked(
     return steps
 
 
+def _write_chart(
+    path: Path, tokenizer: Any, token_ids: Any, layer_rows: Any, cfg: Any, gates: Any
+) -> None:
+    """Two panels: how often each token's n-gram rows were already used, and the gates."""
+    import io
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    from engramrt._io import atomic_write_bytes
+
+    t_len = len(token_ids)
+    h = cfg.n_heads
+    orders = range(2, cfg.max_ngram_size + 1)
+    reuse = np.zeros((len(orders), t_len))
+    for oi, _ in enumerate(orders):
+        seen: dict[int, int] = {}
+        for p in range(t_len):
+            row = int(layer_rows[p, oi * h])  # head 0 of this order
+            reuse[oi, p] = seen.get(row, 0)
+            seen[row] = seen.get(row, 0) + 1
+    labels = [tokenizer.decode([int(t)]) for t in token_ids]
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(max(8, t_len * 0.22), 6), sharex=True)
+    width = 0.8 / len(orders)
+    for oi, order in enumerate(orders):
+        top.bar(np.arange(t_len) + oi * width, reuse[oi], width, label=f"{order}-gram")
+    top.set_ylabel("earlier uses of this row")
+    top.set_title(f"{cfg.name}, layer {cfg.layer_ids[0]}: n-gram rows reused across the text")
+    top.legend(loc="upper left")
+    image = bottom.imshow(gates.T, aspect="auto", cmap="viridis", vmin=0, vmax=1)
+    bottom.set_ylabel("stream")
+    bottom.set_title("gate value per token and hyper-connection stream")
+    bottom.set_xticks(np.arange(t_len))
+    bottom.set_xticklabels(labels, rotation=90, fontsize=7)
+    fig.colorbar(image, ax=bottom, fraction=0.02)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110)
+    plt.close(fig)
+    atomic_write_bytes(path, buf.getvalue())
+
+
 def register(app: typer.Typer) -> None:
     @app.command()
     def demo(
@@ -80,8 +125,17 @@ def register(app: typer.Typer) -> None:
         ] = None,
         file: Annotated[Path | None, typer.Option(help="Read the text from a file.")] = None,
         device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto",
+        plot: Annotated[Path, typer.Option(help="Where to write the PNG chart.")] = Path(
+            "engramrt-demo.png"
+        ),
     ) -> None:
-        """Stream a text through Engram like an engine would and check every step."""
+        """Stream a text through Engram like an engine would and check every step.
+
+        Rows come from a synthetic table computed from the row ids (no storage,
+        so the real V4.1-Flash layout with its 384 M rows per layer works
+        anywhere); they are projected by a random wkv and gated into random
+        hidden states, each stage checked against its reference.
+        """
         import numpy as np
         import torch
         from rich.table import Table
@@ -89,10 +143,11 @@ def register(app: typer.Typer) -> None:
         from engramrt.cli import console
         from engramrt.config import load_config
         from engramrt.errors import EngramError
-        from engramrt.gate import engram_gate, engram_gate_reference
+        from engramrt.gate import engram_gate, engram_gate_reference, gate_values_reference
         from engramrt.gate.reference import gate_tolerance
         from engramrt.hashing import HashBatch, HashConstants, NgramHasher
         from engramrt.layout import EngramLayout
+        from engramrt.lookup.tiers import SyntheticRowStore
         from engramrt.plan import memory_plan
         from engramrt.tokenmap import TokenMap, load_tokenizer
 
@@ -170,8 +225,55 @@ def register(app: typer.Typer) -> None:
         console.print(variants)
 
         steps = _stream_checked(hasher, token_ids, token_map, consts)
+
+        # Rows from a synthetic table (computed from the row ids), a random wkv
+        # and random hidden states: every stage against its reference.
+        t_len, hc, dim = int(token_ids.size), cfg.hc_mult, min(cfg.hidden_size, 1024)
+        stores = [
+            SyntheticRowStore(n, cfg.head_dim, device=dev, seed=li)
+            for li, n in enumerate(cfg.num_embeddings)
+        ]
+        ids_dev = torch.as_tensor(row_ids, device=dev)
+        rows = [store.lookup(ids_dev[:, li]) for li, store in enumerate(stores)]
+        rows_ok = all(
+            torch.equal(
+                r.view(torch.int16),
+                SyntheticRowStore(n, cfg.head_dim, device=dev, seed=li, backend="reference")
+                .lookup(ids_dev[:, li])
+                .view(torch.int16),
+            )
+            for li, (r, n) in enumerate(zip(rows, cfg.num_embeddings, strict=True))
+        )
+        steps.append(
+            {"step": "row lookup (fp8 rows -> bf16) vs reference", "tokens": t_len, "ok": rows_ok}
+        )
+        gen = torch.Generator().manual_seed(0)
+        wkv = (
+            (torch.randn((hc + 1) * dim, cfg.n_cols * cfg.head_dim, generator=gen) / 64)
+            .bfloat16()
+            .to(dev)
+        )
+        hidden = torch.randn(t_len, hc, dim, generator=gen).bfloat16().to(dev)
+        q_w = (1 + 0.1 * torch.randn(hc, dim, generator=gen)).bfloat16().to(dev)
+        k_w = (1 + 0.1 * torch.randn(hc, dim, generator=gen)).bfloat16().to(dev)
+        kv = rows[0].reshape(t_len, -1) @ wkv.t()
+        out = engram_gate(hidden, kv, q_w, k_w, cfg.rms_norm_eps)
+        ref = engram_gate_reference(hidden, kv, q_w, k_w, cfg.rms_norm_eps)
+        tol = gate_tolerance(
+            hidden, kv, q_w, k_w, cfg.rms_norm_eps, ref, truncating_store=dev.type == "cpu"
+        )
+        gate_ok = bool(((out.double() - ref.double()).abs() <= tol.to(out.device)).all())
+        steps.append(
+            {
+                "step": f"fused gate (layer {cfg.layer_ids[0]}) vs reference",
+                "tokens": t_len,
+                "ok": gate_ok,
+            }
+        )
+        gates = gate_values_reference(hidden, kv, q_w, k_w, cfg.rms_norm_eps).cpu().numpy()
+
         checks = Table(
-            title="streaming like an engine (slot cache): every step vs one-shot hashing",
+            title="checks: engine-style streaming (slot cache) vs one-shot hashing; rows and gate vs references",
             title_justify="left",
         )
         for name in ("step", "tokens", "matches"):
@@ -179,21 +281,6 @@ def register(app: typer.Typer) -> None:
         for s in steps:
             checks.add_row(s["step"], str(s["tokens"]), "yes" if s["ok"] else "[red]NO[/]")
         console.print(checks)
-
-        # Gate on synthetic hidden states and projected rows (values from the row ids).
-        t_len, hc, dim = int(token_ids.size), cfg.hc_mult, min(cfg.hidden_size, 1024)
-        gen = torch.Generator().manual_seed(int(row_ids.sum() % (2**31)))
-        hidden = torch.randn(t_len, hc, dim, generator=gen).bfloat16().to(dev)
-        kv = torch.randn(t_len, (hc + 1) * dim, generator=gen).bfloat16().to(dev)
-        q_w = (1 + 0.1 * torch.randn(hc, dim, generator=gen)).bfloat16().to(dev)
-        k_w = (1 + 0.1 * torch.randn(hc, dim, generator=gen)).bfloat16().to(dev)
-        out = engram_gate(hidden, kv, q_w, k_w, cfg.rms_norm_eps)
-        ref = engram_gate_reference(hidden, kv, q_w, k_w, cfg.rms_norm_eps)
-        tol = gate_tolerance(
-            hidden, kv, q_w, k_w, cfg.rms_norm_eps, ref, truncating_store=dev.type == "cpu"
-        )
-        gate_ok = bool(((out.double() - ref.double()).abs() <= tol.to(out.device)).all())
-        steps.append({"step": "fused gate vs reference", "tokens": t_len, "ok": gate_ok})
 
         timing = Table(
             title=f"per-stage time on {dev} ({t_len} tokens, median of 20)", title_justify="left"
@@ -203,6 +290,10 @@ def register(app: typer.Typer) -> None:
         batch = HashBatch.single(token_ids, device=dev)
         for label, fn in (
             ("hash ids", lambda: hasher(batch)),
+            (
+                "lookup, both layers",
+                lambda: [st.lookup(ids_dev[:, li]) for li, st in enumerate(stores)],
+            ),
             (f"gate (D={dim})", lambda: engram_gate(hidden, kv, q_w, k_w, cfg.rms_norm_eps)),
         ):
             times = []
@@ -227,6 +318,8 @@ def register(app: typer.Typer) -> None:
                 f"{disk.disk_bytes_per_node / 2**30:.1f} GiB",
             )
         console.print(plan)
+        _write_chart(plot, tokenizer, token_ids, row_ids[:, 0], cfg, gates)
+        console.print(f"chart: {plot}")
         failed = [s["step"] for s in steps if not s["ok"]]
         if failed or not all(same for *_, same in repeats):
             console.print(f"[bold red]FAILED[/]: {failed}")

@@ -19,6 +19,7 @@ from engramrt.gate.reference import (
     assert_within_tolerance,
     engram_gate_reference,
     gate_tolerance,
+    gate_values_reference,
 )
 
 __all__ = [
@@ -26,6 +27,7 @@ __all__ = [
     "engram_gate",
     "engram_gate_reference",
     "gate_tolerance",
+    "gate_values_reference",
 ]
 
 _ACTIVATION_DTYPES = (torch.bfloat16, torch.float16, torch.float32)

@@ -30,11 +30,33 @@ __all__ = [
     "assert_within_tolerance",
     "engram_gate_reference",
     "gate_tolerance",
+    "gate_values_reference",
 ]
 
 # The floor under |dot| before the square root: it keeps the gate's slope
 # d g / d dot (which grows like 1 / sqrt|dot|) finite at dot = 0.
 MIN_ABS_DOT = 1e-6
+
+
+def gate_values_reference(
+    hidden: torch.Tensor,
+    kv: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    eps: float,
+) -> torch.Tensor:
+    """The gate ``g [T, hc]`` fp32 of SPEC §8 (before masking), in fp32.
+
+    Shapes as in :func:`engram_gate_reference`.
+    """
+    num_tokens, hc, dim = hidden.shape
+    x = hidden.float()  # [T, hc, D]
+    keys = kv[:, : hc * dim].float().reshape(num_tokens, hc, dim)  # [T, hc, D]
+    x_normed = x * torch.rsqrt(x.square().mean(dim=-1, keepdim=True) + eps)
+    keys_normed = keys * torch.rsqrt(keys.square().mean(dim=-1, keepdim=True) + eps)
+    dot = (x_normed * q_weight.float() * k_weight.float() * keys_normed).sum(dim=-1)
+    dot = dot / math.sqrt(dim)  # [T, hc]
+    return torch.sigmoid(torch.sign(dot) * torch.sqrt(dot.abs().clamp_min(MIN_ABS_DOT)))
 
 
 def engram_gate_reference(
@@ -61,15 +83,8 @@ def engram_gate_reference(
     """
     num_tokens, hc, dim = hidden.shape
     x = hidden.float()  # [T, hc, D]
-    keys = kv[:, : hc * dim].float().reshape(num_tokens, hc, dim)  # [T, hc, D]
     value = kv[:, hc * dim :].float()  # [T, D]
-
-    x_normed = x * torch.rsqrt(x.square().mean(dim=-1, keepdim=True) + eps)
-    keys_normed = keys * torch.rsqrt(keys.square().mean(dim=-1, keepdim=True) + eps)
-    dot = (x_normed * q_weight.float() * k_weight.float() * keys_normed).sum(dim=-1)
-    dot = dot / math.sqrt(dim)  # [T, hc]
-    gate = torch.sigmoid(torch.sign(dot) * torch.sqrt(dot.abs().clamp_min(MIN_ABS_DOT)))
-
+    gate = gate_values_reference(hidden, kv, q_weight, k_weight, eps)  # [T, hc]
     out = x + gate.unsqueeze(-1) * value.unsqueeze(1)  # [T, hc, D]
     if token_mask is not None:
         out = torch.where(token_mask.view(num_tokens, 1, 1), out, x)

@@ -7,6 +7,7 @@ device     device memory; one gather + dequantise kernel                no (grap
 uva        page-locked host memory read by the same kernel over PCIe    no (graph-capturable)
 host       host memory; CPU threads gather unique rows, bulk H2D copy   yes (the unique ids)
 disk       a raw packed-row file, memory-mapped, then as ``host``      yes
+synthetic  nowhere: rows computed from their ids (demos, tests)        no
 =========  ==========================================================  =====================
 
 :func:`make_store` builds one, checking capacity first.
@@ -25,6 +26,7 @@ from engramrt.lookup.tiers.base import RowStore, default_compute_device
 from engramrt.lookup.tiers.device import DeviceRowStore
 from engramrt.lookup.tiers.disk import DiskRowStore
 from engramrt.lookup.tiers.host_gather import DEFAULT_CHUNK_ROWS, HostGatherRowStore
+from engramrt.lookup.tiers.synthetic import SyntheticRowStore
 from engramrt.lookup.tiers.uva import UvaRowStore
 
 __all__ = [
@@ -34,6 +36,7 @@ __all__ = [
     "DiskRowStore",
     "HostGatherRowStore",
     "RowStore",
+    "SyntheticRowStore",
     "UvaRowStore",
     "choose_tier",
     "make_store",
