@@ -164,6 +164,11 @@ def main() -> None:
     parser.add_argument("--table-gib", type=float, default=16.0)
     parser.add_argument("--decode-steps", type=int, default=40)
     parser.add_argument("--out", default=None)
+    parser.add_argument(
+        "--host-threads", default="default",
+        help="comma-separated intra-op thread counts for the host gather to compare (default: torch's)",
+    )
+    parser.add_argument("--workloads", default="decode,prefill", help="decode, prefill or both")
     args = parser.parse_args()
     device = torch.device("cuda")
     cfg = scaled_config(args.table_gib)
@@ -171,27 +176,30 @@ def main() -> None:
     token_map = TokenMap.from_tokenizer_file()
     consts = HashConstants.from_layout(layout, token_map.pad_id(cfg))
     rng = np.random.default_rng(0)
-    workloads = {
-        "decode 256x1": decode_batches(rng, token_map.vocab_size, args.decode_steps, device),
-        "prefill 512 seqs 100-1024": prefill_batches(rng, token_map.vocab_size, device),
-    }
+    workloads = {}
+    if "decode" in args.workloads:
+        workloads["decode 256x1"] = decode_batches(rng, token_map.vocab_size, args.decode_steps, device)
+    if "prefill" in args.workloads:
+        workloads["prefill 512 seqs 100-1024"] = prefill_batches(rng, token_map.vocab_size, device)
+    host_threads = [None if t == "default" else int(t) for t in args.host_threads.split(",")]
     backbone = make_backbone(device)
     results = []
     for tier in ("device", "host"):
         stores = synthetic_stores(layout, tier, device=device, seed=1)
         hasher = NgramHasher(consts, token_map, device, validate=False)
         runtime = EngramRuntime(hasher, stores, max_tokens=8192, max_requests=512, validate=False)
-        for name, batches in workloads.items():
-            for prefetch in (False, True):
-                run(runtime, batches[:3], backbone, cfg.rms_norm_eps, prefetch, device)  # warm-up
-                res = run(runtime, batches, backbone, cfg.rms_norm_eps, prefetch, device)
-                res.update(tier=tier, workload=name, prefetch=prefetch)
-                results.append(res)
-                print(
-                    f"{tier:6s} {name:26s} prefetch={prefetch!s:5s} {res['ms_per_step']:8.2f} ms/step "
-                    f"{res['tokens_per_s']:12,.0f} tok/s",
-                    flush=True,
-                )
+        for threads in host_threads if tier == "host" else [None]:
+            for store in stores:
+                if tier == "host":
+                    store.num_threads = threads  # read at every lookup
+            for name, batches in workloads.items():
+                for prefetch in (False, True):
+                    run(runtime, batches[:3], backbone, cfg.rms_norm_eps, prefetch, device)  # warm-up
+                    res = run(runtime, batches, backbone, cfg.rms_norm_eps, prefetch, device)
+                    res.update(tier=tier, workload=name, prefetch=prefetch, host_threads=threads)
+                    results.append(res)
+                    print(f"{tier:6s} threads={threads!s:7s} {name:26s} prefetch={prefetch!s:5s} "
+                          f"{res['ms_per_step']:8.2f} ms/step {res['tokens_per_s']:12,.0f} tok/s", flush=True)
         runtime.close()
         del stores, runtime
         torch.cuda.empty_cache()

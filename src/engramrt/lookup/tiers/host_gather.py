@@ -55,6 +55,14 @@ DEFAULT_CHUNK_ROWS = 65536
 three pieces, so the copy of one overlaps the gather of the next while each
 gather is still long enough to keep 16 threads busy."""
 
+ROWS_PER_GATHER_THREAD = 16384
+"""With ``num_threads=None`` the gather uses one intra-op thread per this many
+unique rows (at most torch's setting). Small gathers on many threads cost
+the caller more than they save: in a decode loop (6,144 rows per layer and
+step, a 30-block backbone launching meanwhile) one thread lost 10% of
+throughput against tables in GPU memory, the default 16 threads 17-25%
+(H200 host, ``bench/runtime_overhead.py --workloads decode``)."""
+
 _WORD_DTYPES = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8))
 
 
@@ -89,8 +97,9 @@ class HostGatherRowStore(RowStore):
             :class:`RowStore`.
         chunk_rows: rows per pipelined piece (gather of one piece overlaps
             the copy of the previous).
-        num_threads: torch intra-op threads for the gather; None keeps
-            torch's setting (by default one per core).
+        num_threads: torch intra-op threads for the gather; None picks one
+            per :data:`ROWS_PER_GATHER_THREAD` unique rows, at most torch's
+            setting.
         backend: ``"auto"``, ``"triton"`` or ``"reference"`` for the final
             dequantise-and-scatter.
 
@@ -164,9 +173,12 @@ class HostGatherRowStore(RowStore):
         """Rows ``source[local_ids]`` as ``[U, row_bytes]`` uint8 on :attr:`device`."""
         unique_count = local_ids.shape[0]
         source = _word_view(self.source)
+        threads = self.num_threads
+        if threads is None:
+            threads = max(1, min(torch.get_num_threads(), unique_count // ROWS_PER_GATHER_THREAD))
         if self.device.type != "cuda":
             rows = torch.empty((unique_count, self.row_bytes), dtype=torch.uint8)
-            with _intra_op_threads(self.num_threads):
+            with _intra_op_threads(threads):
                 torch.index_select(source, 0, local_ids, out=_word_view(rows))
             return rows if self.device.type == "cpu" else rows.to(self.device)
 
@@ -179,7 +191,7 @@ class HostGatherRowStore(RowStore):
         # ``rows`` may reuse memory whose last reader is still queued on the
         # compute stream: the copies must start after it.
         copy_stream.wait_stream(compute)
-        with _intra_op_threads(self.num_threads):
+        with _intra_op_threads(threads):
             for lo in range(0, unique_count, self.chunk_rows):
                 hi = min(lo + self.chunk_rows, unique_count)
                 torch.index_select(source, 0, local_ids[lo:hi], out=staged[lo:hi])
