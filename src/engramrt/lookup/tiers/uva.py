@@ -96,16 +96,25 @@ class UvaRowStore(RowStore):
                 f"{self.device} (CUDA available: {torch.cuda.is_available()}); use tier='host' "
                 f"or tier='device' on this machine"
             )
-        what = f"tier='uva' ({self.num_rows} rows of {self.row_bytes} B, page-locked)"
-        memory.require(what, self.nbytes, memory.host_available_bytes(), "host memory")
         self.rows_per_program = rows_per_program
         self.num_warps = num_warps
         self.hw_convert = hw_convert
-        self.host_table = torch.empty((self.num_rows, self.row_bytes), dtype=torch.uint8)
+        self.host_table = self._allocate_host_table()
+        self._mapped = _MappedHostRows(self.host_table.data_ptr())
+
+    def _allocate_host_table(self) -> torch.Tensor:
+        """``[num_rows, row_bytes]`` uint8 host rows, page-locked and mapped for the device.
+
+        A hook: a store over memory that already exists (a table shared by
+        several processes) overrides it and checks no capacity.
+        """
+        what = f"tier='uva' ({self.num_rows} rows of {self.row_bytes} B, page-locked)"
+        memory.require(what, self.nbytes, memory.host_available_bytes(), "host memory")
+        host_table = torch.empty((self.num_rows, self.row_bytes), dtype=torch.uint8)
         if self.nbytes > 0:
             status = int(
                 torch.cuda.cudart().cudaHostRegister(
-                    self.host_table.data_ptr(), self.nbytes, _CUDA_HOST_REGISTER_PORTABLE_MAPPED
+                    host_table.data_ptr(), self.nbytes, _CUDA_HOST_REGISTER_PORTABLE_MAPPED
                 )
             )
             if status != 0:
@@ -114,8 +123,8 @@ class UvaRowStore(RowStore):
                     f"memory: cudaHostRegister returned cudaError {status} (is the memlock "
                     f"limit, ulimit -l, below the table size?)"
                 )
-            weakref.finalize(self, _unregister, self.host_table)
-        self._mapped = _MappedHostRows(self.host_table.data_ptr())
+            weakref.finalize(self, _unregister, host_table)
+        return host_table
 
     def _write(self, start: int, packed: torch.Tensor) -> None:
         self.host_table[start : start + packed.shape[0]].copy_(packed)

@@ -1,0 +1,811 @@
+"""One host copy of a table per node, mapped by every process that serves it.
+
+Data-parallel replicas on one node serve the same tables: rank ``r`` of
+every replica's TP group needs the same shard. Loading a private copy per
+process would hold the 188.8 GiB of V4.1-Flash once per replica; instead
+the first process to take a shard's creation lock loads it once into a file
+of a memory file system (``/dev/shm``) and every process maps that file
+read-only. The mapping is ordinary host memory: the host-gather tier reads
+it directly and the UVA tier registers it with ``cudaHostRegister`` (see
+:mod:`engramrt.distributed.stores`). Nobody makes a private copy.
+
+Files in the directory, for a table called ``<name>``:
+
+=========================  ==================================================
+``<name>``                 the packed rows, ``num_rows * row_bytes`` bytes,
+                           complete: it only ever appears by a rename
+``<name>.manifest.json``   written last, atomically: geometry, the data
+                           file's identity (device, inode, size), a sha256 of
+                           sample rows, ``"complete": true``, and a sha256 of
+                           all that
+``<name>.tmp-<pid>``       a table being written by process ``pid``
+``<name>.lock``            ``flock`` target; never deleted by the protocol
+=========================  ==================================================
+
+Publication (the creator holds an exclusive ``flock`` on ``<name>.lock``):
+
+1. remove any old manifest, then any old data file, then every
+   ``<name>.tmp-*`` file (under the lock nobody else can be writing one);
+2. create ``<name>.tmp-<pid>``, reserve its bytes with ``posix_fallocate``
+   (a full ``/dev/shm`` fails here with ENOSPC, not later with SIGBUS on a
+   page fault), map it and let the loader fill it;
+3. ``msync`` + ``fsync``, make it read-only, ``rename`` it to ``<name>``,
+   ``fsync`` the directory;
+4. write the manifest with :func:`engramrt._io.atomic_write_bytes` (temp
+   file, ``fsync``, ``rename``, directory ``fsync``).
+
+Why a crash at any point cannot be mistaken for a loaded table: an attacher
+accepts a table only through a manifest that says complete, whose own
+checksum verifies, whose geometry is the one asked for, and whose recorded
+(device, inode, size) is that of the data file it opened. The manifest is
+written only after the data file it describes was completely written,
+synced and renamed into place, and a data file is never written after its
+rename. A creator that dies before step 4 leaves no manifest (step 1 removed
+the old one before anything else), so nothing is attached; it may leave a
+tmp file or a data file without manifest, which the next lock holder removes
+in step 1. The lock is an ``flock``: the kernel drops it when its holder
+dies, so waiters notice a dead creator (the lock becomes free while no
+complete manifest exists) and one of them takes over. A process that mapped
+an older table keeps its pages when the files are replaced: POSIX keeps an
+unlinked inode alive while it is mapped.
+
+Falling back to private copies: sharing needs every process of ``group`` on
+one node (hostname and boot id, gathered with ``all_gather_object``) and
+room in the directory (``shutil.disk_usage``) for the tables not there yet.
+Otherwise every process loads a private copy and a :class:`UserWarning`
+gives the numbers. ``posix_fallocate`` failing for lack of space falls back
+the same way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import hashlib
+import json
+import mmap
+import os
+import shutil
+import socket
+import tempfile
+import time
+import warnings
+import weakref
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from engramrt._io import atomic_write_bytes
+from engramrt.errors import CapacityError, ValidationError
+from engramrt.lookup.tiers import memory
+
+__all__ = [
+    "DIRECTORY_ENV",
+    "MANIFEST_FORMAT",
+    "MANIFEST_VERSION",
+    "SAMPLE_ROWS",
+    "Loader",
+    "SharedHostTable",
+    "SharingDecision",
+    "SharingRequest",
+    "TablePaths",
+    "clean_stale_tmp_files",
+    "decide_sharing",
+    "default_directory",
+    "node_id",
+]
+
+MANIFEST_FORMAT = "engramrt-shared-table"
+MANIFEST_VERSION = 1
+DIRECTORY_ENV = "ENGRAMRT_SHARED_DIR"
+"""Environment variable naming the directory of shared tables (default ``/dev/shm``)."""
+SAMPLE_ROWS = 64
+"""Rows (evenly spaced, first and last included) whose sha256 the manifest records."""
+_FULL_HASH_BYTES = 64 * 2**20
+_CUDA_HOST_REGISTER_PORTABLE = 0x01
+_CUDA_HOST_REGISTER_MAPPED = 0x02
+_CUDA_HOST_REGISTER_READ_ONLY = 0x08  # the mapping is PROT_READ: pinning must not ask for write
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+_MANIFEST_KEYS = frozenset(
+    ("num_rows", "row_bytes", "fingerprint", "file", "checksum", "sample_rows", "sha256")
+)
+
+Loader = Callable[[torch.Tensor], None]
+"""Fills a writable ``[num_rows, row_bytes]`` uint8 CPU tensor with the table's packed rows."""
+
+
+def default_directory() -> Path:
+    """``$ENGRAMRT_SHARED_DIR``, else ``/dev/shm`` when it exists, else the temp directory."""
+    configured = os.environ.get(DIRECTORY_ENV)
+    if configured:
+        return Path(configured)
+    shm = Path("/dev/shm")
+    return shm if shm.is_dir() else Path(tempfile.gettempdir())
+
+
+def node_id() -> str:
+    """This machine: hostname plus the kernel's boot id (two nodes may share a hostname)."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        boot = "?"
+    return f"{socket.gethostname()}/{boot}"
+
+
+# --- paths and small file helpers --------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TablePaths:
+    """The files of table ``name`` in ``directory`` (see the module doc)."""
+
+    directory: Path
+    name: str
+
+    @property
+    def data(self) -> Path:
+        return self.directory / self.name
+
+    @property
+    def manifest(self) -> Path:
+        return self.directory / f"{self.name}.manifest.json"
+
+    @property
+    def lock(self) -> Path:
+        return self.directory / f"{self.name}.lock"
+
+    def tmp(self, pid: int) -> Path:
+        return self.directory / f"{self.name}.tmp-{pid}"
+
+    def tmp_files(self) -> list[tuple[Path, int | None]]:
+        """Every ``<name>.tmp-*`` file with the pid its name carries (None: not a pid)."""
+        found = []
+        for path in self.directory.glob(f"{self.name}.tmp-*"):
+            suffix = path.name[len(self.name) + len(".tmp-") :]
+            found.append((path, int(suffix) if suffix.isdigit() else None))
+        return sorted(found)
+
+
+def _check_name(name: str) -> str:
+    if (
+        not isinstance(name, str)
+        or not name
+        or "/" in name
+        or "\0" in name
+        or name.startswith(".")
+        or ".tmp-" in name
+        or name.endswith((".lock", ".manifest.json"))
+    ):
+        raise ValidationError(
+            f"name={name!r}; expected a plain file name (no '/', no leading '.', no '.tmp-', "
+            f"not ending in '.lock' or '.manifest.json')"
+        )
+    return name
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, owned by someone else
+        return True
+    return True
+
+
+def _fsync_directory(directory: Path) -> None:
+    with contextlib.suppress(OSError):
+        fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def clean_stale_tmp_files(directory: str | os.PathLike[str], name: str) -> list[Path]:
+    """Remove ``<name>.tmp-<pid>`` files whose writer ``pid`` is dead; returns those removed.
+
+    Safe without the creation lock (a live writer's file is kept). Under
+    the lock the creator removes every tmp file (see the module doc).
+    """
+    paths = TablePaths(Path(directory), _check_name(name))
+    removed = []
+    for path, pid in paths.tmp_files():
+        if pid is not None and not _pid_alive(pid):
+            path.unlink(missing_ok=True)
+            removed.append(path)
+    return removed
+
+
+@contextlib.contextmanager
+def _try_lock(path: Path) -> Iterator[bool]:
+    """Hold an exclusive ``flock`` on ``path`` if nobody else does; yields whether we got it."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            yield False
+            return
+        try:
+            # Who holds it, for the messages of those who wait (informational only).
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()} {node_id()}\n".encode(), 0)
+            yield True
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
+
+
+def _lock_holder(path: Path) -> str:
+    try:
+        return path.read_text().strip() or "unknown"
+    except OSError:
+        return "unknown"
+
+
+# --- mapping and checksums ---------------------------------------------------------
+
+
+def _map(fd: int, num_rows: int, row_bytes: int, *, writable: bool) -> tuple[Any, torch.Tensor]:
+    """Map ``fd`` shared as ``[num_rows, row_bytes]`` uint8; returns (mmap or None, tensor)."""
+    nbytes = num_rows * row_bytes
+    if nbytes == 0:  # mmap cannot map zero bytes
+        return None, torch.empty((num_rows, row_bytes), dtype=torch.uint8)
+    prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+    mapping = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=prot)
+    array = np.frombuffer(mapping, dtype=np.uint8).reshape(num_rows, row_bytes)
+    with warnings.catch_warnings():
+        # A read-only mapping is not writable; nothing here writes through it.
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return mapping, torch.from_numpy(array)
+
+
+def _sample_indices(num_rows: int) -> list[int]:
+    if num_rows == 0:
+        return []
+    count = min(num_rows, SAMPLE_ROWS)
+    return sorted(set(np.linspace(0, num_rows - 1, count).round().astype(np.int64).tolist()))
+
+
+def _digest(rows: torch.Tensor, indices: Sequence[int] | None) -> str:
+    """sha256 of the bytes of ``rows`` (``indices``: of those rows only)."""
+    array = rows.numpy()
+    digest = hashlib.sha256()
+    if indices is not None:
+        for index in indices:
+            digest.update(array[index].tobytes())
+        return digest.hexdigest()
+    flat = array.reshape(-1)
+    for start in range(0, flat.shape[0], _FULL_HASH_BYTES):
+        digest.update(flat[start : start + _FULL_HASH_BYTES].data)
+    return digest.hexdigest()
+
+
+def _metadata_digest(fields: Mapping[str, Any]) -> str:
+    canonical = json.dumps(fields, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+# --- the sharing decision -----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SharingRequest:
+    """What one process asks for and sees, gathered over the group before anything is created."""
+
+    node: str
+    directory: str
+    name: str
+    nbytes: int
+    present: bool
+    free_bytes: int
+
+
+@dataclass(frozen=True)
+class SharingDecision:
+    """Whether the group shares tables through the directory; ``reason`` says why not."""
+
+    shared: bool
+    reason: str = ""
+
+
+def decide_sharing(requests: Sequence[SharingRequest]) -> SharingDecision:
+    """One decision for the whole group, from every member's request (the same on every rank).
+
+    Shared only when every process is on one node and, for every directory,
+    the tables not yet there (each name once) fit in the free space the
+    fullest-looking process saw.
+    """
+    nodes: dict[str, list[int]] = {}
+    for rank, request in enumerate(requests):
+        nodes.setdefault(request.node, []).append(rank)
+    if len(nodes) > 1:
+        listed = "; ".join(f"{node}: ranks {ranks}" for node, ranks in sorted(nodes.items()))
+        return SharingDecision(
+            False,
+            f"the {len(requests)} processes are on {len(nodes)} nodes ({listed}); a shared "
+            f"table needs one node (pass a node-local group)",
+        )
+    by_directory: dict[str, list[SharingRequest]] = {}
+    for request in requests:
+        by_directory.setdefault(request.directory, []).append(request)
+    for directory, members in sorted(by_directory.items()):
+        missing = {r.name: r.nbytes for r in members if not r.present}
+        needed = sum(missing.values())
+        free = min(r.free_bytes for r in members)
+        if needed > free:
+            tables = ", ".join(f"{name} {nbytes}" for name, nbytes in sorted(missing.items()))
+            return SharingDecision(
+                False,
+                f"{directory} has {memory.format_bytes(free)} free but the {len(missing)} "
+                f"table(s) not there yet need {memory.format_bytes(needed)} (bytes: {tables})",
+            )
+    return SharingDecision(True)
+
+
+def _gather_requests(request: SharingRequest, group: Any) -> list[SharingRequest]:
+    if group is None:
+        return [request]
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        raise ValidationError(
+            "group was given but torch.distributed is not initialised; call "
+            "torch.distributed.init_process_group first, or pass group=None"
+        )
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, asdict(request), group=group)
+    return [SharingRequest(**item) for item in gathered]
+
+
+# --- the table ------------------------------------------------------------------------
+
+
+class _Mismatch(Exception):
+    def __init__(self, found: Mapping[str, Any]) -> None:
+        super().__init__(found)
+        self.found = found
+
+
+def _unregister(pointer: int, keep_alive: object) -> None:
+    # Runs before ``keep_alive`` (the mapping) can be unmapped.
+    del keep_alive
+    torch.cuda.cudart().cudaHostUnregister(pointer)
+
+
+class SharedHostTable:
+    """Packed rows ``[num_rows, row_bytes]`` uint8 in host memory, shared by a node's processes.
+
+    Build one with :meth:`create_or_attach` (or :meth:`attach`). Attributes:
+
+    - ``rows``: the read-only CPU tensor (a shared mapping; a private copy
+      when sharing fell back, ``shared`` False);
+    - ``created``: this process ran the loader;
+    - ``path``, ``manifest``: the data file and its manifest (None when private).
+    """
+
+    def __init__(
+        self,
+        *,
+        name: str,
+        directory: Path,
+        num_rows: int,
+        row_bytes: int,
+        rows: torch.Tensor,
+        mapping: Any,
+        manifest: dict[str, Any] | None,
+        created: bool,
+        shared: bool,
+    ) -> None:
+        self.name = name
+        self.directory = directory
+        self.num_rows = num_rows
+        self.row_bytes = row_bytes
+        self.rows = rows
+        self._mapping = mapping
+        self.manifest = manifest
+        self.created = created
+        self.shared = shared
+        self._registered = False
+
+    @property
+    def nbytes(self) -> int:
+        return self.num_rows * self.row_bytes
+
+    @property
+    def path(self) -> Path | None:
+        """The data file (None for a private copy)."""
+        return TablePaths(self.directory, self.name).data if self.shared else None
+
+    def __repr__(self) -> str:
+        where = str(self.path) if self.shared else "private copy"
+        return (
+            f"SharedHostTable(name={self.name!r}, rows={self.num_rows}, row_bytes={self.row_bytes}, "
+            f"{where}, created={self.created})"
+        )
+
+    # -- CUDA ------------------------------------------------------------------
+
+    def register_cuda(self) -> torch.Tensor:
+        """Page-lock the rows and map them for every CUDA device; returns :attr:`rows`.
+
+        ``cudaHostRegister`` (portable, mapped, read-only: the mapping is
+        ``PROT_READ``) in this process, once; unregistered when the table is
+        collected. Each process registers its own mapping of the shared
+        pages (the pages are pinned once per registration; locked memory
+        counts against each process's ``ulimit -l``).
+        """
+        if self._registered or self.nbytes == 0:
+            return self.rows
+        if not torch.cuda.is_available():
+            raise CapacityError(
+                f"register_cuda on table {self.name!r}: no CUDA device (CUDA available: False)"
+            )
+        flags = (
+            _CUDA_HOST_REGISTER_PORTABLE
+            | _CUDA_HOST_REGISTER_MAPPED
+            | _CUDA_HOST_REGISTER_READ_ONLY
+        )
+        pointer = self.rows.data_ptr()
+        status = int(torch.cuda.cudart().cudaHostRegister(pointer, self.nbytes, flags))
+        if status != 0:
+            raise CapacityError(
+                f"cudaHostRegister of table {self.name!r} ({memory.format_bytes(self.nbytes)}, "
+                f"read-only shared mapping) returned cudaError {status}; check ulimit -l "
+                f"(memlock) and that the device supports cudaHostRegisterReadOnly"
+            )
+        weakref.finalize(self, _unregister, pointer, (self._mapping, self.rows))
+        self._registered = True
+        return self.rows
+
+    # -- building ----------------------------------------------------------------
+
+    @classmethod
+    def create_or_attach(
+        cls,
+        name: str,
+        num_rows: int,
+        row_bytes: int,
+        loader: Loader,
+        *,
+        directory: str | os.PathLike[str] | None = None,
+        group: Any = None,
+        fingerprint: str = "",
+        checksum: str = "sample",
+        replace_mismatched: bool = False,
+        timeout_s: float = 3600.0,
+        poll_s: float = 0.05,
+        cuda_register: bool = False,
+    ) -> SharedHostTable:
+        """Attach the node's copy of table ``name``, loading it first if nobody has.
+
+        Args:
+            name: the table's file name in ``directory`` (one per layer and
+                shard, e.g. ``engram-<model>-layer1-tp2-rank0``).
+            num_rows, row_bytes: its geometry (``row_bytes = E + E/32``).
+            loader: fills a writable ``[num_rows, row_bytes]`` uint8 tensor
+                (a mapping of the new file, or of a private copy); run by
+                one process per node, or by each on fallback.
+            directory: where the files live (default :func:`default_directory`).
+            group: the torch.distributed group of the processes calling this
+                now (each for its own table), used once to check that they
+                share a node and that the directory has room; None: decide
+                from this process alone.
+            fingerprint: what the rows are (checkpoint identity, layer,
+                shard); a table of the same name made from another
+                fingerprint or geometry is refused (or replaced).
+            checksum: ``"sample"`` (sha256 of up to :data:`SAMPLE_ROWS` rows,
+                verified by every attacher) or ``"full"`` (of every byte,
+                which each attacher then hashes too).
+            replace_mismatched: replace a complete table of another
+                fingerprint or geometry instead of raising.
+            timeout_s: how long to wait for another process's load.
+            poll_s: how often waiters look.
+            cuda_register: also page-lock and map the rows for CUDA
+                (:meth:`register_cuda`); only the UVA tier reads them that
+                way, and its store registers them itself.
+
+        Raises:
+            ValidationError: a complete table of another geometry or
+                fingerprint exists (and ``replace_mismatched`` is off).
+            TimeoutError: another process held the lock longer than ``timeout_s``.
+            CapacityError: a private copy was needed and host memory is short.
+        """
+        table = cls._create_or_attach(
+            _check_name(name),
+            num_rows,
+            row_bytes,
+            loader,
+            directory=directory,
+            group=group,
+            fingerprint=fingerprint,
+            checksum=checksum,
+            replace_mismatched=replace_mismatched,
+            timeout_s=timeout_s,
+            poll_s=poll_s,
+        )
+        if cuda_register:
+            table.register_cuda()
+        return table
+
+    @classmethod
+    def _create_or_attach(
+        cls,
+        name: str,
+        num_rows: int,
+        row_bytes: int,
+        loader: Loader,
+        *,
+        directory: str | os.PathLike[str] | None,
+        group: Any,
+        fingerprint: str,
+        checksum: str,
+        replace_mismatched: bool,
+        timeout_s: float,
+        poll_s: float,
+    ) -> SharedHostTable:
+        if checksum not in ("sample", "full"):
+            raise ValidationError(f"checksum={checksum!r}; expected 'sample' or 'full'")
+        if num_rows < 0 or row_bytes <= 0:
+            raise ValidationError(
+                f"num_rows={num_rows}, row_bytes={row_bytes}; expected num_rows >= 0, row_bytes > 0"
+            )
+        where = Path(directory) if directory is not None else default_directory()
+        where.mkdir(parents=True, exist_ok=True)
+        paths = TablePaths(where, name)
+        geometry = {"num_rows": num_rows, "row_bytes": row_bytes, "fingerprint": fingerprint}
+        request = SharingRequest(
+            node=node_id(),
+            directory=str(where.resolve()),
+            name=name,
+            nbytes=num_rows * row_bytes,
+            present=_read_manifest(paths) is not None,
+            free_bytes=int(shutil.disk_usage(where).free),
+        )
+        decision = decide_sharing(_gather_requests(request, group))
+        if not decision.shared:
+            return cls._private(paths, num_rows, row_bytes, loader, decision.reason)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            table = cls._attach_complete(paths, geometry, checksum, replace_mismatched)
+            if table is not None:
+                return table
+            no_space = ""
+            with _try_lock(paths.lock) as locked:
+                if locked:
+                    # Re-check under the lock: someone may have published meanwhile.
+                    table = cls._attach_complete(paths, geometry, checksum, replace_mismatched)
+                    if table is not None:
+                        return table
+                    try:
+                        _publish(paths, geometry, loader, checksum)
+                    except _NoSpaceError as exc:
+                        no_space = str(exc)
+                    else:
+                        table = cls._attach_complete(paths, geometry, checksum, replace_mismatched)
+                        if table is None:  # pragma: no cover - we just published it
+                            raise RuntimeError(f"table {name!r} published but not attachable")
+                        table.created = True
+                        return table
+            if no_space:  # load the private copy after releasing the lock
+                return cls._private(paths, num_rows, row_bytes, loader, no_space)
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"waited {timeout_s:.0f} s for table {name!r} in {where}: its creation lock is "
+                    f"held by {_lock_holder(paths.lock)} and no complete manifest appeared"
+                )
+            time.sleep(poll_s)
+
+    @classmethod
+    def attach(
+        cls,
+        name: str,
+        num_rows: int,
+        row_bytes: int,
+        *,
+        directory: str | os.PathLike[str] | None = None,
+        fingerprint: str = "",
+        checksum: str = "sample",
+    ) -> SharedHostTable:
+        """Map an existing complete table; raises :class:`ValidationError` if there is none."""
+        where = Path(directory) if directory is not None else default_directory()
+        paths = TablePaths(where, _check_name(name))
+        geometry = {"num_rows": num_rows, "row_bytes": row_bytes, "fingerprint": fingerprint}
+        table = cls._attach_complete(paths, geometry, checksum, replace_mismatched=False)
+        if table is None:
+            raise ValidationError(
+                f"no complete table {name!r} in {where} (no manifest that says complete and "
+                f"matches its data file)"
+            )
+        return table
+
+    @staticmethod
+    def remove(name: str, directory: str | os.PathLike[str] | None = None) -> None:
+        """Delete table ``name``'s files, lock included: only when no process uses it.
+
+        Processes that mapped it keep their pages until they unmap them.
+        """
+        paths = TablePaths(
+            Path(directory) if directory is not None else default_directory(), _check_name(name)
+        )
+        paths.manifest.unlink(missing_ok=True)
+        paths.data.unlink(missing_ok=True)
+        for path, _pid in paths.tmp_files():
+            path.unlink(missing_ok=True)
+        paths.lock.unlink(missing_ok=True)
+
+    @classmethod
+    def _private(
+        cls, paths: TablePaths, num_rows: int, row_bytes: int, loader: Loader, reason: str
+    ) -> SharedHostTable:
+        nbytes = num_rows * row_bytes
+        warnings.warn(
+            f"table {paths.name!r}: loading a private copy of {memory.format_bytes(nbytes)} "
+            f"in this process instead of sharing one through {paths.directory}: {reason}",
+            UserWarning,
+            stacklevel=4,
+        )
+        what = f"private copy of table {paths.name!r}"
+        memory.require(what, nbytes, memory.host_available_bytes(), "host memory")
+        rows = torch.empty((num_rows, row_bytes), dtype=torch.uint8)
+        loader(rows)
+        return cls(
+            name=paths.name,
+            directory=paths.directory,
+            num_rows=num_rows,
+            row_bytes=row_bytes,
+            rows=rows,
+            mapping=None,
+            manifest=None,
+            created=True,
+            shared=False,
+        )
+
+    @classmethod
+    def _attach_complete(
+        cls,
+        paths: TablePaths,
+        geometry: Mapping[str, Any],
+        checksum: str,
+        replace_mismatched: bool,
+    ) -> SharedHostTable | None:
+        """The complete table at ``paths``, mapped read-only, or None (absent, partial, corrupt)."""
+        manifest = _read_manifest(paths)
+        if manifest is None:
+            return None
+        found = {key: manifest[key] for key in geometry}
+        if found != dict(geometry) or manifest["checksum"] != checksum:
+            if replace_mismatched:
+                return None  # the lock holder replaces it
+            raise ValidationError(
+                f"{paths.data} holds another table: its manifest has {found} (checksum "
+                f"{manifest['checksum']!r}) but {dict(geometry)} (checksum {checksum!r}) was asked "
+                f"for; remove it (SharedHostTable.remove), choose another name or pass "
+                f"replace_mismatched=True"
+            )
+        try:
+            fd = os.open(paths.data, os.O_RDONLY)
+        except FileNotFoundError:
+            return None
+        try:
+            status = os.fstat(fd)
+            identity = {"dev": status.st_dev, "ino": status.st_ino, "size": status.st_size}
+            if identity != manifest["file"]:
+                return None  # a data file the manifest does not describe
+            mapping, rows = _map(fd, manifest["num_rows"], manifest["row_bytes"], writable=False)
+        finally:
+            os.close(fd)  # the mapping keeps the file alive
+        indices = manifest["sample_rows"] if checksum == "sample" else None
+        if _digest(rows, indices) != manifest["sha256"]:
+            return None  # corrupt: the lock holder recreates it
+        return cls(
+            name=paths.name,
+            directory=paths.directory,
+            num_rows=manifest["num_rows"],
+            row_bytes=manifest["row_bytes"],
+            rows=rows,
+            mapping=mapping,
+            manifest=manifest,
+            created=False,
+            shared=True,
+        )
+
+
+def _read_manifest(paths: TablePaths) -> dict[str, Any] | None:
+    """The manifest when it exists, parses, says complete and its own checksum verifies."""
+    try:
+        manifest = json.loads(paths.manifest.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    if not isinstance(manifest, dict) or manifest.get("complete") is not True:
+        return None
+    fields = {key: value for key, value in manifest.items() if key != "metadata_sha256"}
+    if (
+        manifest.get("format") != MANIFEST_FORMAT
+        or manifest.get("version") != MANIFEST_VERSION
+        or manifest.get("name") != paths.name
+        or manifest.get("metadata_sha256") != _metadata_digest(fields)
+        or not _MANIFEST_KEYS.issubset(manifest)
+    ):
+        return None
+    return manifest
+
+
+class _NoSpaceError(Exception):
+    """The directory could not reserve the table's bytes."""
+
+
+def _publish(paths: TablePaths, geometry: Mapping[str, Any], loader: Loader, checksum: str) -> None:
+    """Steps 1-4 of the module doc. The caller holds the creation lock."""
+    num_rows, row_bytes = int(geometry["num_rows"]), int(geometry["row_bytes"])
+    nbytes = num_rows * row_bytes
+    # 1. Nothing of an older or crashed attempt survives: manifest first, so no
+    #    instant exists where a manifest describes a file about to change.
+    paths.manifest.unlink(missing_ok=True)
+    _fsync_directory(paths.directory)
+    paths.data.unlink(missing_ok=True)
+    for path, _pid in paths.tmp_files():  # under the lock nobody is writing one
+        path.unlink(missing_ok=True)
+    # 2. Write the rows into a file only this process knows about.
+    tmp = paths.tmp(os.getpid())
+    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        if nbytes > 0:
+            try:
+                os.posix_fallocate(fd, 0, nbytes)
+            except OSError as exc:
+                if exc.errno in _NO_SPACE:
+                    raise _NoSpaceError(
+                        f"reserving {memory.format_bytes(nbytes)} in {paths.directory} failed "
+                        f"({os.strerror(exc.errno)}; {memory.format_bytes(shutil.disk_usage(paths.directory).free)} free)"
+                    ) from exc
+                if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                    raise
+                os.ftruncate(fd, nbytes)  # a file system without fallocate
+        mapping, target = _map(fd, num_rows, row_bytes, writable=True)
+        loader(target)
+        indices = _sample_indices(num_rows) if checksum == "sample" else None
+        sha256 = _digest(target, indices)
+        del target
+        if mapping is not None:
+            mapping.flush()  # msync
+            with contextlib.suppress(BufferError):  # the loader kept a view: unmapped on GC
+                mapping.close()
+        # 3. Durable, read-only, then visible under its name in one step.
+        os.fsync(fd)
+        os.fchmod(fd, 0o444)
+        status = os.fstat(fd)
+    except BaseException:
+        os.close(fd)
+        tmp.unlink(missing_ok=True)
+        raise
+    os.close(fd)
+    os.rename(tmp, paths.data)
+    _fsync_directory(paths.directory)
+    # 4. The manifest, last and atomically.
+    fields: dict[str, Any] = {
+        "format": MANIFEST_FORMAT,
+        "version": MANIFEST_VERSION,
+        "name": paths.name,
+        "complete": True,
+        "num_rows": num_rows,
+        "row_bytes": row_bytes,
+        "nbytes": nbytes,
+        "fingerprint": geometry["fingerprint"],
+        "file": {"dev": status.st_dev, "ino": status.st_ino, "size": status.st_size},
+        "checksum": checksum,
+        "sample_rows": indices,
+        "sha256": sha256,
+        "creator": {"pid": os.getpid(), "node": node_id(), "time": time.time()},
+    }
+    fields["metadata_sha256"] = _metadata_digest(fields)
+    atomic_write_bytes(paths.manifest, json.dumps(fields, indent=1).encode())
