@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 from engramrt.layer.linear import EngramLinear, dequantize_block_fp8
+from engramrt.layer.loading import DEFAULT_LAYER_WEIGHT_NAMES, load_layer
 from engramrt.layer.module import EngramLayer
 from engramrt.layer.parallel import (
     COLLECTIVES,
@@ -36,6 +37,7 @@ from engramrt.layer.reference import (
 __all__ = [
     "BF16_DEQUANT_ROUNDING",
     "COLLECTIVES",
+    "DEFAULT_LAYER_WEIGHT_NAMES",
     "WEIGHT_BLOCK",
     "EngramLayer",
     "EngramLinear",
@@ -47,6 +49,7 @@ __all__ = [
     "engram_linear_reference",
     "linear_exact",
     "linear_tolerance",
+    "load_layer",
     "rank_columns",
     "shard_tokens",
     "token_range",
