@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -47,7 +48,7 @@ def _read_tensor(checkpoint: Any, name: str, role: str, layer_id: int) -> torch.
 
 def load_layer(
     checkpoint: str | os.PathLike[str] | Any,
-    config: EngramConfig | str | os.PathLike[str],
+    config: EngramConfig | str | Path,
     layer_index: int,
     *,
     max_tokens: int,
