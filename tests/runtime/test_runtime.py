@@ -132,3 +132,47 @@ def test_tensor_parallel_shards_hold_their_columns(layout, token_map, device) ->
             assert bool((got[:, others] == 0).all())  # +0.0 for columns other ranks own
         part.close()
     full.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_graph_capture_replays_like_eager(layout, token_map) -> None:
+    """Capture one step (hash + both lookups, device tier), replay it over many batches."""
+    device = torch.device("cuda")
+    t_len, rng = 48, np.random.default_rng(9)
+    static = HashBatch(
+        input_ids=torch.zeros(t_len, dtype=torch.int64, device=device),
+        positions=torch.arange(t_len, device=device),
+        query_start_loc=torch.tensor([0, 20, 21, 48], dtype=torch.int32, device=device),
+        lookback_token_ids=torch.full((3, 3), -1, dtype=torch.int64, device=device),
+    )
+    captured = _runtime(layout, token_map, device, validate=False)
+    eager = _runtime(layout, token_map, device, validate=False)
+    outs = [
+        torch.empty(t_len, CFG.n_cols, CFG.head_dim, dtype=torch.bfloat16, device=device)
+        for _ in range(2)
+    ]
+
+    def step() -> None:
+        handle = captured.step(static)
+        for li in range(2):
+            outs[li].copy_(handle.rows(li))
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()  # warm-up: compiles kernels outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for _ in range(10):
+        ids = torch.as_tensor(rng.integers(0, token_map.vocab_size, t_len), device=device)
+        lookback = torch.as_tensor(rng.integers(-1, token_map.vocab_size, (3, 3)), device=device)
+        static.input_ids.copy_(ids)
+        static.lookback_token_ids.copy_(lookback)
+        graph.replay()
+        want = eager.step(
+            HashBatch(ids, static.positions, static.query_start_loc, lookback_token_ids=lookback)
+        )
+        for li in range(2):
+            assert torch.equal(outs[li].view(torch.int16), want.rows(li).view(torch.int16))
