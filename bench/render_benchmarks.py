@@ -39,7 +39,9 @@ def main() -> None:
     text = target.read_text()
     head, rest = text.split(START, 1)
     _, tail = rest.split(END, 1)
-    atomic_write_bytes(target, (head + START + "\n\n" + "\n".join(sections) + "\n" + END + tail).encode())
+    atomic_write_bytes(
+        target, (head + START + "\n\n" + "\n".join(sections) + "\n" + END + tail).encode()
+    )
 
 
 if __name__ == "__main__":

@@ -165,7 +165,8 @@ def main() -> None:
     parser.add_argument("--decode-steps", type=int, default=40)
     parser.add_argument("--out", default=None)
     parser.add_argument(
-        "--host-threads", default="default",
+        "--host-threads",
+        default="default",
         help="comma-separated intra-op thread counts for the host gather to compare (default: torch's)",
     )
     parser.add_argument("--workloads", default="decode,prefill", help="decode, prefill or both")
@@ -178,7 +179,9 @@ def main() -> None:
     rng = np.random.default_rng(0)
     workloads = {}
     if "decode" in args.workloads:
-        workloads["decode 256x1"] = decode_batches(rng, token_map.vocab_size, args.decode_steps, device)
+        workloads["decode 256x1"] = decode_batches(
+            rng, token_map.vocab_size, args.decode_steps, device
+        )
     if "prefill" in args.workloads:
         workloads["prefill 512 seqs 100-1024"] = prefill_batches(rng, token_map.vocab_size, device)
     host_threads = [None if t == "default" else int(t) for t in args.host_threads.split(",")]
@@ -194,12 +197,17 @@ def main() -> None:
                     store.num_threads = threads  # read at every lookup
             for name, batches in workloads.items():
                 for prefetch in (False, True):
-                    run(runtime, batches[:3], backbone, cfg.rms_norm_eps, prefetch, device)  # warm-up
+                    run(
+                        runtime, batches[:3], backbone, cfg.rms_norm_eps, prefetch, device
+                    )  # warm-up
                     res = run(runtime, batches, backbone, cfg.rms_norm_eps, prefetch, device)
                     res.update(tier=tier, workload=name, prefetch=prefetch, host_threads=threads)
                     results.append(res)
-                    print(f"{tier:6s} threads={threads!s:7s} {name:26s} prefetch={prefetch!s:5s} "
-                          f"{res['ms_per_step']:8.2f} ms/step {res['tokens_per_s']:12,.0f} tok/s", flush=True)
+                    print(
+                        f"{tier:6s} threads={threads!s:7s} {name:26s} prefetch={prefetch!s:5s} "
+                        f"{res['ms_per_step']:8.2f} ms/step {res['tokens_per_s']:12,.0f} tok/s",
+                        flush=True,
+                    )
         runtime.close()
         del stores, runtime
         torch.cuda.empty_cache()

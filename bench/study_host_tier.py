@@ -50,7 +50,10 @@ def main() -> None:
         print(text, flush=True)
 
     uniq = torch.unique(ids_dev, sorted=True, return_inverse=True)
-    line("torch.unique(sorted, inverse) on GPU", timed(lambda: torch.unique(ids_dev, sorted=True, return_inverse=True)))
+    line(
+        "torch.unique(sorted, inverse) on GPU",
+        timed(lambda: torch.unique(ids_dev, sorted=True, return_inverse=True)),
+    )
     line("unique ids to host (.cpu())", timed(lambda: uniq[0].cpu()))
     ids = uniq[0].cpu()
     u = ids.shape[0]
@@ -63,25 +66,40 @@ def main() -> None:
     pinned_i64 = pinned.view(torch.int64)
 
     methods = {
-        "torch.index_select uint8 [N,264]": lambda lo, hi: torch.index_select(src, 0, ids[lo:hi], out=pinned[lo:hi]),
-        "torch.index_select int64 [N,33]": lambda lo, hi: torch.index_select(src_i64, 0, ids[lo:hi], out=pinned_i64[lo:hi]),
-        "numpy take void264": lambda lo, hi: np.take(src_void, ids_np[lo:hi], out=pinned_void[lo:hi]),
+        "torch.index_select uint8 [N,264]": lambda lo, hi: torch.index_select(
+            src, 0, ids[lo:hi], out=pinned[lo:hi]
+        ),
+        "torch.index_select int64 [N,33]": lambda lo, hi: torch.index_select(
+            src_i64, 0, ids[lo:hi], out=pinned_i64[lo:hi]
+        ),
+        "numpy take void264": lambda lo, hi: np.take(
+            src_void, ids_np[lo:hi], out=pinned_void[lo:hi]
+        ),
     }
     for threads in (1, 4, 8, 16):
         torch.set_num_threads(1)
         pool = ThreadPoolExecutor(threads)
         bounds = [u * k // threads for k in range(threads + 1)]
         for name, fn in methods.items():
+
             def run(fn=fn) -> None:
                 list(pool.map(lambda b: fn(*b), zip(bounds[:-1], bounds[1:])))
+
             line(f"gather {name}, {threads} threads", timed(run), u)
         pool.shutdown()
     dev_rows = torch.empty((u, ROW), dtype=torch.uint8, device=device)
-    line("pinned -> device copy of the unique rows", timed(lambda: dev_rows.copy_(pinned, non_blocking=True)), u)
+    line(
+        "pinned -> device copy of the unique rows",
+        timed(lambda: dev_rows.copy_(pinned, non_blocking=True)),
+        u,
+    )
     for threads in (8, 16):
         torch.set_num_threads(threads)
-        line(f"one index_select int64, {threads} intra-op threads",
-             timed(lambda: torch.index_select(src_i64, 0, ids, out=pinned_i64)), u)
+        line(
+            f"one index_select int64, {threads} intra-op threads",
+            timed(lambda: torch.index_select(src_i64, 0, ids, out=pinned_i64)),
+            u,
+        )
     torch.set_num_threads(1)
 
     # The same table in transparent huge pages (anonymous mmap + MADV_HUGEPAGE).
@@ -99,8 +117,15 @@ def main() -> None:
         bounds = [u * k // threads for k in range(threads + 1)]
 
         def run_huge(pool=pool, bounds=bounds) -> None:
-            list(pool.map(lambda b: torch.index_select(huge_i64, 0, ids[b[0]:b[1]], out=pinned_i64[b[0]:b[1]]),
-                          zip(bounds[:-1], bounds[1:])))
+            list(
+                pool.map(
+                    lambda b: torch.index_select(
+                        huge_i64, 0, ids[b[0] : b[1]], out=pinned_i64[b[0] : b[1]]
+                    ),
+                    zip(bounds[:-1], bounds[1:]),
+                )
+            )
+
         line(f"gather int64 from huge pages, {threads} threads", timed(run_huge), u)
 
         def pipeline(pool=pool, threads=threads, table=src_i64, pieces=4) -> None:
@@ -108,27 +133,44 @@ def main() -> None:
             edges = [u * k // pieces for k in range(pieces + 1)]
             for lo, hi in zip(edges[:-1], edges[1:]):
                 b = [lo + (hi - lo) * k // threads for k in range(threads + 1)]
-                list(pool.map(lambda x: torch.index_select(table, 0, ids[x[0]:x[1]], out=pinned_i64[x[0]:x[1]]),
-                              zip(b[:-1], b[1:])))
+                list(
+                    pool.map(
+                        lambda x: torch.index_select(
+                            table, 0, ids[x[0] : x[1]], out=pinned_i64[x[0] : x[1]]
+                        ),
+                        zip(b[:-1], b[1:]),
+                    )
+                )
                 with torch.cuda.stream(stream):
                     dev_rows[lo:hi].copy_(pinned[lo:hi], non_blocking=True)
             torch.cuda.current_stream().wait_stream(stream)
+
         for pieces in (1, 2, 4, 8):
-            line(f"pipeline gather+copy, {threads} threads, {pieces} pieces",
-                 timed(lambda pieces=pieces: pipeline(pieces=pieces)), u)
-            line(f"pipeline gather+copy (huge pages), {threads} threads, {pieces} pieces",
-                 timed(lambda pieces=pieces: pipeline(pieces=pieces, table=huge_i64)), u)
+            line(
+                f"pipeline gather+copy, {threads} threads, {pieces} pieces",
+                timed(lambda pieces=pieces: pipeline(pieces=pieces)),
+                u,
+            )
+            line(
+                f"pipeline gather+copy (huge pages), {threads} threads, {pieces} pieces",
+                timed(lambda pieces=pieces: pipeline(pieces=pieces, table=huge_i64)),
+                u,
+            )
         pool.shutdown()
-    del huge, huge_i64
 
     from engramrt.lookup.tiers import make_store
 
     row_ids = ids_dev.view(8192, 24).to(torch.int32)
     for threads in (8, 16):
         for chunk in (16384, 65536, 1 << 20):
-            store = make_store("host", num_rows=rows, E=256, device=device, num_threads=threads, chunk_rows=chunk)
+            store = make_store(
+                "host", num_rows=rows, E=256, device=device, num_threads=threads, chunk_rows=chunk
+            )
             store.source = src  # share the filled table instead of a second copy
-            line(f"HostGatherRowStore.lookup threads={threads} chunk={chunk}", timed(lambda store=store: store.lookup(row_ids)))
+            line(
+                f"HostGatherRowStore.lookup threads={threads} chunk={chunk}",
+                timed(lambda store=store: store.lookup(row_ids)),
+            )
             del store
     torch.set_num_threads(16)
     print("\n".join(report))

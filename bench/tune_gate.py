@@ -49,8 +49,12 @@ def main() -> None:
                 got = engram_gate_triton(hidden, kv, q_w, k_w, 1e-6, out=out, config=cfg)
                 assert_within_tolerance(got, ref, tol)
                 ms = do_bench(
-                    lambda cfg=cfg: engram_gate_triton(hidden, kv, q_w, k_w, 1e-6, out=out, config=cfg),
-                    warmup=25, rep=200, return_mode="median",
+                    lambda cfg=cfg: engram_gate_triton(
+                        hidden, kv, q_w, k_w, 1e-6, out=out, config=cfg
+                    ),
+                    warmup=25,
+                    rep=200,
+                    return_mode="median",
                 )
                 stream = torch.cuda.Stream()
                 stream.wait_stream(torch.cuda.current_stream())
@@ -62,8 +66,10 @@ def main() -> None:
                     for _ in range(20):
                         engram_gate_triton(hidden, kv, q_w, k_w, 1e-6, out=out, config=cfg)
                 gms = do_bench(graph.replay, warmup=10, rep=100, return_mode="median") / 20
-                print(f"T={t_len} {cfg}: {ms * 1e3:.1f} us, graph {gms * 1e3:.1f} us, "
-                      f"{100 * nbytes / (min(ms, gms) * 1e-3) / d2d:.1f}% of d2d")
+                print(
+                    f"T={t_len} {cfg}: {ms * 1e3:.1f} us, graph {gms * 1e3:.1f} us, "
+                    f"{100 * nbytes / (min(ms, gms) * 1e-3) / d2d:.1f}% of d2d"
+                )
             except Exception as exc:
                 print(f"T={t_len} {cfg}: FAILED {type(exc).__name__}: {str(exc)[:300]}")
 

@@ -47,8 +47,11 @@ def main(argv: list[str] | None = None) -> int:
     cache = SlotHashCache(num_blocks * BLOCK, BLOCK, device)
     hasher = NgramHasher(consts, token_map, device, validate=True)
     runtime = EngramRuntime(
-        hasher, synthetic_stores(layout, "device", device=device), max_tokens=256,
-        max_requests=args.requests, history=cache,
+        hasher,
+        synthetic_stores(layout, "device", device=device),
+        max_tokens=256,
+        max_requests=args.requests,
+        history=cache,
     )
     free_blocks = list(range(num_blocks))
     requests = []
@@ -76,13 +79,17 @@ def main(argv: list[str] | None = None) -> int:
             ids += req["tokens"][start : start + count]
             pos += list(range(start, start + count))
             qsl.append(qsl[-1] + count)
-            slots += [req["blocks"][p // BLOCK] * BLOCK + p % BLOCK for p in range(start, start + count)]
+            slots += [
+                req["blocks"][p // BLOCK] * BLOCK + p % BLOCK for p in range(start, start + count)
+            ]
             tables.append(req["blocks"])
         width = max(len(t) for t in tables)
         table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
         return HashBatch(
-            input_ids=torch.tensor(ids), positions=torch.tensor(pos),
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32), slot_mapping=torch.tensor(slots),
+            input_ids=torch.tensor(ids),
+            positions=torch.tensor(pos),
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32),
+            slot_mapping=torch.tensor(slots),
             block_table=table,
         ).to(device)
 
