@@ -220,6 +220,15 @@ class Stream:
         self.uncached = [distinct_per_col(row_ids[lo:hi], offsets) for lo, hi in self.bounds]
 
 
+def by_tenth(tenths: list[Tally], n_heads: int) -> dict[str, list[float | None]]:
+    """Hit rate and traffic cut of each tenth of the stream (None: a tenth with no step)."""
+    reports = [t.report(n_heads)["all"] if t.lookups.sum() else None for t in tenths]
+    return {
+        key + "_by_tenth": [round(r[field], 4) if r else None for r in reports]
+        for key, field in (("hit_rate", "hit_rate"), ("traffic_cut", "host_traffic_cut"))
+    }
+
+
 def simulate(stream: Stream, num_slots: int, n_heads: int) -> dict[str, Any]:
     """Run the cache policy over the stream; tallies for the cold and warm windows,
     and the hit rate of each tenth of the stream."""
@@ -247,7 +256,7 @@ def simulate(stream: Stream, num_slots: int, n_heads: int) -> dict[str, Any]:
         "seconds": round(time.perf_counter() - start, 1),
         "cold": cold.report(n_heads),
         "warm": warm.report(n_heads),
-        "hit_rate_by_tenth": [round(t.report(n_heads)["all"]["hit_rate"], 4) for t in tenths],
+        **by_tenth(tenths, n_heads),
     }
 
 
@@ -265,15 +274,19 @@ def unbounded(stream: Stream, n_heads: int) -> dict[str, Any]:
     half = len(stream.bounds) // 2
     num_cols = row_ids.shape[1]
     cold, warm = Tally(num_cols), Tally(num_cols)
+    tenths = [Tally(num_cols) for _ in range(10)]
     for i, (lo, hi) in enumerate(stream.bounds):
         step_hit = hit[lo:hi]
+        hits = step_hit.sum(dim=0).numpy()
         cached = distinct_per_col(row_ids[lo:hi][~step_hit], stream.offsets)
         for tally in (cold, warm) if i >= half else (cold,):
-            tally.add(hi - lo, step_hit.sum(dim=0).numpy(), stream.uncached[i], cached)
+            tally.add(hi - lo, hits, stream.uncached[i], cached)
+        tenths[i * 10 // len(stream.bounds)].add(hi - lo, hits, stream.uncached[i], cached)
     return {
         "distinct_rows": int(unique.shape[0]),
         "cold": cold.report(n_heads),
         "warm": warm.report(n_heads),
+        **by_tenth(tenths, n_heads),
     }
 
 
@@ -307,21 +320,23 @@ def markdown(result: dict[str, Any]) -> str:
         "Hit rate per lookup by n-gram order, and host (PCIe) traffic cut = 1 - distinct missed "
         "rows / distinct rows per step (the host tier already fetches each distinct row of a "
         "step once). *warm*: second half of the stream, after the first half filled the cache; "
-        "*cold*: whole stream from empty.",
+        "*cold*: whole stream from empty; *last tenth*: the final 10 % of the stream.",
         "",
         "| ids | cache (% of table) | slots | hit 2-gram | hit 3-gram | hit 4-gram | hit all "
-        "| traffic cut warm | traffic cut cold | GB saved (warm) |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| traffic cut warm | traffic cut cold | traffic cut, last tenth | GB saved (warm) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
 
     def row(ids: str, label: str, slots: str, entry: dict[str, Any]) -> str:
         warm, cold = entry["warm"], entry["cold"]
         by = warm["by_order"]
+        tenths = [t for t in entry.get("traffic_cut_by_tenth", []) if t is not None]
+        last = f"{100 * tenths[-1]:.1f}%" if tenths else "-"
         return (
             f"| {ids} | {label} | {slots} | "
             + " | ".join(f"{100 * by[o]['hit_rate']:.1f}%" for o in sorted(by))
             + f" | {100 * warm['all']['hit_rate']:.1f}% | {100 * warm['all']['host_traffic_cut']:.1f}% "
-            f"| {100 * cold['all']['host_traffic_cut']:.1f}% "
+            f"| {100 * cold['all']['host_traffic_cut']:.1f}% | {last} "
             f"| {warm['all']['host_bytes_saved'] / 1e9:.2f} |"
         )
 

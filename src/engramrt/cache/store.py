@@ -1,0 +1,504 @@
+"""``CachedRowStore``: hot rows in device memory in front of a slower tier.
+
+One lookup (the critical path; reads the cache, writes nothing to it):
+
+1. probe + gather (:mod:`.kernel`, or :mod:`.reference`): every owned
+   ``(token, column)`` finds its row's set, compares the set's ``ways``
+   tags, dequantises a hit straight into ``out`` and reports its slot;
+   misses report -1 and are left unwritten;
+2. miss path: the missed positions are compacted (the one host
+   synchronisation, which the host and disk tiers need anyway to gather),
+   their ids deduplicated, and *only those* packed rows read from the
+   backing tier (:mod:`.backing`); :func:`engramrt.lookup.lookup_rows`
+   dequantises them over the compacted index and they are scattered into
+   ``out``. Same bytes as the backing tier's own lookup, which uses the
+   same dequantisation;
+3. the probe's slots, the missed ids and their packed rows are kept as a
+   *pending* record for the next :meth:`CachedRowStore.update`.
+
+:meth:`CachedRowStore.update` (off the critical path; can run on a side
+stream) consumes the pending records: it counts the accesses (sketch and
+per-slot counters), picks which missed rows to admit and where
+(:class:`engramrt.cache.policy.SetAssociativeLfu`), and installs them in
+three phases, each one pass over the admitted slots, in stream order:
+
+- **invalidate**: the victims' tags become EMPTY;
+- **write**: the new packed rows are copied into the victims' slots;
+- **publish**: the victims' tags become the new row ids.
+
+Ordering argument. A lookup reads a slot's bytes only when the slot's tag
+equals the requested id. Between any two phases every tag is either EMPTY
+or names a slot whose bytes are that row's (before *invalidate*: old tag,
+old bytes; after it and during *write*: EMPTY, bytes in flux, never read;
+after *publish*: new tag, new bytes, because *write* completed before
+*publish* started on the same stream). So a lookup ordered anywhere
+between phases sees the old row, a miss, or the new row, never a torn one.
+A lookup must not overlap a phase *while it runs*: on a GPU, ``update``
+on a side stream first waits for everything queued on the compute stream
+(the lookups whose records it consumes), and the next ``lookup`` of this
+cache waits on the update's completion event, so updates overlap the
+model's other work (attention, MLP, other layers' lookups), not this
+cache's probes. Tags, bytes and counters change nowhere else, except
+:meth:`~CachedRowStore.write_rows` (invalidates first) and
+:meth:`~CachedRowStore.warm_up` (the same three phases).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+from engramrt._backend import resolve_backend
+from engramrt.cache.backing import packed_row_reader
+from engramrt.cache.policy import (
+    EMPTY_TAG,
+    MISS,
+    AdmissionPlan,
+    SetAssociativeLfu,
+)
+from engramrt.cache.reference import probe_gather_reference
+from engramrt.cache.stats import CacheStats
+from engramrt.errors import CapacityError, ValidationError
+from engramrt.lookup import check_row_ids_in_shard, lookup_rows
+from engramrt.lookup.tiers import RowStore, memory
+
+__all__ = ["PHASES", "CacheUpdate", "CachedRowStore"]
+
+PHASES: tuple[str, ...] = ("invalidate", "write", "publish")
+"""The phases of installing rows, in the only order :meth:`CachedRowStore.update` uses."""
+
+
+@dataclass
+class _Pending:
+    """What one lookup leaves for the next update (all on the cache's device)."""
+
+    row_ids: torch.Tensor  # [T * C] as looked up
+    slots: torch.Tensor  # [T * C] int64: slot, MISS or NOT_OWNED
+    miss_ids: torch.Tensor  # [U] int64, distinct, sorted
+    miss_rows: torch.Tensor  # [U, row_bytes] uint8, packed rows of miss_ids
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return (self.row_ids, self.slots, self.miss_ids, self.miss_rows)
+
+
+@dataclass
+class CacheUpdate:
+    """One update, planned and not yet applied.
+
+    Attributes:
+        plan: victims, new tags and counters (see :class:`AdmissionPlan`).
+        rows: ``[U, row_bytes]`` uint8, the packed row of each plan entry.
+    """
+
+    plan: AdmissionPlan
+    rows: torch.Tensor
+
+
+class CachedRowStore(RowStore):
+    """A set-associative, frequency-managed cache of packed rows in front of ``backing``.
+
+    Serves the :class:`RowStore` contract (``[T, C]`` row ids -> ``[T, C, E]``
+    bf16, bit for bit what ``backing.lookup`` returns) for the same rows and
+    columns as ``backing``.
+
+    Args:
+        backing: the tier holding every row (device, uva, host or disk, or
+            any store with ``gather_packed``).
+        capacity_bytes: bytes of packed rows to cache; rounded down to
+            whole sets: ``num_sets = capacity_bytes // row_bytes // ways``.
+            Tags, counters and the sketch come on top (12 B per slot plus
+            ``4 * sketch_depth * sketch_width``).
+        ways: slots per set, a power of two in 1..64.
+        n_heads: hash heads per n-gram order (8 for V4.1), to report
+            statistics per order.
+        layer_id: the Engram layer served (a label for statistics).
+        backend: ``"auto"``, ``"triton"`` or ``"reference"`` for the probe and
+            the miss dequantisation.
+        validate: check every batch's owned ids (synchronises); default the
+            backing's setting. Out-of-range ids that miss are always caught.
+        sketch_width, sketch_depth, decay_period: policy settings, see
+            :class:`SetAssociativeLfu`.
+        max_pending: lookups remembered for the next update; older ones are
+            dropped (they only inform admission).
+        rows_per_program, num_warps, hw_convert: kernel settings (see
+            :func:`engramrt.lookup.lookup_rows`).
+
+    Raises:
+        CapacityError: ``capacity_bytes`` below one set, or not enough memory.
+        ValidationError: a bad argument.
+    """
+
+    tier = "cached"
+
+    def __init__(
+        self,
+        backing: RowStore,
+        capacity_bytes: int,
+        ways: int = 8,
+        *,
+        n_heads: int = 8,
+        layer_id: int | None = None,
+        backend: str = "auto",
+        validate: bool | None = None,
+        sketch_width: int | None = None,
+        sketch_depth: int = 4,
+        decay_period: int | None = None,
+        max_pending: int = 4,
+        rows_per_program: int | None = None,
+        num_warps: int | None = None,
+        hw_convert: bool = False,
+    ) -> None:
+        if not isinstance(backing, RowStore):
+            raise ValidationError(
+                f"backing is {type(backing).__name__}; expected a RowStore (see make_store)"
+            )
+        if isinstance(backing, CachedRowStore):
+            raise ValidationError("backing is a CachedRowStore; expected the tier it caches")
+        super().__init__(
+            backing.num_rows,
+            backing.E,
+            device=backing.device,
+            row_begin=backing.row_begin,
+            col_begin=backing.col_begin,
+            col_end=backing.col_end,
+            validate=backing.validate if validate is None else validate,
+        )
+        if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int):
+            raise ValidationError(
+                f"capacity_bytes = {capacity_bytes!r}; expected an int number of bytes"
+            )
+        if isinstance(ways, bool) or not isinstance(ways, int) or ways < 1 or ways & (ways - 1):
+            raise ValidationError(f"ways = {ways!r}; expected a power of two in 1..64")
+        if not isinstance(n_heads, int) or n_heads < 1:
+            raise ValidationError(f"n_heads = {n_heads!r}; expected a positive int")
+        if not isinstance(max_pending, int) or max_pending < 1:
+            raise ValidationError(f"max_pending = {max_pending!r}; expected >= 1")
+        resolve_backend(backend, self.device)  # an unknown backend fails here, not mid-step
+        num_sets = max(capacity_bytes, 0) // self.row_bytes // ways
+        if num_sets < 1:
+            raise CapacityError(
+                f"capacity_bytes = {capacity_bytes} holds {max(capacity_bytes, 0) // self.row_bytes} "
+                f"rows of {self.row_bytes} B; expected at least one set of ways = {ways} rows "
+                f"({ways * self.row_bytes} bytes)"
+            )
+        self.backing = backing
+        self.n_heads = n_heads
+        self.layer_id = layer_id
+        self.backend = backend
+        self.max_pending = max_pending
+        self.rows_per_program = rows_per_program
+        self.num_warps = num_warps
+        self.hw_convert = hw_convert
+        self._read_packed = packed_row_reader(backing)
+        self.policy = SetAssociativeLfu(
+            num_sets,
+            ways,
+            self.device,
+            sketch_width=sketch_width,
+            sketch_depth=sketch_depth,
+            decay_period=decay_period,
+        )
+        slots = self.policy.num_slots + 1  # + the scratch slot
+        needed = slots * (self.row_bytes + 12) + 4 * sketch_depth * self.policy.sketch_width
+        what = (
+            f"CachedRowStore ({self.policy.num_slots} slots = {num_sets} sets x {ways} ways of "
+            f"{self.row_bytes} B, plus index)"
+        )
+        if self.device.type == "cuda":
+            memory.require(what, needed, memory.device_free_bytes(self.device), str(self.device))
+        else:
+            memory.require(what, needed, memory.host_available_bytes(), "host memory")
+        self.cache_rows = torch.zeros(
+            (slots, self.row_bytes), dtype=torch.uint8, device=self.device
+        )
+        self._pending: list[_Pending] = []
+        self._update_done: torch.cuda.Event | None = None
+        self.reset_stats()
+
+    # -- geometry ----------------------------------------------------------
+
+    @property
+    def num_sets(self) -> int:
+        return self.policy.num_sets
+
+    @property
+    def ways(self) -> int:
+        return self.policy.ways
+
+    @property
+    def num_slots(self) -> int:
+        """Rows the cache holds (``num_sets * ways``)."""
+        return self.policy.num_slots
+
+    @property
+    def capacity_bytes(self) -> int:
+        """Bytes of packed rows the cache holds after rounding (``num_slots * row_bytes``)."""
+        return self.num_slots * self.row_bytes
+
+    def __repr__(self) -> str:
+        return (
+            f"CachedRowStore(slots={self.num_slots} ({self.num_sets} sets x {self.ways} ways, "
+            f"{self.capacity_bytes} bytes), backing={self.backing!r})"
+        )
+
+    # -- statistics ----------------------------------------------------------
+
+    def reset_stats(self) -> None:
+        """Zero the hit, miss, fetch and admission counts."""
+        self._hits = torch.zeros(0, dtype=torch.int64, device=self.device)
+        self._misses = torch.zeros(0, dtype=torch.int64, device=self.device)
+        self._rows_fetched = 0
+        self._admitted = torch.zeros((), dtype=torch.int64, device=self.device)
+        self._evicted = torch.zeros((), dtype=torch.int64, device=self.device)
+
+    def stats(self) -> CacheStats:
+        """Counts so far (synchronises with the device)."""
+        self._wait_for_update()
+        return CacheStats(
+            layer_id=self.layer_id,
+            n_heads=self.n_heads,
+            row_bytes=self.row_bytes,
+            hits=tuple(int(v) for v in self._hits.tolist()),
+            misses=tuple(int(v) for v in self._misses.tolist()),
+            rows_fetched=self._rows_fetched,
+            admitted=int(self._admitted),
+            evicted=int(self._evicted),
+        )
+
+    def _count(self, slots: torch.Tensor, rows_fetched: int) -> None:
+        num_cols = slots.shape[1]
+        if self._hits.shape[0] < num_cols:
+            grow = num_cols - self._hits.shape[0]
+            self._hits = torch.cat([self._hits, self._hits.new_zeros(grow)])
+            self._misses = torch.cat([self._misses, self._misses.new_zeros(grow)])
+        self._hits[:num_cols] += (slots >= 0).sum(dim=0)
+        self._misses[:num_cols] += (slots == MISS).sum(dim=0)
+        self._rows_fetched += rows_fetched
+
+    # -- lookup ------------------------------------------------------------
+
+    def _wait_for_update(self) -> None:
+        """Order this stream after the last side-stream update (see the module doc)."""
+        if self._update_done is not None:
+            torch.cuda.current_stream(self.device).wait_event(self._update_done)
+            self._update_done = None
+
+    def _probe(
+        self, row_ids: torch.Tensor, col_end: int, out: torch.Tensor, slots: torch.Tensor
+    ) -> None:
+        if resolve_backend(self.backend, self.device) == "reference":
+            slots.copy_(
+                probe_gather_reference(
+                    row_ids,
+                    self.policy.tags,
+                    self.cache_rows,
+                    out,
+                    num_sets=self.num_sets,
+                    ways=self.ways,
+                    col_begin=self.col_begin,
+                    col_end=col_end,
+                )
+            )
+            return
+        from engramrt.cache.kernel import probe_gather_triton  # imports Triton
+
+        probe_gather_triton(
+            row_ids,
+            self.policy.tags,
+            self.cache_rows,
+            out,
+            slots,
+            num_sets=self.num_sets,
+            ways=self.ways,
+            col_begin=self.col_begin,
+            col_end=col_end,
+            rows_per_program=self.rows_per_program,
+            num_warps=self.num_warps,
+            hw_convert=self.hw_convert,
+        )
+
+    def _lookup(
+        self, row_ids: torch.Tensor, col_end: int, out: torch.Tensor | None
+    ) -> torch.Tensor:
+        row_ids = row_ids.to(self.device, non_blocking=True)
+        self._wait_for_update()
+        num_tokens, num_cols = row_ids.shape
+        if out is None:
+            out = torch.empty(
+                (num_tokens, num_cols, self.E), dtype=torch.bfloat16, device=self.device
+            )
+        slots = torch.empty((num_tokens, num_cols), dtype=torch.int64, device=self.device)
+        if num_tokens * num_cols == 0:
+            return out
+        self._probe(row_ids, col_end, out, slots)
+
+        flat_ids = row_ids.reshape(-1)
+        miss_pos = torch.nonzero(slots.view(-1) == MISS).squeeze(1)  # the host sync
+        if miss_pos.shape[0] > 0:
+            miss_ids, inverse = torch.unique(
+                flat_ids.index_select(0, miss_pos).to(torch.int64), sorted=True, return_inverse=True
+            )
+            lowest, highest = (int(v) for v in miss_ids[[0, -1]].tolist())
+            if lowest < self.row_begin or highest >= self.row_end:
+                check_row_ids_in_shard(
+                    row_ids, self.col_begin, col_end, self.row_begin, self.row_end
+                )
+            miss_rows = self._read_packed(miss_ids - self.row_begin)  # [U, row_bytes]
+            rows = lookup_rows(
+                inverse.view(-1, 1),
+                miss_rows,
+                backend=self.backend,
+                rows_per_program=self.rows_per_program,
+                num_warps=self.num_warps,
+                hw_convert=self.hw_convert,
+            )  # [M, 1, E]
+            out.view(-1, self.E).index_copy_(0, miss_pos, rows.view(-1, self.E))
+        else:
+            miss_ids = torch.empty(0, dtype=torch.int64, device=self.device)
+            miss_rows = torch.empty((0, self.row_bytes), dtype=torch.uint8, device=self.device)
+        self._count(slots, miss_ids.shape[0])
+        self._pending.append(_Pending(flat_ids, slots.view(-1), miss_ids, miss_rows))
+        del self._pending[: -self.max_pending]
+        return out
+
+    # -- update ------------------------------------------------------------
+
+    def plan_update(self) -> CacheUpdate | None:
+        """Consume the pending lookups: count their accesses and choose what to admit.
+
+        Changes the counters and the sketch (metadata no lookup reads), not
+        the tags or rows. None when nothing is pending. No host
+        synchronisation when one lookup is pending (several need a
+        ``torch.unique`` over their misses).
+        """
+        self._wait_for_update()
+        pending, self._pending = self._pending, []
+        if not pending:
+            return None
+        for record in pending:
+            self.policy.record(record.row_ids, record.slots)
+        if len(pending) == 1:
+            candidates, rows = pending[0].miss_ids, pending[0].miss_rows
+        else:
+            all_ids = torch.cat([p.miss_ids for p in pending])
+            all_rows = torch.cat([p.miss_rows for p in pending])
+            candidates, inverse = torch.unique(all_ids, sorted=True, return_inverse=True)
+            positions = torch.arange(all_ids.shape[0], device=self.device)
+            first = torch.full_like(candidates, all_ids.shape[0]).scatter_reduce_(
+                0, inverse, positions, "amin"
+            )
+            rows = all_rows.index_select(0, first)
+        plan = self.policy.plan(candidates)
+        self._admitted += plan.admitted.sum()
+        self._evicted += plan.evicted.sum()
+        return CacheUpdate(plan, rows.index_select(0, plan.order))
+
+    def apply_update(self, update: CacheUpdate, phases: Iterable[str] = PHASES) -> None:
+        """Install a planned update: ``phases`` in the order given.
+
+        :meth:`update` always passes :data:`PHASES` (invalidate, write,
+        publish). Other orders exist for tests that interleave lookups
+        between phases, or break the order on purpose to show the check
+        catches a torn update.
+        """
+        self._wait_for_update()
+        for phase in phases:
+            if phase == "invalidate":
+                self.policy.invalidate(update.plan)
+            elif phase == "write":
+                self.cache_rows.index_copy_(0, update.plan.slots, update.rows)
+            elif phase == "publish":
+                self.policy.publish(update.plan)
+            else:
+                raise ValidationError(f"phase = {phase!r}; expected one of {', '.join(PHASES)}")
+
+    def update(self, stream: torch.cuda.Stream | None = None) -> None:
+        """Admit the rows the pending lookups missed, if they beat the victims.
+
+        Args:
+            stream: a CUDA stream to run on (the runtime's side stream). It
+                first waits for the work queued so far on the current
+                stream; the next :meth:`lookup` waits for it. None: run in
+                order on the current stream (always, on a CPU device).
+        """
+        if not self._pending:
+            return
+        if stream is None or self.device.type != "cuda":
+            update = self.plan_update()
+            if update is not None:
+                self.apply_update(update)
+            return
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        for record in self._pending:
+            for tensor in record.tensors():  # allocated on the compute stream
+                tensor.record_stream(stream)
+        with torch.cuda.stream(stream):
+            update = self.plan_update()
+            if update is not None:
+                self.apply_update(update)
+        done = torch.cuda.Event()
+        done.record(stream)
+        self._update_done = done
+
+    # -- warm-up and writes --------------------------------------------------
+
+    def warm_up(self, row_id_batches: Iterable[torch.Tensor]) -> int:
+        """Fill the cache from a pass over a stream of ``[T, C]`` row-id batches.
+
+        The policy runs on a copy of the tags alone (no row bytes move per
+        batch), exactly as lookups followed by updates would; then the rows
+        that ended resident are read from the backing tier in one go and
+        installed with the three phases. Statistics are not counted.
+
+        Returns:
+            The number of rows installed.
+
+        Raises:
+            ValidationError: a batch of the wrong shape, or an owned id
+                outside the backing's rows.
+        """
+        self._wait_for_update()
+        shadow = self.policy.clone()
+        for batch in row_id_batches:
+            if not isinstance(batch, torch.Tensor) or batch.dim() != 2:
+                found = tuple(batch.shape) if isinstance(batch, torch.Tensor) else type(batch)
+                raise ValidationError(f"warm_up batch has shape {found}; expected [T, C] row ids")
+            batch = batch.to(self.device)
+            col_end = batch.shape[1] if self.col_end is None else min(self.col_end, batch.shape[1])
+            check_row_ids_in_shard(batch, self.col_begin, col_end, self.row_begin, self.row_end)
+            cols = torch.arange(batch.shape[1], device=self.device)
+            owned = ((cols >= self.col_begin) & (cols < col_end)).expand_as(batch)
+            shadow.access(batch, owned)
+        changed = torch.nonzero(shadow.tags != self.policy.tags).squeeze(1)
+        new_tags = shadow.tags[changed]
+        installing = new_tags != EMPTY_TAG
+        rows = torch.zeros(
+            (changed.shape[0], self.row_bytes), dtype=torch.uint8, device=self.device
+        )
+        installed = int(installing.sum())
+        if installed:
+            rows[installing] = self._read_packed(new_tags[installing] - self.row_begin)
+        none = torch.zeros_like(installing)
+        plan = AdmissionPlan(
+            slots=changed,
+            tags=new_tags,
+            counts=shadow.counts[changed],
+            order=torch.arange(changed.shape[0], device=self.device),
+            admitted=installing,
+            evicted=none,
+        )
+        self.apply_update(CacheUpdate(plan, rows))
+        self.policy.adopt_counters(shadow)
+        self._pending.clear()
+        return installed
+
+    def _write(self, start: int, packed: torch.Tensor) -> None:
+        """Write through to the backing tier; cached copies of those rows are dropped."""
+        self._wait_for_update()
+        self.backing.write_rows(start, packed)
+        self.policy.invalidate_rows(
+            self.row_begin + start, self.row_begin + start + packed.shape[0]
+        )
+        self._pending.clear()  # their packed rows may be the old bytes

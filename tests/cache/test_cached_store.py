@@ -1,0 +1,298 @@
+"""CachedRowStore: bit for bit the backing tier's lookup, whatever is cached;
+statistics, warm-up, write-through, capacity rounding and clear errors."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from tests.cache.helpers import assert_same_bits, random_packed_table, skewed_ids
+
+from engramrt.cache import CachedRowStore, CacheStats, SetAssociativeLfu
+from engramrt.errors import CapacityError, EngramError, ValidationError
+from engramrt.lookup.tiers import RowStore, make_store
+
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:(overflow|invalid value) encountered:RuntimeWarning"
+)
+TIERS = [
+    "device",
+    pytest.param(
+        "uva",
+        marks=pytest.mark.skipif(
+            not torch.cuda.is_available(), reason="UVA maps host memory into a GPU; no GPU here"
+        ),
+    ),
+    "host",
+    "disk",
+]
+
+
+def backing_store(
+    tier: str, table: torch.Tensor, tmp_path: Path, device: torch.device, **kwargs: object
+) -> RowStore:
+    return make_store(
+        tier,
+        packed=table,
+        path=tmp_path / f"{tier}.rows",
+        device=device,
+        **kwargs,  # type: ignore[arg-type]
+    )
+
+
+@pytest.mark.parametrize("tier", TIERS)
+@pytest.mark.parametrize(
+    ("E", "C", "id_dtype", "shard", "backend"),
+    [
+        (64, 6, torch.int64, None, "triton"),
+        (96, 5, torch.int32, (3, 1, 4), "reference"),  # rows from 3, columns [1, 4)
+        (256, 24, torch.int64, (2**33, 0, None), "triton"),  # V4.1 row width; ids past 2**32
+    ],
+)
+def test_matches_backing_over_a_skewed_stream(
+    tier: str,
+    E: int,
+    C: int,
+    id_dtype: torch.dtype,
+    shard: tuple[int, int, int | None] | None,
+    backend: str,
+    tmp_path: Path,
+    device: torch.device,
+) -> None:
+    """Lookups with updates in between: every output equals the backing's, and the cache
+    does serve hits (and evicts) along the way."""
+    num_rows = 400
+    row_begin, col_begin, col_end = shard or (0, 0, None)
+    table = random_packed_table(num_rows, E, seed=E + C)
+    backing = backing_store(
+        tier, table, tmp_path, device, row_begin=row_begin, col_begin=col_begin, col_end=col_end
+    )
+    row_bytes = E + E // 32
+    cache = CachedRowStore(backing, 6 * 4 * row_bytes + 17, ways=4, n_heads=2, backend=backend)
+    assert cache.num_slots == 24 and cache.col_begin == col_begin and cache.row_begin == row_begin
+
+    g = torch.Generator().manual_seed(C)
+    for step, num_tokens in enumerate([5, 1, 8, 0, 7, 9, 3, 6, 8, 4]):
+        row_ids = skewed_ids((num_tokens, C), row_begin, row_begin + num_rows, g)
+        row_ids[:, :col_begin] = -3  # other shards' columns hold anything
+        if col_end is not None:
+            row_ids[:, col_end:] = 2**45
+        if id_dtype == torch.int32:
+            row_ids = row_ids.clamp(max=2**31 - 1)
+        row_ids = row_ids.to(id_dtype).to(device)
+        expected = backing.lookup(row_ids)
+        if step % 2:
+            out = torch.full((num_tokens, C, E), float("nan"), dtype=torch.bfloat16, device=device)
+            got = cache.lookup(row_ids, out=out)
+            assert got.data_ptr() == out.data_ptr()
+        else:
+            got = cache.lookup(row_ids.cpu())  # ids from the host too
+        assert_same_bits(got, expected)
+        cache.update()
+    stats = cache.stats()
+    assert stats.hit_rate > 0.2 and stats.admitted > 0
+    assert stats.rows_fetched <= sum(stats.misses)
+
+
+def test_hand_made_stream_statistics(device: torch.device) -> None:
+    """One set of 4 ways, so where every row goes is known; counts worked out by hand."""
+    E = 32
+    table = random_packed_table(50, E, seed=3)
+    backing = make_store("device", packed=table, device=device)
+    cache = CachedRowStore(backing, 4 * 33, ways=4, n_heads=2, layer_id=14)
+    assert (cache.num_sets, cache.num_slots, cache.capacity_bytes) == (1, 4, 132)
+
+    def look(rows: list[list[int]]) -> None:
+        row_ids = torch.tensor(rows, device=device)
+        assert_same_bits(cache.lookup(row_ids), backing.lookup(row_ids))
+        cache.update()
+
+    # Columns 0, 1 are order 2; columns 2, 3 are order 3 (n_heads = 2).
+    # Cold: 8 misses. Estimates 1, 2, 3: 2 each; 4, 5: 1 each. The four empty
+    # ways take the four best candidates (1, 2, 3, then 4 before 5 by id).
+    look([[1, 2, 3, 4], [1, 2, 3, 5]])
+    assert cache.policy.resident_ids().tolist() == [1, 2, 3, 4]
+    # Hits: column 0: 1, 1; column 1: 2; column 2: 3. Misses: 9 (x3) and 5.
+    # Then counters 1: 2+2, 2: 2+1, 3: 2+1, 4: 1; estimates 9: 3, 5: 2.
+    # 9 beats the weakest way (4, count 1); 5 meets the next (count 3) and loses.
+    look([[1, 2, 3, 5], [1, 9, 9, 9]])
+    assert cache.policy.resident_ids().tolist() == [1, 2, 3, 9]
+    stats = cache.stats()
+    assert stats.hits == (2, 1, 1, 0)
+    assert stats.misses == (2 + 0, 2 + 1, 2 + 1, 2 + 2)
+    assert stats.lookups == 16 and stats.hit_rate == 4 / 16
+    assert stats.bytes_saved == 4 * 33
+    assert stats.rows_fetched == 5 + 2  # unique misses per lookup: {1, 2, 3, 4, 5}, {5, 9}
+    assert (stats.admitted, stats.evicted) == (5, 1)
+    by_order = stats.by_order()
+    assert by_order[2] == {"hits": 3, "misses": 5, "hit_rate": 3 / 8, "bytes_saved": 3 * 33}
+    assert by_order[3] == {"hits": 1, "misses": 7, "hit_rate": 1 / 8, "bytes_saved": 33}
+    d = stats.as_dict()
+    assert d["layer_id"] == 14 and d["by_order"]["2"]["hits"] == 3 and d["hits"] == 4
+    cache.reset_stats()
+    assert cache.stats().lookups == 0 and cache.stats().hit_rate == 0.0
+
+
+@pytest.mark.parametrize("tier", ["device", "host"])
+def test_warm_up_then_serve(tier: str, tmp_path: Path, device: torch.device) -> None:
+    E = 64
+    table = random_packed_table(300, E, seed=5)
+    backing = backing_store(tier, table, tmp_path, device)
+    cache = CachedRowStore(backing, 16 * 8 * 66, ways=8)
+    g = torch.Generator().manual_seed(6)
+    corpus = [skewed_ids((16, 4), 0, 300, g, power=4.0) for _ in range(12)]
+    installed = cache.warm_up(corpus)
+    assert installed > 0 and cache.stats().lookups == 0  # warm-up is not counted
+    # State equals a simulation of the same stream on tags alone.
+    sim = SetAssociativeLfu(cache.num_sets, cache.ways)
+    for batch in corpus:
+        sim.access(batch)
+    assert torch.equal(cache.policy.tags.cpu(), sim.tags)
+    row_ids = skewed_ids((20, 4), 0, 300, g, power=4.0).to(device)
+    assert_same_bits(cache.lookup(row_ids), backing.lookup(row_ids))
+    assert cache.stats().hit_rate > 0.5
+    with pytest.raises(ValidationError, match=r"warm_up batch has shape \(5,\)"):
+        cache.warm_up([torch.zeros(5, dtype=torch.int64)])
+    with pytest.raises(ValidationError, match=r"row_ids\[0, 1\] = 300"):
+        cache.warm_up([torch.tensor([[0, 300]])])
+
+
+def test_write_rows_reaches_backing_and_drops_cached_copies(device: torch.device) -> None:
+    E = 32
+    table = random_packed_table(40, E, seed=7)
+    backing = make_store("host", packed=table, device=device)
+    cache = CachedRowStore(backing, 2 * 8 * 33, ways=8)
+    row_ids = torch.arange(40, device=device).view(10, 4)
+    cache.lookup(row_ids)
+    cache.update()
+    assert len(cache.policy.resident_ids()) > 0
+    fresh = random_packed_table(10, E, seed=8)
+    cache.write_rows(5, fresh)  # rows 5..14
+    assert not set(cache.policy.resident_ids().tolist()) & set(range(5, 15))
+    expected = backing.lookup(row_ids)
+    assert_same_bits(cache.lookup(row_ids), expected)
+    new_table = table.clone()
+    new_table[5:15] = fresh
+    assert_same_bits(
+        expected, make_store("device", packed=new_table, device=device).lookup(row_ids)
+    )
+
+
+def test_no_owned_columns_and_empty_batches(device: torch.device) -> None:
+    table = random_packed_table(20, 32, seed=9)
+    backing = make_store("device", packed=table, device=device, col_begin=3, col_end=3)
+    cache = CachedRowStore(backing, 8 * 33)
+    got = cache.lookup(torch.full((4, 5), -1, dtype=torch.int64, device=device))
+    assert got.shape == (4, 5, 32) and bool((got.view(torch.int16) == 0).all())
+    assert cache.lookup(torch.empty((0, 5), dtype=torch.int32, device=device)).shape == (0, 5, 32)
+    cache.update()
+    assert cache.stats().lookups == 0
+
+
+# --------------------------------------------------------------------------
+# Capacity and argument errors.
+# --------------------------------------------------------------------------
+
+
+def test_capacity_rounds_down_to_whole_sets(device: torch.device) -> None:
+    backing = make_store("device", packed=random_packed_table(10, 256, seed=10), device=device)
+    cache = CachedRowStore(backing, 3 * 8 * 264 + 263, ways=8)
+    assert (cache.num_sets, cache.num_slots, cache.capacity_bytes) == (3, 24, 24 * 264)
+    assert CachedRowStore(backing, 5 * 264, ways=1).num_slots == 5
+    assert CachedRowStore(backing, 2**20, ways=16).num_sets == 2**20 // 264 // 16
+    with pytest.raises(
+        CapacityError,
+        match=r"capacity_bytes = 2000 holds 7 rows of 264 B; expected at least one set of "
+        r"ways = 8 rows \(2112 bytes\)",
+    ):
+        CachedRowStore(backing, 2000, ways=8)
+    with pytest.raises(CapacityError, match="capacity_bytes = -5 holds 0 rows"):
+        CachedRowStore(backing, -5)
+
+
+def test_capacity_is_checked_against_memory(
+    monkeypatch: pytest.MonkeyPatch, device: torch.device
+) -> None:
+    from engramrt.lookup.tiers import memory
+
+    backing = make_store("device", packed=random_packed_table(10, 32, seed=11), device=device)
+    monkeypatch.setattr(memory, "host_available_bytes", lambda: 1000)
+    monkeypatch.setattr(memory, "device_free_bytes", lambda _device: 1000)
+    with pytest.raises(CapacityError, match=r"CachedRowStore \(64 slots = 8 sets x 8 ways"):
+        CachedRowStore(backing, 64 * 33)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"ways": 3}, r"ways = 3; expected a power of two in 1\.\.64"),
+        ({"ways": 128}, r"ways = 128; expected a power of two in 1\.\.64"),
+        ({"ways": 0}, r"ways = 0; expected a power of two"),
+        ({"capacity_bytes": 1.5e6}, r"capacity_bytes = 1500000\.0; expected an int"),
+        ({"n_heads": 0}, r"n_heads = 0; expected a positive int"),
+        ({"sketch_width": 1000}, r"sketch_width = 1000; expected a power of two"),
+        ({"decay_period": 0}, r"decay_period = 0; expected 1\.\.536870912 accesses"),
+        ({"max_pending": 0}, r"max_pending = 0; expected >= 1"),
+    ],
+)
+def test_bad_arguments_name_parameter_and_value(
+    kwargs: dict[str, object], message: str, device: torch.device
+) -> None:
+    backing = make_store("device", packed=random_packed_table(10, 32, seed=12), device=device)
+    args: dict[str, object] = {"capacity_bytes": 2**16, **kwargs}
+    with pytest.raises(ValidationError, match=message):
+        CachedRowStore(backing, **args)  # type: ignore[arg-type]
+
+
+def test_wrong_backing_and_wrong_shapes(device: torch.device) -> None:
+    with pytest.raises(ValidationError, match="backing is Tensor; expected a RowStore"):
+        CachedRowStore(torch.zeros(3), 2**16)  # type: ignore[arg-type]
+    backing = make_store("device", packed=random_packed_table(10, 32, seed=13), device=device)
+    cache = CachedRowStore(backing, 2**16)
+    with pytest.raises(ValidationError, match="backing is a CachedRowStore"):
+        CachedRowStore(cache, 2**16)
+    with pytest.raises(EngramError, match="backend='cuda-magic' is not one of"):
+        CachedRowStore(backing, 2**16, backend="cuda-magic")
+    with pytest.raises(ValidationError, match=r"row_ids has shape \(5,\); expected \[T, C\]"):
+        cache.lookup(torch.zeros(5, dtype=torch.int64, device=device))
+    with pytest.raises(ValidationError, match=r"row_ids has dtype torch\.float32"):
+        cache.lookup(torch.zeros((2, 3), device=device))
+    with pytest.raises(ValidationError, match=r"out is torch.bfloat16 \(2, 3, 64\)"):
+        cache.lookup(
+            torch.zeros((2, 3), dtype=torch.int64, device=device),
+            out=torch.empty((2, 3, 64), dtype=torch.bfloat16, device=device),
+        )
+    with pytest.raises(ValidationError, match="phase = 'commit'"):
+        cache.lookup(torch.zeros((1, 1), dtype=torch.int64, device=device))
+        update = cache.plan_update()
+        assert update is not None
+        cache.apply_update(update, ("commit",))
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_out_of_range_ids_are_caught_on_the_miss_path(backend: str, device: torch.device) -> None:
+    backing = make_store(
+        "host", packed=random_packed_table(10, 32, seed=14), device=device, row_begin=100
+    )
+    cache = CachedRowStore(backing, 2**16, backend=backend)
+    row_ids = torch.full((3, 4), 104, dtype=torch.int64, device=device)
+    row_ids[2, 1] = 110
+    with pytest.raises(ValidationError, match=r"row_ids\[2, 1\] = 110 .* in \[100, 110\)"):
+        cache.lookup(row_ids)
+    row_ids[2, 1] = -1  # the empty-slot tag: still a miss, so still caught
+    with pytest.raises(ValidationError, match=r"row_ids\[2, 1\] = -1 "):
+        cache.lookup(row_ids)
+
+
+def test_stats_type(device: torch.device) -> None:
+    backing = make_store("device", packed=random_packed_table(10, 32, seed=15), device=device)
+    assert isinstance(CachedRowStore(backing, 2**16).stats(), CacheStats)
+
+
+def test_import_does_not_pull_in_triton() -> None:
+    code = "import sys, engramrt.cache\nprint('triton' in sys.modules)\n"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert proc.stdout.strip() == "False"
