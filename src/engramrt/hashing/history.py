@@ -23,13 +23,9 @@ import numpy as np
 import torch
 
 from engramrt.errors import ValidationError
-from engramrt.hashing.types import DEAD, EMPTY, HashBatch
+from engramrt.hashing.types import DEAD, EMPTY, HashBatch, host_array
 
 __all__ = ["RequestHistory", "SlotHashCache"]
-
-
-def _np(x: torch.Tensor) -> np.ndarray:
-    return x.detach().cpu().numpy()
 
 
 class SlotHashCache:
@@ -78,12 +74,12 @@ class SlotHashCache:
         """Write the batch's tokens to their slots (what the kernel does in-launch)."""
         if batch.slot_mapping is None:
             raise ValidationError("slot_mapping is required with a SlotHashCache")
-        qsl = _np(batch.query_start_loc)
+        qsl = host_array(batch.query_start_loc)
         owned = int(qsl[-1])
-        slots = _np(batch.slot_mapping)[:owned].astype(np.int64)
-        codes = token_map[_np(batch.input_ids)[:owned].astype(np.int64)].astype(np.int32)
+        slots = host_array(batch.slot_mapping)[:owned].astype(np.int64)
+        codes = token_map[host_array(batch.input_ids)[:owned].astype(np.int64)].astype(np.int32)
         if batch.dead_mask is not None:
-            codes[_np(batch.dead_mask)[:owned].astype(bool)] = DEAD
+            codes[host_array(batch.dead_mask)[:owned].astype(bool)] = DEAD
         keep = slots >= 0
         index = torch.from_numpy(slots[keep]).to(self.device)
         self.slots[index] = torch.from_numpy(codes[keep]).to(self.device)
@@ -93,15 +89,15 @@ class SlotHashCache:
     def _seed_from_lookback(self, batch: HashBatch, token_map: np.ndarray) -> None:
         """Write each chunk's known lookback ids to the slots of their positions."""
         assert batch.lookback_token_ids is not None and batch.block_table is not None
-        qsl = _np(batch.query_start_loc).astype(np.int64)
-        positions = _np(batch.positions).astype(np.int64)
-        lookback = _np(batch.lookback_token_ids).astype(np.int64)
+        qsl = host_array(batch.query_start_loc).astype(np.int64)
+        positions = host_array(batch.positions).astype(np.int64)
+        lookback = host_array(batch.lookback_token_ids).astype(np.int64)
         lb_dead = (
-            _np(batch.lookback_dead).astype(bool)
+            host_array(batch.lookback_dead).astype(bool)
             if batch.lookback_dead is not None
             else np.zeros(lookback.shape, dtype=bool)
         )
-        table = _np(batch.block_table).astype(np.int64)
+        table = host_array(batch.block_table).astype(np.int64)
         for r in range(qsl.shape[0] - 1):
             if qsl[r] == qsl[r + 1]:
                 continue
@@ -209,11 +205,11 @@ class RequestHistory:
         """Write the last ``window`` tokens of each chunk (what the commit kernel does)."""
         if batch.request_slots is None:
             raise ValidationError("request_slots is required with a RequestHistory")
-        qsl = _np(batch.query_start_loc).astype(np.int64)
-        ids = _np(batch.input_ids).astype(np.int64)
-        positions = _np(batch.positions).astype(np.int64)
-        dead = _np(batch.dead_mask).astype(bool) if batch.dead_mask is not None else None
-        req_slots = _np(batch.request_slots).astype(np.int64)
+        qsl = host_array(batch.query_start_loc).astype(np.int64)
+        ids = host_array(batch.input_ids).astype(np.int64)
+        positions = host_array(batch.positions).astype(np.int64)
+        dead = host_array(batch.dead_mask).astype(bool) if batch.dead_mask is not None else None
+        req_slots = host_array(batch.request_slots).astype(np.int64)
         slots = self.slots.cpu().numpy().copy()
         tags = self.tags.cpu().numpy().copy()
         for r in range(qsl.shape[0] - 1):

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from engramrt.hashing.types import DEAD, EMPTY, HashBatch, HashConstants
+from engramrt.hashing.types import DEAD, EMPTY, HashBatch, HashConstants, host_array
 
 if TYPE_CHECKING:
     from engramrt.hashing.history import RequestHistory, SlotHashCache
@@ -87,19 +87,23 @@ def hash_batch_reference(
     from engramrt.hashing.history import RequestHistory, SlotHashCache
 
     n = consts.max_ngram_size
-    ids = _np(batch.input_ids)
-    positions = _np(batch.positions)
-    qsl = _np(batch.query_start_loc)
+    ids = host_array(batch.input_ids)
+    positions = host_array(batch.positions)
+    qsl = host_array(batch.query_start_loc)
     t_len, n_req = ids.shape[0], qsl.shape[0] - 1
-    dead = _np(batch.dead_mask).astype(bool) if batch.dead_mask is not None else None
-    lookback = _np(batch.lookback_token_ids) if batch.lookback_token_ids is not None else None
-    lookback_dead = (
-        _np(batch.lookback_dead).astype(bool) if batch.lookback_dead is not None else None
+    dead = host_array(batch.dead_mask).astype(bool) if batch.dead_mask is not None else None
+    lookback = (
+        host_array(batch.lookback_token_ids) if batch.lookback_token_ids is not None else None
     )
-    block_table = _np(batch.block_table) if batch.block_table is not None else None
-    request_slots = _np(batch.request_slots) if batch.request_slots is not None else None
-    store = _np(history.slots) if isinstance(history, (SlotHashCache, RequestHistory)) else None
-    tags = _np(history.tags) if isinstance(history, RequestHistory) else None
+    lookback_dead = (
+        host_array(batch.lookback_dead).astype(bool) if batch.lookback_dead is not None else None
+    )
+    block_table = host_array(batch.block_table) if batch.block_table is not None else None
+    request_slots = host_array(batch.request_slots) if batch.request_slots is not None else None
+    store = (
+        host_array(history.slots) if isinstance(history, (SlotHashCache, RequestHistory)) else None
+    )
+    tags = host_array(history.tags) if isinstance(history, RequestHistory) else None
 
     def lookup_history(r: int, pos: int) -> tuple[bool, int, bool]:
         """(known, compressed id, dead) of position ``pos`` of request r from the store."""
@@ -152,10 +156,3 @@ def hash_batch_reference(
     if history is not None:
         history.commit_reference(batch, token_map)
     return out
-
-
-def _np(x: object) -> np.ndarray:
-    """A numpy view of a tensor or array (copied to the host if needed)."""
-    if hasattr(x, "detach"):
-        return x.detach().cpu().numpy()  # type: ignore[no-any-return, attr-defined]
-    return np.asarray(x)

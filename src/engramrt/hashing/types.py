@@ -13,11 +13,18 @@ if TYPE_CHECKING:
     from engramrt.layout import EngramLayout
     from engramrt.tokenmap import TokenMap
 
-__all__ = ["DEAD", "EMPTY", "HashBatch", "HashConstants"]
+__all__ = ["DEAD", "EMPTY", "HashBatch", "HashConstants", "host_array"]
 
 # Codes a history store holds besides compressed ids (which are >= 0).
 EMPTY = -1  # nothing known about this position: hashes as pad
 DEAD = -2  # a dead token (image span): blocks n-grams through it
+
+
+def host_array(x: torch.Tensor | np.ndarray) -> np.ndarray:
+    """A numpy view of a tensor (copied to the host if it lives on a device) or an array."""
+    if isinstance(x, torch.Tensor):
+        return x.detach().cpu().numpy()
+    return np.asarray(x)
 
 
 @dataclass
