@@ -293,3 +293,13 @@ def test_store_argument_errors(tmp_path: Path) -> None:
         )
     with pytest.raises(ValidationError, match="chunk_rows = 0; expected >= 1"):
         HostGatherRowStore(4, 32, chunk_rows=0)
+
+
+@pytest.mark.parametrize("tier", TIERS)
+def test_gather_packed_returns_the_stored_bytes(tier: str, tmp_path: Path) -> None:
+    table = random_packed_table(300, 32, seed=21)
+    store = build(tier, table, tmp_path, row_begin=1000)
+    local = torch.tensor([299, 0, 17, 17, 150])
+    got = store.gather_packed(local)
+    assert got.device == store.device and got.dtype == torch.uint8
+    assert torch.equal(got.cpu(), table[local])

@@ -114,6 +114,17 @@ class RowStore(ABC):
     ) -> torch.Tensor:
         """The tier's lookup, arguments already checked."""
 
+    def gather_packed(self, local_ids: torch.Tensor) -> torch.Tensor:
+        """Packed rows ``[U, row_bytes]`` uint8 on :attr:`device` of local ids ``[U]`` int64.
+
+        Local ids are ``row_id - row_begin``. For consumers that keep or
+        move rows themselves (a row cache): one trip per row, no dequantise.
+        """
+        raise ValidationError(
+            f"{type(self).__name__} (tier={self.tier!r}) offers no packed rows; expected a "
+            f"tier that stores them"
+        )
+
     @abstractmethod
     def _write(self, start: int, packed: torch.Tensor) -> None:
         """Copy ``packed [n, row_bytes]`` (CPU or device) into local rows ``[start, start + n)``."""

@@ -96,5 +96,8 @@ class SyntheticRowStore(RowStore):
             out[:, self.col_begin : col_end] = rows
         return out
 
+    def gather_packed(self, local_ids: torch.Tensor) -> torch.Tensor:
+        return synthetic_packed_rows(local_ids.to(self.device) + self.row_begin, self.E, self.seed)
+
     def _write(self, start: int, packed: torch.Tensor) -> None:
         raise ValidationError("a SyntheticRowStore computes its rows; write_rows is not supported")

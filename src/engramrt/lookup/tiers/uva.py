@@ -129,6 +129,10 @@ class UvaRowStore(RowStore):
     def _write(self, start: int, packed: torch.Tensor) -> None:
         self.host_table[start : start + packed.shape[0]].copy_(packed)
 
+    def gather_packed(self, local_ids: torch.Tensor) -> torch.Tensor:
+        rows = self.host_table.index_select(0, local_ids.cpu())
+        return rows.to(self.device)
+
     def _lookup(
         self, row_ids: torch.Tensor, col_end: int, out: torch.Tensor | None
     ) -> torch.Tensor:
