@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from engramrt.cli import main
 
@@ -46,3 +47,47 @@ def test_demo_on_tiny_config_with_text(capsys, tmp_path) -> None:
 def test_demo_bad_input(capsys, args, needle) -> None:
     code, _, err = _run(capsys, "demo", "--device", "cpu", *args)
     assert code == 2 and needle in err
+
+
+def test_demo_serves_rows_from_a_checkpoint(capsys, tmp_path) -> None:
+    from engramrt.checkpoint import save_tables
+    from engramrt.config import PRESETS
+    from engramrt.lookup.synthetic import random_packed_rows
+
+    cfg = PRESETS["tiny"]
+    gen = torch.Generator().manual_seed(0)
+    tables = [random_packed_rows(n, cfg.head_dim, "cpu", gen) for n in cfg.num_embeddings]
+    ckpt = save_tables(tmp_path / "engram.safetensors", tables, cfg)
+    text = "The cat and THE CAT and the cat sat on the mat while the Cat slept on The Mat all day, and the cat woke up."
+    code, out, _ = _run(
+        capsys,
+        "demo",
+        "--config",
+        "tiny",
+        "--text",
+        text,
+        "--device",
+        "cpu",
+        "--checkpoint",
+        str(ckpt),
+        "--tier",
+        "host",
+        "--plot",
+        str(tmp_path / "c.png"),
+    )
+    assert code == 0 and "checks passed" in out
+    code, _, err = _run(
+        capsys,
+        "demo",
+        "--config",
+        "tiny",
+        "--text",
+        text,
+        "--device",
+        "cpu",
+        "--checkpoint",
+        str(tmp_path / "missing"),
+        "--plot",
+        str(tmp_path / "d.png"),
+    )
+    assert code == 2 and "does not exist" in err

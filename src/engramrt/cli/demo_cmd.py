@@ -69,6 +69,17 @@ def _stream_checked(
     return steps
 
 
+def _reference_rows(store: Any, row_ids: Any) -> Any:
+    """The reference lookup of ``row_ids [T, C]`` from the store's own packed bytes."""
+    import torch
+
+    from engramrt.lookup import lookup_rows_reference
+
+    unique, inverse = torch.unique(row_ids.cpu().to(torch.int64), return_inverse=True)
+    packed = store.gather_packed(unique - store.row_begin).cpu()
+    return lookup_rows_reference(inverse, packed, store.E)
+
+
 def _write_chart(
     path: Path, tokenizer: Any, token_ids: Any, layer_rows: Any, cfg: Any, gates: Any
 ) -> None:
@@ -128,13 +139,23 @@ def register(app: typer.Typer) -> None:
         plot: Annotated[Path, typer.Option(help="Where to write the PNG chart.")] = Path(
             "engramrt-demo.png"
         ),
+        checkpoint: Annotated[
+            Path | None,
+            typer.Option(
+                help="Serve rows from this safetensors checkpoint instead of synthetic rows."
+            ),
+        ] = None,
+        tier: Annotated[
+            str, typer.Option(help="Tier for --checkpoint tables (auto, device, host, ...).")
+        ] = "auto",
     ) -> None:
         """Stream a text through Engram like an engine would and check every step.
 
         Rows come from a synthetic table computed from the row ids (no storage,
         so the real V4.1-Flash layout with its 384 M rows per layer works
-        anywhere); they are projected by a random wkv and gated into random
-        hidden states, each stage checked against its reference.
+        anywhere) or from a checkpoint (--checkpoint); they are projected by a
+        random wkv and gated into random hidden states, each stage checked
+        against its reference.
         """
         import numpy as np
         import torch
@@ -229,20 +250,24 @@ def register(app: typer.Typer) -> None:
         # Rows from a synthetic table (computed from the row ids), a random wkv
         # and random hidden states: every stage against its reference.
         t_len, hc, dim = int(token_ids.size), cfg.hc_mult, min(cfg.hidden_size, 1024)
-        stores = [
-            SyntheticRowStore(n, cfg.head_dim, device=dev, seed=li)
-            for li, n in enumerate(cfg.num_embeddings)
-        ]
+        if checkpoint is not None:
+            from engramrt.checkpoint import load_table
+
+            stores = [
+                load_table(checkpoint, cfg, li, tier=tier, device=dev) for li in range(cfg.n_layers)
+            ]
+        else:
+            stores = [
+                SyntheticRowStore(n, cfg.head_dim, device=dev, seed=li)
+                for li, n in enumerate(cfg.num_embeddings)
+            ]
         ids_dev = torch.as_tensor(row_ids, device=dev)
         rows = [store.lookup(ids_dev[:, li]) for li, store in enumerate(stores)]
         rows_ok = all(
             torch.equal(
-                r.view(torch.int16),
-                SyntheticRowStore(n, cfg.head_dim, device=dev, seed=li, backend="reference")
-                .lookup(ids_dev[:, li])
-                .view(torch.int16),
+                r.cpu().view(torch.int16), _reference_rows(store, ids_dev[:, li]).view(torch.int16)
             )
-            for li, (r, n) in enumerate(zip(rows, cfg.num_embeddings, strict=True))
+            for li, (r, store) in enumerate(zip(rows, stores, strict=True))
         )
         steps.append(
             {"step": "row lookup (fp8 rows -> bf16) vs reference", "tokens": t_len, "ok": rows_ok}
