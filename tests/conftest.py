@@ -39,3 +39,25 @@ def device():
     import torch
 
     return torch.device(os.environ.get("ENGRAMRT_TEST_DEVICE", "cpu"))
+
+
+@pytest.fixture
+def world_of_one(tmp_path):
+    """A gloo process group of this process alone (file:// rendezvous, 10 s timeout)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{tmp_path / 'init'}",
+        rank=0,
+        world_size=1,
+        timeout=datetime.timedelta(seconds=10),
+    )
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()

@@ -8,9 +8,6 @@ classes check their arguments before any collective.
 
 from __future__ import annotations
 
-import datetime
-from pathlib import Path
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -96,23 +93,6 @@ def test_lookups_need_initialised_distributed() -> None:
     for cls in (TPLookup, AllToAllLookup):
         with pytest.raises(ShardingError, match="not initialised"):
             cls(store, EngramLayout(TINY), 0)
-
-
-@pytest.fixture
-def world_of_one(tmp_path: Path):
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialised in this process")
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{tmp_path / 'init'}",
-        rank=0,
-        world_size=1,
-        timeout=datetime.timedelta(seconds=10),
-    )
-    try:
-        yield dist.group.WORLD
-    finally:
-        dist.destroy_process_group()
 
 
 def test_a_world_of_one_is_the_plain_lookup(world_of_one) -> None:

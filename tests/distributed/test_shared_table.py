@@ -10,7 +10,6 @@ private copy with a warning that gives the numbers.
 
 from __future__ import annotations
 
-import datetime
 import errno
 import json
 import multiprocessing
@@ -312,23 +311,6 @@ def test_decide_sharing() -> None:
     decision = decide_sharing(two_nodes)
     assert not decision.shared
     assert "on 2 nodes (a/1: ranks [0, 2]; b/2: ranks [1])" in decision.reason
-
-
-@pytest.fixture
-def world_of_one(tmp_path: Path):
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialised in this process")
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{tmp_path / 'init'}",
-        rank=0,
-        world_size=1,
-        timeout=datetime.timedelta(seconds=10),
-    )
-    try:
-        yield dist.group.WORLD
-    finally:
-        dist.destroy_process_group()
 
 
 def test_group_decision_goes_through_all_gather_object(

@@ -123,23 +123,6 @@ def test_group_needs_initialised_distributed(tmp_path: Path) -> None:
         EngramLayer(CONFIG, full_store(layer_table(), CPU), max_tokens=4, group=object())
 
 
-@pytest.fixture
-def world_of_one(tmp_path: Path):
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialised in this process")
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{tmp_path / 'init'}",
-        rank=0,
-        world_size=1,
-        timeout=datetime.timedelta(seconds=10),
-    )
-    try:
-        yield dist.group.WORLD
-    finally:
-        dist.destroy_process_group()
-
-
 @pytest.mark.parametrize("collective", COLLECTIVES)
 def test_tp1_group_equals_the_plain_layer(world_of_one, collective: str) -> None:
     table = layer_table()
