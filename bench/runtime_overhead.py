@@ -12,10 +12,20 @@ rows, project them (wkv, bf16) and apply the fused gate over 4 streams.
 
 Workloads (the paper's): decode steps of 256 requests x 1 token; prefill of
 512 sequences with lengths uniform in 100..1024, packed into 8,192-token
-chunks. Placements: tables in GPU memory, in host memory (host-gather
-tier); with prefetch (the next step's lookups start before this step's
-blocks) and without. Reports step time and tokens/s per configuration and
-the throughput loss of each host configuration against GPU memory.
+chunks. Placements (``--tiers``): tables in GPU memory, in host memory
+(host-gather tier), in pinned host memory read by the kernel (UVA), or on
+disk. Decode runs the backbone as engines do, from CUDA graphs replayed per
+step (``--backbones graph``), and for comparison launched kernel by kernel
+(``eager``); prefill runs eager.
+
+Without prefetch, a step's lookups start when the step does (its tokens
+exist only then: decode's come from the previous step's sampling), so they
+hide behind the blocks before each Engram layer. With prefetch, the next
+step's lookups start at the beginning of the current one: what an engine
+can do when the next step's tokens are known a step early (the next chunk
+of a prompt in chunked prefill; drafted tokens). Reports step time and
+tokens/s per configuration and the throughput loss of each placement
+against GPU memory in the same configuration.
 """
 
 from __future__ import annotations
@@ -131,6 +141,7 @@ def prefill_batches(rng, vocab, device, chunk=8192):
 
 
 def run(runtime, batches, backbone, eps, prefetch, device):
+    """The backbone launched kernel by kernel from Python (eager)."""
     blocks, engram = backbone
     tokens = sum(b.num_tokens for b in batches)
     torch.cuda.synchronize()
@@ -149,7 +160,10 @@ def run(runtime, batches, backbone, eps, prefetch, device):
         if i + 1 < len(batches):
             handle = nxt if nxt is not None else runtime.step(batches[i + 1])
     torch.cuda.synchronize()
-    seconds = time.perf_counter() - start
+    return summary(batches, tokens, time.perf_counter() - start)
+
+
+def summary(batches, tokens, seconds):
     return {
         "steps": len(batches),
         "tokens": tokens,
@@ -157,6 +171,80 @@ def run(runtime, batches, backbone, eps, prefetch, device):
         "tokens_per_s": tokens / seconds,
         "ms_per_step": 1e3 * seconds / len(batches),
     }
+
+
+def capture(fn):
+    """``fn`` captured in a CUDA graph (after a warm-up on a side stream), and its output."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
+
+
+class GraphedBackbone:
+    """The backbone as engines run decode: CUDA graphs, replayed per step.
+
+    Three pieces split at the Engram layers (blocks 0-1; Engram layer 0 and
+    blocks 2-14; Engram layer 1 and blocks 15-29), the last two captured once
+    per staging slot of the runtime, since each slot's rows live at their own
+    fixed address. Between pieces the step waits for that layer's rows.
+    """
+
+    def __init__(self, runtime, backbone, eps, num_tokens, device):
+        blocks, engram = backbone
+        first, second = sorted(ENGRAM_AT)
+        self.x = torch.randn(num_tokens, D, device=device, dtype=torch.bfloat16)
+
+        def piece(x, lo, hi):
+            for weights in blocks[lo:hi]:
+                x = run_block(x, weights)
+            return x
+
+        self.head, head_out = capture(lambda: piece(self.x, 0, first + 1))
+        self.middle, self.tail = [], []
+        for slot in range(len(runtime.staging)):
+            rows = [runtime.staging[slot][li][:num_tokens] for li in range(2)]
+            graph, mid_out = capture(
+                lambda rows=rows: piece(
+                    engram_layer(head_out, rows[0], engram[0], eps), first + 1, second + 1
+                )
+            )
+            self.middle.append(graph)
+            graph, _ = capture(
+                lambda rows=rows, mid_out=mid_out: piece(
+                    engram_layer(mid_out, rows[1], engram[1], eps), second + 1, len(blocks)
+                )
+            )
+            self.tail.append(graph)
+
+    def step(self, handle) -> None:
+        self.head.replay()
+        handle.rows(0)  # the stream waits for layer 0's rows
+        self.middle[handle.slot].replay()
+        handle.rows(1)
+        self.tail[handle.slot].replay()
+
+
+def run_graphed(runtime, batches, graphed, prefetch):
+    tokens = sum(b.num_tokens for b in batches)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    handle = runtime.step(batches[0])
+    for i in range(len(batches)):
+        nxt = None
+        if prefetch and i + 1 < len(batches):
+            nxt = runtime.prefetch(batches[i + 1])
+        graphed.step(handle)
+        if i + 1 < len(batches):
+            handle = nxt if nxt is not None else runtime.step(batches[i + 1])
+    torch.cuda.synchronize()
+    return summary(batches, tokens, time.perf_counter() - start)
 
 
 def main() -> None:
@@ -170,6 +258,14 @@ def main() -> None:
         help="comma-separated intra-op thread counts for the host gather to compare (default: torch's)",
     )
     parser.add_argument("--workloads", default="decode,prefill", help="decode, prefill or both")
+    parser.add_argument(
+        "--tiers", default="device,host,uva", help="placements to compare (device first)"
+    )
+    parser.add_argument(
+        "--backbones",
+        default="graph,eager",
+        help="decode backbone: CUDA graphs (as engines run decode) and/or eager",
+    )
     args = parser.parse_args()
     device = torch.device("cuda")
     cfg = scaled_config(args.table_gib)
@@ -185,41 +281,65 @@ def main() -> None:
     if "prefill" in args.workloads:
         workloads["prefill 512 seqs 100-1024"] = prefill_batches(rng, token_map.vocab_size, device)
     host_threads = [None if t == "default" else int(t) for t in args.host_threads.split(",")]
+    backbones = args.backbones.split(",")
     backbone = make_backbone(device)
     results = []
-    for tier in ("device", "host"):
+    for tier in args.tiers.split(","):
         stores = synthetic_stores(layout, tier, device=device, seed=1)
         hasher = NgramHasher(consts, token_map, device, validate=False)
         runtime = EngramRuntime(hasher, stores, max_tokens=8192, max_requests=512, validate=False)
-        for threads in host_threads if tier == "host" else [None]:
+        for threads in host_threads if tier in ("host", "disk") else [None]:
             for store in stores:
-                if tier == "host":
+                if tier in ("host", "disk"):
                     store.num_threads = threads  # read at every lookup
             for name, batches in workloads.items():
-                for prefetch in (False, True):
-                    run(
-                        runtime, batches[:3], backbone, cfg.rms_norm_eps, prefetch, device
-                    )  # warm-up
-                    res = run(runtime, batches, backbone, cfg.rms_norm_eps, prefetch, device)
-                    res.update(tier=tier, workload=name, prefetch=prefetch, host_threads=threads)
-                    results.append(res)
-                    print(
-                        f"{tier:6s} threads={threads!s:7s} {name:26s} prefetch={prefetch!s:5s} "
-                        f"{res['ms_per_step']:8.2f} ms/step {res['tokens_per_s']:12,.0f} tok/s",
-                        flush=True,
-                    )
+                for kind in backbones if name.startswith("decode") else ["eager"]:
+                    graphed = None
+                    if kind == "graph":
+                        graphed = GraphedBackbone(
+                            runtime, backbone, cfg.rms_norm_eps, batches[0].num_tokens, device
+                        )
+                    for prefetch in (False, True):
+                        if graphed is None:
+                            run(runtime, batches[:3], backbone, cfg.rms_norm_eps, prefetch, device)
+                            res = run(
+                                runtime, batches, backbone, cfg.rms_norm_eps, prefetch, device
+                            )
+                        else:
+                            run_graphed(runtime, batches[:3], graphed, prefetch)
+                            res = run_graphed(runtime, batches, graphed, prefetch)
+                        res.update(
+                            tier=tier,
+                            workload=name,
+                            backbone=kind,
+                            prefetch=prefetch,
+                            host_threads=threads,
+                        )
+                        results.append(res)
+                        print(
+                            f"{tier:6s} threads={threads!s:7s} {name:26s} {kind:5s} "
+                            f"prefetch={prefetch!s:5s} {res['ms_per_step']:8.2f} ms/step "
+                            f"{res['tokens_per_s']:12,.0f} tok/s",
+                            flush=True,
+                        )
+                    del graphed
         runtime.close()
         del stores, runtime
         torch.cuda.empty_cache()
-    base = {
-        (r["workload"], r["prefetch"]): r["tokens_per_s"] for r in results if r["tier"] == "device"
-    }
+
+    def key(r):
+        return r["workload"], r["backbone"], r["prefetch"]
+
+    base = {key(r): r["tokens_per_s"] for r in results if r["tier"] == "device"}
     for r in results:
-        r["loss_vs_gpu_pct"] = 100 * (1 - r["tokens_per_s"] / base[(r["workload"], r["prefetch"])])
+        if key(r) in base:
+            r["loss_vs_gpu_pct"] = 100 * (1 - r["tokens_per_s"] / base[key(r)])
     for r in results:
-        if r["tier"] != "device":
+        if r["tier"] != "device" and "loss_vs_gpu_pct" in r:
             print(
-                f"host tables, {r['workload']}, prefetch={r['prefetch']}: {r['loss_vs_gpu_pct']:.2f}% throughput loss"
+                f"{r['tier']} tables, {r['workload']}, {r['backbone']} backbone, "
+                f"threads={r['host_threads']}, prefetch={r['prefetch']}: "
+                f"{r['loss_vs_gpu_pct']:.2f}% throughput loss"
             )
     if args.out:
         import triton

@@ -1,22 +1,32 @@
 """What limits the host-gather tier (run on a GPU machine).
 
-    python bench/study_host_tier.py [TABLE_GIB]
+    python bench/study_host_tier.py [--table-gib 8] [--sections all] [--out report.json]
 
 For 196,608 random rows (T = 8,192 tokens x 24 columns) of 264 bytes from a
 host table (default 8 GiB) it times each stage separately: unique on the GPU,
 the ids to the host, CPU gathers by method and thread count, the pinned
 host-to-device copy, and the whole HostGatherRowStore lookup with its
-settings. Prints one line per measurement.
+settings. Prints one line per measurement. ``--sections`` picks among
+``stages`` (unique and the ids' trip to the host, the old way and
+:func:`~engramrt.lookup.dedup.sorted_unique`'s), ``methods`` (CPU gathers by
+method and thread count, the pinned copy), ``hugepages`` and ``store`` (the
+store's lookup over chunk sizes and thread counts).
 """
 
 from __future__ import annotations
 
-import sys
+import argparse
+import json
+import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
+
+from engramrt.lookup.dedup import sorted_unique
+from engramrt.lookup.tiers import make_store
+from engramrt.lookup.tiers.host_gather import DEFAULT_CHUNK_ROWS
 
 ROW = 264
 
@@ -34,7 +44,13 @@ def timed(fn, reps: int = 5) -> float:
 
 
 def main() -> None:
-    gib = float(sys.argv[1]) if len(sys.argv) > 1 else 8.0
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--table-gib", type=float, default=8.0)
+    parser.add_argument("--sections", default="stages,methods,hugepages,store")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    sections = set(args.sections.split(","))
+    gib = args.table_gib
     rows = int(gib * 2**30) // ROW
     torch.manual_seed(0)
     src = torch.empty((rows, ROW), dtype=torch.uint8)
@@ -43,18 +59,32 @@ def main() -> None:
     n = 8192 * 24
     ids_dev = torch.randint(0, rows, (n,), device=device)
     report = []
+    records = []
 
     def line(label: str, seconds: float, count: int = n) -> None:
         text = f"{label:58s} {seconds * 1e3:8.3f} ms {count / seconds / 1e6:8.1f} M rows/s"
         report.append(text)
+        records.append({"label": label, "ms": seconds * 1e3, "rows": count})
         print(text, flush=True)
 
+    print(f"torch threads {torch.get_num_threads()}, cpus {len(os.sched_getaffinity(0))}")
     uniq = torch.unique(ids_dev, sorted=True, return_inverse=True)
-    line(
-        "torch.unique(sorted, inverse) on GPU",
-        timed(lambda: torch.unique(ids_dev, sorted=True, return_inverse=True)),
-    )
-    line("unique ids to host (.cpu())", timed(lambda: uniq[0].cpu()))
+    if "stages" in sections:
+        line(
+            "torch.unique(sorted, inverse) on GPU",
+            timed(lambda: torch.unique(ids_dev, sorted=True, return_inverse=True)),
+        )
+        line("unique ids to host (.cpu())", timed(lambda: uniq[0].cpu()))
+        ids32 = ids_dev.to(torch.int32)
+        pinned_ids = torch.empty(n + 1, dtype=torch.int32, pin_memory=True)
+
+        def one_trip() -> None:
+            unique, _, count = sorted_unique(ids32)
+            pinned_ids[:n].copy_(unique, non_blocking=True)
+            pinned_ids[n:].copy_(count, non_blocking=True)
+            torch.cuda.current_stream().synchronize()
+
+        line("sorted_unique int32 + one copy to host + one wait", timed(one_trip))
     ids = uniq[0].cpu()
     u = ids.shape[0]
     ids_np = ids.numpy()
@@ -64,6 +94,12 @@ def main() -> None:
     pinned = torch.empty((u, ROW), dtype=torch.uint8, pin_memory=True)
     pinned_void = pinned.numpy().view(np.dtype((np.void, ROW))).reshape(-1)
     pinned_i64 = pinned.view(torch.int64)
+    dev_rows = torch.empty((u, ROW), dtype=torch.uint8, device=device)
+    if "store" in sections:
+        study_store(src, rows, ids_dev, line)
+    if "methods" not in sections:
+        finish(args, report, records)
+        return
 
     methods = {
         "torch.index_select uint8 [N,264]": lambda lo, hi: torch.index_select(
@@ -87,7 +123,6 @@ def main() -> None:
 
             line(f"gather {name}, {threads} threads", timed(run), u)
         pool.shutdown()
-    dev_rows = torch.empty((u, ROW), dtype=torch.uint8, device=device)
     line(
         "pinned -> device copy of the unique rows",
         timed(lambda: dev_rows.copy_(pinned, non_blocking=True)),
@@ -101,6 +136,9 @@ def main() -> None:
             u,
         )
     torch.set_num_threads(1)
+    if "hugepages" not in sections:
+        finish(args, report, records)
+        return
 
     # The same table in transparent huge pages (anonymous mmap + MADV_HUGEPAGE).
     import mmap
@@ -158,22 +196,57 @@ def main() -> None:
             )
         pool.shutdown()
 
-    from engramrt.lookup.tiers import make_store
+    finish(args, report, records)
 
+
+def study_store(src, rows, ids_dev, line) -> None:
+    """The store's whole lookup, over chunk sizes and thread counts."""
     row_ids = ids_dev.view(8192, 24).to(torch.int32)
-    for threads in (8, 16):
-        for chunk in (16384, 65536, 1 << 20):
-            store = make_store(
-                "host", num_rows=rows, E=256, device=device, num_threads=threads, chunk_rows=chunk
-            )
-            store.source = src  # share the filled table instead of a second copy
-            line(
-                f"HostGatherRowStore.lookup threads={threads} chunk={chunk}",
-                timed(lambda store=store: store.lookup(row_ids)),
-            )
-            del store
-    torch.set_num_threads(16)
+    device = ids_dev.device
+    settings = [(None, DEFAULT_CHUNK_ROWS)]
+    settings += [(t, c) for t in (8, 12, 16) for c in (8192, 16384, 32768, 65536, 1 << 20)]
+    for threads, chunk in settings:
+        store = make_store(
+            "host", num_rows=1, E=256, device=device, num_threads=threads, chunk_rows=chunk
+        )
+        store.source, store.num_rows = src, rows  # share the filled table, no second copy
+        line(
+            f"HostGatherRowStore.lookup threads={threads} chunk={chunk}",
+            timed(lambda store=store: store.lookup(row_ids)),
+        )
+        del store
+    decode_ids = row_ids[:256]
+    for threads in (None, 1, 2, 4):
+        store = make_store("host", num_rows=1, E=256, device=device, num_threads=threads)
+        store.source, store.num_rows = src, rows
+        line(
+            f"HostGatherRowStore.lookup T=256 threads={threads}",
+            timed(lambda store=store: store.lookup(decode_ids)),
+            decode_ids.numel(),
+        )
+        del store
+
+
+def finish(args, report, records) -> None:
+    torch.set_num_threads(len(os.sched_getaffinity(0)))
     print("\n".join(report))
+    if args.out:
+        import triton
+
+        with open(args.out, "w") as f:
+            json.dump(
+                {
+                    "date": time.strftime("%Y-%m-%d"),
+                    "torch": torch.__version__,
+                    "triton": triton.__version__,
+                    "gpu": torch.cuda.get_device_name(),
+                    "cpus": len(os.sched_getaffinity(0)),
+                    "table_gib": args.table_gib,
+                    "results": records,
+                },
+                f,
+                indent=1,
+            )
 
 
 if __name__ == "__main__":

@@ -2,13 +2,14 @@
 
 For tables larger than device memory. One lookup:
 
-1. the owned ids are made local (``id - row_begin``) and deduplicated,
-   sorted, with ``torch.unique(..., return_inverse=True)`` on the device
-   that holds them (real text repeats n-grams, and sorted ids read the
-   table front to back);
-2. the unique ids come to the host (the one host synchronisation: the CPU
-   cannot gather rows it has not been told about, so this tier is not
-   capturable in a CUDA graph);
+1. the owned ids are sorted and deduplicated on the device that holds
+   them, by :func:`~engramrt.lookup.dedup.sorted_unique`, which queues work
+   without waiting to size its result (real text repeats n-grams, and
+   sorted ids read the table front to back);
+2. the unique ids and their count come to the host in one copy into a
+   reused pinned buffer (the one host synchronisation: the CPU cannot
+   gather rows it has not been told about, so this tier is not capturable
+   in a CUDA graph); they are made local (``id - row_begin``) there;
 3. the rows are gathered into a persistent pinned staging buffer in
    ``pieces`` of ``chunk_rows`` rows, each by one ``torch.index_select``
    that runs on torch's intra-op thread pool (``num_threads`` threads), over
@@ -39,12 +40,14 @@ staging buffer).
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
 
 import torch
 
 from engramrt.errors import ValidationError
 from engramrt.lookup import check_row_ids_in_shard, lookup_rows
+from engramrt.lookup.dedup import sorted_unique
 from engramrt.lookup.tiers import memory
 from engramrt.lookup.tiers.base import RowStore
 
@@ -57,7 +60,7 @@ gather is still long enough to keep 16 threads busy."""
 
 ROWS_PER_GATHER_THREAD = 16384
 """With ``num_threads=None`` the gather uses one intra-op thread per this many
-unique rows (at most torch's setting). Small gathers on many threads cost
+unique rows (at most the CPUs this process may use). Small gathers on many threads cost
 the caller more than they save: in a decode loop (6,144 rows per layer and
 step, a 30-block backbone launching meanwhile) one thread lost 10% of
 throughput against tables in GPU memory, the default 16 threads 17-25%
@@ -73,6 +76,14 @@ def _word_view(rows: torch.Tensor) -> torch.Tensor:
         if width % size == 0:
             return rows.view(dtype)
     return rows  # pragma: no cover - size 1 always divides
+
+
+def _cpu_count() -> int:
+    """CPUs this process may run on (torch's default thread count may be lower)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        return os.cpu_count() or 1
 
 
 @contextlib.contextmanager
@@ -98,8 +109,8 @@ class HostGatherRowStore(RowStore):
         chunk_rows: rows per pipelined piece (gather of one piece overlaps
             the copy of the previous).
         num_threads: torch intra-op threads for the gather; None picks one
-            per :data:`ROWS_PER_GATHER_THREAD` unique rows, at most torch's
-            setting.
+            per :data:`ROWS_PER_GATHER_THREAD` unique rows, at most the
+            number of CPUs this process may use.
         backend: ``"auto"``, ``"triton"`` or ``"reference"`` for the final
             dequantise-and-scatter.
 
@@ -147,6 +158,7 @@ class HostGatherRowStore(RowStore):
         self._staging: torch.Tensor | None = None
         self._copy_stream: torch.cuda.Stream | None = None
         self._staging_free: torch.cuda.Event | None = None
+        self._ids_host: torch.Tensor | None = None  # pinned, for the unique ids
 
     def _allocate_source(self) -> torch.Tensor:
         what = f"tier='{self.tier}' ({self.num_rows} rows of {self.row_bytes} B)"
@@ -179,7 +191,7 @@ class HostGatherRowStore(RowStore):
         source = _word_view(self.source)
         threads = self.num_threads
         if threads is None:
-            threads = max(1, min(torch.get_num_threads(), unique_count // ROWS_PER_GATHER_THREAD))
+            threads = max(1, min(_cpu_count(), unique_count // ROWS_PER_GATHER_THREAD))
         if self.device.type != "cuda":
             rows = torch.empty((unique_count, self.row_bytes), dtype=torch.uint8)
             with _intra_op_threads(threads):
@@ -208,21 +220,54 @@ class HostGatherRowStore(RowStore):
 
     # -- lookup ------------------------------------------------------------
 
+    def _unique_on_host(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sorted distinct ``flat`` ids on the host, and the inverse on the device.
+
+        One copy to the host and one wait (the host synchronisation of this
+        tier): the distinct ids are sorted and deduplicated on the device
+        without sizing the result first, then copied with their count into a
+        reused pinned buffer.
+        """
+        unique, inverse, count = sorted_unique(flat)
+        if self.device.type != "cuda":
+            return unique[: int(count)], inverse
+        n = flat.shape[0]
+        host = self._ids_host
+        if host is None or host.shape[0] < n + 1 or host.dtype != unique.dtype:
+            host = torch.empty(n + 1, dtype=unique.dtype, pin_memory=True)
+            self._ids_host = host
+        host[:n].copy_(unique, non_blocking=True)
+        host[n:].copy_(count, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(self.device))
+        ready.synchronize()
+        return host[: int(host[n])], inverse
+
     def _lookup(
         self, row_ids: torch.Tensor, col_end: int, out: torch.Tensor | None
     ) -> torch.Tensor:
         num_tokens, num_cols = row_ids.shape
-        owned = row_ids[:, self.col_begin : col_end].to(torch.int64) - self.row_begin
-        if owned.numel() > 0:
-            unique, inverse = torch.unique(owned, sorted=True, return_inverse=True)
-        else:
-            unique, inverse = owned.reshape(0), owned
-        local_ids = unique.cpu()  # the host synchronisation of this tier
-        if local_ids.numel() > 0 and (local_ids[0] < 0 or local_ids[-1] >= self.num_rows):
+        owned = row_ids[:, self.col_begin : col_end]
+        if owned.numel() == 0:
+            return lookup_rows(
+                row_ids,
+                self._empty_rows(),
+                col_begin=self.col_begin,
+                col_end=col_end,
+                out=out,
+                backend=self.backend,
+            )
+        ids, inverse = self._unique_on_host(owned.reshape(-1))
+        # Sorted: the first and last id bound them all, so this check is free.
+        if int(ids[0]) < self.row_begin or int(ids[-1]) >= self.row_end:
             check_row_ids_in_shard(row_ids, self.col_begin, col_end, self.row_begin, self.row_end)
+        local_ids = ids - self.row_begin if self.row_begin else ids
         rows = self._gather_to_device(local_ids)  # [U, row_bytes] on the compute device
-        compact_ids = torch.zeros((num_tokens, num_cols), dtype=torch.int64, device=self.device)
-        compact_ids[:, self.col_begin : col_end] = inverse.to(self.device, non_blocking=True)
+        if self.col_begin == 0 and col_end == num_cols:
+            compact_ids = inverse.view(num_tokens, num_cols)
+        else:
+            compact_ids = torch.zeros((num_tokens, num_cols), dtype=torch.int32, device=self.device)
+            compact_ids[:, self.col_begin : col_end] = inverse.view(num_tokens, -1)
         return lookup_rows(
             compact_ids,
             rows,
@@ -232,3 +277,6 @@ class HostGatherRowStore(RowStore):
             out=out,
             backend=self.backend,
         )
+
+    def _empty_rows(self) -> torch.Tensor:
+        return torch.zeros((1, self.row_bytes), dtype=torch.uint8, device=self.device)

@@ -1,0 +1,78 @@
+"""The collective paths over NCCL in a world of one GPU.
+
+Several GPUs are needed to exchange anything, but one already runs every
+NCCL call the lookups make (all-gather, all-reduce and all-to-all on int32
+or int64 words, counts exchanged before sizes are known) on CUDA tensors
+from every tier, which gloo on the CPU cannot show.
+"""
+
+from __future__ import annotations
+
+import datetime
+
+import pytest
+import torch
+import torch.distributed as dist
+from tests.distributed.common import (
+    C10,
+    assert_same_bits,
+    layer_table,
+    random_row_ids,
+    reference_rows,
+)
+
+from engramrt.distributed import AllToAllLookup, TPLookup
+from engramrt.distributed._collectives import all_gather_into, word_view
+from engramrt.layout import EngramLayout
+from engramrt.lookup.tiers import make_store
+
+pytestmark = pytest.mark.skipif(
+    not (torch.cuda.is_available() and dist.is_available() and dist.is_nccl_available()),
+    reason="NCCL needs a GPU",
+)
+
+
+@pytest.fixture
+def nccl_world_of_one(tmp_path):
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    device = torch.device("cuda", torch.cuda.current_device())
+    dist.init_process_group(
+        "nccl",
+        init_method=f"file://{tmp_path / 'init'}",
+        rank=0,
+        world_size=1,
+        timeout=datetime.timedelta(seconds=60),
+        device_id=device,
+    )
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("tier", ["device", "uva", "host"])
+def test_lookups_over_nccl_equal_the_reference(nccl_world_of_one, tier: str) -> None:
+    layout = EngramLayout(C10)
+    store = make_store(tier, packed=layer_table(C10, 0), device="cuda", backend="triton")
+    row_ids = random_row_ids(C10, 37, seed=3)
+    expected = reference_rows(C10, row_ids)
+    ids = row_ids.cuda()
+    for collective in ("all_gather", "all_reduce"):
+        lookup = TPLookup(store, layout, 0, nccl_world_of_one, collective=collective)
+        assert_same_bits(lookup(ids).cpu(), expected, label=f"{tier} tp=1 {collective}")
+    a2a = AllToAllLookup(store, layout, 0, nccl_world_of_one)
+    assert_same_bits(a2a(ids).cpu(), expected, label=f"{tier} all-to-all")
+    assert a2a(ids[:0]).shape == (0, C10.n_cols, C10.head_dim)
+
+
+def test_word_collectives_over_nccl_keep_the_bits(nccl_world_of_one) -> None:
+    g = torch.Generator(device="cuda").manual_seed(5)
+    rows = torch.randn((6, 4, 64), device="cuda", generator=g).bfloat16()
+    rows[0, 0, :4] = torch.tensor([float("nan"), float("-inf"), -0.0, 1e-40])
+    gathered = torch.empty((1, *rows.shape), dtype=rows.dtype, device="cuda")
+    all_gather_into(word_view(gathered), word_view(rows), nccl_world_of_one)
+    assert torch.equal(gathered[0].view(torch.int16), rows.view(torch.int16))
+    summed = rows.clone()
+    dist.all_reduce(word_view(summed), op=dist.ReduceOp.SUM, group=nccl_world_of_one)
+    assert torch.equal(summed.view(torch.int16), rows.view(torch.int16))
