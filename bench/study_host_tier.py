@@ -7,8 +7,7 @@ host table (default 8 GiB) it times each stage separately: unique on the GPU,
 the ids to the host, CPU gathers by method and thread count, the pinned
 host-to-device copy, and the whole HostGatherRowStore lookup with its
 settings. Prints one line per measurement. ``--sections`` picks among
-``stages`` (unique and the ids' trip to the host, the old way and
-:func:`~engramrt.lookup.dedup.sorted_unique`'s), ``methods`` (CPU gathers by
+``stages`` (unique and the ids' trip to the host), ``methods`` (CPU gathers by
 method and thread count, the pinned copy), ``hugepages`` and ``store`` (the
 store's lookup over chunk sizes and thread counts).
 """
@@ -24,7 +23,6 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
-from engramrt.lookup.dedup import sorted_unique
 from engramrt.lookup.tiers import make_store
 from engramrt.lookup.tiers.host_gather import DEFAULT_CHUNK_ROWS
 
@@ -75,16 +73,6 @@ def main() -> None:
             timed(lambda: torch.unique(ids_dev, sorted=True, return_inverse=True)),
         )
         line("unique ids to host (.cpu())", timed(lambda: uniq[0].cpu()))
-        ids32 = ids_dev.to(torch.int32)
-        pinned_ids = torch.empty(n + 1, dtype=torch.int32, pin_memory=True)
-
-        def one_trip() -> None:
-            unique, _, count = sorted_unique(ids32)
-            pinned_ids[:n].copy_(unique, non_blocking=True)
-            pinned_ids[n:].copy_(count, non_blocking=True)
-            torch.cuda.current_stream().synchronize()
-
-        line("sorted_unique int32 + one copy to host + one wait", timed(one_trip))
     ids = uniq[0].cpu()
     u = ids.shape[0]
     ids_np = ids.numpy()
@@ -95,6 +83,8 @@ def main() -> None:
     pinned_void = pinned.numpy().view(np.dtype((np.void, ROW))).reshape(-1)
     pinned_i64 = pinned.view(torch.int64)
     dev_rows = torch.empty((u, ROW), dtype=torch.uint8, device=device)
+    if "profile" in sections:
+        profile_store(src, rows, ids_dev, line)
     if "store" in sections:
         study_store(src, rows, ids_dev, line)
     if "methods" not in sections:
@@ -225,6 +215,65 @@ def study_store(src, rows, ids_dev, line) -> None:
             decode_ids.numel(),
         )
         del store
+
+
+def profile_store(src, rows, ids_dev, line) -> None:
+    """Where one lookup's time goes: each phase alone, then step by step."""
+    device = ids_dev.device
+    for tokens in (256, 8192):
+        row_ids = ids_dev.view(8192, 24)[:tokens].to(torch.int32).contiguous()
+        count = row_ids.numel()
+        store = make_store("host", num_rows=1, E=256, device=device)
+        store.source, store.num_rows = src, rows
+        flat = row_ids.reshape(-1)
+        line(
+            f"T={tokens} phase torch.unique + .cpu()",
+            timed(lambda: torch.unique(flat.long(), sorted=True, return_inverse=True)[0].cpu()),
+            count,
+        )
+        ids = torch.unique(flat).cpu()
+        for dtype in (torch.int32, torch.int64):
+            for threads in (1, 4, 16):
+                store.num_threads = threads
+                local = ids.to(dtype)
+                line(
+                    f"T={tokens} phase gather+copy {dtype} threads={threads}",
+                    timed(lambda local=local: store._gather_to_device(local)),
+                    count,
+                )
+        store.num_threads = None
+        line(f"T={tokens} whole lookup", timed(lambda: store.lookup(row_ids)), count)
+        breakdown(store, row_ids)
+
+
+def breakdown(store, row_ids) -> None:
+    """The store's lookup step by step, the device drained after each (median of 7)."""
+    from engramrt.lookup import lookup_rows
+
+    steps: dict[str, list[float]] = {}
+
+    def mark(name: str, start: float) -> float:
+        torch.cuda.synchronize()
+        now = time.perf_counter()
+        steps.setdefault(name, []).append(now - start)
+        return now
+
+    for _ in range(8):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        unique, inverse = torch.unique(row_ids, sorted=True, return_inverse=True)
+        t = mark("torch.unique", t)
+        ids = unique.cpu()
+        t = mark("ids to host", t)
+        bad = int(ids[0]) < 0 or int(ids[-1]) >= store.num_rows
+        t = mark(f"range check ({bad})", t)
+        rows = store._gather_to_device(ids)
+        t = mark("gather + copy", t)
+        lookup_rows(inverse, rows, backend="triton")
+        t = mark("dequantise + scatter kernel", t)
+    for name, values in steps.items():
+        values = sorted(values[1:])
+        print(f"  T={row_ids.shape[0]} {name:40s} {values[len(values) // 2] * 1e3:8.3f} ms")
 
 
 def finish(args, report, records) -> None:
