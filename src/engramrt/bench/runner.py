@@ -18,6 +18,7 @@ plus written) and pinned host-to-device.
 from __future__ import annotations
 
 import datetime as _dt
+import fnmatch
 import json
 import platform
 import time
@@ -29,6 +30,7 @@ from typing import Any
 import torch
 
 from engramrt.bench.registry import Case, all_cases
+from engramrt.errors import ValidationError
 
 __all__ = ["measure_ceilings", "run_cases"]
 
@@ -158,12 +160,21 @@ def run_cases(
     out: str | Path | None = None,
     names: Iterable[str] | None = None,
 ) -> dict[str, Any]:
-    """Check and time every registered case (of ``groups``); write JSON to ``out``."""
+    """Check and time every registered case (of ``groups``); write JSON to ``out``.
+
+    ``names``: only cases whose name matches one of these shell-style
+    patterns (``lookup/host/*``).
+    """
     device = torch.device(device)
     cases = all_cases(quick, groups)
     if names is not None:
-        wanted = set(names)
-        cases = [c for c in cases if c.name in wanted]
+        patterns = list(names)
+        cases = [c for c in cases if any(fnmatch.fnmatchcase(c.name, p) for p in patterns)]
+        if not cases:
+            raise ValidationError(
+                f"case patterns {patterns} match no benchmark case; expected names like "
+                "'lookup/host/T=8192' (see the markdown table)"
+            )
     ceilings = measure_ceilings(device)
     report: dict[str, Any] = {"environment": environment(device), "ceilings_bytes_per_s": ceilings}
     records = []

@@ -15,6 +15,12 @@ def register(app: typer.Typer) -> None:
             list[str] | None,
             typer.Option("--group", "-g", help="Only these groups (hash, lookup, gate, ...)."),
         ] = None,
+        case: Annotated[
+            list[str] | None,
+            typer.Option(
+                "--case", "-k", help="Only cases matching these patterns ('lookup/host/*')."
+            ),
+        ] = None,
         quick: Annotated[bool, typer.Option(help="Small shapes, a short run.")] = False,
         out: Annotated[Path | None, typer.Option(help="Write the JSON report here.")] = None,
         markdown: Annotated[Path | None, typer.Option(help="Write a markdown table here.")] = None,
@@ -30,7 +36,7 @@ def register(app: typer.Typer) -> None:
             raise EngramError(
                 f"device={device!r} but no CUDA device is visible; benchmarks need a GPU"
             )
-        report = run_cases(group, quick=quick, device=device, out=out)
+        report = run_cases(group, quick=quick, device=device, out=out, names=case)
         table = markdown_table(report)
         if markdown is not None:
             from engramrt._io import atomic_write_bytes

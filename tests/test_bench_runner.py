@@ -1,0 +1,103 @@
+"""The benchmark runner: a wrong implementation is reported as failed, never timed."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from engramrt.bench import registry
+from engramrt.bench.registry import Case, all_cases
+from engramrt.bench.runner import markdown_table, run_case, run_cases
+from engramrt.cli import app
+from engramrt.errors import ValidationError
+
+
+def _case(name: str, wrong: bool = False, raises: bool = False) -> Case:
+    def make(device: torch.device) -> dict[str, Any]:
+        return {"x": torch.arange(1.0, 9.0, device=device)}
+
+    def right(inputs: dict[str, Any]) -> torch.Tensor:
+        return inputs["x"] * 2
+
+    def other(inputs: dict[str, Any]) -> torch.Tensor:
+        if raises:
+            raise RuntimeError("kernel exploded")
+        return inputs["x"] * 2 + (1 if wrong else 0)
+
+    def check(inputs: dict[str, Any], outputs: dict[str, Any]) -> None:
+        for impl, value in outputs.items():
+            if not torch.equal(value, outputs["baseline"]):
+                raise AssertionError(f"{impl} differs from the baseline")
+
+    return Case(
+        name=name,
+        group="selftest",
+        params={},
+        make=make,
+        impls={"fast": other, "baseline": right},
+        baseline="baseline",
+        check=check,
+        bytes_moved=64,
+        items=8,
+        item_name="values",
+        requires_cuda=False,
+    )
+
+
+@pytest.mark.parametrize(
+    ("wrong", "raises", "error"), [(True, False, "fast differs"), (False, True, "kernel exploded")]
+)
+def test_a_failing_case_is_reported_and_not_timed(wrong: bool, raises: bool, error: str) -> None:
+    record = run_case(_case("selftest/x", wrong=wrong, raises=raises), torch.device("cpu"), {})
+    assert record["status"] == "failed"
+    assert error in record["error"]
+    assert "results" not in record  # nothing was timed
+    table = markdown_table(
+        {
+            "environment": {"date": "2026-01-01", "device": "cpu", "torch": "t", "triton": "t"},
+            "cases": [record],
+        }
+    )
+    assert "| selftest/x | — | failed |" in table
+
+
+def test_case_patterns_select_cases(monkeypatch: pytest.MonkeyPatch) -> None:
+    cases = [_case("selftest/a/T=1"), _case("selftest/a/T=2"), _case("selftest/b/T=1")]
+    monkeypatch.setattr(registry, "_FACTORIES", [lambda quick: cases])
+    assert [c.name for c in all_cases(groups=["selftest"])] == [c.name for c in cases]
+    monkeypatch.setattr(
+        "engramrt.bench.runner.run_case",
+        lambda case, device, ceilings: {"name": case.name, "status": "selected"},
+    )
+    report = run_cases(["selftest"], device="cpu", names=["selftest/a/*", "*/b/T=1"])
+    assert [r["name"] for r in report["cases"]] == [c.name for c in cases]
+    report = run_cases(["selftest"], device="cpu", names=["selftest/a/T=2"])
+    assert [r["name"] for r in report["cases"]] == ["selftest/a/T=2"]
+    with pytest.raises(
+        ValidationError, match=r"case patterns \['lookup/\*'\] match no benchmark case"
+    ):
+        run_cases(["selftest"], device="cpu", names=["lookup/*"])
+
+
+def test_every_registered_case_has_a_unique_name_and_its_baseline() -> None:
+    for quick in (True, False):
+        cases = all_cases(quick)
+        names = [c.name for c in cases]
+        assert len(names) == len(set(names))
+        groups = {c.group for c in cases}
+        assert {"hash", "gate", "lookup", "quant", "layer", "cache"} <= groups
+        for case in cases:
+            assert case.baseline in case.impls, case.name
+            assert case.name.startswith(case.group + "/"), case.name
+            assert set(case.graph_impls) <= set(case.impls), case.name
+
+
+def test_bench_refuses_cuda_without_a_gpu() -> None:
+    if torch.cuda.is_available():
+        pytest.skip("checks the error raised on machines without a GPU")
+    result = CliRunner().invoke(app, ["bench", "--quick"])
+    assert result.exit_code != 0
+    assert "no CUDA device is visible" in str(result.exception) + result.output
