@@ -1,4 +1,4 @@
-"""Rewrite the results section of BENCHMARKS.md from the newest JSON of each group.
+"""Rewrite the results section of BENCHMARKS.md from the newest JSON record of each case.
 
     python bench/render_benchmarks.py [bench/results] [BENCHMARKS.md]
 
@@ -18,24 +18,39 @@ from engramrt.bench.runner import markdown_table
 START, END = "<!-- results:start -->", "<!-- results:end -->"
 
 
-def newest_per_group(results: Path) -> dict[str, dict]:
-    newest: dict[str, tuple[str, dict]] = {}
+def newest_per_case(results: Path) -> dict[str, list[dict]]:
+    """Per group, reports holding the newest full-size record of each of its cases.
+
+    A run of some cases (``engramrt bench --case``) replaces those rows only;
+    quick runs (small shapes) are not rendered.
+    """
+    newest: dict[str, tuple[str, str, dict]] = {}  # case -> (date, file, record)
+    reports: dict[str, dict] = {}
     for path in sorted(results.glob("bench-*.json")):
         report = json.loads(path.read_text())
-        for group in {c["group"] for c in report["cases"]}:
-            date = report["environment"]["date"]
-            if group not in newest or date > newest[group][0]:
-                newest[group] = (date, report)
-    return {g: r for g, (_, r) in sorted(newest.items())}
+        if report.get("quick"):
+            continue
+        reports[path.name] = report
+        date = report["environment"]["date"]
+        for case in report["cases"]:
+            if case["name"] not in newest or date >= newest[case["name"]][0]:
+                newest[case["name"]] = (date, path.name, case)
+    groups: dict[str, dict[str, list[dict]]] = {}
+    for _, source, case in newest.values():
+        groups.setdefault(case["group"], {}).setdefault(source, []).append(case)
+    return {
+        group: [dict(reports[source], cases=cases) for source, cases in sorted(by_source.items())]
+        for group, by_source in sorted(groups.items())
+    }
 
 
 def main() -> None:
     results = Path(sys.argv[1] if len(sys.argv) > 1 else "bench/results")
     target = Path(sys.argv[2] if len(sys.argv) > 2 else "BENCHMARKS.md")
     sections = []
-    for group, report in newest_per_group(results).items():
-        only = dict(report, cases=[c for c in report["cases"] if c["group"] == group])
-        sections.append(f"### {group}\n\n{markdown_table(only)}\n")
+    for group, reports in newest_per_case(results).items():
+        tables = "\n\n".join(markdown_table(report) for report in reports)
+        sections.append(f"### {group}\n\n{tables}\n")
     text = target.read_text()
     head, rest = text.split(START, 1)
     _, tail = rest.split(END, 1)

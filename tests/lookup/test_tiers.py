@@ -203,15 +203,39 @@ def test_checked_mode_names_column_and_id(tier: str, tmp_path: Path) -> None:
         store.lookup(row_ids)
 
 
+@pytest.mark.parametrize("dedup_min_rows", [0, 10**9], ids=["dedup", "plain"])
 @pytest.mark.parametrize("tier", ["host", "disk"])
-def test_host_tiers_reject_bad_ids_even_unchecked(tier: str, tmp_path: Path) -> None:
-    """Sorted unique ids make the range check free, so it is always on."""
+def test_host_tiers_reject_bad_ids_even_unchecked(
+    tier: str, dedup_min_rows: int, tmp_path: Path
+) -> None:
+    """The ids are on the host anyway, so the range check is always on."""
     table = random_packed_table(10, 32, seed=21)
     store = build(tier, table, tmp_path, row_begin=100, validate=False)
-    row_ids = torch.full((3, 5), 104, dtype=torch.int64, device=DEVICE)
-    row_ids[2, 1] = 99
-    with pytest.raises(ValidationError, match=r"row_ids\[2, 1\] = 99 for hash column 1"):
-        store.lookup(row_ids)
+    store.dedup_min_rows = dedup_min_rows
+    for bad in (99, 110, -(2**62)):
+        row_ids = torch.full((3, 5), 104, dtype=torch.int64, device=DEVICE)
+        row_ids[2, 1] = bad
+        with pytest.raises(ValidationError, match=rf"row_ids\[2, 1\] = {bad} for hash column 1"):
+            store.lookup(row_ids)
+
+
+@pytest.mark.parametrize("dedup_min_rows", [0, 10**9], ids=["dedup", "plain"])
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_host_tiers_with_and_without_deduplication(
+    tier: str, dedup_min_rows: int, tmp_path: Path
+) -> None:
+    """Both paths of the host gather equal the reference, on a shard with repeated ids."""
+    table = random_packed_table(300, 64, seed=22)
+    store = build(tier, table, tmp_path, row_begin=5000, col_begin=2, col_end=6, chunk_rows=7)
+    store.dedup_min_rows = dedup_min_rows
+    g = torch.Generator().manual_seed(23)
+    row_ids = torch.randint(5000, 5040, (19, 8), generator=g)  # many duplicates
+    row_ids[:, :2] = -1  # other shards' columns
+    row_ids[:, 6:] = 2**40
+    for dtype in (torch.int32, torch.int64):
+        ids = row_ids.clamp(-(2**31), 2**31 - 1).to(dtype) if dtype == torch.int32 else row_ids
+        expected = lookup_rows_reference(ids, table, 64, 2, 6, 5000)
+        assert_same_bits(store.lookup(ids.to(DEVICE)), expected)
 
 
 def test_capacity_errors_report_the_numbers(

@@ -176,7 +176,11 @@ def run_cases(
                 "'lookup/host/T=8192' (see the markdown table)"
             )
     ceilings = measure_ceilings(device)
-    report: dict[str, Any] = {"environment": environment(device), "ceilings_bytes_per_s": ceilings}
+    report: dict[str, Any] = {
+        "environment": environment(device),
+        "quick": quick,
+        "ceilings_bytes_per_s": ceilings,
+    }
     records = []
     for case in cases:
         if case.requires_cuda and device.type != "cuda":

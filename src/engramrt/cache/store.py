@@ -340,12 +340,15 @@ class CachedRowStore(RowStore):
             miss_ids, inverse = torch.unique(
                 flat_ids.index_select(0, miss_pos).to(torch.int64), sorted=True, return_inverse=True
             )
-            lowest, highest = (int(v) for v in miss_ids[[0, -1]].tolist())
+            # One trip to the host serves the range check (sorted: the ends
+            # bound them all) and a host tier's gather.
+            miss_host = miss_ids.cpu()
+            lowest, highest = int(miss_host[0]), int(miss_host[-1])
             if lowest < self.row_begin or highest >= self.row_end:
                 check_row_ids_in_shard(
                     row_ids, self.col_begin, col_end, self.row_begin, self.row_end
                 )
-            miss_rows = self._read_packed(miss_ids - self.row_begin)  # [U, row_bytes]
+            miss_rows = self._read_packed(miss_host - self.row_begin)  # [U, row_bytes]
             rows = lookup_rows(
                 inverse.view(-1, 1),
                 miss_rows,
