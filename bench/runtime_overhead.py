@@ -250,14 +250,18 @@ def run_graphed(runtime, batches, graphed, prefetch):
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--table-gib", type=float, default=16.0)
-    parser.add_argument("--decode-steps", type=int, default=40)
+    parser.add_argument("--decode-steps", type=int, default=100)
     parser.add_argument("--out", default=None)
     parser.add_argument(
         "--host-threads",
         default="default",
-        help="comma-separated intra-op thread counts for the host gather to compare (default: torch's)",
+        help="comma-separated gather thread counts to compare ('default': the store's rule); "
+        "all but the first on decode only",
     )
     parser.add_argument("--workloads", default="decode,prefill", help="decode, prefill or both")
+    parser.add_argument(
+        "--rounds", type=int, default=3, help="interleaved rounds; medians reported"
+    )
     parser.add_argument(
         "--tiers", default="device,host,uva", help="placements to compare (device first)"
     )
@@ -283,49 +287,71 @@ def main() -> None:
     host_threads = [None if t == "default" else int(t) for t in args.host_threads.split(",")]
     backbones = args.backbones.split(",")
     backbone = make_backbone(device)
-    results = []
+    # Every placement is built first and the configurations are interleaved
+    # over rounds, so drift of the machine (clocks, other tenants) spreads
+    # over all of them; the median of the rounds is reported.
+    setups = []
     for tier in args.tiers.split(","):
         stores = synthetic_stores(layout, tier, device=device, seed=1)
         hasher = NgramHasher(consts, token_map, device, validate=False)
         runtime = EngramRuntime(hasher, stores, max_tokens=8192, max_requests=512, validate=False)
-        for threads in host_threads if tier in ("host", "disk") else [None]:
-            for store in stores:
-                if tier in ("host", "disk"):
-                    store.num_threads = threads  # read at every lookup
-            for name, batches in workloads.items():
-                for kind in backbones if name.startswith("decode") else ["eager"]:
-                    graphed = None
-                    if kind == "graph":
-                        graphed = GraphedBackbone(
-                            runtime, backbone, cfg.rms_norm_eps, batches[0].num_tokens, device
-                        )
-                    for prefetch in (False, True):
-                        if graphed is None:
-                            run(runtime, batches[:3], backbone, cfg.rms_norm_eps, prefetch, device)
-                            res = run(
-                                runtime, batches, backbone, cfg.rms_norm_eps, prefetch, device
+        graphed = {}
+        for name, batches in workloads.items():
+            if name.startswith("decode") and "graph" in backbones:
+                graphed[name] = GraphedBackbone(
+                    runtime, backbone, cfg.rms_norm_eps, batches[0].num_tokens, device
+                )
+        setups.append((tier, stores, runtime, graphed))
+    samples: dict[tuple, list[dict]] = {}
+    for round_index in range(args.rounds):
+        for tier, stores, runtime, graphed in setups:
+            gathers = tier in ("host", "disk")
+            for threads in host_threads if gathers else [None]:
+                for store in stores:
+                    if gathers:
+                        store.num_threads = threads  # read at every lookup
+                for name, batches in workloads.items():
+                    if threads != host_threads[0] and not name.startswith("decode"):
+                        continue  # thread counts are compared on decode only
+                    for kind in backbones if name.startswith("decode") else ["eager"]:
+                        for prefetch in (False, True):
+                            if kind == "graph":
+                                run_graphed(runtime, batches[:3], graphed[name], prefetch)
+                                res = run_graphed(runtime, batches, graphed[name], prefetch)
+                            else:
+                                run(
+                                    runtime,
+                                    batches[:3],
+                                    backbone,
+                                    cfg.rms_norm_eps,
+                                    prefetch,
+                                    device,
+                                )
+                                res = run(
+                                    runtime, batches, backbone, cfg.rms_norm_eps, prefetch, device
+                                )
+                            config = (tier, threads, name, kind, prefetch)
+                            samples.setdefault(config, []).append(res)
+                            print(
+                                f"round {round_index} {tier:6s} threads={threads!s:5s} {name:26s} "
+                                f"{kind:5s} prefetch={prefetch!s:5s} {res['ms_per_step']:8.2f} ms/step",
+                                flush=True,
                             )
-                        else:
-                            run_graphed(runtime, batches[:3], graphed, prefetch)
-                            res = run_graphed(runtime, batches, graphed, prefetch)
-                        res.update(
-                            tier=tier,
-                            workload=name,
-                            backbone=kind,
-                            prefetch=prefetch,
-                            host_threads=threads,
-                        )
-                        results.append(res)
-                        print(
-                            f"{tier:6s} threads={threads!s:7s} {name:26s} {kind:5s} "
-                            f"prefetch={prefetch!s:5s} {res['ms_per_step']:8.2f} ms/step "
-                            f"{res['tokens_per_s']:12,.0f} tok/s",
-                            flush=True,
-                        )
-                    del graphed
+    for _, _, runtime, _ in setups:
         runtime.close()
-        del stores, runtime
-        torch.cuda.empty_cache()
+    results = []
+    for (tier, threads, name, kind, prefetch), runs in samples.items():
+        runs = sorted(runs, key=lambda r: r["ms_per_step"])
+        res = dict(runs[len(runs) // 2])  # the median round
+        res.update(
+            tier=tier,
+            workload=name,
+            backbone=kind,
+            prefetch=prefetch,
+            host_threads=threads,
+            ms_per_step_rounds=[r["ms_per_step"] for r in runs],
+        )
+        results.append(res)
 
     def key(r):
         return r["workload"], r["backbone"], r["prefetch"]
@@ -350,6 +376,7 @@ def main() -> None:
             "triton": triton.__version__,
             "gpu": torch.cuda.get_device_name(),
             "table_gib_per_layer": args.table_gib,
+            "rounds": args.rounds,
             "config": cfg.to_hf_dict(),
             "results": results,
         }

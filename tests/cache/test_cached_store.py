@@ -134,6 +134,19 @@ def test_hand_made_stream_statistics(device: torch.device) -> None:
     assert d["layer_id"] == 14 and d["by_order"]["2"]["hits"] == 3 and d["hits"] == 4
     cache.reset_stats()
     assert cache.stats().lookups == 0 and cache.stats().hit_rate == 0.0
+    # Counting happens off the lookup's path; a lookup not yet consumed by an
+    # update, one forgotten past max_pending, and one before a reset.
+    cache.lookup(torch.tensor([[1, 2, 3, 9]], device=device))
+    assert cache.stats().hits == (1, 1, 1, 1)  # pending, counted once
+    assert cache.stats().hits == (1, 1, 1, 1)
+    for _ in range(cache.max_pending + 2):
+        cache.lookup(torch.tensor([[1, 7, 7, 7]], device=device))
+    stats = cache.stats()
+    assert stats.hits == (1 + cache.max_pending + 2, 1, 1, 1)
+    assert stats.misses == (0, cache.max_pending + 2, cache.max_pending + 2, cache.max_pending + 2)
+    cache.reset_stats()
+    cache.update()  # consumes lookups made before the reset: not counted
+    assert cache.stats().lookups == 0
 
 
 @pytest.mark.parametrize("tier", ["device", "host"])

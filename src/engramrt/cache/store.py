@@ -78,6 +78,8 @@ class _Pending:
     slots: torch.Tensor  # [T * C] int64: slot, MISS or NOT_OWNED
     miss_ids: torch.Tensor  # [U] int64, distinct, sorted
     miss_rows: torch.Tensor  # [U, row_bytes] uint8, packed rows of miss_ids
+    num_cols: int  # C, to count hits and misses per column
+    counted: bool = False  # folded into the hit and miss counters yet
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         return (self.row_ids, self.slots, self.miss_ids, self.miss_rows)
@@ -247,6 +249,8 @@ class CachedRowStore(RowStore):
 
     def reset_stats(self) -> None:
         """Zero the hit, miss, fetch and admission counts."""
+        for record in getattr(self, "_pending", ()):
+            record.counted = True  # looked up before the reset
         self._hits = torch.zeros(0, dtype=torch.int64, device=self.device)
         self._misses = torch.zeros(0, dtype=torch.int64, device=self.device)
         self._rows_fetched = 0
@@ -256,6 +260,7 @@ class CachedRowStore(RowStore):
     def stats(self) -> CacheStats:
         """Counts so far (synchronises with the device)."""
         self._wait_for_update()
+        self._count(self._pending)
         return CacheStats(
             layer_id=self.layer_id,
             n_heads=self.n_heads,
@@ -267,15 +272,20 @@ class CachedRowStore(RowStore):
             evicted=int(self._evicted),
         )
 
-    def _count(self, slots: torch.Tensor, rows_fetched: int) -> None:
-        num_cols = slots.shape[1]
-        if self._hits.shape[0] < num_cols:
-            grow = num_cols - self._hits.shape[0]
-            self._hits = torch.cat([self._hits, self._hits.new_zeros(grow)])
-            self._misses = torch.cat([self._misses, self._misses.new_zeros(grow)])
-        self._hits[:num_cols] += (slots >= 0).sum(dim=0)
-        self._misses[:num_cols] += (slots == MISS).sum(dim=0)
-        self._rows_fetched += rows_fetched
+    def _count(self, records: Iterable[_Pending]) -> None:
+        """Fold records into the hit and miss counters (off the lookup's path)."""
+        for record in records:
+            if record.counted:
+                continue
+            record.counted = True
+            slots = record.slots.view(-1, record.num_cols)
+            num_cols = record.num_cols
+            if self._hits.shape[0] < num_cols:
+                grow = num_cols - self._hits.shape[0]
+                self._hits = torch.cat([self._hits, self._hits.new_zeros(grow)])
+                self._misses = torch.cat([self._misses, self._misses.new_zeros(grow)])
+            self._hits[:num_cols] += (slots >= 0).sum(dim=0)
+            self._misses[:num_cols] += (slots == MISS).sum(dim=0)
 
     # -- lookup ------------------------------------------------------------
 
@@ -361,9 +371,12 @@ class CachedRowStore(RowStore):
         else:
             miss_ids = torch.empty(0, dtype=torch.int64, device=self.device)
             miss_rows = torch.empty((0, self.row_bytes), dtype=torch.uint8, device=self.device)
-        self._count(slots, miss_ids.shape[0])
-        self._pending.append(_Pending(flat_ids, slots.view(-1), miss_ids, miss_rows))
-        del self._pending[: -self.max_pending]
+        self._rows_fetched += miss_ids.shape[0]
+        self._pending.append(_Pending(flat_ids, slots.view(-1), miss_ids, miss_rows, num_cols))
+        if len(self._pending) > self.max_pending:  # forgotten, but still counted
+            dropped = self._pending[: -self.max_pending]
+            self._count(dropped)
+            del self._pending[: -self.max_pending]
         return out
 
     # -- update ------------------------------------------------------------
@@ -380,6 +393,7 @@ class CachedRowStore(RowStore):
         pending, self._pending = self._pending, []
         if not pending:
             return None
+        self._count(pending)
         for record in pending:
             self.policy.record(record.row_ids, record.slots)
         if len(pending) == 1:
