@@ -36,6 +36,24 @@ _HASH_INTS = ["T", "R", "V", "pad_id", "block_size", "table_stride", "lb_stride"
 _COMMIT_INTS = ["T", "R", "V", "window"]
 
 
+@triton.jit
+def _request_of(qsl_ptr, i, valid, R, BLOCK_T: tl.constexpr, SEARCH_STEPS: tl.constexpr):
+    """Request of each token ``i``: ``#{b in qsl[1..R] : b <= i}``; ``R`` marks a padding row.
+
+    A binary search over ``query_start_loc`` (``SEARCH_STEPS >= ceil(log2(R + 1))``).
+    """
+    lo = tl.zeros([BLOCK_T], dtype=tl.int64)
+    hi = tl.zeros([BLOCK_T], dtype=tl.int64) + R
+    for _ in tl.static_range(SEARCH_STEPS):
+        active = lo < hi
+        mid = (lo + hi) // 2
+        bound = tl.load(qsl_ptr + 1 + mid, mask=valid & active, other=0).to(tl.int64)
+        right = active & (bound <= i)
+        lo = tl.where(right, mid + 1, lo)
+        hi = tl.where(active & ~right, mid, hi)
+    return lo
+
+
 @triton.jit(do_not_specialize=_HASH_INTS)
 def _ngram_hash_kernel(
     out_ptr,  # [T, L, C] int32 or int64
@@ -76,17 +94,7 @@ def _ngram_hash_kernel(
     i = pid * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)  # [BLOCK_T] token index
     valid = i < T
 
-    # Request of each token: r = #{b in qsl[1..R] : b <= i}; r == R marks a padding row.
-    lo = tl.zeros([BLOCK_T], dtype=tl.int64)
-    hi = tl.zeros([BLOCK_T], dtype=tl.int64) + R
-    for _ in tl.static_range(SEARCH_STEPS):
-        active = lo < hi
-        mid = (lo + hi) // 2
-        bound = tl.load(qsl_ptr + 1 + mid, mask=valid & active, other=0).to(tl.int64)
-        right = active & (bound <= i)
-        lo = tl.where(right, mid + 1, lo)
-        hi = tl.where(active & ~right, mid, hi)
-    r = lo
+    r = _request_of(qsl_ptr, i, valid, R, BLOCK_T, SEARCH_STEPS)
     padding_row = r >= R
     r_safe = tl.where(padding_row, 0, r)
     start = tl.load(qsl_ptr + r_safe, mask=valid & ~padding_row, other=0).to(tl.int64)
@@ -223,16 +231,7 @@ def _history_commit_kernel(
     pid = tl.program_id(0).to(tl.int64)
     i = pid * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
     valid = i < T
-    lo = tl.zeros([BLOCK_T], dtype=tl.int64)
-    hi = tl.zeros([BLOCK_T], dtype=tl.int64) + R
-    for _ in tl.static_range(SEARCH_STEPS):
-        active = lo < hi
-        mid = (lo + hi) // 2
-        bound = tl.load(qsl_ptr + 1 + mid, mask=valid & active, other=0).to(tl.int64)
-        right = active & (bound <= i)
-        lo = tl.where(right, mid + 1, lo)
-        hi = tl.where(active & ~right, mid, hi)
-    r = lo
+    r = _request_of(qsl_ptr, i, valid, R, BLOCK_T, SEARCH_STEPS)
     owned = valid & (r < R)
     r_safe = tl.where(owned, r, 0)
     end = tl.load(qsl_ptr + r_safe + 1, mask=owned, other=0).to(tl.int64)
