@@ -74,6 +74,18 @@ def test_every_float_source_dtype_and_block_size_gives_the_same_bytes(tmp_path, 
         assert torch.equal(read_table(one, small, layer_index), want)
 
 
+def test_conversion_on_the_gpu_writes_the_cpu_bytes(tmp_path, small, device) -> None:
+    if device.type == "cpu":
+        pytest.skip("compares a conversion on the GPU with the CPU's")
+    tables = float_tables(small, seed=12, dtype=torch.float32)
+    src = _write_source(tmp_path / "src.safetensors", small, tables)
+    (on_cpu,) = convert_checkpoint(src, tmp_path / "cpu.safetensors", small, block_rows=5)
+    (on_gpu,) = convert_checkpoint(
+        src, tmp_path / "gpu.safetensors", small, block_rows=5, device=device
+    )
+    assert on_gpu.read_bytes() == on_cpu.read_bytes()
+
+
 @pytest.mark.parametrize("tp", [2, 3, 4])
 def test_rank_files_hold_only_their_rows(tmp_path, tiny, tiny_tables, tp) -> None:
     tables, packed = tiny_tables
