@@ -12,7 +12,9 @@ rows, project them (wkv, bf16) and apply the fused gate over 4 streams.
 
 Workloads (the paper's): decode steps of 256 requests x 1 token; prefill of
 512 sequences with lengths uniform in 100..1024, packed into 8,192-token
-chunks. Placements (``--tiers``): tables in GPU memory, in host memory
+chunks. Placements (``--tiers``): no lookups at all (``none``: the
+Engram layers read fixed rows, so the device placement's cost to the
+backbone shows: hashing, side-stream lookup kernels), tables in GPU memory, in host memory
 (host-gather tier), in pinned host memory read by the kernel (UVA), or on
 disk. Decode runs the backbone as engines do, from CUDA graphs replayed per
 step (``--backbones graph``), and for comparison launched kernel by kernel
@@ -140,6 +142,41 @@ def prefill_batches(rng, vocab, device, chunk=8192):
     return out
 
 
+class NoLookups:
+    """The backbone alone: Engram layers read fixed rows; nothing is hashed or looked up.
+
+    The baseline that shows what the lookups themselves (hashing, the
+    side-stream kernels, copies, gather threads) cost the backbone.
+    """
+
+    def __init__(self, max_tokens: int, num_cols: int, E: int, device, layers: int = 2):
+        self.staging = [
+            [
+                torch.zeros(max_tokens, num_cols, E, dtype=torch.bfloat16, device=device)
+                for _ in range(layers)
+            ]
+            for _ in range(2)
+        ]
+        self._next = 0
+
+    def step(self, batch):
+        slot, self._next = self._next, 1 - self._next
+        return _FixedRows(self.staging[slot], batch.num_tokens, slot)
+
+    prefetch = step
+
+    def close(self) -> None:
+        pass
+
+
+class _FixedRows:
+    def __init__(self, rows, num_tokens: int, slot: int):
+        self._rows, self.num_tokens, self.slot = rows, num_tokens, slot
+
+    def rows(self, layer_index: int):
+        return self._rows[layer_index][: self.num_tokens]
+
+
 def run(runtime, batches, backbone, eps, prefetch, device):
     """The backbone launched kernel by kernel from Python (eager)."""
     blocks, engram = backbone
@@ -263,7 +300,9 @@ def main() -> None:
         "--rounds", type=int, default=3, help="interleaved rounds; medians reported"
     )
     parser.add_argument(
-        "--tiers", default="device,host,uva", help="placements to compare (device first)"
+        "--tiers",
+        default="none,device,host,uva",
+        help="placements to compare; 'none' runs the backbone without lookups",
     )
     parser.add_argument(
         "--backbones",
@@ -292,9 +331,14 @@ def main() -> None:
     # over all of them; the median of the rounds is reported.
     setups = []
     for tier in args.tiers.split(","):
-        stores = synthetic_stores(layout, tier, device=device, seed=1)
-        hasher = NgramHasher(consts, token_map, device, validate=False)
-        runtime = EngramRuntime(hasher, stores, max_tokens=8192, max_requests=512, validate=False)
+        if tier == "none":
+            stores, runtime = [], NoLookups(8192, cfg.n_cols, cfg.head_dim, device)
+        else:
+            stores = synthetic_stores(layout, tier, device=device, seed=1)
+            hasher = NgramHasher(consts, token_map, device, validate=False)
+            runtime = EngramRuntime(
+                hasher, stores, max_tokens=8192, max_requests=512, validate=False
+            )
         graphed = {}
         for name, batches in workloads.items():
             if name.startswith("decode") and "graph" in backbones:
@@ -357,11 +401,19 @@ def main() -> None:
         return r["workload"], r["backbone"], r["prefetch"]
 
     base = {key(r): r["tokens_per_s"] for r in results if r["tier"] == "device"}
+    alone = {key(r): r["tokens_per_s"] for r in results if r["tier"] == "none"}
     for r in results:
         if key(r) in base:
             r["loss_vs_gpu_pct"] = 100 * (1 - r["tokens_per_s"] / base[key(r)])
+        if key(r) in alone:
+            r["loss_vs_no_lookups_pct"] = 100 * (1 - r["tokens_per_s"] / alone[key(r)])
     for r in results:
-        if r["tier"] != "device" and "loss_vs_gpu_pct" in r:
+        if r["tier"] == "device" and "loss_vs_no_lookups_pct" in r:
+            print(
+                f"device tables vs no lookups, {r['workload']}, {r['backbone']} backbone, "
+                f"prefetch={r['prefetch']}: {r['loss_vs_no_lookups_pct']:.2f}% throughput loss"
+            )
+        if r["tier"] not in ("device", "none") and "loss_vs_gpu_pct" in r:
             print(
                 f"{r['tier']} tables, {r['workload']}, {r['backbone']} backbone, "
                 f"threads={r['host_threads']}, prefetch={r['prefetch']}: "
