@@ -148,3 +148,29 @@ def test_load_shared_table_reads_the_checkpoint_once(tmp_path: Path) -> None:
         checkpoint, TINY, layer_index, tp=tp, rank=rank, directory=shm, device="cpu"
     )
     assert third.owner.created  # type: ignore[attr-defined]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="cudaHostRegister needs a GPU")
+def test_uva_store_reads_the_registered_read_only_mapping(tmp_path: Path) -> None:
+    """The PROT_READ mapping is registered read-only and the kernel reads it in place."""
+    tp, rank = 2, 1
+    shard = EngramLayout(C10).column_shard(0, tp, rank)
+    table = shard_table(tmp_path, C10, tp, rank)
+    store = shared_store(
+        table,
+        "uva",
+        device="cuda",
+        row_begin=shard.row_begin,
+        col_begin=shard.col_begin,
+        col_end=shard.col_end,
+        backend="triton",
+    )
+    assert store.host_table.data_ptr() == table.rows.data_ptr()  # the mapping, not a copy
+    assert table.register_cuda() is table.rows  # once per process
+    for num_tokens in (9, 1):
+        row_ids = random_row_ids(C10, num_tokens, seed=20 + num_tokens)
+        expected = lookup_rows_reference(
+            row_ids, layer_table(C10), C10.head_dim, shard.col_begin, shard.col_end
+        )
+        got = store.lookup(row_ids.cuda()).cpu()
+        assert_same_bits(got, expected, label=f"uva T={num_tokens}")
