@@ -163,7 +163,6 @@ def test_uva_store_reads_the_registered_read_only_mapping(tmp_path: Path) -> Non
         row_begin=shard.row_begin,
         col_begin=shard.col_begin,
         col_end=shard.col_end,
-        backend="triton",
     )
     assert store.host_table.data_ptr() == table.rows.data_ptr()  # the mapping, not a copy
     assert table.register_cuda() is table.rows  # once per process
