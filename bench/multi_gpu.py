@@ -1,0 +1,177 @@
+"""Tensor-parallel lookups on several GPUs against the single-GPU result, timed.
+
+    torchrun --nproc-per-node 2 bench/multi_gpu.py [--table-gib 2] [--out report.json]
+    torchrun --nproc-per-node 2 bench/multi_gpu.py --cpu --tokens 5,17   # gloo smoke run
+
+Every rank builds its column shard of one layer (SPEC §7) of a V4.1 layout
+scaled to ``--table-gib`` GiB (C = 24, E = 256, random rows that depend only
+on the global row id) and, as the reference, the whole table on its own GPU.
+For each T it checks, bit for bit against that single-GPU lookup, and then
+times (median wall time of synchronised calls; every rank calls together):
+
+- ``TPLookup`` with ``all_gather`` and ``all_reduce`` (full rows on every rank);
+- ``SequenceParallelRows`` with ``reduce_scatter`` and ``all_to_all`` (each
+  rank keeps its token share of the full rows, as the layer uses it);
+- ``AllToAllLookup`` (each rank its own batch, T - 3 * rank tokens);
+- the shard's local lookup alone, the floor under all of them.
+
+Rank 0 prints one line per measurement and writes the JSON report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from engramrt.config import PRESETS
+from engramrt.distributed import AllToAllLookup, TPLookup
+from engramrt.layer.parallel import SequenceParallelRows, token_range, tokens_per_rank
+from engramrt.layout import EngramLayout
+from engramrt.runtime import synthetic_stores
+
+
+def scaled_layout(table_gib: float) -> EngramLayout:
+    base = PRESETS["dsv41-flash"]
+    vocab = int(table_gib * 2**30) // base.row_bytes // base.n_cols
+    cfg = base.replace(vocab_size=(vocab,) * 3, num_embeddings=(1, 1), name=f"v41-{table_gib}GiB")
+    needed = EngramLayout(cfg, check_num_embeddings=False).num_embeddings
+    return EngramLayout(cfg.replace(num_embeddings=needed))
+
+
+def random_ids(layout: EngramLayout, num_tokens: int, seed: int) -> torch.Tensor:
+    """``[T, C]`` int64, column c's id in its own prime-sized range (layer 0)."""
+    g = torch.Generator().manual_seed(seed)
+    offsets = torch.from_numpy(layout.offsets[0].copy())
+    primes = torch.from_numpy(layout.col_primes[0].copy())
+    fraction = torch.rand(num_tokens, layout.n_cols, generator=g, dtype=torch.float64)
+    return offsets + (fraction * primes).long().clamp_max(primes - 1)
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+def median_ms(fn: Callable[[], object], device: torch.device, reps: int) -> float:
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    for _ in range(3):
+        fn()
+    sync()
+    dist.barrier()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - start)
+    return 1e3 * sorted(times)[len(times) // 2]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--table-gib", type=float, default=2.0)
+    parser.add_argument("--tokens", default="256,8192")
+    parser.add_argument("--reps", type=int, default=30)
+    parser.add_argument("--cpu", action="store_true", help="gloo on the CPU (a smoke run)")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if args.cpu:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
+    else:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+    layout = scaled_layout(args.table_gib)
+    (shard_store,) = synthetic_stores(layout, "device", device=device, tp=world, rank=rank, seed=1)[
+        :1
+    ]
+    (full_store,) = synthetic_stores(layout, "device", device=device, tp=1, rank=0, seed=1)[:1]
+    C, E = layout.n_cols, layout.config.head_dim
+    results: list[dict] = []
+    failures: list[str] = []
+
+    def record(what: str, num_tokens: int, ok: bool, ms: float) -> None:
+        flags = torch.tensor([0 if ok else 1], device=device)
+        dist.all_reduce(flags)  # a check fails if it fails on any rank
+        ok_everywhere = int(flags) == 0
+        if not ok_everywhere:
+            failures.append(f"{what} T={num_tokens}")
+        results.append({"what": what, "T": num_tokens, "exact": ok_everywhere, "ms": ms})
+        if rank == 0:
+            print(
+                f"tp={world} {what:32s} T={num_tokens:6d} "
+                f"{'exact' if ok_everywhere else 'MISMATCH':8s} {ms:8.3f} ms",
+                flush=True,
+            )
+
+    for num_tokens in (int(t) for t in args.tokens.split(",")):
+        ids = random_ids(layout, num_tokens, seed=num_tokens).to(device)
+        expected = full_store.lookup(ids)
+        record(
+            "local shard lookup",
+            num_tokens,
+            True,
+            median_ms(lambda ids=ids: shard_store.lookup(ids), device, args.reps),
+        )
+        for collective in ("all_gather", "all_reduce"):
+            tp_lookup = TPLookup(shard_store, layout, 0, None, collective=collective)
+            ok = same_bits(tp_lookup(ids), expected)
+            ms = median_ms(lambda ids=ids, f=tp_lookup: f(ids), device, args.reps)
+            record(f"TPLookup {collective}", num_tokens, ok, ms)
+        part = tokens_per_rank(num_tokens, world)
+        begin, end = token_range(num_tokens, world, rank)
+        for collective in ("reduce_scatter", "all_to_all"):
+            sp = SequenceParallelRows(
+                None, num_cols=C, E=E, max_tokens=num_tokens, device=device, collective=collective
+            )
+            out = torch.empty((part, C, E), dtype=torch.bfloat16, device=device)
+            sp(shard_store, ids, out)
+            ok = same_bits(out[: end - begin], expected[begin:end])
+            ms = median_ms(
+                lambda ids=ids, sp=sp, out=out: sp(shard_store, ids, out), device, args.reps
+            )
+            record(f"SequenceParallelRows {collective}", num_tokens, ok, ms)
+        own_tokens = max(0, num_tokens - 3 * rank)
+        own_ids = random_ids(layout, own_tokens, seed=1000 * rank + num_tokens).to(device)
+        a2a = AllToAllLookup(shard_store, layout, 0, None)
+        ok = same_bits(a2a(own_ids), full_store.lookup(own_ids))
+        ms = median_ms(lambda own_ids=own_ids: a2a(own_ids), device, args.reps)
+        record("AllToAllLookup", num_tokens, ok, ms)
+
+    if rank == 0 and args.out:
+        import triton
+
+        report = {
+            "date": time.strftime("%Y-%m-%d"),
+            "torch": torch.__version__,
+            "triton": triton.__version__,
+            "devices": [torch.cuda.get_device_name(i) for i in range(world)]
+            if device.type == "cuda"
+            else ["cpu"] * world,
+            "backend": dist.get_backend(),
+            "tp": world,
+            "table_gib": args.table_gib,
+            "C": C,
+            "E": E,
+            "results": results,
+            "failures": failures,
+        }
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=1)
+    dist.destroy_process_group()
+    if failures:
+        raise SystemExit(f"rank {rank}: results differ from the single-GPU lookup: {failures}")
+
+
+if __name__ == "__main__":
+    main()
