@@ -13,7 +13,11 @@ times (median wall time of synchronised calls; every rank calls together):
 - ``SequenceParallelRows`` with ``reduce_scatter`` and ``all_to_all`` (each
   rank keeps its token share of the full rows, as the layer uses it);
 - ``AllToAllLookup`` (each rank its own batch, T - 3 * rank tokens);
-- the shard's local lookup alone, the floor under all of them.
+- the shard's local lookup alone, the floor under all of them;
+- a whole ``EngramLayer`` step under sequence parallelism (each rank its
+  token share: lookup, collective, wkv, gate) for both collectives, rows bit
+  for bit and kv and output within the layer's derived tolerances, beside
+  the single-GPU layer on all T tokens.
 
 Rank 0 prints one line per measurement and writes the JSON report.
 """
@@ -31,6 +35,7 @@ import torch.distributed as dist
 
 from engramrt.config import PRESETS
 from engramrt.distributed import AllToAllLookup, TPLookup
+from engramrt.layer import EngramLayer, assert_layer_within_tolerance
 from engramrt.layer.parallel import SequenceParallelRows, token_range, tokens_per_rank
 from engramrt.layout import EngramLayout
 from engramrt.runtime import synthetic_stores
@@ -75,12 +80,77 @@ def median_ms(fn: Callable[[], object], device: torch.device, reps: int) -> floa
     return 1e3 * sorted(times)[len(times) // 2]
 
 
+def random_layer_weights(config, seed: int) -> dict[str, torch.Tensor]:
+    """bf16 checkpoint-style weights, the same on every rank."""
+    hc, dim, width = config.hc_mult, config.hidden_size, config.n_cols * config.head_dim
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "wkv": (torch.randn((hc + 1) * dim, width, generator=g) / width**0.5).bfloat16(),
+        "q_weight": (1.0 + 0.2 * torch.randn(hc, dim, generator=g)).bfloat16(),
+        "k_weight": (1.0 + 0.2 * torch.randn(hc, dim, generator=g)).bfloat16(),
+    }
+
+
+def layer_steps(layout, shard_store, full_store, args, device, record) -> None:
+    """A layer step under sequence parallelism against the single-GPU layer."""
+    config = layout.config
+    world, rank = dist.get_world_size(), dist.get_rank()
+    weights = random_layer_weights(config, seed=7)
+    for num_tokens in (int(t) for t in args.tokens.split(",")):
+        ids = random_ids(layout, num_tokens, seed=num_tokens).to(device)
+        expected_rows = full_store.lookup(ids)
+        g = torch.Generator().manual_seed(num_tokens)
+        hidden_all = torch.randn(num_tokens, config.hc_mult, config.hidden_size, generator=g) * 2
+        hidden_all = hidden_all.bfloat16().to(device)
+        single = EngramLayer(config, full_store, max_tokens=num_tokens, validate=False)
+        single.load_weights(**weights)
+        ms = median_ms(lambda ids=ids, h=hidden_all: single(h, ids), device, args.reps)
+        record("EngramLayer single GPU, all T", num_tokens, True, ms)
+        part = tokens_per_rank(num_tokens, world)
+        begin, end = token_range(num_tokens, world, rank)
+        hidden = torch.zeros(
+            (part, config.hc_mult, config.hidden_size), dtype=torch.bfloat16, device=device
+        )
+        hidden[: end - begin] = hidden_all[begin:end]
+        for collective in ("reduce_scatter", "all_to_all"):
+            layer = EngramLayer(
+                config,
+                shard_store,
+                max_tokens=num_tokens,
+                group=dist.group.WORLD,
+                collective=collective,
+                validate=False,
+            )
+            layer.load_weights(**weights)
+            out, kv = layer(hidden, ids, return_kv=True)
+            rows = layer.rows_buffer[:part]
+            ok = same_bits(rows[: end - begin], expected_rows[begin:end])
+            try:
+                assert_layer_within_tolerance(
+                    hidden=hidden.cpu(),
+                    rows=rows.cpu(),
+                    kv=kv.cpu(),
+                    out=out.cpu(),
+                    wkv_exact=weights["wkv"].double(),
+                    q_weight=weights["q_weight"],
+                    k_weight=weights["k_weight"],
+                    eps=config.rms_norm_eps,
+                    label=f"tp={world} rank {rank} {collective}",
+                )
+            except AssertionError as exc:
+                print(f"rank {rank}: {exc}", flush=True)
+                ok = False
+            ms = median_ms(lambda ids=ids, layer=layer: layer(hidden, ids), device, args.reps)
+            record(f"EngramLayer SP {collective}", num_tokens, ok, ms)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--table-gib", type=float, default=2.0)
     parser.add_argument("--tokens", default="256,8192")
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--cpu", action="store_true", help="gloo on the CPU (a smoke run)")
+    parser.add_argument("--skip-layer", action="store_true", help="lookups only")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -147,6 +217,9 @@ def main() -> None:
         ok = same_bits(a2a(own_ids), full_store.lookup(own_ids))
         ms = median_ms(lambda own_ids=own_ids: a2a(own_ids), device, args.reps)
         record("AllToAllLookup", num_tokens, ok, ms)
+
+    if not args.skip_layer:
+        layer_steps(layout, shard_store, full_store, args, device, record)
 
     if rank == 0 and args.out:
         import triton
