@@ -176,3 +176,33 @@ def test_graph_capture_replays_like_eager(layout, token_map) -> None:
         )
         for li in range(2):
             assert torch.equal(outs[li].view(torch.int16), want.rows(li).view(torch.int16))
+
+
+def test_cached_layers_are_updated_and_report_stats(layout, token_map, device) -> None:
+    """A hot-row cache in front of a layer: same rows, admitted after each step, counted."""
+    from engramrt.cache import CachedRowStore
+
+    consts = HashConstants.from_layout(layout, token_map.pad_id(CFG))
+    hasher = NgramHasher(consts, token_map, device)
+    backing = synthetic_stores(layout, "host", device=device, seed=3)
+    plain = synthetic_stores(layout, "host", device=device, seed=3)
+    stores = [CachedRowStore(backing[0], 64 * 1024), backing[1]]
+    runtime = EngramRuntime(hasher, stores, max_tokens=64, max_requests=8)
+    reference = EngramRuntime(
+        NgramHasher(consts, token_map, device), plain, max_tokens=64, max_requests=8
+    )
+    ids = np.random.default_rng(4).integers(0, token_map.vocab_size, 24)
+    for _ in range(3):  # the same text three times: the later steps hit
+        batch = HashBatch.single(ids, device=device)
+        handle, want = runtime.step(batch), reference.step(batch)
+        for li in range(2):
+            assert torch.equal(handle.rows(li).view(torch.int16), want.rows(li).view(torch.int16))
+    stats = runtime.cache_stats()
+    assert stats[1] is None and stats[0] is not None
+    # Step 0 misses everything and admits all 24 x C rows (the seeded text
+    # has no repeated n-gram and they fit); steps 1 and 2 hit every one.
+    assert stats[0].hits == (2 * 24,) * CFG.n_cols
+    assert stats[0].misses == (24,) * CFG.n_cols
+    assert stats[0].rows_fetched == stats[0].admitted == 24 * CFG.n_cols
+    runtime.close()
+    reference.close()

@@ -8,9 +8,13 @@ once, so that each Engram layer later waits only for its own rows:
   stream, after an event that marks the hash ids ready; the layer's
   ``rows()`` makes the caller's stream wait on the lookup's event (no host
   synchronisation, capturable in a CUDA graph);
-- host and disk tiers: a worker thread per layer runs the lookup (the CPU
-  gathers rows, so these tiers synchronise once on the unique ids); the
-  layer's ``rows()`` joins that thread, then waits on its copy stream.
+- host and disk tiers, and a hot-row cache in front of them
+  (:class:`~engramrt.cache.CachedRowStore`): a worker thread per layer runs
+  the lookup (the CPU gathers rows, so these tiers synchronise once on the
+  unique ids); the layer's ``rows()`` joins that thread, then waits on its
+  copy stream. A cache is updated on the same thread right after its
+  lookup, off the layer's path; :meth:`EngramRuntime.cache_stats` reads its
+  counts.
 
 :meth:`EngramRuntime.prefetch` starts the next step's lookups as soon as
 its tokens exist (right after sampling), into the other of two staging
@@ -28,6 +32,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engramrt.cache import CachedRowStore, CacheStats
 from engramrt.errors import ValidationError
 from engramrt.hashing import HashBatch, NgramHasher, RequestHistory, SlotHashCache
 from engramrt.lookup.tiers.base import RowStore
@@ -207,6 +212,8 @@ class EngramRuntime:
         if self.device.type != "cuda":
             for li, store in enumerate(self.stores):
                 store.lookup(row_ids[:, li], out=self.staging[slot][li][:t_len])
+                if isinstance(store, CachedRowStore):
+                    store.update()
                 handle._events.append(None)
                 handle._futures.append(None)
             return handle
@@ -253,6 +260,26 @@ class EngramRuntime:
             stream.wait_event(ready)
             store.lookup(ids, out=out)
             done.record(stream)
+            if isinstance(store, CachedRowStore):
+                # Admit this lookup's misses after the rows are out: the
+                # layer waits on `done`, the cache's next lookup on the update.
+                store.update(stream)
+
+    def cache_stats(self) -> list[CacheStats | None]:
+        """Per Engram layer, its hot-row cache's counts (None for an uncached layer).
+
+        Read on the layer's lookup thread, after the lookups queued so far, so
+        counts never race a lookup; synchronises with the device.
+        """
+        stats: list[CacheStats | None] = []
+        for li, store in enumerate(self.stores):
+            if not isinstance(store, CachedRowStore):
+                stats.append(None)
+            elif li in self._workers:
+                stats.append(self._workers[li].submit(store.stats).result())
+            else:
+                stats.append(store.stats())
+        return stats
 
     def close(self) -> None:
         """Stop the lookup threads (after their queued lookups finish)."""
