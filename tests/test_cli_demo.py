@@ -19,6 +19,7 @@ def test_demo_runs_and_checks_every_step(capsys, tmp_path) -> None:
     assert code == 0
     assert "B prefix hit" in out and "rejected" in out and "checks passed" in out
     assert "row lookup" in out and "fused gate" in out
+    assert "hot-row cache (16 MiB per layer)" in out  # on by default, stats shown
     assert "NO" not in out
     assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -40,9 +41,29 @@ def test_demo_on_tiny_config_with_text(capsys, tmp_path) -> None:
     assert code == 0 and "checks passed" in out
 
 
+def test_demo_without_a_cache(capsys, tmp_path) -> None:
+    code, out, _ = _run(
+        capsys,
+        "demo",
+        "--config",
+        "tiny",
+        "--device",
+        "cpu",
+        "--cache-mib",
+        "0",
+        "--plot",
+        str(tmp_path / "c.png"),
+    )
+    assert code == 0 and "checks passed" in out and "hot-row cache" not in out
+
+
 @pytest.mark.parametrize(
     ("args", "needle"),
-    [(["--text", "too short"], "at least 24"), (["--file", "/nonexistent.txt"], "cannot be read")],
+    [
+        (["--text", "too short"], "at least 24"),
+        (["--file", "/nonexistent.txt"], "cannot be read"),
+        (["--cache-mib", "-1"], "--cache-mib -1.0; expected a size in MiB >= 0"),
+    ],
 )
 def test_demo_bad_input(capsys, args, needle) -> None:
     code, _, err = _run(capsys, "demo", "--device", "cpu", *args)

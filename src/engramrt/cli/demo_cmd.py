@@ -16,23 +16,29 @@ DEFAULT_TEXT = (
 
 
 def _stream_checked(
-    hasher: Any, token_ids: Any, token_map: Any, consts: Any
-) -> list[dict[str, Any]]:
-    """Hash ``token_ids`` as two requests through a slot cache, checking every step.
+    hasher: Any, stores: list[Any], token_ids: Any, token_map: Any, consts: Any
+) -> tuple[list[dict[str, Any]], Any]:
+    """Stream ``token_ids`` through an :class:`EngramRuntime` as two requests.
 
     Request A: chunked prefill, decode steps, one speculative step whose
     drafts are rejected. Request B: shares A's first blocks (a prefix-cache
-    hit) and prefills the rest.
+    hit) and prefills the rest. Every step's row ids are checked against
+    one-shot hashing and its rows against the reference lookup of the same
+    table. Returns the checks and the runtime (closed; for its cache stats).
     """
     import numpy as np
     import torch
 
     from engramrt.hashing import HashBatch, SlotHashCache, hash_sequence
+    from engramrt.runtime import EngramRuntime
 
     device = hasher.device
     block = 8
     t_len = len(token_ids)
     cache = SlotHashCache(block * (2 * (t_len // block + 2)), block, device)
+    runtime = EngramRuntime(
+        hasher, stores, max_tokens=t_len, max_requests=1, history=cache, validate=True
+    )
     blocks_a = list(range(t_len // block + 2))
     blocks_b = blocks_a[:2] + [len(blocks_a) + i for i in range(t_len // block + 2)]
     steps: list[dict[str, Any]] = []
@@ -43,9 +49,14 @@ def _stream_checked(
             [blocks[p // block] * block + p % block for p in range(start, end)], device=device
         )
         batch.block_table = torch.tensor([blocks], dtype=torch.int32, device=device)
-        got = hasher(batch, cache).to(torch.int64).cpu().numpy()
+        handle = runtime.step(batch)
+        got = handle.row_ids.to(torch.int64).cpu()
         want = hash_sequence(token_map.compress(seq[:end]), consts)[start:end]
-        steps.append({"step": label, "tokens": end - start, "ok": bool(np.array_equal(got, want))})
+        ok = bool(np.array_equal(got.numpy(), want))
+        for li, store in enumerate(stores):
+            rows = handle.rows(li).cpu().view(torch.int16)
+            ok &= torch.equal(rows, _reference_rows(store, got[:, li]).view(torch.int16))
+        steps.append({"step": label, "tokens": end - start, "ok": ok})
 
     ids = np.asarray(token_ids, dtype=np.int64)
     prefill_end = max(1, t_len - 6)
@@ -66,17 +77,19 @@ def _stream_checked(
         run(f"A decode {pos}", ids, pos, pos + 1, blocks_a)
         pos += 1
     run(f"B prefix hit, prefill {2 * block}:{t_len}", ids, 2 * block, t_len, blocks_b)
-    return steps
+    runtime.close()
+    return steps, runtime
 
 
 def _reference_rows(store: Any, row_ids: Any) -> Any:
-    """The reference lookup of ``row_ids [T, C]`` from the store's own packed bytes."""
+    """The reference lookup of ``row_ids [T, C]`` from the table's own packed bytes."""
     import torch
 
     from engramrt.lookup import lookup_rows_reference
 
+    table = getattr(store, "backing", store)  # a cache's reference is the table behind it
     unique, inverse = torch.unique(row_ids.cpu().to(torch.int64), return_inverse=True)
-    packed = store.gather_packed(unique - store.row_begin).cpu()
+    packed = table.gather_packed(unique - table.row_begin).cpu()
     return lookup_rows_reference(inverse, packed, store.E)
 
 
@@ -148,6 +161,12 @@ def register(app: typer.Typer) -> None:
         tier: Annotated[
             str, typer.Option(help="Tier for --checkpoint tables (auto, device, host, ...).")
         ] = "auto",
+        cache_mib: Annotated[
+            float,
+            typer.Option(
+                "--cache-mib", help="A hot-row cache of this many MiB per layer (0: none)."
+            ),
+        ] = 16.0,
     ) -> None:
         """Stream a text through Engram like an engine would and check every step.
 
@@ -174,6 +193,8 @@ def register(app: typer.Typer) -> None:
 
         if text is not None and file is not None:
             raise EngramError("give --text or --file, not both")
+        if not cache_mib >= 0:
+            raise EngramError(f"--cache-mib {cache_mib}; expected a size in MiB >= 0")
         if file is not None:
             try:
                 text = file.read_text(encoding="utf-8")
@@ -245,10 +266,9 @@ def register(app: typer.Typer) -> None:
             )
         console.print(variants)
 
-        steps = _stream_checked(hasher, token_ids, token_map, consts)
-
-        # Rows from a synthetic table (computed from the row ids), a random wkv
-        # and random hidden states: every stage against its reference.
+        # Rows from a synthetic table (computed from the row ids) or a checkpoint,
+        # optionally behind a hot-row cache; then a random wkv and random hidden
+        # states: every stage against its reference.
         t_len, hc, dim = int(token_ids.size), cfg.hc_mult, min(cfg.hidden_size, 1024)
         if checkpoint is not None:
             from engramrt.checkpoint import load_table
@@ -261,6 +281,17 @@ def register(app: typer.Typer) -> None:
                 SyntheticRowStore(n, cfg.head_dim, device=dev, seed=li)
                 for li, n in enumerate(cfg.num_embeddings)
             ]
+        if cache_mib > 0:
+            from engramrt.cache import CachedRowStore
+
+            stores = [
+                CachedRowStore(
+                    store, int(cache_mib * 2**20), n_heads=cfg.n_heads, layer_id=cfg.layer_ids[li]
+                )
+                for li, store in enumerate(stores)
+            ]
+        steps, runtime = _stream_checked(hasher, stores, token_ids, token_map, consts)
+        cache_stats = runtime.cache_stats() if cache_mib > 0 else []
         ids_dev = torch.as_tensor(row_ids, device=dev)
         rows = [store.lookup(ids_dev[:, li]) for li, store in enumerate(stores)]
         rows_ok = all(
@@ -298,7 +329,8 @@ def register(app: typer.Typer) -> None:
         gates = gate_values_reference(hidden, kv, q_w, k_w, cfg.rms_norm_eps).cpu().numpy()
 
         checks = Table(
-            title="checks: engine-style streaming (slot cache) vs one-shot hashing; rows and gate vs references",
+            title="checks: streaming through the runtime (slot cache) vs one-shot hashing and "
+            "the reference lookup; rows and gate vs references",
             title_justify="left",
         )
         for name in ("step", "tokens", "matches"):
@@ -306,6 +338,25 @@ def register(app: typer.Typer) -> None:
         for s in steps:
             checks.add_row(s["step"], str(s["tokens"]), "yes" if s["ok"] else "[red]NO[/]")
         console.print(checks)
+
+        if cache_stats:
+            hits = Table(
+                title=f"hot-row cache ({cache_mib:g} MiB per layer) over the stream, by n-gram order",
+                title_justify="left",
+            )
+            for name in ("layer", "order", "hits", "misses", "hit rate", "bytes saved"):
+                hits.add_column(name, justify="right")
+            for st in cache_stats:
+                for order, counts in st.by_order().items():
+                    hits.add_row(
+                        str(st.layer_id),
+                        str(order),
+                        str(int(counts["hits"])),
+                        str(int(counts["misses"])),
+                        f"{counts['hit_rate']:.0%}",
+                        f"{int(counts['bytes_saved']):,}",
+                    )
+            console.print(hits)
 
         timing = Table(
             title=f"per-stage time on {dev} ({t_len} tokens, median of 20)", title_justify="left"
@@ -316,7 +367,7 @@ def register(app: typer.Typer) -> None:
         for label, fn in (
             ("hash ids", lambda: hasher(batch)),
             (
-                "lookup, both layers",
+                "lookup, both layers" + (" (through the cache)" if cache_mib > 0 else ""),
                 lambda: [st.lookup(ids_dev[:, li]) for li, st in enumerate(stores)],
             ),
             (f"gate (D={dim})", lambda: engram_gate(hidden, kv, q_w, k_w, cfg.rms_norm_eps)),
