@@ -41,9 +41,8 @@ def device():
     return torch.device(os.environ.get("ENGRAMRT_TEST_DEVICE", "cpu"))
 
 
-@pytest.fixture
-def world_of_one(tmp_path):
-    """A gloo process group of this process alone (file:// rendezvous, 10 s timeout)."""
+def _world_of_one(tmp_path, backend: str, timeout_s: float, **options):
+    """A process group of this process alone (file:// rendezvous), destroyed afterwards."""
     import datetime
 
     import torch.distributed as dist
@@ -51,13 +50,29 @@ def world_of_one(tmp_path):
     if dist.is_initialized():
         pytest.skip("a process group is already initialised in this process")
     dist.init_process_group(
-        "gloo",
+        backend,
         init_method=f"file://{tmp_path / 'init'}",
         rank=0,
         world_size=1,
-        timeout=datetime.timedelta(seconds=10),
+        timeout=datetime.timedelta(seconds=timeout_s),
+        **options,
     )
     try:
         yield dist.group.WORLD
     finally:
         dist.destroy_process_group()
+
+
+@pytest.fixture
+def world_of_one(tmp_path):
+    """A gloo process group of this process alone (10 s timeout)."""
+    yield from _world_of_one(tmp_path, "gloo", 10)
+
+
+@pytest.fixture
+def nccl_world_of_one(tmp_path):
+    """An NCCL process group of this process alone, on the current GPU (60 s timeout)."""
+    import torch
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    yield from _world_of_one(tmp_path, "nccl", 60, device_id=device)

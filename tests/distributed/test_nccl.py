@@ -8,8 +8,6 @@ from every tier, which gloo on the CPU cannot show.
 
 from __future__ import annotations
 
-import datetime
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -30,25 +28,6 @@ pytestmark = pytest.mark.skipif(
     not (torch.cuda.is_available() and dist.is_available() and dist.is_nccl_available()),
     reason="NCCL needs a GPU",
 )
-
-
-@pytest.fixture
-def nccl_world_of_one(tmp_path):
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialised in this process")
-    device = torch.device("cuda", torch.cuda.current_device())
-    dist.init_process_group(
-        "nccl",
-        init_method=f"file://{tmp_path / 'init'}",
-        rank=0,
-        world_size=1,
-        timeout=datetime.timedelta(seconds=60),
-        device_id=device,
-    )
-    try:
-        yield dist.group.WORLD
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("tier", ["device", "uva", "host"])
