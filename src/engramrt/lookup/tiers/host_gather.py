@@ -2,11 +2,12 @@
 
 For tables larger than device memory. One lookup:
 
-1. the owned ids are sorted and deduplicated on the device that holds
-   them with ``torch.unique(..., return_inverse=True)`` (real text repeats
-   n-grams, and sorted ids read the table front to back);
-2. the unique ids come to the host (the tier's host synchronisation: the
-   CPU cannot gather rows it has not been told about, so this tier is not
+1. from :data:`DEDUP_MIN_ROWS` owned ids up, they are sorted and
+   deduplicated on the device that holds them with ``torch.unique(...,
+   return_inverse=True)`` (real text repeats n-grams, and sorted ids read
+   the table front to back); fewer are gathered as they come;
+2. the ids come to the host (the tier's host synchronisation: the CPU
+   cannot gather rows it has not been told about, so this tier is not
    capturable in a CUDA graph); they are made local (``id - row_begin``)
    there;
 3. the rows are gathered into a persistent pinned staging buffer in
@@ -38,8 +39,9 @@ deduplication that waits once instead of twice was tried and dropped: its
 fifteen small operations cost the host more (0.33 vs 0.21 ms at T = 256)
 than the wait they save.
 
-Out-of-range ids are always caught here, for free: the unique ids are
-sorted, so checking the first and the last is enough.
+Out-of-range ids are always caught here, nearly for free: the ids are on
+the host anyway, and sorted unique ids need only their first and last
+checked (a plain batch, its minimum and maximum).
 
 A store is meant to be used from one thread at a time (it owns the
 staging buffer).
@@ -77,8 +79,9 @@ unique rows (at most the CPUs this process may use). Alone, a lookup is
 faster on more threads (6,144 rows: 0.19 ms on 16, 0.39 ms on one), but in
 a serving loop the gather runs beside the model and competes with it: on
 decode steps of 256 requests (6,144 rows per layer) with a graph-captured
-30-block backbone and prefetch, host tables cost 0.0% of throughput
-against GPU memory with one thread, 4.6% with three and 2.6% with 16;
+30-block backbone and prefetch, host tables cost 0.0% and 2.8% of
+throughput against GPU memory (two runs) with one thread, 4.6% with three
+and 2.6% with 16;
 prefill chunks of 8,192 tokens get 16 threads and cost 0.2%
 (``bench/runtime_overhead.py``, H200 host, 16 vCPUs)."""
 
