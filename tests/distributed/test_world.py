@@ -18,8 +18,6 @@ every scenario once; here, in the test process:
 
 from __future__ import annotations
 
-import multiprocessing
-import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -36,6 +34,7 @@ from tests.distributed.common import (
     reference_rows,
     sha256_of,
 )
+from tests.spawn import spawn_world
 
 from engramrt.layout import EngramLayout
 
@@ -45,29 +44,7 @@ WORLD = world_worker.WORLD
 
 def run_world(out_dir: Path) -> dict[int, dict[str, Any]]:
     """Spawn the world, wait (bounded), fail with the workers' tracebacks; each rank's results."""
-    context = multiprocessing.get_context("spawn")
-    processes = [
-        context.Process(
-            target=world_worker.run,
-            args=(rank, WORLD, str(out_dir / "init"), str(out_dir)),
-            daemon=True,
-        )
-        for rank in range(WORLD)
-    ]
-    for process in processes:
-        process.start()
-    deadline = time.monotonic() + DEADLINE_S
-    for process in processes:
-        process.join(timeout=max(0.0, deadline - time.monotonic()))
-    hung = [rank for rank, process in enumerate(processes) if process.is_alive()]
-    for rank in hung:
-        processes[rank].kill()
-        processes[rank].join(timeout=10)
-    errors = {path.name: path.read_text() for path in sorted(out_dir.glob("error-*.txt"))}
-    if hung or errors or any(process.exitcode != 0 for process in processes):
-        codes = [process.exitcode for process in processes]
-        details = "\n".join(f"--- {name}\n{text}" for name, text in errors.items())
-        pytest.fail(f"gloo workers hung: {hung}, exit codes: {codes}\n{details}")
+    spawn_world(world_worker.run, WORLD, out_dir, deadline_s=DEADLINE_S, label="gloo")
     return {rank: torch.load(out_dir / f"rank{rank}.pt") for rank in range(WORLD)}
 
 

@@ -25,8 +25,6 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import datetime
-import multiprocessing
-import time
 from pathlib import Path
 
 import pytest
@@ -46,6 +44,7 @@ from tests.layer.common import (
     random_weights,
     shard_store,
 )
+from tests.spawn import spawn_world
 
 from engramrt.errors import ShardingError, ValidationError
 from engramrt.layer import (
@@ -161,29 +160,7 @@ def test_group_refuses_a_store_of_other_columns(world_of_one) -> None:
 
 def run_world(out_dir: Path, world: int, backend: str) -> Path:
     """Spawn ``world`` worker processes, wait (bounded), fail with their tracebacks."""
-    context = multiprocessing.get_context("spawn")
-    processes = [
-        context.Process(
-            target=sp_worker.run,
-            args=(rank, world, str(out_dir / "init"), str(out_dir), backend),
-            daemon=True,
-        )
-        for rank in range(world)
-    ]
-    for process in processes:
-        process.start()
-    deadline = time.monotonic() + DEADLINE_S
-    for process in processes:
-        process.join(timeout=max(0.0, deadline - time.monotonic()))
-    hung = [rank for rank, process in enumerate(processes) if process.is_alive()]
-    for rank in hung:
-        processes[rank].kill()
-        processes[rank].join(timeout=10)
-    errors = {path.name: path.read_text() for path in sorted(out_dir.glob("error-*.txt"))}
-    if hung or errors or any(process.exitcode != 0 for process in processes):
-        codes = [process.exitcode for process in processes]
-        details = "\n".join(f"--- {name}\n{text}" for name, text in errors.items())
-        pytest.fail(f"{backend} workers hung: {hung}, exit codes: {codes}\n{details}")
+    spawn_world(sp_worker.run, world, out_dir, backend, deadline_s=DEADLINE_S, label=backend)
     return out_dir
 
 
