@@ -4,8 +4,8 @@
     torchrun --nproc-per-node 2 bench/multi_gpu.py --cpu --tokens 5,17   # gloo smoke run
 
 Every rank builds its column shard of one layer (SPEC §7) of a V4.1 layout
-scaled to ``--table-gib`` GiB (C = 24, E = 256, random rows that depend only
-on the global row id) and, as the reference, the whole table on its own GPU.
+scaled to ``--table-gib`` GiB per layer (``runtime_overhead.scaled_config``: C = 24,
+E = 256, hidden size 4096; random rows that depend only on the global row id) and, as the reference, the whole table on its own GPU.
 For each T it checks, bit for bit against that single-GPU lookup, and then
 times (median wall time of synchronised calls; every rank calls together):
 
@@ -33,20 +33,12 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from engramrt.config import PRESETS
 from engramrt.distributed import AllToAllLookup, TPLookup
 from engramrt.layer import EngramLayer, assert_layer_within_tolerance
 from engramrt.layer.parallel import SequenceParallelRows, token_range, tokens_per_rank
 from engramrt.layout import EngramLayout
 from engramrt.runtime import synthetic_stores
-
-
-def scaled_layout(table_gib: float) -> EngramLayout:
-    base = PRESETS["dsv41-flash"]
-    vocab = int(table_gib * 2**30) // base.row_bytes // base.n_cols
-    cfg = base.replace(vocab_size=(vocab,) * 3, num_embeddings=(1, 1), name=f"v41-{table_gib}GiB")
-    needed = EngramLayout(cfg, check_num_embeddings=False).num_embeddings
-    return EngramLayout(cfg.replace(num_embeddings=needed))
+from runtime_overhead import scaled_config  # bench/ is on the path when run as a script
 
 
 def random_ids(layout: EngramLayout, num_tokens: int, seed: int) -> torch.Tensor:
@@ -161,7 +153,7 @@ def main() -> None:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
         torch.cuda.set_device(device)
         dist.init_process_group("nccl", device_id=device)
-    layout = scaled_layout(args.table_gib)
+    layout = EngramLayout(scaled_config(args.table_gib))
     (shard_store,) = synthetic_stores(layout, "device", device=device, tp=world, rank=rank, seed=1)[
         :1
     ]

@@ -51,6 +51,8 @@ ENGRAM_AT = {1: 0, 14: 1}  # block -> Engram layer index
 
 
 def scaled_config(table_gib: float):
+    """The V4.1-Flash config with hidden size D and vocabularies scaled so each
+    layer's table holds ``table_gib`` GiB (the primes still follow the layout rules)."""
     base = PRESETS["dsv41-flash"]
     rows = int(table_gib * 2**30) // base.row_bytes
     vocab = rows // base.n_cols
