@@ -179,9 +179,12 @@ class _FixedRows:
         return self._rows[layer_index][: self.num_tokens]
 
 
-def run(runtime, batches, backbone, eps, prefetch, device):
-    """The backbone launched kernel by kernel from Python (eager)."""
-    blocks, engram = backbone
+def run(runtime, batches, forward, prefetch):
+    """Time ``forward(handle, batch)`` over ``batches``, the lookups started per step.
+
+    With ``prefetch`` the next step's lookups start before this step's
+    forward; without, when the next step starts.
+    """
     tokens = sum(b.num_tokens for b in batches)
     torch.cuda.synchronize()
     start = time.perf_counter()
@@ -190,16 +193,26 @@ def run(runtime, batches, backbone, eps, prefetch, device):
         nxt = None
         if prefetch and i + 1 < len(batches):
             nxt = runtime.prefetch(batches[i + 1])
+        forward(handle, batch)
+        if i + 1 < len(batches):
+            handle = nxt if nxt is not None else runtime.step(batches[i + 1])
+    torch.cuda.synchronize()
+    return summary(batches, tokens, time.perf_counter() - start)
+
+
+def eager_forward(backbone, eps, device):
+    """The backbone launched kernel by kernel from Python, as ``forward(handle, batch)``."""
+    blocks, engram = backbone
+
+    def forward(handle, batch) -> None:
         x = torch.randn(batch.num_tokens, D, device=device, dtype=torch.bfloat16)
         for b, weights in enumerate(blocks):
             x = run_block(x, weights)
             if b in ENGRAM_AT:
                 li = ENGRAM_AT[b]
                 x = engram_layer(x, handle.rows(li), engram[li], eps)
-        if i + 1 < len(batches):
-            handle = nxt if nxt is not None else runtime.step(batches[i + 1])
-    torch.cuda.synchronize()
-    return summary(batches, tokens, time.perf_counter() - start)
+
+    return forward
 
 
 def summary(batches, tokens, seconds):
@@ -262,28 +275,12 @@ class GraphedBackbone:
             )
             self.tail.append(graph)
 
-    def step(self, handle) -> None:
+    def step(self, handle, batch=None) -> None:
         self.head.replay()
         handle.rows(0)  # the stream waits for layer 0's rows
         self.middle[handle.slot].replay()
         handle.rows(1)
         self.tail[handle.slot].replay()
-
-
-def run_graphed(runtime, batches, graphed, prefetch):
-    tokens = sum(b.num_tokens for b in batches)
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    handle = runtime.step(batches[0])
-    for i in range(len(batches)):
-        nxt = None
-        if prefetch and i + 1 < len(batches):
-            nxt = runtime.prefetch(batches[i + 1])
-        graphed.step(handle)
-        if i + 1 < len(batches):
-            handle = nxt if nxt is not None else runtime.step(batches[i + 1])
-    torch.cuda.synchronize()
-    return summary(batches, tokens, time.perf_counter() - start)
 
 
 def main() -> None:
@@ -361,21 +358,13 @@ def main() -> None:
                         continue  # thread counts are compared on decode only
                     for kind in backbones if name.startswith("decode") else ["eager"]:
                         for prefetch in (False, True):
-                            if kind == "graph":
-                                run_graphed(runtime, batches[:3], graphed[name], prefetch)
-                                res = run_graphed(runtime, batches, graphed[name], prefetch)
-                            else:
-                                run(
-                                    runtime,
-                                    batches[:3],
-                                    backbone,
-                                    cfg.rms_norm_eps,
-                                    prefetch,
-                                    device,
-                                )
-                                res = run(
-                                    runtime, batches, backbone, cfg.rms_norm_eps, prefetch, device
-                                )
+                            forward = (
+                                graphed[name].step
+                                if kind == "graph"
+                                else eager_forward(backbone, cfg.rms_norm_eps, device)
+                            )
+                            run(runtime, batches[:3], forward, prefetch)  # warm-up
+                            res = run(runtime, batches, forward, prefetch)
                             config = (tier, threads, name, kind, prefetch)
                             samples.setdefault(config, []).append(res)
                             print(
