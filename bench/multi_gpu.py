@@ -14,6 +14,10 @@ times (median wall time of synchronised calls; every rank calls together):
   rank keeps its token share of the full rows, as the layer uses it);
 - ``AllToAllLookup`` (each rank its own batch, T - 3 * rank tokens);
 - the shard's local lookup alone, the floor under all of them;
+- one host copy of the table shared by every rank (data-parallel replicas
+  on one node: the first rank loads it into ``--shared-dir``, the others
+  map it), served by the host-gather and UVA tiers on each rank's GPU at
+  once, each rank its own batch: exactly one loader ran, and the rows;
 - a whole ``EngramLayer`` step under sequence parallelism (each rank its
   token share: lookup, collective, wkv, gate) for both collectives, rows bit
   for bit and kv and output within the layer's derived tolerances, beside
@@ -33,11 +37,12 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from engramrt.distributed import AllToAllLookup, TPLookup
+from engramrt.distributed import AllToAllLookup, SharedHostTable, TPLookup, shared_store
 from engramrt.layer import EngramLayer, assert_layer_within_tolerance
 from engramrt.layer.parallel import SequenceParallelRows, token_range, tokens_per_rank
 from engramrt.layout import EngramLayout
-from engramrt.runtime import synthetic_stores
+from engramrt.lookup.reference import row_bytes_for
+from engramrt.runtime import synthetic_rows, synthetic_stores
 from runtime_overhead import scaled_config  # bench/ is on the path when run as a script
 
 
@@ -136,6 +141,49 @@ def layer_steps(layout, shard_store, full_store, args, device, record) -> None:
             record(f"EngramLayer SP {collective}", num_tokens, ok, ms)
 
 
+def shared_table_steps(layout, full_store, args, device, record) -> None:
+    """Every rank serves layer 0's whole table from one shared host copy."""
+    rank = dist.get_rank()
+    shard = layout.column_shard(0, 1, 0)
+    named = [f"engramrt-multi-gpu-{os.getpid()}-{time.time_ns()}"]
+    dist.broadcast_object_list(named, src=0)
+
+    def load(target: torch.Tensor) -> None:
+        for local_row, rows in synthetic_rows(
+            layout, 0, shard.row_begin, shard.row_end, seed=1, device=device
+        ):
+            target[local_row : local_row + rows.shape[0]].copy_(rows)
+
+    start = time.perf_counter()
+    table = SharedHostTable.create_or_attach(
+        named[0],
+        shard.num_rows,
+        row_bytes_for(layout.config.head_dim),
+        load,
+        directory=args.shared_dir,
+        group=dist.group.WORLD,
+    )
+    load_ms = 1e3 * (time.perf_counter() - start)
+    counts = torch.tensor([int(table.created), int(table.shared)], device=device)
+    dist.all_reduce(counts)
+    loaders, sharing = (int(c) for c in counts)
+    if rank == 0:
+        print(f"shared table {table}: {loaders} loader(s), {sharing} rank(s) mapping it", flush=True)
+    record("SharedHostTable load once, map", 0, loaders == 1 and sharing == dist.get_world_size(), load_ms)
+    tiers = ["host"] + (["uva"] if device.type == "cuda" else [])
+    for tier in tiers:
+        store = shared_store(table, tier, device=device)
+        for num_tokens in (int(t) for t in args.tokens.split(",")):
+            ids = random_ids(layout, num_tokens, seed=2000 * rank + num_tokens).to(device)
+            ok = same_bits(store.lookup(ids), full_store.lookup(ids))
+            ms = median_ms(lambda ids=ids, store=store: store.lookup(ids), device, args.reps)
+            record(f"shared host table, {tier} tier", num_tokens, ok, ms)
+        del store
+    dist.barrier()
+    if rank == 0:
+        SharedHostTable.remove(named[0], args.shared_dir)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--table-gib", type=float, default=2.0)
@@ -143,6 +191,9 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--cpu", action="store_true", help="gloo on the CPU (a smoke run)")
     parser.add_argument("--skip-layer", action="store_true", help="lookups only")
+    parser.add_argument(
+        "--shared-dir", default=None, help="directory of the shared host table (default /dev/shm)"
+    )
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -171,7 +222,7 @@ def main() -> None:
         results.append({"what": what, "T": num_tokens, "exact": ok_everywhere, "ms": ms})
         if rank == 0:
             print(
-                f"tp={world} {what:32s} T={num_tokens:6d} "
+                f"tp={world} {what:36s} T={num_tokens:6d} "
                 f"{'exact' if ok_everywhere else 'MISMATCH':8s} {ms:8.3f} ms",
                 flush=True,
             )
@@ -210,6 +261,7 @@ def main() -> None:
         ms = median_ms(lambda own_ids=own_ids: a2a(own_ids), device, args.reps)
         record("AllToAllLookup", num_tokens, ok, ms)
 
+    shared_table_steps(layout, full_store, args, device, record)
     if not args.skip_layer:
         layer_steps(layout, shard_store, full_store, args, device, record)
 

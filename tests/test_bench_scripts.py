@@ -79,7 +79,8 @@ def test_render_takes_each_cases_newest_full_size_record(tmp_path, monkeypatch) 
 
 
 def test_multi_gpu_script_on_gloo(tmp_path) -> None:
-    """Two gloo processes: TP, sequence-parallel, all-to-all and the layer equal one process."""
+    """Two gloo processes: TP, sequence-parallel, all-to-all, a shared host table and the layer
+    equal one process; the shared table is loaded once and removed afterwards."""
     out = tmp_path / "report.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
@@ -99,6 +100,8 @@ def test_multi_gpu_script_on_gloo(tmp_path) -> None:
         "1",
         "--out",
         str(out),
+        "--shared-dir",
+        str(tmp_path),
     ]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240)
     if done.returncode != 0:
@@ -110,4 +113,6 @@ def test_multi_gpu_script_on_gloo(tmp_path) -> None:
     what = {r["what"] for r in report["results"]}
     assert {"TPLookup all_gather", "SequenceParallelRows all_to_all", "AllToAllLookup"} <= what
     assert {"EngramLayer SP reduce_scatter", "EngramLayer SP all_to_all"} <= what
+    assert {"SharedHostTable load once, map", "shared host table, host tier"} <= what
     assert all(r["exact"] for r in report["results"])
+    assert [p.name for p in tmp_path.iterdir()] == ["report.json"]

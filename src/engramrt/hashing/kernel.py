@@ -54,6 +54,18 @@ def _request_of(qsl_ptr, i, valid, R, BLOCK_T: tl.constexpr, SEARCH_STEPS: tl.co
     return lo
 
 
+@triton.jit
+def _history_code(input_ids_ptr, token_map_ptr, dead_ptr, i, write, V, HAS_DEAD: tl.constexpr):
+    """int32 history code of token ``i``: its compressed id, or ``DEAD`` where marked dead."""
+    tok = tl.load(input_ids_ptr + i, mask=write, other=0).to(tl.int64)
+    tok = tl.minimum(tl.maximum(tok, 0), V - 1)
+    code = tl.load(token_map_ptr + tok, mask=write, other=0)
+    if HAS_DEAD:
+        is_dead = tl.load(dead_ptr + i, mask=write, other=0) != 0
+        code = tl.where(is_dead, DEAD, code)
+    return code.to(tl.int32)
+
+
 @triton.jit(do_not_specialize=_HASH_INTS)
 def _ngram_hash_kernel(
     out_ptr,  # [T, L, C] int32 or int64
@@ -200,13 +212,8 @@ def _ngram_hash_kernel(
         # This step's tokens become history for later steps and other requests.
         slot = tl.load(slot_mapping_ptr + i, mask=valid & ~padding_row, other=-1).to(tl.int64)
         write = valid & ~padding_row & (slot >= 0)
-        tok = tl.load(input_ids_ptr + i, mask=write, other=0).to(tl.int64)
-        tok = tl.minimum(tl.maximum(tok, 0), V - 1)
-        code = tl.load(token_map_ptr + tok, mask=write, other=0)
-        if HAS_DEAD:
-            is_dead = tl.load(dead_ptr + i, mask=write, other=0) != 0
-            code = tl.where(is_dead, DEAD, code)
-        tl.store(slots_ptr + slot, code.to(tl.int32), mask=write)
+        code = _history_code(input_ids_ptr, token_map_ptr, dead_ptr, i, write, V, HAS_DEAD)
+        tl.store(slots_ptr + slot, code, mask=write)
 
 
 @triton.jit(do_not_specialize=_COMMIT_INTS)
@@ -240,11 +247,6 @@ def _history_commit_kernel(
     p = tl.load(positions_ptr + i, mask=write, other=0).to(tl.int64)
     ring = tl.load(request_slots_ptr + r_safe, mask=write, other=0).to(tl.int64)
     slot = ring * window + p % window
-    tok = tl.load(input_ids_ptr + i, mask=write, other=0).to(tl.int64)
-    tok = tl.minimum(tl.maximum(tok, 0), V - 1)
-    code = tl.load(token_map_ptr + tok, mask=write, other=0)
-    if HAS_DEAD:
-        is_dead = tl.load(dead_ptr + i, mask=write, other=0) != 0
-        code = tl.where(is_dead, DEAD, code)
-    tl.store(slots_ptr + slot, code.to(tl.int32), mask=write)
+    code = _history_code(input_ids_ptr, token_map_ptr, dead_ptr, i, write, V, HAS_DEAD)
+    tl.store(slots_ptr + slot, code, mask=write)
     tl.store(tags_ptr + slot, p, mask=write)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 
 from engramrt.layout import EngramLayout
@@ -9,9 +11,38 @@ from engramrt.lookup.synthetic import random_packed_rows
 from engramrt.lookup.tiers import make_store
 from engramrt.lookup.tiers.base import RowStore
 
-__all__ = ["synthetic_stores"]
+__all__ = ["synthetic_rows", "synthetic_stores"]
 
 _FILL_ROWS = 1 << 16  # rows generated per piece (17 MB at 264 B)
+
+
+def synthetic_rows(
+    layout: EngramLayout,
+    layer_index: int,
+    row_begin: int,
+    row_end: int,
+    *,
+    seed: int = 0,
+    device: torch.device | str = "cpu",
+) -> Iterator[tuple[int, torch.Tensor]]:
+    """Rows ``[row_begin, row_end)`` of layer ``layer_index``'s random table, in pieces.
+
+    Yields ``(local_row, packed)``: ``packed`` holds rows ``row_begin +
+    local_row`` onwards, generated on ``device``. Row ``g`` is the same
+    whatever the range asked for: pieces of ``_FILL_ROWS`` global rows are
+    seeded by their index.
+    """
+    device = torch.device(device)
+    E = layout.config.head_dim
+    for piece in range(row_begin // _FILL_ROWS, -(-row_end // _FILL_ROWS)):
+        gen = torch.Generator(device=device).manual_seed(
+            (seed * 1_000_003 + layer_index) * 1_000_003 + piece
+        )
+        rows = random_packed_rows(_FILL_ROWS, E, device, gen)
+        lo = max(row_begin, piece * _FILL_ROWS)
+        hi = min(row_end, (piece + 1) * _FILL_ROWS)
+        base = piece * _FILL_ROWS
+        yield lo - row_begin, rows[lo - base : hi - base]
 
 
 def synthetic_stores(
@@ -26,9 +57,9 @@ def synthetic_stores(
 ) -> list[RowStore]:
     """One store per Engram layer of ``layout`` (this rank's shard), random rows.
 
-    Row ``g`` of a layer is the same whatever the shard (pieces of
-    ``_FILL_ROWS`` global rows are seeded by their index), so tensor-parallel
-    ranks hold exactly their slice of the one table. Rows are generated on
+    Row ``g`` of a layer is the same whatever the shard
+    (:func:`synthetic_rows`), so tensor-parallel ranks hold exactly their
+    slice of the one table. Rows are generated on
     the compute device (fast on a GPU) and written into the tier's memory.
     """
     generator_device = torch.device(device) if device is not None else torch.device("cpu")
@@ -45,15 +76,9 @@ def synthetic_stores(
             col_end=shard.col_end if tp > 1 else None,
             **store_options,  # type: ignore[arg-type]
         )
-        first_piece = shard.row_begin // _FILL_ROWS
-        for piece in range(first_piece, -(-shard.row_end // _FILL_ROWS)):
-            gen = torch.Generator(device=generator_device).manual_seed(
-                (seed * 1_000_003 + li) * 1_000_003 + piece
-            )
-            rows = random_packed_rows(_FILL_ROWS, layout.config.head_dim, generator_device, gen)
-            lo = max(shard.row_begin, piece * _FILL_ROWS)
-            hi = min(shard.row_end, (piece + 1) * _FILL_ROWS)
-            base = piece * _FILL_ROWS
-            store.write_rows(lo - shard.row_begin, rows[lo - base : hi - base])
+        for local_row, rows in synthetic_rows(
+            layout, li, shard.row_begin, shard.row_end, seed=seed, device=generator_device
+        ):
+            store.write_rows(local_row, rows)
         stores.append(store)
     return stores
