@@ -168,8 +168,15 @@ def shared_table_steps(layout, full_store, args, device, record) -> None:
     dist.all_reduce(counts)
     loaders, sharing = (int(c) for c in counts)
     if rank == 0:
-        print(f"shared table {table}: {loaders} loader(s), {sharing} rank(s) mapping it", flush=True)
-    record("SharedHostTable load once, map", 0, loaders == 1 and sharing == dist.get_world_size(), load_ms)
+        print(
+            f"shared table {table}: {loaders} loader(s), {sharing} rank(s) mapping it", flush=True
+        )
+    record(
+        "SharedHostTable load once, map",
+        0,
+        loaders == 1 and sharing == dist.get_world_size(),
+        load_ms,
+    )
     tiers = ["host"] + (["uva"] if device.type == "cuda" else [])
     for tier in tiers:
         store = shared_store(table, tier, device=device)

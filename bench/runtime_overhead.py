@@ -15,8 +15,9 @@ Workloads (the paper's): decode steps of 256 requests x 1 token; prefill of
 chunks. Placements (``--tiers``): no lookups at all (``none``: the
 Engram layers read fixed rows, so the device placement's cost to the
 backbone shows: hashing, side-stream lookup kernels), tables in GPU memory, in host memory
-(host-gather tier), in pinned host memory read by the kernel (UVA), or on
-disk. Decode runs the backbone as engines do, from CUDA graphs replayed per
+(host-gather tier: ``host`` with its default GPU reads, ``host-cpu`` with
+the CPU gathering every row), in pinned host memory read by the kernel
+(UVA), or on disk. Decode runs the backbone as engines do, from CUDA graphs replayed per
 step (``--backbones graph``), and for comparison launched kernel by kernel
 (``eager``); prefill runs eager.
 
@@ -301,7 +302,8 @@ def main() -> None:
     parser.add_argument(
         "--tiers",
         default="none,device,host,uva",
-        help="placements to compare; 'none' runs the backbone without lookups",
+        help="placements to compare ('none' runs the backbone without lookups; 'host-cpu' the "
+        "host tier without GPU reads)",
     )
     parser.add_argument(
         "--backbones",
@@ -333,7 +335,12 @@ def main() -> None:
         if tier == "none":
             stores, runtime = [], NoLookups(8192, cfg.n_cols, cfg.head_dim, device)
         else:
-            stores = synthetic_stores(layout, tier, device=device, seed=1)
+            stores = synthetic_stores(
+                layout, "host" if tier == "host-cpu" else tier, device=device, seed=1
+            )
+            for store in stores:
+                if tier == "host-cpu":
+                    store.gpu_reads = False
             hasher = NgramHasher(consts, token_map, device, validate=False)
             runtime = EngramRuntime(
                 hasher, stores, max_tokens=8192, max_requests=512, validate=False
@@ -348,7 +355,7 @@ def main() -> None:
     samples: dict[tuple, list[dict]] = {}
     for round_index in range(args.rounds):
         for tier, stores, runtime, graphed in setups:
-            gathers = tier in ("host", "disk")
+            gathers = tier in ("host", "host-cpu", "disk")
             for threads in host_threads if gathers else [None]:
                 for store in stores:
                     if gathers:

@@ -15,6 +15,7 @@ import pytest
 
 from engramrt.errors import ValidationError
 from engramrt.lookup import (
+    gather_packed_rows_reference,
     lookup_rows,
     lookup_rows_reference,
     pack_rows,
@@ -194,6 +195,40 @@ def test_hw_convert_in_interpreter() -> None:
         lookup_rows(row_ids, table, col_begin=1, col_end=4, backend="triton", hw_convert=True),
         expected,
     )
+
+
+@pytest.mark.parametrize(
+    ("E", "word"),
+    [(256, torch.int64), (128, torch.int32), (64, torch.int16), (32, torch.uint8)],
+)
+def test_packed_gather_kernel_matches_reference(E: int, word: torch.dtype) -> None:
+    """Raw row copies by the widest word that divides the row (264, 132, 66, 33 bytes):
+    every row in order, duplicates and a partial last program too."""
+    from engramrt.lookup.kernel import gather_packed_rows_triton
+    from engramrt.lookup.reference import word_dtype_for
+
+    num_rows, row_begin = 41, 1_000_003
+    table = random_packed_table(num_rows, E, seed=E).to(DEVICE)
+    assert word_dtype_for(table.shape[1]) == word
+    for count, dtype in ((0, torch.int64), (1, torch.int32), (37, torch.int64)):
+        ids = random_ids((count, 1), row_begin, row_begin + num_rows, dtype, seed=count)[:, 0]
+        if count > 1:
+            ids[-1] = ids[0]  # a duplicate
+            ids[1] = row_begin + num_rows - 1  # the last row
+        ids = ids.to(DEVICE)
+        expected = gather_packed_rows_reference(ids, table, row_begin)
+        out = torch.full((count, table.shape[1]), 0xA5, dtype=torch.uint8, device=DEVICE)
+        got = gather_packed_rows_triton(ids, table.view(word), out, row_begin=row_begin)
+        assert got.data_ptr() == out.data_ptr()
+        assert torch.equal(got.cpu(), expected.cpu())
+
+
+def test_packed_gather_reference_negative_control() -> None:
+    """The check above can fail: a row off by one differs."""
+    table = random_packed_table(5, 32, seed=3)
+    ids = torch.tensor([10, 12], dtype=torch.int64)
+    assert torch.equal(gather_packed_rows_reference(ids, table, 10), table[[0, 2]])
+    assert not torch.equal(gather_packed_rows_reference(ids, table, 9), table[[0, 2]])
 
 
 def test_kernel_with_strided_ids_duplicates_and_extremes() -> None:

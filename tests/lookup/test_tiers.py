@@ -208,9 +208,10 @@ def test_checked_mode_names_column_and_id(tier: str, tmp_path: Path) -> None:
 def test_host_tiers_reject_bad_ids_even_unchecked(
     tier: str, dedup_min_rows: int, tmp_path: Path
 ) -> None:
-    """The ids are on the host anyway, so the range check is always on."""
+    """When the CPU gathers, the ids are on the host anyway, so the range check is always
+    on (GPU reads are checked in validate mode: test_gpu_reads_check_ids_in_validate_mode)."""
     table = random_packed_table(10, 32, seed=21)
-    store = build(tier, table, tmp_path, row_begin=100, validate=False)
+    store = build(tier, table, tmp_path, row_begin=100, validate=False, gpu_reads=False)
     store.dedup_min_rows = dedup_min_rows
     for bad in (99, 110, -(2**62)):
         row_ids = torch.full((3, 5), 104, dtype=torch.int64, device=DEVICE)
@@ -327,3 +328,88 @@ def test_gather_packed_returns_the_stored_bytes(tier: str, tmp_path: Path) -> No
     got = store.gather_packed(local)
     assert got.device == store.device and got.dtype == torch.uint8
     assert torch.equal(got.cpu(), table[local])
+
+
+# --------------------------------------------------------------------------
+# GPU reads of host rows (host tier): small batches by the lookup kernel,
+# a share of a large batch's unique rows beside the CPU's gather.
+# --------------------------------------------------------------------------
+
+needs_cuda = pytest.mark.skipif(not CUDA, reason="the GPU reads host memory mapped for it")
+
+
+@needs_cuda
+@pytest.mark.parametrize("gpu_share", [0.0, 0.3, 1.0])
+@pytest.mark.parametrize("dedup_min_rows", [0, 10**9], ids=["split", "direct"])
+def test_gpu_reads_match_reference(gpu_share: float, dedup_min_rows: int) -> None:
+    """Both GPU-read paths equal the reference on a shard, with duplicates, int32 and
+    int64 ids; an odd unique count splits unevenly."""
+    table = random_packed_table(301, 256, seed=40)
+    store = make_store(
+        "host",
+        packed=table,
+        row_begin=7000,
+        col_begin=1,
+        col_end=5,
+        chunk_rows=16,
+        gpu_share=gpu_share,
+    )
+    assert isinstance(store, HostGatherRowStore) and store.gpu_reads
+    store.dedup_min_rows = dedup_min_rows
+    g = torch.Generator().manual_seed(41)
+    row_ids = torch.randint(7000, 7301, (53, 6), generator=g)
+    row_ids[0, 1:5] = torch.tensor([7000, 7300, 7300, 7150])  # first, last, duplicate
+    row_ids[:, 0] = -1
+    row_ids[:, 5:] = 2**40
+    for dtype in (torch.int32, torch.int64):
+        ids = row_ids.clamp(-(2**31), 2**31 - 1).to(dtype)
+        expected = lookup_rows_reference(ids, table, 256, 1, 5, 7000)
+        assert_same_bits(store.lookup(ids.to(DEVICE)), expected)
+    assert torch.equal(store.gather_packed(torch.tensor([300, 0, 5])).cpu(), table[[300, 0, 5]])
+
+
+@needs_cuda
+def test_gpu_reads_check_ids_in_validate_mode() -> None:
+    table = random_packed_table(10, 32, seed=42)
+    store = make_store("host", packed=table, row_begin=100, validate=True)
+    assert isinstance(store, HostGatherRowStore) and store.gpu_reads
+    row_ids = torch.full((3, 5), 104, dtype=torch.int64, device=DEVICE)
+    row_ids[2, 1] = 110
+    with pytest.raises(ValidationError, match=r"row_ids\[2, 1\] = 110 for hash column 1"):
+        store.lookup(row_ids)
+
+
+@needs_cuda
+def test_gpu_reads_fall_back_or_fail_when_registration_fails(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    table = random_packed_table(10, 32, seed=43)
+    monkeypatch.setattr(memory, "cuda_host_register", lambda *args, **kwargs: 2)
+    with pytest.warns(RuntimeWarning, match=r"cudaError 2 .*; the CPU gathers every row"):
+        store = make_store("host", packed=table)
+    assert isinstance(store, HostGatherRowStore) and not store.gpu_reads
+    row_ids = torch.randint(0, 10, (4, 3), device=DEVICE)
+    assert_same_bits(store.lookup(row_ids), lookup_rows_reference(row_ids.cpu(), table, 32))
+    with pytest.raises(CapacityError, match=r"tier='host' could not page-lock .* cudaError 2"):
+        make_store("host", packed=table, gpu_reads=True)
+
+
+def test_gpu_reads_settings(tmp_path: Path) -> None:
+    """Off by default where they cannot or should not run; bad settings are refused."""
+    table = random_packed_table(10, 32, seed=44)
+    disk = build("disk", table, tmp_path)
+    reference = make_store("host", packed=table, backend="reference")
+    assert isinstance(disk, HostGatherRowStore) and not disk.gpu_reads  # pinning a file: never
+    assert isinstance(reference, HostGatherRowStore) and not reference.gpu_reads
+    host = make_store("host", packed=table)
+    assert isinstance(host, HostGatherRowStore) and host.gpu_reads == CUDA
+    with pytest.raises(ValidationError, match=r"gpu_share = 1.5; expected a fraction in \[0, 1\]"):
+        make_store("host", packed=table, gpu_share=1.5)
+    if CUDA:
+        with pytest.raises(ValidationError, match="gpu_reads=True with backend='reference'"):
+            make_store("host", packed=table, gpu_reads=True, backend="reference")
+    else:
+        with pytest.raises(
+            CapacityError, match=r"gpu_reads=True needs a CUDA device .* got device cpu"
+        ):
+            make_store("host", packed=table, gpu_reads=True)

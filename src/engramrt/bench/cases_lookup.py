@@ -13,7 +13,9 @@ hashing produces them.
   an ``index_select`` of packed rows followed by the reference dequantise,
   both on the GPU. Ceiling: device copy, ``rows * 264`` bytes read plus
   ``rows * E * 2`` written.
-- ``uva``, ``host``, ``disk`` tiers: the tier's lookup against
+- ``uva``, ``host``, ``disk`` tiers: the tier's lookup (the host tier
+  also with the CPU gathering every row, and at T=8192 with other shares of
+  GPU reads) against
   ``torch-eager``, a plain CPU ``index_select`` of the packed rows, then
   ``.to('cuda')``, then the reference dequantise on the GPU. Ceiling:
   host-to-device copy of ``rows * 264`` bytes.
@@ -49,6 +51,7 @@ COLS = 24  # (N - 1) * H hash columns per layer
 ROW_BYTES = row_bytes_for(E)  # 264
 _FILL_ROWS = 1 << 22  # rows generated per piece when filling host and disk tables
 _TILINGS = ((8, 4), (32, 4), (32, 8))  # (rows per program, warps) besides the default
+_GPU_SHARES = (0.15, 0.45)  # host tier: shares of the GPU's reads besides the default
 
 
 def _random_packed_rows(
@@ -147,6 +150,22 @@ def _variant(
     return run
 
 
+def _host_variant(gpu_reads: bool, gpu_share: float | None = None) -> Callable[[Inputs], Any]:
+    """The host tier's lookup with GPU reads switched off, or another GPU share."""
+
+    def run(inputs: Inputs) -> torch.Tensor:
+        store = inputs["store"]
+        before = store.gpu_reads, store.gpu_share
+        store.gpu_reads = gpu_reads
+        store.gpu_share = before[1] if gpu_share is None else gpu_share
+        try:
+            return store.lookup(inputs["row_ids"], out=inputs["out"])
+        finally:
+            store.gpu_reads, store.gpu_share = before
+
+    return run
+
+
 def _device_torch_eager(inputs: Inputs) -> torch.Tensor:
     """index_select of packed rows, then the reference dequantise, on the GPU."""
     return lookup_rows_reference(inputs["row_ids"], inputs["store"].table, E)
@@ -204,6 +223,11 @@ def lookup_cases(quick: bool) -> list[Case]:
                 bytes_moved, ceiling = rows * ROW_BYTES + rows * E * 2, "d2d"
             else:
                 impls = {tier: _tier_lookup, "torch-eager": _host_torch_eager}
+                if tier == "host" and torch.cuda.is_available():
+                    impls["host[cpu gather]"] = _host_variant(gpu_reads=False)
+                    if num_tokens == 8192:
+                        for share in _GPU_SHARES:
+                            impls[f"host[gpu_share={share}]"] = _host_variant(True, share)
                 bytes_moved, ceiling = rows * ROW_BYTES, "h2d"
             capturable = tier in ("device", "uva")
             cases.append(

@@ -71,7 +71,6 @@ import socket
 import tempfile
 import time
 import warnings
-import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -107,9 +106,6 @@ DIRECTORY_ENV = "ENGRAMRT_SHARED_DIR"
 SAMPLE_ROWS = 64
 """Rows (evenly spaced, first and last included) whose sha256 the manifest records."""
 _FULL_HASH_BYTES = 64 * 2**20
-_CUDA_HOST_REGISTER_PORTABLE = 0x01
-_CUDA_HOST_REGISTER_MAPPED = 0x02
-_CUDA_HOST_REGISTER_READ_ONLY = 0x08  # the mapping is PROT_READ: pinning must not ask for write
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 _MANIFEST_KEYS = frozenset(
     ("num_rows", "row_bytes", "fingerprint", "file", "checksum", "sample_rows", "sha256")
@@ -376,12 +372,6 @@ class _Mismatch(Exception):
         self.found = found
 
 
-def _unregister(pointer: int, keep_alive: object) -> None:
-    # Runs before ``keep_alive`` (the mapping) can be unmapped.
-    del keep_alive
-    torch.cuda.cudart().cudaHostUnregister(pointer)
-
-
 class SharedHostTable:
     """Packed rows ``[num_rows, row_bytes]`` uint8 in host memory, shared by a node's processes.
 
@@ -450,20 +440,15 @@ class SharedHostTable:
             raise CapacityError(
                 f"register_cuda on table {self.name!r}: no CUDA device (CUDA available: False)"
             )
-        flags = (
-            _CUDA_HOST_REGISTER_PORTABLE
-            | _CUDA_HOST_REGISTER_MAPPED
-            | _CUDA_HOST_REGISTER_READ_ONLY
+        status = memory.cuda_host_register(
+            self, self.rows, read_only=True, keep_alive=(self._mapping, self.rows)
         )
-        pointer = self.rows.data_ptr()
-        status = int(torch.cuda.cudart().cudaHostRegister(pointer, self.nbytes, flags))
         if status != 0:
             raise CapacityError(
                 f"cudaHostRegister of table {self.name!r} ({memory.format_bytes(self.nbytes)}, "
                 f"read-only shared mapping) returned cudaError {status}; check ulimit -l "
                 f"(memlock) and that the device supports cudaHostRegisterReadOnly"
             )
-        weakref.finalize(self, _unregister, pointer, (self._mapping, self.rows))
         self._registered = True
         return self.rows
 

@@ -29,11 +29,12 @@ import torch
 
 from engramrt.config import EngramConfig, load_config
 from engramrt.distributed.shared_table import Loader, SharedHostTable
-from engramrt.errors import ValidationError
+from engramrt.errors import CapacityError, ValidationError
 from engramrt.layout import EngramLayout
 from engramrt.lookup.reference import row_bytes_for, row_width_for
+from engramrt.lookup.tiers import memory
 from engramrt.lookup.tiers.base import RowStore
-from engramrt.lookup.tiers.host_gather import DEFAULT_CHUNK_ROWS, HostGatherRowStore
+from engramrt.lookup.tiers.host_gather import DEFAULT_CHUNK_ROWS, GPU_SHARE, HostGatherRowStore
 from engramrt.lookup.tiers.uva import UvaRowStore
 
 __all__ = [
@@ -79,7 +80,9 @@ class SharedHostGatherRowStore(HostGatherRowStore):
         owner: an object to keep alive as long as the store (the table
             whose mapping ``rows`` views).
         device, row_begin, col_begin, col_end, validate, chunk_rows,
-        num_threads, backend: see :class:`HostGatherRowStore`.
+        num_threads, backend, gpu_reads, gpu_share: see
+            :class:`HostGatherRowStore`; GPU reads of a shared table's rows
+            register its whole mapping (:meth:`SharedHostTable.register_cuda`).
     """
 
     def __init__(
@@ -95,6 +98,8 @@ class SharedHostGatherRowStore(HostGatherRowStore):
         chunk_rows: int = DEFAULT_CHUNK_ROWS,
         num_threads: int | None = None,
         backend: str = "auto",
+        gpu_reads: bool | None = None,
+        gpu_share: float = GPU_SHARE,
     ) -> None:
         E = _check_rows(rows)
         self._existing_rows = rows
@@ -110,10 +115,23 @@ class SharedHostGatherRowStore(HostGatherRowStore):
             chunk_rows=chunk_rows,
             num_threads=num_threads,
             backend=backend,
+            gpu_reads=gpu_reads,
+            gpu_share=gpu_share,
         )
 
     def _allocate_source(self) -> torch.Tensor:
         return self._existing_rows  # no allocation, no capacity check: the rows exist
+
+    def _register_source(self) -> None:
+        if isinstance(self.owner, SharedHostTable):
+            self.owner.register_cuda()  # the whole read-only mapping, once per process
+            return
+        status = memory.cuda_host_register(self, self.source, read_only=True)  # maybe PROT_READ
+        if status != 0:
+            raise CapacityError(
+                f"cudaHostRegister of the shared rows ({memory.format_bytes(self.nbytes)}, "
+                f"read-only) for GPU reads returned cudaError {status}; check ulimit -l (memlock)"
+            )
 
     def _write(self, start: int, packed: torch.Tensor) -> None:
         raise ValidationError(

@@ -14,6 +14,7 @@ import torch
 from engramrt._backend import resolve_backend
 from engramrt.errors import ValidationError
 from engramrt.lookup.reference import (
+    gather_packed_rows_reference,
     lookup_rows_reference,
     pack_rows,
     row_bytes_for,
@@ -24,6 +25,7 @@ from engramrt.lookup.reference import (
 __all__ = [
     "check_lookup_args",
     "check_row_ids_in_shard",
+    "gather_packed_rows_reference",
     "lookup_rows",
     "lookup_rows_reference",
     "pack_rows",

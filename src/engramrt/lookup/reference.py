@@ -23,17 +23,30 @@ from engramrt.errors import ValidationError
 from engramrt.quant.reference import BLOCK, dequantize_rows_reference
 
 __all__ = [
+    "gather_packed_rows_reference",
     "lookup_rows_reference",
     "pack_rows",
     "row_bytes_for",
     "row_width_for",
     "unpack_rows",
+    "word_dtype_for",
 ]
 
 
 def row_bytes_for(row_width: int) -> int:
     """Bytes of one packed row of ``row_width`` (``E``) values: ``E + E/32``."""
     return row_width + row_width // BLOCK
+
+
+_WORD_DTYPES = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8))
+
+
+def word_dtype_for(row_bytes: int) -> torch.dtype:
+    """The widest integer dtype whose size divides ``row_bytes`` (int64 for 264-byte rows)."""
+    for size, dtype in _WORD_DTYPES:
+        if row_bytes % size == 0:
+            return dtype
+    raise AssertionError("unreachable: a 1-byte word divides every row")  # pragma: no cover
 
 
 def row_width_for(row_bytes: int) -> int:
@@ -109,3 +122,15 @@ def lookup_rows_reference(
     rows = dequantize_rows_reference(values, scales)  # [T*owned, E]
     out[:, col_begin:col_end] = rows.reshape(num_tokens, col_end - col_begin, E)
     return out
+
+
+def gather_packed_rows_reference(
+    row_ids: torch.Tensor, packed_table: torch.Tensor, row_begin: int = 0
+) -> torch.Tensor:
+    """Packed rows ``packed_table[row_ids - row_begin]``: ``[U]`` ids -> ``[U, row_bytes]`` uint8.
+
+    The raw bytes, not dequantised: what a tier moves before the lookup
+    kernel decodes it (:func:`engramrt.lookup.kernel.gather_packed_rows_triton`).
+    """
+    local = row_ids.to(device=packed_table.device, dtype=torch.int64) - row_begin
+    return packed_table.index_select(0, local)

@@ -25,7 +25,7 @@ from engramrt.lookup.tiers import memory
 from engramrt.lookup.tiers.base import RowStore, default_compute_device
 from engramrt.lookup.tiers.device import DeviceRowStore
 from engramrt.lookup.tiers.disk import DiskRowStore
-from engramrt.lookup.tiers.host_gather import DEFAULT_CHUNK_ROWS, HostGatherRowStore
+from engramrt.lookup.tiers.host_gather import DEFAULT_CHUNK_ROWS, GPU_SHARE, HostGatherRowStore
 from engramrt.lookup.tiers.synthetic import SyntheticRowStore
 from engramrt.lookup.tiers.uva import UvaRowStore
 
@@ -94,6 +94,8 @@ def make_store(
     backend: str = "auto",
     chunk_rows: int = DEFAULT_CHUNK_ROWS,
     num_threads: int | None = None,
+    gpu_reads: bool | None = None,
+    gpu_share: float = GPU_SHARE,
     rows_per_program: int | None = None,
     num_warps: int | None = None,
     hw_convert: bool = False,
@@ -114,6 +116,8 @@ def make_store(
             see :class:`RowStore`.
         backend: kernel or reference for the device/host/disk tiers.
         chunk_rows, num_threads: host-gather settings (``"host"``, ``"disk"``).
+        gpu_reads, gpu_share: whether and how much the GPU reads host rows
+            itself (``"host"``; see :class:`HostGatherRowStore`).
         rows_per_program, num_warps, hw_convert: kernel settings (``"device"``,
             ``"uva"``; see :func:`engramrt.lookup.lookup_rows`).
 
@@ -175,6 +179,8 @@ def make_store(
             chunk_rows=chunk_rows,
             num_threads=num_threads,
             backend=backend,
+            gpu_reads=gpu_reads,
+            gpu_share=gpu_share,
         )
     elif tier == "uva":
         assert num_rows is not None

@@ -48,6 +48,7 @@ class DiskRowStore(HostGatherRowStore):
     """
 
     tier = "disk"
+    _maps_rows_for_gpu = False  # pinning a file's mapping would hold all of it in memory
 
     def __init__(
         self,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import weakref
 from pathlib import Path
 
 import torch
@@ -15,6 +16,7 @@ import torch
 from engramrt.errors import CapacityError
 
 __all__ = [
+    "cuda_host_register",
     "device_free_bytes",
     "disk_free_bytes",
     "format_bytes",
@@ -60,3 +62,35 @@ def require(what: str, needed: int, available: int, where: str) -> None:
             f"{what} needs {format_bytes(needed)} but {where} has only "
             f"{format_bytes(available)} available"
         )
+
+
+_CUDA_HOST_REGISTER_PORTABLE = 0x01  # every device's context sees the pages locked
+_CUDA_HOST_REGISTER_MAPPED = 0x02  # and mapped into its address space (UVA)
+_CUDA_HOST_REGISTER_READ_ONLY = 0x08  # a PROT_READ mapping: pinning must not ask for write
+
+
+def _unregister(pointer: int, keep_alive: object) -> None:
+    # Runs before ``keep_alive`` (what holds the pages) can be freed or unmapped.
+    del keep_alive
+    torch.cuda.cudart().cudaHostUnregister(pointer)
+
+
+def cuda_host_register(
+    owner: object, host: torch.Tensor, *, read_only: bool = False, keep_alive: object = None
+) -> int:
+    """Page-lock ``host``'s bytes and map them for every CUDA device; returns the cudaError.
+
+    0 is success: the registration then lasts until ``owner`` is collected
+    (``keep_alive``, default ``host``, is kept alive until it is undone).
+    ``read_only`` registers a ``PROT_READ`` mapping (``cudaHostRegisterReadOnly``).
+    """
+    flags = _CUDA_HOST_REGISTER_PORTABLE | _CUDA_HOST_REGISTER_MAPPED
+    if read_only:
+        flags |= _CUDA_HOST_REGISTER_READ_ONLY
+    pointer = host.data_ptr()
+    status = int(
+        torch.cuda.cudart().cudaHostRegister(pointer, host.numel() * host.element_size(), flags)
+    )
+    if status == 0:
+        weakref.finalize(owner, _unregister, pointer, host if keep_alive is None else keep_alive)
+    return status

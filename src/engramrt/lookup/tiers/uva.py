@@ -21,34 +21,29 @@ block up to a power of two (a 94 GiB table would take 128 GiB).
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 
 from engramrt.errors import CapacityError
+from engramrt.lookup.reference import word_dtype_for
 from engramrt.lookup.tiers import memory
 from engramrt.lookup.tiers.base import RowStore
 
-__all__ = ["UvaRowStore"]
-
-_CUDA_HOST_REGISTER_PORTABLE_MAPPED = 0x01 | 0x02
+__all__ = ["MappedHostRows", "UvaRowStore", "gather_mapped_rows", "lookup_mapped_rows"]
 
 
-class _MappedHostRows:
-    """What Triton needs of a pointer argument: ``data_ptr()`` and ``dtype``."""
+class MappedHostRows:
+    """What Triton needs of a pointer argument: ``data_ptr()`` and ``dtype``.
 
-    dtype = torch.uint8
+    ``host_pointer`` is registered host memory (see the module doc);
+    ``dtype`` the element type the kernel reads it as.
+    """
 
-    def __init__(self, host_pointer: int) -> None:
+    def __init__(self, host_pointer: int, dtype: torch.dtype = torch.uint8) -> None:
         self._host_pointer = host_pointer
+        self.dtype = dtype
 
     def data_ptr(self) -> int:
         return self._host_pointer
-
-
-def _unregister(host_tensor: torch.Tensor) -> None:
-    # Runs before ``host_tensor`` (held by this finaliser) is freed.
-    torch.cuda.cudart().cudaHostUnregister(host_tensor.data_ptr())
 
 
 class UvaRowStore(RowStore):
@@ -100,7 +95,10 @@ class UvaRowStore(RowStore):
         self.num_warps = num_warps
         self.hw_convert = hw_convert
         self.host_table = self._allocate_host_table()
-        self._mapped = _MappedHostRows(self.host_table.data_ptr())
+        self._mapped = MappedHostRows(self.host_table.data_ptr())
+        self._mapped_words = MappedHostRows(
+            self.host_table.data_ptr(), word_dtype_for(self.row_bytes)
+        )
 
     def _allocate_host_table(self) -> torch.Tensor:
         """``[num_rows, row_bytes]`` uint8 host rows, page-locked and mapped for the device.
@@ -112,45 +110,90 @@ class UvaRowStore(RowStore):
         memory.require(what, self.nbytes, memory.host_available_bytes(), "host memory")
         host_table = torch.empty((self.num_rows, self.row_bytes), dtype=torch.uint8)
         if self.nbytes > 0:
-            status = int(
-                torch.cuda.cudart().cudaHostRegister(
-                    host_table.data_ptr(), self.nbytes, _CUDA_HOST_REGISTER_PORTABLE_MAPPED
-                )
-            )
+            status = memory.cuda_host_register(self, host_table)
             if status != 0:
                 raise CapacityError(
                     f"tier='uva' could not page-lock {memory.format_bytes(self.nbytes)} of host "
                     f"memory: cudaHostRegister returned cudaError {status} (is the memlock "
                     f"limit, ulimit -l, below the table size?)"
                 )
-            weakref.finalize(self, _unregister, host_table)
         return host_table
 
     def _write(self, start: int, packed: torch.Tensor) -> None:
         self.host_table[start : start + packed.shape[0]].copy_(packed)
 
     def gather_packed(self, local_ids: torch.Tensor) -> torch.Tensor:
-        rows = self.host_table.index_select(0, local_ids.cpu())
-        return rows.to(self.device)
+        """Packed rows read by the device from host memory (no host synchronisation)."""
+        return gather_mapped_rows(local_ids, self._mapped_words, self.row_bytes, self.device)
 
     def _lookup(
         self, row_ids: torch.Tensor, col_end: int, out: torch.Tensor | None
     ) -> torch.Tensor:
-        row_ids = row_ids.to(self.device, non_blocking=True)
-        if out is None:
-            out = torch.empty((*row_ids.shape, self.E), dtype=torch.bfloat16, device=self.device)
-        from engramrt.lookup.kernel import lookup_rows_triton  # imports Triton
+        return lookup_mapped_rows(
+            row_ids,
+            self._mapped,
+            out,
+            E=self.E,
+            device=self.device,
+            col_begin=self.col_begin,
+            col_end=col_end,
+            row_begin=self.row_begin,
+            rows_per_program=self.rows_per_program,
+            num_warps=self.num_warps,
+            hw_convert=self.hw_convert,
+        )
 
-        with torch.cuda.device(self.device):
-            return lookup_rows_triton(
-                row_ids,
-                self._mapped,
-                out,
-                E=self.E,
-                col_begin=self.col_begin,
-                col_end=col_end,
-                row_begin=self.row_begin,
-                rows_per_program=self.rows_per_program,
-                num_warps=self.num_warps,
-                hw_convert=self.hw_convert,
-            )
+
+def lookup_mapped_rows(
+    row_ids: torch.Tensor,
+    mapped: MappedHostRows,
+    out: torch.Tensor | None,
+    *,
+    E: int,
+    device: torch.device,
+    col_begin: int,
+    col_end: int,
+    row_begin: int,
+    rows_per_program: int | None = None,
+    num_warps: int | None = None,
+    hw_convert: bool = False,
+) -> torch.Tensor:
+    """The lookup kernel over rows in registered host memory (``mapped``, bytes)."""
+    from engramrt.lookup.kernel import lookup_rows_triton  # imports Triton
+
+    row_ids = row_ids.to(device, non_blocking=True)
+    if out is None:
+        out = torch.empty((*row_ids.shape, E), dtype=torch.bfloat16, device=device)
+    with torch.cuda.device(device):
+        return lookup_rows_triton(
+            row_ids,
+            mapped,
+            out,
+            E=E,
+            col_begin=col_begin,
+            col_end=col_end,
+            row_begin=row_begin,
+            rows_per_program=rows_per_program,
+            num_warps=num_warps,
+            hw_convert=hw_convert,
+        )
+
+
+def gather_mapped_rows(
+    row_ids: torch.Tensor,
+    mapped_words: MappedHostRows,
+    row_bytes: int,
+    device: torch.device,
+    *,
+    row_begin: int = 0,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Packed rows ``[U, row_bytes]`` of ids ``[U]`` copied by the device out of registered
+    host memory (``mapped_words``, viewed as :func:`word_dtype_for` words)."""
+    from engramrt.lookup.kernel import gather_packed_rows_triton  # imports Triton
+
+    row_ids = row_ids.to(device, non_blocking=True)
+    if out is None:
+        out = torch.empty((row_ids.shape[0], row_bytes), dtype=torch.uint8, device=device)
+    with torch.cuda.device(device):
+        return gather_packed_rows_triton(row_ids, mapped_words, out, row_begin=row_begin)
