@@ -51,7 +51,7 @@ COLS = 24  # (N - 1) * H hash columns per layer
 ROW_BYTES = row_bytes_for(E)  # 264
 _FILL_ROWS = 1 << 22  # rows generated per piece when filling host and disk tables
 _TILINGS = ((8, 4), (32, 4), (32, 8))  # (rows per program, warps) besides the default
-_GPU_SHARES = (0.15, 0.45)  # host tier: shares of the GPU's reads besides the default
+_GPU_SHARES = (0.15, 0.3, 0.45)  # host tier: shares of the GPU's reads besides the default
 
 
 def _random_packed_rows(

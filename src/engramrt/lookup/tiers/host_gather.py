@@ -27,11 +27,12 @@ reads some of them itself:
 
 - a batch of fewer than :data:`DEDUP_MIN_ROWS` owned ids (decode) skips all
   of the above: the lookup kernel reads its rows straight from host memory,
-  with no host synchronisation (H200: 6,144 rows in ~140 µs against
-  ~500-800 µs for the CPU path);
-- in a larger batch, the GPU copies the highest :data:`GPU_SHARE` of the
+  with no host synchronisation (H200, 6,144 random rows of an 8 GiB
+  table: 80 µs, against 538 µs for the CPU path);
+- in a larger batch, the GPU can copy the highest ``gpu_share`` of the
   unique rows out of host memory on its own stream while the CPU gathers
-  the others (step 3), both feeding step 4.
+  the others (step 3), both feeding step 4 (off by default: see
+  :data:`GPU_SHARE`).
 
 Why this shapeWhy this shape (measured on an H200 host, 16 vCPUs, 196,608 random 264-byte
 rows of an 8 GiB table; ``bench/study_host_tier.py``): one ``index_select``
@@ -104,15 +105,16 @@ and 2.6% with 16;
 prefill chunks of 8,192 tokens get 16 threads and cost 0.2%
 (``bench/runtime_overhead.py``, H200 host, 16 vCPUs)."""
 
-GPU_SHARE = 0.3
-"""Share of a deduplicated batch's unique rows that the GPU reads from host
-memory itself (the highest ids) while the CPU gathers the rest, when the
-rows are registered for it (``gpu_reads``). Measured on the H200 host at
-T = 8,192 (196,608 random rows of an 8 GiB table; ``engramrt bench --group
-lookup`` times 0.15 and 0.45 beside it): 0.2-0.4 all gained about a quarter
-over CPU-only gathers in a prototype, 0.5 less (the GPU's reads of
-scattered 264-byte rows run at 60-75 M rows/s, the CPU's gather at
-~170 M rows/s)."""
+GPU_SHARE = 0.0
+"""Default share of a deduplicated batch's unique rows that the GPU reads from
+host memory itself (the highest ids) while the CPU gathers the rest. Off:
+on the H200 host at T = 8,192 (196,608 random rows of an 8 GiB table,
+``engramrt bench --group lookup``, one run) the CPU alone took 1.91 ms,
+with the GPU reading 15% 1.91 ms, 30% 2.09 ms, 45% 2.00 ms: the GPU's
+reads of scattered 264-byte rows (60-75 M rows/s when sorted) share the
+link and the host memory with the CPU's gather and copies, and gain
+nothing there. A machine with slower CPUs may differ: the bench times the
+shares beside the default."""
 
 
 def _word_view(rows: torch.Tensor) -> torch.Tensor:
@@ -121,11 +123,19 @@ def _word_view(rows: torch.Tensor) -> torch.Tensor:
 
 
 def _cpu_count() -> int:
-    """CPUs this process may run on (torch's default thread count may be lower)."""
+    """CPUs this process may run on (torch's default thread count may be lower), shared
+    with the other processes of its node when a launcher says how many there are
+    (``LOCAL_WORLD_SIZE``, set by torchrun): oversubscribed gather threads spin
+    against each other."""
     try:
-        return len(os.sched_getaffinity(0))
+        cpus = len(os.sched_getaffinity(0))
     except AttributeError:  # pragma: no cover - not Linux
-        return os.cpu_count() or 1
+        cpus = os.cpu_count() or 1
+    try:
+        processes = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        processes = 1
+    return max(1, cpus // processes)
 
 
 @contextlib.contextmanager
