@@ -8,7 +8,9 @@ and afterwards calls its launcher directly.
 
 A specialisation is keyed by the device, the constexpr values and, for each
 argument, what Triton specialises on: a tensor's dtype (and its 16-byte
-alignment unless the kernel lists it in ``do_not_specialize_on_alignment``),
+alignment unless the kernel lists it in ``do_not_specialize_on_alignment``;
+likewise any object with ``data_ptr()`` and ``dtype``, such as host memory
+mapped for the device, which is passed on as the object),
 an integer's width (and the value 1 / divisibility by 16 unless listed in
 ``do_not_specialize``). A call whose arguments would compile differently
 compiles its own. Kernels on hot paths list all their runtime arguments as
@@ -86,6 +88,13 @@ class CachedLauncher:
                 key_parts.append(a.dtype)
                 if by_alignment:
                     key_parts.append(ptr % 16 == 0)
+            elif hasattr(a, "data_ptr"):
+                # A pointer object (host memory mapped for the device): the
+                # compiled launcher resolves its device address itself.
+                values.append(a)
+                key_parts.append(a.dtype)
+                if by_alignment:
+                    key_parts.append(a.data_ptr() % 16 == 0)
             else:
                 values.append(a)
                 key_parts.append(-(2**31) <= a < 2**31)

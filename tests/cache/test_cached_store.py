@@ -94,16 +94,23 @@ def test_matches_backing_over_a_skewed_stream(
         cache.update()
     stats = cache.stats()
     assert stats.hit_rate > 0.2 and stats.admitted > 0
-    assert stats.rows_fetched <= sum(stats.misses)
+    if cache.probe_reads_misses:  # every missed lookup, then the admitted rows again
+        assert stats.rows_fetched == sum(stats.misses) + stats.admitted
+    else:  # distinct misses per lookup
+        assert stats.rows_fetched <= sum(stats.misses)
 
 
-def test_hand_made_stream_statistics(device: torch.device) -> None:
-    """One set of 4 ways, so where every row goes is known; counts worked out by hand."""
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_hand_made_stream_statistics(backend: str, device: torch.device) -> None:
+    """One set of 4 ways, so where every row goes is known; counts worked out by hand.
+    With the kernel over a device-tier backing the probe reads misses itself; the
+    reference keeps the miss path: the same hits, misses and admissions either way."""
     E = 32
     table = random_packed_table(50, E, seed=3)
     backing = make_store("device", packed=table, device=device)
-    cache = CachedRowStore(backing, 4 * 33, ways=4, n_heads=2, layer_id=14)
+    cache = CachedRowStore(backing, 4 * 33, ways=4, n_heads=2, layer_id=14, backend=backend)
     assert (cache.num_sets, cache.num_slots, cache.capacity_bytes) == (1, 4, 132)
+    assert cache.probe_reads_misses == (backend == "triton")
 
     def look(rows: list[list[int]]) -> None:
         row_ids = torch.tensor(rows, device=device)
@@ -125,7 +132,10 @@ def test_hand_made_stream_statistics(device: torch.device) -> None:
     assert stats.misses == (2 + 0, 2 + 1, 2 + 1, 2 + 2)
     assert stats.lookups == 16 and stats.hit_rate == 4 / 16
     assert stats.bytes_saved == 4 * 33
-    assert stats.rows_fetched == 5 + 2  # unique misses per lookup: {1, 2, 3, 4, 5}, {5, 9}
+    if cache.probe_reads_misses:  # 12 missed lookups, then the 5 admitted rows
+        assert stats.rows_fetched == 12 + 5
+    else:  # unique misses per lookup: {1, 2, 3, 4, 5}, {5, 9}
+        assert stats.rows_fetched == 5 + 2
     assert (stats.admitted, stats.evicted) == (5, 1)
     by_order = stats.by_order()
     assert by_order[2] == {"hits": 3, "misses": 5, "hit_rate": 3 / 8, "bytes_saved": 3 * 33}
@@ -288,9 +298,14 @@ def test_wrong_backing_and_wrong_shapes(device: torch.device) -> None:
 @pytest.mark.parametrize("backend", ["reference", "triton"])
 def test_out_of_range_ids_are_caught_on_the_miss_path(backend: str, device: torch.device) -> None:
     backing = make_store(
-        "host", packed=random_packed_table(10, 32, seed=14), device=device, row_begin=100
+        "host",
+        packed=random_packed_table(10, 32, seed=14),
+        device=device,
+        row_begin=100,
+        gpu_reads=False,  # the CPU gathers: misses go through the miss path
     )
     cache = CachedRowStore(backing, 2**16, backend=backend)
+    assert not cache.probe_reads_misses
     row_ids = torch.full((3, 4), 104, dtype=torch.int64, device=device)
     row_ids[2, 1] = 110
     with pytest.raises(ValidationError, match=r"row_ids\[2, 1\] = 110 .* in \[100, 110\)"):
@@ -298,6 +313,31 @@ def test_out_of_range_ids_are_caught_on_the_miss_path(backend: str, device: torc
     row_ids[2, 1] = -1  # the empty-slot tag: still a miss, so still caught
     with pytest.raises(ValidationError, match=r"row_ids\[2, 1\] = -1 "):
         cache.lookup(row_ids)
+
+
+def test_a_probe_that_reads_misses_checks_ids_in_validate_mode(device: torch.device) -> None:
+    backing = make_store(
+        "device", packed=random_packed_table(10, 32, seed=14), device=device, row_begin=100
+    )
+    cache = CachedRowStore(backing, 2**16, backend="triton", validate=True)
+    assert cache.probe_reads_misses
+    row_ids = torch.full((3, 4), 104, dtype=torch.int64, device=device)
+    row_ids[2, 1] = 110
+    with pytest.raises(ValidationError, match=r"row_ids\[2, 1\] = 110 .* in \[100, 110\)"):
+        cache.lookup(row_ids)
+
+
+def test_read_misses_setting(tmp_path: Path, device: torch.device) -> None:
+    """Off on request; required only where the backing's rows are device-readable."""
+    table = random_packed_table(10, 32, seed=16)
+    device_backing = make_store("device", packed=table, device=device)
+    assert CachedRowStore(device_backing, 2**16, backend="triton").probe_reads_misses
+    assert not CachedRowStore(device_backing, 2**16, read_misses=False).probe_reads_misses
+    assert not CachedRowStore(device_backing, 2**16, backend="reference").probe_reads_misses
+    disk = backing_store("disk", table, tmp_path, device)
+    assert not CachedRowStore(disk, 2**16).probe_reads_misses
+    with pytest.raises(ValidationError, match=r"read_misses=True with backing tier='disk'"):
+        CachedRowStore(disk, 2**16, read_misses=True)
 
 
 def test_stats_type(device: torch.device) -> None:

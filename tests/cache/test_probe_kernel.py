@@ -12,6 +12,7 @@ from tests.cache.helpers import assert_same_bits, random_packed_table
 
 from engramrt.cache import MISS, NOT_OWNED, SetAssociativeLfu, probe_gather_reference, set_index
 from engramrt.cache.kernel import probe_gather_triton
+from engramrt.lookup import lookup_rows_reference
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:(overflow|invalid value) encountered:RuntimeWarning"
@@ -38,7 +39,9 @@ def filled_index(
         (5, 2, 64, 2, 64, torch.int32, (0, 2), 0),  # 64 ways
     ],
 )
+@pytest.mark.parametrize("read_misses", [False, True], ids=["misses-left", "misses-read"])
 def test_kernel_matches_reference(
+    read_misses: bool,
     T: int,
     C: int,
     E: int,
@@ -60,6 +63,10 @@ def test_kernel_matches_reference(
         row_ids = row_ids.clamp(max=2**31 - 1)
     row_ids = row_ids.to(id_dtype).to(device)
 
+    # Misses read the backing tier's rows when given: a table of every id of
+    # the universe (global row base + i), other bytes than the cache's slots.
+    backing = random_packed_table(4 * num_sets * ways + 8, E, seed=E + 1).to(device)
+    read = {"backing": backing, "backing_row_begin": base} if read_misses else {}
     poison = torch.full((T, C, E), float("nan"), dtype=torch.bfloat16, device=device)
     out_ref, out_kernel = poison.clone(), poison.clone()
     slots_ref = probe_gather_reference(
@@ -71,6 +78,7 @@ def test_kernel_matches_reference(
         ways=ways,
         col_begin=col_begin,
         col_end=col_end,
+        **read,
     )
     slots_kernel = torch.full((T, C), -99, dtype=torch.int64, device=device)
     probe_gather_triton(
@@ -84,9 +92,17 @@ def test_kernel_matches_reference(
         col_begin=col_begin,
         col_end=col_end,
         rows_per_program=4,
+        **read,
     )
     assert torch.equal(slots_kernel.cpu(), slots_ref.cpu())
-    assert_same_bits(out_kernel, out_ref)  # misses stay NaN-poisoned in both
+    assert_same_bits(out_kernel, out_ref)  # misses stay NaN-poisoned in both, or are read
+    miss = (slots_ref == MISS).cpu()
+    if read_misses:  # a miss holds the backing's row, dequantised as every tier does
+        local = torch.where(miss, row_ids.cpu().to(torch.int64) - base, 0)
+        expected = lookup_rows_reference(local, backing.cpu(), E)
+        assert_same_bits(out_ref.cpu()[miss], expected[miss])
+    else:
+        assert bool(out_ref.cpu()[miss].isnan().all())
 
     # The probe found exactly the resident ids, each in its own set.
     owned = torch.zeros(C, dtype=torch.bool)

@@ -16,7 +16,10 @@ Implementations, all on the same ids, compared bit for bit with ``host``:
 
 - ``host``: the uncached host tier (the baseline);
 - ``cached``: ``CachedRowStore.lookup`` on the warmed cache, never updated
-  while timed (the hit rate at ``make`` time is in the params);
+  while timed (the hit rate at ``make`` time is in the params); on a GPU
+  the host tier's rows are mapped for it, so the probe reads misses itself;
+- ``cached[miss path]``: the same with ``read_misses=False`` (misses
+  compacted, gathered by the host tier, scattered);
 - ``cached+update``: a second, identically warmed cache; each call is a
   lookup followed by ``update()`` on a side stream, walking a pool of
   ``POOL`` fresh batches (the first call, the checked one, uses the case's
@@ -89,8 +92,11 @@ def _state(num_rows: int, device: torch.device) -> dict[str, Any]:
     warm = [sampler.sample((WARM_TOKENS, COLS)) for _ in range(WARM_STEPS)]
     capacity = int(CACHE_FRACTION * num_rows) * ROW_BYTES
     caches = []
-    for _ in range(2):  # "cached" stays frozen; "cached+update" evolves
-        cache = CachedRowStore(store, capacity, WAYS, backend="triton", layer_id=1)
+    # "cached" and "cached[miss path]" stay frozen; "cached+update" evolves.
+    for read_misses in (None, False, None):
+        cache = CachedRowStore(
+            store, capacity, WAYS, backend="triton", layer_id=1, read_misses=read_misses
+        )
         cache.warm_up(warm)
         caches.append(cache)
     _STATE.update(key=key, store=store, sampler=sampler, caches=caches)
@@ -103,7 +109,7 @@ def _make(
     def make(device: torch.device) -> Inputs:
         state = _state(num_rows, device)
         sampler: ZipfRows = state["sampler"]
-        frozen, updating = state["caches"]
+        frozen, miss_path, updating = state["caches"]
         row_ids = sampler.sample((num_tokens, COLS))
         pool = [row_ids] + [sampler.sample((num_tokens, COLS)) for _ in range(POOL[num_tokens] - 1)]
         frozen.reset_stats()
@@ -117,11 +123,12 @@ def _make(
             "step": [0],
             "store": state["store"],
             "frozen": frozen,
+            "miss_path": miss_path,
             "updating": updating,
             "side_stream": torch.cuda.Stream(device),
             "out": {
                 name: torch.empty((num_tokens, COLS, E), dtype=torch.bfloat16, device=device)
-                for name in ("host", "cached", "cached+update")
+                for name in ("host", "cached", "cached[miss path]", "cached+update")
             },
         }
 
@@ -134,6 +141,10 @@ def _host(inputs: Inputs) -> torch.Tensor:
 
 def _cached(inputs: Inputs) -> torch.Tensor:
     return inputs["frozen"].lookup(inputs["row_ids"], out=inputs["out"]["cached"])
+
+
+def _cached_miss_path(inputs: Inputs) -> torch.Tensor:
+    return inputs["miss_path"].lookup(inputs["row_ids"], out=inputs["out"]["cached[miss path]"])
 
 
 def _cached_update(inputs: Inputs) -> torch.Tensor:
@@ -187,7 +198,12 @@ def cache_cases(quick: bool) -> list[Case]:
                 group="cache",
                 params=params,
                 make=_make(num_tokens, num_rows, params),
-                impls={"host": _host, "cached": _cached, "cached+update": _cached_update},
+                impls={
+                    "host": _host,
+                    "cached": _cached,
+                    "cached[miss path]": _cached_miss_path,
+                    "cached+update": _cached_update,
+                },
                 baseline="host",
                 check=_check,
                 bytes_moved=rows * ROW_BYTES,

@@ -15,13 +15,18 @@ with a probe in front:
   :func:`engramrt.quant.kernel._dequantize_to_bf16_bits`, the integer
   formulation that is exact in the interpreter too;
 - a non-owned column stores +0.0; a miss stores nothing (the caller's miss
-  path fills it), and its slot is reported as -1.
+  path fills it), and its slot is reported as -1 — unless ``READ_MISSES``:
+  then a miss reads its packed row from the backing tier's rows (device
+  memory, or host memory mapped for the device) and stores it like a hit,
+  so the lookup needs no miss path at all.
 
 Every index is int64 (program id cast first): slot * 264 overflows int32
 past 8.1 M slots, and a 5 % cache of a V4.1 layer has 19 M.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import triton
@@ -37,7 +42,16 @@ DEFAULT_TILE_ELEMENTS = 4096
 DEFAULT_NUM_WARPS = 4
 
 # Runtime integers are not specialised on their values (cheap launcher key).
-_INTS = ["n_lookups", "num_cols", "stride_t", "stride_c", "col_begin", "col_end", "num_sets"]
+_INTS = [
+    "n_lookups",
+    "num_cols",
+    "stride_t",
+    "stride_c",
+    "col_begin",
+    "col_end",
+    "num_sets",
+    "backing_row_begin",
+]
 
 
 @triton.jit(do_not_specialize=_INTS)
@@ -47,6 +61,7 @@ def _cache_probe_gather_kernel(
     cache_rows_ptr,  # [num_sets * WAYS + 1, ROW_BYTES] uint8, packed rows
     out_ptr,  # [T, C, E] int16 (bf16 bits), contiguous
     slots_ptr,  # [T, C] int64, contiguous: slot, -1 miss, -2 not owned
+    backing_ptr,  # [backing rows, ROW_BYTES] uint8, packed rows (READ_MISSES)
     n_lookups,  # T * C
     num_cols,
     stride_t,
@@ -54,6 +69,7 @@ def _cache_probe_gather_kernel(
     col_begin,
     col_end,
     num_sets,
+    backing_row_begin,  # the global id of the backing's first row
     E: tl.constexpr,
     ROW_BYTES: tl.constexpr,
     NB: tl.constexpr,
@@ -62,6 +78,7 @@ def _cache_probe_gather_kernel(
     WAYS: tl.constexpr,
     MIX: tl.constexpr,
     HW_CONVERT: tl.constexpr,
+    READ_MISSES: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
     lookup = pid * ROWS + tl.arange(0, ROWS).to(tl.int64)  # [ROWS] flat (t, c)
@@ -88,20 +105,30 @@ def _cache_probe_gather_kernel(
     slot = tl.where(hit, first_slot + found, -1)
     tl.store(slots_ptr + lookup, tl.where(owned, slot, -2), mask=in_batch)
 
-    row_start = tl.where(hit, slot, 0) * ROW_BYTES  # [ROWS] int64 byte offsets
     block = tl.arange(0, NB_PAD)
     lane = tl.arange(0, 32)
-    written = in_batch & (hit | ~owned)  # misses are left to the miss path
+    byte = block[None, :, None] * 32 + lane[None, None, :]  # [1, NB_PAD, 32]
+    if READ_MISSES:
+        # A miss reads the backing's row; each lookup loads from one of two tables.
+        miss = owned & ~hit
+        read = hit | miss
+        cache_start = tl.where(hit, slot, 0) * ROW_BYTES
+        backing_start = tl.where(miss, row_id - backing_row_begin, 0) * ROW_BYTES
+        base = tl.where(hit, cache_rows_ptr + cache_start, backing_ptr + backing_start)
+        written = in_batch
+    else:
+        read = hit
+        base = cache_rows_ptr + tl.where(hit, slot, 0) * ROW_BYTES  # [ROWS] row pointers
+        written = in_batch & (hit | ~owned)  # misses are left to the miss path
     if NB_PAD != NB:
-        load_ok = (hit[:, None] & (block < NB)[None, :])[:, :, None]  # [ROWS, NB_PAD, 1]
+        load_ok = (read[:, None] & (block < NB)[None, :])[:, :, None]  # [ROWS, NB_PAD, 1]
         store_ok = (written[:, None] & (block < NB)[None, :])[:, :, None]
     else:
-        load_ok = hit[:, None, None]
+        load_ok = read[:, None, None]
         store_ok = written[:, None, None]
-    value_offsets = row_start[:, None, None] + (block[None, :, None] * 32 + lane[None, None, :])
-    value_bytes = tl.load(cache_rows_ptr + value_offsets, mask=load_ok, other=0)
-    scale_offsets = row_start[:, None, None] + E + block[None, :, None]
-    scale_bytes = tl.load(cache_rows_ptr + scale_offsets, mask=load_ok, other=127)
+    value_bytes = tl.load(base[:, None, None] + byte, mask=load_ok, other=0)
+    scale_ptrs = base[:, None, None] + E + block[None, :, None]
+    scale_bytes = tl.load(scale_ptrs, mask=load_ok, other=127)
     bf16_bits = _dequantize_to_bf16_bits(value_bytes, scale_bytes, HW_CONVERT)
 
     out_offsets = lookup[:, None, None] * E + block[None, :, None] * 32 + lane[None, None, :]
@@ -127,6 +154,8 @@ def probe_gather_triton(
     rows_per_program: int | None = None,
     num_warps: int | None = None,
     hw_convert: bool = False,
+    backing: Any = None,
+    backing_row_begin: int = 0,
 ) -> torch.Tensor:
     """Launch :func:`_cache_probe_gather_kernel` (inputs validated by the caller).
 
@@ -139,6 +168,10 @@ def probe_gather_triton(
         col_begin, col_end: owned columns.
         rows_per_program, num_warps, hw_convert: as in
             :func:`engramrt.lookup.kernel.lookup_rows_triton`.
+        backing: the backing tier's packed rows as the device reads them
+            (:meth:`engramrt.lookup.tiers.RowStore.device_rows`): misses read
+            them and ``out`` is written everywhere. None: misses are left.
+        backing_row_begin: the global row id of ``backing``'s first row.
 
     Returns:
         ``slots``.
@@ -160,6 +193,7 @@ def probe_gather_triton(
         cache_rows,
         out.view(torch.int16),
         slots,
+        cache_rows if backing is None else backing,
         n_lookups,
         num_cols,
         row_ids.stride(0),
@@ -167,6 +201,7 @@ def probe_gather_triton(
         col_begin,
         col_end,
         num_sets,
+        backing_row_begin,
         E=E,
         ROW_BYTES=E + blocks,
         NB=blocks,
@@ -175,6 +210,7 @@ def probe_gather_triton(
         WAYS=ways,
         MIX=MIX_MULTIPLIER,
         HW_CONVERT=hw_convert,
+        READ_MISSES=backing is not None,
         num_warps=num_warps or DEFAULT_NUM_WARPS,
     )
     return slots

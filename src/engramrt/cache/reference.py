@@ -9,7 +9,8 @@ One probe of ``row_ids [T, C]`` against a set-associative index
   :func:`engramrt.lookup.lookup_rows_reference` (the table being the
   cache's slots), so the bytes are those of every other tier;
 - an owned lookup whose row is not cached is a *miss*: ``out[t, c]`` is left
-  as it was (the caller fills it from the backing tier);
+  as it was (the caller fills it from the backing tier), or, given the
+  backing tier's packed rows (``backing``), filled from them the same way;
 - a column outside ``[col_begin, col_end)`` reads zeros, as in every tier.
 
 ``slots [T, C]`` int64 reports what happened: the slot of a hit,
@@ -21,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from engramrt.cache.policy import NOT_OWNED, probe_slots
+from engramrt.cache.policy import MISS, NOT_OWNED, probe_slots
 from engramrt.lookup.reference import lookup_rows_reference
 
 __all__ = ["probe_gather_reference", "probe_slots"]
@@ -37,6 +38,8 @@ def probe_gather_reference(
     ways: int,
     col_begin: int,
     col_end: int,
+    backing: torch.Tensor | None = None,
+    backing_row_begin: int = 0,
 ) -> torch.Tensor:
     """Probe ``row_ids [T, C]``; write hits and non-owned zeros into ``out [T, C, E]``.
 
@@ -47,6 +50,9 @@ def probe_gather_reference(
         out: ``[T, C, E]`` bf16, written at hits and non-owned columns only.
         num_sets, ways: the index geometry.
         col_begin, col_end: the owned hash columns.
+        backing: ``[rows, E + E/32]`` uint8 packed rows of the backing tier,
+            its row ``i`` being global row ``backing_row_begin + i``: misses
+            are dequantised from it (then ``out`` is written everywhere).
 
     Returns:
         ``slots [T, C]`` int64 on ``tags``' device.
@@ -62,5 +68,11 @@ def probe_gather_reference(
     zero = torch.zeros((), dtype=torch.bfloat16, device=rows.device)
     value = torch.where(hit[..., None], rows, zero).to(out.device)
     written = (hit | ~owned).to(out.device)
+    if backing is not None:
+        miss = (slots == MISS).to(out.device)
+        local = torch.where(slots == MISS, row_ids.to(slots.device) - backing_row_begin, 0)
+        missed = lookup_rows_reference(local.to(backing.device), backing, E).to(out.device)
+        value = torch.where(miss[..., None], missed, value)
+        written = written | miss
     out.copy_(torch.where(written[..., None], value, out))
     return slots

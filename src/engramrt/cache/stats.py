@@ -28,8 +28,11 @@ class CacheStats:
         hits, misses: per hash column, owned lookups that were / were not
             served from the cache (every lookup of a row counts, duplicates
             in a batch included).
-        rows_fetched: missed rows read from the backing tier (unique per
-            lookup call: the backing tier deduplicates within a batch too).
+        rows_fetched: rows read from the backing tier: per lookup call its
+            distinct missed rows (the miss path deduplicates within a batch,
+            as the backing tier does), or, where the probe reads misses
+            itself (:attr:`CachedRowStore.probe_reads_misses`), every missed
+            lookup plus the rows updates admitted.
         admitted: rows written into the cache by updates.
         evicted: admissions that replaced a resident row.
     """

@@ -16,6 +16,14 @@ One lookup (the critical path; reads the cache, writes nothing to it):
 3. the probe's slots, the missed ids and their packed rows are kept as a
    *pending* record for the next :meth:`CachedRowStore.update`.
 
+When the backing tier's rows can be read by the device in place
+(:meth:`~engramrt.lookup.tiers.RowStore.device_rows`: device memory, the
+UVA tier, the host tier with GPU reads) and the probe runs the Triton
+kernel, step 1 reads each miss from them too and step 2 disappears: a
+lookup is one launch with no host synchronisation. The update then finds
+the missed ids again from the probe's slots and reads their rows from the
+backing (off the critical path).
+
 :meth:`CachedRowStore.update` (off the critical path; can run on a side
 stream) consumes the pending records: it counts the accesses (sketch and
 per-slot counters), picks which missed rows to admit and where
@@ -76,13 +84,14 @@ class _Pending:
 
     row_ids: torch.Tensor  # [T * C] as looked up
     slots: torch.Tensor  # [T * C] int64: slot, MISS or NOT_OWNED
-    miss_ids: torch.Tensor  # [U] int64, distinct, sorted
-    miss_rows: torch.Tensor  # [U, row_bytes] uint8, packed rows of miss_ids
+    miss_ids: torch.Tensor | None  # [U] int64, distinct, sorted (None: misses read in the probe)
+    miss_rows: torch.Tensor | None  # [U, row_bytes] uint8, packed rows of miss_ids
     num_cols: int  # C, to count hits and misses per column
     counted: bool = False  # folded into the hit and miss counters yet
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
-        return (self.row_ids, self.slots, self.miss_ids, self.miss_rows)
+        kept = (self.row_ids, self.slots, self.miss_ids, self.miss_rows)
+        return tuple(t for t in kept if t is not None)
 
 
 @dataclass
@@ -119,13 +128,20 @@ class CachedRowStore(RowStore):
         backend: ``"auto"``, ``"triton"`` or ``"reference"`` for the probe and
             the miss dequantisation.
         validate: check every batch's owned ids (synchronises); default the
-            backing's setting. Out-of-range ids that miss are always caught.
+            backing's setting. Out-of-range ids that miss are always caught
+            on the miss path; a probe that reads misses itself
+            (:attr:`probe_reads_misses`) checks them in validate mode only,
+            as the device and UVA tiers do.
         sketch_width, sketch_depth, decay_period: policy settings, see
             :class:`SetAssociativeLfu`.
         max_pending: lookups remembered for the next update; older ones are
             dropped (they only inform admission).
         rows_per_program, num_warps, hw_convert: kernel settings (see
             :func:`engramrt.lookup.lookup_rows`).
+        read_misses: let the probe read misses from the backing's rows
+            (:attr:`probe_reads_misses`). None (default): when the backing
+            offers rows the device reads in place and the probe runs the
+            Triton kernel; False: always the miss path; True: required.
 
     Raises:
         CapacityError: ``capacity_bytes`` below one set, or not enough memory.
@@ -151,6 +167,7 @@ class CachedRowStore(RowStore):
         rows_per_program: int | None = None,
         num_warps: int | None = None,
         hw_convert: bool = False,
+        read_misses: bool | None = None,
     ) -> None:
         if not isinstance(backing, RowStore):
             raise ValidationError(
@@ -194,6 +211,18 @@ class CachedRowStore(RowStore):
         self.num_warps = num_warps
         self.hw_convert = hw_convert
         self._read_packed = packed_row_reader(backing)
+        # The backing's rows as the probe kernel can read them (misses read
+        # in the probe), or None (the miss path gathers them).
+        self._miss_source = None
+        if read_misses is not False:
+            kernel = resolve_backend(backend, self.device) == "triton"
+            self._miss_source = backing.device_rows() if kernel else None
+            if read_misses and self._miss_source is None:
+                raise ValidationError(
+                    f"read_misses=True with backing tier={backing.tier!r} and backend={backend!r}; "
+                    f"expected the Triton probe over a backing whose rows the device reads in "
+                    f"place (device, uva, or host with gpu_reads)"
+                )
         self.policy = SetAssociativeLfu(
             num_sets,
             ways,
@@ -235,6 +264,12 @@ class CachedRowStore(RowStore):
         return self.policy.num_slots
 
     @property
+    def probe_reads_misses(self) -> bool:
+        """Whether a lookup's probe reads its misses from the backing's rows itself (one
+        launch, no host synchronisation; see the module doc)."""
+        return self._miss_source is not None
+
+    @property
     def capacity_bytes(self) -> int:
         """Bytes of packed rows the cache holds after rounding (``num_slots * row_bytes``)."""
         return self.num_slots * self.row_bytes
@@ -254,6 +289,7 @@ class CachedRowStore(RowStore):
         self._hits = torch.zeros(0, dtype=torch.int64, device=self.device)
         self._misses = torch.zeros(0, dtype=torch.int64, device=self.device)
         self._rows_fetched = 0
+        self._rows_read_in_probe = torch.zeros((), dtype=torch.int64, device=self.device)
         self._admitted = torch.zeros((), dtype=torch.int64, device=self.device)
         self._evicted = torch.zeros((), dtype=torch.int64, device=self.device)
 
@@ -267,7 +303,7 @@ class CachedRowStore(RowStore):
             row_bytes=self.row_bytes,
             hits=tuple(int(v) for v in self._hits.tolist()),
             misses=tuple(int(v) for v in self._misses.tolist()),
-            rows_fetched=self._rows_fetched,
+            rows_fetched=self._rows_fetched + int(self._rows_read_in_probe),
             admitted=int(self._admitted),
             evicted=int(self._evicted),
         )
@@ -285,7 +321,10 @@ class CachedRowStore(RowStore):
                 self._hits = torch.cat([self._hits, self._hits.new_zeros(grow)])
                 self._misses = torch.cat([self._misses, self._misses.new_zeros(grow)])
             self._hits[:num_cols] += (slots >= 0).sum(dim=0)
-            self._misses[:num_cols] += (slots == MISS).sum(dim=0)
+            missed = (slots == MISS).sum(dim=0)
+            self._misses[:num_cols] += missed
+            if record.miss_ids is None:  # the probe read every missed lookup's row
+                self._rows_read_in_probe += missed.sum()
 
     # -- lookup ------------------------------------------------------------
 
@@ -327,6 +366,8 @@ class CachedRowStore(RowStore):
             rows_per_program=self.rows_per_program,
             num_warps=self.num_warps,
             hw_convert=self.hw_convert,
+            backing=self._miss_source,
+            backing_row_begin=self.row_begin,
         )
 
     def _lookup(
@@ -345,6 +386,9 @@ class CachedRowStore(RowStore):
         self._probe(row_ids, col_end, out, slots)
 
         flat_ids = row_ids.reshape(-1)
+        if self._miss_source is not None:  # the probe read the misses: nothing to sync on
+            self._remember(_Pending(flat_ids, slots.view(-1), None, None, num_cols))
+            return out
         miss_pos = torch.nonzero(slots.view(-1) == MISS).squeeze(1)  # the host sync
         if miss_pos.shape[0] > 0:
             miss_ids, inverse = torch.unique(
@@ -372,12 +416,15 @@ class CachedRowStore(RowStore):
             miss_ids = torch.empty(0, dtype=torch.int64, device=self.device)
             miss_rows = torch.empty((0, self.row_bytes), dtype=torch.uint8, device=self.device)
         self._rows_fetched += miss_ids.shape[0]
-        self._pending.append(_Pending(flat_ids, slots.view(-1), miss_ids, miss_rows, num_cols))
+        self._remember(_Pending(flat_ids, slots.view(-1), miss_ids, miss_rows, num_cols))
+        return out
+
+    def _remember(self, record: _Pending) -> None:
+        self._pending.append(record)
         if len(self._pending) > self.max_pending:  # forgotten, but still counted
             dropped = self._pending[: -self.max_pending]
             self._count(dropped)
             del self._pending[: -self.max_pending]
-        return out
 
     # -- update ------------------------------------------------------------
 
@@ -387,7 +434,9 @@ class CachedRowStore(RowStore):
         Changes the counters and the sketch (metadata no lookup reads), not
         the tags or rows. None when nothing is pending. No host
         synchronisation when one lookup is pending (several need a
-        ``torch.unique`` over their misses).
+        ``torch.unique`` over their misses), unless the probes read their
+        misses themselves: then the missed ids are found again from the
+        slots and only the admitted rows are read from the backing.
         """
         self._wait_for_update()
         pending, self._pending = self._pending, []
@@ -396,11 +445,14 @@ class CachedRowStore(RowStore):
         self._count(pending)
         for record in pending:
             self.policy.record(record.row_ids, record.slots)
+        if pending[0].miss_ids is None:  # every record of this cache is alike
+            return self._plan_from_slots(pending)
         if len(pending) == 1:
             candidates, rows = pending[0].miss_ids, pending[0].miss_rows
+            assert candidates is not None and rows is not None
         else:
-            all_ids = torch.cat([p.miss_ids for p in pending])
-            all_rows = torch.cat([p.miss_rows for p in pending])
+            all_ids = torch.cat([p.miss_ids for p in pending if p.miss_ids is not None])
+            all_rows = torch.cat([p.miss_rows for p in pending if p.miss_rows is not None])
             candidates, inverse = torch.unique(all_ids, sorted=True, return_inverse=True)
             positions = torch.arange(all_ids.shape[0], device=self.device)
             first = torch.full_like(candidates, all_ids.shape[0]).scatter_reduce_(
@@ -411,6 +463,27 @@ class CachedRowStore(RowStore):
         self._admitted += plan.admitted.sum()
         self._evicted += plan.evicted.sum()
         return CacheUpdate(plan, rows.index_select(0, plan.order))
+
+    def _plan_from_slots(self, pending: list[_Pending]) -> CacheUpdate:
+        """Plan from lookups whose probe read its misses: find the missed ids again from
+        the slots, then read only the admitted rows from the backing (two host
+        synchronisations, off the lookup's path)."""
+        missed = [
+            p.row_ids.index_select(0, torch.nonzero(p.slots == MISS).squeeze(1)) for p in pending
+        ]
+        candidates = torch.unique(torch.cat(missed).to(torch.int64), sorted=True)
+        plan = self.policy.plan(candidates)
+        self._admitted += plan.admitted.sum()
+        self._evicted += plan.evicted.sum()
+        rows = torch.zeros(
+            (candidates.shape[0], self.row_bytes), dtype=torch.uint8, device=self.device
+        )
+        take = torch.nonzero(plan.admitted).squeeze(1)
+        if take.shape[0] > 0:
+            admitted_ids = candidates.index_select(0, plan.order.index_select(0, take))
+            rows[take] = self._read_packed(admitted_ids - self.row_begin)
+            self._rows_fetched += take.shape[0]
+        return CacheUpdate(plan, rows)  # rejected entries write zeros to the scratch slot
 
     def apply_update(self, update: CacheUpdate, phases: Iterable[str] = PHASES) -> None:
         """Install a planned update: ``phases`` in the order given.

@@ -12,7 +12,7 @@ a new tier is a new file, not an ``if`` in every caller.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
@@ -113,6 +113,13 @@ class RowStore(ABC):
         self, row_ids: torch.Tensor, col_end: int, out: torch.Tensor | None
     ) -> torch.Tensor:
         """The tier's lookup, arguments already checked."""
+
+    def device_rows(self) -> Any:
+        """The packed rows ``[num_rows, row_bytes]`` as the compute device's kernels can read
+        them in place (local row ``i`` at byte ``i * row_bytes``): a device tensor, or host
+        memory mapped for the device (an object with ``data_ptr()`` and ``dtype`` uint8).
+        None when kernels cannot read them (the CPU gathers them, or there are none)."""
+        return None
 
     def gather_packed(self, local_ids: torch.Tensor) -> torch.Tensor:
         """Packed rows ``[U, row_bytes]`` uint8 on :attr:`device` of local ids ``[U]`` int64.

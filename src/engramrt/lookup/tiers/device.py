@@ -76,6 +76,9 @@ class DeviceRowStore(RowStore):
     def _write(self, start: int, packed: torch.Tensor) -> None:
         self.table[start : start + packed.shape[0]].copy_(packed)
 
+    def device_rows(self) -> torch.Tensor:
+        return self.table
+
     def gather_packed(self, local_ids: torch.Tensor) -> torch.Tensor:
         return self.table.index_select(0, local_ids.to(self.device))
 

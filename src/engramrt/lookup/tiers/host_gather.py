@@ -318,8 +318,15 @@ class HostGatherRowStore(RowStore):
             self._staging_free = torch.cuda.Event()
         return self._staging
 
+    def device_rows(self) -> MappedHostRows | None:
+        return self._mapped if self._gpu_reads else None
+
     def gather_packed(self, local_ids: torch.Tensor) -> torch.Tensor:
-        """The tier's tuned gather: pinned staging, pieces overlapped with copies."""
+        """Read by the device from host memory when it may (no host synchronisation),
+        else the tier's tuned gather: pinned staging, pieces overlapped with copies."""
+        if self._gpu_reads:
+            assert self._mapped_words is not None
+            return gather_mapped_rows(local_ids, self._mapped_words, self.row_bytes, self.device)
         return self._gather_to_device(local_ids.cpu())
 
     def _gather_to_device(

@@ -122,6 +122,9 @@ class UvaRowStore(RowStore):
     def _write(self, start: int, packed: torch.Tensor) -> None:
         self.host_table[start : start + packed.shape[0]].copy_(packed)
 
+    def device_rows(self) -> MappedHostRows:
+        return self._mapped
+
     def gather_packed(self, local_ids: torch.Tensor) -> torch.Tensor:
         """Packed rows read by the device from host memory (no host synchronisation)."""
         return gather_mapped_rows(local_ids, self._mapped_words, self.row_bytes, self.device)
