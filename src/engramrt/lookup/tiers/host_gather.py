@@ -34,10 +34,11 @@ reads some of them itself:
   the others (step 3), both feeding step 4 (off by default: see
   :data:`GPU_SHARE`).
 
-Why this shapeWhy this shape (measured on an H200 host, 16 vCPUs, 196,608 random 264-byte
-rows of an 8 GiB table; ``bench/study_host_tier.py``): one ``index_select``
-with 16 intra-op threads gathers 172 M rows/s, while 16 Python threads each
-running ``index_select`` on a slice reach 98 M rows/s and chunked
+Why this shape (measured on an H200 host, 16 vCPUs, 196,608 random
+264-byte rows of an 8 GiB table; ``bench/study_host_tier.py``): one
+``index_select`` with 16 intra-op threads gathers 172 M rows/s, while 16
+Python threads each running ``index_select`` on a slice reach 98 M rows/s
+and chunked
 per-thread gather-and-copy pipelines 10-45 M rows/s (GIL and per-chunk
 overhead); int64 words beat bytes (98 vs 83 M rows/s) and numpy's ``take``
 (72 M rows/s); transparent huge pages did not help (48 vs 98 M rows/s).
