@@ -542,6 +542,8 @@ class CachedRowStore(RowStore):
         for record in self._pending:
             for tensor in record.tensors():  # allocated on the compute stream
                 tensor.record_stream(stream)
+        for slots, _, _ in self._unfolded:  # dropped lookups, counted on the stream too
+            slots.record_stream(stream)
         with torch.cuda.stream(stream):
             update = self.plan_update()
             if update is not None:
