@@ -477,10 +477,15 @@ class CachedRowStore(RowStore):
                 0, inverse, positions, "amin"
             )
             rows = all_rows.index_select(0, first)
+        plan = self._plan(candidates)
+        return CacheUpdate(plan, rows.index_select(0, plan.order))
+
+    def _plan(self, candidates: torch.Tensor) -> AdmissionPlan:
+        """The policy's plan for ``candidates``, counted in the admission statistics."""
         plan = self.policy.plan(candidates)
         self._admitted += plan.admitted.sum()
         self._evicted += plan.evicted.sum()
-        return CacheUpdate(plan, rows.index_select(0, plan.order))
+        return plan
 
     def _plan_from_slots(self, pending: list[_Pending]) -> CacheUpdate:
         """Plan from lookups whose probe read its misses: find the missed ids again from
@@ -490,9 +495,7 @@ class CachedRowStore(RowStore):
             p.row_ids.index_select(0, torch.nonzero(p.slots == MISS).squeeze(1)) for p in pending
         ]
         candidates = torch.unique(torch.cat(missed).to(torch.int64), sorted=True)
-        plan = self.policy.plan(candidates)
-        self._admitted += plan.admitted.sum()
-        self._evicted += plan.evicted.sum()
+        plan = self._plan(candidates)
         rows = torch.zeros(
             (candidates.shape[0], self.row_bytes), dtype=torch.uint8, device=self.device
         )

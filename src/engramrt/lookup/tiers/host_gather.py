@@ -274,11 +274,7 @@ class HostGatherRowStore(RowStore):
             )
         if not gpu_reads:
             return
-        if self.device.type != "cuda" or not torch.cuda.is_available():
-            raise CapacityError(
-                f"gpu_reads=True needs a CUDA device to map host memory into; got device "
-                f"{self.device} (CUDA available: {torch.cuda.is_available()})"
-            )
+        memory.require_cuda_mapping("gpu_reads=True", self.device)
         if self.backend == "reference":
             raise ValidationError(
                 "gpu_reads=True with backend='reference'; the GPU reads rows with Triton "

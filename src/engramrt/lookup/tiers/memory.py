@@ -22,6 +22,7 @@ __all__ = [
     "format_bytes",
     "host_available_bytes",
     "require",
+    "require_cuda_mapping",
 ]
 
 
@@ -73,6 +74,16 @@ def _unregister(pointer: int, keep_alive: object) -> None:
     # Runs before ``keep_alive`` (what holds the pages) can be freed or unmapped.
     del keep_alive
     torch.cuda.cudart().cudaHostUnregister(pointer)
+
+
+def require_cuda_mapping(what: str, device: torch.device, advice: str = "") -> None:
+    """Raise :class:`CapacityError` unless ``device`` is a usable CUDA device that host
+    memory can be mapped into (``what`` names the setting asking for it)."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        raise CapacityError(
+            f"{what} needs a CUDA device to map host memory into; got device {device} "
+            f"(CUDA available: {torch.cuda.is_available()}){advice}"
+        )
 
 
 def cuda_host_register(

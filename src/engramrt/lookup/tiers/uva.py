@@ -85,12 +85,9 @@ class UvaRowStore(RowStore):
             col_end=col_end,
             validate=validate,
         )
-        if self.device.type != "cuda" or not torch.cuda.is_available():
-            raise CapacityError(
-                f"tier='uva' needs a CUDA device to map host memory into; got device "
-                f"{self.device} (CUDA available: {torch.cuda.is_available()}); use tier='host' "
-                f"or tier='device' on this machine"
-            )
+        memory.require_cuda_mapping(
+            "tier='uva'", self.device, "; use tier='host' or tier='device' on this machine"
+        )
         self.rows_per_program = rows_per_program
         self.num_warps = num_warps
         self.hw_convert = hw_convert
