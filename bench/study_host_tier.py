@@ -8,8 +8,12 @@ the ids to the host, CPU gathers by method and thread count, the pinned
 host-to-device copy, and the whole HostGatherRowStore lookup with its
 settings. Prints one line per measurement. ``--sections`` picks among
 ``stages`` (unique and the ids' trip to the host), ``methods`` (CPU gathers by
-method and thread count, the pinned copy), ``hugepages`` and ``store`` (the
-store's lookup over chunk sizes and thread counts).
+method and thread count, the pinned copy), ``hugepages``, ``store`` (the
+store's lookup over chunk sizes and thread counts), ``profile`` (one lookup
+stage by stage), ``overlap`` (the CPU gather and the pinned copy alone and at
+the same time: whether the host's memory lets them overlap) and ``groups``
+(the lookup split into token groups, each deduplicated, gathered, copied and
+dequantised in turn, so that one group's stages overlap another's).
 """
 
 from __future__ import annotations
@@ -87,6 +91,10 @@ def main() -> None:
         profile_store(src, rows, ids_dev, line)
     if "store" in sections:
         study_store(src, rows, ids_dev, line)
+    if "overlap" in sections:
+        study_overlap(src_i64, ids, pinned, dev_rows, line)
+    if "groups" in sections:
+        study_groups(src, rows, ids_dev, line)
     if "methods" not in sections:
         finish(args, report, records)
         return
@@ -197,7 +205,13 @@ def study_store(src, rows, ids_dev, line) -> None:
     settings += [(t, c) for t in (8, 12, 16) for c in (8192, 16384, 32768, 65536, 1 << 20)]
     for threads, chunk in settings:
         store = make_store(
-            "host", num_rows=1, E=256, device=device, num_threads=threads, chunk_rows=chunk
+            "host",
+            num_rows=1,
+            E=256,
+            device=device,
+            num_threads=threads,
+            chunk_rows=chunk,
+            gpu_reads=False,
         )
         store.source, store.num_rows = src, rows  # share the filled table, no second copy
         line(
@@ -207,7 +221,9 @@ def study_store(src, rows, ids_dev, line) -> None:
         del store
     decode_ids = row_ids[:256]
     for threads in (None, 1, 2, 4):
-        store = make_store("host", num_rows=1, E=256, device=device, num_threads=threads)
+        store = make_store(
+            "host", num_rows=1, E=256, device=device, num_threads=threads, gpu_reads=False
+        )
         store.source, store.num_rows = src, rows
         line(
             f"HostGatherRowStore.lookup T=256 threads={threads}",
@@ -217,13 +233,120 @@ def study_store(src, rows, ids_dev, line) -> None:
         del store
 
 
+def study_overlap(src_i64, ids, pinned, dev_rows, line) -> None:
+    """The gather into pinned memory and the pinned copy to the device, alone and together.
+
+    Together: the copy of one full buffer runs on a side stream while the CPU
+    gathers the same rows into a second buffer. Were the host's memory not
+    shared, together would take the longer of the two alone."""
+    u = ids.shape[0]
+    second = torch.empty_like(pinned)
+    second_i64 = second.view(torch.int64)
+    stream = torch.cuda.Stream()
+    torch.set_num_threads(len(os.sched_getaffinity(0)))
+
+    def gather() -> None:
+        torch.index_select(src_i64, 0, ids, out=second_i64)
+
+    def copy() -> None:
+        with torch.cuda.stream(stream):
+            dev_rows.copy_(pinned, non_blocking=True)
+        torch.cuda.current_stream().wait_stream(stream)
+
+    def both() -> None:
+        with torch.cuda.stream(stream):
+            dev_rows.copy_(pinned, non_blocking=True)
+        gather()
+        torch.cuda.current_stream().wait_stream(stream)
+
+    shuffled = ids[torch.randperm(u)]
+    line("overlap: gather alone (sorted ids)", timed(gather, 9), u)
+    line(
+        "overlap: gather alone (ids unsorted)",
+        timed(lambda: torch.index_select(src_i64, 0, shuffled, out=second_i64), 9),
+        u,
+    )
+    line("overlap: pinned copy alone", timed(copy, 9), u)
+    line("overlap: gather and copy at once", timed(both, 9), u)
+    torch.set_num_threads(1)
+
+
+def study_groups(src, rows, ids_dev, line) -> None:
+    """The lookup in token groups: group g's unique and ids' trip to the host, then
+    its gather, copy and dequantise, while the device still copies and dequantises
+    group g - 1 (``threaded``: a second thread deduplicates the next groups
+    while the first gathers)."""
+    import queue
+
+    from engramrt.lookup import lookup_rows
+
+    device = ids_dev.device
+    row_ids = ids_dev.view(8192, 24).to(torch.int32)
+    tokens, cols = row_ids.shape
+    n = tokens * cols
+    src_i64 = src.view(torch.int64)
+    staging = torch.empty((n, ROW), dtype=torch.uint8, pin_memory=True)
+    staged = staging.view(torch.int64)
+    host_ids = torch.empty(n, dtype=torch.int32, pin_memory=True)
+    copy_stream = torch.cuda.Stream()
+    helper = ThreadPoolExecutor(1)
+    torch.set_num_threads(len(os.sched_getaffinity(0)))
+    store = make_store("host", num_rows=1, E=256, device=device, gpu_reads=False)
+    store.source, store.num_rows = src, rows
+    reference = store.lookup(row_ids)
+
+    def grouped(out: torch.Tensor, groups: int, threaded: bool) -> torch.Tensor:
+        compute = torch.cuda.current_stream()
+        edges = [tokens * k // groups for k in range(groups + 1)]
+        spans = list(zip(edges[:-1], edges[1:]))
+        ready: queue.Queue = queue.Queue()
+
+        def dedup(t0: int, t1: int) -> tuple:
+            unique, inverse = torch.unique(row_ids[t0:t1], sorted=True, return_inverse=True)
+            ids = host_ids[t0 * cols : t0 * cols + unique.numel()]
+            ids.copy_(unique, non_blocking=True)
+            torch.cuda.current_stream().synchronize()
+            return t0, t1, ids, inverse
+
+        def produce() -> None:
+            with torch.cuda.stream(compute):
+                for span in spans:
+                    ready.put(dedup(*span))
+
+        pending = helper.submit(produce) if threaded else None
+        copy_stream.wait_stream(compute)
+        for span in spans:
+            t0, t1, ids, inverse = ready.get() if threaded else dedup(*span)
+            base, count = t0 * cols, ids.numel()
+            torch.index_select(src_i64, 0, ids, out=staged[base : base + count])
+            packed = torch.empty((count, ROW), dtype=torch.uint8, device=device)
+            with torch.cuda.stream(copy_stream):
+                packed.copy_(staging[base : base + count], non_blocking=True)
+            compute.wait_stream(copy_stream)
+            packed.record_stream(copy_stream)
+            lookup_rows(inverse, packed, out=out[t0:t1], backend="triton")
+        if pending is not None:
+            pending.result()
+        return out
+
+    line("groups: HostGatherRowStore.lookup", timed(lambda: store.lookup(row_ids)))
+    for groups, threaded in ((1, False), (2, False), (3, False), (3, True), (6, False)):
+        out = torch.zeros_like(reference)
+        grouped(out, groups, threaded)
+        assert torch.equal(out.view(torch.int16), reference.view(torch.int16)), groups
+        label = f"groups: {groups} token groups{', threaded' if threaded else ''}"
+        line(label, timed(lambda out=out, g=groups, t=threaded: grouped(out, g, t)))
+    helper.shutdown()
+    torch.set_num_threads(1)
+
+
 def profile_store(src, rows, ids_dev, line) -> None:
     """Where one lookup's time goes: each phase alone, then step by step."""
     device = ids_dev.device
     for tokens in (256, 8192):
         row_ids = ids_dev.view(8192, 24)[:tokens].to(torch.int32).contiguous()
         count = row_ids.numel()
-        store = make_store("host", num_rows=1, E=256, device=device)
+        store = make_store("host", num_rows=1, E=256, device=device, gpu_reads=False)
         store.source, store.num_rows = src, rows
         flat = row_ids.reshape(-1)
         line(

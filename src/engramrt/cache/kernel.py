@@ -2,7 +2,8 @@
 
 One launch, no host synchronisation (the miss path that follows it is the
 part that synchronises). The structure is :mod:`engramrt.lookup.kernel`'s,
-with a probe in front:
+with a probe in front (the flat-lookup preamble and the dequantising tail are
+that module's ``@triton.jit`` helpers):
 
 - the ``T * C`` lookups are flattened, ``ROWS`` per program, as tiles
   ``[ROWS, NB, 32]`` (rows x scale blocks x values);
@@ -11,9 +12,9 @@ with a probe in front:
   and the set's ``WAYS`` tags load as one ``[ROWS, WAYS]`` tile (64 bytes
   per lookup at 8 ways, contiguous); a match gives the slot;
 - a hit reads the slot's packed row (264 bytes at ``E = 256``, 8-byte
-  aligned as in the lookup kernel) and dequantises it with
-  :func:`engramrt.quant.kernel._dequantize_to_bf16_bits`, the integer
-  formulation that is exact in the interpreter too;
+  aligned as in the lookup kernel) and dequantises it with the lookup
+  kernel's own tail (:func:`engramrt.lookup.kernel._store_dequantized_rows`,
+  the integer formulation that is exact in the interpreter too);
 - a non-owned column stores +0.0; a miss stores nothing (the caller's miss
   path fills it), and its slot is reported as -1 — unless ``READ_MISSES``:
   then a miss reads its packed row from the backing tier's rows (device
@@ -34,7 +35,7 @@ import triton.language as tl
 
 from engramrt._launch import CachedLauncher
 from engramrt.cache.policy import MIX_MULTIPLIER
-from engramrt.quant.kernel import _dequantize_to_bf16_bits
+from engramrt.lookup.kernel import _flat_lookups, _store_dequantized_rows
 
 __all__ = ["probe_gather_triton"]
 
@@ -80,14 +81,9 @@ def _cache_probe_gather_kernel(
     HW_CONVERT: tl.constexpr,
     READ_MISSES: tl.constexpr,
 ):
-    pid = tl.program_id(0).to(tl.int64)
-    lookup = pid * ROWS + tl.arange(0, ROWS).to(tl.int64)  # [ROWS] flat (t, c)
-    in_batch = lookup < n_lookups
-    token = lookup // num_cols
-    col = lookup - token * num_cols
-    owned = in_batch & (col >= col_begin) & (col < col_end)
-    row_id = tl.load(row_ids_ptr + token * stride_t + col * stride_c, mask=owned, other=0)
-    row_id = row_id.to(tl.int64)
+    lookup, in_batch, owned, row_id = _flat_lookups(
+        row_ids_ptr, n_lookups, num_cols, stride_t, stride_c, col_begin, col_end, ROWS
+    )
 
     # mix32 (policy.py): fold to 32 bits, two xor-shift-multiply rounds.
     h = (row_id ^ (row_id >> 32)) & 0xFFFFFFFF
@@ -105,34 +101,19 @@ def _cache_probe_gather_kernel(
     slot = tl.where(hit, first_slot + found, -1)
     tl.store(slots_ptr + lookup, tl.where(owned, slot, -2), mask=in_batch)
 
-    block = tl.arange(0, NB_PAD)
-    lane = tl.arange(0, 32)
-    byte = block[None, :, None] * 32 + lane[None, None, :]  # [1, NB_PAD, 32]
     if READ_MISSES:
         # A miss reads the backing's row; each lookup loads from one of two tables.
         miss = owned & ~hit
         read = hit | miss
         cache_start = tl.where(hit, slot, 0) * ROW_BYTES
         backing_start = tl.where(miss, row_id - backing_row_begin, 0) * ROW_BYTES
-        base = tl.where(hit, cache_rows_ptr + cache_start, backing_ptr + backing_start)
+        row_ptrs = tl.where(hit, cache_rows_ptr + cache_start, backing_ptr + backing_start)
         written = in_batch
     else:
         read = hit
-        base = cache_rows_ptr + tl.where(hit, slot, 0) * ROW_BYTES  # [ROWS] row pointers
+        row_ptrs = cache_rows_ptr + tl.where(hit, slot, 0) * ROW_BYTES
         written = in_batch & (hit | ~owned)  # misses are left to the miss path
-    if NB_PAD != NB:
-        load_ok = (read[:, None] & (block < NB)[None, :])[:, :, None]  # [ROWS, NB_PAD, 1]
-        store_ok = (written[:, None] & (block < NB)[None, :])[:, :, None]
-    else:
-        load_ok = read[:, None, None]
-        store_ok = written[:, None, None]
-    value_bytes = tl.load(base[:, None, None] + byte, mask=load_ok, other=0)
-    scale_ptrs = base[:, None, None] + E + block[None, :, None]
-    scale_bytes = tl.load(scale_ptrs, mask=load_ok, other=127)
-    bf16_bits = _dequantize_to_bf16_bits(value_bytes, scale_bytes, HW_CONVERT)
-
-    out_offsets = lookup[:, None, None] * E + block[None, :, None] * 32 + lane[None, None, :]
-    tl.store(out_ptr + out_offsets, bf16_bits, mask=store_ok)
+    _store_dequantized_rows(out_ptr, lookup, row_ptrs, read, written, E, NB, NB_PAD, HW_CONVERT)
 
 
 # A plain kernel[grid](...) binds ~20 arguments in Python on every call

@@ -59,6 +59,62 @@ scattered rows from host memory, against 4, 16 and 32)."""
 
 
 @triton.jit
+def _flat_lookups(
+    row_ids_ptr,
+    n_lookups,
+    num_cols,
+    stride_t,
+    stride_c,
+    col_begin,
+    col_end,
+    ROWS: tl.constexpr,
+):
+    """This program's ``ROWS`` flat lookups ``t * C + c``: their indices, whether each
+    is in the batch and owned (``col_begin <= c < col_end``), and its row id as int64
+    (0 where not owned)."""
+    pid = tl.program_id(0).to(tl.int64)
+    lookup = pid * ROWS + tl.arange(0, ROWS).to(tl.int64)  # [ROWS] flat (t, c)
+    in_batch = lookup < n_lookups
+    token = lookup // num_cols
+    col = lookup - token * num_cols
+    owned = in_batch & (col >= col_begin) & (col < col_end)
+    row_id = tl.load(row_ids_ptr + token * stride_t + col * stride_c, mask=owned, other=0)
+    return lookup, in_batch, owned, row_id.to(tl.int64)
+
+
+@triton.jit
+def _store_dequantized_rows(
+    out_ptr,
+    lookup,
+    row_ptrs,
+    read,
+    written,
+    E: tl.constexpr,
+    NB: tl.constexpr,
+    NB_PAD: tl.constexpr,
+    HW_CONVERT: tl.constexpr,
+):
+    """Dequantise the packed row at ``row_ptrs[i]`` (``[ROWS]`` uint8 pointers; zeros
+    where not ``read``) into ``out[lookup[i]]`` where ``written``, as a
+    ``[ROWS, NB_PAD, 32]`` tile."""
+    block = tl.arange(0, NB_PAD)
+    lane = tl.arange(0, 32)
+    if NB_PAD != NB:
+        load_ok = (read[:, None] & (block < NB)[None, :])[:, :, None]  # [ROWS, NB_PAD, 1]
+        store_ok = (written[:, None] & (block < NB)[None, :])[:, :, None]
+    else:
+        load_ok = read[:, None, None]  # [ROWS, 1, 1]
+        store_ok = written[:, None, None]
+    byte = block[None, :, None] * 32 + lane[None, None, :]  # [1, NB_PAD, 32]
+    value_bytes = tl.load(row_ptrs[:, None, None] + byte, mask=load_ok, other=0)
+    scale_ptrs = row_ptrs[:, None, None] + E + block[None, :, None]  # [ROWS, NB_PAD, 1]
+    scale_bytes = tl.load(scale_ptrs, mask=load_ok, other=127)
+    bf16_bits = _dequantize_to_bf16_bits(value_bytes, scale_bytes, HW_CONVERT)
+    out_offsets = lookup[:, None, None] * E + byte
+    tl.store(out_ptr + out_offsets, bf16_bits, mask=store_ok)
+
+
+@triton.jit
 def _lookup_rows_kernel(
     row_ids_ptr,  # [T, C] int32 / int64, strides (stride_t, stride_c)
     table_ptr,  # [num_rows, ROW_BYTES] uint8, packed rows
@@ -77,32 +133,12 @@ def _lookup_rows_kernel(
     ROWS: tl.constexpr,
     HW_CONVERT: tl.constexpr,
 ):
-    pid = tl.program_id(0).to(tl.int64)
-    lookup = pid * ROWS + tl.arange(0, ROWS).to(tl.int64)  # [ROWS] flat (t, c)
-    in_batch = lookup < n_lookups
-    token = lookup // num_cols
-    col = lookup - token * num_cols
-    owned = in_batch & (col >= col_begin) & (col < col_end)
-    row_id = tl.load(row_ids_ptr + token * stride_t + col * stride_c, mask=owned, other=0)
-    local_row = tl.where(owned, row_id.to(tl.int64) - row_begin, 0)
-    row_start = local_row * ROW_BYTES  # [ROWS] int64 byte offsets
-
-    block = tl.arange(0, NB_PAD)
-    lane = tl.arange(0, 32)
-    if NB_PAD != NB:
-        load_ok = (owned[:, None] & (block < NB)[None, :])[:, :, None]  # [ROWS, NB_PAD, 1]
-        store_ok = (in_batch[:, None] & (block < NB)[None, :])[:, :, None]
-    else:
-        load_ok = owned[:, None, None]  # [ROWS, 1, 1]
-        store_ok = in_batch[:, None, None]
-    value_offsets = row_start[:, None, None] + (block[None, :, None] * 32 + lane[None, None, :])
-    value_bytes = tl.load(table_ptr + value_offsets, mask=load_ok, other=0)  # [ROWS, NB_PAD, 32]
-    scale_offsets = row_start[:, None, None] + E + block[None, :, None]  # [ROWS, NB_PAD, 1]
-    scale_bytes = tl.load(table_ptr + scale_offsets, mask=load_ok, other=127)
-    bf16_bits = _dequantize_to_bf16_bits(value_bytes, scale_bytes, HW_CONVERT)
-
-    out_offsets = lookup[:, None, None] * E + block[None, :, None] * 32 + lane[None, None, :]
-    tl.store(out_ptr + out_offsets, bf16_bits, mask=store_ok)
+    lookup, in_batch, owned, row_id = _flat_lookups(
+        row_ids_ptr, n_lookups, num_cols, stride_t, stride_c, col_begin, col_end, ROWS
+    )
+    local_row = tl.where(owned, row_id - row_begin, 0)
+    row_ptrs = table_ptr + local_row * ROW_BYTES  # [ROWS]
+    _store_dequantized_rows(out_ptr, lookup, row_ptrs, owned, in_batch, E, NB, NB_PAD, HW_CONVERT)
 
 
 def lookup_rows_triton(
