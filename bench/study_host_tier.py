@@ -10,7 +10,9 @@ settings. Prints one line per measurement. ``--sections`` picks among
 ``stages`` (unique and the ids' trip to the host), ``methods`` (CPU gathers by
 method and thread count, the pinned copy), ``hugepages``, ``store`` (the
 store's lookup over chunk sizes and thread counts), ``profile`` (one lookup
-stage by stage), ``overlap`` (the CPU gather and the pinned copy alone and at
+stage by stage), ``pieces`` (gather-then-copy pieces by size: the gathers
+alone, the copies alone, and both with the copy stream entered per piece or
+once), ``overlap`` (the CPU gather and the pinned copy alone and at
 the same time: whether the host's memory lets them overlap) and ``groups``
 (the lookup split into token groups, each deduplicated, gathered, copied and
 dequantised in turn, so that one group's stages overlap another's).
@@ -93,6 +95,8 @@ def main() -> None:
         study_store(src, rows, ids_dev, line)
     if "overlap" in sections:
         study_overlap(src_i64, ids, pinned, dev_rows, line)
+    if "pieces" in sections:
+        study_pieces(src_i64, ids, pinned, dev_rows, line)
     if "groups" in sections:
         study_groups(src, rows, ids_dev, line)
     if "methods" not in sections:
@@ -201,8 +205,8 @@ def study_store(src, rows, ids_dev, line) -> None:
     """The store's whole lookup, over chunk sizes and thread counts."""
     row_ids = ids_dev.view(8192, 24).to(torch.int32)
     device = ids_dev.device
-    settings = [(None, DEFAULT_CHUNK_ROWS)]
-    settings += [(t, c) for t in (8, 12, 16) for c in (8192, 16384, 32768, 65536, 1 << 20)]
+    settings = [(None, c) for c in (16384, 32768, DEFAULT_CHUNK_ROWS, 131072, 1 << 20)]
+    settings += [(t, DEFAULT_CHUNK_ROWS) for t in (8, 12)]
     for threads, chunk in settings:
         store = make_store(
             "host",
@@ -268,6 +272,54 @@ def study_overlap(src_i64, ids, pinned, dev_rows, line) -> None:
     )
     line("overlap: pinned copy alone", timed(copy, 9), u)
     line("overlap: gather and copy at once", timed(both, 9), u)
+    torch.set_num_threads(1)
+
+
+def study_pieces(src_i64, ids, pinned, dev_rows, line) -> None:
+    """Gather-then-copy in pieces of several sizes, the way the store pipelines them."""
+    u = ids.shape[0]
+    pinned_i64 = pinned.view(torch.int64)
+    stream = torch.cuda.Stream()
+    torch.set_num_threads(len(os.sched_getaffinity(0)))
+
+    def spans(chunk: int) -> list[tuple[int, int]]:
+        return [(lo, min(u, lo + chunk)) for lo in range(0, u, chunk)]
+
+    def gathers(chunk: int) -> None:
+        for lo, hi in spans(chunk):
+            torch.index_select(src_i64, 0, ids[lo:hi], out=pinned_i64[lo:hi])
+
+    def copies(chunk: int) -> None:
+        with torch.cuda.stream(stream):
+            for lo, hi in spans(chunk):
+                dev_rows[lo:hi].copy_(pinned[lo:hi], non_blocking=True)
+        torch.cuda.current_stream().wait_stream(stream)
+
+    def stream_per_piece(chunk: int) -> None:
+        stream.wait_stream(torch.cuda.current_stream())
+        for lo, hi in spans(chunk):
+            torch.index_select(src_i64, 0, ids[lo:hi], out=pinned_i64[lo:hi])
+            with torch.cuda.stream(stream):
+                dev_rows[lo:hi].copy_(pinned[lo:hi], non_blocking=True)
+        torch.cuda.current_stream().wait_stream(stream)
+
+    def stream_once(chunk: int) -> None:
+        compute = torch.cuda.current_stream()
+        stream.wait_stream(compute)
+        with torch.cuda.stream(stream):
+            for lo, hi in spans(chunk):
+                torch.index_select(src_i64, 0, ids[lo:hi], out=pinned_i64[lo:hi])
+                dev_rows[lo:hi].copy_(pinned[lo:hi], non_blocking=True)
+        compute.wait_stream(stream)
+
+    for chunk in (8192, 16384, 32768, 65536, u):
+        for name, fn in (
+            ("gathers alone", gathers),
+            ("copies alone", copies),
+            ("gather+copy, stream entered per piece", stream_per_piece),
+            ("gather+copy, stream entered once", stream_once),
+        ):
+            line(f"pieces of {chunk}: {name}", timed(lambda fn=fn, c=chunk: fn(c), 9), u)
     torch.set_num_threads(1)
 
 

@@ -403,12 +403,14 @@ class HostGatherRowStore(RowStore):
         # ``rows`` may reuse memory whose last reader is still queued on the
         # compute stream: the copies must start after it.
         copy_stream.wait_stream(compute)
-        with _intra_op_threads(self._gather_threads(count)):
+        # The copy stream is current for the whole loop (the gathers run on
+        # the CPU, whatever the stream): entering a stream context per piece
+        # cost ~75 µs each on the H200 host, as much as a small piece's gather.
+        with _intra_op_threads(self._gather_threads(count)), torch.cuda.stream(copy_stream):
             for lo in range(0, count, self.chunk_rows):
                 hi = min(lo + self.chunk_rows, count)
                 torch.index_select(source, 0, local_ids[lo:hi], out=staged[lo:hi])
-                with torch.cuda.stream(copy_stream):
-                    rows[lo:hi].copy_(staging[lo:hi], non_blocking=True)
+                rows[lo:hi].copy_(staging[lo:hi], non_blocking=True)
         self._staging_free.record(copy_stream)
         compute.wait_stream(copy_stream)
         rows.record_stream(copy_stream)
