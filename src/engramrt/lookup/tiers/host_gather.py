@@ -47,12 +47,26 @@ trip to the host take ~0.2 ms each.
 
 Where one lookup's time goes (T = 8,192, 196,608 rows, 16 threads): unique
 and the ids to the host 0.37 ms, gather and copy in three pieces 1.55 ms,
-dequantise-and-scatter 0.2 ms with its launch. Each piece costs the calling
-thread ~0.1 ms beside its gather (waking the thread pool, launching the
-copy), so smaller pieces lose (12 pieces: +1.2 ms). A sort-based
-deduplication that waits once instead of twice was tried and dropped: its
-fifteen small operations cost the host more (0.33 vs 0.21 ms at T = 256)
-than the wait they save.
+dequantise-and-scatter 0.2 ms with its launch; 2.0-2.4 ms in all. Alone, the
+gather runs at 200-245 M rows/s and the pinned copy at ~200 M rows/s, and
+on the same host the two at once take no longer than the copy alone, so
+the stages could overlap; but the deduplication must finish before the
+first gather and the dequantisation waits for the last copy, which bounds
+a lookup of uniform ids at about 0.37 + 0.98 + 0.2 = 1.55 ms (127 M rows/s).
+Pieces: smaller ones shorten the last copy but each costs 30-80 µs of
+gather start-up (65,536 rows were best of 16,384 to 1 M), and entering the
+copy stream once per piece rather than once per gather cost another
+30-60 µs each. Tried and dropped:
+
+- a sort-based deduplication that waits once instead of twice: its
+  fifteen small operations cost the host more (0.33 vs 0.21 ms at
+  T = 256) than the wait they save;
+- token groups, each deduplicated, gathered, copied and dequantised in
+  turn so that one group's stages overlap another's: 1, 2, 3 and 6 groups
+  took 2.45, 2.71, 3.52 and 4.43 ms (the store 2.31 ms in the same run),
+  since a group's unique and the ids' trip to the host are latency (a
+  synchronisation each), not work that shrinks with the group; with a
+  helper thread deduplicating ahead, 3 groups took 2.82 ms.
 
 Out-of-range ids are caught nearly for free wherever the ids come to the
 host (sorted unique ids need only their first and last checked, a plain
@@ -405,7 +419,7 @@ class HostGatherRowStore(RowStore):
         copy_stream.wait_stream(compute)
         # The copy stream is current for the whole loop (the gathers run on
         # the CPU, whatever the stream): entering a stream context per piece
-        # cost ~75 µs each on the H200 host, as much as a small piece's gather.
+        # cost 30-60 µs each on the H200 host (``bench/study_host_tier.py``).
         with _intra_op_threads(self._gather_threads(count)), torch.cuda.stream(copy_stream):
             for lo in range(0, count, self.chunk_rows):
                 hi = min(lo + self.chunk_rows, count)
