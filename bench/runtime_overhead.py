@@ -295,6 +295,12 @@ def main() -> None:
         help="comma-separated gather thread counts to compare ('default': the store's rule); "
         "all but the first on decode only",
     )
+    parser.add_argument(
+        "--max-programs",
+        default="default",
+        help="comma-separated grid limits of the kernel reading host memory (tiers host and "
+        "uva; 'default': the store's) to compare; all but the first on decode only",
+    )
     parser.add_argument("--workloads", default="decode,prefill", help="decode, prefill or both")
     parser.add_argument(
         "--rounds", type=int, default=3, help="interleaved rounds; medians reported"
@@ -325,6 +331,7 @@ def main() -> None:
     if "prefill" in args.workloads:
         workloads["prefill 512 seqs 100-1024"] = prefill_batches(rng, token_map.vocab_size, device)
     host_threads = [None if t == "default" else int(t) for t in args.host_threads.split(",")]
+    max_programs = [None if m == "default" else int(m) for m in args.max_programs.split(",")]
     backbones = args.backbones.split(",")
     backbone = make_backbone(device)
     # Every placement is built first and the configurations are interleaved
@@ -356,13 +363,19 @@ def main() -> None:
     for round_index in range(args.rounds):
         for tier, stores, runtime, graphed in setups:
             gathers = tier in ("host", "host-cpu", "disk")
-            for threads in host_threads if gathers else [None]:
-                for store in stores:
+            reads = tier in ("host", "uva")  # the GPU reads host memory
+            settings = [(t, max_programs[0]) for t in (host_threads if gathers else [None])]
+            if reads:
+                settings += [(settings[0][0], m) for m in max_programs[1:]]
+            for threads, programs in settings:
+                for store in stores:  # both read at every lookup
                     if gathers:
-                        store.num_threads = threads  # read at every lookup
+                        store.num_threads = threads
+                    if reads:
+                        store.max_programs = programs
                 for name, batches in workloads.items():
-                    if threads != host_threads[0] and not name.startswith("decode"):
-                        continue  # thread counts are compared on decode only
+                    if (threads, programs) != settings[0] and not name.startswith("decode"):
+                        continue  # other settings are compared on decode only
                     for kind in backbones if name.startswith("decode") else ["eager"]:
                         for prefetch in (False, True):
                             forward = (
@@ -372,17 +385,18 @@ def main() -> None:
                             )
                             run(runtime, batches[:3], forward, prefetch)  # warm-up
                             res = run(runtime, batches, forward, prefetch)
-                            config = (tier, threads, name, kind, prefetch)
+                            config = (tier, threads, programs, name, kind, prefetch)
                             samples.setdefault(config, []).append(res)
                             print(
-                                f"round {round_index} {tier:6s} threads={threads!s:5s} {name:26s} "
+                                f"round {round_index} {tier:6s} threads={threads!s:5s} "
+                                f"programs={programs!s:5s} {name:26s} "
                                 f"{kind:5s} prefetch={prefetch!s:5s} {res['ms_per_step']:8.2f} ms/step",
                                 flush=True,
                             )
     for _, _, runtime, _ in setups:
         runtime.close()
     results = []
-    for (tier, threads, name, kind, prefetch), runs in samples.items():
+    for (tier, threads, programs, name, kind, prefetch), runs in samples.items():
         runs = sorted(runs, key=lambda r: r["ms_per_step"])
         res = dict(runs[len(runs) // 2])  # the median round
         res.update(
@@ -391,6 +405,7 @@ def main() -> None:
             backbone=kind,
             prefetch=prefetch,
             host_threads=threads,
+            max_programs=programs,
             ms_per_step_rounds=[r["ms_per_step"] for r in runs],
         )
         results.append(res)
@@ -414,7 +429,8 @@ def main() -> None:
         if r["tier"] not in ("device", "none") and "loss_vs_gpu_pct" in r:
             print(
                 f"{r['tier']} tables, {r['workload']}, {r['backbone']} backbone, "
-                f"threads={r['host_threads']}, prefetch={r['prefetch']}: "
+                f"threads={r['host_threads']}, programs={r['max_programs']}, "
+                f"prefetch={r['prefetch']}: "
                 f"{r['loss_vs_gpu_pct']:.2f}% throughput loss"
             )
     if args.out:

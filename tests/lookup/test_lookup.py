@@ -246,6 +246,50 @@ def test_kernel_with_strided_ids_duplicates_and_extremes() -> None:
         assert_same_bits(got, expected)
 
 
+@pytest.mark.parametrize("max_programs", [1, 2, 3, 5, 64])
+def test_kernel_with_few_programs_serving_several_tiles(max_programs: int) -> None:
+    """Programs looping over consecutive tiles write every lookup once, the last tile
+    partial, the non-owned columns zero: the same bytes as one tile per program."""
+    E, num_rows = 32, 40
+    table = random_packed_table(num_rows, E, seed=11).to(DEVICE)
+    row_ids = random_ids((23, 5), 0, num_rows, torch.int64, seed=12).to(DEVICE)
+    expected = lookup_rows_reference(row_ids, table, E, col_begin=1, col_end=4)
+    out = torch.full((23, 5, E), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    got = lookup_rows(
+        row_ids,
+        table,
+        col_begin=1,
+        col_end=4,
+        out=out,
+        backend="triton",
+        rows_per_program=4,  # 115 lookups: 29 tiles, the last one of 3
+        max_programs=max_programs,
+    )
+    assert_same_bits(got, expected)
+
+
+def test_tiles_per_program_bounds_the_grid() -> None:
+    from engramrt.lookup.kernel import tiles_per_program
+
+    assert tiles_per_program(29, None) == 1
+    assert tiles_per_program(29, 64) == 1
+    for tiles in range(1, 200):
+        for max_programs in (1, 2, 3, 7, 16, 32):
+            per = tiles_per_program(tiles, max_programs)
+            assert per & (per - 1) == 0  # a power of two
+            programs = -(-tiles // per)
+            assert programs <= max_programs
+            assert per == 1 or 2 * programs > max_programs - 1  # no needlessly small grid
+
+
+def test_max_programs_is_checked() -> None:
+    table = random_packed_table(4, 32, seed=7).to(DEVICE)
+    row_ids = torch.zeros((2, 2), dtype=torch.int64, device=DEVICE)
+    for bad in (0, -3, 2.5):
+        with pytest.raises(ValidationError, match="max_programs"):
+            lookup_rows(row_ids, table, backend="triton", max_programs=bad)  # type: ignore[arg-type]
+
+
 def test_backends_agree_and_auto_runs() -> None:
     table = random_packed_table(30, 96, seed=5).to(DEVICE)
     row_ids = random_ids((5, 3), 0, 30, torch.int64, seed=6).to(DEVICE)

@@ -413,3 +413,22 @@ def test_gpu_reads_settings(tmp_path: Path) -> None:
             CapacityError, match=r"gpu_reads=True needs a CUDA device .* got device cpu"
         ):
             make_store("host", packed=table, gpu_reads=True)
+
+
+@needs_cuda
+@pytest.mark.parametrize("tier", ["uva", "host"])
+def test_host_memory_reads_with_few_programs(tier: str) -> None:
+    """The kernel's reads of host memory from a bounded grid give the same bytes."""
+    table = random_packed_table(300, 256, seed=45)  # 16 rows per tile: 14 tiles, 2 programs
+    store = make_store(tier, packed=table, max_programs=3)
+    row_ids = torch.randint(0, 300, (37, 6), device=DEVICE)
+    expected = lookup_rows_reference(row_ids.cpu(), table, 256)
+    assert_same_bits(store.lookup(row_ids), expected)
+    store.max_programs = None  # read at every lookup
+    assert_same_bits(store.lookup(row_ids), expected)
+
+
+def test_max_programs_setting_is_checked() -> None:
+    table = random_packed_table(10, 32, seed=46)
+    with pytest.raises(ValidationError, match=r"max_programs = 0; expected None or an int >= 1"):
+        make_store("host", packed=table, max_programs=0)

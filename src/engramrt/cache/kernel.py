@@ -81,8 +81,9 @@ def _cache_probe_gather_kernel(
     HW_CONVERT: tl.constexpr,
     READ_MISSES: tl.constexpr,
 ):
+    tile = tl.program_id(0).to(tl.int64)
     lookup, in_batch, owned, row_id = _flat_lookups(
-        row_ids_ptr, n_lookups, num_cols, stride_t, stride_c, col_begin, col_end, ROWS
+        row_ids_ptr, tile, n_lookups, num_cols, stride_t, stride_c, col_begin, col_end, ROWS
     )
 
     # mix32 (policy.py): fold to 32 bits, two xor-shift-multiply rounds.

@@ -37,6 +37,12 @@ __all__ = [
 _ID_DTYPES = (torch.int32, torch.int64)
 
 
+def check_max_programs(max_programs: int | None) -> None:
+    """Reject a ``max_programs`` that is neither None nor a positive int."""
+    if max_programs is not None and (not isinstance(max_programs, int) or max_programs < 1):
+        raise ValidationError(f"max_programs = {max_programs!r}; expected None or an int >= 1")
+
+
 def check_lookup_args(
     row_ids: torch.Tensor,
     col_begin: int,
@@ -109,6 +115,7 @@ def lookup_rows(
     rows_per_program: int | None = None,
     num_warps: int | None = None,
     hw_convert: bool = False,
+    max_programs: int | None = None,
 ) -> torch.Tensor:
     """Gather and dequantise packed rows: ``[T, C]`` ids -> ``[T, C, E]`` bf16.
 
@@ -128,6 +135,9 @@ def lookup_rows(
         rows_per_program, num_warps: kernel tuning knobs.
         hw_convert: kernel variant using the GPU's conversion instructions
             (same bytes on a GPU; see :mod:`engramrt.lookup.kernel`).
+        max_programs: at most this many kernel programs, each serving several
+            tiles in turn (see :func:`engramrt.lookup.kernel.lookup_rows_triton`);
+            the same bytes.
 
     Returns:
         ``out`` or a new ``[T, C, E]`` bf16 tensor on ``packed_table``'s device.
@@ -148,6 +158,7 @@ def lookup_rows(
         )
     row_width = row_width_for(packed_table.shape[1])
     device = packed_table.device
+    check_max_programs(max_programs)
     col_end = check_lookup_args(row_ids, col_begin, col_end, E=row_width, device=device, out=out)
     if validate:
         check_row_ids_in_shard(
@@ -177,4 +188,5 @@ def lookup_rows(
         rows_per_program=rows_per_program,
         num_warps=num_warps,
         hw_convert=hw_convert,
+        max_programs=max_programs,
     )

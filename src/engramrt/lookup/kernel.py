@@ -61,6 +61,7 @@ scattered rows from host memory, against 4, 16 and 32)."""
 @triton.jit
 def _flat_lookups(
     row_ids_ptr,
+    tile,
     n_lookups,
     num_cols,
     stride_t,
@@ -69,11 +70,10 @@ def _flat_lookups(
     col_end,
     ROWS: tl.constexpr,
 ):
-    """This program's ``ROWS`` flat lookups ``t * C + c``: their indices, whether each
-    is in the batch and owned (``col_begin <= c < col_end``), and its row id as int64
-    (0 where not owned)."""
-    pid = tl.program_id(0).to(tl.int64)
-    lookup = pid * ROWS + tl.arange(0, ROWS).to(tl.int64)  # [ROWS] flat (t, c)
+    """Tile ``tile``'s (int64) ``ROWS`` flat lookups ``t * C + c``: their indices,
+    whether each is in the batch and owned (``col_begin <= c < col_end``), and its row
+    id as int64 (0 where not owned)."""
+    lookup = tile * ROWS + tl.arange(0, ROWS).to(tl.int64)  # [ROWS] flat (t, c)
     in_batch = lookup < n_lookups
     token = lookup // num_cols
     col = lookup - token * num_cols
@@ -132,13 +132,26 @@ def _lookup_rows_kernel(
     NB_PAD: tl.constexpr,
     ROWS: tl.constexpr,
     HW_CONVERT: tl.constexpr,
+    TILES: tl.constexpr,  # consecutive tiles per program
 ):
-    lookup, in_batch, owned, row_id = _flat_lookups(
-        row_ids_ptr, n_lookups, num_cols, stride_t, stride_c, col_begin, col_end, ROWS
-    )
-    local_row = tl.where(owned, row_id - row_begin, 0)
-    row_ptrs = table_ptr + local_row * ROW_BYTES  # [ROWS]
-    _store_dequantized_rows(out_ptr, lookup, row_ptrs, owned, in_batch, E, NB, NB_PAD, HW_CONVERT)
+    first_tile = tl.program_id(0).to(tl.int64) * TILES
+    for i in range(TILES):
+        lookup, in_batch, owned, row_id = _flat_lookups(
+            row_ids_ptr,
+            first_tile + i,
+            n_lookups,
+            num_cols,
+            stride_t,
+            stride_c,
+            col_begin,
+            col_end,
+            ROWS,
+        )
+        local_row = tl.where(owned, row_id - row_begin, 0)
+        row_ptrs = table_ptr + local_row * ROW_BYTES  # [ROWS]
+        _store_dequantized_rows(
+            out_ptr, lookup, row_ptrs, owned, in_batch, E, NB, NB_PAD, HW_CONVERT
+        )
 
 
 def lookup_rows_triton(
@@ -153,6 +166,7 @@ def lookup_rows_triton(
     rows_per_program: int | None = None,
     num_warps: int | None = None,
     hw_convert: bool = False,
+    max_programs: int | None = None,
 ) -> torch.Tensor:
     """Launch :func:`_lookup_rows_kernel` (inputs validated by the caller).
 
@@ -166,6 +180,11 @@ def lookup_rows_triton(
         hw_convert: decode and round with the GPU's conversion instructions
             instead of integer operations (see
             :func:`engramrt.quant.kernel._dequantize_to_bf16_bits`).
+        max_programs: launch at most this many programs, each serving
+            consecutive tiles (a power of two of them) in turn; None: one
+            tile per program. Meant for reads of host memory, whose programs
+            mostly wait on the bus: fewer of them hold fewer of the GPU's
+            multiprocessors while a model runs beside them.
     """
     num_tokens, num_cols = row_ids.shape
     n_lookups = num_tokens * num_cols
@@ -175,7 +194,9 @@ def lookup_rows_triton(
     blocks_pad = triton.next_power_of_2(blocks)
     rows = rows_per_program or max(1, DEFAULT_TILE_ELEMENTS // (blocks_pad * 32))
     rows = triton.next_power_of_2(rows)
-    grid = (triton.cdiv(n_lookups, rows),)
+    tiles = triton.cdiv(n_lookups, rows)
+    per_program = tiles_per_program(tiles, max_programs)
+    grid = (triton.cdiv(tiles, per_program),)
     _lookup_rows_kernel[grid](
         row_ids,
         table,
@@ -193,9 +214,19 @@ def lookup_rows_triton(
         NB_PAD=blocks_pad,
         ROWS=rows,
         HW_CONVERT=hw_convert,
+        TILES=per_program,
         num_warps=num_warps or DEFAULT_NUM_WARPS,
     )
     return out
+
+
+def tiles_per_program(tiles: int, max_programs: int | None) -> int:
+    """Consecutive tiles each program serves so that at most ``max_programs`` programs
+    (about half as many at least) cover ``tiles``: a power of two, one compiled kernel
+    per value."""
+    if max_programs is None or tiles <= max_programs:
+        return 1
+    return triton.next_power_of_2(triton.cdiv(tiles, max_programs))
 
 
 @triton.jit

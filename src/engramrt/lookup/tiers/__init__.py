@@ -99,6 +99,7 @@ def make_store(
     rows_per_program: int | None = None,
     num_warps: int | None = None,
     hw_convert: bool = False,
+    max_programs: int | None = None,
 ) -> RowStore:
     """Build a :class:`RowStore` of ``tier`` for rows ``[row_begin, row_begin + num_rows)``.
 
@@ -120,6 +121,8 @@ def make_store(
             itself (``"host"``; see :class:`HostGatherRowStore`).
         rows_per_program, num_warps, hw_convert: kernel settings (``"device"``,
             ``"uva"``; see :func:`engramrt.lookup.lookup_rows`).
+        max_programs: at most this many programs for kernels that read host
+            memory (``"uva"``, and ``"host"`` with GPU reads).
 
     Raises:
         CapacityError: the chosen memory or disk is too small.
@@ -181,6 +184,7 @@ def make_store(
             backend=backend,
             gpu_reads=gpu_reads,
             gpu_share=gpu_share,
+            max_programs=max_programs,
         )
     elif tier == "uva":
         assert num_rows is not None
@@ -195,6 +199,7 @@ def make_store(
             rows_per_program=rows_per_program,
             num_warps=num_warps,
             hw_convert=hw_convert,
+            max_programs=max_programs,
         )
     else:
         assert num_rows is not None

@@ -89,7 +89,7 @@ from typing import ClassVar
 import torch
 
 from engramrt.errors import CapacityError, ValidationError
-from engramrt.lookup import check_row_ids_in_shard, lookup_rows
+from engramrt.lookup import check_max_programs, check_row_ids_in_shard, lookup_rows
 from engramrt.lookup.reference import word_dtype_for
 from engramrt.lookup.tiers import memory
 from engramrt.lookup.tiers.base import RowStore
@@ -190,6 +190,9 @@ class HostGatherRowStore(RowStore):
             registration fails; True: required (a failure raises).
         gpu_share: the fraction of a deduplicated batch's unique rows the
             GPU reads (see :data:`GPU_SHARE`); 0 leaves them all to the CPU.
+        max_programs: at most this many programs for the lookup kernel's
+            reads of a small batch (see :func:`engramrt.lookup.lookup_rows`);
+            an attribute read at every lookup.
 
     Raises:
         CapacityError: less available host memory (``MemAvailable``) than
@@ -216,6 +219,7 @@ class HostGatherRowStore(RowStore):
         backend: str = "auto",
         gpu_reads: bool | None = None,
         gpu_share: float = GPU_SHARE,
+        max_programs: int | None = None,
     ) -> None:
         super().__init__(
             num_rows,
@@ -236,6 +240,8 @@ class HostGatherRowStore(RowStore):
         self.num_threads = num_threads
         self.backend = backend
         self.gpu_share = float(gpu_share)
+        check_max_programs(max_programs)
+        self.max_programs = max_programs
         self.dedup_min_rows = DEDUP_MIN_ROWS
         self._arange: torch.Tensor | None = None
         self.source = self._allocate_source()  # [num_rows, row_bytes] uint8, CPU
@@ -451,6 +457,7 @@ class HostGatherRowStore(RowStore):
                 col_begin=self.col_begin,
                 col_end=col_end,
                 row_begin=self.row_begin,
+                max_programs=self.max_programs,
             )
         if owned.numel() == 0:
             return lookup_rows(

@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from engramrt.errors import CapacityError
+from engramrt.lookup import check_max_programs
 from engramrt.lookup.reference import word_dtype_for
 from engramrt.lookup.tiers import memory
 from engramrt.lookup.tiers.base import RowStore
@@ -52,8 +53,9 @@ class UvaRowStore(RowStore):
     Args:
         num_rows, E, device, row_begin, col_begin, col_end, validate: see
             :class:`RowStore`; ``device`` must be a CUDA device.
-        rows_per_program, num_warps, hw_convert: kernel settings (see
-            :func:`engramrt.lookup.lookup_rows`).
+        rows_per_program, num_warps, hw_convert, max_programs: kernel settings
+            (see :func:`engramrt.lookup.lookup_rows`); ``max_programs`` is
+            an attribute read at every lookup.
 
     Raises:
         CapacityError: no CUDA device, or less available host memory than
@@ -75,6 +77,7 @@ class UvaRowStore(RowStore):
         rows_per_program: int | None = None,
         num_warps: int | None = None,
         hw_convert: bool = False,
+        max_programs: int | None = None,
     ) -> None:
         super().__init__(
             num_rows,
@@ -91,6 +94,8 @@ class UvaRowStore(RowStore):
         self.rows_per_program = rows_per_program
         self.num_warps = num_warps
         self.hw_convert = hw_convert
+        check_max_programs(max_programs)
+        self.max_programs = max_programs
         self.host_table = self._allocate_host_table()
         self._mapped = MappedHostRows(self.host_table.data_ptr())
         self._mapped_words = MappedHostRows(
@@ -141,6 +146,7 @@ class UvaRowStore(RowStore):
             rows_per_program=self.rows_per_program,
             num_warps=self.num_warps,
             hw_convert=self.hw_convert,
+            max_programs=self.max_programs,
         )
 
 
@@ -157,6 +163,7 @@ def lookup_mapped_rows(
     rows_per_program: int | None = None,
     num_warps: int | None = None,
     hw_convert: bool = False,
+    max_programs: int | None = None,
 ) -> torch.Tensor:
     """The lookup kernel over rows in registered host memory (``mapped``, bytes)."""
     from engramrt.lookup.kernel import lookup_rows_triton  # imports Triton
@@ -176,6 +183,7 @@ def lookup_mapped_rows(
             rows_per_program=rows_per_program,
             num_warps=num_warps,
             hw_convert=hw_convert,
+            max_programs=max_programs,
         )
 
 
