@@ -284,6 +284,14 @@ class GraphedBackbone:
         self.tail[handle.slot].replay()
 
 
+def parse_programs(text: str) -> tuple[int | None, int | None]:
+    """``"default"``, ``"16"`` or ``"16:64"`` -> (max_programs, rows_per_program)."""
+    if text == "default":
+        return None, None
+    programs, _, rows = text.partition(":")
+    return int(programs), int(rows) if rows else None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--table-gib", type=float, default=16.0)
@@ -299,7 +307,8 @@ def main() -> None:
         "--max-programs",
         default="default",
         help="comma-separated grid limits of the kernel reading host memory (tiers host and "
-        "uva; 'default': the store's) to compare; all but the first on decode only",
+        "uva; 'default': the store's), each optionally ':ROWS' rows per program, to compare; "
+        "all but the first on decode only",
     )
     parser.add_argument("--workloads", default="decode,prefill", help="decode, prefill or both")
     parser.add_argument(
@@ -331,7 +340,7 @@ def main() -> None:
     if "prefill" in args.workloads:
         workloads["prefill 512 seqs 100-1024"] = prefill_batches(rng, token_map.vocab_size, device)
     host_threads = [None if t == "default" else int(t) for t in args.host_threads.split(",")]
-    max_programs = [None if m == "default" else int(m) for m in args.max_programs.split(",")]
+    max_programs = [parse_programs(m) for m in args.max_programs.split(",")]
     backbones = args.backbones.split(",")
     backbone = make_backbone(device)
     # Every placement is built first and the configurations are interleaved
@@ -372,7 +381,7 @@ def main() -> None:
                     if gathers:
                         store.num_threads = threads
                     if reads:
-                        store.max_programs = programs
+                        store.max_programs, store.rows_per_program = programs
                 for name, batches in workloads.items():
                     if (threads, programs) != settings[0] and not name.startswith("decode"):
                         continue  # other settings are compared on decode only
@@ -389,7 +398,7 @@ def main() -> None:
                             samples.setdefault(config, []).append(res)
                             print(
                                 f"round {round_index} {tier:6s} threads={threads!s:5s} "
-                                f"programs={programs!s:5s} {name:26s} "
+                                f"programs={programs[0]}:{programs[1]} {name:26s} "
                                 f"{kind:5s} prefetch={prefetch!s:5s} {res['ms_per_step']:8.2f} ms/step",
                                 flush=True,
                             )
@@ -405,7 +414,8 @@ def main() -> None:
             backbone=kind,
             prefetch=prefetch,
             host_threads=threads,
-            max_programs=programs,
+            max_programs=programs[0],
+            rows_per_program=programs[1],
             ms_per_step_rounds=[r["ms_per_step"] for r in runs],
         )
         results.append(res)
@@ -429,7 +439,8 @@ def main() -> None:
         if r["tier"] not in ("device", "none") and "loss_vs_gpu_pct" in r:
             print(
                 f"{r['tier']} tables, {r['workload']}, {r['backbone']} backbone, "
-                f"threads={r['host_threads']}, programs={r['max_programs']}, "
+                f"threads={r['host_threads']}, "
+                f"programs={r['max_programs']}:{r['rows_per_program']}, "
                 f"prefetch={r['prefetch']}: "
                 f"{r['loss_vs_gpu_pct']:.2f}% throughput loss"
             )

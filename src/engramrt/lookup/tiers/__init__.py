@@ -79,6 +79,11 @@ def choose_tier(nbytes: int, device: torch.device, path: str | os.PathLike[str] 
     )
 
 
+def _given(**settings: int | None) -> dict[str, int]:
+    """The settings that are not None (the others keep the store's defaults)."""
+    return {name: value for name, value in settings.items() if value is not None}
+
+
 def make_store(
     tier: str = "auto",
     *,
@@ -122,7 +127,9 @@ def make_store(
         rows_per_program, num_warps, hw_convert: kernel settings (``"device"``,
             ``"uva"``; see :func:`engramrt.lookup.lookup_rows`).
         max_programs: at most this many programs for kernels that read host
-            memory (``"uva"``, and ``"host"`` with GPU reads).
+            memory (``"uva"``, and ``"host"`` with GPU reads, which also
+            takes ``rows_per_program``). None: the tier's default (UVA: one
+            program per tile; host: :data:`engramrt.lookup.tiers.host_gather.READ_MAX_PROGRAMS`).
 
     Raises:
         CapacityError: the chosen memory or disk is too small.
@@ -184,7 +191,7 @@ def make_store(
             backend=backend,
             gpu_reads=gpu_reads,
             gpu_share=gpu_share,
-            max_programs=max_programs,
+            **_given(max_programs=max_programs, rows_per_program=rows_per_program),
         )
     elif tier == "uva":
         assert num_rows is not None

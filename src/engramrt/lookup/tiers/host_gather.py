@@ -95,7 +95,13 @@ from engramrt.lookup.tiers import memory
 from engramrt.lookup.tiers.base import RowStore
 from engramrt.lookup.tiers.uva import MappedHostRows, gather_mapped_rows, lookup_mapped_rows
 
-__all__ = ["DEFAULT_CHUNK_ROWS", "GPU_SHARE", "HostGatherRowStore"]
+__all__ = [
+    "DEFAULT_CHUNK_ROWS",
+    "GPU_SHARE",
+    "READ_MAX_PROGRAMS",
+    "READ_ROWS_PER_PROGRAM",
+    "HostGatherRowStore",
+]
 
 DEFAULT_CHUNK_ROWS = 65536
 """Rows per pipelined piece (17 MB at 264 B): 8,192 tokens x 24 columns is
@@ -119,6 +125,21 @@ throughput against GPU memory (two runs) with one thread, 4.6% with three
 and 2.6% with 16;
 prefill chunks of 8,192 tokens get 16 threads and cost 0.2%
 (``bench/runtime_overhead.py``, H200 host, 16 vCPUs)."""
+
+READ_MAX_PROGRAMS = 16
+READ_ROWS_PER_PROGRAM = 32
+"""The lookup kernel's grid limit and tile when it reads a small batch's rows from
+host memory. Its programs mostly wait on the bus, and while they wait they hold
+multiprocessors a model running beside them would use: bounding the grid to 16
+programs of 32-row tiles (each serving its tiles in turn) cost nothing alone
+(6,144 rows: 78 µs, as with one program per 16 rows; 24,576 rows: 0.82 vs
+0.72 ms) and lowered host tables' throughput loss in decode beside a
+graph-captured 7B-sized backbone from 5.8% to 4.5% without prefetch and
+from 5.0% to 3.3% with it. Over two runs, 8 or 16 programs of 16-64 rows
+landed between 3.1% and 4.9%, 32 and 64 programs at 4.7-5.2%, the unbounded
+grid at 5.0-5.8% (``bench/runtime_overhead.py --max-programs``, H200; the
+UVA tier, which takes the same settings, went from 5.0-5.2% to 2.5-3.1%
+with 16 programs)."""
 
 GPU_SHARE = 0.0
 """Default share of a deduplicated batch's unique rows that the GPU reads from
@@ -190,9 +211,11 @@ class HostGatherRowStore(RowStore):
             registration fails; True: required (a failure raises).
         gpu_share: the fraction of a deduplicated batch's unique rows the
             GPU reads (see :data:`GPU_SHARE`); 0 leaves them all to the CPU.
-        max_programs: at most this many programs for the lookup kernel's
-            reads of a small batch (see :func:`engramrt.lookup.lookup_rows`);
-            an attribute read at every lookup.
+        max_programs, rows_per_program: the lookup kernel's grid limit and
+            tile for its reads of a small batch (see
+            :data:`READ_MAX_PROGRAMS` and :func:`engramrt.lookup.lookup_rows`;
+            None: one program per tile, the kernel's tile); attributes read
+            at every lookup.
 
     Raises:
         CapacityError: less available host memory (``MemAvailable``) than
@@ -219,7 +242,8 @@ class HostGatherRowStore(RowStore):
         backend: str = "auto",
         gpu_reads: bool | None = None,
         gpu_share: float = GPU_SHARE,
-        max_programs: int | None = None,
+        max_programs: int | None = READ_MAX_PROGRAMS,
+        rows_per_program: int | None = READ_ROWS_PER_PROGRAM,
     ) -> None:
         super().__init__(
             num_rows,
@@ -242,6 +266,7 @@ class HostGatherRowStore(RowStore):
         self.gpu_share = float(gpu_share)
         check_max_programs(max_programs)
         self.max_programs = max_programs
+        self.rows_per_program = rows_per_program
         self.dedup_min_rows = DEDUP_MIN_ROWS
         self._arange: torch.Tensor | None = None
         self.source = self._allocate_source()  # [num_rows, row_bytes] uint8, CPU
@@ -458,6 +483,7 @@ class HostGatherRowStore(RowStore):
                 col_end=col_end,
                 row_begin=self.row_begin,
                 max_programs=self.max_programs,
+                rows_per_program=self.rows_per_program,
             )
         if owned.numel() == 0:
             return lookup_rows(
