@@ -49,6 +49,7 @@ from engramrt.tokenmap import TokenMap
 
 D, FFN, BLOCKS, HC = 4096, 11008, 30, 4
 ENGRAM_AT = {1: 0, 14: 1}  # block -> Engram layer index
+READS = ("host", "uva")  # tiers whose kernel reads host memory (settings: --max-programs)
 
 
 def scaled_config(table_gib: float):
@@ -284,12 +285,13 @@ class GraphedBackbone:
         self.tail[handle.slot].replay()
 
 
-def parse_programs(text: str) -> tuple[int | None, int | None]:
-    """``"default"``, ``"16"`` or ``"16:64"`` -> (max_programs, rows_per_program)."""
+def parse_programs(text: str) -> tuple[int | None, int | None] | None:
+    """``"default"`` -> None (the store's own settings); ``"16"`` or ``"16:64"`` ->
+    (max_programs, rows_per_program), ``"0"`` for an unbounded grid."""
     if text == "default":
-        return None, None
+        return None
     programs, _, rows = text.partition(":")
-    return int(programs), int(rows) if rows else None
+    return int(programs) or None, int(rows) if rows else None
 
 
 def main() -> None:
@@ -307,8 +309,8 @@ def main() -> None:
         "--max-programs",
         default="default",
         help="comma-separated grid limits of the kernel reading host memory (tiers host and "
-        "uva; 'default': the store's), each optionally ':ROWS' rows per program, to compare; "
-        "all but the first on decode only",
+        "uva), each optionally ':ROWS' rows per program ('default': the store's own settings; "
+        "'0': one program per tile), to compare; all but the first on decode only",
     )
     parser.add_argument("--workloads", default="decode,prefill", help="decode, prefill or both")
     parser.add_argument(
@@ -367,21 +369,23 @@ def main() -> None:
                 graphed[name] = GraphedBackbone(
                     runtime, backbone, cfg.rms_norm_eps, batches[0].num_tokens, device
                 )
-        setups.append((tier, stores, runtime, graphed))
+        defaults = [(s.max_programs, s.rows_per_program) for s in stores if tier in READS]
+        setups.append((tier, stores, runtime, graphed, defaults))
     samples: dict[tuple, list[dict]] = {}
     for round_index in range(args.rounds):
-        for tier, stores, runtime, graphed in setups:
+        for tier, stores, runtime, graphed, defaults in setups:
             gathers = tier in ("host", "host-cpu", "disk")
-            reads = tier in ("host", "uva")  # the GPU reads host memory
+            reads = tier in READS
             settings = [(t, max_programs[0]) for t in (host_threads if gathers else [None])]
             if reads:
                 settings += [(settings[0][0], m) for m in max_programs[1:]]
             for threads, programs in settings:
-                for store in stores:  # both read at every lookup
+                for index, store in enumerate(stores):  # both read at every lookup
                     if gathers:
                         store.num_threads = threads
                     if reads:
-                        store.max_programs, store.rows_per_program = programs
+                        grid = defaults[index] if programs is None else programs
+                        store.max_programs, store.rows_per_program = grid
                 for name, batches in workloads.items():
                     if (threads, programs) != settings[0] and not name.startswith("decode"):
                         continue  # other settings are compared on decode only
@@ -398,11 +402,11 @@ def main() -> None:
                             samples.setdefault(config, []).append(res)
                             print(
                                 f"round {round_index} {tier:6s} threads={threads!s:5s} "
-                                f"programs={programs[0]}:{programs[1]} {name:26s} "
+                                f"programs={programs} {name:26s} "
                                 f"{kind:5s} prefetch={prefetch!s:5s} {res['ms_per_step']:8.2f} ms/step",
                                 flush=True,
                             )
-    for _, _, runtime, _ in setups:
+    for _, _, runtime, _, _ in setups:
         runtime.close()
     results = []
     for (tier, threads, programs, name, kind, prefetch), runs in samples.items():
@@ -414,8 +418,8 @@ def main() -> None:
             backbone=kind,
             prefetch=prefetch,
             host_threads=threads,
-            max_programs=programs[0],
-            rows_per_program=programs[1],
+            max_programs="default" if programs is None else programs[0],
+            rows_per_program="default" if programs is None else programs[1],
             ms_per_step_rounds=[r["ms_per_step"] for r in runs],
         )
         results.append(res)
