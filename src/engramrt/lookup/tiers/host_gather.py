@@ -135,11 +135,11 @@ programs of 32-row tiles (each serving its tiles in turn) cost nothing alone
 (6,144 rows: 78 µs, as with one program per 16 rows; 24,576 rows: 0.82 vs
 0.72 ms) and lowered host tables' throughput loss in decode beside a
 graph-captured 7B-sized backbone from 5.8% to 4.5% without prefetch and
-from 5.0% to 3.3% with it. Over two runs, 8 or 16 programs of 16-64 rows
-landed between 3.1% and 4.9%, 32 and 64 programs at 4.7-5.2%, the unbounded
-grid at 5.0-5.8% (``bench/runtime_overhead.py --max-programs``, H200; the
-UVA tier, which takes the same settings, went from 5.0-5.2% to 2.5-3.1%
-with 16 programs)."""
+from 5.0% to 3.3% with it (one run). Over three runs, 8 or 16 programs of
+16-64 rows landed between 3.1% and 4.9%, 32 and 64 programs at 4.7-5.2%, the
+unbounded grid at 4.5-5.8% (``bench/runtime_overhead.py --max-programs``,
+H200; the UVA tier, which takes the same settings, went from 5.0-5.2% to
+2.5-3.1% with 16 programs)."""
 
 GPU_SHARE = 0.0
 """Default share of a deduplicated batch's unique rows that the GPU reads from
