@@ -432,3 +432,11 @@ def test_max_programs_setting_is_checked() -> None:
     table = random_packed_table(10, 32, seed=46)
     with pytest.raises(ValidationError, match=r"max_programs = 0; expected None or an int >= 1"):
         make_store("host", packed=table, max_programs=0)
+
+
+@needs_cuda
+def test_max_programs_set_on_a_store_is_checked_at_lookup() -> None:
+    store = make_store("uva", packed=random_packed_table(10, 32, seed=47))
+    store.max_programs = 0
+    with pytest.raises(ValidationError, match=r"max_programs = 0; expected None or an int >= 1"):
+        store.lookup(torch.zeros((2, 3), dtype=torch.int64, device=DEVICE))

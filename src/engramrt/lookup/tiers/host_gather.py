@@ -28,7 +28,8 @@ reads some of them itself:
 - a batch of fewer than :data:`DEDUP_MIN_ROWS` owned ids (decode) skips all
   of the above: the lookup kernel reads its rows straight from host memory,
   with no host synchronisation (H200, 6,144 random rows of an 8 GiB
-  table: 80 µs, against 538 µs for the CPU path);
+  table: 80 µs, against 538 µs for the CPU path), from a bounded grid that
+  leaves most of the GPU to the model beside it (:data:`READ_MAX_PROGRAMS`);
 - in a larger batch, the GPU can copy the highest ``gpu_share`` of the
   unique rows out of host memory on its own stream while the CPU gathers
   the others (step 3), both feeding step 4 (off by default: see

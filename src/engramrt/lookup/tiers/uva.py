@@ -168,6 +168,7 @@ def lookup_mapped_rows(
     """The lookup kernel over rows in registered host memory (``mapped``, bytes)."""
     from engramrt.lookup.kernel import lookup_rows_triton  # imports Triton
 
+    check_max_programs(max_programs)  # a store attribute, settable between lookups
     row_ids = row_ids.to(device, non_blocking=True)
     if out is None:
         out = torch.empty((*row_ids.shape, E), dtype=torch.bfloat16, device=device)
