@@ -35,12 +35,14 @@ import triton.language as tl
 
 from engramrt._launch import CachedLauncher
 from engramrt.cache.policy import MIX_MULTIPLIER
-from engramrt.lookup.kernel import _flat_lookups, _store_dequantized_rows
+from engramrt.lookup.kernel import (
+    DEFAULT_NUM_WARPS,
+    _flat_lookups,
+    _store_dequantized_rows,
+    tile_shape,
+)
 
 __all__ = ["probe_gather_triton"]
-
-DEFAULT_TILE_ELEMENTS = 4096
-DEFAULT_NUM_WARPS = 4
 
 # Runtime integers are not specialised on their values (cheap launcher key).
 _INTS = [
@@ -163,10 +165,7 @@ def probe_gather_triton(
     if n_lookups == 0:
         return slots
     E = out.shape[-1]
-    blocks = E // 32
-    blocks_pad = triton.next_power_of_2(blocks)
-    rows = rows_per_program or max(1, DEFAULT_TILE_ELEMENTS // (blocks_pad * 32))
-    rows = triton.next_power_of_2(rows)
+    blocks, blocks_pad, rows = tile_shape(E, rows_per_program)
     grid = (triton.cdiv(n_lookups, rows),)
     _launch_probe_gather(
         grid,

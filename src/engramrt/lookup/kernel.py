@@ -190,10 +190,7 @@ def lookup_rows_triton(
     n_lookups = num_tokens * num_cols
     if n_lookups == 0:
         return out
-    blocks = E // 32
-    blocks_pad = triton.next_power_of_2(blocks)
-    rows = rows_per_program or max(1, DEFAULT_TILE_ELEMENTS // (blocks_pad * 32))
-    rows = triton.next_power_of_2(rows)
+    blocks, blocks_pad, rows = tile_shape(E, rows_per_program)
     tiles = triton.cdiv(n_lookups, rows)
     per_program = tiles_per_program(tiles, max_programs)
     grid = (triton.cdiv(tiles, per_program),)
@@ -218,6 +215,16 @@ def lookup_rows_triton(
         num_warps=num_warps or DEFAULT_NUM_WARPS,
     )
     return out
+
+
+def tile_shape(E: int, rows_per_program: int | None) -> tuple[int, int, int]:
+    """A lookup tile ``[ROWS, NB_PAD, 32]`` for rows of ``E`` values: the scale blocks
+    ``NB = E / 32``, ``NB_PAD`` (the next power of two) and ``ROWS`` (a power of two;
+    by default :data:`DEFAULT_TILE_ELEMENTS` values per tile)."""
+    blocks = E // 32
+    blocks_pad = triton.next_power_of_2(blocks)
+    rows = rows_per_program or max(1, DEFAULT_TILE_ELEMENTS // (blocks_pad * 32))
+    return blocks, blocks_pad, triton.next_power_of_2(rows)
 
 
 def tiles_per_program(tiles: int, max_programs: int | None) -> int:
