@@ -54,7 +54,7 @@ on the same host the two at once take no longer than the copy alone, so
 the stages could overlap; but the deduplication must finish before the
 first gather and the dequantisation waits for the last copy, which bounds
 a lookup of uniform ids at about 0.37 + 0.98 + 0.2 = 1.55 ms (127 M rows/s).
-Pieces: smaller ones shorten the last copy but each costs 30-80 µs of
+Pieces: smaller ones shorten the last copy but each can cost up to ~80 µs of
 gather start-up (65,536 rows were best of 16,384 to 1 M), and entering the
 copy stream once per piece rather than once per gather cost another
 30-60 µs each. Tried and dropped:
