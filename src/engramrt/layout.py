@@ -21,7 +21,14 @@ import numpy as np
 from engramrt.config import EngramConfig
 from engramrt.errors import LayoutError, ShardingError
 
-__all__ = ["ColumnShard", "EngramLayout", "is_prime", "next_unused_prime"]
+__all__ = [
+    "ColumnShard",
+    "EngramLayout",
+    "cols_per_rank",
+    "is_prime",
+    "next_unused_prime",
+    "owned_columns",
+]
 
 _INT64_MAX = np.iinfo(np.int64).max
 
@@ -62,6 +69,36 @@ def next_unused_prime(after: int, used: set[int]) -> int:
     while not (is_prime(candidate) and candidate not in used):
         candidate += 1
     return candidate
+
+
+def cols_per_rank(num_cols: int, world: int) -> int:
+    """``part = ceil(C / world)``, the columns each rank of ``world`` owns (SPEC §7).
+
+    Refuses a ``world`` that leaves some rank with no column.
+    """
+    if isinstance(world, bool) or not isinstance(world, int) or world <= 0:
+        raise ShardingError(f"tp={world!r} must be a positive integer")
+    part = -(-num_cols // world)
+    if (world - 1) * part >= num_cols:
+        owned = [max(0, min(part, num_cols - r * part)) for r in range(world)]
+        raise ShardingError(
+            f"tp={world} leaves rank(s) {[r for r, n in enumerate(owned) if n == 0]} without a "
+            f"hash column: C={num_cols} columns in parts of ceil({num_cols}/{world})={part}; "
+            f"choose tp so that (tp-1)*ceil(C/tp) < C"
+        )
+    return part
+
+
+def owned_columns(num_cols: int, world: int, rank: int) -> tuple[int, int]:
+    """``(col_begin, col_end)``: the hash columns ``rank`` of ``world`` owns (SPEC §7).
+
+    The one place the column-ownership rule lives: rank ``r`` owns
+    ``[r * part, min((r + 1) * part, C))`` with ``part = ceil(C / world)``.
+    """
+    part = cols_per_rank(num_cols, world)
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world:
+        raise ShardingError(f"rank={rank!r} must be in [0, {world})")
+    return rank * part, min((rank + 1) * part, num_cols)
 
 
 @dataclass(frozen=True)
@@ -188,13 +225,9 @@ class EngramLayout:
 
     def column_shard(self, layer_index: int, tp: int, rank: int) -> ColumnShard:
         """Columns and rows of layer ``layer_index`` owned by TP ``rank`` (SPEC §7)."""
-        part = self.cols_per_rank(tp)
-        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < tp:
-            raise ShardingError(f"rank={rank!r} must be in [0, {tp})")
         if not 0 <= layer_index < self.n_layers:
             raise ShardingError(f"layer_index={layer_index} must be in [0, {self.n_layers})")
-        c0 = rank * part
-        c1 = min(c0 + part, self.n_cols)
+        c0, c1 = owned_columns(self.n_cols, tp, rank)
         offsets = self.offsets[layer_index]
         primes = self.col_primes[layer_index]
         return ColumnShard(
@@ -208,18 +241,7 @@ class EngramLayout:
 
     def cols_per_rank(self, tp: int) -> int:
         """``ceil(C / tp)``; refuses a tp that leaves some rank with no column."""
-        if isinstance(tp, bool) or not isinstance(tp, int) or tp <= 0:
-            raise ShardingError(f"tp={tp!r} must be a positive integer")
-        c = self.n_cols
-        part = -(-c // tp)
-        if (tp - 1) * part >= c:
-            owned = [max(0, min(part, c - r * part)) for r in range(tp)]
-            raise ShardingError(
-                f"tp={tp} leaves rank(s) {[r for r, n in enumerate(owned) if n == 0]} without a "
-                f"hash column: C={c} columns in parts of ceil({c}/{tp})={part}; "
-                f"choose tp so that (tp-1)*ceil(C/tp) < C"
-            )
-        return part
+        return cols_per_rank(self.n_cols, tp)
 
     def to_dict(self) -> dict[str, object]:
         cfg = self.config

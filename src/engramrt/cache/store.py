@@ -154,6 +154,8 @@ class CachedRowStore(RowStore):
     """
 
     tier = "cached"
+    host_sync = True  # planning an admission reads the missed ids on the host
+    has_update = True
 
     def __init__(
         self,

@@ -11,7 +11,7 @@ a new tier is a new file, not an ``if`` in every caller.
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
+from abc import abstractmethod
 from typing import Any, ClassVar
 
 import torch
@@ -20,6 +20,7 @@ from engramrt.errors import ValidationError
 from engramrt.lookup import check_lookup_args, check_row_ids_in_shard
 from engramrt.lookup.reference import row_bytes_for
 from engramrt.quant import check_row_width
+from engramrt.source import RowSource
 
 __all__ = ["RowStore", "default_compute_device"]
 
@@ -39,7 +40,7 @@ def _with_index(device: torch.device | str) -> torch.device:
     return device
 
 
-class RowStore(ABC):
+class RowStore(RowSource):
     """Packed table rows in one kind of memory, served through :meth:`lookup`.
 
     Attributes:
@@ -113,6 +114,10 @@ class RowStore(ABC):
         self, row_ids: torch.Tensor, col_end: int, out: torch.Tensor | None
     ) -> torch.Tensor:
         """The tier's lookup, arguments already checked."""
+
+    def fetch(self, row_ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """A store's rows for a step are its :meth:`lookup` (the :class:`RowSource` contract)."""
+        return self.lookup(row_ids, out)
 
     def device_rows(self) -> Any:
         """The packed rows ``[num_rows, row_bytes]`` as the compute device's kernels can read

@@ -225,6 +225,7 @@ class HostGatherRowStore(RowStore):
     """
 
     tier = "host"
+    host_sync = True  # the CPU gathers large batches: it must learn their ids
     _maps_rows_for_gpu: ClassVar[bool] = True
     """Whether ``gpu_reads=None`` turns GPU reads on (the disk tier: never)."""
 

@@ -1,0 +1,143 @@
+"""``RowSource``: where one Engram layer's rows come from, one step at a time.
+
+Every way of producing a layer's rows ``[T, C, E]`` (bf16, dequantised)
+is a row source: each storage tier (:class:`~engramrt.lookup.tiers.RowStore`),
+the hot-row cache in front of one, and the parallel exchanges that rebuild
+rows from other ranks' column shards (:mod:`engramrt.exchange`). A layer's
+head (:class:`~engramrt.layer.EngramHead`) takes rows as input and does not
+care which source made them; :class:`~engramrt.layer.EngramLayer` is a head
+plus a source, and :class:`~engramrt.runtime.EngramRuntime` starts every
+layer's source at once and hands each layer its rows when it runs.
+
+The contract has two halves:
+
+- :meth:`RowSource.fetch` ``(row_ids [T, C], out [T_local, C, E])`` writes
+  the rows on the current stream. ``T_local`` is
+  :meth:`RowSource.local_tokens` of ``T``: ``T``, or this rank's token share
+  under sequence parallelism;
+- :meth:`RowSource.start` runs ``fetch`` now, or on a side stream, and
+  returns :class:`PendingRows`, whose :meth:`PendingRows.wait` makes the
+  caller's stream wait for the rows and returns them.
+
+Capability flags tell a scheduler how a source may be run, so that no
+caller needs to know which class it holds:
+
+- :attr:`RowSource.host_sync`: a lookup (or its :meth:`RowSource.update`)
+  makes the host wait for the device (it must learn the ids: the host and
+  disk tiers, the cache's admission). Such a source cannot be captured in a
+  CUDA graph and an engine runs it on a worker thread; otherwise it runs on
+  a side stream.
+- :attr:`RowSource.has_update`: :meth:`RowSource.update` has work to do after
+  each lookup, off the layer's path (a cache admitting the rows it missed).
+- :attr:`RowSource.collective`: every rank of a process group must call
+  ``fetch`` in the same order (the exchanges); a scheduler must issue all
+  such sources from one thread, in layer order.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+__all__ = ["PendingRows", "RowSource"]
+
+
+@dataclass
+class PendingRows:
+    """Rows of one step that a source started and nobody has waited for yet.
+
+    Attributes:
+        rows: ``[T_local, C, E]`` bf16 where the rows land.
+        num_tokens: ``T``, the tokens of the step's row ids.
+        event: a CUDA event recorded after the rows were written, or None
+            when they were written on the caller's stream (or the CPU).
+        future: a worker thread's lookup to join first, or None.
+        keep_alive: tensors the lookup still reads (the row ids), held so the
+            caching allocator cannot hand their memory out before the wait.
+    """
+
+    rows: torch.Tensor
+    num_tokens: int
+    event: Any = None
+    future: Future[Any] | None = None
+    keep_alive: tuple[torch.Tensor, ...] = field(default_factory=tuple)
+
+    def wait(self) -> torch.Tensor:
+        """The rows, once the caller's current stream is ordered after them.
+
+        Joins the worker thread (when there is one: its host work must have
+        issued the copies), then makes the current stream wait for the event.
+        No host synchronisation on the device work itself.
+        """
+        if self.future is not None:
+            self.future.result()
+        if self.event is not None:
+            torch.cuda.current_stream(self.rows.device).wait_event(self.event)
+        return self.rows
+
+
+class RowSource(ABC):
+    """Rows ``[T, C, E]`` of one Engram layer from row ids ``[T, C]``.
+
+    Attributes:
+        E: values per row (``engram_head_dim``).
+        device: the device the rows are written on.
+        host_sync, has_update, collective: capability flags (see the module doc).
+    """
+
+    E: int
+    device: torch.device
+    host_sync: bool = False
+    has_update: bool = False
+    collective: bool = False
+
+    def local_tokens(self, num_tokens: int) -> int:
+        """Tokens of rows this source writes for a step of ``num_tokens`` row-id tokens."""
+        return num_tokens
+
+    @abstractmethod
+    def fetch(self, row_ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Write the rows of ``row_ids [T, C]`` on the current stream.
+
+        ``out``, when given, is contiguous bf16 ``[local_tokens(T), C, E]`` on
+        :attr:`device`; returns it (or a new tensor).
+        """
+
+    def update(self, stream: torch.cuda.Stream | None = None) -> None:  # noqa: B027
+        """Work due after a lookup, off the layer's path (see :attr:`has_update`)."""
+
+    def start(
+        self,
+        row_ids: torch.Tensor,
+        out: torch.Tensor,
+        *,
+        stream: torch.cuda.Stream | None = None,
+    ) -> PendingRows:
+        """Start writing the rows of ``row_ids`` into ``out``; :meth:`PendingRows.wait` joins.
+
+        Args:
+            row_ids: ``[T, C]`` int32/int64.
+            out: contiguous bf16 ``[local_tokens(T), C, E]`` on :attr:`device`.
+            stream: a CUDA stream to run on: it first waits for the work
+                queued on the current stream (the hashing that made
+                ``row_ids``, the previous reader of ``out``). None: run on
+                the current stream now.
+        """
+        num_tokens = row_ids.shape[0]
+        if stream is None:
+            self.fetch(row_ids, out)
+            if self.has_update:
+                self.update()
+            return PendingRows(out, num_tokens)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        done = torch.cuda.Event()
+        with torch.cuda.stream(stream):
+            self.fetch(row_ids, out)
+            done.record(stream)
+            if self.has_update:
+                self.update(stream)
+        return PendingRows(out, num_tokens, event=done, keep_alive=(row_ids,))
