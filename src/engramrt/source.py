@@ -95,6 +95,12 @@ class RowSource(ABC):
     has_update: bool = False
     collective: bool = False
 
+    def served_columns(self, num_cols: int) -> tuple[int, int]:
+        """Hash columns ``[begin, end)`` of ``num_cols`` whose rows this source returns
+        (the others read as zeros): a column shard's store serves its own, an
+        exchange all of them."""
+        return 0, num_cols
+
     def local_tokens(self, num_tokens: int) -> int:
         """Tokens of rows this source writes for a step of ``num_tokens`` row-id tokens."""
         return num_tokens
@@ -109,6 +115,10 @@ class RowSource(ABC):
 
     def update(self, stream: torch.cuda.Stream | None = None) -> None:  # noqa: B027
         """Work due after a lookup, off the layer's path (see :attr:`has_update`)."""
+
+    def stats(self) -> Any:
+        """The source's own counters (a cache's hits and misses), or None when it keeps none."""
+        return None
 
     def start(
         self,

@@ -1,4 +1,5 @@
-"""TPLookup and AllToAllLookup in one process: the routing reference and a world of one.
+"""The TP all-gather and all-to-all exchanges in one process: the routing reference and a
+world of one.
 
 The multi-process runs are in test_world.py; here the all-to-all routing
 simulated over a list of shard stores equals the unsharded lookup for
@@ -22,14 +23,9 @@ from tests.distributed.common import (
     shard_store,
 )
 
-from engramrt.distributed import (
-    AllToAllLookup,
-    TPLookup,
-    all_to_all_lookup_reference,
-    owner_columns,
-)
 from engramrt.errors import ShardingError, ValidationError
-from engramrt.layout import EngramLayout
+from engramrt.exchange import AllGatherExchange, AllToAllExchange, all_to_all_lookup_reference
+from engramrt.layout import EngramLayout, owned_columns
 from engramrt.lookup.tiers import make_store
 
 CONFIGS = [TINY, C10]
@@ -38,11 +34,10 @@ CONFIGS = [TINY, C10]
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 @pytest.mark.parametrize("config", CONFIGS, ids=["tiny", "c10"])
 def test_all_to_all_routing_equals_the_unsharded_lookup(config, world: int) -> None:
-    layout = EngramLayout(config)
     stores = [shard_store(config, world, rank) for rank in range(world)]
     token_counts = [5, 0, 3, 8][:world]
     row_ids = [random_row_ids(config, n, seed=10 * world + r) for r, n in enumerate(token_counts)]
-    results = all_to_all_lookup_reference(row_ids, stores, layout)
+    results = all_to_all_lookup_reference(row_ids, stores, config.n_cols)
     for rank, (ids, rows) in enumerate(zip(row_ids, results, strict=True)):
         assert_same_bits(rows, reference_rows(config, ids), label=f"world {world} rank {rank}")
 
@@ -64,58 +59,65 @@ def test_all_to_all_routing_puts_each_owners_rows_in_its_columns() -> None:
     )
     row_ids = [random_row_ids(TINY, 4, seed=1), random_row_ids(TINY, 2, seed=2)]
     for ids, rows in zip(
-        row_ids, all_to_all_lookup_reference(row_ids, stores, layout), strict=True
+        row_ids, all_to_all_lookup_reference(row_ids, stores, TINY.n_cols), strict=True
     ):
         expected = reference_rows(TINY, ids)
         own, theirs = slice(0, shard.col_begin), slice(shard.col_begin, shard.col_end)
         assert_same_bits(rows[:, own], expected[:, own], label="rank 0's columns")
         assert not torch.equal(rows[:, theirs], expected[:, theirs])
     with pytest.raises(ValidationError, match="3 batches for 2 stores"):
-        all_to_all_lookup_reference([*row_ids, row_ids[0]], stores, layout)
+        all_to_all_lookup_reference([*row_ids, row_ids[0]], stores, TINY.n_cols)
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 6, 12])
-def test_owner_columns_cover_every_column_once(world: int) -> None:
-    bounds = owner_columns(EngramLayout(TINY), world)
+def test_owned_columns_cover_every_column_once(world: int) -> None:
+    bounds = [owned_columns(TINY.n_cols, world, rank) for rank in range(world)]
     assert [c for c0, c1 in bounds for c in range(c0, c1)] == list(range(TINY.n_cols))
     assert all(c1 > c0 for c0, c1 in bounds)
 
 
-def test_owner_columns_refuse_a_rank_without_columns() -> None:
+def test_owned_columns_refuse_a_rank_without_columns() -> None:
     with pytest.raises(ShardingError, match=r"tp=4 leaves rank\(s\) \[3\] without a hash column"):
-        owner_columns(EngramLayout(C6), 4)
+        owned_columns(C6.n_cols, 4, 0)
 
 
 def test_lookups_need_initialised_distributed() -> None:
     if dist.is_initialized():
         pytest.skip("a process group is already initialised in this process")
     store = shard_store(TINY, 1, 0)
-    for cls in (TPLookup, AllToAllLookup):
+    for cls in (AllGatherExchange, AllToAllExchange):
         with pytest.raises(ShardingError, match="not initialised"):
-            cls(store, EngramLayout(TINY), 0)
+            cls(store, num_cols=TINY.n_cols)
 
 
 def test_a_world_of_one_is_the_plain_lookup(world_of_one) -> None:
-    layout = EngramLayout(C10)
     row_ids = random_row_ids(C10, 5, seed=9)
     expected = reference_rows(C10, row_ids)
     for collective in ("all_gather", "all_reduce"):
-        lookup = TPLookup(shard_store(C10, 1, 0), layout, 0, world_of_one, collective=collective)
+        lookup = AllGatherExchange(
+            shard_store(C10, 1, 0), num_cols=C10.n_cols, group=world_of_one, collective=collective
+        )
         assert (lookup.tp, lookup.rank) == (1, 0)
-        assert_same_bits(lookup(row_ids), expected, label=f"tp=1 {collective}")
-    a2a = AllToAllLookup(shard_store(C10, 1, 0), layout, 0, world_of_one)
-    assert_same_bits(a2a(row_ids), expected, label="all-to-all world of one")
-    assert a2a(row_ids[:0]).shape == (0, C10.n_cols, C10.head_dim)
+        assert lookup.collective and not lookup.host_sync
+        assert_same_bits(lookup.fetch(row_ids), expected, label=f"tp=1 {collective}")
+    a2a = AllToAllExchange(shard_store(C10, 1, 0), num_cols=C10.n_cols, group=world_of_one)
+    assert a2a.collective and a2a.host_sync  # the split sizes come to the host
+    assert_same_bits(a2a.fetch(row_ids), expected, label="all-to-all world of one")
+    assert a2a.fetch(row_ids[:0]).shape == (0, C10.n_cols, C10.head_dim)
 
 
 def test_stores_of_other_shards_are_refused(world_of_one) -> None:
-    layout = EngramLayout(TINY)
-    with pytest.raises(ShardingError, match=r"store holds rows \[0, \d+\) but rank 0 of 1 needs"):
-        TPLookup(shard_store(TINY, 2, 0), layout, 0, world_of_one)
-    with pytest.raises(ValidationError, match="store has E=32; the config has head_dim E=64"):
-        AllToAllLookup(shard_store(C10, 1, 0), layout, 0, world_of_one)
+    C = TINY.n_cols
+    with pytest.raises(ShardingError, match=r"serves hash columns \[0, 6\) but rank 0 of 1 owns"):
+        AllGatherExchange(shard_store(TINY, 2, 0), num_cols=C, group=world_of_one)
+    with pytest.raises(ShardingError, match=r"serves hash columns \[0, 6\) but rank 0 of 1 owns"):
+        AllToAllExchange(shard_store(TINY, 2, 0), num_cols=C, group=world_of_one)
     with pytest.raises(ValidationError, match="collective='broadcast'"):
-        TPLookup(shard_store(TINY, 1, 0), layout, 0, world_of_one, collective="broadcast")
-    lookup = TPLookup(shard_store(TINY, 1, 0), layout, 0, world_of_one)
+        AllGatherExchange(
+            shard_store(TINY, 1, 0), num_cols=C, group=world_of_one, collective="broadcast"
+        )
+    with pytest.raises(ValidationError, match="num_cols=0"):
+        AllGatherExchange(shard_store(TINY, 1, 0), num_cols=0, group=world_of_one)
+    lookup = AllGatherExchange(shard_store(TINY, 1, 0), num_cols=C, group=world_of_one)
     with pytest.raises(ValidationError, match=r"expected \[T, C\] with C=12"):
-        lookup(torch.zeros((3, 10), dtype=torch.int64))
+        lookup.fetch(torch.zeros((3, 10), dtype=torch.int64))

@@ -19,9 +19,8 @@ from tests.distributed.common import (
     reference_rows,
 )
 
-from engramrt.distributed import AllToAllLookup, TPLookup
-from engramrt.distributed._collectives import all_gather_into, word_view
-from engramrt.layout import EngramLayout
+from engramrt.exchange import AllGatherExchange, AllToAllExchange
+from engramrt.exchange._collectives import all_gather_into, word_view
 from engramrt.lookup.tiers import make_store
 
 pytestmark = pytest.mark.skipif(
@@ -32,17 +31,18 @@ pytestmark = pytest.mark.skipif(
 
 @pytest.mark.parametrize("tier", ["device", "uva", "host"])
 def test_lookups_over_nccl_equal_the_reference(nccl_world_of_one, tier: str) -> None:
-    layout = EngramLayout(C10)
     store = make_store(tier, packed=layer_table(C10, 0), device="cuda", backend="triton")
     row_ids = random_row_ids(C10, 37, seed=3)
     expected = reference_rows(C10, row_ids)
     ids = row_ids.cuda()
     for collective in ("all_gather", "all_reduce"):
-        lookup = TPLookup(store, layout, 0, nccl_world_of_one, collective=collective)
-        assert_same_bits(lookup(ids).cpu(), expected, label=f"{tier} tp=1 {collective}")
-    a2a = AllToAllLookup(store, layout, 0, nccl_world_of_one)
-    assert_same_bits(a2a(ids).cpu(), expected, label=f"{tier} all-to-all")
-    assert a2a(ids[:0]).shape == (0, C10.n_cols, C10.head_dim)
+        lookup = AllGatherExchange(
+            store, num_cols=C10.n_cols, group=nccl_world_of_one, collective=collective
+        )
+        assert_same_bits(lookup.fetch(ids).cpu(), expected, label=f"{tier} tp=1 {collective}")
+    a2a = AllToAllExchange(store, num_cols=C10.n_cols, group=nccl_world_of_one)
+    assert_same_bits(a2a.fetch(ids).cpu(), expected, label=f"{tier} all-to-all")
+    assert a2a.fetch(ids[:0]).shape == (0, C10.n_cols, C10.head_dim)
 
 
 def test_word_collectives_over_nccl_keep_the_bits(nccl_world_of_one) -> None:

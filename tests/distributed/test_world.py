@@ -3,11 +3,11 @@
 One world of 4 spawned processes (tests/distributed/world_worker.py) runs
 every scenario once; here, in the test process:
 
-- TPLookup, tp = 1, 2, 3, 4 (two replicas at tp = 2), both collectives,
+- AllGatherExchange, tp = 1, 2, 3, 4 (two replicas at tp = 2), both collectives,
   T = 7, 1, 0, the tiny preset (C = 12) and C = 10 (padded column blocks at
   tp = 3, 4): every rank's rows equal the unsharded reference bit for bit;
   a tp leaving a rank without a column is refused with the reason;
-- AllToAllLookup over worlds of 4 and 3, a different T per rank (0 too,
+- AllToAllExchange over worlds of 4 and 3, a different T per rank (0 too,
   and a step where every rank has none): bit for bit the reference;
 - SharedHostTable: a table all four processes ask for is loaded once
   (counted across processes in a file), every process maps the same file

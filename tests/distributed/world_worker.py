@@ -98,13 +98,9 @@ def run(rank: int, world_size: int, init_file: str, out_dir_name: str) -> None:
             shard_store,
         )
 
-        from engramrt.distributed import (
-            AllToAllLookup,
-            SharedHostTable,
-            TPLookup,
-            shared_store,
-        )
+        from engramrt.distributed import SharedHostTable, shared_store
         from engramrt.errors import ShardingError
+        from engramrt.exchange import AllGatherExchange, AllToAllExchange
         from engramrt.layout import EngramLayout
         from engramrt.lookup import row_bytes_for
 
@@ -125,7 +121,6 @@ def run(rank: int, world_size: int, init_file: str, out_dir_name: str) -> None:
         # -- tensor parallel: every tp, both collectives, against each config --
         for config_name in TP_CONFIGS:
             config = CONFIGS[config_name]
-            layout = EngramLayout(config)
             for tp in TPS:
                 found = tp_groups_of(rank, tp)
                 if found is None:
@@ -134,8 +129,11 @@ def run(rank: int, world_size: int, init_file: str, out_dir_name: str) -> None:
                 tp_rank = members.index(rank)
                 store = shard_store(config, tp, tp_rank)
                 for collective in ("all_gather", "all_reduce"):
-                    lookup = TPLookup(
-                        store, layout, 0, groups[tuple(members)], collective=collective
+                    lookup = AllGatherExchange(
+                        store,
+                        num_cols=config.n_cols,
+                        group=groups[tuple(members)],
+                        collective=collective,
                     )
                     for num_tokens in TP_TOKEN_COUNTS:
                         row_ids = random_row_ids(
@@ -148,30 +146,33 @@ def run(rank: int, world_size: int, init_file: str, out_dir_name: str) -> None:
                                 float("nan"),
                                 dtype=torch.bfloat16,
                             )
-                        rows = lookup(row_ids, out=out)
+                        rows = lookup.fetch(row_ids, out=out)
                         assert out is None or rows.data_ptr() == out.data_ptr()
                         key = f"tp/{config_name}/{tp}/{collective}/T{num_tokens}"
                         saved[key] = {"row_ids": row_ids, "rows": rows.clone()}
         # a tp that leaves a rank without a column is refused on every rank
         try:
-            TPLookup(shard_store(CONFIGS["c6"], 3, 0), EngramLayout(CONFIGS["c6"]), 0, world)
+            AllGatherExchange(
+                shard_store(CONFIGS["c6"], 3, 0), num_cols=CONFIGS["c6"].n_cols, group=world
+            )
         except ShardingError as exc:
             saved["refused/c6/4"] = str(exc)
 
         # -- all-to-all over the whole world (and a world of 3) --
         for config_name in TP_CONFIGS:
             config = CONFIGS[config_name]
-            layout = EngramLayout(config)
             for a2a_world in A2A_WORLDS:
                 if rank >= a2a_world:
                     continue
                 group = groups[tuple(range(a2a_world))]
-                lookup_a2a = AllToAllLookup(shard_store(config, a2a_world, rank), layout, 0, group)
+                lookup_a2a = AllToAllExchange(
+                    shard_store(config, a2a_world, rank), num_cols=config.n_cols, group=group
+                )
                 for step, token_counts in enumerate(A2A_STEPS):
                     row_ids = random_row_ids(
                         config, token_counts[rank], a2a_seed(config_name, a2a_world, step, rank)
                     )
-                    rows = lookup_a2a(row_ids)
+                    rows = lookup_a2a.fetch(row_ids)
                     key = f"a2a/{config_name}/{a2a_world}/step{step}"
                     saved[key] = {"row_ids": row_ids, "rows": rows}
 
@@ -222,7 +223,8 @@ def run(rank: int, world_size: int, init_file: str, out_dir_name: str) -> None:
             backend="reference",
         )
         row_ids = random_row_ids(TINY, 9, tp_seed("tiny", 2, replica, 9) + 50)
-        rows = TPLookup(store, layout, 0, groups[tuple(members)])(row_ids)
+        exchange = AllGatherExchange(store, num_cols=TINY.n_cols, group=groups[tuple(members)])
+        rows = exchange.fetch(row_ids)
         saved["shared/tp2"] = {
             "name": name,
             "created": table.created,

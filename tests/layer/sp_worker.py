@@ -50,7 +50,12 @@ def run(rank: int, world_size: int, init_file: str, out_dir: str, backend: str =
         )
 
         from engramrt._backend import interpreter_enabled
-        from engramrt.layer import COLLECTIVES, EngramLayer, tokens_per_rank
+        from engramrt.exchange import (
+            SEQUENCE_PARALLEL_COLLECTIVES,
+            SequenceParallelExchange,
+            tokens_per_rank,
+        )
+        from engramrt.layer import EngramLayer
 
         if backend == "nccl":
             torch.cuda.set_device(rank)
@@ -72,10 +77,15 @@ def run(rank: int, world_size: int, init_file: str, out_dir: str, backend: str =
             if rank >= tp:
                 continue
             store = shard_store(table, tp, rank, device=device)
-            for collective in COLLECTIVES:
-                layer = EngramLayer(
-                    CONFIG, store, max_tokens=MAX_TOKENS, group=groups[tp], collective=collective
+            for collective in SEQUENCE_PARALLEL_COLLECTIVES:
+                exchange = SequenceParallelExchange(
+                    store,
+                    num_cols=CONFIG.n_cols,
+                    max_tokens=MAX_TOKENS,
+                    group=groups[tp],
+                    collective=collective,
                 )
+                layer = EngramLayer(CONFIG, exchange, max_tokens=MAX_TOKENS)
                 for step, num_tokens in enumerate(TOKEN_COUNTS):
                     seed = scenario_seed(tp, num_tokens)
                     layer.load_weights(**random_weights(seed, fp8=tp == 3))
@@ -95,9 +105,9 @@ def run(rank: int, world_size: int, init_file: str, out_dir: str, backend: str =
                             "kv": kv.cpu(),
                             "out": out.cpu(),
                             "hidden": hidden.cpu(),
-                            "q_weight": layer.q_weight.detach().cpu(),
-                            "k_weight": layer.k_weight.detach().cpu(),
-                            "weight_rounding": layer.wkv.weight_rounding,
+                            "q_weight": layer.head.q_weight.detach().cpu(),
+                            "k_weight": layer.head.k_weight.detach().cpu(),
+                            "weight_rounding": layer.head.wkv.weight_rounding,
                             "truncating_store": truncating_store,
                         },
                         result_path(Path(out_dir), tp, collective, num_tokens, rank),

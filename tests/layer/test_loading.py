@@ -77,4 +77,4 @@ def test_load_layer_renamed_tensors(tmp_path) -> None:
         device=DEVICE,
         weight_names={"q_weight": "blocks.{layer}.qn"},
     )
-    assert torch.equal(layer.q_weight.cpu(), weights["q_weight"])
+    assert torch.equal(layer.head.q_weight.cpu(), weights["q_weight"])

@@ -75,11 +75,11 @@ def check_step(layer, weights, table, hidden, row_ids, out, kv, token_mask=None)
         kv=kv,
         out=out,
         wkv_exact=exact_wkv(weights).to(DEVICE),
-        q_weight=layer.q_weight,
-        k_weight=layer.k_weight,
-        eps=layer.eps,
+        q_weight=layer.head.q_weight,
+        k_weight=layer.head.k_weight,
+        eps=layer.head.eps,
         token_mask=token_mask,
-        weight_rounding=layer.wkv.weight_rounding,
+        weight_rounding=layer.head.wkv.weight_rounding,
         truncating_store=TRUNCATING_STORE,
     )
     if token_mask is not None:  # masked tokens pass through bit for bit
@@ -134,7 +134,7 @@ def test_fp32_norm_weights_are_kept(store, table) -> None:
     weights["q_weight"] = weights["q_weight"].float() * 1.01
     weights["k_weight"] = weights["k_weight"].float()
     layer.load_weights(**weights)
-    assert layer.q_weight.dtype == torch.float32
+    assert layer.head.q_weight.dtype == torch.float32
     row_ids = random_row_ids(3, seed=8).to(DEVICE)
     hidden = random_hidden(3, seed=9).to(DEVICE)
     out, kv = layer(hidden, row_ids, return_kv=True)
@@ -152,7 +152,12 @@ def test_auto_backend_without_interpreter_is_the_reference(table, monkeypatch) -
     out, kv = layer(hidden, row_ids, return_kv=True)
     rows = lookup_rows_reference(row_ids, table, E)
     expected_out, expected_kv = engram_layer_reference(
-        hidden, rows, layer.wkv.weight, layer.q_weight, layer.k_weight, layer.eps
+        hidden,
+        rows,
+        layer.head.wkv.weight,
+        layer.head.q_weight,
+        layer.head.k_weight,
+        layer.head.eps,
     )
     assert_same_bits(layer.rows_buffer[:9], rows)
     assert_same_bits(kv, expected_kv, label="kv")
@@ -242,7 +247,7 @@ def test_staging_protocol_errors(store) -> None:
     layer.prepare(row_ids)
     with pytest.raises(ValidationError, match="already called"):
         layer.prepare(row_ids)
-    with pytest.raises(ValidationError, match="already staged 4"):
+    with pytest.raises(ValidationError, match="rows of 4 tokens were already started"):
         layer(hidden, row_ids)
     with pytest.raises(ValidationError, match=r"expected \[4, 4, 256\]"):
         layer(hidden[:2])
@@ -268,7 +273,9 @@ def test_construction_errors(table) -> None:
     other = CONFIG.replace(head_dim=32)
     with pytest.raises(ValidationError, match=r"E=64 values.*head_dim E=32"):
         EngramLayer(other, full_store(table), max_tokens=4)
-    with pytest.raises(ShardingError, match=r"columns \[0, 6\) of C=12.*needs the whole table"):
+    with pytest.raises(
+        ShardingError, match=r"columns \[0, 6\) of C=12.*needs the rows of every column"
+    ):
         EngramLayer(CONFIG, shard_store(table, tp=2, rank=0), max_tokens=4)
 
 
@@ -315,8 +322,8 @@ def test_load_weights_errors_name_the_tensor(store) -> None:
     with pytest.raises(CheckpointError, match=r"wkv_scale\[2, 3\] = inf"):
         layer.load_weights(**{**good, "wkv_scale": bad_scale})
     # nothing was written by a rejected load (the k_weight check fails before wkv loads)
-    assert not bool(layer.wkv.weight.any())
-    assert bool((layer.q_weight == 1).all())
+    assert not bool(layer.head.wkv.weight.any())
+    assert bool((layer.head.q_weight == 1).all())
 
 
 # --- CUDA graphs --------------------------------------------------------------------

@@ -47,15 +47,17 @@ from tests.layer.common import (
 from tests.spawn import spawn_world
 
 from engramrt.errors import ShardingError, ValidationError
-from engramrt.layer import (
-    COLLECTIVES,
-    EngramLayer,
-    assert_layer_within_tolerance,
-    rank_columns,
+from engramrt.exchange import (
+    SEQUENCE_PARALLEL_COLLECTIVES as COLLECTIVES,
+)
+from engramrt.exchange import (
+    SequenceParallelExchange,
     shard_tokens,
     token_range,
     tokens_per_rank,
 )
+from engramrt.layer import EngramLayer, assert_layer_within_tolerance
+from engramrt.layout import cols_per_rank, owned_columns
 from engramrt.lookup import lookup_rows_reference
 
 pytestmark = pytest.mark.filterwarnings(
@@ -99,17 +101,27 @@ def test_negative_control_floor_split_drops_tokens() -> None:
 
 
 @pytest.mark.parametrize("tp", [1, 2, 3, 4, 6])
-def test_rank_columns_match_the_layout(tp: int) -> None:
+def test_owned_columns_match_the_layout(tp: int) -> None:
     for rank in range(tp):
-        part, begin, end = rank_columns(CONFIG.n_cols, tp, rank)
+        begin, end = owned_columns(CONFIG.n_cols, tp, rank)
         shard = layout().column_shard(0, tp, rank)
         assert (begin, end) == (shard.col_begin, shard.col_end)
-        assert part == layout().cols_per_rank(tp)
+        assert cols_per_rank(CONFIG.n_cols, tp) == layout().cols_per_rank(tp)
+        # SPEC §7 written out independently: rank r owns [r*ceil(C/tp), min((r+1)*ceil(C/tp), C))
+        part = -(-CONFIG.n_cols // tp)
+        assert (begin, end) == (rank * part, min((rank + 1) * part, CONFIG.n_cols))
 
 
-def test_rank_columns_refuse_a_rank_without_columns() -> None:
-    with pytest.raises(ShardingError, match=r"tp=5 leaves some rank without a hash column"):
-        rank_columns(12, 5, 0)
+def test_owned_columns_refuse_a_rank_without_columns() -> None:
+    with pytest.raises(ShardingError, match=r"tp=5 leaves rank\(s\) \[4\] without a hash column"):
+        owned_columns(12, 5, 0)
+
+
+def sp_layer(store, group, *, max_tokens: int, collective: str = "reduce_scatter") -> EngramLayer:
+    exchange = SequenceParallelExchange(
+        store, num_cols=CONFIG.n_cols, max_tokens=max_tokens, group=group, collective=collective
+    )
+    return EngramLayer(CONFIG, exchange, max_tokens=max_tokens)
 
 
 # --- in this process: a world of one ---------------------------------------------
@@ -119,7 +131,7 @@ def test_group_needs_initialised_distributed(tmp_path: Path) -> None:
     if dist.is_initialized():
         pytest.skip("a process group is already initialised in this process")
     with pytest.raises(ShardingError, match="not initialised"):
-        EngramLayer(CONFIG, full_store(layer_table(), CPU), max_tokens=4, group=object())
+        sp_layer(full_store(layer_table(), CPU), object(), max_tokens=4)
 
 
 @pytest.mark.parametrize("collective", COLLECTIVES)
@@ -127,9 +139,7 @@ def test_tp1_group_equals_the_plain_layer(world_of_one, collective: str) -> None
     table = layer_table()
     weights = random_weights(4, fp8=False)
     plain = EngramLayer(CONFIG, full_store(table, CPU), max_tokens=8)
-    grouped = EngramLayer(
-        CONFIG, full_store(table, CPU), max_tokens=8, group=world_of_one, collective=collective
-    )
+    grouped = sp_layer(full_store(table, CPU), world_of_one, max_tokens=8, collective=collective)
     for layer in (plain, grouped):
         layer.load_weights(**weights)
     row_ids = random_row_ids(5, seed=1)
@@ -139,19 +149,10 @@ def test_tp1_group_equals_the_plain_layer(world_of_one, collective: str) -> None
 
 def test_group_refuses_a_store_of_other_columns(world_of_one) -> None:
     with pytest.raises(ShardingError, match=r"serves hash columns \[0, 6\).*owns \[0, 12\)"):
-        EngramLayer(
-            CONFIG,
-            shard_store(layer_table(), tp=2, rank=0, device=CPU),
-            max_tokens=4,
-            group=world_of_one,
-        )
+        sp_layer(shard_store(layer_table(), tp=2, rank=0, device=CPU), world_of_one, max_tokens=4)
     with pytest.raises(ValidationError, match="collective='all_gather'"):
-        EngramLayer(
-            CONFIG,
-            full_store(layer_table(), CPU),
-            max_tokens=4,
-            group=world_of_one,
-            collective="all_gather",
+        sp_layer(
+            full_store(layer_table(), CPU), world_of_one, max_tokens=4, collective="all_gather"
         )
 
 
@@ -253,12 +254,8 @@ def test_nccl_world_of_one_graph_capture(tmp_path: Path, collective: str) -> Non
         table = layer_table()
         weights = random_weights(5, fp8=True)
         plain = EngramLayer(CONFIG, full_store(table, cuda), max_tokens=16)
-        grouped = EngramLayer(
-            CONFIG,
-            full_store(table, cuda),
-            max_tokens=16,
-            group=dist.group.WORLD,
-            collective=collective,
+        grouped = sp_layer(
+            full_store(table, cuda), dist.group.WORLD, max_tokens=16, collective=collective
         )
         for layer in (plain, grouped):
             layer.load_weights(**weights)

@@ -23,7 +23,8 @@ def layout() -> EngramLayout:
 
 def _runtime(layout, token_map, device, tier="device", tp=1, rank=0, history=None, **kw):
     consts = HashConstants.from_layout(layout, token_map.pad_id(CFG))
-    hasher = NgramHasher(consts, token_map, device)
+    # The hasher's checks are its own settings (graph capture: no synchronising ones).
+    hasher = NgramHasher(consts, token_map, device, validate=kw.get("validate", True))
     stores = synthetic_stores(layout, tier, device=device, tp=tp, rank=rank, seed=3)
     return EngramRuntime(
         hasher, stores, history=history, **{"max_tokens": 64, "max_requests": 8, **kw}
@@ -42,7 +43,7 @@ def test_step_rows_equal_reference_lookups(tier, layout, token_map, device, tmp_
         token_map.compress(ids), HashConstants.from_layout(layout, token_map.pad_id(CFG))
     )[10:]
     np.testing.assert_array_equal(handle.row_ids.cpu().numpy(), want_ids)
-    for li, store in enumerate(runtime.stores):
+    for li, store in enumerate(runtime.sources):
         packed = _packed(store)
         want = lookup_rows_reference(
             torch.from_numpy(want_ids[:, li]), packed, CFG.head_dim, row_begin=store.row_begin
@@ -104,13 +105,31 @@ def test_sizes_are_enforced(layout, token_map, device) -> None:
     with pytest.raises(ValidationError, match="layer_index=5"):
         runtime.step(HashBatch.single([1], device=device)).rows(5)
     consts = HashConstants.from_layout(layout, token_map.pad_id(CFG))
-    with pytest.raises(ValidationError, match="stores has 1 entries"):
+    with pytest.raises(ValidationError, match="sources has 1 entries"):
         EngramRuntime(
-            NgramHasher(consts, token_map, device), runtime.stores[:1], max_tokens=4, max_requests=1
+            NgramHasher(consts, token_map, device),
+            runtime.sources[:1],
+            max_tokens=4,
+            max_requests=1,
         )
     with pytest.raises(ValidationError, match="max_tokens=0"):
         EngramRuntime(
-            NgramHasher(consts, token_map, device), runtime.stores, max_tokens=0, max_requests=1
+            NgramHasher(consts, token_map, device), runtime.sources, max_tokens=0, max_requests=1
+        )
+    with pytest.raises(ValidationError, match=r"sources\[1\] is a Tensor; expected a RowSource"):
+        EngramRuntime(
+            NgramHasher(consts, token_map, device),
+            [runtime.sources[0], torch.zeros(1)],
+            max_tokens=4,
+            max_requests=1,
+        )
+    with pytest.raises(ValidationError, match="heads has 1 entries"):
+        EngramRuntime(
+            NgramHasher(consts, token_map, device),
+            runtime.sources,
+            heads=[CFG],
+            max_tokens=4,
+            max_requests=1,
         )
     runtime.close()
 
@@ -211,3 +230,163 @@ def test_cached_layers_are_updated_and_report_stats(layout, token_map, device) -
     assert stats[0].rows_fetched == 24 * CFG.n_cols * (2 if reads_in_probe else 1)
     runtime.close()
     reference.close()
+
+
+# --- the composed path: the runtime's rows feed the model's Engram layers ------------
+
+
+def _heads(device, seeds=(11, 12)):
+    from tests.layer.common import random_weights
+
+    from engramrt.layer import EngramHead
+
+    heads, weights = [], []
+    for seed in seeds:
+        head = EngramHead(CFG, device=device)
+        weights.append(random_weights(seed, fp8=seed % 2 == 0, config=CFG))
+        head.load_weights(**weights[-1])
+        heads.append(head)
+    return heads, weights
+
+
+def _check_layer_step(layer_out, kv, hidden, rows, weights, head, device) -> None:
+    """kv and out of one layer step against the float reference (derived tolerances)."""
+    from tests.layer.common import exact_wkv
+
+    from engramrt._backend import interpreter_enabled
+    from engramrt.layer import assert_layer_within_tolerance
+
+    assert_layer_within_tolerance(
+        hidden=hidden,
+        rows=rows,
+        kv=kv,
+        out=layer_out,
+        wkv_exact=exact_wkv(weights).to(device),
+        q_weight=head.q_weight,
+        k_weight=head.k_weight,
+        eps=head.eps,
+        weight_rounding=head.wkv.weight_rounding,
+        truncating_store=device.type == "cpu" and interpreter_enabled(),
+    )
+
+
+@pytest.mark.parametrize("tier", ["device", "host"])
+def test_runtime_layers_compute_the_model_step(tier, layout, token_map, device) -> None:
+    """One engine step: runtime.step(batch), then each layer called with hidden alone.
+    Rows are checked bit for bit against hashing + the lookup reference computed here,
+    kv and out against the float reference."""
+    from tests.layer.common import random_hidden
+
+    heads, weights = _heads(device)
+    runtime = _runtime(layout, token_map, device, tier=tier, heads=heads)
+    consts = HashConstants.from_layout(layout, token_map.pad_id(CFG))
+    ids = np.random.default_rng(5).integers(0, token_map.vocab_size, 21)
+    want_ids = hash_sequence(token_map.compress(ids), consts)
+    runtime.step(HashBatch.single(ids, device=device))
+    for li, layer in enumerate(runtime.layers):
+        hidden = random_hidden(21, seed=30 + li, config=CFG).to(device)
+        out, kv = layer(hidden, return_kv=True)
+        store = runtime.sources[li]
+        rows = lookup_rows_reference(
+            torch.from_numpy(want_ids[:, li]),
+            _packed(store),
+            CFG.head_dim,
+            row_begin=store.row_begin,
+        ).to(device)
+        _check_layer_step(out, kv, hidden, rows, weights[li], heads[li], device)
+    runtime.close()
+
+
+def test_runtime_layers_consume_prefetched_steps_in_order(layout, token_map, device) -> None:
+    """step(A), prefetch(B): the layers get A's rows, then B's; a third step before
+    the layers consumed two is refused (its slot would overwrite A's rows)."""
+    from tests.layer.common import random_hidden
+
+    heads, _ = _heads(device)
+    runtime = _runtime(layout, token_map, device, heads=heads)
+    plain = _runtime(layout, token_map, device)  # the same tables, no heads
+    batches = [
+        HashBatch.single([5, 6, 7, 8], device=device),
+        HashBatch.single([9, 10, 11], start=4, device=device),
+    ]
+    runtime.step(batches[0])
+    runtime.prefetch(batches[1])
+    with pytest.raises(ValidationError, match=r"layer 0 has not consumed the rows of 2 started"):
+        runtime.step(batches[0])
+    for batch in batches:
+        want = plain.step(batch)
+        for li, layer in enumerate(runtime.layers):
+            hidden = random_hidden(batch.num_tokens, seed=li, config=CFG).to(device)
+            out = layer(hidden).clone()
+            # the same head on the rows computed without the runtime
+            expected = heads[li](hidden, want.rows(li))
+            assert torch.equal(out.view(torch.int16), expected.view(torch.int16)), f"layer {li}"
+    with pytest.raises(ValidationError, match="no rows were started"):
+        runtime.layers[0](random_hidden(3, seed=1, config=CFG).to(device))
+    with pytest.raises(ValidationError, match="rows_buffer=False"):
+        runtime.layers[0].prepare(torch.zeros(3, CFG.n_cols, dtype=torch.int64, device=device))
+    runtime.close()
+    plain.close()
+
+
+def test_negative_control_layers_fed_the_wrong_step_differ(layout, token_map, device) -> None:
+    """The in-order check above can fail: the rows of the second step fed to the head
+    with the first step's hidden states give another output."""
+    from tests.layer.common import random_hidden
+
+    heads, _ = _heads(device)
+    plain = _runtime(layout, token_map, device)
+    first = plain.step(HashBatch.single([5, 6, 7], device=device)).rows(0).clone()
+    second = plain.step(HashBatch.single([9, 10, 11], start=3, device=device)).rows(0).clone()
+    hidden = random_hidden(3, seed=0, config=CFG).to(device)
+    a = heads[0](hidden, first).clone()
+    b = heads[0](hidden, second)
+    assert not torch.equal(a.view(torch.int16), b.view(torch.int16))
+    plain.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_graph_capture_of_a_model_step(layout, token_map) -> None:
+    """Capture runtime.step + both layers (device tier), replay over fresh batches: the
+    outputs equal eager steps of a runtime with the same heads, bit for bit."""
+    from tests.layer.common import random_hidden
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    t_len, rng = 40, np.random.default_rng(10)
+    static = HashBatch(
+        input_ids=torch.zeros(t_len, dtype=torch.int64, device=device),
+        positions=torch.arange(t_len, device=device),
+        query_start_loc=torch.tensor([0, 17, 40], dtype=torch.int32, device=device),
+        lookback_token_ids=torch.full((2, 3), -1, dtype=torch.int64, device=device),
+    )
+    heads, _ = _heads(device)
+    captured = _runtime(layout, token_map, device, heads=heads, validate=False)
+    eager = _runtime(layout, token_map, device, heads=heads)
+    hidden = [random_hidden(t_len, seed=li, config=CFG).to(device) for li in range(2)]
+    outs = [torch.empty_like(h) for h in hidden]
+
+    def step() -> None:
+        captured.step(static)
+        for li, layer in enumerate(captured.layers):
+            outs[li].copy_(layer(hidden[li]))
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()  # warm-up: compiles kernels outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for _ in range(5):
+        ids = torch.as_tensor(rng.integers(0, token_map.vocab_size, t_len), device=device)
+        lookback = torch.as_tensor(rng.integers(-1, token_map.vocab_size, (2, 3)), device=device)
+        static.input_ids.copy_(ids)
+        static.lookback_token_ids.copy_(lookback)
+        graph.replay()
+        eager.step(
+            HashBatch(ids, static.positions, static.query_start_loc, lookback_token_ids=lookback)
+        )
+        for li, layer in enumerate(eager.layers):
+            want = layer(hidden[li])
+            assert torch.equal(outs[li].view(torch.int16), want.view(torch.int16)), f"layer {li}"

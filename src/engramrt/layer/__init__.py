@@ -1,28 +1,24 @@
-"""The Engram layer (SPEC §8): lookup, ``wkv`` projection and gate as one module.
+"""The Engram layer (SPEC §8): rows from a row source, then ``wkv`` and the gate.
 
-- :class:`EngramLayer` (:mod:`.module`): config-driven ``nn.Module`` holding a
-  :class:`~engramrt.lookup.tiers.RowStore`, ``wkv`` and the gate's norm
-  weights; ``prepare(row_ids)`` / ``forward(hidden)`` over staging buffers
-  sized at construction (CUDA-graph capturable on the device tier).
+- :class:`EngramHead` (:mod:`.head`): ``wkv`` and the gate's norm weights;
+  ``head(hidden, rows)`` on rows it is given.
+- :class:`EngramLayer` (:mod:`.module`): a head plus a
+  :class:`~engramrt.source.RowSource` (a store, a cache, an exchange);
+  ``prepare(row_ids)`` / ``forward(hidden)`` over staging buffers sized at
+  construction (CUDA-graph capturable on sources without a host sync).
 - :class:`EngramLinear` (:mod:`.linear`): ``wkv`` from a bf16 or a
   block-scaled fp8 checkpoint weight.
-- :mod:`.parallel`: sequence parallelism over a tensor-parallel group.
+- sequence parallelism: an :class:`~engramrt.exchange.SequenceParallelExchange`
+  as the layer's source.
 - :mod:`.reference`: the plain PyTorch definition and the derived tolerances.
 """
 
 from __future__ import annotations
 
+from engramrt.layer.head import EngramHead
 from engramrt.layer.linear import EngramLinear, dequantize_block_fp8
 from engramrt.layer.loading import DEFAULT_LAYER_WEIGHT_NAMES, load_layer
 from engramrt.layer.module import EngramLayer
-from engramrt.layer.parallel import (
-    COLLECTIVES,
-    SequenceParallelRows,
-    rank_columns,
-    shard_tokens,
-    token_range,
-    tokens_per_rank,
-)
 from engramrt.layer.reference import (
     BF16_DEQUANT_ROUNDING,
     WEIGHT_BLOCK,
@@ -36,12 +32,11 @@ from engramrt.layer.reference import (
 
 __all__ = [
     "BF16_DEQUANT_ROUNDING",
-    "COLLECTIVES",
     "DEFAULT_LAYER_WEIGHT_NAMES",
     "WEIGHT_BLOCK",
+    "EngramHead",
     "EngramLayer",
     "EngramLinear",
-    "SequenceParallelRows",
     "assert_layer_within_tolerance",
     "dequantize_block_fp8",
     "dequantize_block_fp8_reference",
@@ -50,8 +45,4 @@ __all__ = [
     "linear_exact",
     "linear_tolerance",
     "load_layer",
-    "rank_columns",
-    "shard_tokens",
-    "token_range",
-    "tokens_per_rank",
 ]

@@ -22,6 +22,7 @@ import torch
 from engramrt.config import EngramConfig, load_config
 from engramrt.errors import CheckpointError
 from engramrt.layer.module import EngramLayer
+from engramrt.source import RowSource
 
 __all__ = ["DEFAULT_LAYER_WEIGHT_NAMES", "load_layer"]
 
@@ -68,8 +69,10 @@ def load_layer(
         checkpoint: a ``.safetensors`` file or a directory of them.
         config: the model's Engram config (or a preset / config.json).
         max_tokens: sizes the layer's staging buffers.
-        tp, rank, group: tensor-parallel shard to load and the group to
-            exchange rows over (see :class:`EngramLayer`).
+        tp, rank: tensor-parallel shard to load.
+        group, collective: under sequence parallelism, the group to exchange
+            rows over and how (a :class:`~engramrt.exchange.SequenceParallelExchange`
+            becomes the layer's source); None: the store is the source.
         tier, device, store_options: where the table's rows live (see
             :func:`engramrt.lookup.tiers.make_store`).
         table_names: names of the table tensors (see :mod:`engramrt.checkpoint.names`).
@@ -118,6 +121,13 @@ def load_layer(
         device=device,
         **store_options,
     )
-    layer = EngramLayer(cfg, store, max_tokens=max_tokens, group=group, collective=collective)
+    source: RowSource = store
+    if group is not None:
+        from engramrt.exchange import SequenceParallelExchange
+
+        source = SequenceParallelExchange(
+            store, num_cols=cfg.n_cols, max_tokens=max_tokens, group=group, collective=collective
+        )
+    layer = EngramLayer(cfg, source, max_tokens=max_tokens)
     layer.load_weights(wkv=wkv, wkv_scale=wkv_scale, q_weight=q_weight, k_weight=k_weight)
     return layer

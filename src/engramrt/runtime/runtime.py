@@ -1,47 +1,63 @@
 """``EngramRuntime``: what an engine integrates, one object per model.
 
-Each engine step hands the runtime its batch. The runtime computes the row
-ids of every Engram layer in one launch and starts every layer's lookup at
-once, so that each Engram layer later waits only for its own rows:
+Each engine step makes one call, :meth:`EngramRuntime.step`, with its
+batch. The runtime computes the row ids of every Engram layer in one launch
+and starts every layer's rows at once; each of the model's Engram layers
+(:attr:`EngramRuntime.layers`, when the runtime was given heads) is then
+called at its block with ``hidden`` alone and waits only for its own rows::
 
-- device and UVA tiers: the lookup kernel runs on a lowest-priority side
-  stream, after an event that marks the hash ids ready; the layer's
-  ``rows()`` makes the caller's stream wait on the lookup's event (no host
+    runtime.step(batch)                 # hash, start every layer's rows
+    ...                                 # blocks before the first Engram layer
+    hidden = runtime.layers[0](hidden)  # wait for layer 0's rows, wkv, gate
+    ...
+    hidden = runtime.layers[1](hidden)
+
+How a layer's rows are started depends on its source's capability flags
+(:mod:`engramrt.source`), never on which class it is:
+
+- no :attr:`~engramrt.source.RowSource.host_sync` (device and UVA tiers,
+  exchanges over them): the source runs on a side stream of the runtime's
+  ``lookup_priority``, after an event that marks the hash ids ready; the
+  layer's wait is a stream wait on the source's event (no host
   synchronisation, capturable in a CUDA graph);
-- host and disk tiers, and a hot-row cache in front of them
-  (:class:`~engramrt.cache.CachedRowStore`): a worker thread per layer runs
-  the lookup (the CPU gathers rows, so these tiers synchronise once on the
-  unique ids); the layer's ``rows()`` joins that thread, then waits on its
-  copy stream. A cache is updated on the same thread right after its
-  lookup, off the layer's path; :meth:`EngramRuntime.cache_stats` reads its
-  counts.
+- :attr:`~engramrt.source.RowSource.host_sync` (host and disk tiers, a
+  cache, which plans its admissions on the host): a worker thread per layer
+  runs it on a stream of its own; the layer's wait joins the thread's
+  lookup, then waits on its event. A source's
+  :meth:`~engramrt.source.RowSource.update` runs right after its lookup, on
+  the same thread and stream, off the layer's path;
+- :attr:`~engramrt.source.RowSource.collective` (exchanges): every rank
+  must issue the collectives in the same order, so all collective sources
+  run in layer order on one side stream, or, when any of them needs a host
+  synchronisation, on one worker thread shared by them.
 
-:meth:`EngramRuntime.prefetch` starts the next step's lookups as soon as
-its tokens exist (right after sampling), into the other of two staging
-slots, so they overlap the rest of the current step.
-
-Staging buffers are allocated once for ``max_tokens`` and reused, so the
-addresses are fixed: a captured graph replays into the same memory.
+:meth:`EngramRuntime.prefetch` starts the next step's rows as soon as its
+tokens exist (right after sampling), into the other of two staging slots,
+so they overlap the rest of the current step; layers consume started steps
+oldest first. Staging buffers are allocated once for ``max_tokens`` and
+reused, so the addresses are fixed: a captured graph replays into the same
+memory.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import torch
 
-from engramrt.cache import CachedRowStore, CacheStats
+from engramrt.config import EngramConfig
 from engramrt.errors import ValidationError
 from engramrt.hashing import HashBatch, NgramHasher, RequestHistory, SlotHashCache
-from engramrt.lookup.tiers.base import RowStore
+from engramrt.layer import EngramHead, EngramLayer
+from engramrt.source import PendingRows, RowSource
 
 __all__ = ["EngramRuntime", "StepRows"]
 
-# Tiers whose lookup is a kernel reading memory the GPU can address: no host
-# synchronisation, so they run on the side stream and can be graph-captured.
-_STREAM_TIERS = ("device", "uva")
+_T = TypeVar("_T")
+_COLLECTIVE_WORKER = -1  # the worker key shared by collective sources that need a thread
 
 
 @dataclass
@@ -53,72 +69,81 @@ class StepRows:
             runtime's fixed buffer).
         num_tokens: T.
         slot: the staging slot the rows land in.
+        pending: per layer, its :class:`~engramrt.source.PendingRows`.
     """
 
     row_ids: torch.Tensor
     num_tokens: int
     slot: int
-    _runtime: EngramRuntime
-    _events: list[torch.cuda.Event | None] = field(default_factory=list)
-    _futures: list[Future[None] | None] = field(default_factory=list)
+    pending: list[PendingRows]
 
     def rows(self, layer_index: int) -> torch.Tensor:
-        """``[T, C, E]`` bf16 rows of Engram layer ``layer_index`` (its position in the config).
+        """``[T_local, C, E]`` bf16 rows of Engram layer ``layer_index`` (its position in
+        the config), for an engine that runs its own head.
 
         The current stream waits for this layer's lookup only; other layers'
         lookups keep running.
         """
-        if not 0 <= layer_index < len(self._events):
+        if not 0 <= layer_index < len(self.pending):
             raise ValidationError(
-                f"layer_index={layer_index} must be in [0, {len(self._events)}) (Engram layers)"
+                f"layer_index={layer_index} must be in [0, {len(self.pending)}) (Engram layers)"
             )
-        future = self._futures[layer_index]
-        if future is not None:
-            future.result()  # host tiers: the gather thread has issued its copies
-        event = self._events[layer_index]
-        if event is not None:
-            torch.cuda.current_stream(self._runtime.device).wait_event(event)
-        return self._runtime.staging[self.slot][layer_index][: self.num_tokens]
+        return self.pending[layer_index].wait()
 
 
 class EngramRuntime:
-    """Hash ids and table rows for every Engram layer of one model.
+    """Hash ids, rows and (with heads) the Engram layers of one model.
 
     Args:
         hasher: the :class:`NgramHasher` of the model's layout.
-        stores: one :class:`RowStore` per Engram layer (a table or this
-            rank's shard), all with the same compute device.
+        sources: one :class:`~engramrt.source.RowSource` per Engram layer
+            (a store, a cache, an exchange), all on the hasher's device.
         max_tokens: the most tokens one step may hold (sizes the staging).
         max_requests: the most requests one step may hold.
         history: a :class:`SlotHashCache`, a :class:`RequestHistory`, or
             None when batches carry ``lookback_token_ids``.
-        validate: check every batch on the host (synchronises; off in serving).
+        heads: optional, one :class:`~engramrt.layer.EngramHead` (or an
+            :class:`EngramConfig` to build an unloaded one) per layer; then
+            :attr:`layers` holds the model's Engram layers, fed by the
+            runtime.
+        validate: the layers' host-side shape checks (never synchronise).
+            The hasher's own checks are the hasher's settings.
         num_slots: staging slots; 2 lets a prefetch overlap the current step.
         lookup_priority: CUDA stream priority of the side streams the
             lookups run on (lower numbers are higher priority in torch). The
             default, 0, is the lowest, the same as a default stream's: an
             engine that runs its model on a higher-priority stream keeps
-            precedence over the lookups. Measured without that, the lookups
-            cost a 7B-sized backbone 0.2-1.2% on an H200 (BENCHMARKS.md).
+            precedence over the lookups.
+
+    Attributes:
+        layers: the Engram layers (empty without ``heads``).
     """
 
     def __init__(
         self,
         hasher: NgramHasher,
-        stores: Sequence[RowStore],
+        sources: Sequence[RowSource],
         *,
         max_tokens: int,
         max_requests: int,
         history: SlotHashCache | RequestHistory | None = None,
+        heads: Sequence[EngramHead | EngramConfig] | None = None,
         validate: bool = True,
         num_slots: int = 2,
         lookup_priority: int = 0,
     ) -> None:
         consts = hasher.consts
-        if len(stores) != consts.n_layers:
+        if len(sources) != consts.n_layers:
             raise ValidationError(
-                f"stores has {len(stores)} entries; expected one per Engram layer ({consts.n_layers})"
+                f"sources has {len(sources)} entries; expected one per Engram layer "
+                f"({consts.n_layers})"
             )
+        for index, source in enumerate(sources):
+            if not isinstance(source, RowSource):
+                raise ValidationError(
+                    f"sources[{index}] is a {type(source).__name__}; expected a RowSource (a "
+                    f"store from make_store, a CachedRowStore or an exchange)"
+                )
         for name, value in (
             ("max_tokens", max_tokens),
             ("max_requests", max_requests),
@@ -126,25 +151,33 @@ class EngramRuntime:
         ):
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValidationError(f"{name}={value!r} must be a positive integer")
-        devices = {s.device for s in stores}
+        devices = {s.device for s in sources}
         if devices != {hasher.device}:
             raise ValidationError(
-                f"stores compute on {sorted(map(str, devices))} but the hasher runs on {hasher.device}; "
-                "expected one device"
+                f"sources compute on {sorted(map(str, devices))} but the hasher runs on "
+                f"{hasher.device}; expected one device"
             )
-        head_dims = {s.E for s in stores}
+        head_dims = {s.E for s in sources}
         if len(head_dims) != 1:
-            raise ValidationError(f"stores have head dims {sorted(head_dims)}; expected one E")
+            raise ValidationError(f"sources have head dims {sorted(head_dims)}; expected one E")
+        if heads is not None and len(heads) != consts.n_layers:
+            raise ValidationError(
+                f"heads has {len(heads)} entries; expected one per Engram layer ({consts.n_layers})"
+            )
         self.hasher = hasher
-        self.stores = list(stores)
+        self.sources = list(sources)
         self.device = hasher.device
         self.max_tokens = max_tokens
         self.max_requests = max_requests
         self.history = history
-        self.validate = validate
         self.n_layers = consts.n_layers
         self.n_cols = consts.n_cols
         self.head_dim = head_dims.pop()
+        self.num_slots = num_slots
+        self.layers: list[EngramLayer] = [
+            EngramLayer(head, source, max_tokens=max_tokens, validate=validate, rows_buffer=False)
+            for head, source in zip(heads or [], self.sources, strict=False)
+        ]
         self.row_ids = [
             torch.empty(
                 (max_tokens, self.n_layers, self.n_cols), dtype=hasher.out_dtype, device=self.device
@@ -154,11 +187,11 @@ class EngramRuntime:
         self.staging = [
             [
                 torch.empty(
-                    (max_tokens, self.n_cols, self.head_dim),
+                    (s.local_tokens(max_tokens), self.n_cols, self.head_dim),
                     dtype=torch.bfloat16,
                     device=self.device,
                 )
-                for _ in range(self.n_layers)
+                for s in self.sources
             ]
             for _ in range(num_slots)
         ]
@@ -167,18 +200,25 @@ class EngramRuntime:
         self._lookup_stream = (
             torch.cuda.Stream(self.device, priority=lookup_priority) if cuda else None
         )
-        self._host_streams = (
-            [torch.cuda.Stream(self.device, priority=lookup_priority) for _ in range(self.n_layers)]
-            if cuda
-            else []
-        )
-        # One worker per host-tier layer: a store owns its staging buffers and
-        # is used by one thread at a time, so a prefetch queues behind the
-        # same layer's previous lookup instead of racing it.
+        # A worker thread per layer whose source synchronises with the host:
+        # a source owns its staging buffers and is used by one thread at a
+        # time, so a prefetch queues behind the same layer's previous lookup
+        # instead of racing it. Collective sources share one worker.
+        self._worker_of: dict[int, int] = {}
+        threaded_collectives = any(s.collective and s.host_sync for s in self.sources)
+        for index, source in enumerate(self.sources):
+            if not cuda:
+                continue
+            if source.collective and threaded_collectives:
+                self._worker_of[index] = _COLLECTIVE_WORKER
+            elif source.host_sync and not source.collective:
+                self._worker_of[index] = index
         self._workers = {
-            li: ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"engramrt-lookup-{li}")
-            for li, s in enumerate(self.stores)
-            if cuda and s.tier not in _STREAM_TIERS
+            key: ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"engramrt-rows-{key}")
+            for key in set(self._worker_of.values())
+        }
+        self._worker_streams = {
+            key: torch.cuda.Stream(self.device, priority=lookup_priority) for key in self._workers
         }
 
     # -- steps -------------------------------------------------------------
@@ -194,62 +234,77 @@ class EngramRuntime:
                 f"the batch has {batch.num_requests} requests; this runtime was sized for "
                 f"max_requests={self.max_requests}"
             )
+        for index, layer in enumerate(self.layers):
+            if layer.pending_steps >= self.num_slots:
+                raise ValidationError(
+                    f"Engram layer {index} has not consumed the rows of {layer.pending_steps} "
+                    f"started steps; a new step would overwrite them (num_slots={self.num_slots}): "
+                    f"call every layer once per step"
+                )
 
     def step(self, batch: HashBatch) -> StepRows:
-        """Hash ``batch`` and start every layer's lookup; returns handles to the rows.
+        """Hash ``batch`` and start every layer's rows; returns handles to them.
 
-        Shape checks against ``max_tokens`` / ``max_requests`` read only
-        tensor shapes (no device synchronisation), so they always run.
+        With :attr:`layers`, each layer also receives its rows: call
+        ``runtime.layers[i](hidden)`` at its block. The checks against
+        ``max_tokens`` / ``max_requests`` read only tensor shapes (no device
+        synchronisation), so they always run.
         """
         self._check(batch)
         slot = self._next_slot
-        self._next_slot = (slot + 1) % len(self.row_ids)
-        t_len = batch.num_tokens
-        row_ids = self.row_ids[slot][:t_len]
-        self.hasher.validate = self.validate
+        self._next_slot = (slot + 1) % self.num_slots
+        num_tokens = batch.num_tokens
+        row_ids = self.row_ids[slot][:num_tokens]
         self.hasher(batch, self.history, out=row_ids)
-        handle = StepRows(row_ids=row_ids, num_tokens=t_len, slot=slot, _runtime=self)
-        if self.device.type != "cuda":
-            for li, store in enumerate(self.stores):
-                store.lookup(row_ids[:, li], out=self.staging[slot][li][:t_len])
-                if isinstance(store, CachedRowStore):
-                    store.update()
-                handle._events.append(None)
-                handle._futures.append(None)
-            return handle
-        ready = torch.cuda.Event()
-        ready.record(torch.cuda.current_stream(self.device))
-        assert self._lookup_stream is not None
-        for li, store in enumerate(self.stores):
-            out = self.staging[slot][li][:t_len]
-            ids = row_ids[:, li]
-            if store.tier in _STREAM_TIERS:
-                self._lookup_stream.wait_event(ready)
-                with torch.cuda.stream(self._lookup_stream):
-                    store.lookup(ids, out=out)
-                    done = torch.cuda.Event()
-                    done.record(self._lookup_stream)
-                handle._events.append(done)
-                handle._futures.append(None)
-            else:
-                stream = self._host_streams[li]
-                done = torch.cuda.Event()
-                handle._events.append(done)
-                handle._futures.append(
-                    self._workers[li].submit(
-                        self._host_lookup, store, ids, out, ready, stream, done
-                    )
-                )
-        return handle
+        ready = None
+        if self.device.type == "cuda":
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(self.device))
+        pending = []
+        for index, source in enumerate(self.sources):
+            out = self.staging[slot][index][: source.local_tokens(num_tokens)]
+            rows = self._start(index, source, row_ids[:, index], out, ready)
+            pending.append(rows)
+            if self.layers:
+                self.layers[index].receive(rows)
+        return StepRows(row_ids=row_ids, num_tokens=num_tokens, slot=slot, pending=pending)
 
     prefetch = step
-    """Start the next step's lookups now (an alias of :meth:`step`: the
-    staging slots alternate, so the current step's rows stay valid until the
-    step after the prefetched one)."""
+    """Start the next step's rows now (an alias of :meth:`step`: the staging
+    slots alternate, so the current step's rows stay valid until the step
+    after the prefetched one, and layers consume started steps in order)."""
 
-    def _host_lookup(
+    def _start(
         self,
-        store: RowStore,
+        index: int,
+        source: RowSource,
+        ids: torch.Tensor,
+        out: torch.Tensor,
+        ready: torch.cuda.Event | None,
+    ) -> PendingRows:
+        num_tokens = ids.shape[0]
+        if ready is None:  # a CPU device: in order, now
+            return source.start(ids, out)
+        key = self._worker_of.get(index)
+        done = torch.cuda.Event()
+        if key is None:  # a side-stream source
+            stream = self._lookup_stream
+            assert stream is not None
+            stream.wait_event(ready)
+            with torch.cuda.stream(stream):
+                source.fetch(ids, out)
+                done.record(stream)
+                if source.has_update:
+                    source.update(stream)
+            return PendingRows(out, num_tokens, event=done, keep_alive=(ids,))
+        future = self._workers[key].submit(
+            self._run_on_worker, source, ids, out, ready, self._worker_streams[key], done
+        )
+        return PendingRows(out, num_tokens, event=done, future=future, keep_alive=(ids,))
+
+    def _run_on_worker(
+        self,
+        source: RowSource,
         ids: torch.Tensor,
         out: torch.Tensor,
         ready: torch.cuda.Event,
@@ -258,31 +313,36 @@ class EngramRuntime:
     ) -> None:
         with torch.cuda.device(self.device), torch.cuda.stream(stream):
             stream.wait_event(ready)
-            store.lookup(ids, out=out)
+            source.fetch(ids, out)
             done.record(stream)
-            if isinstance(store, CachedRowStore):
-                # Admit this lookup's misses after the rows are out: the
-                # layer waits on `done`, the cache's next lookup on the update.
-                store.update(stream)
+            if source.has_update:
+                # After the rows are out: the layer waits on `done`, the
+                # source's next lookup on its update.
+                source.update(stream)
 
-    def cache_stats(self) -> list[CacheStats | None]:
-        """Per Engram layer, its hot-row cache's counts (None for an uncached layer).
+    def in_order(self, layer_index: int, call: Callable[[], _T]) -> _T:
+        """Run ``call`` after the lookups of layer ``layer_index`` queued so far.
 
-        Read on the layer's lookup thread, after the lookups queued so far, so
-        counts never race a lookup; synchronises with the device.
+        On the layer's worker thread when it has one (so it never races a
+        lookup), else now.
         """
-        stats: list[CacheStats | None] = []
-        for li, store in enumerate(self.stores):
-            if not isinstance(store, CachedRowStore):
-                stats.append(None)
-            elif li in self._workers:
-                stats.append(self._workers[li].submit(store.stats).result())
-            else:
-                stats.append(store.stats())
-        return stats
+        key = self._worker_of.get(layer_index)
+        if key is None:
+            return call()
+        return self._workers[key].submit(call).result()
+
+    def cache_stats(self) -> list[Any]:
+        """Per Engram layer, its source's counters (a cache's :class:`CacheStats`;
+        None for a source that keeps none).
+
+        Read after the lookups queued so far, so counts never race a
+        lookup; synchronises with the device.
+        """
+        return [self.in_order(index, source.stats) for index, source in enumerate(self.sources)]
 
     def close(self) -> None:
-        """Stop the lookup threads (after their queued lookups finish)."""
+        """Stop the worker threads (after their queued lookups finish)."""
         for worker in self._workers.values():
             worker.shutdown(wait=True)
         self._workers = {}
+        self._worker_of = {}

@@ -115,6 +115,9 @@ class RowStore(RowSource):
     ) -> torch.Tensor:
         """The tier's lookup, arguments already checked."""
 
+    def served_columns(self, num_cols: int) -> tuple[int, int]:
+        return self.col_begin, num_cols if self.col_end is None else min(self.col_end, num_cols)
+
     def fetch(self, row_ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """A store's rows for a step are its :meth:`lookup` (the :class:`RowSource` contract)."""
         return self.lookup(row_ids, out)

@@ -1,4 +1,4 @@
-"""Sequence parallelism of the Engram layer over a tensor-parallel group.
+"""Sequence parallelism: each rank gets the full rows of its own share of the tokens.
 
 Under sequence parallelism each of ``tp`` ranks holds ``part = ceil(T/tp)``
 tokens of the hidden streams (rank r: tokens ``[r*part, min((r+1)*part, T))``,
@@ -48,33 +48,32 @@ copies out of the receive buffer; at decode sizes both are latency-bound
 C = 24, E = 256) the difference is real. Which is faster on NVLink is a
 measurement to make on the GPUs; both give the same bits.
 
-The same code runs over gloo (CPU tensors) and NCCL (CUDA tensors). Every
-buffer is preallocated for ``max_tokens``, so a step allocates nothing and
-(over NCCL) can be captured in a CUDA graph once the communicator exists
-(run one step eagerly first).
+Every buffer is preallocated for ``max_tokens``, so a step allocates nothing
+and (over NCCL) can be captured in a CUDA graph once the communicator
+exists (run one step eagerly first).
 """
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from engramrt.errors import ShardingError, ValidationError
+from engramrt.errors import ValidationError
+from engramrt.exchange._collectives import reduce_scatter_into
+from engramrt.exchange.base import RowExchange
 from engramrt.lookup.tiers.base import RowStore
 
 __all__ = [
-    "COLLECTIVES",
-    "SequenceParallelRows",
-    "rank_columns",
+    "SEQUENCE_PARALLEL_COLLECTIVES",
+    "SequenceParallelExchange",
     "shard_tokens",
     "token_range",
     "tokens_per_rank",
 ]
 
-COLLECTIVES: tuple[str, ...] = ("reduce_scatter", "all_to_all")
+SEQUENCE_PARALLEL_COLLECTIVES: tuple[str, ...] = ("reduce_scatter", "all_to_all")
 
 
 def tokens_per_rank(num_tokens: int, tp: int) -> int:
@@ -98,127 +97,93 @@ def shard_tokens(x: torch.Tensor, tp: int, rank: int) -> torch.Tensor:
     return share
 
 
-def rank_columns(num_cols: int, tp: int, rank: int) -> tuple[int, int, int]:
-    """``(ceil(C/tp), col_begin, col_end)``: the hash columns ``rank`` owns (SPEC §7,
-    as :meth:`engramrt.layout.EngramLayout.column_shard`); refuses a tp that leaves
-    some rank without a column."""
-    part = math.ceil(num_cols / tp)
-    if (tp - 1) * part >= num_cols:
-        raise ShardingError(
-            f"tp={tp} leaves some rank without a hash column: C={num_cols} columns in parts of "
-            f"ceil({num_cols}/{tp})={part}; choose tp so that (tp-1)*ceil(C/tp) < C"
-        )
-    return part, rank * part, min((rank + 1) * part, num_cols)
-
-
-class SequenceParallelRows:
-    """Rebuilds this rank's token share of the rows from every rank's column shard.
+class SequenceParallelExchange(RowExchange):
+    """This rank's token share ``[ceil(T/tp), C, E]`` of the full rows, from every rank's shard.
 
     Args:
-        group: the tensor-parallel process group (gloo for CPU tensors,
-            NCCL for CUDA tensors); ``None`` is the default group.
-        num_cols: ``C``.
-        E: values per row.
-        max_tokens: the most tokens (all ranks together, ``T``) of one step.
-        device: where the rows live (the store's device).
+        store, num_cols, group: see :class:`~engramrt.exchange.RowExchange`.
+        max_tokens: the most tokens (all ranks together, ``T``) of one step;
+            sizes the exchange buffers.
         collective: ``"reduce_scatter"`` or ``"all_to_all"`` (see the module doc).
 
     Attributes:
-        tp, rank: the group's size and this process's rank in it.
-        col_begin, col_end: the hash columns this rank's store must serve.
         max_part: ``ceil(max_tokens / tp)``, the longest token share.
     """
 
     def __init__(
         self,
-        group: Any,
+        store: RowStore,
         *,
         num_cols: int,
-        E: int,
         max_tokens: int,
-        device: torch.device,
+        group: Any = None,
         collective: str = "reduce_scatter",
     ) -> None:
-        if collective not in COLLECTIVES:
+        if collective not in SEQUENCE_PARALLEL_COLLECTIVES:
             raise ValidationError(
-                f"collective={collective!r}; expected one of {', '.join(COLLECTIVES)}"
+                f"collective={collective!r}; expected one of "
+                f"{', '.join(SEQUENCE_PARALLEL_COLLECTIVES)}"
             )
-        if not dist.is_available() or not dist.is_initialized():
-            raise ShardingError(
-                "a sequence-parallel group was given but torch.distributed is not initialised; "
-                "call torch.distributed.init_process_group first"
-            )
-        self.group = group
-        self.tp = dist.get_world_size(group)
-        self.rank = dist.get_rank(group)
-        if self.rank < 0:
-            raise ShardingError("this process is not a member of the sequence-parallel group")
-        self.num_cols = num_cols
-        self.E = E
-        self.collective = collective
-        self.cols_per_rank, self.col_begin, self.col_end = rank_columns(
-            num_cols, self.tp, self.rank
-        )
-        self.max_part = tokens_per_rank(max_tokens, self.tp)
-        self.device = device
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+            raise ValidationError(f"max_tokens={max_tokens!r}; expected a positive integer")
+        super().__init__(store, num_cols=num_cols, group=group)
+        self.collective_op = collective
+        self.max_tokens = max_tokens
+        self.max_part = tokens_per_rank(max_tokens, self.world)
+        E, device = self.E, self.device
         # [tp * max_part, C, E]: this rank's lookup of every token (zeros elsewhere).
         self.rows_all = torch.zeros(
-            (self.tp * self.max_part, num_cols, E), dtype=torch.bfloat16, device=device
+            (self.world * self.max_part, num_cols, E), dtype=torch.bfloat16, device=device
         )
         if collective == "all_to_all":
             # Flat, so that [tp, part, cols_per_rank, E] views of any part are contiguous.
             # Padding columns of the last rank's block stay zero forever.
-            block = self.tp * self.max_part * self.cols_per_rank * E
+            block = self.world * self.max_part * self.cols_per_rank * E
             self.send = torch.zeros(block, dtype=torch.bfloat16, device=device)
             self.recv = torch.zeros(block, dtype=torch.bfloat16, device=device)
 
-    def check_store(self, store: RowStore) -> None:
-        """Refuse a store that does not serve exactly this rank's columns (SPEC §7)."""
-        store_end = store.col_end if store.col_end is not None else self.num_cols
-        if store.col_begin != self.col_begin or store_end != self.col_end:
-            raise ShardingError(
-                f"store serves hash columns [{store.col_begin}, {store.col_end}) but rank "
-                f"{self.rank} of tp={self.tp} owns [{self.col_begin}, {self.col_end}) of "
-                f"C={self.num_cols} (SPEC §7: part = ceil(C/tp)); build the store with "
-                f"col_begin={self.col_begin}, col_end={self.col_end}"
-            )
+    def local_tokens(self, num_tokens: int) -> int:
+        return tokens_per_rank(num_tokens, self.world)
 
-    def __call__(self, store: RowStore, row_ids: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    def fetch(self, row_ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Look up all ``T`` tokens of ``row_ids [T, C]`` for this rank's columns and
-        write this rank's share ``[ceil(T/tp), C, E]`` of the full rows into ``out``.
+        return this rank's share ``[ceil(T/tp), C, E]`` of the full rows.
 
-        ``out`` is contiguous bf16 ``[ceil(T/tp), C, E]`` on the store's device.
         Every rank of the group must call this with the same ``T``.
         """
-        num_tokens = row_ids.shape[0]
-        part = tokens_per_rank(num_tokens, self.tp)
+        num_tokens = self._check_row_ids(row_ids)
+        if num_tokens > self.max_tokens:
+            raise ValidationError(
+                f"row_ids has T = {num_tokens} tokens, more than max_tokens = {self.max_tokens} "
+                f"(the size this exchange's buffers were built for)"
+            )
+        part = tokens_per_rank(num_tokens, self.world)
+        if out is None:
+            out = torch.empty(
+                (part, self.num_cols, self.E), dtype=torch.bfloat16, device=self.device
+            )
         if part == 0:
             return out  # T = 0 on every rank: nothing to exchange
-        rows_all = self.rows_all[: self.tp * part]  # [tp*part, C, E], contiguous
-        store.lookup(row_ids, out=rows_all[:num_tokens])
+        rows_all = self.rows_all[: self.world * part]  # [tp*part, C, E], contiguous
+        self.store.lookup(row_ids, out=rows_all[:num_tokens])
         rows_all[num_tokens:].zero_()  # padding tokens: at most tp - 1
-        if self.collective == "reduce_scatter":
-            _reduce_scatter(out.view(torch.int32), rows_all.view(torch.int32), self.group)
+        if self.collective_op == "reduce_scatter":
+            reduce_scatter_into(out.view(torch.int32), rows_all.view(torch.int32), self.group)
             return out
         # all_to_all: block j of the send buffer = my columns of rank j's tokens.
         own = self.col_end - self.col_begin
-        shape = (self.tp, part, self.cols_per_rank, self.E)
-        count = self.tp * part * self.cols_per_rank * self.E
+        shape = (self.world, part, self.cols_per_rank, self.E)
+        count = self.world * part * self.cols_per_rank * self.E
         send = self.send[:count].view(shape)
         recv = self.recv[:count].view(shape)
         send[:, :, :own].copy_(
-            rows_all.view(self.tp, part, self.num_cols, self.E)[:, :, self.col_begin : self.col_end]
+            rows_all.view(self.world, part, self.num_cols, self.E)[
+                :, :, self.col_begin : self.col_end
+            ]
         )
         dist.all_to_all_single(recv.view(torch.int32), send.view(torch.int32), group=self.group)
-        for source in range(self.tp):  # block `source` = its columns of my tokens
+        for source in range(self.world):  # block `source` = its columns of my tokens
             begin = source * self.cols_per_rank
             end = min(begin + self.cols_per_rank, self.num_cols)
             out[:, begin:end].copy_(recv[source, :, : end - begin])
         return out
-
-
-def _reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: Any) -> None:
-    # torch 2.13 renamed reduce_scatter_tensor to reduce_scatter_single (the
-    # old name warns); the H200 image has torch 2.11, which has only the old one.
-    reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    reduce_scatter(output, input, op=dist.ReduceOp.SUM, group=group)

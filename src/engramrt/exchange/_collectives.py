@@ -1,4 +1,4 @@
-"""Thin wrappers over ``torch.distributed`` shared by the lookups of this package.
+"""Thin wrappers over ``torch.distributed`` shared by the exchanges.
 
 Collectives here move *bit patterns*: bf16 rows travel as int32 words (two
 values per word; a row of E >= 32 values never shares a word with another
@@ -14,14 +14,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from engramrt.errors import ShardingError, ValidationError
-from engramrt.layout import ColumnShard, EngramLayout
-from engramrt.lookup.tiers.base import RowStore
+from engramrt.errors import ShardingError
 
 __all__ = [
     "all_gather_into",
-    "check_store_serves",
     "group_rank_and_size",
+    "reduce_scatter_into",
     "word_view",
 ]
 
@@ -54,29 +52,11 @@ def all_gather_into(output: torch.Tensor, input: torch.Tensor, group: Any) -> No
     gather(output, input, group=group)
 
 
-def check_store_serves(
-    store: RowStore, shard: ColumnShard, layout: EngramLayout, what: str
-) -> None:
-    """Refuse a store that does not hold ``shard``'s rows and serve its columns.
+def reduce_scatter_into(output: torch.Tensor, input: torch.Tensor, group: Any) -> None:
+    """``reduce_scatter_tensor`` (sum) under its torch 2.13 name when there is one.
 
-    The store must hold every row of the shard (a tp = 1 store may hold the
-    checkpoint's whole table, more rows than the primes need) and serve
-    exactly the shard's hash columns (SPEC §7).
+    torch 2.13 renamed it ``reduce_scatter_single`` (the old name warns); the
+    H200 image has torch 2.11, which has only the old one.
     """
-    E = layout.config.head_dim
-    if store.E != E:
-        raise ValidationError(f"{what}: store has E={store.E}; the config has head_dim E={E}")
-    if store.row_begin > shard.row_begin or store.row_end < shard.row_end:
-        raise ShardingError(
-            f"{what}: store holds rows [{store.row_begin}, {store.row_end}) but rank {shard.rank} "
-            f"of {shard.tp} needs rows [{shard.row_begin}, {shard.row_end}) (hash columns "
-            f"[{shard.col_begin}, {shard.col_end}))"
-        )
-    store_end = layout.n_cols if store.col_end is None else store.col_end
-    if (store.col_begin, store_end) != (shard.col_begin, shard.col_end):
-        raise ShardingError(
-            f"{what}: store serves hash columns [{store.col_begin}, {store_end}) but rank "
-            f"{shard.rank} of {shard.tp} owns [{shard.col_begin}, {shard.col_end}) of "
-            f"C={layout.n_cols} (SPEC §7: part = ceil(C/{shard.tp})); build the store with "
-            f"col_begin={shard.col_begin}, col_end={shard.col_end}"
-        )
+    reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    reduce_scatter(output, input, op=dist.ReduceOp.SUM, group=group)

@@ -5,7 +5,7 @@ is too small for one copy per node, or the tables should sit in HBM: at
 V4.1-Flash sizes a world of 8 GPUs holds 23.6 GiB each instead of 94.4 GiB
 each under TP = 2), the hash columns are sharded over all ``W`` ranks of a
 group exactly as SPEC §7 shards them over a TP group: rank ``r`` owns
-columns ``[r*part, min((r+1)*part, C))``, ``part = ceil(C/W)``. Data-parallel
+columns ``owned_columns(C, W, r)``. Data-parallel
 replicas now see *different* batches, so rows cannot be rebuilt by a
 gather; instead, per step:
 
@@ -21,7 +21,8 @@ gather; instead, per step:
 Bytes per rank and step: ids ``8 * T_r * C`` out and in, rows
 ``2 * T_r * C * E`` back (less the own block). Every rank of the group must
 take part in every step, with ``T_r = 0`` when it has no tokens. Step 2
-reads the counts on the host (a synchronisation; not CUDA-graph capturable).
+reads the counts on the host (a synchronisation; not CUDA-graph capturable:
+the exchange's :attr:`~engramrt.source.RowSource.host_sync` is set).
 
 :func:`all_to_all_lookup_reference` performs the same routing in one
 process over a list of stores, as the plain definition of the exchange.
@@ -35,44 +36,34 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from engramrt.distributed._collectives import check_store_serves, group_rank_and_size
 from engramrt.errors import ValidationError
-from engramrt.layout import EngramLayout
+from engramrt.exchange.base import RowExchange
+from engramrt.layout import owned_columns
 from engramrt.lookup.tiers.base import RowStore
 
-__all__ = ["AllToAllLookup", "all_to_all_lookup_reference", "owner_columns"]
-
-
-def owner_columns(layout: EngramLayout, world: int) -> list[tuple[int, int]]:
-    """``[(col_begin, col_end)]`` of every rank of ``world`` (SPEC §7; refuses a bad ``world``)."""
-    part = layout.cols_per_rank(world)
-    return [(r * part, min((r + 1) * part, layout.n_cols)) for r in range(world)]
-
-
-def _query_for(store: RowStore, ids: torch.Tensor) -> torch.Tensor:
-    """``ids [n, k]`` of the store's columns placed at its column range of a ``[n, col_begin + k]``
-    id matrix (the columns before are never read)."""
-    query = ids.new_zeros((ids.shape[0], store.col_begin + ids.shape[1]))
-    query[:, store.col_begin :] = ids
-    return query
+__all__ = ["AllToAllExchange", "all_to_all_lookup_reference"]
 
 
 def _owned_rows(store: RowStore, ids: torch.Tensor) -> torch.Tensor:
-    """``ids [n, k]`` of the store's own columns -> ``[n, k, E]`` bf16 rows."""
-    return store.lookup(_query_for(store, ids))[:, store.col_begin :]
+    """``ids [n, k]`` of the store's own columns -> ``[n, k, E]`` bf16 rows.
+
+    The ids are placed at the store's column range of a ``[n, col_begin + k]``
+    id matrix (the columns before it are never read).
+    """
+    query = ids.new_zeros((ids.shape[0], store.col_begin + ids.shape[1]))
+    query[:, store.col_begin :] = ids
+    return store.lookup(query)[:, store.col_begin :]
 
 
 def all_to_all_lookup_reference(
-    row_ids_per_rank: Sequence[torch.Tensor],
-    stores: Sequence[RowStore],
-    layout: EngramLayout,
+    row_ids_per_rank: Sequence[torch.Tensor], stores: Sequence[RowStore], num_cols: int
 ) -> list[torch.Tensor]:
     """The all-to-all exchange simulated in one process.
 
     Args:
         row_ids_per_rank: ``W`` batches ``[T_r, C]`` (one per rank).
         stores: ``W`` shard stores, store ``j`` serving rank ``j``'s columns.
-        layout: the config's layout.
+        num_cols: ``C``.
 
     Returns:
         ``W`` tensors ``[T_r, C, E]`` bf16 on the CPU: what each rank receives,
@@ -83,16 +74,13 @@ def all_to_all_lookup_reference(
         raise ValidationError(
             f"{len(row_ids_per_rank)} batches for {world} stores; expected one batch per rank"
         )
-    bounds = owner_columns(layout, world)
-    E = layout.config.head_dim
-    # send[i][j]: rank i's ids of rank j's columns, [T_i, |cols_j|]
-    send = [[ids[:, c0:c1] for c0, c1 in bounds] for ids in row_ids_per_rank]
+    bounds = [owned_columns(num_cols, world, rank) for rank in range(world)]
+    E = stores[0].E
     results = [
-        torch.empty((ids.shape[0], layout.n_cols, E), dtype=torch.bfloat16)
-        for ids in row_ids_per_rank
+        torch.empty((ids.shape[0], num_cols, E), dtype=torch.bfloat16) for ids in row_ids_per_rank
     ]
     for owner, (c0, c1) in enumerate(bounds):
-        received = torch.cat([send[i][owner] for i in range(world)])  # [sum T_i, |cols|]
+        received = torch.cat([ids[:, c0:c1] for ids in row_ids_per_rank])  # [sum T_i, |cols|]
         rows = _owned_rows(stores[owner], received.to(stores[owner].device)).cpu()
         start = 0
         for i, ids in enumerate(row_ids_per_rank):
@@ -101,55 +89,29 @@ def all_to_all_lookup_reference(
     return results
 
 
-class AllToAllLookup:
+class AllToAllExchange(RowExchange):
     """Rows ``[T_r, C, E]`` of each rank's own batch, the columns sharded over the whole group.
 
     Args:
-        store: this rank's shard: rows of ``layout.column_shard(layer_index,
-            W, rank)``, serving its columns (the same store a TP group of
-            size ``W`` would use).
-        layout: the config's layout.
-        layer_index: position of the layer in ``config.layer_ids``.
-        group: the process group over which columns are sharded (all TP x DP
-            ranks that share the tables; None: the default group).
-
-    Raises:
-        ShardingError: torch.distributed is not initialised, ``W`` leaves a
-            rank without a hash column, or the store serves other rows or
-            columns.
+        store, num_cols, group: see :class:`~engramrt.exchange.RowExchange`;
+            the group is every rank that shares the tables (TP x DP), and
+            ``store`` serves this rank's columns of it (the same store a TP
+            group of that size would use).
     """
 
-    def __init__(
-        self, store: RowStore, layout: EngramLayout, layer_index: int, group: Any = None
-    ) -> None:
-        self.rank, self.world = group_rank_and_size(group, "AllToAllLookup")
-        self.shard = layout.column_shard(layer_index, self.world, self.rank)
-        self.bounds = owner_columns(layout, self.world)
-        check_store_serves(store, self.shard, layout, "AllToAllLookup")
-        self.store = store
-        self.layout = layout
-        self.layer_index = layer_index
-        self.group = group
-        self.num_cols = layout.n_cols
-        self.E = store.E
+    def __init__(self, store: RowStore, *, num_cols: int, group: Any = None) -> None:
+        super().__init__(store, num_cols=num_cols, group=group)
+        self.host_sync = True  # the split sizes come to the host
+        self.bounds = [owned_columns(num_cols, self.world, rank) for rank in range(self.world)]
 
-    @property
-    def device(self) -> torch.device:
-        return self.store.device
-
-    def __call__(self, row_ids: torch.Tensor) -> torch.Tensor:
+    def fetch(self, row_ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """``row_ids [T_r, C]`` of this rank's batch -> ``[T_r, C, E]`` bf16 on the store's device.
 
-        Collective: every rank of the group calls it once per step, ``T_r``
-        may differ between ranks (and be 0).
+        Every rank of the group calls it once per step; ``T_r`` may differ
+        between ranks (and be 0).
         """
-        if row_ids.dim() != 2 or row_ids.shape[1] != self.num_cols:
-            raise ValidationError(
-                f"row_ids has shape {tuple(row_ids.shape)}; expected [T, C] with "
-                f"C={self.num_cols} hash columns"
-            )
+        num_tokens = self._check_row_ids(row_ids)
         device, E = self.device, self.E
-        num_tokens = row_ids.shape[0]
         ids = row_ids.to(device=device, dtype=torch.int64)
         send_ids = torch.cat([ids[:, c0:c1].reshape(-1) for c0, c1 in self.bounds])
         send_counts = [num_tokens * (c1 - c0) for c0, c1 in self.bounds]
@@ -159,7 +121,7 @@ class AllToAllLookup:
         recv_counts = [int(n) for n in recv_counts_tensor.tolist()]  # host sync
         recv_ids = torch.empty(sum(recv_counts), dtype=torch.int64, device=device)
         dist.all_to_all_single(recv_ids, send_ids, recv_counts, send_counts, group=self.group)
-        own = self.shard.num_cols
+        own = self.col_end - self.col_begin
         rows = _owned_rows(self.store, recv_ids.view(-1, own))  # [sum T_i, own, E]
         # Back along the reverse splits, one int32 row of E/2 words per (token, column).
         send_rows = rows.contiguous().view(torch.int32).view(-1, E // 2)
@@ -167,16 +129,11 @@ class AllToAllLookup:
             (num_tokens * self.num_cols, E // 2), dtype=torch.int32, device=device
         )
         dist.all_to_all_single(recv_rows, send_rows, send_counts, recv_counts, group=self.group)
-        out = torch.empty((num_tokens, self.num_cols, E), dtype=torch.bfloat16, device=device)
+        if out is None:
+            out = torch.empty((num_tokens, self.num_cols, E), dtype=torch.bfloat16, device=device)
         start = 0
         for (c0, c1), count in zip(self.bounds, send_counts, strict=True):
             block = recv_rows[start : start + count].view(torch.bfloat16)
             out[:, c0:c1] = block.view(num_tokens, c1 - c0, E)
             start += count
         return out
-
-    def __repr__(self) -> str:
-        return (
-            f"AllToAllLookup(rank={self.rank}, world={self.world}, cols=[{self.shard.col_begin}, "
-            f"{self.shard.col_end}), store={self.store!r})"
-        )
