@@ -9,16 +9,18 @@ E = 256, hidden size 4096; random rows that depend only on the global row id) an
 For each T it checks, bit for bit against that single-GPU lookup, and then
 times (median wall time of synchronised calls; every rank calls together):
 
-- ``TPLookup`` with ``all_gather`` and ``all_reduce`` (full rows on every rank);
-- ``SequenceParallelRows`` with ``reduce_scatter`` and ``all_to_all`` (each
+- ``AllGatherExchange`` with ``all_gather`` and ``all_reduce`` (full rows on
+  every rank);
+- ``SequenceParallelExchange`` with ``reduce_scatter`` and ``all_to_all`` (each
   rank keeps its token share of the full rows, as the layer uses it);
-- ``AllToAllLookup`` (each rank its own batch, T - 3 * rank tokens);
+- ``AllToAllExchange`` (each rank its own batch, T - 3 * rank tokens);
 - the shard's local lookup alone, the floor under all of them;
 - one host copy of the table shared by every rank (data-parallel replicas
   on one node: the first rank loads it into ``--shared-dir``, the others
   map it), served by the host-gather and UVA tiers on each rank's GPU at
   once, each rank its own batch: exactly one loader ran, and the rows;
-- a whole ``EngramLayer`` step under sequence parallelism (each rank its
+- a whole ``EngramLayer`` step under sequence parallelism (a
+  ``SequenceParallelExchange`` as the layer's row source; each rank its
   token share: lookup, collective, wkv, gate) for both collectives, rows bit
   for bit and kv and output within the layer's derived tolerances, beside
   the single-GPU layer on all T tokens.
@@ -37,9 +39,15 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from engramrt.distributed import AllToAllLookup, SharedHostTable, TPLookup, shared_store
+from engramrt.distributed import SharedHostTable, shared_store
+from engramrt.exchange import (
+    AllGatherExchange,
+    AllToAllExchange,
+    SequenceParallelExchange,
+    token_range,
+    tokens_per_rank,
+)
 from engramrt.layer import EngramLayer, assert_layer_within_tolerance
-from engramrt.layer.parallel import SequenceParallelRows, token_range, tokens_per_rank
 from engramrt.layout import EngramLayout
 from engramrt.lookup.reference import row_bytes_for
 from engramrt.runtime import synthetic_rows, synthetic_stores
@@ -110,14 +118,14 @@ def layer_steps(layout, shard_store, full_store, args, device, record) -> None:
         )
         hidden[: end - begin] = hidden_all[begin:end]
         for collective in ("reduce_scatter", "all_to_all"):
-            layer = EngramLayer(
-                config,
+            exchange = SequenceParallelExchange(
                 shard_store,
+                num_cols=config.n_cols,
                 max_tokens=num_tokens,
                 group=dist.group.WORLD,
                 collective=collective,
-                validate=False,
             )
+            layer = EngramLayer(config, exchange, max_tokens=num_tokens, validate=False)
             layer.load_weights(**weights)
             out, kv = layer(hidden, ids, return_kv=True)
             rows = layer.rows_buffer[:part]
@@ -244,29 +252,27 @@ def main() -> None:
             median_ms(lambda ids=ids: shard_store.lookup(ids), device, args.reps),
         )
         for collective in ("all_gather", "all_reduce"):
-            tp_lookup = TPLookup(shard_store, layout, 0, None, collective=collective)
-            ok = same_bits(tp_lookup(ids), expected)
-            ms = median_ms(lambda ids=ids, f=tp_lookup: f(ids), device, args.reps)
-            record(f"TPLookup {collective}", num_tokens, ok, ms)
+            tp_lookup = AllGatherExchange(shard_store, num_cols=C, collective=collective)
+            ok = same_bits(tp_lookup.fetch(ids), expected)
+            ms = median_ms(lambda ids=ids, f=tp_lookup: f.fetch(ids), device, args.reps)
+            record(f"AllGatherExchange {collective}", num_tokens, ok, ms)
         part = tokens_per_rank(num_tokens, world)
         begin, end = token_range(num_tokens, world, rank)
         for collective in ("reduce_scatter", "all_to_all"):
-            sp = SequenceParallelRows(
-                None, num_cols=C, E=E, max_tokens=num_tokens, device=device, collective=collective
+            sp = SequenceParallelExchange(
+                shard_store, num_cols=C, max_tokens=num_tokens, collective=collective
             )
             out = torch.empty((part, C, E), dtype=torch.bfloat16, device=device)
-            sp(shard_store, ids, out)
+            sp.fetch(ids, out)
             ok = same_bits(out[: end - begin], expected[begin:end])
-            ms = median_ms(
-                lambda ids=ids, sp=sp, out=out: sp(shard_store, ids, out), device, args.reps
-            )
-            record(f"SequenceParallelRows {collective}", num_tokens, ok, ms)
+            ms = median_ms(lambda ids=ids, sp=sp, out=out: sp.fetch(ids, out), device, args.reps)
+            record(f"SequenceParallelExchange {collective}", num_tokens, ok, ms)
         own_tokens = max(0, num_tokens - 3 * rank)
         own_ids = random_ids(layout, own_tokens, seed=1000 * rank + num_tokens).to(device)
-        a2a = AllToAllLookup(shard_store, layout, 0, None)
-        ok = same_bits(a2a(own_ids), full_store.lookup(own_ids))
-        ms = median_ms(lambda own_ids=own_ids: a2a(own_ids), device, args.reps)
-        record("AllToAllLookup", num_tokens, ok, ms)
+        a2a = AllToAllExchange(shard_store, num_cols=C)
+        ok = same_bits(a2a.fetch(own_ids), full_store.lookup(own_ids))
+        ms = median_ms(lambda own_ids=own_ids: a2a.fetch(own_ids), device, args.reps)
+        record("AllToAllExchange", num_tokens, ok, ms)
 
     shared_table_steps(layout, full_store, args, device, record)
     if not args.skip_layer:

@@ -8,7 +8,8 @@ after blocks 1 and 14 with V4.1-Flash row shapes (C = 24 columns of E = 256)
 and a V4.1 layout scaled so each layer's table is ``--table-gib`` GiB (default
 16: 32 GiB for the two). Each step: hash ids for both layers (one launch),
 start both lookups, run the blocks; at block 1 and 14 wait for that layer's
-rows, project them (wkv, bf16) and apply the fused gate over 4 streams.
+rows and run the library's Engram head on them (wkv, bf16, and the fused
+gate over 4 streams).
 
 Workloads (the paper's): decode steps of 256 requests x 1 token; prefill of
 512 sequences with lengths uniform in 100..1024, packed into 8,192-token
@@ -41,8 +42,8 @@ import numpy as np
 import torch
 
 from engramrt.config import PRESETS
-from engramrt.gate import engram_gate
 from engramrt.hashing import HashBatch, HashConstants, NgramHasher
+from engramrt.layer import EngramHead
 from engramrt.layout import EngramLayout
 from engramrt.runtime import EngramRuntime, synthetic_stores
 from engramrt.tokenmap import TokenMap
@@ -65,18 +66,24 @@ def scaled_config(table_gib: float):
     return cfg.replace(num_embeddings=needed)
 
 
-def make_backbone(device):
+def make_backbone(cfg, device):
+    """The dense blocks' weights and the two Engram heads (random weights, no checks)."""
     g = torch.Generator(device=device).manual_seed(0)
 
     def w(*shape):
         return (torch.randn(*shape, device=device, generator=g) * 0.02).bfloat16()
 
     blocks = [(w(D, 3 * D), w(D, D), w(D, 2 * FFN), w(FFN, D)) for _ in range(BLOCKS)]
-    engram = [
-        (w((HC + 1) * D, 24 * 256), (1 + w(HC, D)).bfloat16(), (1 + w(HC, D)).bfloat16())
-        for _ in range(2)
-    ]
-    return blocks, engram
+    heads = []
+    for _ in range(2):
+        head = EngramHead(cfg, device=device, validate=False)
+        head.load_weights(
+            wkv=w((HC + 1) * D, cfg.n_cols * cfg.head_dim),
+            q_weight=(1 + w(HC, D)).bfloat16(),
+            k_weight=(1 + w(HC, D)).bfloat16(),
+        )
+        heads.append(head)
+    return blocks, heads
 
 
 def run_block(x, weights):
@@ -87,12 +94,12 @@ def run_block(x, weights):
     return x + (torch.nn.functional.silu(m[:, :FFN]) * m[:, FFN:]) @ w2
 
 
-def engram_layer(x, rows, weights, eps):
-    wkv, q_w, k_w = weights
+def engram_layer(x, rows, head):
+    """The Engram head on the runtime's rows; the backbone's one stream is copied to
+    the ``hc`` hyper-connection streams and the first is carried on."""
     t_len = x.shape[0]
-    kv = rows.reshape(t_len, -1) @ wkv.t()  # [T, (hc+1) D]
     hidden = x.unsqueeze(1).expand(t_len, HC, D).contiguous()
-    return engram_gate(hidden, kv, q_w, k_w, eps, validate=False)[:, 0]
+    return head(hidden, rows)[:, 0]
 
 
 def decode_batches(rng, vocab, steps, device):
@@ -202,7 +209,7 @@ def run(runtime, batches, forward, prefetch):
     return summary(batches, tokens, time.perf_counter() - start)
 
 
-def eager_forward(backbone, eps, device):
+def eager_forward(backbone, device):
     """The backbone launched kernel by kernel from Python, as ``forward(handle, batch)``."""
     blocks, engram = backbone
 
@@ -212,7 +219,7 @@ def eager_forward(backbone, eps, device):
             x = run_block(x, weights)
             if b in ENGRAM_AT:
                 li = ENGRAM_AT[b]
-                x = engram_layer(x, handle.rows(li), engram[li], eps)
+                x = engram_layer(x, handle.rows(li), engram[li])
 
     return forward
 
@@ -250,7 +257,7 @@ class GraphedBackbone:
     fixed address. Between pieces the step waits for that layer's rows.
     """
 
-    def __init__(self, runtime, backbone, eps, num_tokens, device):
+    def __init__(self, runtime, backbone, num_tokens, device):
         blocks, engram = backbone
         first, second = sorted(ENGRAM_AT)
         self.x = torch.randn(num_tokens, D, device=device, dtype=torch.bfloat16)
@@ -266,13 +273,13 @@ class GraphedBackbone:
             rows = [runtime.staging[slot][li][:num_tokens] for li in range(2)]
             graph, mid_out = capture(
                 lambda rows=rows: piece(
-                    engram_layer(head_out, rows[0], engram[0], eps), first + 1, second + 1
+                    engram_layer(head_out, rows[0], engram[0]), first + 1, second + 1
                 )
             )
             self.middle.append(graph)
             graph, _ = capture(
                 lambda rows=rows, mid_out=mid_out: piece(
-                    engram_layer(mid_out, rows[1], engram[1], eps), second + 1, len(blocks)
+                    engram_layer(mid_out, rows[1], engram[1]), second + 1, len(blocks)
                 )
             )
             self.tail.append(graph)
@@ -344,7 +351,7 @@ def main() -> None:
     host_threads = [None if t == "default" else int(t) for t in args.host_threads.split(",")]
     max_programs = [parse_programs(m) for m in args.max_programs.split(",")]
     backbones = args.backbones.split(",")
-    backbone = make_backbone(device)
+    backbone = make_backbone(cfg, device)
     # Every placement is built first and the configurations are interleaved
     # over rounds, so drift of the machine (clocks, other tenants) spreads
     # over all of them; the median of the rounds is reported.
@@ -366,9 +373,7 @@ def main() -> None:
         graphed = {}
         for name, batches in workloads.items():
             if name.startswith("decode") and "graph" in backbones:
-                graphed[name] = GraphedBackbone(
-                    runtime, backbone, cfg.rms_norm_eps, batches[0].num_tokens, device
-                )
+                graphed[name] = GraphedBackbone(runtime, backbone, batches[0].num_tokens, device)
         defaults = [(s.max_programs, s.rows_per_program) for s in stores if tier in READS]
         setups.append((tier, stores, runtime, graphed, defaults))
     samples: dict[tuple, list[dict]] = {}
@@ -394,7 +399,7 @@ def main() -> None:
                             forward = (
                                 graphed[name].step
                                 if kind == "graph"
-                                else eager_forward(backbone, cfg.rms_norm_eps, device)
+                                else eager_forward(backbone, device)
                             )
                             run(runtime, batches[:3], forward, prefetch)  # warm-up
                             res = run(runtime, batches, forward, prefetch)

@@ -5,9 +5,10 @@
 Continuous batching with chunked prefill: each step the scheduler gives every
 running request either a prefill chunk or one decode token; the model runner
 builds the flattened batch (input_ids, positions, query_start_loc,
-slot_mapping, block_table), calls ``runtime.step`` before the backbone, uses
-``handle.rows(layer)`` inside each Engram layer, and right after sampling
-calls ``runtime.prefetch`` for the next step. The history lives in a
+slot_mapping, block_table), calls ``runtime.step`` before the backbone, calls
+each of the model's Engram layers (``runtime.layers[i]``, built from the
+model's heads) with the hidden states alone at its block, and right after
+sampling calls ``runtime.prefetch`` for the next step. The history lives in a
 SlotHashCache keyed by KV slots, as in an engine whose token history lacks
 generated tokens. Every step's row ids are checked against one-shot hashing.
 """
@@ -21,6 +22,7 @@ import torch
 
 from engramrt.config import PRESETS
 from engramrt.hashing import HashBatch, HashConstants, NgramHasher, SlotHashCache, hash_sequence
+from engramrt.layer import EngramHead
 from engramrt.layout import EngramLayout
 from engramrt.runtime import EngramRuntime, synthetic_stores
 from engramrt.tokenmap import TokenMap
@@ -45,10 +47,23 @@ def main(argv: list[str] | None = None) -> int:
     # Engine start-up: KV cache of 64 blocks; the hash cache is bound to it.
     num_blocks = 64
     cache = SlotHashCache(num_blocks * BLOCK, BLOCK, device)
-    hasher = NgramHasher(consts, token_map, device, validate=True)
+    hasher = NgramHasher(consts, token_map, device)
+    # The model's Engram heads (wkv + gate); a real engine loads them from its checkpoint.
+    gen = torch.Generator().manual_seed(0)
+    heads = []
+    for _ in range(cfg.n_layers):
+        head = EngramHead(cfg, device=device)
+        hc, dim, width = cfg.hc_mult, cfg.hidden_size, cfg.n_cols * cfg.head_dim
+        head.load_weights(
+            wkv=(torch.randn((hc + 1) * dim, width, generator=gen) / width**0.5).bfloat16(),
+            q_weight=torch.ones(hc, dim, dtype=torch.bfloat16),
+            k_weight=torch.ones(hc, dim, dtype=torch.bfloat16),
+        )
+        heads.append(head)
     runtime = EngramRuntime(
         hasher,
         synthetic_stores(layout, "device", device=device),
+        heads=heads,
         max_tokens=256,
         max_requests=args.requests,
         history=cache,
@@ -99,9 +114,15 @@ def main(argv: list[str] | None = None) -> int:
     for _ in range(args.steps):
         if handle is None:
             break
-        # The backbone would run here; each Engram layer reads its rows.
-        rows = [handle.rows(li) for li in range(cfg.n_layers)]
-        assert all(r.shape[0] == handle.num_tokens for r in rows)
+        # The backbone: its blocks would run between the Engram layers, each of
+        # which is called with the hidden states alone and waits for its own rows.
+        hidden = torch.randn(
+            handle.num_tokens, cfg.hc_mult, cfg.hidden_size, generator=gen
+        ).bfloat16()
+        hidden = hidden.to(device)
+        for layer in runtime.layers:
+            hidden = layer(hidden).clone()  # the output buffer is reused next step
+        assert hidden.shape == (handle.num_tokens, cfg.hc_mult, cfg.hidden_size)
         offset = 0
         for req, count in plan:
             start = req["done"]

@@ -111,7 +111,11 @@ def test_multi_gpu_script_on_gloo(tmp_path) -> None:
     report = json.loads(out.read_text())
     assert report["tp"] == 2 and report["backend"] == "gloo" and report["failures"] == []
     what = {r["what"] for r in report["results"]}
-    assert {"TPLookup all_gather", "SequenceParallelRows all_to_all", "AllToAllLookup"} <= what
+    assert {
+        "AllGatherExchange all_gather",
+        "SequenceParallelExchange all_to_all",
+        "AllToAllExchange",
+    } <= what
     assert {"EngramLayer SP reduce_scatter", "EngramLayer SP all_to_all"} <= what
     assert {"SharedHostTable load once, map", "shared host table, host tier"} <= what
     assert all(r["exact"] for r in report["results"])

@@ -18,7 +18,7 @@ def test_demo_runs_and_checks_every_step(capsys, tmp_path) -> None:
     code, out, _ = _run(capsys, "demo", "--device", "cpu", "--plot", str(chart))
     assert code == 0
     assert "B prefix hit" in out and "rejected" in out and "checks passed" in out
-    assert "row lookup" in out and "fused gate" in out
+    assert "Engram layer 1 (lookup + wkv + gate), whole text" in out
     assert "hot-row cache (16 MiB per layer)" in out  # on by default, stats shown
     assert "NO" not in out
     assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -16,15 +16,24 @@ DEFAULT_TEXT = (
 
 
 def _stream_checked(
-    hasher: Any, stores: list[Any], token_ids: Any, token_map: Any, consts: Any
+    hasher: Any,
+    stores: list[Any],
+    heads: list[Any],
+    hidden: Any,
+    token_ids: Any,
+    token_map: Any,
+    consts: Any,
 ) -> tuple[list[dict[str, Any]], Any]:
-    """Stream ``token_ids`` through an :class:`EngramRuntime` as two requests.
+    """Stream ``token_ids`` through an :class:`EngramRuntime` and its layers as two requests.
 
     Request A: chunked prefill, decode steps, one speculative step whose
     drafts are rejected. Request B: shares A's first blocks (a prefix-cache
-    hit) and prefills the rest. Every step's row ids are checked against
-    one-shot hashing and its rows against the reference lookup of the same
-    table. Returns the checks and the runtime (closed; for its cache stats).
+    hit) and prefills the rest. Each step is one engine step: ``runtime.step``
+    then every Engram layer called with the step's hidden states
+    (``hidden [T, hc, D]``, by position). Every step's row ids are checked
+    against one-shot hashing, its rows against the reference lookup of the
+    same table, and each layer's kv and output against the float reference.
+    Returns the checks and the runtime (closed; for its cache stats).
     """
     import numpy as np
     import torch
@@ -37,7 +46,7 @@ def _stream_checked(
     t_len = len(token_ids)
     cache = SlotHashCache(block * (2 * (t_len // block + 2)), block, device)
     runtime = EngramRuntime(
-        hasher, stores, max_tokens=t_len, max_requests=1, history=cache, validate=True
+        hasher, stores, heads=heads, max_tokens=t_len, max_requests=1, history=cache
     )
     blocks_a = list(range(t_len // block + 2))
     blocks_b = blocks_a[:2] + [len(blocks_a) + i for i in range(t_len // block + 2)]
@@ -53,9 +62,12 @@ def _stream_checked(
         got = handle.row_ids.to(torch.int64).cpu()
         want = hash_sequence(token_map.compress(seq[:end]), consts)[start:end]
         ok = bool(np.array_equal(got.numpy(), want))
-        for li, store in enumerate(stores):
-            rows = handle.rows(li).cpu().view(torch.int16)
-            ok &= torch.equal(rows, _reference_rows(store, got[:, li]).view(torch.int16))
+        for li, (store, layer) in enumerate(zip(stores, runtime.layers, strict=True)):
+            rows = _reference_rows(store, got[:, li])
+            ok &= torch.equal(handle.rows(li).cpu().view(torch.int16), rows.view(torch.int16))
+            step_hidden = hidden[start:end].contiguous()
+            out, kv = layer(step_hidden, return_kv=True)
+            ok &= _layer_within_tolerance(layer.head, step_hidden, rows.to(device), kv, out)
         steps.append({"step": label, "tokens": end - start, "ok": ok})
 
     ids = np.asarray(token_ids, dtype=np.int64)
@@ -79,6 +91,30 @@ def _stream_checked(
     run(f"B prefix hit, prefill {2 * block}:{t_len}", ids, 2 * block, t_len, blocks_b)
     runtime.close()
     return steps, runtime
+
+
+def _layer_within_tolerance(head: Any, hidden: Any, rows: Any, kv: Any, out: Any) -> bool:
+    """Whether a layer step's kv and out are within the derived tolerances of the float
+    reference computed from ``rows`` (the reference lookup's)."""
+    from engramrt._backend import interpreter_enabled
+    from engramrt.layer import assert_layer_within_tolerance
+
+    try:
+        assert_layer_within_tolerance(
+            hidden=hidden,
+            rows=rows,
+            kv=kv,
+            out=out,
+            wkv_exact=head.wkv.weight.double(),
+            q_weight=head.q_weight,
+            k_weight=head.k_weight,
+            eps=head.eps,
+            weight_rounding=head.wkv.weight_rounding,
+            truncating_store=hidden.device.type == "cpu" and interpreter_enabled(),
+        )
+    except AssertionError:
+        return False
+    return True
 
 
 def _reference_rows(store: Any, row_ids: Any) -> Any:
@@ -183,9 +219,9 @@ def register(app: typer.Typer) -> None:
         from engramrt.cli import console
         from engramrt.config import load_config
         from engramrt.errors import EngramError
-        from engramrt.gate import engram_gate, engram_gate_reference, gate_values_reference
-        from engramrt.gate.reference import gate_tolerance
+        from engramrt.gate import gate_values_reference
         from engramrt.hashing import HashBatch, HashConstants, NgramHasher
+        from engramrt.layer import EngramHead, EngramLayer
         from engramrt.layout import EngramLayout
         from engramrt.lookup.tiers import SyntheticRowStore
         from engramrt.plan import memory_plan
@@ -267,8 +303,9 @@ def register(app: typer.Typer) -> None:
         console.print(variants)
 
         # Rows from a synthetic table (computed from the row ids) or a checkpoint,
-        # optionally behind a hot-row cache; then a random wkv and random hidden
-        # states: every stage against its reference.
+        # optionally behind a hot-row cache; Engram layers with a random wkv
+        # (D capped at 1024 to stay quick on a CPU) and random hidden states:
+        # every stage against its reference.
         t_len, hc, dim = int(token_ids.size), cfg.hc_mult, min(cfg.hidden_size, 1024)
         if checkpoint is not None:
             from engramrt.checkpoint import load_table
@@ -290,43 +327,42 @@ def register(app: typer.Typer) -> None:
                 )
                 for li, store in enumerate(stores)
             ]
-        steps, runtime = _stream_checked(hasher, stores, token_ids, token_map, consts)
-        cache_stats = runtime.cache_stats() if cache_mib > 0 else []
-        ids_dev = torch.as_tensor(row_ids, device=dev)
-        rows = [store.lookup(ids_dev[:, li]) for li, store in enumerate(stores)]
-        rows_ok = all(
-            torch.equal(
-                r.cpu().view(torch.int16), _reference_rows(store, ids_dev[:, li]).view(torch.int16)
-            )
-            for li, (r, store) in enumerate(zip(rows, stores, strict=True))
-        )
-        steps.append(
-            {"step": "row lookup (fp8 rows -> bf16) vs reference", "tokens": t_len, "ok": rows_ok}
-        )
+        head_cfg = cfg.replace(hidden_size=dim)
         gen = torch.Generator().manual_seed(0)
-        wkv = (
-            (torch.randn((hc + 1) * dim, cfg.n_cols * cfg.head_dim, generator=gen) / 64)
-            .bfloat16()
-            .to(dev)
-        )
+        heads = []
+        for _ in range(cfg.n_layers):
+            head = EngramHead(head_cfg, device=dev)
+            head.load_weights(
+                wkv=(
+                    torch.randn((hc + 1) * dim, cfg.n_cols * cfg.head_dim, generator=gen) / 64
+                ).bfloat16(),
+                q_weight=(1 + 0.1 * torch.randn(hc, dim, generator=gen)).bfloat16(),
+                k_weight=(1 + 0.1 * torch.randn(hc, dim, generator=gen)).bfloat16(),
+            )
+            heads.append(head)
         hidden = torch.randn(t_len, hc, dim, generator=gen).bfloat16().to(dev)
-        q_w = (1 + 0.1 * torch.randn(hc, dim, generator=gen)).bfloat16().to(dev)
-        k_w = (1 + 0.1 * torch.randn(hc, dim, generator=gen)).bfloat16().to(dev)
-        kv = rows[0].reshape(t_len, -1) @ wkv.t()
-        out = engram_gate(hidden, kv, q_w, k_w, cfg.rms_norm_eps)
-        ref = engram_gate_reference(hidden, kv, q_w, k_w, cfg.rms_norm_eps)
-        tol = gate_tolerance(
-            hidden, kv, q_w, k_w, cfg.rms_norm_eps, ref, truncating_store=dev.type == "cpu"
+        steps, runtime = _stream_checked(
+            hasher, stores, heads, hidden, token_ids, token_map, consts
         )
-        gate_ok = bool(((out.double() - ref.double()).abs() <= tol.to(out.device)).all())
+        cache_stats = runtime.cache_stats() if cache_mib > 0 else []
+        # The whole text in one step of one layer: a plain EngramLayer over the store.
+        ids_dev = torch.as_tensor(row_ids, device=dev)
+        whole = EngramLayer(heads[0], stores[0], max_tokens=t_len)
+        out, kv = whole(hidden, ids_dev[:, 0], return_kv=True)
+        rows = _reference_rows(stores[0], ids_dev[:, 0])
         steps.append(
             {
-                "step": f"fused gate (layer {cfg.layer_ids[0]}) vs reference",
+                "step": f"Engram layer {cfg.layer_ids[0]} (lookup + wkv + gate), whole text",
                 "tokens": t_len,
-                "ok": gate_ok,
+                "ok": _layer_within_tolerance(heads[0], hidden, rows.to(dev), kv, out),
             }
         )
-        gates = gate_values_reference(hidden, kv, q_w, k_w, cfg.rms_norm_eps).cpu().numpy()
+        head0 = heads[0]
+        gates = (
+            gate_values_reference(hidden, kv, head0.q_weight, head0.k_weight, cfg.rms_norm_eps)
+            .cpu()
+            .numpy()
+        )
 
         checks = Table(
             title="checks: streaming through the runtime (slot cache) vs one-shot hashing and "
@@ -370,7 +406,10 @@ def register(app: typer.Typer) -> None:
                 "lookup, both layers" + (" (through the cache)" if cache_mib > 0 else ""),
                 lambda: [st.lookup(ids_dev[:, li]) for li, st in enumerate(stores)],
             ),
-            (f"gate (D={dim})", lambda: engram_gate(hidden, kv, q_w, k_w, cfg.rms_norm_eps)),
+            (
+                f"Engram layer {cfg.layer_ids[0]}, whole text (D={dim})",
+                lambda: whole(hidden, ids_dev[:, 0]),
+            ),
         ):
             times = []
             for _ in range(20):
