@@ -366,3 +366,71 @@ def test_graph_capture_and_no_allocation(store, table) -> None:
         eager, kv = layer(hidden, row_ids, return_kv=True)
         assert_same_bits(replayed, eager, label="graph replay")
         check_step(layer, weights, table, hidden, row_ids, eager, kv)
+
+
+# --- the head alone: rows in, output out -----------------------------------------------
+
+
+def test_head_on_given_rows_matches_reference(table) -> None:
+    """EngramHead takes rows from anywhere (here the lookup reference) and computes the
+    layer's kv and output within the derived tolerances."""
+    from engramrt.layer import EngramHead
+
+    weights = random_weights(21, fp8=True)
+    head = EngramHead(CONFIG, device=DEVICE)
+    head.load_weights(**weights)
+    row_ids = random_row_ids(7, seed=21)
+    rows = lookup_rows_reference(row_ids, table, E).to(DEVICE)
+    hidden = random_hidden(7, seed=22).to(DEVICE)
+    out, kv = head(hidden, rows, return_kv=True)
+    assert_layer_within_tolerance(
+        hidden=hidden,
+        rows=rows,
+        kv=kv,
+        out=out,
+        wkv_exact=exact_wkv(weights).to(DEVICE),
+        q_weight=head.q_weight,
+        k_weight=head.k_weight,
+        eps=head.eps,
+        weight_rounding=head.wkv.weight_rounding,
+        truncating_store=TRUNCATING_STORE,
+    )
+
+
+def test_layer_equals_its_head_on_the_sources_rows(store, table) -> None:
+    layer, _ = make_layer(store, seed=5)
+    row_ids = random_row_ids(6, seed=5).to(DEVICE)
+    hidden = random_hidden(6, seed=6).to(DEVICE)
+    out = layer(hidden, row_ids).clone()
+    rows = lookup_rows_reference(row_ids.cpu(), table, E).to(DEVICE)
+    assert_same_bits(out, layer.head(hidden, rows), label="layer vs head on reference rows")
+
+
+def test_head_input_errors() -> None:
+    from engramrt.layer import EngramHead
+
+    head = EngramHead(CONFIG, device=DEVICE)
+    hidden = random_hidden(3, seed=1).to(DEVICE)
+    rows = torch.zeros(3, C, E, dtype=torch.bfloat16, device=DEVICE)
+    with pytest.raises(ValidationError, match=r"rows has shape \[3, 12, 32\] dtype torch.bfloat16"):
+        head(hidden, rows[..., :32].contiguous())
+    with pytest.raises(ValidationError, match=r"rows has .*dtype torch.float32"):
+        head(hidden, rows.float())
+    with pytest.raises(
+        ValidationError, match=r"hidden has shape \[2, 4, 256\]; expected \[3, 4, 256\]"
+    ):
+        head(hidden[:2], rows)
+    with pytest.raises(ValidationError, match="config is a str; expected an EngramConfig"):
+        EngramHead("tiny", device=DEVICE)  # type: ignore[arg-type]
+
+
+def test_layer_refuses_a_head_on_another_device_or_not_a_source(store) -> None:
+    from engramrt.layer import EngramHead
+
+    with pytest.raises(ValidationError, match="source is a Tensor; expected a RowSource"):
+        EngramLayer(CONFIG, torch.zeros(1), max_tokens=4)  # type: ignore[arg-type]
+    with pytest.raises(ValidationError, match="head is a str"):
+        EngramLayer("head", store, max_tokens=4)  # type: ignore[arg-type]
+    if DEVICE.type == "cuda":
+        with pytest.raises(ValidationError, match="expected one device"):
+            EngramLayer(EngramHead(CONFIG, device="cpu"), store, max_tokens=4)

@@ -54,10 +54,32 @@ from engramrt.hashing import HashBatch, NgramHasher, RequestHistory, SlotHashCac
 from engramrt.layer import EngramHead, EngramLayer
 from engramrt.source import PendingRows, RowSource
 
-__all__ = ["EngramRuntime", "StepRows"]
+__all__ = ["EngramRuntime", "StepRows", "worker_plan"]
 
 _T = TypeVar("_T")
 _COLLECTIVE_WORKER = -1  # the worker key shared by collective sources that need a thread
+
+
+def worker_plan(sources: Sequence[RowSource]) -> dict[int, int]:
+    """Which layers' sources run on a worker thread, and which thread: ``{layer: key}``.
+
+    A source with :attr:`~engramrt.source.RowSource.host_sync` gets a worker
+    of its own (a source owns its staging buffers and is used by one thread
+    at a time, so a prefetch queues behind the same layer's previous lookup
+    instead of racing it). Collective sources must issue their collectives
+    in layer order on every rank: when any of them needs a thread, all of
+    them share one worker (key -1); otherwise they stay on the side stream,
+    which keeps the order too. Layers not in the plan run on the side stream.
+    """
+    plan: dict[int, int] = {}
+    threaded_collectives = any(s.collective and s.host_sync for s in sources)
+    for index, source in enumerate(sources):
+        if source.collective:
+            if threaded_collectives:
+                plan[index] = _COLLECTIVE_WORKER
+        elif source.host_sync:
+            plan[index] = index
+    return plan
 
 
 @dataclass
@@ -200,19 +222,7 @@ class EngramRuntime:
         self._lookup_stream = (
             torch.cuda.Stream(self.device, priority=lookup_priority) if cuda else None
         )
-        # A worker thread per layer whose source synchronises with the host:
-        # a source owns its staging buffers and is used by one thread at a
-        # time, so a prefetch queues behind the same layer's previous lookup
-        # instead of racing it. Collective sources share one worker.
-        self._worker_of: dict[int, int] = {}
-        threaded_collectives = any(s.collective and s.host_sync for s in self.sources)
-        for index, source in enumerate(self.sources):
-            if not cuda:
-                continue
-            if source.collective and threaded_collectives:
-                self._worker_of[index] = _COLLECTIVE_WORKER
-            elif source.host_sync and not source.collective:
-                self._worker_of[index] = index
+        self._worker_of = worker_plan(self.sources) if cuda else {}
         self._workers = {
             key: ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"engramrt-rows-{key}")
             for key in set(self._worker_of.values())
