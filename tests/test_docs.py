@@ -47,6 +47,7 @@ PENDING_API: set[tuple[str, int]] = {
     ("docs/distributed.md", 1),
 }
 
+KNOWN_LANGUAGES = ("python", "bash", "")  # "": plain text (diagrams, output)
 _FENCE = re.compile(r"^```(\w*)\s*$")
 _NOT_RUN = re.compile(r"^<!--\s*not-run:\s*(\S.*?)\s*-->$")
 
@@ -64,7 +65,11 @@ class Block:
 
 
 def extract_blocks(doc: str, text: str) -> list[Block]:
-    """Fenced blocks of ``text`` in order; unterminated fences are an error."""
+    """Fenced blocks of ``text`` in order.
+
+    An unterminated fence, or one indented or carrying more than a language
+    after its backticks, is an error rather than a block nobody runs.
+    """
     blocks: list[Block] = []
     counts: dict[str, int] = {}
     lines = text.splitlines()
@@ -72,6 +77,8 @@ def extract_blocks(doc: str, text: str) -> list[Block]:
     while i < len(lines):
         match = _FENCE.match(lines[i])
         if match is None:
+            if lines[i].lstrip().startswith("```"):
+                raise AssertionError(f"{doc}:{i + 1}: a fence this test cannot read: {lines[i]!r}")
             i += 1
             continue
         language, start = match.group(1), i
@@ -246,9 +253,20 @@ def test_docs_have_blocks_to_run() -> None:
         )
 
 
+def test_every_fence_is_run_or_plain_text() -> None:
+    """A ```py or ```sh block would not be run by the tests above: refuse the label."""
+    unknown = [
+        f"{b.doc}:{b.line} ```{b.language}"
+        for b in _doc_blocks()
+        if b.language not in KNOWN_LANGUAGES
+    ]
+    assert not unknown, f"label these python or bash (or leave them unlabelled as text): {unknown}"
+
+
 def test_readme_opens_with_its_two_commands() -> None:
     first = _doc_blocks()[0]
     assert first.doc == "README.md" and first.language == "bash", first
+    assert first.line <= 3, f"README.md's first block opens at line {first.line}"
     lines = [split_comment(line)[0] for line in first.code.splitlines() if line.strip()]
     assert [line.split()[0] for line in lines] == ["scripts/setup", "scripts/test"], lines
 
@@ -289,6 +307,9 @@ def test_extraction_and_runner_on_a_sample(tmp_path: Path) -> None:
     block = blocks[2]
     assert Command(block, 13, ("hash",), split_comment(line)[1]).needs == "a GPU"
     assert Command(block, 13, ("hash",), "# 3 tokens").needs is None
+    for unreadable in ("  ```python\nx = 1\n  ```\n", "```python\nx = 1\n", "```py title\n```\n"):
+        with pytest.raises(AssertionError, match=r"sample\.md:1"):
+            extract_blocks("sample.md", unreadable)
     run_python_block(blocks[0].code, tmp_path, "sample block 0")
     with pytest.raises(pytest.fail.Exception, match="NameError: name 'undefined_name'"):
         run_python_block(blocks[1].code, tmp_path, "sample block 1")
