@@ -36,17 +36,6 @@ NEEDS = re.compile(r"#\s*needs (\S.*?)\s*$")  # the last "# needs ..." of a line
 MAX_OPT_OUTS = 3  # <!-- not-run --> blocks
 MAX_NEEDS_OTHER_THAN_GPU = 1  # commands skipped for a reason other than "a GPU"
 
-# Blocks written against the composed API (EngramHead, the layer over a row
-# source, the runtime over sources and heads, engramrt.exchange): expected to
-# fail until that API is in the package. (file relative to the root, index
-# among the file's python blocks)
-PENDING_API: set[tuple[str, int]] = {
-    ("docs/integration.md", 0),
-    ("docs/integration.md", 1),
-    ("docs/distributed.md", 0),
-    ("docs/distributed.md", 1),
-}
-
 KNOWN_LANGUAGES = ("python", "bash", "")  # "": plain text (diagrams, output)
 _FENCE = re.compile(r"^```(\w*)\s*$")
 _NOT_RUN = re.compile(r"^<!--\s*not-run:\s*(\S.*?)\s*-->$")
@@ -204,8 +193,6 @@ def _python_params() -> list[object]:
         marks: list[pytest.MarkDecorator] = []
         if block.not_run is not None:
             marks.append(pytest.mark.skip(reason=f"not-run: {block.not_run}"))
-        if (block.doc, block.index) in PENDING_API:
-            marks.append(pytest.mark.xfail(strict=False, reason="new composed API pending"))
         params.append(pytest.param(block, id=f"{block.doc}:python{block.index}", marks=marks))
     return params
 
@@ -247,10 +234,6 @@ def test_docs_have_blocks_to_run() -> None:
     assert per_doc["README.md"] >= 3, per_doc
     commands = [c for c in _doc_commands() if c.block.doc == "README.md"]
     assert len(commands) >= 8, [" ".join(c.argv) for c in commands]
-    for doc, index in PENDING_API:
-        assert index < per_doc[doc], (
-            f"PENDING_API names {doc} python block {index}, which does not exist"
-        )
 
 
 def test_every_fence_is_run_or_plain_text() -> None:

@@ -9,9 +9,6 @@ import pytest
 
 import engramrt
 
-# Names of the composed API that the table lists before their modules exist.
-PENDING = ("EngramHead", "AllGatherExchange", "SequenceParallelExchange", "AllToAllExchange")
-
 
 def _run(code: str) -> str:
     proc = subprocess.run(
@@ -36,10 +33,8 @@ def test_lazy_names_import_no_triton_until_a_kernel_runs() -> None:
     """Every lazy name imports torch but not Triton; running a kernel then does (the control)."""
     code = (
         "import sys, engramrt\n"
-        f"pending = {PENDING!r}\n"
         "for name in engramrt._LAZY:\n"
-        "    if name not in pending:\n"
-        "        getattr(engramrt, name)\n"
+        "    getattr(engramrt, name)\n"
         "print('torch' in sys.modules, 'triton' in sys.modules)\n"
         "import torch\n"
         "x = torch.randn(3, 32, device='cuda' if torch.cuda.is_available() else 'cpu')\n"
@@ -68,20 +63,7 @@ def test_dir_lists_every_public_name() -> None:
     assert not missing, f"dir(engramrt) lacks {missing}"
 
 
-@pytest.mark.parametrize(
-    "name",
-    [
-        pytest.param(
-            name,
-            marks=pytest.mark.xfail(
-                strict=False, reason="composed API (EngramHead, engramrt.exchange) pending"
-            ),
-        )
-        if name in PENDING
-        else name
-        for name in engramrt.__all__
-    ],
-)
+@pytest.mark.parametrize("name", engramrt.__all__)
 def test_public_name_resolves(name: str) -> None:
     import importlib
 

@@ -35,14 +35,14 @@ from engramrt.tokenmap import TokenMap
 if TYPE_CHECKING:
     from engramrt.cache import CachedRowStore
     from engramrt.checkpoint import load_table, load_tables
-    from engramrt.exchange import (  # type: ignore[import-not-found]
+    from engramrt.exchange import (
         AllGatherExchange,
         AllToAllExchange,
         SequenceParallelExchange,
     )
     from engramrt.gate import engram_gate
     from engramrt.hashing import HashBatch, NgramHasher, RequestHistory, SlotHashCache
-    from engramrt.layer import (  # type: ignore[attr-defined]
+    from engramrt.layer import (
         EngramHead,
         EngramLayer,
     )
