@@ -62,7 +62,7 @@ def test_demo_without_a_cache(capsys, tmp_path) -> None:
     [
         (["--text", "too short"], "at least 24"),
         (["--file", "/nonexistent.txt"], "cannot be read"),
-        (["--cache-mib", "-1"], "--cache-mib -1.0; expected a size in MiB >= 0"),
+        (["--cache-mib", "-1"], "--cache-mib=-1.0; expected a finite size in MiB >= 0"),
     ],
 )
 def test_demo_bad_input(capsys, args, needle) -> None:

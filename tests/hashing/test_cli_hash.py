@@ -64,7 +64,7 @@ def test_hash_ids_file_and_human_output(capsys, tmp_path) -> None:
         (["--ids", "1,129280"], "129280"),
         (["--ids", "1", "--text", "a"], "exactly one of"),
         (["--ids", "1", "--history", "magic"], "history='magic'"),
-        (["--ids-file", "/nonexistent.npy"], "not a readable .npy"),
+        (["--ids-file", "/nonexistent.npy"], "--ids-file='/nonexistent.npy' cannot be read"),
     ],
 )
 def test_hash_bad_input(capsys, args, needle) -> None:
