@@ -10,7 +10,7 @@ its files in this order:
    file, fsync, rename): the id, the file names, and the engramrt files of
    earlier conversions it replaces. This rename is the commit point;
 3. each staged file is renamed to its final name;
-4. the replaced files are removed.
+4. the replaced files are removed, and the manifest rewritten without them.
 
 A loader (:func:`resolve_directory`) goes by the manifest: before step 2 it
 finds the old manifest and the old files (the staged ones are hidden), from

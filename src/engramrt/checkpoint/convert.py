@@ -249,6 +249,7 @@ def run_conversion(
             _write_staged(plan, files, staged, rows_per_block, compute_device, backend, on_rows)
             kill_point("convert:staged")
             replaced = _replaced_files(directory, files) if plan.directory_set else []
+            manifest = None
             if plan.directory_set:
                 manifest = ConversionManifest(
                     conversion_id,
@@ -266,6 +267,12 @@ def run_conversion(
             for path, _cid in replaced:
                 path.unlink(missing_ok=True)
             kill_point("convert:cleaned")
+            if (
+                manifest is not None and replaced
+            ):  # from now on a replaced file that reappears is refused as stale
+                atomic_write_bytes(
+                    directory / MANIFEST_NAME, dataclasses.replace(manifest, replaces=()).to_json()
+                )
         except BaseException:
             if not committed:  # after the commit the staged files are the set
                 for path in staged:
