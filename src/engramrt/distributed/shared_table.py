@@ -162,8 +162,8 @@ def free_bytes(directory: str | os.PathLike[str]) -> int:
 
 def _no_space_message(directory: Path, needed: int, free: int, what: str) -> str:
     return (
-        f"{what} needs {needed} bytes ({memory.format_bytes(needed)}) in {directory} but it has "
-        f"{free} bytes ({memory.format_bytes(free)}) free; make it larger (in a container: "
+        f"{what} needs {memory.format_bytes(needed)} in {directory} but it has "
+        f"{memory.format_bytes(free)} free; make it larger (in a container: "
         f"docker run --shm-size=<size>, e.g. --shm-size={max(1, -(-needed // 2**30))}g) or set "
         f"${DIRECTORY_ENV} to a larger memory file system"
     )
