@@ -100,6 +100,13 @@ def test_hash_no_gpu_is_an_error(capsys, files) -> None:
         _one_line_error(code, err, "--device='cuda'", "no CUDA device")
 
 
+@pytest.mark.parametrize("tp", ["1000", "13"])
+def test_inspect_tp_past_the_columns_is_short(capsys, tp) -> None:
+    code, _, err = _run(capsys, "inspect", "-c", "tiny", "--tp", tp)
+    _one_line_error(code, err, f"--tp={tp}", "at most C=12")
+    assert len(err) < 200
+
+
 @pytest.mark.parametrize(
     ("name", "needles"),
     [("inf.json", ["rms_norm_eps=inf", "finite"]), ("neg_seed.json", ["hash_seed=-1"])],
@@ -122,6 +129,7 @@ DEMO_CASES = [
     (["--cache-mib", "inf"], ["--cache-mib=inf", "finite"]),
     (["--cache-mib", "nan"], ["--cache-mib=nan"]),
     (["--cache-mib", "-1"], ["--cache-mib=-1"]),
+    (["--tier", "disk"], ["--tier='disk'", "auto, device, uva or host"]),
 ]
 
 
@@ -173,6 +181,7 @@ CONVERT_CASES = [
     (["--tp", "0"], ["--tp=0"]),
     (["--tp", "-2"], ["--tp=-2"]),
     (["--block-rows", "-1"], ["--block-rows=-1"]),
+    (["--tp", "1000"], ["--tp=1000", "at most C=12"]),
 ]
 
 

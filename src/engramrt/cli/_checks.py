@@ -17,6 +17,7 @@ __all__ = [
     "INT64_MAX",
     "INT64_MIN",
     "check_output_path",
+    "check_tp",
     "os_error",
     "parse_device",
     "parse_int_list",
@@ -71,6 +72,20 @@ def parse_device(option: str, value: str, *, allow_auto: bool = False) -> Any:
                 f"(cuda:0 to cuda:{count - 1})"
             )
     return device
+
+
+def check_tp(option: str, tp: int, n_cols: int) -> int:
+    """A tensor-parallel size that gives every rank a hash column (short message for huge ones)."""
+    from engramrt.errors import ShardingError
+
+    if tp < 1:
+        raise ShardingError(f"{option}={tp}; expected a tensor-parallel size >= 1")
+    if tp > n_cols:
+        raise ShardingError(
+            f"{option}={tp}; expected at most C={n_cols} (the config's hash columns: every rank "
+            f"needs one)"
+        )
+    return tp
 
 
 def check_output_path(option: str, path: Path) -> Path:

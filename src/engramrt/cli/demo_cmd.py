@@ -206,6 +206,11 @@ def register(app: typer.Typer) -> None:
             raise EngramError(f"--text={text!r} is empty; give a text or leave --text out")
         text = DEFAULT_TEXT if text is None else text
         dev = parse_device("--device", device, allow_auto=True)
+        if tier == "disk":
+            raise EngramError(
+                "--tier='disk' needs a file for the packed rows and the demo takes no path for "
+                "it; expected auto, device, uva or host"
+            )
         check_output_path("--plot", plot)
         cfg = load_config(config)
         layout = EngramLayout(cfg)
