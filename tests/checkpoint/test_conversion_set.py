@@ -201,3 +201,17 @@ def test_sigkill_during_convert_leaves_old_or_new_set(tmp_path, small, kill_at, 
         "engram-rank1-of-2.safetensors",
         MANIFEST_NAME,
     ]
+
+
+def test_sigterm_removes_the_conversions_temporaries(tmp_path, small) -> None:
+    """SIGTERM mid-write (a scheduler stopping the job): exit without a staged file left."""
+    config_file = tmp_path / "config.json"
+    config_file.write_text(json.dumps(small.to_hf_dict()))
+    src, _packed = _source(tmp_path / "a.safetensors", small, 1)
+    dst = tmp_path / "dst"
+    code = _convert_process(src, dst, config_file, "convert:block:TERM")
+    assert code == 128 + signal.SIGTERM
+    assert list(dst.iterdir()) == []
+    # The control: the same point with SIGKILL leaves the staged files (for the next run).
+    assert _convert_process(src, dst, config_file, "convert:block") == -signal.SIGKILL
+    assert sorted(p.name.endswith(".tmp") for p in dst.iterdir()) == [True, True]

@@ -26,6 +26,7 @@ Conversions into one directory take an exclusive ``flock`` on the
 directory itself; under it every temporary file left by an earlier
 (killed) conversion is removed. A conversion removes its own temporary files
 when it fails (and on SIGTERM, which the CLI turns into an exit).
+After a SIGKILL they stay until the next conversion into the directory.
 
 ``ENGRAMRT_TEST_KILL_AT`` (tests only): a point name (``convert:staged``,
 ``convert:manifest``, ``convert:renamed-1``, ...) at which the writer
@@ -71,9 +72,16 @@ _TEMPORARY = re.compile(r"^\.(?P<name>.+?\.(safetensors|json))\.[^/]+\.tmp$")
 
 
 def kill_point(point: str) -> None:
-    """SIGKILL this process when ``$ENGRAMRT_TEST_KILL_AT`` names ``point`` (crash tests)."""
-    if os.environ.get(KILL_ENV) == point:
+    """Signal this process when ``$ENGRAMRT_TEST_KILL_AT`` names ``point`` (crash tests).
+
+    ``<point>`` sends SIGKILL; ``<point>:TERM`` sends SIGTERM (what a job
+    scheduler sends first), which the CLI turns into an orderly exit.
+    """
+    wanted = os.environ.get(KILL_ENV)
+    if wanted == point:
         os.kill(os.getpid(), signal.SIGKILL)
+    elif wanted == f"{point}:TERM":
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def is_output_name(name: str) -> bool:
