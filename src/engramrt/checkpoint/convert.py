@@ -157,11 +157,11 @@ def plan_conversion(
     files = []
     for rank, path in enumerate(paths):
         slots = layer_slots(cfg, layout, tensor_names, tp=None if tp == 1 else tp, rank=rank)
-        layout_ = file_layout(path, cfg, slots, scale_dtype=scale_dtype, tp=tp, rank=rank)
+        planned = file_layout(path, cfg, slots, scale_dtype=scale_dtype, tp=tp, rank=rank)
         # A placeholder of the id's length, so that nbytes is already exact.
         files.append(
             dataclasses.replace(
-                layout_, metadata={**layout_.metadata, META_CONVERSION_ID: "0" * _ID_LENGTH}
+                planned, metadata={**planned.metadata, META_CONVERSION_ID: "0" * _ID_LENGTH}
             )
         )
     source_names = tensor_names.per_layer("source", cfg)
@@ -267,9 +267,8 @@ def run_conversion(
             for path, _cid in replaced:
                 path.unlink(missing_ok=True)
             kill_point("convert:cleaned")
-            if (
-                manifest is not None and replaced
-            ):  # from now on a replaced file that reappears is refused as stale
+            # From now on a replaced file that reappears is refused as stale.
+            if manifest is not None and replaced:
                 atomic_write_bytes(
                     directory / MANIFEST_NAME, dataclasses.replace(manifest, replaces=()).to_json()
                 )
