@@ -62,10 +62,14 @@ def test_prefix_request_after_long_accepted_drafts(mode: str, token_map) -> None
 
 
 def test_schedule_draws_stay_in_range(token_map) -> None:
-    """Every seed in a band draws valid ranges (numpy raises ValueError on low >= high)."""
+    """Every seed in a band draws valid ranges (numpy raises ValueError on low >= high), and
+    long schedules stop adding requests before history slots or KV blocks run out."""
     consts = HashConstants.from_config(PRESETS["tiny"], token_map)
     for seed in np.random.default_rng(0).integers(0, 2**32 - 1, 40).tolist():
         run_schedule(int(seed), "lookback", "reference", consts, token_map, max_steps=20)
+    for seed in (1, 2):
+        engine = run_schedule(seed, "request", "reference", consts, token_map, max_steps=150)
+        assert not engine.mismatches and engine.steps > 2
 
 
 def test_soak_script_runs_the_installed_package(tmp_path) -> None:

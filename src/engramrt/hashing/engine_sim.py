@@ -261,20 +261,25 @@ def run_schedule(
     )
     spawned_prefix = spawned_remote = False
     for _ in range(max_steps):
-        if not spawned_prefix and first.computed >= BLOCK_SIZE and rng.random() < 0.5:
+        # Each ``rng.random()`` comes first, so a seed draws the same schedule whatever
+        # ``max_steps``; a request is only added while a history slot and blocks are free.
+        room = len(engine.free_slots) > 0 and len(engine.free_blocks) >= 32
+        if not spawned_prefix and first.computed >= BLOCK_SIZE and rng.random() < 0.5 and room:
             # Longer than what it borrows: accepted drafts can take ``first``
             # past any fixed bound, so the upper end follows ``computed``.
             length = int(rng.integers(first.computed + 1, max(30, first.computed + 8)))
             active.append(engine.new_request(length, dead_rate, prefix_of=first))
             spawned_prefix = True
-        if not spawned_remote and rng.random() < 0.3:
+        room = len(engine.free_slots) > 0 and len(engine.free_blocks) >= 32
+        if not spawned_remote and rng.random() < 0.3 and room:
             active.append(
                 engine.new_request(
                     int(rng.integers(6, 20)), dead_rate, remote_prefix=int(rng.integers(1, 6))
                 )
             )
             spawned_remote = True
-        if rng.random() < 0.2:
+        room = len(engine.free_slots) > 0 and len(engine.free_blocks) >= 32
+        if rng.random() < 0.2 and room:
             active.append(engine.new_request(int(rng.integers(1, 12)), dead_rate))
         live = [r for r in active if r.computed < len(r.tokens)]
         if not live:
