@@ -10,6 +10,7 @@ def _run(capsys, *args: str) -> tuple[int, str, str]:
     with pytest.raises(SystemExit) as info:
         main(list(args))
     out, err = capsys.readouterr()
+    capsys.raw = out  # the unflattened text, for parsing tables
     return int(info.value.code or 0), " ".join(out.split()), err
 
 
@@ -22,6 +23,9 @@ def test_demo_runs_and_checks_every_step(capsys, tmp_path) -> None:
     assert "hot-row cache (16 MiB per layer)" in out  # on by default, stats shown
     assert "NO" not in out
     assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    from engramrt.cli.demo_cmd import DEFAULT_TEXT
+
+    assert _first_tokens_rows(capsys.raw) == _independent_first_tokens(DEFAULT_TEXT)
 
 
 def test_demo_on_tiny_config_with_text(capsys, tmp_path) -> None:
@@ -39,6 +43,44 @@ def test_demo_on_tiny_config_with_text(capsys, tmp_path) -> None:
         str(tmp_path / "c.png"),
     )
     assert code == 0 and "checks passed" in out
+    assert _first_tokens_rows(capsys.raw) == _independent_first_tokens(text)
+
+
+def _first_tokens_rows(raw: str) -> list[tuple[int, int, int, int]]:
+    """(pos, token id, compressed id, ids sharing it) parsed from the demo's first-tokens table."""
+    rows = []
+    table = raw.split("first tokens", 1)[1].split("bigrams", 1)[0]
+    for line in table.splitlines():
+        cells = [c.strip() for c in line.strip().strip("│").split("│")]
+        if len(cells) == 5 and cells[0].isdigit():
+            rows.append((int(cells[0]), int(cells[2]), int(cells[3]), int(cells[4])))
+    return rows
+
+
+def _independent_first_tokens(text: str) -> list[tuple[int, int, int, int]]:
+    """The same numbers from the tokenizer and the token map's array, not the demo's code."""
+    import numpy as np
+
+    from engramrt.tokenmap import TokenMap, load_tokenizer
+
+    table = TokenMap.from_tokenizer_file().map
+    ids = load_tokenizer().encode(text, add_special_tokens=False).ids[:12]
+    return [
+        (p, t, int(table[t]), int(np.count_nonzero(table == table[t]))) for p, t in enumerate(ids)
+    ]
+
+
+def test_control_a_wrong_token_map_fails_the_independent_check(capsys, tmp_path, monkeypatch):
+    from engramrt.tokenmap import TokenMap
+
+    real = TokenMap.compress
+    monkeypatch.setattr(TokenMap, "compress", lambda self, ids: real(self, ids) + 1)
+    text = "The cat and THE CAT and the cat sat on the mat while the Cat slept on The Mat all day long, and the cat woke up."
+    with pytest.raises(SystemExit):
+        main(["demo", "-c", "tiny", "--text", text, "--plot", str(tmp_path / "c.png")])
+    capsys.raw = capsys.readouterr().out
+    parsed = _first_tokens_rows(capsys.raw)
+    assert len(parsed) == 12 and parsed != _independent_first_tokens(text)
 
 
 def test_demo_without_a_cache(capsys, tmp_path) -> None:
@@ -62,7 +104,7 @@ def test_demo_without_a_cache(capsys, tmp_path) -> None:
     [
         (["--text", "too short"], "at least 24"),
         (["--file", "/nonexistent.txt"], "cannot be read"),
-        (["--cache-mib", "-1"], "--cache-mib -1.0; expected a size in MiB >= 0"),
+        (["--cache-mib", "-1"], "--cache-mib=-1.0; expected a finite size in MiB >= 0"),
     ],
 )
 def test_demo_bad_input(capsys, args, needle) -> None:

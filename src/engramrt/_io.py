@@ -13,10 +13,11 @@ __all__ = ["atomic_write_bytes", "atomic_writer"]
 
 
 @contextlib.contextmanager
-def atomic_writer(path: str | Path) -> Iterator[BinaryIO]:
+def atomic_writer(path: str | Path, mode: int | None = None) -> Iterator[BinaryIO]:
     """Open a temporary file beside ``path``; on success fsync and rename it over ``path``.
 
-    If the block raises (or the process dies), ``path`` is left untouched and
+    ``mode``: the file's permission bits, whatever the umask (default: what
+    ``open()`` would give, ``0o666`` less the umask). If the block raises (or the process dies), ``path`` is left untouched and
     the temporary file is removed (or, after a crash, left under a hidden
     ``.<name>.*.tmp`` name that no loader looks for).
     """
@@ -24,8 +25,8 @@ def atomic_writer(path: str | Path) -> Iterator[BinaryIO]:
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
     try:
-        # mkstemp creates 0600; give the file the mode open() would have.
-        os.fchmod(fd, 0o666 & ~_umask())
+        # mkstemp creates 0600; give the file the mode asked for, or the one open() would have.
+        os.fchmod(fd, 0o666 & ~_umask() if mode is None else mode)
         with os.fdopen(fd, "wb") as f:
             yield f
             f.flush()
@@ -54,6 +55,7 @@ def _umask() -> int:
     return 0o022
 
 
-def atomic_write_bytes(path: str | Path, data: bytes) -> None:
-    with atomic_writer(path) as f:
+def atomic_write_bytes(path: str | Path, data: bytes, mode: int | None = None) -> None:
+    """Write ``data`` to ``path`` through :func:`atomic_writer` (``mode``: see there)."""
+    with atomic_writer(path, mode) as f:
         f.write(data)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,11 +25,16 @@ from engramrt.errors import ConfigError
 __all__ = ["PRESETS", "EngramConfig", "load_config"]
 
 
+_INT64_MAX = 2**63 - 1
+
+
 def _positive_int(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ConfigError(f"{name}={value!r} must be a positive integer")
     if value <= 0:
         raise ConfigError(f"{name}={value} must be a positive integer (> 0)")
+    if value > _INT64_MAX:
+        raise ConfigError(f"{name}={value} does not fit int64; expected at most {_INT64_MAX}")
     return value
 
 
@@ -121,10 +127,23 @@ class EngramConfig:
             )
         _positive_int("hidden_size", self.hidden_size)
         _positive_int("hc_mult", self.hc_mult)
-        if not isinstance(self.rms_norm_eps, (int, float)) or not self.rms_norm_eps > 0:
-            raise ConfigError(f"rms_norm_eps={self.rms_norm_eps!r} must be a positive number")
-        if isinstance(self.hash_seed, bool) or not isinstance(self.hash_seed, int):
-            raise ConfigError(f"hash_seed={self.hash_seed!r} must be an integer")
+        eps = self.rms_norm_eps
+        if (
+            isinstance(eps, bool)
+            or not isinstance(eps, (int, float))
+            or not eps > 0
+            or not math.isfinite(eps)
+        ):
+            raise ConfigError(f"rms_norm_eps={eps!r} must be a finite positive number")
+        if (
+            isinstance(self.hash_seed, bool)
+            or not isinstance(self.hash_seed, int)
+            or not 0 <= self.hash_seed <= _INT64_MAX
+        ):
+            raise ConfigError(
+                f"hash_seed={self.hash_seed!r} must be an integer in [0, 2**63) (it seeds "
+                f"numpy.random.default_rng, which refuses negative seeds)"
+            )
 
     # Derived sizes ---------------------------------------------------------
     @property

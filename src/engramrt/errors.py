@@ -16,6 +16,7 @@ __all__ = [
     "LayoutError",
     "ShardingError",
     "TokenizerError",
+    "UntrustedFileError",
     "ValidationError",
 ]
 
@@ -50,6 +51,10 @@ class CheckpointError(EngramError):
 
 class CapacityError(EngramError):
     """Not enough memory or disk for the placement that was asked for."""
+
+
+class UntrustedFileError(EngramError):
+    """A shared file belongs to a user this process does not trust, or others may write it."""
 
 
 def expect(condition: bool, error: type[EngramError], message: str) -> None:

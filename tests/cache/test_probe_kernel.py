@@ -125,10 +125,28 @@ def test_kernel_matches_reference(
 
 
 def test_kernel_empty_batch(device: torch.device) -> None:
+    """An empty batch writes nothing: poisoned buffers around the empty outputs, the index and
+    the rows stay as they were; the control (one token) shows the same check sees a write."""
     policy, rows = filled_index(2, 4, torch.arange(8), 64, device)
-    out = torch.empty((0, 24, 64), dtype=torch.bfloat16, device=device)
-    slots = torch.empty((0, 24), dtype=torch.int64, device=device)
-    row_ids = torch.empty((0, 24), dtype=torch.int32, device=device)
-    probe_gather_triton(
-        row_ids, policy.tags, rows, out, slots, num_sets=2, ways=4, col_begin=0, col_end=24
-    )
+    tags, packed = policy.tags.clone(), rows.clone()
+    out_buffer = torch.full((2, 24, 64), float("nan"), dtype=torch.bfloat16, device=device)
+    slots_buffer = torch.full((2, 24), -7, dtype=torch.int64, device=device)
+    for tokens in (0, 1):
+        out_buffer.fill_(float("nan"))
+        slots_buffer.fill_(-7)
+        row_ids = torch.arange(tokens * 24, dtype=torch.int32, device=device).reshape(tokens, 24)
+        probe_gather_triton(
+            row_ids,
+            policy.tags,
+            rows,
+            out_buffer[:tokens],
+            slots_buffer[:tokens],
+            num_sets=2,
+            ways=4,
+            col_begin=0,
+            col_end=24,
+        )
+        untouched = bool(out_buffer.isnan().all()) and bool((slots_buffer == -7).all())
+        assert untouched == (tokens == 0)  # tokens=1: the check does see a write
+        assert bool(out_buffer[1:].isnan().all()) and bool((slots_buffer[1:] == -7).all())
+        assert torch.equal(policy.tags, tags) and torch.equal(rows, packed)

@@ -125,3 +125,18 @@ def tiny_tables(tiny):
 def small_tables(small):
     tables = float_tables(small, seed=2, dtype=torch.bfloat16)
     return tables, reference_packed(tables)
+
+
+def bytes_without_conversion_id(path: Path) -> bytes:
+    """The file's bytes with its conversion id (unique per conversion) blanked out.
+
+    Two conversions of the same tables differ only there; the id has a fixed
+    length, so every other byte keeps its offset.
+    """
+    from engramrt.checkpoint.conversion_set import META_CONVERSION_ID
+    from engramrt.checkpoint.safetensors_format import read_header
+
+    data = path.read_bytes()
+    conversion_id = read_header(path).metadata[META_CONVERSION_ID].encode()
+    assert data.count(conversion_id) == 1
+    return data.replace(conversion_id, b"0" * len(conversion_id))

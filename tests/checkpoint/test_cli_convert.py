@@ -107,7 +107,7 @@ def test_config_comes_from_the_source_directory(capsys, tmp_path, small) -> None
         (["MISSING", "DST", "-c", "tiny"], "SRC"),
         (["SRC", "DST", "-c", "tiny", "--scales", "f32"], "scale_dtype = 'f32'"),
         (["SRC", "DST", "-c", "tiny", "--tp", "7"], "tp=7"),
-        (["SRC", "DST", "-c", "tiny", "--block-rows", "0"], "block_rows = 0"),
+        (["SRC", "DST", "-c", "tiny", "--block-rows", "0"], "--block-rows=0"),
         (["SRC", "DST", "-c", "tiny", "--names", "NAMES"], "names file"),
         (["SRC", "DST", "-c", "nope"], "neither a preset"),
         (["SRC", "DST"], "has shape [49796, 64]; expected [384006168, 256]"),

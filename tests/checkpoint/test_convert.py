@@ -18,12 +18,20 @@ from engramrt.checkpoint import (
     read_header,
     read_table,
 )
+from engramrt.checkpoint.conversion_set import MANIFEST_NAME
 from engramrt.errors import CapacityError, CheckpointError, ShardingError
 from engramrt.layout import EngramLayout
 from engramrt.lookup import pack_rows
 from engramrt.quant import quantize_rows
 
-from .conftest import SCALE, WEIGHT, float_tables, reference_packed, synthetic_config
+from .conftest import (
+    SCALE,
+    WEIGHT,
+    bytes_without_conversion_id,
+    float_tables,
+    reference_packed,
+    synthetic_config,
+)
 
 SOURCE = "engram.{layer}.weight"
 
@@ -69,7 +77,8 @@ def test_every_float_source_dtype_and_block_size_gives_the_same_bytes(tmp_path, 
     src = _write_source(tmp_path / "src.safetensors", small, tables)
     (one,) = convert_checkpoint(src, tmp_path / "a.safetensors", small, block_rows=7)
     (two,) = convert_checkpoint(src, tmp_path / "b.safetensors", small)
-    assert one.read_bytes() == two.read_bytes()
+    assert bytes_without_conversion_id(one) == bytes_without_conversion_id(two)
+    assert one.read_bytes() != two.read_bytes()  # each conversion has its own id
     for layer_index, want in enumerate(reference_packed(tables)):
         assert torch.equal(read_table(one, small, layer_index), want)
 
@@ -83,7 +92,7 @@ def test_conversion_on_the_gpu_writes_the_cpu_bytes(tmp_path, small, device) -> 
     (on_gpu,) = convert_checkpoint(
         src, tmp_path / "gpu.safetensors", small, block_rows=5, device=device
     )
-    assert on_gpu.read_bytes() == on_cpu.read_bytes()
+    assert bytes_without_conversion_id(on_gpu) == bytes_without_conversion_id(on_cpu)
 
 
 @pytest.mark.parametrize("tp", [2, 3, 4])
@@ -212,7 +221,7 @@ def test_interrupted_conversion_leaves_nothing_that_loads(tmp_path, small, monke
     with pytest.raises(RuntimeError):
         convert_checkpoint(other, dst, small, tp=tp, block_rows=50)
     assert [p.read_bytes() for p in paths] == before
-    assert sorted(dst.iterdir()) == sorted(paths)
+    assert sorted(dst.iterdir()) == sorted([*paths, dst / MANIFEST_NAME])
 
 
 def test_not_enough_disk_is_refused_before_writing(tmp_path, small, monkeypatch) -> None:

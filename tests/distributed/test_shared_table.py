@@ -14,7 +14,6 @@ import errno
 import json
 import multiprocessing
 import os
-import shutil
 import signal
 import stat
 import threading
@@ -258,12 +257,7 @@ def test_remove_deletes_every_file(tmp_path: Path, rows, loader) -> None:
 def test_directory_too_small_falls_back_with_the_numbers(
     tmp_path: Path, rows, loader, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    real = shutil.disk_usage
-
-    def small(path):
-        return real(path)._replace(free=12_345)
-
-    monkeypatch.setattr(shared_table_module.shutil, "disk_usage", small)
+    monkeypatch.setattr(shared_table_module, "free_bytes", lambda path: 12_345)
     with pytest.warns(
         UserWarning,
         match=r"private copy of 66000 bytes .* has 12345 bytes .* free "

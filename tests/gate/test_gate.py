@@ -167,6 +167,14 @@ def test_empty_batch_returns_without_launch() -> None:
     assert result.shape == (0, 4, 64) and result.dtype == torch.bfloat16
     out = poisoned_out(inputs["hidden"])
     assert engram_gate(**inputs, backend="triton", out=out) is out
+    # Nothing written around the empty output; one token (the control) is written there.
+    buffer = torch.full((2, 4, 64), float("nan"), dtype=torch.bfloat16, device=out.device)
+    engram_gate(**inputs, backend="triton", out=buffer[:0])
+    assert bool(buffer.isnan().all())
+    one = make_inputs(1, 4, 64, seed=2)
+    engram_gate(**one, backend="triton", out=buffer[:1])
+    check_against_reference(buffer[:1], one)
+    assert bool(buffer[1].isnan().all())
 
 
 def test_fresh_output_and_reference_backend() -> None:

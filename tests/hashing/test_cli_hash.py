@@ -44,6 +44,39 @@ def test_hash_chunks_match_one_shot_and_save(capsys, tmp_path, history, backend,
     saved = np.load(out_file)
     assert saved.dtype == np.int64 and saved.shape == (len(report["token_ids"]), 2, 12)
     assert saved.tolist() == report["row_ids"]
+    # Independent of the CLI's own verdict: tokenize and hash the whole text at once here.
+    assert _independent_row_ids("The cat sat on the mat, THE CAT!") == report["row_ids"]
+
+
+def _independent_row_ids(text: str) -> list:
+    """Row ids of ``text`` hashed in one shot by the reference, from the tokenizer up."""
+    from engramrt.config import PRESETS
+    from engramrt.hashing import HashConstants, hash_sequence
+    from engramrt.tokenmap import TokenMap, load_tokenizer
+
+    token_map = TokenMap.from_tokenizer_file()
+    ids = np.array(load_tokenizer().encode(text, add_special_tokens=False).ids, dtype=np.int64)
+    consts = HashConstants.from_config(PRESETS["tiny"], token_map)
+    return hash_sequence(token_map.map[ids], consts).tolist()
+
+
+def test_control_a_wrong_stream_fails_the_independent_check(capsys, monkeypatch) -> None:
+    """If streaming lost a token's history, the check above would see it (the CLI's flag too)."""
+    from engramrt.hashing import stream as stream_module
+
+    real = stream_module.stream_sequence
+
+    def off_by_one(*args, **kwargs):
+        row_ids = real(*args, **kwargs)
+        row_ids[-1, 0, 0] += 1
+        return row_ids
+
+    monkeypatch.setattr(stream_module, "stream_sequence", off_by_one)
+    text = "The cat sat on the mat, THE CAT!"
+    code, out, _ = _run(capsys, "hash", "--config", "tiny", "--text", text, "--json")
+    report = json.loads(out)
+    assert _independent_row_ids(text) != report["row_ids"]
+    assert code == 1 and report["matches_one_shot"] is False
 
 
 def test_hash_ids_file_and_human_output(capsys, tmp_path) -> None:
@@ -64,7 +97,7 @@ def test_hash_ids_file_and_human_output(capsys, tmp_path) -> None:
         (["--ids", "1,129280"], "129280"),
         (["--ids", "1", "--text", "a"], "exactly one of"),
         (["--ids", "1", "--history", "magic"], "history='magic'"),
-        (["--ids-file", "/nonexistent.npy"], "not a readable .npy"),
+        (["--ids-file", "/nonexistent.npy"], "--ids-file='/nonexistent.npy' cannot be read"),
     ],
 )
 def test_hash_bad_input(capsys, args, needle) -> None:

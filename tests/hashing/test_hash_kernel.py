@@ -125,6 +125,18 @@ def test_empty_batch(consts, token_map, device) -> None:
             query_start_loc=torch.zeros(1, dtype=torch.int32, device=dev),
         )
         assert hasher(batch).shape == (0, 2, 12)
+        # Nothing written: a poisoned buffer around the empty output keeps its poison, and
+        # the same buffer with one token does get that token's one-shot ids (the control).
+        buffer = torch.full((2, 2, 12), -1, dtype=torch.int64, device=dev)
+        assert hasher(batch, out=buffer[:0]).shape == (0, 2, 12)
+        assert bool((buffer == -1).all())
+        one = HashBatch.single(np.array([17]), device=dev)
+        hasher(one, out=buffer[:1])
+        assert (
+            buffer[0].cpu().numpy().tolist()
+            == hash_sequence(token_map.map[[17]], consts)[0].tolist()
+        )
+        assert bool((buffer[1] == -1).all())
 
 
 @pytest.mark.parametrize(

@@ -198,6 +198,15 @@ def test_empty_batch(store) -> None:
     assert out.shape == (0, HC, DIM)
     layer.prepare(row_ids)
     assert layer(torch.empty(0, HC, DIM, dtype=torch.bfloat16, device=DEVICE)).shape == (0, HC, DIM)
+    # Nothing written around an empty output: a poisoned buffer keeps its poison.
+    buffer = torch.full((2, HC, DIM), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    empty = torch.empty(0, HC, DIM, dtype=torch.bfloat16, device=DEVICE)
+    assert layer(empty, row_ids, out=buffer[:0]).shape == (0, HC, DIM)
+    assert bool(buffer.isnan().all())
+    # Control: one token through the same buffer is written, the row after it is not.
+    one = torch.randn(1, HC, DIM, device=DEVICE).bfloat16()
+    layer(one, random_row_ids(1, seed=3).to(DEVICE), out=buffer[:1])
+    assert not bool(buffer[0].isnan().any()) and bool(buffer[1].isnan().all())
 
 
 def test_max_tokens_exactly(store, table) -> None:

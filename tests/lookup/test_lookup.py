@@ -306,6 +306,17 @@ def test_empty_batch() -> None:
             torch.empty((0, 24), dtype=torch.int32, device=DEVICE), table, backend=backend
         )
         assert got.shape == (0, 24, 32)
+        # Nothing written around an empty output; with one token (the control) exactly
+        # that token's rows are, equal to the reference, and the rest keeps its poison.
+        # (The poison is a sentinel, not NaN: random fp8 bytes include NaN codes.)
+        sentinel = -12288.0
+        buffer = torch.full((2, 24, 32), sentinel, dtype=torch.bfloat16, device=DEVICE)
+        for tokens in (0, 1):
+            row_ids = torch.randint(0, 4, (tokens, 24), dtype=torch.int32, device=DEVICE)
+            lookup_rows(row_ids, table, backend=backend, out=buffer[:tokens])
+            assert bool((buffer[tokens:] == sentinel).all())
+            assert_same_bits(buffer[:tokens], lookup_rows_reference(row_ids, table, 32))
+        assert not bool((buffer[:1] == sentinel).all())
 
 
 def test_negative_control_poisoned_output_is_caught() -> None:

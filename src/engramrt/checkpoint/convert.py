@@ -13,22 +13,36 @@ tensor-parallel rank holding only that rank's rows (``tp=N``), named by
 :func:`engramrt.quant.quantize_rows` (SPEC §6, bit for bit) one block at a
 time: a block of ``block_rows`` source rows is read with ``get_slice``,
 quantised and appended to the output, so memory stays bounded by a few
-blocks whatever the table size. All outputs are written to temporary
-files that are renamed into place only after every one is complete.
+blocks whatever the table size. All outputs of one conversion carry one
+conversion id and are committed together (staged files, then the manifest,
+then renames): see :mod:`engramrt.checkpoint.conversion_set`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import os
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from engramrt._io import atomic_writer
+from engramrt._io import atomic_write_bytes
+from engramrt.checkpoint.conversion_set import (
+    MANIFEST_NAME,
+    META_CONVERSION_ID,
+    ConversionManifest,
+    conversion_lock,
+    file_conversion_id,
+    is_output_name,
+    kill_point,
+    remove_stale_temporaries,
+    staged_path,
+)
 from engramrt.checkpoint.names import TensorNames
 from engramrt.checkpoint.reader import (
     SOURCE_DTYPES,
@@ -64,6 +78,7 @@ __all__ = [
 ]
 
 SINGLE_FILE_NAME = "engram.safetensors"
+_ID_LENGTH = len(uuid.uuid4().hex)
 
 
 def output_paths(dst: str | os.PathLike[str], tp: int) -> list[Path]:
@@ -95,12 +110,15 @@ class ConversionPlan:
             pieces covering every row an output needs.
         files: the output files, one per rank (one in all for ``tp=1``).
         tp: tensor-parallel size of the outputs.
+        directory_set: the outputs are named by engramrt inside the DST
+            directory, which then also gets the set's manifest.
     """
 
     config: EngramConfig
     sources: tuple[tuple[TensorPiece, ...], ...]
     files: tuple[FileLayout, ...]
     tp: int
+    directory_set: bool = False
 
     @property
     def num_rows(self) -> int:
@@ -139,7 +157,13 @@ def plan_conversion(
     files = []
     for rank, path in enumerate(paths):
         slots = layer_slots(cfg, layout, tensor_names, tp=None if tp == 1 else tp, rank=rank)
-        files.append(file_layout(path, cfg, slots, scale_dtype=scale_dtype, tp=tp, rank=rank))
+        planned = file_layout(path, cfg, slots, scale_dtype=scale_dtype, tp=tp, rank=rank)
+        # A placeholder of the id's length, so that nbytes is already exact.
+        files.append(
+            dataclasses.replace(
+                planned, metadata={**planned.metadata, META_CONVERSION_ID: "0" * _ID_LENGTH}
+            )
+        )
     source_names = tensor_names.per_layer("source", cfg)
     sources = []
     for index, layer_id in enumerate(cfg.layer_ids):
@@ -167,7 +191,10 @@ def plan_conversion(
         for piece in (p for layer in sources for p in layer):
             if path.absolute() == piece.location.file.absolute():
                 raise CheckpointError(f"DST {str(path)!r} is a source file; expected another path")
-    return ConversionPlan(cfg, tuple(sources), tuple(files), tp)
+    directory_set = all(is_output_name(path.name) for path in paths) and not (
+        Path(dst).suffix == ".safetensors" or Path(dst).is_file()
+    )
+    return ConversionPlan(cfg, tuple(sources), tuple(files), tp, directory_set)
 
 
 def _check_finite(block: torch.Tensor, name: str, layer_id: int, row_begin: int) -> None:
@@ -207,15 +234,73 @@ def run_conversion(
     if backend is None:
         backend = "reference" if compute_device.type == "cpu" else "auto"
     rows_per_block = check_block_rows(block_rows, 4 * cfg.head_dim)
-    check_disk_space(plan.files)
+    conversion_id = uuid.uuid4().hex
+    files = tuple(
+        dataclasses.replace(f, metadata={**f.metadata, META_CONVERSION_ID: conversion_id})
+        for f in plan.files
+    )
+    directory = files[0].path.parent
+    with conversion_lock(directory):
+        remove_stale_temporaries(directory, [f.path.name for f in files])
+        check_disk_space(files)
+        staged = [staged_path(f.path, conversion_id) for f in files]
+        committed = False
+        try:
+            _write_staged(plan, files, staged, rows_per_block, compute_device, backend, on_rows)
+            kill_point("convert:staged")
+            replaced = _replaced_files(directory, files) if plan.directory_set else []
+            manifest = None
+            if plan.directory_set:
+                manifest = ConversionManifest(
+                    conversion_id,
+                    plan.tp,
+                    tuple(f.path.name for f in files),
+                    tuple((path.name, cid) for path, cid in replaced),
+                )
+                atomic_write_bytes(directory / MANIFEST_NAME, manifest.to_json())
+            committed = True
+            kill_point("convert:manifest")
+            for index, (path, output) in enumerate(zip(staged, files, strict=True)):
+                os.replace(path, output.path)
+                kill_point(f"convert:renamed-{index + 1}")
+            _fsync_directory(directory)
+            for path, _cid in replaced:
+                path.unlink(missing_ok=True)
+            kill_point("convert:cleaned")
+            # From now on a replaced file that reappears is refused as stale.
+            if manifest is not None and replaced:
+                atomic_write_bytes(
+                    directory / MANIFEST_NAME, dataclasses.replace(manifest, replaces=()).to_json()
+                )
+        except BaseException:
+            if not committed:  # after the commit the staged files are the set
+                for path in staged:
+                    path.unlink(missing_ok=True)
+            raise
+    return [output.path for output in files]
+
+
+def _write_staged(
+    plan: ConversionPlan,
+    files: tuple[FileLayout, ...],
+    staged: list[Path],
+    rows_per_block: int,
+    compute_device: torch.device,
+    backend: str,
+    on_rows: Callable[[int], None] | None,
+) -> None:
+    """Quantise every block into the staged files and fsync them."""
+    cfg = plan.config
     with contextlib.ExitStack() as stack:
-        writers = []
-        for output in plan.files:
-            handle = stack.enter_context(atomic_writer(output.path))
+        writers, handles = [], []
+        for output, path in zip(files, staged, strict=True):
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+            handle = stack.enter_context(os.fdopen(fd, "wb"))
+            handles.append(handle)
             writers.append(SafetensorsStreamWriter(handle, output.specs, output.metadata))
         for index, pieces in enumerate(plan.sources):
             layer_id = cfg.layer_ids[index]
-            for output, writer in zip(plan.files, writers, strict=True):
+            for output, writer in zip(files, writers, strict=True):
                 slot = output.slots[index]
                 for piece in pieces:
                     begin = max(piece.row_begin, slot.row_begin)
@@ -233,9 +318,36 @@ def run_conversion(
                         writer.append(slot.scale, tensor_bytes(scales))
                         if on_rows is not None:
                             on_rows(block_end - block_begin)
-        for writer in writers:
+                        kill_point("convert:block")
+        for index, writer in enumerate(writers):
             writer.finish()
-    return [output.path for output in plan.files]
+            kill_point(f"convert:finished-{index + 1}")
+        for handle in handles:
+            handle.flush()
+            os.fsync(handle.fileno())
+
+
+def _replaced_files(
+    directory: Path, files: tuple[FileLayout, ...]
+) -> list[tuple[Path, str | None]]:
+    """engramrt output files in ``directory`` that are not this conversion's (it removes them)."""
+    names = {f.path.name for f in files}
+    replaced = []
+    for path in sorted(directory.glob("*.safetensors")):
+        if is_output_name(path.name) and path.name not in names and path.is_file():
+            ours, cid = file_conversion_id(path)
+            if ours:
+                replaced.append((path, cid))
+    return replaced
+
+
+def _fsync_directory(directory: Path) -> None:
+    with contextlib.suppress(OSError):
+        fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def convert_checkpoint(

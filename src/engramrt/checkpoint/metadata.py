@@ -12,6 +12,9 @@ key                         value
 ``engramrt_tp``             tensor-parallel size of the file (``"1"``: full tables)
 ``engramrt_rank``           the rank whose rows the file holds
 ``engramrt_scale_dtype``    ``"uint8"`` or ``"e8m0"``
+``engramrt_conversion_id``  the conversion that wrote the file (a uuid4 hex,
+                            the same in every file of one ``engramrt convert``;
+                            see :mod:`engramrt.checkpoint.conversion_set`)
 ``engramrt_layers``         JSON list, one object per Engram layer: ``layer``,
                             ``layer_index``, ``weight``, ``scale`` (tensor
                             names), ``num_embeddings`` (rows of the full

@@ -30,6 +30,7 @@ from typing import Any, TypeAlias
 
 import torch
 
+from engramrt.checkpoint.conversion_set import resolve_directory
 from engramrt.checkpoint.metadata import RowRange, tensor_row_ranges
 from engramrt.checkpoint.names import TensorNames
 from engramrt.checkpoint.safetensors_format import SafetensorsHeader, TensorEntry, read_header
@@ -162,7 +163,9 @@ class SafetensorsCheckpoint:
         if self.path.is_file():
             self.files = [self.path]
         elif self.path.is_dir():
-            self.files = sorted(p for p in self.path.glob("*.safetensors") if p.is_file())
+            self.files = resolve_directory(
+                self.path, sorted(p for p in self.path.glob("*.safetensors") if p.is_file())
+            )
             self.index_files = sorted(p for p in self.path.glob(f"*{INDEX_SUFFIX}") if p.is_file())
             for index in self.index_files:
                 self.weight_map.update(self._read_index(index))
@@ -226,10 +229,18 @@ class SafetensorsCheckpoint:
             files = [file]
         else:
             files = [f for f in self.files if name in self.header(f).tensors]
-        return [
+        found = [
             TensorLocation(name, f, self.header(f).tensors[name], self._ranges[f].get(name))
             for f in files
         ]
+        for first, second in itertools.combinations(found, 2):
+            if first.row_begin < second.row_end and second.row_begin < first.row_end:
+                raise CheckpointError(
+                    f"tensor {name!r} is in two files of {self.path}: {first.describe()} and "
+                    f"{second.describe()}, with overlapping rows; expected each row in one file "
+                    f"(remove one, or list the tensor in a *{INDEX_SUFFIX} weight_map)"
+                )
+        return found
 
     def find(
         self,

@@ -52,8 +52,21 @@ def main(argv: list[str] | None = None) -> None:
     try:
         app(args=argv, prog_name="engramrt")
     except EngramError as exc:
-        err_console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
-        sys.exit(2)
+        _fail(str(exc))
+    except OSError as exc:
+        # A file the user named that the checks above did not foresee (a
+        # permission, a vanished directory): still one line, never a traceback.
+        from engramrt.cli._checks import os_error
+
+        _fail(str(os_error("a file operation failed", exc)))
+
+
+def _fail(message: str) -> None:
+    from rich.markup import escape
+
+    # Escaped: messages quote shapes such as [T] that rich would read as markup.
+    err_console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
+    sys.exit(2)
 
 
 if __name__ == "__main__":  # pragma: no cover

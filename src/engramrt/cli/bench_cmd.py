@@ -8,6 +8,19 @@ from typing import Annotated
 import typer
 
 
+def _groups() -> list[str]:
+    """The benchmark groups: one per ``engramrt.bench.cases_<group>`` module."""
+    import pkgutil
+
+    import engramrt.bench as pkg
+
+    return sorted(
+        info.name.removeprefix("cases_")
+        for info in pkgutil.iter_modules(pkg.__path__)
+        if info.name.startswith("cases_")
+    )
+
+
 def register(app: typer.Typer) -> None:
     @app.command()
     def bench(
@@ -27,21 +40,26 @@ def register(app: typer.Typer) -> None:
         device: Annotated[str, typer.Option(help="cuda or cpu.")] = "cuda",
     ) -> None:
         """Run the benchmark suite; a case whose check fails is reported as failed."""
-        import torch
-
         from engramrt.bench.runner import markdown_table, run_cases
-        from engramrt.errors import EngramError
+        from engramrt.cli._checks import check_output_path, parse_device, write_output
+        from engramrt.errors import ValidationError
 
-        if device.startswith("cuda") and not torch.cuda.is_available():
-            raise EngramError(
-                f"device={device!r} but no CUDA device is visible; benchmarks need a GPU"
-            )
-        report = run_cases(group, quick=quick, device=device, out=out, names=case)
+        dev = parse_device("--device", device)
+        if group:
+            known = _groups()
+            unknown = [g for g in group if g not in known]
+            if unknown:
+                raise ValidationError(
+                    f"--group {', '.join(map(repr, unknown))}: no such benchmark group; expected "
+                    f"one of {', '.join(known)}"
+                )
+        for option, path in (("--out", out), ("--markdown", markdown)):
+            if path is not None:
+                check_output_path(option, path)
+        report = run_cases(group, quick=quick, device=str(dev), out=out, names=case)
         table = markdown_table(report)
         if markdown is not None:
-            from engramrt._io import atomic_write_bytes
-
-            atomic_write_bytes(markdown, (table + "\n").encode())
+            write_output("--markdown", markdown, (table + "\n").encode())
         print(table)
         failed = [c["name"] for c in report["cases"] if c.get("status") == "failed"]
         if failed:

@@ -50,6 +50,43 @@ def _run(
     device: str,
     quiet: bool,
 ) -> dict[str, Any]:
+    from engramrt.checkpoint.writer import scale_dtype_code
+    from engramrt.cli._checks import os_error, parse_device
+    from engramrt.errors import CheckpointError, ValidationError
+
+    if not src.exists():
+        raise CheckpointError(f"SRC {str(src)!r} does not exist")
+    if tp < 1:
+        raise ValidationError(f"--tp={tp}; expected a tensor-parallel size >= 1")
+    if block_rows is not None and block_rows < 1:
+        raise ValidationError(f"--block-rows={block_rows}; expected a positive number of rows")
+    scale_dtype_code(scales)
+    compute_device = parse_device("--device", device)
+    probe = dst.absolute()
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if not probe.is_dir() and probe != dst.absolute():
+        raise ValidationError(
+            f"DST={str(dst)!r} lies under {str(probe)!r}, which is a file; expected a path in a "
+            f"directory"
+        )
+    try:
+        return _convert(src, dst, config, tp, names, block_rows, scales, compute_device, quiet)
+    except OSError as exc:
+        raise os_error(f"converting {str(src)!r} into DST={str(dst)!r} failed", exc) from exc
+
+
+def _convert(
+    src: Path,
+    dst: Path,
+    config: str | None,
+    tp: int,
+    names: Path | None,
+    block_rows: int | None,
+    scales: str,
+    device: Any,
+    quiet: bool,
+) -> dict[str, Any]:
     from rich.progress import (
         BarColumn,
         MofNCompleteColumn,
@@ -60,13 +97,11 @@ def _run(
     )
 
     from engramrt.checkpoint import load_names, plan_conversion, run_conversion
-    from engramrt.checkpoint.writer import scale_dtype_code
     from engramrt.cli import console, err_console
-    from engramrt.errors import CheckpointError
+    from engramrt.cli._checks import check_tp
+    from engramrt.config import load_config
 
-    if not src.exists():
-        raise CheckpointError(f"SRC {str(src)!r} does not exist")
-    scale_dtype_code(scales)
+    check_tp("--tp", tp, load_config(_resolve_config(config, src)).n_cols)
     plan = plan_conversion(
         src,
         dst,
@@ -142,4 +177,13 @@ def register(app: typer.Typer) -> None:
             bool, typer.Option("--quiet", "-q", help="No progress bar or summary.")
         ] = False,
     ) -> None:
-        _run(src, dst, config, tp, names, block_rows, scales, device, quiet)
+        import signal
+
+        def _terminate(signum: int, frame: Any) -> None:
+            raise SystemExit(128 + signum)  # unwinds, so the conversion removes its temporaries
+
+        previous = signal.signal(signal.SIGTERM, _terminate)
+        try:
+            _run(src, dst, config, tp, names, block_rows, scales, device, quiet)
+        finally:
+            signal.signal(signal.SIGTERM, previous)

@@ -141,7 +141,7 @@ def _write_chart(
     import matplotlib.pyplot as plt
     import numpy as np
 
-    from engramrt._io import atomic_write_bytes
+    from engramrt.cli._checks import write_output
 
     t_len = len(token_ids)
     h = cfg.n_heads
@@ -171,7 +171,7 @@ def _write_chart(
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=110)
     plt.close(fig)
-    atomic_write_bytes(path, buf.getvalue())
+    write_output("--plot", path, buf.getvalue())
 
 
 def register(app: typer.Typer) -> None:
@@ -217,6 +217,7 @@ def register(app: typer.Typer) -> None:
         from rich.table import Table
 
         from engramrt.cli import console
+        from engramrt.cli._checks import check_output_path, parse_device, read_text
         from engramrt.config import load_config
         from engramrt.errors import EngramError
         from engramrt.gate import gate_values_reference
@@ -229,19 +230,24 @@ def register(app: typer.Typer) -> None:
 
         if text is not None and file is not None:
             raise EngramError("give --text or --file, not both")
-        if not cache_mib >= 0:
-            raise EngramError(f"--cache-mib {cache_mib}; expected a size in MiB >= 0")
+        if not 0 <= cache_mib < 2**40:
+            raise EngramError(f"--cache-mib={cache_mib}; expected a finite size in MiB >= 0")
         if file is not None:
-            try:
-                text = file.read_text(encoding="utf-8")
-            except (OSError, UnicodeDecodeError) as exc:
-                raise EngramError(f"--file {str(file)!r} cannot be read: {exc}") from exc
-        text = text or DEFAULT_TEXT
-        if device == "auto":
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        dev = torch.device(device)
-        if dev.type == "cuda" and not torch.cuda.is_available():
-            raise EngramError("--device cuda but no CUDA device is visible")
+            text = read_text("--file", file)
+            if not text.strip():
+                raise EngramError(
+                    f"--file={str(file)!r} holds no text; expected the text to stream"
+                )
+        elif text is not None and not text.strip():
+            raise EngramError(f"--text={text!r} is empty; give a text or leave --text out")
+        text = DEFAULT_TEXT if text is None else text
+        dev = parse_device("--device", device, allow_auto=True)
+        if tier == "disk":
+            raise EngramError(
+                "--tier='disk' needs a file for the packed rows and the demo takes no path for "
+                "it; expected auto, device, uva or host"
+            )
+        check_output_path("--plot", plot)
         cfg = load_config(config)
         layout = EngramLayout(cfg)
         token_map = TokenMap.from_tokenizer_file()

@@ -4,18 +4,40 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
 
-def _parse_ints(name: str, text: str) -> list[int]:
+def _load_ids_file(path: Path) -> Any:
+    """The 1-D integer token ids of a ``.npy`` file (no pickles, no casting of floats or bools)."""
+    import numpy as np
+
+    from engramrt.cli._checks import os_error
     from engramrt.errors import ValidationError
 
     try:
-        return [int(x) for x in text.replace(" ", "").split(",") if x]
+        array = np.load(path, allow_pickle=False)
+    except OSError as exc:
+        raise os_error(f"--ids-file={str(path)!r} cannot be read", exc) from exc
     except ValueError as exc:
-        raise ValidationError(f"{name}={text!r} must be comma-separated integers") from exc
+        raise ValidationError(f"--ids-file={str(path)!r} is not a readable .npy: {exc}") from exc
+    if not isinstance(array, np.ndarray) or array.dtype.kind not in "iu":
+        found = getattr(array, "dtype", type(array).__name__)
+        raise ValidationError(
+            f"--ids-file={str(path)!r} holds {found}; expected integer token ids "
+            f"(int32/int64/uint32 ...), not floats, bools or strings"
+        )
+    if array.ndim != 1:
+        raise ValidationError(
+            f"--ids-file={str(path)!r} has shape {list(array.shape)}; expected one sequence, "
+            f"a 1-D array [T]"
+        )
+    if array.dtype.kind == "u" and array.size and int(array.max()) > 2**63 - 1:
+        raise ValidationError(
+            f"--ids-file={str(path)!r} holds {int(array.max())}, which does not fit int64"
+        )
+    return array.astype(np.int64)
 
 
 def register(app: typer.Typer) -> None:
@@ -48,8 +70,14 @@ def register(app: typer.Typer) -> None:
 
         import numpy as np
 
+        from engramrt.cli._checks import (
+            check_output_path,
+            parse_device,
+            parse_int_list,
+            write_output,
+        )
         from engramrt.config import load_config
-        from engramrt.errors import EngramError, ValidationError
+        from engramrt.errors import ValidationError
         from engramrt.hashing import HashConstants, NgramHasher, hash_sequence
         from engramrt.hashing.stream import stream_sequence
         from engramrt.tokenmap import TokenMap, load_tokenizer
@@ -57,6 +85,9 @@ def register(app: typer.Typer) -> None:
         given = [x is not None for x in (text, ids, ids_file)]
         if sum(given) != 1:
             raise ValidationError("give exactly one of --text, --ids or --ids-file")
+        if out is not None:
+            check_output_path("--out", out)
+        dev = parse_device("--device", device)
         cfg = load_config(config)
         token_map = TokenMap.from_tokenizer_file(tokenizer)
         if text is not None:
@@ -64,35 +95,25 @@ def register(app: typer.Typer) -> None:
                 load_tokenizer(tokenizer).encode(text, add_special_tokens=False).ids, np.int64
             )
         elif ids is not None:
-            token_ids = np.array(_parse_ints("--ids", ids), dtype=np.int64)
+            token_ids = np.array(parse_int_list("--ids", ids), dtype=np.int64)
         else:
             assert ids_file is not None
-            try:
-                token_ids = np.load(ids_file, allow_pickle=False).astype(np.int64).reshape(-1)
-            except (OSError, ValueError) as exc:
-                raise ValidationError(
-                    f"--ids-file {str(ids_file)!r} is not a readable .npy: {exc}"
-                ) from exc
-        chunk_sizes = _parse_ints("--chunks", chunks) if chunks else None
-        try:
-            import torch
-
-            dev = torch.device(device)
-        except RuntimeError as exc:
-            raise EngramError(f"--device {device!r} is not a torch device: {exc}") from exc
-        if dev.type == "cuda" and not torch.cuda.is_available():
-            raise EngramError("--device cuda but no CUDA device is visible")
+            token_ids = _load_ids_file(ids_file)
+        if token_ids.size == 0:
+            given_as = (
+                "--text" if text is not None else "--ids" if ids is not None else "--ids-file"
+            )
+            raise ValidationError(f"{given_as} gives no token; expected at least one token id")
+        chunk_sizes = parse_int_list("--chunks", chunks) if chunks is not None else None
         hasher = NgramHasher.from_config(cfg, token_map, dev, backend=backend)
         row_ids = stream_sequence(hasher, token_ids, chunk_sizes, history=history)
         consts = HashConstants.from_config(cfg, token_map)
         one_shot = hash_sequence(token_map.compress(token_ids), consts)
         matches = bool(np.array_equal(row_ids, one_shot))
         if out is not None:
-            from engramrt._io import atomic_write_bytes
-
             buf = io.BytesIO()
             np.save(buf, row_ids)
-            atomic_write_bytes(out, buf.getvalue())
+            write_output("--out", out, buf.getvalue())
         if as_json:
             print(
                 json.dumps(

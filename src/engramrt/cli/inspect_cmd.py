@@ -15,12 +15,14 @@ def _gib(n: int) -> str:
 
 def inspect_report(config: str, tokenizer: Path | None, tp: int) -> dict[str, Any]:
     """Everything ``inspect`` prints, as one JSON-able object."""
+    from engramrt.cli._checks import check_tp
     from engramrt.config import load_config
     from engramrt.layout import EngramLayout
     from engramrt.plan import memory_plan, rank_rows
     from engramrt.tokenmap import TokenMap
 
     cfg = load_config(config)
+    check_tp("--tp", tp, cfg.n_cols)
     layout = EngramLayout(cfg)
     token_map = TokenMap.from_tokenizer_file(tokenizer)
     pad_id = token_map.pad_id(cfg)

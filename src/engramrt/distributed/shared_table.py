@@ -22,6 +22,16 @@ Files in the directory, for a table called ``<name>``:
 ``<name>.lock``            ``flock`` target; never deleted by the protocol
 =========================  ==================================================
 
+Permissions, whatever the umask: the data file and the manifest are
+``0o444``, the lock ``0o644`` (set with ``fchmod``), so every local user
+can read and wait, and nobody but the owner can change anything. An
+attacher maps a table only when its manifest and data file belong to this
+process's user or to a trusted uid (``trusted_uids=``, or the
+comma-separated ``$ENGRAMRT_SHARED_TRUSTED_UIDS``) and neither is group- or
+world-writable; anything else is an :class:`~engramrt.errors.UntrustedFileError`
+(another user could otherwise publish rows under a name and fingerprint
+that this process would serve without running its loader).
+
 Publication (the creator holds an exclusive ``flock`` on ``<name>.lock``):
 
 1. remove any old manifest, then any old data file, then every
@@ -32,7 +42,16 @@ Publication (the creator holds an exclusive ``flock`` on ``<name>.lock``):
 3. ``msync`` + ``fsync``, make it read-only, ``rename`` it to ``<name>``,
    ``fsync`` the directory;
 4. write the manifest with :func:`engramrt._io.atomic_write_bytes` (temp
-   file, ``fsync``, ``rename``, directory ``fsync``).
+   file ``.<name>.manifest.json.*.tmp``, ``fsync``, ``rename``, directory
+   ``fsync``).
+
+Before step 2 the creator checks the directory's free space (``statvfs``)
+and a full file system at any step (the reservation, the manifest) removes
+everything this attempt wrote (no orphan data file) and becomes a
+:class:`~engramrt.errors.CapacityError` naming the bytes needed, the bytes
+free, the directory and the remedy (``docker run --shm-size``), or, with
+``private_fallback`` (the default), a private copy with that message as a
+warning.
 
 Why a crash at any point cannot be mistaken for a loaded table: an attacher
 accepts a table only through a manifest that says complete, whose own
@@ -51,7 +70,7 @@ unlinked inode alive while it is mapped.
 
 Falling back to private copies: sharing needs every process of ``group`` on
 one node (hostname and boot id, gathered with ``all_gather_object``) and
-room in the directory (``shutil.disk_usage``) for the tables not there yet.
+room in the directory (``statvfs``) for the tables not there yet.
 Otherwise every process loads a private copy and a :class:`UserWarning`
 gives the numbers. ``posix_fallocate`` failing for lack of space falls back
 the same way.
@@ -66,8 +85,9 @@ import hashlib
 import json
 import mmap
 import os
-import shutil
+import signal
 import socket
+import stat
 import tempfile
 import time
 import warnings
@@ -80,7 +100,7 @@ import numpy as np
 import torch
 
 from engramrt._io import atomic_write_bytes
-from engramrt.errors import CapacityError, ValidationError
+from engramrt.errors import CapacityError, UntrustedFileError, ValidationError
 from engramrt.lookup.tiers import memory
 
 __all__ = [
@@ -88,6 +108,7 @@ __all__ = [
     "MANIFEST_FORMAT",
     "MANIFEST_VERSION",
     "SAMPLE_ROWS",
+    "TRUSTED_UIDS_ENV",
     "Loader",
     "SharedHostTable",
     "SharingDecision",
@@ -96,13 +117,22 @@ __all__ = [
     "clean_stale_tmp_files",
     "decide_sharing",
     "default_directory",
+    "free_bytes",
     "node_id",
+    "resolve_trusted_uids",
 ]
 
 MANIFEST_FORMAT = "engramrt-shared-table"
 MANIFEST_VERSION = 1
 DIRECTORY_ENV = "ENGRAMRT_SHARED_DIR"
 """Environment variable naming the directory of shared tables (default ``/dev/shm``)."""
+TRUSTED_UIDS_ENV = "ENGRAMRT_SHARED_TRUSTED_UIDS"
+"""Environment variable: comma-separated uids whose shared tables this process may map."""
+KILL_ENV = "ENGRAMRT_TEST_KILL_AT"
+"""Tests only: a point name (``shared:reserved``, ...) at which the creator SIGKILLs itself."""
+DATA_MODE = 0o444
+MANIFEST_MODE = 0o444
+LOCK_MODE = 0o644
 SAMPLE_ROWS = 64
 """Rows (evenly spaced, first and last included) whose sha256 the manifest records."""
 _FULL_HASH_BYTES = 64 * 2**20
@@ -122,6 +152,57 @@ def default_directory() -> Path:
         return Path(configured)
     shm = Path("/dev/shm")
     return shm if shm.is_dir() else Path(tempfile.gettempdir())
+
+
+def free_bytes(directory: str | os.PathLike[str]) -> int:
+    """Bytes an unprivileged writer may still allocate in ``directory`` (``statvfs``)."""
+    stats = os.statvfs(directory)
+    return int(stats.f_bavail * stats.f_frsize)
+
+
+def _no_space_message(directory: Path, needed: int, free: int, what: str) -> str:
+    return (
+        f"{what} needs {memory.format_bytes(needed)} in {directory} but it has "
+        f"{memory.format_bytes(free)} free; make it larger (in a container: "
+        f"docker run --shm-size=<size>, e.g. --shm-size={max(1, -(-needed // 2**30))}g) or set "
+        f"${DIRECTORY_ENV} to a larger memory file system"
+    )
+
+
+def resolve_trusted_uids(extra: Sequence[int] = ()) -> frozenset[int]:
+    """This process's effective uid, ``extra`` and the uids of ``$ENGRAMRT_SHARED_TRUSTED_UIDS``."""
+    uids = {os.geteuid(), *(int(uid) for uid in extra)}
+    configured = os.environ.get(TRUSTED_UIDS_ENV, "")
+    for item in configured.split(","):
+        item = item.strip()
+        if not item:
+            continue
+        if not item.isdigit():
+            raise ValidationError(
+                f"{TRUSTED_UIDS_ENV}={configured!r}: {item!r} is not a uid; expected "
+                f"comma-separated non-negative integers"
+            )
+        uids.add(int(item))
+    return frozenset(uids)
+
+
+def _check_trusted(path: Path, status: os.stat_result, trusted: frozenset[int]) -> None:
+    if status.st_uid not in trusted:
+        raise UntrustedFileError(
+            f"{path} belongs to uid {status.st_uid}; expected one of the trusted uids "
+            f"{sorted(trusted)} (this process's user, trusted_uids= or ${TRUSTED_UIDS_ENV}): "
+            f"a table published by another user is not mapped"
+        )
+    if status.st_mode & 0o022:
+        raise UntrustedFileError(
+            f"{path} has mode {stat.S_IMODE(status.st_mode):#o}, writable by group or others; "
+            f"expected no group/world write bit (remove the table and publish it again)"
+        )
+
+
+def _kill_point(point: str) -> None:
+    if os.environ.get(KILL_ENV) == point:
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def node_id() -> str:
@@ -154,6 +235,10 @@ class TablePaths:
     @property
     def lock(self) -> Path:
         return self.directory / f"{self.name}.lock"
+
+    def manifest_tmp_files(self) -> list[Path]:
+        """Temporaries of manifest writes (``.<name>.manifest.json.*.tmp``)."""
+        return sorted(self.directory.glob(f".{self.name}.manifest.json.*.tmp"))
 
     def tmp(self, pid: int) -> Path:
         return self.directory / f"{self.name}.tmp-{pid}"
@@ -223,17 +308,24 @@ def clean_stale_tmp_files(directory: str | os.PathLike[str], name: str) -> list[
 @contextlib.contextmanager
 def _try_lock(path: Path) -> Iterator[bool]:
     """Hold an exclusive ``flock`` on ``path`` if nobody else does; yields whether we got it."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    writable = True
     try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, LOCK_MODE)
+    except PermissionError:  # another user's lock: flock works on a read-only descriptor
+        fd = os.open(path, os.O_RDONLY)
+        writable = False
+    try:
+        if writable and os.fstat(fd).st_uid == os.geteuid():
+            os.fchmod(fd, LOCK_MODE)  # whatever the umask
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             yield False
             return
         try:
-            # Who holds it, for the messages of those who wait (informational only).
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, f"{os.getpid()} {node_id()}\n".encode(), 0)
+            if writable:  # who holds it, for the messages of those who wait (informational)
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, f"{os.getpid()} {node_id()}\n".encode(), 0)
             yield True
         finally:
             fcntl.flock(fd, fcntl.LOCK_UN)
@@ -343,7 +435,8 @@ def decide_sharing(requests: Sequence[SharingRequest]) -> SharingDecision:
             return SharingDecision(
                 False,
                 f"{directory} has {memory.format_bytes(free)} free but the {len(missing)} "
-                f"table(s) not there yet need {memory.format_bytes(needed)} (bytes: {tables})",
+                f"table(s) not there yet need {memory.format_bytes(needed)} (bytes: {tables}); "
+                + _no_space_message(Path(directory), needed, free, "sharing"),
             )
     return SharingDecision(True)
 
@@ -470,6 +563,8 @@ class SharedHostTable:
         timeout_s: float = 3600.0,
         poll_s: float = 0.05,
         cuda_register: bool = False,
+        trusted_uids: Sequence[int] = (),
+        private_fallback: bool = True,
     ) -> SharedHostTable:
         """Attach the node's copy of table ``name``, loading it first if nobody has.
 
@@ -498,12 +593,20 @@ class SharedHostTable:
             cuda_register: also page-lock and map the rows for CUDA
                 (:meth:`register_cuda`); only the UVA tier reads them that
                 way, and its store registers them itself.
+            trusted_uids: uids besides this process's whose tables may be
+                mapped (also ``$ENGRAMRT_SHARED_TRUSTED_UIDS``).
+            private_fallback: when the group cannot share (several nodes,
+                too little room in ``directory``), load a private copy with
+                a warning; False: raise :class:`CapacityError` instead.
 
         Raises:
+            UntrustedFileError: the table's files belong to an untrusted
+                user or are writable by group or others.
             ValidationError: a complete table of another geometry or
                 fingerprint exists (and ``replace_mismatched`` is off).
             TimeoutError: another process held the lock longer than ``timeout_s``.
-            CapacityError: a private copy was needed and host memory is short.
+            CapacityError: the directory is too small (``private_fallback``
+                off), or a private copy was needed and host memory is short.
         """
         table = cls._create_or_attach(
             _check_name(name),
@@ -517,6 +620,8 @@ class SharedHostTable:
             replace_mismatched=replace_mismatched,
             timeout_s=timeout_s,
             poll_s=poll_s,
+            trusted=resolve_trusted_uids(trusted_uids),
+            private_fallback=private_fallback,
         )
         if cuda_register:
             table.register_cuda()
@@ -537,6 +642,8 @@ class SharedHostTable:
         replace_mismatched: bool,
         timeout_s: float,
         poll_s: float,
+        trusted: frozenset[int],
+        private_fallback: bool,
     ) -> SharedHostTable:
         if checksum not in ("sample", "full"):
             raise ValidationError(f"checksum={checksum!r}; expected 'sample' or 'full'")
@@ -554,21 +661,25 @@ class SharedHostTable:
             name=name,
             nbytes=num_rows * row_bytes,
             present=_read_manifest(paths) is not None,
-            free_bytes=int(shutil.disk_usage(where).free),
+            free_bytes=free_bytes(where),
         )
         decision = decide_sharing(_gather_requests(request, group))
         if not decision.shared:
+            if not private_fallback:
+                raise CapacityError(f"table {name!r} cannot be shared: {decision.reason}")
             return cls._private(paths, num_rows, row_bytes, loader, decision.reason)
         deadline = time.monotonic() + timeout_s
         while True:
-            table = cls._attach_complete(paths, geometry, checksum, replace_mismatched)
+            table = cls._attach_complete(paths, geometry, checksum, replace_mismatched, trusted)
             if table is not None:
                 return table
             no_space = ""
             with _try_lock(paths.lock) as locked:
                 if locked:
                     # Re-check under the lock: someone may have published meanwhile.
-                    table = cls._attach_complete(paths, geometry, checksum, replace_mismatched)
+                    table = cls._attach_complete(
+                        paths, geometry, checksum, replace_mismatched, trusted
+                    )
                     if table is not None:
                         return table
                     try:
@@ -576,12 +687,16 @@ class SharedHostTable:
                     except _NoSpaceError as exc:
                         no_space = str(exc)
                     else:
-                        table = cls._attach_complete(paths, geometry, checksum, replace_mismatched)
+                        table = cls._attach_complete(
+                            paths, geometry, checksum, replace_mismatched, trusted
+                        )
                         if table is None:  # pragma: no cover - we just published it
                             raise RuntimeError(f"table {name!r} published but not attachable")
                         table.created = True
                         return table
             if no_space:  # load the private copy after releasing the lock
+                if not private_fallback:
+                    raise CapacityError(f"table {name!r} cannot be shared: {no_space}")
                 return cls._private(paths, num_rows, row_bytes, loader, no_space)
             if time.monotonic() > deadline:
                 raise TimeoutError(
@@ -600,12 +715,18 @@ class SharedHostTable:
         directory: str | os.PathLike[str] | None = None,
         fingerprint: str = "",
         checksum: str = "sample",
+        trusted_uids: Sequence[int] = (),
     ) -> SharedHostTable:
-        """Map an existing complete table; raises :class:`ValidationError` if there is none."""
+        """Map an existing complete table; raises :class:`ValidationError` if there is none.
+
+        ``trusted_uids``: see :meth:`create_or_attach`.
+        """
         where = Path(directory) if directory is not None else default_directory()
         paths = TablePaths(where, _check_name(name))
         geometry = {"num_rows": num_rows, "row_bytes": row_bytes, "fingerprint": fingerprint}
-        table = cls._attach_complete(paths, geometry, checksum, replace_mismatched=False)
+        table = cls._attach_complete(
+            paths, geometry, checksum, False, resolve_trusted_uids(trusted_uids)
+        )
         if table is None:
             raise ValidationError(
                 f"no complete table {name!r} in {where} (no manifest that says complete and "
@@ -625,6 +746,8 @@ class SharedHostTable:
         paths.manifest.unlink(missing_ok=True)
         paths.data.unlink(missing_ok=True)
         for path, _pid in paths.tmp_files():
+            path.unlink(missing_ok=True)
+        for path in paths.manifest_tmp_files():
             path.unlink(missing_ok=True)
         paths.lock.unlink(missing_ok=True)
 
@@ -662,9 +785,14 @@ class SharedHostTable:
         geometry: Mapping[str, Any],
         checksum: str,
         replace_mismatched: bool,
+        trusted: frozenset[int],
     ) -> SharedHostTable | None:
-        """The complete table at ``paths``, mapped read-only, or None (absent, partial, corrupt)."""
-        manifest = _read_manifest(paths)
+        """The complete table at ``paths``, mapped read-only, or None (absent, partial, corrupt).
+
+        Raises :class:`UntrustedFileError` for a manifest or data file of an
+        untrusted owner or with a group/world write bit.
+        """
+        manifest = _read_manifest(paths, trusted)
         if manifest is None:
             return None
         found = {key: manifest[key] for key in geometry}
@@ -683,6 +811,7 @@ class SharedHostTable:
             return None
         try:
             status = os.fstat(fd)
+            _check_trusted(paths.data, status, trusted)
             identity = {"dev": status.st_dev, "ino": status.st_ino, "size": status.st_size}
             if identity != manifest["file"]:
                 return None  # a data file the manifest does not describe
@@ -705,12 +834,26 @@ class SharedHostTable:
         )
 
 
-def _read_manifest(paths: TablePaths) -> dict[str, Any] | None:
-    """The manifest when it exists, parses, says complete and its own checksum verifies."""
+def _read_manifest(
+    paths: TablePaths, trusted: frozenset[int] | None = None
+) -> dict[str, Any] | None:
+    """The manifest when it exists, parses, says complete and its own checksum verifies.
+
+    ``trusted``: refuse (:class:`UntrustedFileError`) a manifest of another owner.
+    """
     try:
-        manifest = json.loads(paths.manifest.read_text(encoding="utf-8"))
+        fd = os.open(paths.manifest, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return None
+    try:
+        if trusted is not None:
+            _check_trusted(paths.manifest, os.fstat(fd), trusted)
+        with os.fdopen(os.dup(fd), "rb") as handle:
+            manifest = json.loads(handle.read().decode("utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError):
         return None
+    finally:
+        os.close(fd)
     if not isinstance(manifest, dict) or manifest.get("complete") is not True:
         return None
     fields = {key: value for key, value in manifest.items() if key != "metadata_sha256"}
@@ -740,9 +883,17 @@ def _publish(paths: TablePaths, geometry: Mapping[str, Any], loader: Loader, che
     paths.data.unlink(missing_ok=True)
     for path, _pid in paths.tmp_files():  # under the lock nobody is writing one
         path.unlink(missing_ok=True)
+    for path in paths.manifest_tmp_files():  # a manifest write that was killed
+        path.unlink(missing_ok=True)
+    # Preflight: the old files are gone, so what is free now is what the table can use.
+    free = free_bytes(paths.directory)
+    if nbytes > free:
+        raise _NoSpaceError(
+            _no_space_message(paths.directory, nbytes, free, f"table {paths.name!r}")
+        )
     # 2. Write the rows into a file only this process knows about.
     tmp = paths.tmp(os.getpid())
-    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         if nbytes > 0:
             try:
@@ -751,11 +902,15 @@ def _publish(paths: TablePaths, geometry: Mapping[str, Any], loader: Loader, che
                 if exc.errno in _NO_SPACE:
                     raise _NoSpaceError(
                         f"reserving {memory.format_bytes(nbytes)} in {paths.directory} failed "
-                        f"({os.strerror(exc.errno)}; {memory.format_bytes(shutil.disk_usage(paths.directory).free)} free)"
+                        f"({os.strerror(exc.errno)}); "
+                        + _no_space_message(
+                            paths.directory, nbytes, free_bytes(paths.directory), "the table"
+                        )
                     ) from exc
                 if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
                     raise
                 os.ftruncate(fd, nbytes)  # a file system without fallocate
+        _kill_point("shared:reserved")
         mapping, target = _map(fd, num_rows, row_bytes, writable=True)
         loader(target)
         indices = _sample_indices(num_rows) if checksum == "sample" else None
@@ -766,8 +921,9 @@ def _publish(paths: TablePaths, geometry: Mapping[str, Any], loader: Loader, che
             with contextlib.suppress(BufferError):  # the loader kept a view: unmapped on GC
                 mapping.close()
         # 3. Durable, read-only, then visible under its name in one step.
+        _kill_point("shared:loaded")
         os.fsync(fd)
-        os.fchmod(fd, 0o444)
+        os.fchmod(fd, DATA_MODE)  # whatever the umask
         status = os.fstat(fd)
     except BaseException:
         os.close(fd)
@@ -776,6 +932,7 @@ def _publish(paths: TablePaths, geometry: Mapping[str, Any], loader: Loader, che
     os.close(fd)
     os.rename(tmp, paths.data)
     _fsync_directory(paths.directory)
+    _kill_point("shared:renamed")
     # 4. The manifest, last and atomically.
     fields: dict[str, Any] = {
         "format": MANIFEST_FORMAT,
@@ -793,4 +950,18 @@ def _publish(paths: TablePaths, geometry: Mapping[str, Any], loader: Loader, che
         "creator": {"pid": os.getpid(), "node": node_id(), "time": time.time()},
     }
     fields["metadata_sha256"] = _metadata_digest(fields)
-    atomic_write_bytes(paths.manifest, json.dumps(fields, indent=1).encode())
+    try:
+        atomic_write_bytes(paths.manifest, json.dumps(fields, indent=1).encode(), MANIFEST_MODE)
+    except BaseException as exc:
+        # No manifest: the data file would be a full-size orphan until the next creator.
+        paths.data.unlink(missing_ok=True)
+        if isinstance(exc, OSError) and exc.errno in _NO_SPACE:
+            raise _NoSpaceError(
+                f"writing the manifest of table {paths.name!r} in {paths.directory} failed "
+                f"({os.strerror(exc.errno)}); "
+                + _no_space_message(
+                    paths.directory, nbytes, free_bytes(paths.directory), "the table"
+                )
+            ) from exc
+        raise
+    _kill_point("shared:published")

@@ -1,5 +1,9 @@
 """A small simulated serving engine that drives hashing the way real ones do.
 
+Used by the streaming property tests and by the soak (``scripts/soak``,
+:mod:`engramrt.hashing.soak`); imports torch, so ``import engramrt`` does not
+import it.
+
 Requests arrive, are prefilled in random chunks, decode one token at a time
 or verify speculative drafts (some rejected), share prefix blocks, and are
 batched together with padding rows. Every step's row ids are compared with
@@ -14,12 +18,26 @@ History modes (SPEC §5):
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
 
-from engramrt.hashing import HashBatch, HashConstants, RequestHistory, SlotHashCache, hash_sequence
+from engramrt.hashing import (
+    HashBatch,
+    HashConstants,
+    NgramHasher,
+    RequestHistory,
+    SlotHashCache,
+    hash_sequence,
+)
+
+__all__ = ["BLOCK_SIZE", "MODES", "NUM_BLOCKS", "Engine", "Request", "run_schedule"]
+
+MODES = ("lookback", "slot", "request")
+"""History modes of SPEC §5 that a schedule can run through."""
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 256
@@ -42,7 +60,7 @@ class Engine:
         rng: np.random.Generator,
         consts: HashConstants,
         token_map: np.ndarray,
-        hasher_factory,
+        hasher_factory: Callable[[HashBatch, Any], torch.Tensor],
         mode: str,
         *,
         drop_lookback: bool = False,
@@ -205,3 +223,86 @@ class Engine:
         req.dead = req.dead[:keep] + rest_dead
         req.computed = keep
         self.history.rollback(req.slot, keep)
+
+
+def run_schedule(
+    seed: int,
+    mode: str,
+    backend: str,
+    consts: HashConstants,
+    token_map: Any,
+    *,
+    max_steps: int = 12,
+    device: torch.device | str = "cpu",
+    drop_lookback: bool = False,
+    sabotage: str | None = None,
+) -> Engine:
+    """Run one random schedule drawn from ``seed``; returns the engine (``mismatches`` lists failures).
+
+    The schedule: a first request prefilled in part, then up to ``max_steps``
+    batches mixing chunked prefill, decode, speculative drafts verified with
+    random rejections, a prefix-cache hit that borrows the first request's
+    blocks, a request whose prefix was prefilled elsewhere (lookback ids
+    only), dead spans, padding rows and padded requests, then an empty batch.
+    ``sabotage`` (``"rebind"``, ``"reset"``) loses history on purpose, for
+    negative controls.
+    """
+    rng = np.random.default_rng(seed)
+    hasher = NgramHasher(consts, token_map, device, backend=backend, validate=True)
+    engine = Engine(
+        rng, consts, token_map.map, hasher, mode, drop_lookback=drop_lookback, device=device
+    )
+    dead_rate = float(rng.choice([0.0, 0.0, 0.15]))
+    first = engine.new_request(int(rng.integers(9, 24)), dead_rate)
+    active = [first]
+    # The first step prefills part of the first request, so later steps need history.
+    engine.step(
+        [(first, int(rng.integers(1, 6)))], pad_rows=int(rng.integers(0, 3)), pad_requests=0
+    )
+    spawned_prefix = spawned_remote = False
+    for _ in range(max_steps):
+        # Each ``rng.random()`` comes first, so a seed draws the same schedule whatever
+        # ``max_steps``; a request is only added while a history slot and blocks are free.
+        room = len(engine.free_slots) > 0 and len(engine.free_blocks) >= 32
+        if not spawned_prefix and first.computed >= BLOCK_SIZE and rng.random() < 0.5 and room:
+            # Longer than what it borrows: accepted drafts can take ``first``
+            # past any fixed bound, so the upper end follows ``computed``.
+            length = int(rng.integers(first.computed + 1, max(30, first.computed + 8)))
+            active.append(engine.new_request(length, dead_rate, prefix_of=first))
+            spawned_prefix = True
+        room = len(engine.free_slots) > 0 and len(engine.free_blocks) >= 32
+        if not spawned_remote and rng.random() < 0.3 and room:
+            active.append(
+                engine.new_request(
+                    int(rng.integers(6, 20)), dead_rate, remote_prefix=int(rng.integers(1, 6))
+                )
+            )
+            spawned_remote = True
+        room = len(engine.free_slots) > 0 and len(engine.free_blocks) >= 32
+        if rng.random() < 0.2 and room:
+            active.append(engine.new_request(int(rng.integers(1, 12)), dead_rate))
+        live = [r for r in active if r.computed < len(r.tokens)]
+        if not live:
+            break
+        order = rng.permutation(len(live))
+        chunks, specs = [], []
+        for idx in order[: int(rng.integers(1, len(live) + 1))]:
+            req = live[idx]
+            remaining = len(req.tokens) - req.computed
+            if remaining >= 2 and rng.random() < 0.3:
+                drafts = int(rng.integers(1, min(4, remaining)))
+                start, count = engine.speculate(req, drafts)
+                chunks.append((req, count))
+                specs.append((req, start, drafts))
+            else:
+                chunks.append((req, int(rng.integers(1, min(remaining, 7) + 1))))
+        if sabotage == "rebind" and engine.steps == 2:
+            engine.cache.bind(engine.cache.num_slots, BLOCK_SIZE)
+        if sabotage == "reset" and engine.steps == 2:
+            for req in active:
+                engine.history.reset(req.slot)
+        engine.step(chunks, pad_rows=int(rng.integers(0, 3)), pad_requests=int(rng.integers(0, 2)))
+        for req, start, drafts in specs:
+            engine.verify(req, start, int(rng.integers(0, drafts + 1)))
+    engine.step([], pad_rows=0, pad_requests=0)  # an empty batch
+    return engine

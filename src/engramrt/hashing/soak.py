@@ -1,0 +1,185 @@
+"""Soak the streaming invariant (SPEC §5): many random engine schedules, every history mode.
+
+Each schedule (:func:`engramrt.hashing.engine_sim.run_schedule`, drawn from
+its seed) runs through every history mode — lookback ids, the slot-keyed
+cache, request history — on the reference, and the first ``--kernel``
+schedules also through the Triton kernel (CUDA when available, else the
+CPU interpreter, which needs ``TRITON_INTERPRET=1`` before the kernel is
+imported: :func:`main` sets it). Every step's row ids are compared with
+hashing each full sequence at once. The last line is
+``N schedules, 0 mismatches``; otherwise the exit code is 1 and the first
+mismatch's seed, mode, backend and step are printed, so
+``--seed SEED --count 1`` replays it.
+
+Run as ``scripts/soak N [--seed S] [--kernel K]`` or
+``python -m engramrt.hashing.soak N``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+__all__ = ["Mismatch", "SoakResult", "main", "soak"]
+
+
+@dataclass(frozen=True)
+class Mismatch:
+    """The first failing step of one schedule."""
+
+    seed: int
+    mode: str
+    backend: str
+    detail: str
+
+    def __str__(self) -> str:
+        return (
+            f"seed {self.seed}, mode {self.mode}, backend {self.backend}: {self.detail} "
+            f"(replay: scripts/soak 1 --seed {self.seed} --modes {self.mode}"
+            f"{' --kernel 1' if self.backend == 'triton' else ''})"
+        )
+
+
+@dataclass(frozen=True)
+class SoakResult:
+    """``schedules`` run; ``mismatches`` lists every failing (schedule, mode, backend)."""
+
+    schedules: int
+    mismatches: tuple[Mismatch, ...]
+    seconds: float
+
+
+def soak(
+    count: int,
+    *,
+    seed: int = 0,
+    kernel: int = 0,
+    modes: Sequence[str] | None = None,
+    max_steps: int = 12,
+    device: str | None = None,
+    config: str = "tiny",
+    stop_at_first: bool = False,
+) -> SoakResult:
+    """Run ``count`` schedules with seeds ``seed, seed + 1, ...``.
+
+    Args:
+        count: schedules to run (each through every mode in ``modes``).
+        seed: the first schedule's seed.
+        kernel: how many of the schedules (the first ones) also run through
+            the Triton kernel.
+        modes: history modes (default all of :data:`~engramrt.hashing.engine_sim.MODES`).
+        max_steps: batches per schedule after the first.
+        device: where the kernel runs (default CUDA when available, else CPU).
+        config: preset whose hash layout is used.
+        stop_at_first: return at the first mismatch.
+    """
+    import torch
+
+    from engramrt.config import load_config
+    from engramrt.errors import ValidationError
+    from engramrt.hashing import HashConstants
+    from engramrt.hashing.engine_sim import MODES, run_schedule
+    from engramrt.tokenmap import TokenMap
+
+    if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+        raise ValidationError(f"count={count!r}; expected a number of schedules >= 0")
+    if isinstance(kernel, bool) or not isinstance(kernel, int) or kernel < 0:
+        raise ValidationError(f"kernel={kernel!r}; expected a number of schedules >= 0")
+    chosen = tuple(MODES if modes is None else modes)
+    for mode in chosen:
+        if mode not in MODES:
+            raise ValidationError(f"mode {mode!r}; expected one of {', '.join(MODES)}")
+    kernel_device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    token_map = TokenMap.from_tokenizer_file()
+    consts = HashConstants.from_config(load_config(config), token_map)
+    start = time.perf_counter()
+    found: list[Mismatch] = []
+    for index in range(count):
+        schedule_seed = seed + index
+        runs = [(mode, "reference", "cpu") for mode in chosen]
+        if index < kernel:
+            runs += [(mode, "triton", kernel_device) for mode in chosen]
+        for mode, backend, where in runs:
+            engine = run_schedule(
+                schedule_seed,
+                mode,
+                backend,
+                consts,
+                token_map,
+                max_steps=max_steps,
+                device=where,
+            )
+            if engine.mismatches:
+                found.append(Mismatch(schedule_seed, mode, backend, engine.mismatches[0]))
+                if stop_at_first:
+                    return SoakResult(index + 1, tuple(found), time.perf_counter() - start)
+    return SoakResult(count, tuple(found), time.perf_counter() - start)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="soak",
+        description="Run N random engine schedules through every history mode and compare "
+        "each step's row ids with one-shot hashing.",
+    )
+    parser.add_argument("count", type=int, help="number of schedules (N)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the first schedule")
+    parser.add_argument(
+        "--kernel",
+        type=int,
+        default=0,
+        help="how many schedules (the first ones) also run through the Triton kernel",
+    )
+    parser.add_argument(
+        "--modes", default="lookback,slot,request", help="comma-separated history modes"
+    )
+    parser.add_argument("--max-steps", type=int, default=12, help="batches per schedule")
+    parser.add_argument("--device", default=None, help="kernel device (default: cuda if any)")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The ``scripts/soak`` entry point; returns the exit code."""
+    args = _parser().parse_args(argv)
+    if args.count < 0 or args.kernel < 0 or args.max_steps < 0:
+        print(
+            f"error: count={args.count}, --kernel={args.kernel}, --max-steps={args.max_steps}; "
+            f"expected numbers >= 0",
+            file=sys.stderr,
+        )
+        return 2
+    if args.kernel:
+        import torch
+
+        if not torch.cuda.is_available():
+            os.environ.setdefault("TRITON_INTERPRET", "1")
+    from engramrt.errors import EngramError
+
+    try:
+        result = soak(
+            args.count,
+            seed=args.seed,
+            kernel=args.kernel,
+            modes=[m for m in args.modes.split(",") if m],
+            max_steps=args.max_steps,
+            device=args.device,
+            stop_at_first=True,
+        )
+    except EngramError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if result.mismatches:
+        print(f"first mismatch: {result.mismatches[0]}")
+        print(f"{result.schedules} schedules, {len(result.mismatches)} mismatches")
+        return 1
+    print(f"ran in {result.seconds:.1f} s")
+    print(f"{result.schedules} schedules, 0 mismatches")
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
