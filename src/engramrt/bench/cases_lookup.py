@@ -43,6 +43,7 @@ import torch
 from engramrt.bench.registry import Case, Inputs, register
 from engramrt.lookup import lookup_rows_reference, unpack_rows
 from engramrt.lookup.reference import row_bytes_for
+from engramrt.lookup.settings import LookupKernelSettings
 from engramrt.lookup.synthetic import random_packed_rows
 from engramrt.quant import dequantize_rows_reference
 
@@ -130,9 +131,7 @@ def _tier_lookup(inputs: Inputs) -> torch.Tensor:
     return inputs["store"].lookup(inputs["row_ids"], out=inputs["out"])
 
 
-def _variant(
-    rows_per_program: int | None = None, num_warps: int | None = None, hw_convert: bool = False
-) -> Callable[[Inputs], torch.Tensor]:
+def _variant(kernel: LookupKernelSettings) -> Callable[[Inputs], torch.Tensor]:
     """The device-tier kernel with other settings, on the same table."""
 
     def run(inputs: Inputs) -> torch.Tensor:
@@ -142,9 +141,7 @@ def _variant(
             inputs["row_ids"],
             inputs["store"].table,
             backend="triton",
-            rows_per_program=rows_per_program,
-            num_warps=num_warps,
-            hw_convert=hw_convert,
+            kernel=kernel,
         )
 
     return run
@@ -212,13 +209,13 @@ def lookup_cases(quick: bool) -> list[Case]:
             if tier == "device":
                 impls = {
                     "triton": _tier_lookup,
-                    "triton[hw_convert]": _variant(hw_convert=True),
+                    "triton[hw_convert]": _variant(LookupKernelSettings(hw_convert=True)),
                     "torch-eager": _device_torch_eager,
                 }
                 if num_tokens == 8192:
                     for rows_per_program, num_warps in _TILINGS:
                         impls[f"triton[rows={rows_per_program},warps={num_warps}]"] = _variant(
-                            rows_per_program, num_warps
+                            LookupKernelSettings(rows_per_program, num_warps)
                         )
                 bytes_moved, ceiling = rows * ROW_BYTES + rows * E * 2, "d2d"
             else:

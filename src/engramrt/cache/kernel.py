@@ -41,6 +41,7 @@ from engramrt.lookup.kernel import (
     _store_dequantized_rows,
     tile_shape,
 )
+from engramrt.lookup.settings import DEFAULT_KERNEL, LookupKernelSettings
 
 __all__ = ["probe_gather_triton"]
 
@@ -135,9 +136,7 @@ def probe_gather_triton(
     ways: int,
     col_begin: int,
     col_end: int,
-    rows_per_program: int | None = None,
-    num_warps: int | None = None,
-    hw_convert: bool = False,
+    kernel: LookupKernelSettings = DEFAULT_KERNEL,
     backing: Any = None,
     backing_row_begin: int = 0,
 ) -> torch.Tensor:
@@ -150,8 +149,9 @@ def probe_gather_triton(
         slots: contiguous ``[T, C]`` int64, fully written.
         num_sets, ways: geometry (``ways`` a power of two).
         col_begin, col_end: owned columns.
-        rows_per_program, num_warps, hw_convert: as in
-            :func:`engramrt.lookup.kernel.lookup_rows_triton`.
+        kernel: tile, warps and conversion variant, as in
+            :func:`engramrt.lookup.kernel.lookup_rows_triton` (one tile per
+            program: ``max_programs`` does not apply to the probe).
         backing: the backing tier's packed rows as the device reads them
             (:meth:`engramrt.lookup.tiers.RowStore.device_rows`): misses read
             them and ``out`` is written everywhere. None: misses are left.
@@ -165,7 +165,7 @@ def probe_gather_triton(
     if n_lookups == 0:
         return slots
     E = out.shape[-1]
-    blocks, blocks_pad, rows = tile_shape(E, rows_per_program)
+    blocks, blocks_pad, rows = tile_shape(E, kernel.rows_per_program)
     grid = (triton.cdiv(n_lookups, rows),)
     _launch_probe_gather(
         grid,
@@ -190,8 +190,8 @@ def probe_gather_triton(
         ROWS=rows,
         WAYS=ways,
         MIX=MIX_MULTIPLIER,
-        HW_CONVERT=hw_convert,
+        HW_CONVERT=kernel.hw_convert,
         READ_MISSES=backing is not None,
-        num_warps=num_warps or DEFAULT_NUM_WARPS,
+        num_warps=kernel.num_warps or DEFAULT_NUM_WARPS,
     )
     return slots

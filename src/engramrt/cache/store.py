@@ -70,6 +70,7 @@ from engramrt.cache.reference import probe_gather_reference
 from engramrt.cache.stats import CacheStats
 from engramrt.errors import CapacityError, ValidationError
 from engramrt.lookup import check_row_ids_in_shard, lookup_rows
+from engramrt.lookup.settings import DEFAULT_KERNEL, LookupKernelSettings, check_kernel_settings
 from engramrt.lookup.tiers import RowStore, memory
 
 __all__ = ["PHASES", "CacheUpdate", "CachedRowStore"]
@@ -141,8 +142,8 @@ class CachedRowStore(RowStore):
             :class:`SetAssociativeLfu`.
         max_pending: lookups remembered for the next update; older ones are
             dropped (they only inform admission).
-        rows_per_program, num_warps, hw_convert: kernel settings (see
-            :func:`engramrt.lookup.lookup_rows`).
+        kernel: the probe's and the miss lookup's kernel settings (see
+            :class:`~engramrt.lookup.settings.LookupKernelSettings`).
         read_misses: let the probe read misses from the backing's rows
             (:attr:`probe_reads_misses`). None (default): when the backing
             offers rows the device reads in place and the probe runs the
@@ -171,9 +172,7 @@ class CachedRowStore(RowStore):
         sketch_depth: int = 4,
         decay_period: int | None = None,
         max_pending: int = 4,
-        rows_per_program: int | None = None,
-        num_warps: int | None = None,
-        hw_convert: bool = False,
+        kernel: LookupKernelSettings = DEFAULT_KERNEL,
         read_misses: bool | None = None,
     ) -> None:
         if not isinstance(backing, RowStore):
@@ -214,16 +213,14 @@ class CachedRowStore(RowStore):
         self.layer_id = layer_id
         self.backend = backend
         self.max_pending = max_pending
-        self.rows_per_program = rows_per_program
-        self.num_warps = num_warps
-        self.hw_convert = hw_convert
+        self.kernel = check_kernel_settings(kernel)
         self._read_packed = packed_row_reader(backing)
         # The backing's rows as the probe kernel can read them (misses read
         # in the probe), or None (the miss path gathers them).
         self._miss_source = None
         if read_misses is not False:
-            kernel = resolve_backend(backend, self.device) == "triton"
-            self._miss_source = backing.device_rows() if kernel else None
+            triton = resolve_backend(backend, self.device) == "triton"
+            self._miss_source = backing.device_rows() if triton else None
             if read_misses and self._miss_source is None:
                 raise ValidationError(
                     f"read_misses=True with backing tier={backing.tier!r} and backend={backend!r}; "
@@ -382,9 +379,7 @@ class CachedRowStore(RowStore):
             ways=self.ways,
             col_begin=self.col_begin,
             col_end=col_end,
-            rows_per_program=self.rows_per_program,
-            num_warps=self.num_warps,
-            hw_convert=self.hw_convert,
+            kernel=self.kernel,
             backing=self._miss_source,
             backing_row_begin=self.row_begin,
         )
@@ -426,9 +421,7 @@ class CachedRowStore(RowStore):
                 inverse.view(-1, 1),
                 miss_rows,
                 backend=self.backend,
-                rows_per_program=self.rows_per_program,
-                num_warps=self.num_warps,
-                hw_convert=self.hw_convert,
+                kernel=self.kernel,
             )  # [M, 1, E]
             out.view(-1, self.E).index_copy_(0, miss_pos, rows.view(-1, self.E))
         else:

@@ -32,6 +32,7 @@ from engramrt.distributed.shared_table import Loader, SharedHostTable
 from engramrt.errors import CapacityError, ValidationError
 from engramrt.layout import EngramLayout
 from engramrt.lookup.reference import row_bytes_for, row_width_for
+from engramrt.lookup.settings import DEFAULT_KERNEL, LookupKernelSettings
 from engramrt.lookup.tiers import memory
 from engramrt.lookup.tiers.base import RowStore
 from engramrt.lookup.tiers.host_gather import DEFAULT_CHUNK_ROWS, GPU_SHARE, HostGatherRowStore
@@ -147,8 +148,8 @@ class SharedUvaRowStore(UvaRowStore):
             the store's rows.
         rows_slice: which rows of the table, a ``slice`` with step 1
             (default: all).
-        device, row_begin, col_begin, col_end, validate, rows_per_program,
-        num_warps, hw_convert: see :class:`UvaRowStore`.
+        device, row_begin, col_begin, col_end, validate, kernel: see
+            :class:`UvaRowStore`.
 
     Raises:
         CapacityError: no CUDA device, or registration failed.
@@ -164,9 +165,7 @@ class SharedUvaRowStore(UvaRowStore):
         col_begin: int = 0,
         col_end: int | None = None,
         validate: bool = False,
-        rows_per_program: int | None = None,
-        num_warps: int | None = None,
-        hw_convert: bool = False,
+        kernel: LookupKernelSettings = DEFAULT_KERNEL,
     ) -> None:
         self.table = table
         rows = table.rows if rows_slice is None else table.rows[rows_slice]
@@ -180,9 +179,7 @@ class SharedUvaRowStore(UvaRowStore):
             col_begin=col_begin,
             col_end=col_end,
             validate=validate,
-            rows_per_program=rows_per_program,
-            num_warps=num_warps,
-            hw_convert=hw_convert,
+            kernel=kernel,
         )
 
     def _allocate_host_table(self) -> torch.Tensor:

@@ -21,8 +21,11 @@ from engramrt.lookup.reference import (
     row_width_for,
     unpack_rows,
 )
+from engramrt.lookup.settings import DEFAULT_KERNEL, LookupKernelSettings, check_kernel_settings
 
 __all__ = [
+    "DEFAULT_KERNEL",
+    "LookupKernelSettings",
     "check_lookup_args",
     "check_row_ids_in_shard",
     "gather_packed_rows_reference",
@@ -35,12 +38,6 @@ __all__ = [
 ]
 
 _ID_DTYPES = (torch.int32, torch.int64)
-
-
-def check_max_programs(max_programs: int | None) -> None:
-    """Reject a ``max_programs`` that is neither None nor a positive int."""
-    if max_programs is not None and (not isinstance(max_programs, int) or max_programs < 1):
-        raise ValidationError(f"max_programs = {max_programs!r}; expected None or an int >= 1")
 
 
 def check_lookup_args(
@@ -112,10 +109,7 @@ def lookup_rows(
     out: torch.Tensor | None = None,
     backend: str = "auto",
     validate: bool = False,
-    rows_per_program: int | None = None,
-    num_warps: int | None = None,
-    hw_convert: bool = False,
-    max_programs: int | None = None,
+    kernel: LookupKernelSettings = DEFAULT_KERNEL,
 ) -> torch.Tensor:
     """Gather and dequantise packed rows: ``[T, C]`` ids -> ``[T, C, E]`` bf16.
 
@@ -132,12 +126,9 @@ def lookup_rows(
         backend: ``"auto"``, ``"triton"`` or ``"reference"``.
         validate: reject owned ids outside the shard (synchronises). Off on
             the hot path, where an out-of-range id reads out of bounds.
-        rows_per_program, num_warps: kernel tuning knobs.
-        hw_convert: kernel variant using the GPU's conversion instructions
-            (same bytes on a GPU; see :mod:`engramrt.lookup.kernel`).
-        max_programs: at most this many kernel programs, each serving several
-            tiles in turn (see :func:`engramrt.lookup.kernel.lookup_rows_triton`);
-            the same bytes.
+        kernel: the kernel's tuning settings (see
+            :class:`~engramrt.lookup.settings.LookupKernelSettings`); the same
+            bytes for every setting (``hw_convert``: on a GPU).
 
     Returns:
         ``out`` or a new ``[T, C, E]`` bf16 tensor on ``packed_table``'s device.
@@ -158,7 +149,7 @@ def lookup_rows(
         )
     row_width = row_width_for(packed_table.shape[1])
     device = packed_table.device
-    check_max_programs(max_programs)
+    check_kernel_settings(kernel)
     col_end = check_lookup_args(row_ids, col_begin, col_end, E=row_width, device=device, out=out)
     if validate:
         check_row_ids_in_shard(
@@ -185,8 +176,5 @@ def lookup_rows(
         col_begin=col_begin,
         col_end=col_end,
         row_begin=row_begin,
-        rows_per_program=rows_per_program,
-        num_warps=num_warps,
-        hw_convert=hw_convert,
-        max_programs=max_programs,
+        kernel=kernel,
     )

@@ -38,6 +38,7 @@ import triton
 import triton.language as tl
 
 from engramrt.lookup.reference import word_dtype_for
+from engramrt.lookup.settings import DEFAULT_KERNEL, LookupKernelSettings
 from engramrt.quant.kernel import _dequantize_to_bf16_bits
 
 __all__ = [
@@ -163,10 +164,7 @@ def lookup_rows_triton(
     col_begin: int,
     col_end: int,
     row_begin: int,
-    rows_per_program: int | None = None,
-    num_warps: int | None = None,
-    hw_convert: bool = False,
-    max_programs: int | None = None,
+    kernel: LookupKernelSettings = DEFAULT_KERNEL,
 ) -> torch.Tensor:
     """Launch :func:`_lookup_rows_kernel` (inputs validated by the caller).
 
@@ -175,24 +173,19 @@ def lookup_rows_triton(
         table: packed ``[num_rows, E + E/32]`` uint8 rows: a contiguous tensor
             or an object with ``data_ptr()`` and ``dtype`` readable by the device.
         out: contiguous ``[T, C, E]`` bf16, fully written.
-        rows_per_program, num_warps: tuning knobs (defaults: 4096 values per
-            program, 4 warps).
-        hw_convert: decode and round with the GPU's conversion instructions
-            instead of integer operations (see
-            :func:`engramrt.quant.kernel._dequantize_to_bf16_bits`).
-        max_programs: launch at most this many programs, each serving
-            consecutive tiles (a power of two of them) in turn; None: one
-            tile per program. Meant for reads of host memory, whose programs
-            mostly wait on the bus: fewer of them hold fewer of the GPU's
-            multiprocessors while a model runs beside them.
+        kernel: tile, warps, conversion variant and grid limit (see
+            :class:`LookupKernelSettings`). With ``max_programs``, each
+            program serves a power of two of consecutive tiles in turn:
+            fewer programs hold fewer of the GPU's multiprocessors while a
+            model runs beside reads of host memory.
     """
     num_tokens, num_cols = row_ids.shape
     n_lookups = num_tokens * num_cols
     if n_lookups == 0:
         return out
-    blocks, blocks_pad, rows = tile_shape(E, rows_per_program)
+    blocks, blocks_pad, rows = tile_shape(E, kernel.rows_per_program)
     tiles = triton.cdiv(n_lookups, rows)
-    per_program = tiles_per_program(tiles, max_programs)
+    per_program = tiles_per_program(tiles, kernel.max_programs)
     grid = (triton.cdiv(tiles, per_program),)
     _lookup_rows_kernel[grid](
         row_ids,
@@ -210,9 +203,9 @@ def lookup_rows_triton(
         NB=blocks,
         NB_PAD=blocks_pad,
         ROWS=rows,
-        HW_CONVERT=hw_convert,
+        HW_CONVERT=kernel.hw_convert,
         TILES=per_program,
-        num_warps=num_warps or DEFAULT_NUM_WARPS,
+        num_warps=kernel.num_warps or DEFAULT_NUM_WARPS,
     )
     return out
 

@@ -21,6 +21,7 @@ import torch
 
 from engramrt.errors import CapacityError, ValidationError
 from engramrt.lookup.reference import row_bytes_for, row_width_for
+from engramrt.lookup.settings import DEFAULT_KERNEL, LookupKernelSettings
 from engramrt.lookup.tiers import memory
 from engramrt.lookup.tiers.base import RowStore, default_compute_device
 from engramrt.lookup.tiers.device import DeviceRowStore
@@ -79,11 +80,6 @@ def choose_tier(nbytes: int, device: torch.device, path: str | os.PathLike[str] 
     )
 
 
-def _given(**settings: int | None) -> dict[str, int]:
-    """The settings that are not None (the others keep the store's defaults)."""
-    return {name: value for name, value in settings.items() if value is not None}
-
-
 def make_store(
     tier: str = "auto",
     *,
@@ -101,10 +97,7 @@ def make_store(
     num_threads: int | None = None,
     gpu_reads: bool | None = None,
     gpu_share: float = GPU_SHARE,
-    rows_per_program: int | None = None,
-    num_warps: int | None = None,
-    hw_convert: bool = False,
-    max_programs: int | None = None,
+    kernel: LookupKernelSettings | None = None,
 ) -> RowStore:
     """Build a :class:`RowStore` of ``tier`` for rows ``[row_begin, row_begin + num_rows)``.
 
@@ -124,12 +117,9 @@ def make_store(
         chunk_rows, num_threads: host-gather settings (``"host"``, ``"disk"``).
         gpu_reads, gpu_share: whether and how much the GPU reads host rows
             itself (``"host"``; see :class:`HostGatherRowStore`).
-        rows_per_program, num_warps, hw_convert: kernel settings (``"device"``,
-            ``"uva"``; see :func:`engramrt.lookup.lookup_rows`).
-        max_programs: at most this many programs for kernels that read host
-            memory (``"uva"``, and ``"host"`` with GPU reads, which also
-            takes ``rows_per_program``). None: the tier's default (UVA: one
-            program per tile; host: :data:`engramrt.lookup.tiers.host_gather.READ_MAX_PROGRAMS`).
+        kernel: the lookup kernel's settings (``"device"``, ``"uva"``, and
+            ``"host"``'s GPU reads); None: the tier's default (host:
+            :data:`engramrt.lookup.tiers.host_gather.HOST_READ_KERNEL`).
 
     Raises:
         CapacityError: the chosen memory or disk is too small.
@@ -191,7 +181,7 @@ def make_store(
             backend=backend,
             gpu_reads=gpu_reads,
             gpu_share=gpu_share,
-            **_given(max_programs=max_programs, rows_per_program=rows_per_program),
+            **({} if kernel is None else {"kernel": kernel}),
         )
     elif tier == "uva":
         assert num_rows is not None
@@ -203,10 +193,7 @@ def make_store(
             col_begin=col_begin,
             col_end=col_end,
             validate=validate,
-            rows_per_program=rows_per_program,
-            num_warps=num_warps,
-            hw_convert=hw_convert,
-            max_programs=max_programs,
+            kernel=kernel or DEFAULT_KERNEL,
         )
     else:
         assert num_rows is not None
@@ -219,9 +206,7 @@ def make_store(
             col_end=col_end,
             validate=validate,
             backend=backend,
-            rows_per_program=rows_per_program,
-            num_warps=num_warps,
-            hw_convert=hw_convert,
+            kernel=kernel or DEFAULT_KERNEL,
         )
     if packed is not None:
         store.write_rows(0, packed)

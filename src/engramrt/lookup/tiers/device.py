@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from engramrt.lookup import lookup_rows
+from engramrt.lookup.settings import DEFAULT_KERNEL, LookupKernelSettings, check_kernel_settings
 from engramrt.lookup.tiers import memory
 from engramrt.lookup.tiers.base import RowStore
 
@@ -24,8 +25,7 @@ class DeviceRowStore(RowStore):
         num_rows, E, device, row_begin, col_begin, col_end, validate: see
             :class:`RowStore`.
         backend: ``"auto"``, ``"triton"`` or ``"reference"`` for the lookup.
-        rows_per_program, num_warps, hw_convert: kernel settings (see
-            :func:`engramrt.lookup.lookup_rows`).
+        kernel: the lookup kernel's settings (see :class:`LookupKernelSettings`).
 
     Raises:
         CapacityError: the device (or, on a CPU device, the host) has less
@@ -45,9 +45,7 @@ class DeviceRowStore(RowStore):
         col_end: int | None = None,
         validate: bool = False,
         backend: str = "auto",
-        rows_per_program: int | None = None,
-        num_warps: int | None = None,
-        hw_convert: bool = False,
+        kernel: LookupKernelSettings = DEFAULT_KERNEL,
     ) -> None:
         super().__init__(
             num_rows,
@@ -66,9 +64,7 @@ class DeviceRowStore(RowStore):
         else:
             memory.require(what, self.nbytes, memory.host_available_bytes(), "host memory")
         self.backend = backend
-        self.rows_per_program = rows_per_program
-        self.num_warps = num_warps
-        self.hw_convert = hw_convert
+        self.kernel = check_kernel_settings(kernel)
         self.table = torch.empty(
             (self.num_rows, self.row_bytes), dtype=torch.uint8, device=self.device
         )
@@ -93,7 +89,5 @@ class DeviceRowStore(RowStore):
             row_begin=self.row_begin,
             out=out,
             backend=self.backend,
-            rows_per_program=self.rows_per_program,
-            num_warps=self.num_warps,
-            hw_convert=self.hw_convert,
+            kernel=self.kernel,
         )

@@ -90,8 +90,9 @@ from typing import ClassVar
 import torch
 
 from engramrt.errors import CapacityError, ValidationError
-from engramrt.lookup import check_max_programs, check_row_ids_in_shard, lookup_rows
+from engramrt.lookup import check_row_ids_in_shard, lookup_rows
 from engramrt.lookup.reference import word_dtype_for
+from engramrt.lookup.settings import LookupKernelSettings, check_kernel_settings
 from engramrt.lookup.tiers import memory
 from engramrt.lookup.tiers.base import RowStore
 from engramrt.lookup.tiers.uva import MappedHostRows, gather_mapped_rows, lookup_mapped_rows
@@ -99,6 +100,7 @@ from engramrt.lookup.tiers.uva import MappedHostRows, gather_mapped_rows, lookup
 __all__ = [
     "DEFAULT_CHUNK_ROWS",
     "GPU_SHARE",
+    "HOST_READ_KERNEL",
     "READ_MAX_PROGRAMS",
     "READ_ROWS_PER_PROGRAM",
     "HostGatherRowStore",
@@ -141,6 +143,11 @@ from 5.0% to 3.3% with it (one run). Over three runs, 8 or 16 programs of
 unbounded grid at 4.5-5.8% (``bench/runtime_overhead.py --max-programs``,
 H200; the UVA tier, which takes the same settings, went from 5.0-5.2% to
 2.5-3.1% with 16 programs)."""
+
+HOST_READ_KERNEL = LookupKernelSettings(
+    rows_per_program=READ_ROWS_PER_PROGRAM, max_programs=READ_MAX_PROGRAMS
+)
+"""The lookup kernel's settings for the host tier's GPU reads of a small batch."""
 
 GPU_SHARE = 0.0
 """Default share of a deduplicated batch's unique rows that the GPU reads from
@@ -212,11 +219,9 @@ class HostGatherRowStore(RowStore):
             registration fails; True: required (a failure raises).
         gpu_share: the fraction of a deduplicated batch's unique rows the
             GPU reads (see :data:`GPU_SHARE`); 0 leaves them all to the CPU.
-        max_programs, rows_per_program: the lookup kernel's grid limit and
-            tile for its reads of a small batch (see
-            :data:`READ_MAX_PROGRAMS` and :func:`engramrt.lookup.lookup_rows`;
-            None: one program per tile, the kernel's tile); attributes read
-            at every lookup.
+        kernel: the lookup kernel's settings for its reads of a small batch
+            (default :data:`HOST_READ_KERNEL`, a bounded grid); the attribute
+            :attr:`kernel` is read at every lookup.
 
     Raises:
         CapacityError: less available host memory (``MemAvailable``) than
@@ -244,8 +249,7 @@ class HostGatherRowStore(RowStore):
         backend: str = "auto",
         gpu_reads: bool | None = None,
         gpu_share: float = GPU_SHARE,
-        max_programs: int | None = READ_MAX_PROGRAMS,
-        rows_per_program: int | None = READ_ROWS_PER_PROGRAM,
+        kernel: LookupKernelSettings = HOST_READ_KERNEL,
     ) -> None:
         super().__init__(
             num_rows,
@@ -266,9 +270,7 @@ class HostGatherRowStore(RowStore):
         self.num_threads = num_threads
         self.backend = backend
         self.gpu_share = float(gpu_share)
-        check_max_programs(max_programs)
-        self.max_programs = max_programs
-        self.rows_per_program = rows_per_program
+        self.kernel = check_kernel_settings(kernel)
         self.dedup_min_rows = DEDUP_MIN_ROWS
         self._arange: torch.Tensor | None = None
         self.source = self._allocate_source()  # [num_rows, row_bytes] uint8, CPU
@@ -484,8 +486,7 @@ class HostGatherRowStore(RowStore):
                 col_begin=self.col_begin,
                 col_end=col_end,
                 row_begin=self.row_begin,
-                max_programs=self.max_programs,
-                rows_per_program=self.rows_per_program,
+                kernel=self.kernel,
             )
         if owned.numel() == 0:
             return lookup_rows(

@@ -24,8 +24,8 @@ from __future__ import annotations
 import torch
 
 from engramrt.errors import CapacityError
-from engramrt.lookup import check_max_programs
 from engramrt.lookup.reference import word_dtype_for
+from engramrt.lookup.settings import DEFAULT_KERNEL, LookupKernelSettings, check_kernel_settings
 from engramrt.lookup.tiers import memory
 from engramrt.lookup.tiers.base import RowStore
 
@@ -53,9 +53,8 @@ class UvaRowStore(RowStore):
     Args:
         num_rows, E, device, row_begin, col_begin, col_end, validate: see
             :class:`RowStore`; ``device`` must be a CUDA device.
-        rows_per_program, num_warps, hw_convert, max_programs: kernel settings
-            (see :func:`engramrt.lookup.lookup_rows`); ``max_programs`` is
-            an attribute read at every lookup.
+        kernel: the lookup kernel's settings (see :class:`LookupKernelSettings`),
+            the attribute :attr:`kernel` read at every lookup.
 
     Raises:
         CapacityError: no CUDA device, or less available host memory than
@@ -74,10 +73,7 @@ class UvaRowStore(RowStore):
         col_begin: int = 0,
         col_end: int | None = None,
         validate: bool = False,
-        rows_per_program: int | None = None,
-        num_warps: int | None = None,
-        hw_convert: bool = False,
-        max_programs: int | None = None,
+        kernel: LookupKernelSettings = DEFAULT_KERNEL,
     ) -> None:
         super().__init__(
             num_rows,
@@ -91,11 +87,7 @@ class UvaRowStore(RowStore):
         memory.require_cuda_mapping(
             "tier='uva'", self.device, "; use tier='host' or tier='device' on this machine"
         )
-        self.rows_per_program = rows_per_program
-        self.num_warps = num_warps
-        self.hw_convert = hw_convert
-        check_max_programs(max_programs)
-        self.max_programs = max_programs
+        self.kernel = check_kernel_settings(kernel)
         self.host_table = self._allocate_host_table()
         self._mapped = MappedHostRows(self.host_table.data_ptr())
         self._mapped_words = MappedHostRows(
@@ -143,10 +135,7 @@ class UvaRowStore(RowStore):
             col_begin=self.col_begin,
             col_end=col_end,
             row_begin=self.row_begin,
-            rows_per_program=self.rows_per_program,
-            num_warps=self.num_warps,
-            hw_convert=self.hw_convert,
-            max_programs=self.max_programs,
+            kernel=self.kernel,
         )
 
 
@@ -160,15 +149,11 @@ def lookup_mapped_rows(
     col_begin: int,
     col_end: int,
     row_begin: int,
-    rows_per_program: int | None = None,
-    num_warps: int | None = None,
-    hw_convert: bool = False,
-    max_programs: int | None = None,
+    kernel: LookupKernelSettings = DEFAULT_KERNEL,
 ) -> torch.Tensor:
     """The lookup kernel over rows in registered host memory (``mapped``, bytes)."""
     from engramrt.lookup.kernel import lookup_rows_triton  # imports Triton
 
-    check_max_programs(max_programs)  # a store attribute, settable between lookups
     row_ids = row_ids.to(device, non_blocking=True)
     if out is None:
         out = torch.empty((*row_ids.shape, E), dtype=torch.bfloat16, device=device)
@@ -181,10 +166,7 @@ def lookup_mapped_rows(
             col_begin=col_begin,
             col_end=col_end,
             row_begin=row_begin,
-            rows_per_program=rows_per_program,
-            num_warps=num_warps,
-            hw_convert=hw_convert,
-            max_programs=max_programs,
+            kernel=kernel,
         )
 
 
