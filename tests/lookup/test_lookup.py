@@ -219,7 +219,7 @@ def test_packed_gather_kernel_matches_reference(E: int, word: torch.dtype) -> No
     """Raw row copies by the widest word that divides the row (264, 132, 66, 33 bytes):
     every row in order, duplicates and a partial last program too."""
     from engramrt.lookup.kernel import gather_packed_rows_triton
-    from engramrt.lookup.reference import word_dtype_for
+    from engramrt.packed import word_dtype_for
 
     num_rows, row_begin = 41, 1_000_003
     table = random_packed_table(num_rows, E, seed=E).to(DEVICE)
@@ -232,7 +232,9 @@ def test_packed_gather_kernel_matches_reference(E: int, word: torch.dtype) -> No
         ids = ids.to(DEVICE)
         expected = gather_packed_rows_reference(ids, table, row_begin)
         out = torch.full((count, table.shape[1]), 0xA5, dtype=torch.uint8, device=DEVICE)
-        got = gather_packed_rows_triton(ids, table.view(word), out, row_begin=row_begin)
+        got = gather_packed_rows_triton(
+            ids, table.view(word), out, row_begin=row_begin, num_rows=num_rows
+        )
         assert got.data_ptr() == out.data_ptr()
         assert torch.equal(got.cpu(), expected.cpu())
 
@@ -378,12 +380,12 @@ def test_checked_mode_names_column_and_id() -> None:
             ValidationError,
             match=r"row_ids\[2, 4\] = 110 for hash column 4; expected .* \[100, 110\)",
         ):
-            lookup_rows(row_ids, table, col_begin=1, row_begin=100, validate=True, backend=backend)
+            lookup_rows(row_ids, table, col_begin=1, row_begin=100, check_ids=True, backend=backend)
     row_ids[2, 4] = 99
     with pytest.raises(ValidationError, match=r"row_ids\[2, 4\] = 99"):
-        lookup_rows(row_ids, table, col_begin=1, row_begin=100, validate=True)
+        lookup_rows(row_ids, table, col_begin=1, row_begin=100, check_ids=True)
     row_ids[2, 4] = 109
-    lookup_rows(row_ids, table, col_begin=1, row_begin=100, validate=True)
+    lookup_rows(row_ids, table, col_begin=1, row_begin=100, check_ids=True)
 
 
 def test_argument_errors() -> None:

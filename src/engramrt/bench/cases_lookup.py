@@ -41,10 +41,10 @@ from typing import Any, Literal
 import torch
 
 from engramrt.bench.registry import Case, Inputs, register
-from engramrt.lookup import lookup_rows_reference, unpack_rows
-from engramrt.lookup.reference import row_bytes_for
+from engramrt.lookup import lookup_rows_reference
 from engramrt.lookup.settings import LookupKernelSettings
 from engramrt.lookup.synthetic import random_packed_rows
+from engramrt.packed import row_bytes_for, unpack_rows
 from engramrt.quant import dequantize_rows_reference
 
 E = 256

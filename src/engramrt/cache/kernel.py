@@ -19,7 +19,9 @@ that module's ``@triton.jit`` helpers):
   path fills it), and its slot is reported as -1 — unless ``READ_MISSES``:
   then a miss reads its packed row from the backing tier's rows (device
   memory, or host memory mapped for the device) and stores it like a hit,
-  so the lookup needs no miss path at all.
+  so the lookup needs no miss path at all. A miss outside the backing's
+  rows reads nothing and stores +0.0 (the lookup kernel's rule), never
+  out of bounds.
 
 Every index is int64 (program id cast first): slot * 264 overflows int32
 past 8.1 M slots, and a 5 % cache of a V4.1 layer has 19 M.
@@ -47,6 +49,7 @@ __all__ = ["probe_gather_triton"]
 
 # Runtime integers are not specialised on their values (cheap launcher key).
 _INTS = [
+    "backing_num_rows",
     "n_lookups",
     "num_cols",
     "stride_t",
@@ -74,6 +77,7 @@ def _cache_probe_gather_kernel(
     col_end,
     num_sets,
     backing_row_begin,  # the global id of the backing's first row
+    backing_num_rows,  # its rows: a miss outside them reads zeros (READ_MISSES)
     E: tl.constexpr,
     ROW_BYTES: tl.constexpr,
     NB: tl.constexpr,
@@ -107,10 +111,11 @@ def _cache_probe_gather_kernel(
 
     if READ_MISSES:
         # A miss reads the backing's row; each lookup loads from one of two tables.
-        miss = owned & ~hit
+        local_row = row_id - backing_row_begin
+        miss = owned & ~hit & (local_row >= 0) & (local_row < backing_num_rows)
         read = hit | miss
         cache_start = tl.where(hit, slot, 0) * ROW_BYTES
-        backing_start = tl.where(miss, row_id - backing_row_begin, 0) * ROW_BYTES
+        backing_start = tl.where(miss, local_row, 0) * ROW_BYTES
         row_ptrs = tl.where(hit, cache_rows_ptr + cache_start, backing_ptr + backing_start)
         written = in_batch
     else:
@@ -155,7 +160,10 @@ def probe_gather_triton(
         backing: the backing tier's packed rows as the device reads them
             (:meth:`engramrt.lookup.tiers.RowStore.device_rows`): misses read
             them and ``out`` is written everywhere. None: misses are left.
-        backing_row_begin: the global row id of ``backing``'s first row.
+        backing_row_begin: the global row id of ``backing``'s first row; a
+            miss outside ``backing``'s rows (``shape[0]`` of a tensor,
+            ``num_rows`` of :class:`~engramrt.lookup.mapped.MappedHostRows`)
+            reads a row of zeros.
 
     Returns:
         ``slots``.
@@ -166,6 +174,12 @@ def probe_gather_triton(
         return slots
     E = out.shape[-1]
     blocks, blocks_pad, rows = tile_shape(E, kernel.rows_per_program)
+    if backing is None:
+        backing_num_rows = 0
+    elif isinstance(backing, torch.Tensor):
+        backing_num_rows = backing.shape[0]
+    else:
+        backing_num_rows = backing.num_rows
     grid = (triton.cdiv(n_lookups, rows),)
     _launch_probe_gather(
         grid,
@@ -183,6 +197,7 @@ def probe_gather_triton(
         col_end,
         num_sets,
         backing_row_begin,
+        backing_num_rows,
         E=E,
         ROW_BYTES=E + blocks,
         NB=blocks,

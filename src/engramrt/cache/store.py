@@ -133,11 +133,14 @@ class CachedRowStore(RowStore):
         layer_id: the Engram layer served (a label for statistics).
         backend: ``"auto"``, ``"triton"`` or ``"reference"`` for the probe and
             the miss dequantisation.
-        validate: check every batch's owned ids (synchronises); default the
-            backing's setting. Out-of-range ids that miss are always caught
-            on the miss path; a probe that reads misses itself
-            (:attr:`probe_reads_misses`) checks them in validate mode only,
-            as the device and UVA tiers do.
+        validate: check every batch's shapes, dtypes and devices on the host
+            (never synchronises); default the backing's setting.
+        check_ids: check every batch's owned ids (synchronises); default the
+            backing's setting. Out-of-range ids that miss are caught anyway
+            on the miss path, whose ids come to the host; a probe that reads
+            misses itself (:attr:`probe_reads_misses`) checks them only with
+            ``check_ids``, as the device and UVA tiers do, and otherwise
+            reads them as rows of zeros (never admitted).
         sketch_width, sketch_depth, decay_period: policy settings, see
             :class:`SetAssociativeLfu`.
         max_pending: lookups remembered for the next update; older ones are
@@ -168,6 +171,7 @@ class CachedRowStore(RowStore):
         layer_id: int | None = None,
         backend: str = "auto",
         validate: bool | None = None,
+        check_ids: bool | None = None,
         sketch_width: int | None = None,
         sketch_depth: int = 4,
         decay_period: int | None = None,
@@ -189,6 +193,7 @@ class CachedRowStore(RowStore):
             col_begin=backing.col_begin,
             col_end=backing.col_end,
             validate=backing.validate if validate is None else validate,
+            check_ids=backing.check_ids if check_ids is None else check_ids,
         )
         if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int):
             raise ValidationError(
@@ -421,6 +426,7 @@ class CachedRowStore(RowStore):
                 inverse.view(-1, 1),
                 miss_rows,
                 backend=self.backend,
+                validate=False,  # internal: the ids are the cache's, checked above
                 kernel=self.kernel,
             )  # [M, 1, E]
             out.view(-1, self.E).index_copy_(0, miss_pos, rows.view(-1, self.E))
@@ -490,6 +496,8 @@ class CachedRowStore(RowStore):
             p.row_ids.index_select(0, torch.nonzero(p.slots == MISS).squeeze(1)) for p in pending
         ]
         candidates = torch.unique(torch.cat(missed).to(torch.int64), sorted=True)
+        # Ids outside the shard read zeros in the probe (unchecked lookups): never admitted.
+        candidates = candidates[(candidates >= self.row_begin) & (candidates < self.row_end)]
         plan = self._plan(candidates)
         rows = torch.zeros(
             (candidates.shape[0], self.row_bytes), dtype=torch.uint8, device=self.device

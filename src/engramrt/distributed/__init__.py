@@ -36,26 +36,23 @@ from engramrt.distributed.shared_table import (
     node_id,
 )
 from engramrt.distributed.stores import (
-    SHARED_TIERS,
-    SharedHostGatherRowStore,
-    SharedUvaRowStore,
+    SharedRows,
     checkpoint_fingerprint,
     checkpoint_loader,
     load_shared_table,
     shared_store,
     shared_table_name,
+    shared_tiers,
 )
 from engramrt.distributed.tensor_parallel import TP_COLLECTIVES, TPLookup
 
 __all__ = [
     "DIRECTORY_ENV",
-    "SHARED_TIERS",
     "TP_COLLECTIVES",
     "AllToAllLookup",
     "Loader",
-    "SharedHostGatherRowStore",
     "SharedHostTable",
-    "SharedUvaRowStore",
+    "SharedRows",
     "SharingDecision",
     "SharingRequest",
     "TPLookup",
@@ -71,4 +68,5 @@ __all__ = [
     "owner_columns",
     "shared_store",
     "shared_table_name",
+    "shared_tiers",
 ]

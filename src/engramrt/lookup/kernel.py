@@ -17,6 +17,10 @@ Design (one launch, no host synchronisation, capturable in a CUDA graph):
   264-byte rows alternate between 0 and 8 mod 16, so 8 bytes is the widest
   load that is legal for every row without padding the table format.
 - Non-owned columns (tensor-parallel shards) load nothing and store +0.0.
+- Memory-safe without checks: an owned id outside the table's rows
+  ``[row_begin, row_begin + num_rows)`` loads nothing and stores +0.0, as
+  :func:`engramrt.lookup.reference.lookup_rows_reference` defines; no id
+  makes the kernel read outside the table.
 - Conversions are the integer formulations of :mod:`engramrt.quant.kernel`,
   so the bytes equal :func:`engramrt.lookup.reference.lookup_rows_reference`
   on the GPU and in Triton's interpreter alike (about 15 integer/float
@@ -37,8 +41,8 @@ import torch
 import triton
 import triton.language as tl
 
-from engramrt.lookup.reference import word_dtype_for
 from engramrt.lookup.settings import DEFAULT_KERNEL, LookupKernelSettings
+from engramrt.packed import word_dtype_for
 from engramrt.quant.kernel import _dequantize_to_bf16_bits
 
 __all__ = [
@@ -115,7 +119,7 @@ def _store_dequantized_rows(
     tl.store(out_ptr + out_offsets, bf16_bits, mask=store_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows"])
 def _lookup_rows_kernel(
     row_ids_ptr,  # [T, C] int32 / int64, strides (stride_t, stride_c)
     table_ptr,  # [num_rows, ROW_BYTES] uint8, packed rows
@@ -127,6 +131,7 @@ def _lookup_rows_kernel(
     col_begin,
     col_end,
     row_begin,
+    num_rows,  # rows of the table: ids outside [row_begin, row_begin + num_rows) read zeros
     E: tl.constexpr,
     ROW_BYTES: tl.constexpr,
     NB: tl.constexpr,
@@ -148,10 +153,12 @@ def _lookup_rows_kernel(
             col_end,
             ROWS,
         )
-        local_row = tl.where(owned, row_id - row_begin, 0)
+        local_row = row_id - row_begin
+        in_table = owned & (local_row >= 0) & (local_row < num_rows)
+        local_row = tl.where(in_table, local_row, 0)
         row_ptrs = table_ptr + local_row * ROW_BYTES  # [ROWS]
         _store_dequantized_rows(
-            out_ptr, lookup, row_ptrs, owned, in_batch, E, NB, NB_PAD, HW_CONVERT
+            out_ptr, lookup, row_ptrs, in_table, in_batch, E, NB, NB_PAD, HW_CONVERT
         )
 
 
@@ -164,6 +171,7 @@ def lookup_rows_triton(
     col_begin: int,
     col_end: int,
     row_begin: int,
+    num_rows: int,
     kernel: LookupKernelSettings = DEFAULT_KERNEL,
 ) -> torch.Tensor:
     """Launch :func:`_lookup_rows_kernel` (inputs validated by the caller).
@@ -173,6 +181,8 @@ def lookup_rows_triton(
         table: packed ``[num_rows, E + E/32]`` uint8 rows: a contiguous tensor
             or an object with ``data_ptr()`` and ``dtype`` readable by the device.
         out: contiguous ``[T, C, E]`` bf16, fully written.
+        num_rows: rows of ``table``; an owned id outside
+            ``[row_begin, row_begin + num_rows)`` reads a row of zeros.
         kernel: tile, warps, conversion variant and grid limit (see
             :class:`LookupKernelSettings`). With ``max_programs``, each
             program serves a power of two of consecutive tiles in turn:
@@ -198,6 +208,7 @@ def lookup_rows_triton(
         col_begin,
         col_end,
         row_begin,
+        num_rows,
         E=E,
         ROW_BYTES=E + blocks,
         NB=blocks,
@@ -229,13 +240,14 @@ def tiles_per_program(tiles: int, max_programs: int | None) -> int:
     return triton.next_power_of_2(triton.cdiv(tiles, max_programs))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows"])
 def _gather_packed_kernel(
     row_ids_ptr,  # [U] int32 / int64, global row ids
     table_ptr,  # [num_rows, WORDS] words, packed rows
     out_ptr,  # [U, WORDS] words, contiguous
     n_rows,  # U
     row_begin,
+    num_rows,  # rows of the table: ids outside [row_begin, row_begin + num_rows) copy zeros
     WORDS: tl.constexpr,
     WORDS_PAD: tl.constexpr,
     ROWS: tl.constexpr,
@@ -244,10 +256,14 @@ def _gather_packed_kernel(
     r = pid * ROWS + tl.arange(0, ROWS).to(tl.int64)
     ok = r < n_rows
     row = tl.load(row_ids_ptr + r, mask=ok, other=0).to(tl.int64) - row_begin
+    in_table = ok & (row >= 0) & (row < num_rows)
+    row = tl.where(in_table, row, 0)
     word = tl.arange(0, WORDS_PAD)
-    mask = ok[:, None] & (word < WORDS)[None, :]
-    words = tl.load(table_ptr + row[:, None] * WORDS + word[None, :], mask=mask)
-    tl.store(out_ptr + r[:, None] * WORDS + word[None, :], words, mask=mask)
+    in_row = (word < WORDS)[None, :]
+    words = tl.load(
+        table_ptr + row[:, None] * WORDS + word[None, :], mask=in_table[:, None] & in_row, other=0
+    )
+    tl.store(out_ptr + r[:, None] * WORDS + word[None, :], words, mask=ok[:, None] & in_row)
 
 
 def gather_packed_rows_triton(
@@ -256,6 +272,7 @@ def gather_packed_rows_triton(
     out: torch.Tensor,
     *,
     row_begin: int = 0,
+    num_rows: int,
 ) -> torch.Tensor:
     """Copy packed rows ``table[row_ids - row_begin]`` into ``out`` (inputs validated by the caller).
 
@@ -265,6 +282,8 @@ def gather_packed_rows_triton(
             bytes: a contiguous tensor, or an object with ``data_ptr()`` and
             that ``dtype`` readable by the device (host memory mapped for it).
         out: contiguous ``[U, row_bytes]`` uint8 on the compute device.
+        num_rows: rows of ``table``; an id outside ``[row_begin, row_begin +
+            num_rows)`` copies a row of zero bytes, read from nowhere.
 
     The bytes equal :func:`engramrt.lookup.reference.gather_packed_rows_reference`.
     """
@@ -280,6 +299,7 @@ def gather_packed_rows_triton(
         out.view(word),
         n_rows,
         row_begin,
+        num_rows,
         WORDS=words,
         WORDS_PAD=triton.next_power_of_2(words),
         ROWS=GATHER_ROWS_PER_PROGRAM,

@@ -8,24 +8,28 @@ synchronisation, capturable in a CUDA graph. On a machine without a GPU the
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from engramrt.lookup import lookup_rows
 from engramrt.lookup.settings import DEFAULT_KERNEL, LookupKernelSettings, check_kernel_settings
 from engramrt.lookup.tiers import memory
-from engramrt.lookup.tiers.base import RowStore
+from engramrt.lookup.tiers.base import RowStore, register_tier
 
 __all__ = ["DeviceRowStore"]
 
 
+@register_tier
 class DeviceRowStore(RowStore):
     """Packed rows in device memory (HBM), or in CPU memory on a CPU-only machine.
 
     Args:
-        num_rows, E, device, row_begin, col_begin, col_end, validate: see
-            :class:`RowStore`.
+        num_rows, E: see :class:`RowStore`.
         backend: ``"auto"``, ``"triton"`` or ``"reference"`` for the lookup.
         kernel: the lookup kernel's settings (see :class:`LookupKernelSettings`).
+        common: ``device``, ``row_begin``, ``col_begin``, ``col_end``,
+            ``validate``, ``check_ids`` (see :class:`RowStore`).
 
     Raises:
         CapacityError: the device (or, on a CPU device, the host) has less
@@ -39,23 +43,11 @@ class DeviceRowStore(RowStore):
         num_rows: int,
         E: int,
         *,
-        device: torch.device | str | None = None,
-        row_begin: int = 0,
-        col_begin: int = 0,
-        col_end: int | None = None,
-        validate: bool = False,
         backend: str = "auto",
         kernel: LookupKernelSettings = DEFAULT_KERNEL,
+        **common: Any,
     ) -> None:
-        super().__init__(
-            num_rows,
-            E,
-            device=device,
-            row_begin=row_begin,
-            col_begin=col_begin,
-            col_end=col_end,
-            validate=validate,
-        )
+        super().__init__(num_rows, E, **common)
         what = f"tier='device' ({self.num_rows} rows of {self.row_bytes} B)"
         if self.device.type == "cuda":
             memory.require(
@@ -89,5 +81,6 @@ class DeviceRowStore(RowStore):
             row_begin=self.row_begin,
             out=out,
             backend=self.backend,
+            validate=False,  # checked once, by lookup()
             kernel=self.kernel,
         )

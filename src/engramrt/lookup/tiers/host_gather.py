@@ -85,17 +85,18 @@ import contextlib
 import os
 import warnings
 from collections.abc import Iterator
-from typing import ClassVar
+from typing import Any
 
 import torch
 
 from engramrt.errors import CapacityError, ValidationError
 from engramrt.lookup import check_row_ids_in_shard, lookup_rows
-from engramrt.lookup.reference import word_dtype_for
+from engramrt.lookup.mapped import MappedHostRows, gather_mapped_rows, lookup_mapped_rows
 from engramrt.lookup.settings import LookupKernelSettings, check_kernel_settings
 from engramrt.lookup.tiers import memory
-from engramrt.lookup.tiers.base import RowStore
-from engramrt.lookup.tiers.uva import MappedHostRows, gather_mapped_rows, lookup_mapped_rows
+from engramrt.lookup.tiers.base import RowStore, register_tier
+from engramrt.lookup.tiers.host_rows import HostRows, PrivateHostRows
+from engramrt.packed import word_dtype_for
 
 __all__ = [
     "DEFAULT_CHUNK_ROWS",
@@ -196,12 +197,12 @@ def _intra_op_threads(count: int | None) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
+@register_tier
 class HostGatherRowStore(RowStore):
     """Packed rows in host memory (pageable), gathered by the CPU per lookup.
 
     Args:
-        num_rows, E, device, row_begin, col_begin, col_end, validate: see
-            :class:`RowStore`.
+        num_rows, E: see :class:`RowStore`.
         chunk_rows: rows per pipelined piece (gather of one piece overlaps
             the copy of the previous).
         num_threads: torch intra-op threads for the gather; None picks one
@@ -222,6 +223,9 @@ class HostGatherRowStore(RowStore):
         kernel: the lookup kernel's settings for its reads of a small batch
             (default :data:`HOST_READ_KERNEL`, a bounded grid); the attribute
             :attr:`kernel` is read at every lookup.
+        host_rows: where the rows live (default: a private allocation).
+        common: ``device``, ``row_begin``, ``col_begin``, ``col_end``,
+            ``validate``, ``check_ids`` (see :class:`RowStore`).
 
     Raises:
         CapacityError: less available host memory (``MemAvailable``) than
@@ -231,35 +235,22 @@ class HostGatherRowStore(RowStore):
 
     tier = "host"
     host_sync = True  # the CPU gathers large batches: it must learn their ids
-    _maps_rows_for_gpu: ClassVar[bool] = True
-    """Whether ``gpu_reads=None`` turns GPU reads on (the disk tier: never)."""
 
     def __init__(
         self,
         num_rows: int,
         E: int,
         *,
-        device: torch.device | str | None = None,
-        row_begin: int = 0,
-        col_begin: int = 0,
-        col_end: int | None = None,
-        validate: bool = False,
         chunk_rows: int = DEFAULT_CHUNK_ROWS,
         num_threads: int | None = None,
         backend: str = "auto",
         gpu_reads: bool | None = None,
         gpu_share: float = GPU_SHARE,
         kernel: LookupKernelSettings = HOST_READ_KERNEL,
+        host_rows: HostRows | None = None,
+        **common: Any,
     ) -> None:
-        super().__init__(
-            num_rows,
-            E,
-            device=device,
-            row_begin=row_begin,
-            col_begin=col_begin,
-            col_end=col_end,
-            validate=validate,
-        )
+        super().__init__(num_rows, E, **common)
         if chunk_rows < 1:
             raise ValidationError(f"chunk_rows = {chunk_rows}; expected >= 1")
         if num_threads is not None and num_threads < 1:
@@ -273,7 +264,9 @@ class HostGatherRowStore(RowStore):
         self.kernel = check_kernel_settings(kernel)
         self.dedup_min_rows = DEDUP_MIN_ROWS
         self._arange: torch.Tensor | None = None
-        self.source = self._allocate_source()  # [num_rows, row_bytes] uint8, CPU
+        self.host_rows = host_rows or PrivateHostRows()
+        what = f"tier='{self.tier}' ({self.num_rows} rows of {self.row_bytes} B)"
+        self.source = self.host_rows.rows(self.num_rows, self.row_bytes, what)  # uint8, CPU
         # The source as the device reads it (bytes for the lookup kernel,
         # words for packed copies) when it is registered, and the stream the
         # GPU's share of a gather runs on.
@@ -289,13 +282,12 @@ class HostGatherRowStore(RowStore):
         self._copy_stream: torch.cuda.Stream | None = None
         self._staging_free: torch.cuda.Event | None = None
 
-    def _allocate_source(self) -> torch.Tensor:
-        what = f"tier='{self.tier}' ({self.num_rows} rows of {self.row_bytes} B)"
-        memory.require(what, self.nbytes, memory.host_available_bytes(), "host memory")
-        return torch.empty((self.num_rows, self.row_bytes), dtype=torch.uint8)
-
     def _write(self, start: int, packed: torch.Tensor) -> None:
+        self.host_rows.check_writable()
         self.source[start : start + packed.shape[0]].copy_(packed)
+
+    def flush(self) -> None:
+        self.host_rows.flush()
 
     @property
     def gpu_reads(self) -> bool:
@@ -316,7 +308,7 @@ class HostGatherRowStore(RowStore):
         required = bool(gpu_reads)
         if gpu_reads is None:
             gpu_reads = (
-                self._maps_rows_for_gpu
+                self.host_rows.map_by_default
                 and self.device.type == "cuda"
                 and self.backend != "reference"
                 and self.nbytes > 0
@@ -330,26 +322,17 @@ class HostGatherRowStore(RowStore):
                 "kernels: expected backend 'auto' or 'triton'"
             )
         try:
-            self._register_source()
+            self.host_rows.map_for_device(
+                self.source, self, f"tier='{self.tier}' (its host rows, for GPU reads)"
+            )
         except CapacityError as error:
             if required:
                 raise
             warnings.warn(f"{error}; the CPU gathers every row", RuntimeWarning, stacklevel=4)
             return
         pointer = self.source.data_ptr()
-        self._mapped = MappedHostRows(pointer)
-        self._mapped_words = MappedHostRows(pointer, word_dtype_for(self.row_bytes))
-
-    def _register_source(self) -> None:
-        """Page-lock :attr:`source` and map it for the device (a hook: rows that
-        belong to a shared table are registered by the table)."""
-        status = memory.cuda_host_register(self, self.source)
-        if status != 0:
-            raise CapacityError(
-                f"tier='{self.tier}' could not page-lock its {memory.format_bytes(self.nbytes)} "
-                f"of host rows for GPU reads: cudaHostRegister returned cudaError {status} (is "
-                f"the memlock limit, ulimit -l, below the table size?)"
-            )
+        self._mapped = MappedHostRows(pointer, self.num_rows)
+        self._mapped_words = MappedHostRows(pointer, self.num_rows, word_dtype_for(self.row_bytes))
 
     # -- gathering ---------------------------------------------------------
 
@@ -496,6 +479,7 @@ class HostGatherRowStore(RowStore):
                 col_end=col_end,
                 out=out,
                 backend=self.backend,
+                validate=False,  # checked once, by lookup()
             )
         device_ids = None
         if owned.numel() >= self.dedup_min_rows:
@@ -529,6 +513,7 @@ class HostGatherRowStore(RowStore):
             row_begin=0,
             out=out,
             backend=self.backend,
+            validate=False,  # checked once, by lookup()
         )
 
     def _positions(self, count: int) -> torch.Tensor:
