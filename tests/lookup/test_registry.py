@@ -130,7 +130,7 @@ def test_validate_off_skips_the_metadata_checks() -> None:
     ids = torch.tensor([[1, 2]], device=DEVICE)
     out = torch.empty((1, 2, 32), dtype=torch.bfloat16, device=DEVICE)
     wrong_out = torch.empty((1, 2, 32), dtype=torch.float32, device=DEVICE)
-    with pytest.raises(ValidationError, match="out is torch.float32"):
+    with pytest.raises(ValidationError, match=r"out is torch\.float32"):
         lookup_rows(ids, table, out=wrong_out)
     assert lookup_rows(ids, table, out=out, validate=False) is out
 
