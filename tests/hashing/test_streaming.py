@@ -41,7 +41,7 @@ def _run_schedule(
     sabotage: str | None = None,
 ) -> Engine:
     rng = np.random.default_rng(seed)
-    hasher = NgramHasher(consts, token_map, device, backend=backend, validate=True)
+    hasher = NgramHasher(consts, token_map, device, backend=backend, check_ids=True)
     engine = Engine(
         rng, consts, token_map.map, hasher, mode, drop_lookback=drop_lookback, device=device
     )
