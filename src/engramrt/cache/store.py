@@ -183,8 +183,11 @@ class CachedRowStore(RowStore):
             raise ValidationError(
                 f"backing is {type(backing).__name__}; expected a RowStore (see make_store)"
             )
-        if isinstance(backing, CachedRowStore):
-            raise ValidationError("backing is a CachedRowStore; expected the tier it caches")
+        if backing.has_update:
+            raise ValidationError(
+                f"backing is a {type(backing).__name__}, which has work after each lookup (a "
+                f"cache); expected the tier it caches"
+            )
         super().__init__(
             backing.num_rows,
             backing.E,

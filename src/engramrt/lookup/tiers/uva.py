@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from engramrt.errors import ValidationError
 from engramrt.lookup.mapped import MappedHostRows, gather_mapped_rows, lookup_mapped_rows
 from engramrt.lookup.settings import DEFAULT_KERNEL, LookupKernelSettings, check_kernel_settings
 from engramrt.lookup.tiers import memory
@@ -37,6 +38,8 @@ class UvaRowStore(RowStore):
 
     Args:
         num_rows, E: see :class:`RowStore`.
+        backend: ``"auto"`` or ``"triton"``: the kernel is the tier's only
+            way to read its rows (``"reference"`` is refused).
         kernel: the lookup kernel's settings (see :class:`LookupKernelSettings`),
             the attribute :attr:`kernel` read at every lookup.
         host_rows: where the rows live (default: a private allocation).
@@ -55,14 +58,21 @@ class UvaRowStore(RowStore):
         num_rows: int,
         E: int,
         *,
+        backend: str = "auto",
         kernel: LookupKernelSettings = DEFAULT_KERNEL,
         host_rows: HostRows | None = None,
         **common: Any,
     ) -> None:
         super().__init__(num_rows, E, **common)
+        if backend not in ("auto", "triton"):
+            raise ValidationError(
+                f"backend = {backend!r} for tier='uva'; expected 'auto' or 'triton' (the GPU "
+                f"reads host memory with the Triton kernel only)"
+            )
         memory.require_cuda_mapping(
             "tier='uva'", self.device, "; use tier='host' or tier='device' on this machine"
         )
+        self.backend = backend
         self.kernel = check_kernel_settings(kernel)
         self.host_rows = host_rows or PrivateHostRows()
         what = f"tier='uva' ({self.num_rows} rows of {self.row_bytes} B, page-locked)"
@@ -72,6 +82,11 @@ class UvaRowStore(RowStore):
         pointer = self.host_table.data_ptr()
         self._mapped = MappedHostRows(pointer, self.num_rows)
         self._mapped_words = MappedHostRows(pointer, self.num_rows, word_dtype_for(self.row_bytes))
+
+    @property
+    def source(self) -> torch.Tensor:
+        """The host rows ``[num_rows, row_bytes]`` uint8 (as the host tier names them)."""
+        return self.host_table
 
     def _write(self, start: int, packed: torch.Tensor) -> None:
         self.host_rows.check_writable()
