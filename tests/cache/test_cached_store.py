@@ -239,7 +239,7 @@ def test_capacity_rounds_down_to_whole_sets(device: torch.device) -> None:
 def test_capacity_is_checked_against_memory(
     monkeypatch: pytest.MonkeyPatch, device: torch.device
 ) -> None:
-    from engramrt.lookup.tiers import memory
+    from engramrt import memory
 
     backing = make_store("device", packed=random_packed_table(10, 32, seed=11), device=device)
     monkeypatch.setattr(memory, "host_available_bytes", lambda: 1000)

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from engramrt import memory
 from engramrt.errors import CapacityError, CheckpointError, ValidationError
 from engramrt.lookup import LookupKernelSettings, lookup_rows_reference, pack_rows
 from engramrt.lookup.tiers import (
@@ -24,7 +25,6 @@ from engramrt.lookup.tiers import (
     RowStore,
     UvaRowStore,
     make_store,
-    memory,
 )
 
 CUDA = torch.cuda.is_available()

@@ -3,7 +3,7 @@
 One launch, no host synchronisation (the miss path that follows it is the
 part that synchronises). The structure is :mod:`engramrt.lookup.kernel`'s,
 with a probe in front (the flat-lookup preamble and the dequantising tail are
-that module's ``@triton.jit`` helpers):
+the shared ``@triton.jit`` helpers of :mod:`engramrt._jit`):
 
 - the ``T * C`` lookups are flattened, ``ROWS`` per program, as tiles
   ``[ROWS, NB, 32]`` (rows x scale blocks x values);
@@ -13,7 +13,7 @@ that module's ``@triton.jit`` helpers):
   per lookup at 8 ways, contiguous); a match gives the slot;
 - a hit reads the slot's packed row (264 bytes at ``E = 256``, 8-byte
   aligned as in the lookup kernel) and dequantises it with the lookup
-  kernel's own tail (:func:`engramrt.lookup.kernel._store_dequantized_rows`,
+  kernel's own tail (:func:`engramrt._jit.store_dequantized_rows`,
   the integer formulation that is exact in the interpreter too);
 - a non-owned column stores +0.0; a miss stores nothing (the caller's miss
   path fills it), and its slot is reported as -1 — unless ``READ_MISSES``:
@@ -35,14 +35,10 @@ import torch
 import triton
 import triton.language as tl
 
+from engramrt._jit import flat_lookups, store_dequantized_rows
 from engramrt._launch import CachedLauncher
 from engramrt.cache.policy import MIX_MULTIPLIER
-from engramrt.lookup.kernel import (
-    DEFAULT_NUM_WARPS,
-    _flat_lookups,
-    _store_dequantized_rows,
-    tile_shape,
-)
+from engramrt.lookup.kernel import DEFAULT_NUM_WARPS, tile_shape
 from engramrt.lookup.settings import DEFAULT_KERNEL, LookupKernelSettings
 
 __all__ = ["probe_gather_triton"]
@@ -89,7 +85,7 @@ def _cache_probe_gather_kernel(
     READ_MISSES: tl.constexpr,
 ):
     tile = tl.program_id(0).to(tl.int64)
-    lookup, in_batch, owned, row_id = _flat_lookups(
+    lookup, in_batch, owned, row_id = flat_lookups(
         row_ids_ptr, tile, n_lookups, num_cols, stride_t, stride_c, col_begin, col_end, ROWS
     )
 
@@ -122,7 +118,7 @@ def _cache_probe_gather_kernel(
         read = hit
         row_ptrs = cache_rows_ptr + tl.where(hit, slot, 0) * ROW_BYTES
         written = in_batch & (hit | ~owned)  # misses are left to the miss path
-    _store_dequantized_rows(out_ptr, lookup, row_ptrs, read, written, E, NB, NB_PAD, HW_CONVERT)
+    store_dequantized_rows(out_ptr, lookup, row_ptrs, read, written, E, NB, NB_PAD, HW_CONVERT)
 
 
 # A plain kernel[grid](...) binds ~20 arguments in Python on every call

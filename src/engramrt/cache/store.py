@@ -58,6 +58,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engramrt import memory
 from engramrt._backend import resolve_backend
 from engramrt.cache.backing import packed_row_reader
 from engramrt.cache.policy import (
@@ -71,7 +72,7 @@ from engramrt.cache.stats import CacheStats
 from engramrt.errors import CapacityError, ValidationError
 from engramrt.lookup import check_row_ids_in_shard, lookup_rows
 from engramrt.lookup.settings import DEFAULT_KERNEL, LookupKernelSettings, check_kernel_settings
-from engramrt.lookup.tiers import RowStore, memory
+from engramrt.lookup.tiers import RowStore
 
 __all__ = ["PHASES", "CacheUpdate", "CachedRowStore"]
 

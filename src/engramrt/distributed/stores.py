@@ -28,11 +28,12 @@ from typing import Any
 
 import torch
 
+from engramrt import memory
 from engramrt.config import EngramConfig, load_config
 from engramrt.distributed.shared_table import Loader, SharedHostTable
 from engramrt.errors import CapacityError, ValidationError
 from engramrt.layout import EngramLayout
-from engramrt.lookup.tiers import TIERS, HostRows, RowStore, memory, tier_class
+from engramrt.lookup.tiers import TIERS, HostRows, RowStore, tier_class
 from engramrt.packed import row_bytes_for, row_width_for
 
 __all__ = [

@@ -41,9 +41,9 @@ import torch
 import triton
 import triton.language as tl
 
+from engramrt._jit import flat_lookups, store_dequantized_rows
 from engramrt.lookup.settings import DEFAULT_KERNEL, LookupKernelSettings
 from engramrt.packed import word_dtype_for
-from engramrt.quant.kernel import _dequantize_to_bf16_bits
 
 __all__ = [
     "DEFAULT_NUM_WARPS",
@@ -61,62 +61,6 @@ DEFAULT_NUM_WARPS = 4
 GATHER_ROWS_PER_PROGRAM = 8
 """Rows per program of :func:`gather_packed_rows_triton` (8 measured best for reads of
 scattered rows from host memory, against 4, 16 and 32)."""
-
-
-@triton.jit
-def _flat_lookups(
-    row_ids_ptr,
-    tile,
-    n_lookups,
-    num_cols,
-    stride_t,
-    stride_c,
-    col_begin,
-    col_end,
-    ROWS: tl.constexpr,
-):
-    """Tile ``tile``'s (int64) ``ROWS`` flat lookups ``t * C + c``: their indices,
-    whether each is in the batch and owned (``col_begin <= c < col_end``), and its row
-    id as int64 (0 where not owned)."""
-    lookup = tile * ROWS + tl.arange(0, ROWS).to(tl.int64)  # [ROWS] flat (t, c)
-    in_batch = lookup < n_lookups
-    token = lookup // num_cols
-    col = lookup - token * num_cols
-    owned = in_batch & (col >= col_begin) & (col < col_end)
-    row_id = tl.load(row_ids_ptr + token * stride_t + col * stride_c, mask=owned, other=0)
-    return lookup, in_batch, owned, row_id.to(tl.int64)
-
-
-@triton.jit
-def _store_dequantized_rows(
-    out_ptr,
-    lookup,
-    row_ptrs,
-    read,
-    written,
-    E: tl.constexpr,
-    NB: tl.constexpr,
-    NB_PAD: tl.constexpr,
-    HW_CONVERT: tl.constexpr,
-):
-    """Dequantise the packed row at ``row_ptrs[i]`` (``[ROWS]`` uint8 pointers; zeros
-    where not ``read``) into ``out[lookup[i]]`` where ``written``, as a
-    ``[ROWS, NB_PAD, 32]`` tile."""
-    block = tl.arange(0, NB_PAD)
-    lane = tl.arange(0, 32)
-    if NB_PAD != NB:
-        load_ok = (read[:, None] & (block < NB)[None, :])[:, :, None]  # [ROWS, NB_PAD, 1]
-        store_ok = (written[:, None] & (block < NB)[None, :])[:, :, None]
-    else:
-        load_ok = read[:, None, None]  # [ROWS, 1, 1]
-        store_ok = written[:, None, None]
-    byte = block[None, :, None] * 32 + lane[None, None, :]  # [1, NB_PAD, 32]
-    value_bytes = tl.load(row_ptrs[:, None, None] + byte, mask=load_ok, other=0)
-    scale_ptrs = row_ptrs[:, None, None] + E + block[None, :, None]  # [ROWS, NB_PAD, 1]
-    scale_bytes = tl.load(scale_ptrs, mask=load_ok, other=127)
-    bf16_bits = _dequantize_to_bf16_bits(value_bytes, scale_bytes, HW_CONVERT)
-    out_offsets = lookup[:, None, None] * E + byte
-    tl.store(out_ptr + out_offsets, bf16_bits, mask=store_ok)
 
 
 @triton.jit(do_not_specialize=["num_rows"])
@@ -142,7 +86,7 @@ def _lookup_rows_kernel(
 ):
     first_tile = tl.program_id(0).to(tl.int64) * TILES
     for i in range(TILES):
-        lookup, in_batch, owned, row_id = _flat_lookups(
+        lookup, in_batch, owned, row_id = flat_lookups(
             row_ids_ptr,
             first_tile + i,
             n_lookups,
@@ -157,7 +101,7 @@ def _lookup_rows_kernel(
         in_table = owned & (local_row >= 0) & (local_row < num_rows)
         local_row = tl.where(in_table, local_row, 0)
         row_ptrs = table_ptr + local_row * ROW_BYTES  # [ROWS]
-        _store_dequantized_rows(
+        store_dequantized_rows(
             out_ptr, lookup, row_ptrs, in_table, in_batch, E, NB, NB_PAD, HW_CONVERT
         )
 

@@ -35,7 +35,7 @@ class LookupKernelSettings:
         num_warps: warps per program, a power of two in 1..32; None: 4.
         hw_convert: decode and round with the GPU's conversion instructions
             instead of integer operations (see
-            :func:`engramrt.quant.kernel._dequantize_to_bf16_bits`).
+            :func:`engramrt._jit.dequantize_to_bf16_bits`).
         max_programs: launch at most this many programs, each serving
             consecutive tiles in turn; None: one tile per program. Meant for
             reads of host memory, whose programs mostly wait on the bus.

@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
+from engramrt import memory
 from engramrt.errors import CapacityError, ValidationError
-from engramrt.lookup.tiers import memory
 from engramrt.lookup.tiers.base import (
     TIERS,
     RowStore,

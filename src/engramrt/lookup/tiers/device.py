@@ -12,9 +12,9 @@ from typing import Any
 
 import torch
 
+from engramrt import memory
 from engramrt.lookup import lookup_rows
 from engramrt.lookup.settings import DEFAULT_KERNEL, LookupKernelSettings, check_kernel_settings
-from engramrt.lookup.tiers import memory
 from engramrt.lookup.tiers.base import RowStore, register_tier
 
 __all__ = ["DeviceRowStore"]

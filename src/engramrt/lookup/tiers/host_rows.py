@@ -24,8 +24,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from engramrt import memory
 from engramrt.errors import CapacityError, ValidationError
-from engramrt.lookup.tiers import memory
 
 __all__ = ["HostRows", "MappedFileRows", "PrivateHostRows"]
 

@@ -21,10 +21,10 @@ from typing import Any
 
 import torch
 
+from engramrt import memory
 from engramrt.errors import ValidationError
 from engramrt.lookup.mapped import MappedHostRows, gather_mapped_rows, lookup_mapped_rows
 from engramrt.lookup.settings import DEFAULT_KERNEL, LookupKernelSettings, check_kernel_settings
-from engramrt.lookup.tiers import memory
 from engramrt.lookup.tiers.base import RowStore, register_tier
 from engramrt.lookup.tiers.host_rows import HostRows, PrivateHostRows
 from engramrt.packed import word_dtype_for
