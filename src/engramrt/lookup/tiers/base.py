@@ -22,11 +22,20 @@ import torch
 
 from engramrt.errors import ValidationError
 from engramrt.lookup import check_lookup_args, check_row_ids_in_shard
+from engramrt.lookup.mapped import MappedHostRows, lookup_mapped_rows
+from engramrt.lookup.settings import DEFAULT_KERNEL, LookupKernelSettings, check_kernel_settings
 from engramrt.packed import row_bytes_for
 from engramrt.quant import check_row_width
 from engramrt.source import RowSource
 
-__all__ = ["TIERS", "RowStore", "default_compute_device", "register_tier", "tier_class"]
+__all__ = [
+    "TIERS",
+    "KernelRowStore",
+    "RowStore",
+    "default_compute_device",
+    "register_tier",
+    "tier_class",
+]
 
 TIERS: dict[str, type[RowStore]] = {}
 """Every registered tier, by name (see :func:`register_tier`)."""
@@ -176,8 +185,15 @@ class RowStore(RowSource):
     ) -> RowStore:
         """The store ``make_store`` asks for: ``num_rows`` rows of ``E`` values, options
         checked against :meth:`options`. ``path`` and ``new_file`` concern tiers that keep
-        rows in a file (they override this); the others ignore them."""
+        rows in a file (see :meth:`_create`); the others ignore them."""
         cls.check_options(options)
+        return cls._create(num_rows, E, path, new_file, options)
+
+    @classmethod
+    def _create(
+        cls, num_rows: int | None, E: int, path: Any, new_file: bool, options: dict[str, Any]
+    ) -> RowStore:
+        """Construct from :meth:`build`'s checked arguments (a file-backed tier overrides)."""
         if num_rows is None:
             raise ValidationError(
                 f"num_rows = None for tier={cls.tier!r}; expected the rows to hold"
@@ -276,4 +292,49 @@ class RowStore(RowSource):
             f"{type(self).__name__}(tier={self.tier!r}, rows=[{self.row_begin}, {self.row_end}), "
             f"cols=[{self.col_begin}, {self.col_end}), E={self.E}, nbytes={self.nbytes}, "
             f"device={self.device})"
+        )
+
+
+class KernelRowStore(RowStore):
+    """A store whose lookups run the lookup kernel (or its reference) over its rows.
+
+    Args:
+        num_rows, E: see :class:`RowStore`.
+        backend: ``"auto"``, ``"triton"`` or ``"reference"``.
+        kernel: the lookup kernel's settings (see :class:`LookupKernelSettings`);
+            None: the tier's :attr:`default_kernel`. The attribute
+            :attr:`kernel` is read at every lookup.
+        common: ``device``, ``row_begin``, ``col_begin``, ``col_end``,
+            ``validate``, ``check_ids`` (see :class:`RowStore`).
+    """
+
+    default_kernel: ClassVar[LookupKernelSettings] = DEFAULT_KERNEL
+
+    def __init__(
+        self,
+        num_rows: int,
+        E: int,
+        *,
+        backend: str = "auto",
+        kernel: LookupKernelSettings | None = None,
+        **common: Any,
+    ) -> None:
+        super().__init__(num_rows, E, **common)
+        self.backend = backend
+        self.kernel = check_kernel_settings(self.default_kernel if kernel is None else kernel)
+
+    def _read_mapped(
+        self, mapped: MappedHostRows, row_ids: torch.Tensor, col_end: int, out: Any
+    ) -> torch.Tensor:
+        """The lookup kernel over this store's rows in host memory mapped for the device."""
+        return lookup_mapped_rows(
+            row_ids,
+            mapped,
+            out,
+            E=self.E,
+            device=self.device,
+            col_begin=self.col_begin,
+            col_end=col_end,
+            row_begin=self.row_begin,
+            kernel=self.kernel,
         )

@@ -14,22 +14,18 @@ import torch
 
 from engramrt import memory
 from engramrt.lookup import lookup_rows
-from engramrt.lookup.settings import DEFAULT_KERNEL, LookupKernelSettings, check_kernel_settings
-from engramrt.lookup.tiers.base import RowStore, register_tier
+from engramrt.lookup.tiers.base import KernelRowStore, register_tier
 
 __all__ = ["DeviceRowStore"]
 
 
 @register_tier
-class DeviceRowStore(RowStore):
+class DeviceRowStore(KernelRowStore):
     """Packed rows in device memory (HBM), or in CPU memory on a CPU-only machine.
 
     Args:
-        num_rows, E: see :class:`RowStore`.
-        backend: ``"auto"``, ``"triton"`` or ``"reference"`` for the lookup.
-        kernel: the lookup kernel's settings (see :class:`LookupKernelSettings`).
-        common: ``device``, ``row_begin``, ``col_begin``, ``col_end``,
-            ``validate``, ``check_ids`` (see :class:`RowStore`).
+        num_rows, E, options: see :class:`KernelRowStore` (``backend``,
+            ``kernel``) and :class:`RowStore` (the shard and checks).
 
     Raises:
         CapacityError: the device (or, on a CPU device, the host) has less
@@ -38,16 +34,8 @@ class DeviceRowStore(RowStore):
 
     tier = "device"
 
-    def __init__(
-        self,
-        num_rows: int,
-        E: int,
-        *,
-        backend: str = "auto",
-        kernel: LookupKernelSettings = DEFAULT_KERNEL,
-        **common: Any,
-    ) -> None:
-        super().__init__(num_rows, E, **common)
+    def __init__(self, num_rows: int, E: int, **options: Any) -> None:
+        super().__init__(num_rows, E, **options)
         what = f"tier='device' ({self.num_rows} rows of {self.row_bytes} B)"
         if self.device.type == "cuda":
             memory.require(
@@ -55,8 +43,6 @@ class DeviceRowStore(RowStore):
             )
         else:
             memory.require(what, self.nbytes, memory.host_available_bytes(), "host memory")
-        self.backend = backend
-        self.kernel = check_kernel_settings(kernel)
         self.table = torch.empty(
             (self.num_rows, self.row_bytes), dtype=torch.uint8, device=self.device
         )

@@ -91,17 +91,10 @@ class DiskRowStore(HostGatherRowStore):
         super().__init__(num_rows, E, host_rows=rows, **options)
 
     @classmethod
-    def build(
-        cls,
-        num_rows: int | None,
-        E: int,
-        *,
-        path: Any = None,
-        new_file: bool = False,
-        **options: Any,
+    def _create(
+        cls, num_rows: int | None, E: int, path: Any, new_file: bool, options: dict[str, Any]
     ) -> RowStore:
         """The file at ``path``: created (``new_file``) or opened."""
-        cls.check_options(options)
         if path is None:
             raise ValidationError("path = None; expected the packed-row file of tier='disk'")
         return cls(path, num_rows, E, create=new_file, **options)

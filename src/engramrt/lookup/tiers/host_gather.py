@@ -66,9 +66,9 @@ import torch
 from engramrt import memory
 from engramrt.errors import CapacityError, ValidationError
 from engramrt.lookup import check_row_ids_in_shard, lookup_rows
-from engramrt.lookup.mapped import MappedHostRows, gather_mapped_rows, lookup_mapped_rows
-from engramrt.lookup.settings import LookupKernelSettings, check_kernel_settings
-from engramrt.lookup.tiers.base import RowStore, register_tier
+from engramrt.lookup.mapped import MappedHostRows, gather_mapped_rows
+from engramrt.lookup.settings import LookupKernelSettings
+from engramrt.lookup.tiers.base import KernelRowStore, register_tier
 from engramrt.lookup.tiers.host_rows import HostRows, PrivateHostRows
 from engramrt.packed import word_dtype_for
 
@@ -160,7 +160,7 @@ def _intra_op_threads(count: int | None) -> Iterator[None]:
 
 
 @register_tier
-class HostGatherRowStore(RowStore):
+class HostGatherRowStore(KernelRowStore):
     """Packed rows in host memory (pageable), gathered by the CPU per lookup.
 
     Args:
@@ -170,8 +170,6 @@ class HostGatherRowStore(RowStore):
         num_threads: torch intra-op threads for the gather; None picks one
             per :data:`ROWS_PER_GATHER_THREAD` unique rows, at most the
             number of CPUs this process may use.
-        backend: ``"auto"``, ``"triton"`` or ``"reference"`` for the final
-            dequantise-and-scatter.
         gpu_reads: page-lock the rows and map them for the device
             (``cudaHostRegister``) so that the GPU reads rows itself: whole
             batches below :attr:`dedup_min_rows` owned ids (the lookup
@@ -182,12 +180,11 @@ class HostGatherRowStore(RowStore):
             registration fails; True: required (a failure raises).
         gpu_share: the fraction of a deduplicated batch's unique rows the
             GPU reads (see :data:`GPU_SHARE`); 0 leaves them all to the CPU.
-        kernel: the lookup kernel's settings for its reads of a small batch
-            (default :data:`HOST_READ_KERNEL`, a bounded grid); the attribute
-            :attr:`kernel` is read at every lookup.
         host_rows: where the rows live (default: a private allocation).
-        common: ``device``, ``row_begin``, ``col_begin``, ``col_end``,
-            ``validate``, ``check_ids`` (see :class:`RowStore`).
+        options: see :class:`KernelRowStore` (``backend`` for the final
+            dequantise-and-scatter; ``kernel`` for the GPU's reads of a
+            small batch, default :data:`HOST_READ_KERNEL`, a bounded grid)
+            and :class:`RowStore` (the shard and checks).
 
     Raises:
         CapacityError: less available host memory (``MemAvailable``) than
@@ -197,6 +194,7 @@ class HostGatherRowStore(RowStore):
 
     tier = "host"
     host_sync = True  # the CPU gathers large batches: it must learn their ids
+    default_kernel = HOST_READ_KERNEL
 
     def __init__(
         self,
@@ -205,14 +203,12 @@ class HostGatherRowStore(RowStore):
         *,
         chunk_rows: int = DEFAULT_CHUNK_ROWS,
         num_threads: int | None = None,
-        backend: str = "auto",
         gpu_reads: bool | None = None,
         gpu_share: float = GPU_SHARE,
-        kernel: LookupKernelSettings = HOST_READ_KERNEL,
         host_rows: HostRows | None = None,
-        **common: Any,
+        **options: Any,
     ) -> None:
-        super().__init__(num_rows, E, **common)
+        super().__init__(num_rows, E, **options)
         if chunk_rows < 1:
             raise ValidationError(f"chunk_rows = {chunk_rows}; expected >= 1")
         if num_threads is not None and num_threads < 1:
@@ -221,9 +217,7 @@ class HostGatherRowStore(RowStore):
             raise ValidationError(f"gpu_share = {gpu_share}; expected a fraction in [0, 1]")
         self.chunk_rows = int(chunk_rows)
         self.num_threads = num_threads
-        self.backend = backend
         self.gpu_share = float(gpu_share)
-        self.kernel = check_kernel_settings(kernel)
         self.dedup_min_rows = DEDUP_MIN_ROWS
         self._arange: torch.Tensor | None = None
         self.host_rows = host_rows or PrivateHostRows()
@@ -422,17 +416,7 @@ class HostGatherRowStore(RowStore):
             # Small batches: the lookup kernel reads the rows from host
             # memory itself, with no host synchronisation (ids are checked
             # in validate mode only, as on the device and UVA tiers).
-            return lookup_mapped_rows(
-                row_ids,
-                self._mapped,
-                out,
-                E=self.E,
-                device=self.device,
-                col_begin=self.col_begin,
-                col_end=col_end,
-                row_begin=self.row_begin,
-                kernel=self.kernel,
-            )
+            return self._read_mapped(self._mapped, row_ids, col_end, out)
         if owned.numel() == 0:
             return lookup_rows(
                 row_ids,

@@ -23,9 +23,8 @@ import torch
 
 from engramrt import memory
 from engramrt.errors import ValidationError
-from engramrt.lookup.mapped import MappedHostRows, gather_mapped_rows, lookup_mapped_rows
-from engramrt.lookup.settings import DEFAULT_KERNEL, LookupKernelSettings, check_kernel_settings
-from engramrt.lookup.tiers.base import RowStore, register_tier
+from engramrt.lookup.mapped import MappedHostRows, gather_mapped_rows
+from engramrt.lookup.tiers.base import KernelRowStore, register_tier
 from engramrt.lookup.tiers.host_rows import HostRows, PrivateHostRows
 from engramrt.packed import word_dtype_for
 
@@ -33,18 +32,16 @@ __all__ = ["UvaRowStore"]
 
 
 @register_tier
-class UvaRowStore(RowStore):
+class UvaRowStore(KernelRowStore):
     """Packed rows in page-locked host memory, read by the kernel over PCIe.
 
     Args:
         num_rows, E: see :class:`RowStore`.
-        backend: ``"auto"`` or ``"triton"``: the kernel is the tier's only
-            way to read its rows (``"reference"`` is refused).
-        kernel: the lookup kernel's settings (see :class:`LookupKernelSettings`),
-            the attribute :attr:`kernel` read at every lookup.
         host_rows: where the rows live (default: a private allocation).
-        common: ``device`` (a CUDA device), ``row_begin``, ``col_begin``,
-            ``col_end``, ``validate``, ``check_ids`` (see :class:`RowStore`).
+        options: see :class:`KernelRowStore` (``backend``: ``"auto"`` or
+            ``"triton"``, the kernel being the tier's only way to read its
+            rows; ``kernel``) and :class:`RowStore` (``device``, a CUDA
+            device, the shard and checks).
 
     Raises:
         CapacityError: no CUDA device, or less available host memory than
@@ -54,26 +51,17 @@ class UvaRowStore(RowStore):
     tier = "uva"
 
     def __init__(
-        self,
-        num_rows: int,
-        E: int,
-        *,
-        backend: str = "auto",
-        kernel: LookupKernelSettings = DEFAULT_KERNEL,
-        host_rows: HostRows | None = None,
-        **common: Any,
+        self, num_rows: int, E: int, *, host_rows: HostRows | None = None, **options: Any
     ) -> None:
-        super().__init__(num_rows, E, **common)
-        if backend not in ("auto", "triton"):
+        super().__init__(num_rows, E, **options)
+        if self.backend not in ("auto", "triton"):
             raise ValidationError(
-                f"backend = {backend!r} for tier='uva'; expected 'auto' or 'triton' (the GPU "
-                f"reads host memory with the Triton kernel only)"
+                f"backend = {self.backend!r} for tier='uva'; expected 'auto' or 'triton' (the "
+                f"GPU reads host memory with the Triton kernel only)"
             )
         memory.require_cuda_mapping(
             "tier='uva'", self.device, "; use tier='host' or tier='device' on this machine"
         )
-        self.backend = backend
-        self.kernel = check_kernel_settings(kernel)
         self.host_rows = host_rows or PrivateHostRows()
         what = f"tier='uva' ({self.num_rows} rows of {self.row_bytes} B, page-locked)"
         self.host_table = self.host_rows.rows(self.num_rows, self.row_bytes, what)
@@ -105,14 +93,4 @@ class UvaRowStore(RowStore):
     def _lookup(
         self, row_ids: torch.Tensor, col_end: int, out: torch.Tensor | None
     ) -> torch.Tensor:
-        return lookup_mapped_rows(
-            row_ids,
-            self._mapped,
-            out,
-            E=self.E,
-            device=self.device,
-            col_begin=self.col_begin,
-            col_end=col_end,
-            row_begin=self.row_begin,
-            kernel=self.kernel,
-        )
+        return self._read_mapped(self._mapped, row_ids, col_end, out)
