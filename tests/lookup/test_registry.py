@@ -4,6 +4,7 @@ check flags: validate (host metadata, never synchronises) and check_ids (ids).""
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -149,3 +150,28 @@ def test_validated_lookups_never_synchronise() -> None:
         lookup_rows(ids, store.table, out=out)  # type: ignore[attr-defined]
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+def test_host_rows_are_injected(tmp_path: Path) -> None:
+    """The host tier over its own allocation (exactly the rows' bytes), over a
+    memory-mapped file, and refusing writes to rows it may not write."""
+    from engramrt.lookup.tiers import HostGatherRowStore, MappedFileRows, PrivateHostRows
+
+    table = random_packed_table(40, 64, seed=7)
+    private = make_store("host", packed=table, device="cpu", gpu_reads=False)
+    assert isinstance(private, HostGatherRowStore)
+    assert isinstance(private.host_rows, PrivateHostRows)
+    assert private.source.numel() == 40 * 66  # no rounding up
+
+    path = tmp_path / "rows.bin"
+    in_file = make_store(
+        "host", packed=table, device="cpu", host_rows=MappedFileRows(path, create=True)
+    )
+    assert path.read_bytes() == table.numpy().tobytes()  # written through and flushed
+    row_ids = torch.randint(0, 40, (5, 3), generator=torch.Generator().manual_seed(8))
+    assert_same_bits(in_file.lookup(row_ids), lookup_rows_reference(row_ids, table, 64))
+
+    read_only = make_store("host", num_rows=40, E=64, device="cpu", host_rows=MappedFileRows(path))
+    assert torch.equal(read_only.source, table)  # type: ignore[attr-defined]
+    with pytest.raises(ValidationError, match=r"opened read-only; expected writable=True"):
+        read_only.write_rows(0, table[:1])

@@ -6,7 +6,7 @@ addressing; the same gather + dequantise kernel as the device tier then
 runs unchanged (:mod:`engramrt.lookup.mapped`), each row crossing the bus
 once. No host synchronisation, so it can be captured in a CUDA graph, but
 every lookup is a small random PCIe read, slower than the host-gather
-tier's bulk copies (BENCHMARKS.md#host-tier), so ``make_store(tier="auto")``
+tier's bulk copies (BENCHMARKS.md#what-keeping-the-tables-off-the-gpu-costs), so ``make_store(tier="auto")``
 never picks it.
 
 The rows come from a :class:`~engramrt.lookup.tiers.host_rows.HostRows`:
