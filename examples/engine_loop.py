@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     # Engine start-up: KV cache of 64 blocks; the hash cache is bound to it.
     num_blocks = 64
     cache = SlotHashCache(num_blocks * BLOCK, BLOCK, device)
-    hasher = NgramHasher(consts, token_map, device, validate=True)
+    hasher = NgramHasher(consts, token_map, device, check_ids=True)  # every batch checked
     runtime = EngramRuntime(
         hasher,
         synthetic_stores(layout, "device", device=device),
