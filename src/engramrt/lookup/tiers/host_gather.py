@@ -278,9 +278,7 @@ class HostGatherRowStore(KernelRowStore):
                 "kernels: expected backend 'auto' or 'triton'"
             )
         try:
-            self.host_rows.map_for_device(
-                self.source, self, f"tier='{self.tier}' (its host rows, for GPU reads)"
-            )
+            self.host_rows.map_for_device(self.source, self, f"tier='{self.tier}'")
         except CapacityError as error:
             if required:
                 raise
