@@ -13,7 +13,14 @@ import torch
 from engramrt.errors import ValidationError
 from engramrt.quant.reference import BLOCK
 
-__all__ = ["pack_rows", "row_bytes_for", "row_width_for", "unpack_rows", "word_dtype_for"]
+__all__ = [
+    "check_packed_rows",
+    "pack_rows",
+    "row_bytes_for",
+    "row_width_for",
+    "unpack_rows",
+    "word_dtype_for",
+]
 
 
 def row_bytes_for(row_width: int) -> int:
@@ -72,3 +79,25 @@ def unpack_rows(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     row_width = row_width_for(packed.shape[-1])
     values = packed[..., :row_width].view(torch.float8_e4m3fn)
     return values, packed[..., row_width:]
+
+
+def check_packed_rows(name: str, rows: object, *, on_cpu: bool = False) -> int:
+    """``E`` of ``rows``, a contiguous uint8 ``[num_rows, E + E/32]`` tensor (in CPU memory
+    when ``on_cpu``); a :class:`ValidationError` naming ``name`` otherwise."""
+    if (
+        not isinstance(rows, torch.Tensor)
+        or rows.dtype != torch.uint8
+        or rows.dim() != 2
+        or (on_cpu and rows.device.type != "cpu")
+        or not rows.is_contiguous()
+    ):
+        found = (
+            f"{rows.dtype} {tuple(rows.shape)} on {rows.device} (contiguous: {rows.is_contiguous()})"
+            if isinstance(rows, torch.Tensor)
+            else type(rows).__name__
+        )
+        where = " CPU" if on_cpu else ""
+        raise ValidationError(
+            f"{name} is {found}; expected contiguous{where} uint8 [num_rows, E + E/32]"
+        )
+    return row_width_for(rows.shape[1])

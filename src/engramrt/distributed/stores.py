@@ -34,7 +34,7 @@ from engramrt.distributed.shared_table import Loader, SharedHostTable
 from engramrt.errors import CapacityError, ValidationError
 from engramrt.layout import EngramLayout
 from engramrt.lookup.tiers import TIERS, HostRows, RowStore, tier_class
-from engramrt.packed import row_bytes_for, row_width_for
+from engramrt.packed import check_packed_rows, row_bytes_for
 
 __all__ = [
     "SharedRows",
@@ -45,26 +45,6 @@ __all__ = [
     "shared_table_name",
     "shared_tiers",
 ]
-
-
-def _check_rows(rows: torch.Tensor) -> int:
-    """``E`` of contiguous uint8 ``rows [num_rows, E + E/32]`` in CPU memory."""
-    if (
-        not isinstance(rows, torch.Tensor)
-        or rows.dtype != torch.uint8
-        or rows.dim() != 2
-        or rows.device.type != "cpu"
-        or not rows.is_contiguous()
-    ):
-        found = (
-            f"{rows.dtype} {tuple(rows.shape)} on {rows.device} (contiguous: {rows.is_contiguous()})"
-            if isinstance(rows, torch.Tensor)
-            else type(rows).__name__
-        )
-        raise ValidationError(
-            f"rows is {found}; expected contiguous CPU uint8 [num_rows, E + E/32]"
-        )
-    return row_width_for(rows.shape[1])
 
 
 class SharedRows(HostRows):
@@ -82,7 +62,7 @@ class SharedRows(HostRows):
     writable = False
 
     def __init__(self, rows: torch.Tensor, owner: object = None) -> None:
-        self.E = _check_rows(rows)
+        self.E = check_packed_rows("rows", rows, on_cpu=True)
         self._rows = rows
         self.owner = owner
 

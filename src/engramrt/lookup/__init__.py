@@ -15,7 +15,7 @@ from engramrt._backend import resolve_backend
 from engramrt.errors import ValidationError
 from engramrt.lookup.reference import gather_packed_rows_reference, lookup_rows_reference
 from engramrt.lookup.settings import DEFAULT_KERNEL, LookupKernelSettings, check_kernel_settings
-from engramrt.packed import pack_rows, row_bytes_for, row_width_for, unpack_rows
+from engramrt.packed import check_packed_rows, pack_rows, row_bytes_for, row_width_for, unpack_rows
 
 __all__ = [
     "DEFAULT_KERNEL",
@@ -132,7 +132,7 @@ def lookup_rows(
         ``out`` or a new ``[T, C, E]`` bf16 tensor on ``packed_table``'s device.
     """
     if validate:
-        _check_packed_table(packed_table)
+        check_packed_rows("packed_table", packed_table)
         check_kernel_settings(kernel)
     row_width = row_width_for(packed_table.shape[1])
     device = packed_table.device
@@ -169,20 +169,3 @@ def lookup_rows(
         num_rows=num_rows,
         kernel=kernel,
     )
-
-
-def _check_packed_table(packed_table: torch.Tensor) -> None:
-    if (
-        not isinstance(packed_table, torch.Tensor)
-        or packed_table.dtype != torch.uint8
-        or packed_table.dim() != 2
-        or not packed_table.is_contiguous()
-    ):
-        found = (
-            f"{packed_table.dtype} {tuple(packed_table.shape)}"
-            if isinstance(packed_table, torch.Tensor)
-            else type(packed_table).__name__
-        )
-        raise ValidationError(
-            f"packed_table is {found}; expected contiguous uint8 [num_rows, E + E/32]"
-        )
