@@ -175,3 +175,18 @@ def test_host_rows_are_injected(tmp_path: Path) -> None:
     assert torch.equal(read_only.source, table)  # type: ignore[attr-defined]
     with pytest.raises(ValidationError, match=r"opened read-only; expected writable=True"):
         read_only.write_rows(0, table[:1])
+
+
+def test_capability_flags_of_every_tier() -> None:
+    """What a scheduler reads instead of the class: which tiers make the host wait."""
+    from engramrt.cache import CachedRowStore
+
+    flags = {name: (cls.host_sync, cls.has_update, cls.collective) for name, cls in TIERS.items()}
+    assert flags == {
+        "device": (False, False, False),
+        "uva": (False, False, False),
+        "synthetic": (False, False, False),
+        "host": (True, False, False),
+        "disk": (True, False, False),
+    }
+    assert (CachedRowStore.host_sync, CachedRowStore.has_update) == (True, True)

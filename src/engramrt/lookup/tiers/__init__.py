@@ -26,6 +26,7 @@ from engramrt import memory
 from engramrt.errors import CapacityError, ValidationError
 from engramrt.lookup.tiers.base import (
     TIERS,
+    KernelRowStore,
     RowStore,
     default_compute_device,
     register_tier,
@@ -46,6 +47,7 @@ __all__ = [
     "DiskRowStore",
     "HostGatherRowStore",
     "HostRows",
+    "KernelRowStore",
     "MappedFileRows",
     "PrivateHostRows",
     "RowStore",
