@@ -49,7 +49,7 @@ from engramrt.exchange import (
 )
 from engramrt.layer import EngramLayer, assert_layer_within_tolerance
 from engramrt.layout import EngramLayout
-from engramrt.lookup.reference import row_bytes_for
+from engramrt.packed import row_bytes_for
 from engramrt.runtime import synthetic_rows, synthetic_stores
 from runtime_overhead import scaled_config  # bench/ is on the path when run as a script
 

@@ -374,7 +374,9 @@ def main() -> None:
         for name, batches in workloads.items():
             if name.startswith("decode") and "graph" in backbones:
                 graphed[name] = GraphedBackbone(runtime, backbone, batches[0].num_tokens, device)
-        defaults = [(s.max_programs, s.rows_per_program) for s in stores if tier in READS]
+        defaults = [
+            (s.kernel.max_programs, s.kernel.rows_per_program) for s in stores if tier in READS
+        ]
         setups.append((tier, stores, runtime, graphed, defaults))
     samples: dict[tuple, list[dict]] = {}
     for round_index in range(args.rounds):
@@ -390,7 +392,9 @@ def main() -> None:
                         store.num_threads = threads
                     if reads:
                         grid = defaults[index] if programs is None else programs
-                        store.max_programs, store.rows_per_program = grid
+                        store.kernel = store.kernel.replace(
+                            max_programs=grid[0], rows_per_program=grid[1]
+                        )
                 for name, batches in workloads.items():
                     if (threads, programs) != settings[0] and not name.startswith("decode"):
                         continue  # other settings are compared on decode only

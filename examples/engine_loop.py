@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     # Engine start-up: KV cache of 64 blocks; the hash cache is bound to it.
     num_blocks = 64
     cache = SlotHashCache(num_blocks * BLOCK, BLOCK, device)
-    hasher = NgramHasher(consts, token_map, device)
+    hasher = NgramHasher(consts, token_map, device, check_ids=True)  # every batch checked
     # The model's Engram heads (wkv + gate); a real engine loads them from its checkpoint.
     gen = torch.Generator().manual_seed(0)
     heads = []

@@ -194,7 +194,7 @@ def lookup_rows(
 
 @lookup_rows.register_fake
 def _(row_ids, packed_table, col_begin, col_end, row_begin):  # fmt: skip
-    from engramrt.lookup import row_width_for
+    from engramrt.packed import row_width_for
 
     E = row_width_for(packed_table.shape[1])
     return row_ids.new_empty((*row_ids.shape, E), dtype=torch.bfloat16)

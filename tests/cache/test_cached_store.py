@@ -239,7 +239,7 @@ def test_capacity_rounds_down_to_whole_sets(device: torch.device) -> None:
 def test_capacity_is_checked_against_memory(
     monkeypatch: pytest.MonkeyPatch, device: torch.device
 ) -> None:
-    from engramrt.lookup.tiers import memory
+    from engramrt import memory
 
     backing = make_store("device", packed=random_packed_table(10, 32, seed=11), device=device)
     monkeypatch.setattr(memory, "host_available_bytes", lambda: 1000)
@@ -315,11 +315,11 @@ def test_out_of_range_ids_are_caught_on_the_miss_path(backend: str, device: torc
         cache.lookup(row_ids)
 
 
-def test_a_probe_that_reads_misses_checks_ids_in_validate_mode(device: torch.device) -> None:
+def test_a_probe_that_reads_misses_checks_ids_with_check_ids(device: torch.device) -> None:
     backing = make_store(
         "device", packed=random_packed_table(10, 32, seed=14), device=device, row_begin=100
     )
-    cache = CachedRowStore(backing, 2**16, backend="triton", validate=True)
+    cache = CachedRowStore(backing, 2**16, backend="triton", check_ids=True)
     assert cache.probe_reads_misses
     row_ids = torch.full((3, 4), 104, dtype=torch.int64, device=device)
     row_ids[2, 1] = 110

@@ -22,8 +22,8 @@ from tests.distributed.common import (
 
 from engramrt.checkpoint import save_tables
 from engramrt.distributed import (
-    SharedHostGatherRowStore,
     SharedHostTable,
+    SharedRows,
     checkpoint_fingerprint,
     load_shared_table,
     shared_store,
@@ -31,6 +31,7 @@ from engramrt.distributed import (
 from engramrt.errors import CapacityError, ValidationError
 from engramrt.layout import EngramLayout
 from engramrt.lookup import lookup_rows_reference
+from engramrt.lookup.tiers import HostGatherRowStore
 
 
 def shard_table(directory: Path, config, tp: int, rank: int) -> SharedHostTable:
@@ -63,7 +64,7 @@ def test_host_gather_store_serves_the_mapping_without_copying(
         backend=backend,
         chunk_rows=5,  # several pipelined pieces
     )
-    assert isinstance(store, SharedHostGatherRowStore)
+    assert isinstance(store, HostGatherRowStore) and isinstance(store.host_rows, SharedRows)
     assert store.source.data_ptr() == table.rows.data_ptr()  # the mapping, not a copy
     for num_tokens in (9, 1, 0):
         row_ids = random_row_ids(config, num_tokens, seed=num_tokens)
@@ -108,7 +109,9 @@ def test_other_tiers_are_refused(tmp_path: Path) -> None:
     with pytest.raises(CapacityError, match="needs a CUDA device"):
         shared_store(table, "uva", device="cpu")
     with pytest.raises(ValidationError, match="expected contiguous CPU uint8"):
-        SharedHostGatherRowStore(table.rows[::2])
+        shared_store(table.rows[::2], "host", device="cpu")
+    with pytest.raises(ValidationError, match=r"option\(s\) chunk_rows for tier='uva'"):
+        shared_store(table, "uva", device="cpu", chunk_rows=4)
 
 
 def test_load_shared_table_reads_the_checkpoint_once(tmp_path: Path) -> None:
@@ -130,7 +133,7 @@ def test_load_shared_table_reads_the_checkpoint_once(tmp_path: Path) -> None:
         )
         for _ in range(2)
     ]
-    first, second = (store.owner for store in stores)  # type: ignore[attr-defined]
+    first, second = (store.host_rows.owner for store in stores)  # type: ignore[attr-defined]
     assert first.created and not second.created and first.path == second.path
     assert sha256_of(second.rows) == sha256_of(tables[layer_index][shard.row_begin : shard.row_end])
     row_ids = random_row_ids(TINY, 8, seed=1, layer_index=layer_index)
@@ -147,7 +150,7 @@ def test_load_shared_table_reads_the_checkpoint_once(tmp_path: Path) -> None:
     third = load_shared_table(
         checkpoint, TINY, layer_index, tp=tp, rank=rank, directory=shm, device="cpu"
     )
-    assert third.owner.created  # type: ignore[attr-defined]
+    assert third.host_rows.owner.created  # type: ignore[attr-defined]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="cudaHostRegister needs a GPU")

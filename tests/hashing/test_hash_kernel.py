@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -17,6 +19,7 @@ from engramrt.hashing import (
     hash_batch_reference,
     hash_sequence,
 )
+from engramrt.hashing.validate import check_batch_contents, check_batch_metadata
 
 
 @pytest.fixture(scope="module")
@@ -139,38 +142,106 @@ def test_empty_batch(consts, token_map, device) -> None:
         assert bool((buffer[1] == -1).all())
 
 
-@pytest.mark.parametrize(
-    ("change", "needle"),
-    [
-        (lambda b: setattr(b, "input_ids", torch.tensor([1, 2, 129_280])), "input_ids[2]=129280"),
-        (lambda b: setattr(b, "input_ids", torch.tensor([1.0, 2.0, 3.0])), "dtype"),
-        (lambda b: setattr(b, "query_start_loc", torch.tensor([0, 2, 1, 3])), "non-decreasing"),
-        (lambda b: setattr(b, "query_start_loc", torch.tensor([0, 4])), "exceeds"),
-        (lambda b: setattr(b, "query_start_loc", torch.tensor([1, 3])), "query_start_loc[0]=1"),
-        (lambda b: setattr(b, "positions", torch.tensor([0, 2, 3])), "not consecutive"),
-        (lambda b: setattr(b, "positions", torch.tensor([0, 1])), "positions has shape"),
-        (
-            lambda b: setattr(b, "lookback_token_ids", torch.zeros(1, 2, dtype=torch.int64)),
-            "[R, N-1]",
+# Fields whose type, shape, dtype or device is wrong: the metadata half (validate).
+BAD_METADATA = [
+    (
+        lambda b: setattr(b, "input_ids", torch.tensor([1.0, 2.0, 3.0])),
+        "input_ids has dtype torch.float32; expected torch.int32 or torch.int64",
+    ),
+    (
+        lambda b: setattr(b, "positions", torch.tensor([0.0, 1.0, 2.0])),
+        "positions has dtype torch.float32; expected torch.int32 or torch.int64",
+    ),
+    (
+        lambda b: setattr(b, "query_start_loc", torch.tensor([0, 3], dtype=torch.int16)),
+        "query_start_loc has dtype torch.int16; expected torch.int32 or torch.int64",
+    ),
+    (lambda b: setattr(b, "positions", torch.tensor([0, 1])), "positions has shape [2]"),
+    (
+        lambda b: setattr(b, "lookback_token_ids", torch.zeros(1, 2, dtype=torch.int64)),
+        "lookback_token_ids has shape [1, 2]; expected [1, 3]",
+    ),
+    (
+        lambda b: setattr(b, "lookback_token_ids", torch.zeros(1, 3)),
+        "lookback_token_ids has dtype torch.float32; expected torch.int32 or torch.int64",
+    ),
+    (lambda b: setattr(b, "dead_mask", torch.zeros(2, dtype=torch.bool)), "dead_mask has shape"),
+    (
+        lambda b: setattr(b, "dead_mask", torch.tensor([0, 2, 0], dtype=torch.uint8)),
+        "dead_mask has dtype torch.uint8; expected torch.bool",
+    ),
+    (
+        lambda b: setattr(b, "dead_mask", torch.tensor([0.0, 0.5, 0.0])),
+        "dead_mask has dtype torch.float32; expected torch.bool",
+    ),
+    (
+        lambda b: (
+            setattr(b, "lookback_token_ids", torch.zeros(1, 3, dtype=torch.int64)),
+            setattr(b, "lookback_dead", torch.ones(1, 3, dtype=torch.int32)),
         ),
-        (
-            lambda b: setattr(b, "lookback_token_ids", torch.full((1, 3), -5)),
-            "lookback_token_ids holds",
-        ),
-        (lambda b: setattr(b, "dead_mask", torch.zeros(2, dtype=torch.bool)), "dead_mask"),
-    ],
-)
-def test_bad_batches_are_named(change, needle, consts, token_map) -> None:
+        "lookback_dead has dtype torch.int32; expected torch.bool",
+    ),
+]
+
+# Values that break the contract: the content half (check_ids, synchronises).
+BAD_CONTENT = [
+    (lambda b: setattr(b, "input_ids", torch.tensor([1, 2, 129_280])), "input_ids[2]=129280"),
+    (lambda b: setattr(b, "query_start_loc", torch.tensor([0, 2, 1, 3])), "non-decreasing"),
+    (lambda b: setattr(b, "query_start_loc", torch.tensor([0, 4])), "exceeds"),
+    (lambda b: setattr(b, "query_start_loc", torch.tensor([1, 3])), "query_start_loc[0]=1"),
+    (lambda b: setattr(b, "positions", torch.tensor([0, 2, 3])), "not consecutive"),
+    (lambda b: setattr(b, "positions", torch.tensor([-1, 0, 1])), "is negative"),
+    (
+        lambda b: setattr(b, "lookback_token_ids", torch.full((1, 3), -5)),
+        "lookback_token_ids holds",
+    ),
+]
+
+
+@pytest.mark.parametrize(("change", "needle"), BAD_METADATA)
+def test_bad_fields_are_named_by_validate(change, needle, consts, token_map) -> None:
     batch = HashBatch.single([1, 2, 3])
     change(batch)
-    hasher = NgramHasher(consts, token_map, backend="reference")
+    hasher = NgramHasher(consts, token_map, backend="reference")  # validate on, check_ids off
     with pytest.raises(ValidationError) as info:
         hasher(batch)
     assert needle in str(info.value)
+    with pytest.raises(ValidationError, match=re.escape(needle)):
+        check_batch_metadata(batch, max_ngram_size=consts.max_ngram_size)
+
+
+@pytest.mark.parametrize(("change", "needle"), BAD_CONTENT)
+def test_bad_values_are_named_by_check_ids_only(change, needle, consts, token_map) -> None:
+    """The metadata half passes whatever the values (it reads none); the content half
+    names the bad one."""
+    batch = HashBatch.single([1, 2, 3])
+    change(batch)
+    check_batch_metadata(batch, max_ngram_size=consts.max_ngram_size)  # no error
+    with pytest.raises(ValidationError) as info:
+        check_batch_contents(
+            batch, vocab_size=token_map.map.shape[0], max_ngram_size=consts.max_ngram_size
+        )
+    assert needle in str(info.value)
+    hasher = NgramHasher(consts, token_map, backend="reference", check_ids=True)
+    with pytest.raises(ValidationError, match=re.escape(needle)):
+        hasher(batch)
+
+
+def test_a_good_batch_passes_both_halves(consts, token_map) -> None:
+    """Control for the two tests above: the unchanged batch raises nothing."""
+    batch = HashBatch.single([1, 2, 3])
+    batch.dead_mask = torch.tensor([False, True, False])
+    batch.lookback_token_ids = torch.tensor([[5, -1, 7]])
+    batch.lookback_dead = torch.tensor([[False, False, True]])
+    check_batch_metadata(batch, max_ngram_size=consts.max_ngram_size)
+    check_batch_contents(
+        batch, vocab_size=token_map.map.shape[0], max_ngram_size=consts.max_ngram_size
+    )
+    NgramHasher(consts, token_map, backend="reference", check_ids=True)(batch)
 
 
 def test_history_inputs_are_checked(consts, token_map) -> None:
-    hasher = NgramHasher(consts, token_map, backend="reference")
+    hasher = NgramHasher(consts, token_map, backend="reference", check_ids=True)
     batch = HashBatch.single([1, 2, 3], start=5)
     with pytest.raises(ValidationError, match="slot_mapping and block_table"):
         hasher(batch, SlotHashCache(16, 4))

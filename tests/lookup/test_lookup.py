@@ -4,6 +4,7 @@ dequantise kernel against the reference, byte for byte."""
 from __future__ import annotations
 
 import os
+import re
 
 import torch
 
@@ -15,6 +16,7 @@ import pytest
 
 from engramrt.errors import ValidationError
 from engramrt.lookup import (
+    LookupKernelSettings,
     gather_packed_rows_reference,
     lookup_rows,
     lookup_rows_reference,
@@ -177,7 +179,12 @@ def test_kernel_variants_match_reference(hw_convert: bool) -> None:
     row_ids = random_ids((33, 9), 0, num_rows, torch.int32, seed=31).to(DEVICE)
     expected = lookup_rows_reference(row_ids, table, E, 1, 8)
     got = lookup_rows(
-        row_ids, table, col_begin=1, col_end=8, backend="triton", hw_convert=hw_convert
+        row_ids,
+        table,
+        col_begin=1,
+        col_end=8,
+        backend="triton",
+        kernel=LookupKernelSettings(hw_convert=hw_convert),
     )
     assert_same_bits(got, expected)
 
@@ -192,7 +199,14 @@ def test_hw_convert_in_interpreter() -> None:
     row_ids = random_ids((7, 5), 0, 40, torch.int64, seed=33).to(DEVICE)
     expected = lookup_rows_reference(row_ids, table, 96, 1, 4)
     assert_same_bits(
-        lookup_rows(row_ids, table, col_begin=1, col_end=4, backend="triton", hw_convert=True),
+        lookup_rows(
+            row_ids,
+            table,
+            col_begin=1,
+            col_end=4,
+            backend="triton",
+            kernel=LookupKernelSettings(hw_convert=True),
+        ),
         expected,
     )
 
@@ -205,7 +219,7 @@ def test_packed_gather_kernel_matches_reference(E: int, word: torch.dtype) -> No
     """Raw row copies by the widest word that divides the row (264, 132, 66, 33 bytes):
     every row in order, duplicates and a partial last program too."""
     from engramrt.lookup.kernel import gather_packed_rows_triton
-    from engramrt.lookup.reference import word_dtype_for
+    from engramrt.packed import word_dtype_for
 
     num_rows, row_begin = 41, 1_000_003
     table = random_packed_table(num_rows, E, seed=E).to(DEVICE)
@@ -218,7 +232,9 @@ def test_packed_gather_kernel_matches_reference(E: int, word: torch.dtype) -> No
         ids = ids.to(DEVICE)
         expected = gather_packed_rows_reference(ids, table, row_begin)
         out = torch.full((count, table.shape[1]), 0xA5, dtype=torch.uint8, device=DEVICE)
-        got = gather_packed_rows_triton(ids, table.view(word), out, row_begin=row_begin)
+        got = gather_packed_rows_triton(
+            ids, table.view(word), out, row_begin=row_begin, num_rows=num_rows
+        )
         assert got.data_ptr() == out.data_ptr()
         assert torch.equal(got.cpu(), expected.cpu())
 
@@ -241,7 +257,10 @@ def test_kernel_with_strided_ids_duplicates_and_extremes() -> None:
     expected = lookup_rows_reference(row_ids, table, E)
     for rows_per_program, num_warps in ((None, None), (1, 1), (8, 2)):
         got = lookup_rows(
-            row_ids, table, backend="triton", rows_per_program=rows_per_program, num_warps=num_warps
+            row_ids,
+            table,
+            backend="triton",
+            kernel=LookupKernelSettings(rows_per_program=rows_per_program, num_warps=num_warps),
         )
         assert_same_bits(got, expected)
 
@@ -262,8 +281,8 @@ def test_kernel_with_few_programs_serving_several_tiles(max_programs: int) -> No
         col_end=4,
         out=out,
         backend="triton",
-        rows_per_program=4,  # 115 lookups: 29 tiles, the last one of 3
-        max_programs=max_programs,
+        # 115 lookups in tiles of 4 rows: 29 tiles, the last one of 3
+        kernel=LookupKernelSettings(rows_per_program=4, max_programs=max_programs),
     )
     assert_same_bits(got, expected)
 
@@ -282,12 +301,39 @@ def test_tiles_per_program_bounds_the_grid() -> None:
             assert per == 1 or 2 * programs > max_programs - 1  # no needlessly small grid
 
 
-def test_max_programs_is_checked() -> None:
+@pytest.mark.parametrize(
+    ("field", "bad", "expected"),
+    [
+        ("max_programs", 0, "expected None or an int >= 1"),
+        ("max_programs", -3, "expected None or an int >= 1"),
+        ("max_programs", 2.5, "expected None or an int >= 1"),
+        ("rows_per_program", 0, "expected None or an int >= 1"),
+        ("rows_per_program", True, "expected None or an int >= 1"),
+        ("num_warps", 3, "expected None or one of 1, 2, 4, 8, 16, 32"),
+        ("num_warps", 64, "expected None or one of 1, 2, 4, 8, 16, 32"),
+        ("hw_convert", 1, "expected a bool"),
+    ],
+)
+def test_kernel_settings_name_the_bad_field(field: str, bad: object, expected: str) -> None:
+    with pytest.raises(ValidationError, match=rf"^{field} = {re.escape(repr(bad))}; {expected}"):
+        LookupKernelSettings(**{field: bad})  # type: ignore[arg-type]
+
+
+def test_kernel_settings_are_frozen_and_hashable() -> None:
+    settings = LookupKernelSettings(rows_per_program=8, num_warps=2)
+    with pytest.raises(AttributeError):
+        settings.num_warps = 4  # type: ignore[misc]
+    assert settings == LookupKernelSettings(8, 2) and hash(settings) == hash(
+        LookupKernelSettings(8, 2)
+    )
+    assert settings.replace(num_warps=4) == LookupKernelSettings(8, 4)
+
+
+def test_lookup_rows_refuses_loose_settings() -> None:
     table = random_packed_table(4, 32, seed=7).to(DEVICE)
     row_ids = torch.zeros((2, 2), dtype=torch.int64, device=DEVICE)
-    for bad in (0, -3, 2.5):
-        with pytest.raises(ValidationError, match="max_programs"):
-            lookup_rows(row_ids, table, backend="triton", max_programs=bad)  # type: ignore[arg-type]
+    with pytest.raises(ValidationError, match=r"kernel = 16; expected a LookupKernelSettings"):
+        lookup_rows(row_ids, table, backend="triton", kernel=16)  # type: ignore[arg-type]
 
 
 def test_backends_agree_and_auto_runs() -> None:
@@ -345,12 +391,12 @@ def test_checked_mode_names_column_and_id() -> None:
             ValidationError,
             match=r"row_ids\[2, 4\] = 110 for hash column 4; expected .* \[100, 110\)",
         ):
-            lookup_rows(row_ids, table, col_begin=1, row_begin=100, validate=True, backend=backend)
+            lookup_rows(row_ids, table, col_begin=1, row_begin=100, check_ids=True, backend=backend)
     row_ids[2, 4] = 99
     with pytest.raises(ValidationError, match=r"row_ids\[2, 4\] = 99"):
-        lookup_rows(row_ids, table, col_begin=1, row_begin=100, validate=True)
+        lookup_rows(row_ids, table, col_begin=1, row_begin=100, check_ids=True)
     row_ids[2, 4] = 109
-    lookup_rows(row_ids, table, col_begin=1, row_begin=100, validate=True)
+    lookup_rows(row_ids, table, col_begin=1, row_begin=100, check_ids=True)
 
 
 def test_argument_errors() -> None:

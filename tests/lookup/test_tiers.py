@@ -15,8 +15,9 @@ from pathlib import Path
 
 import pytest
 
+from engramrt import memory
 from engramrt.errors import CapacityError, CheckpointError, ValidationError
-from engramrt.lookup import lookup_rows_reference, pack_rows
+from engramrt.lookup import LookupKernelSettings, lookup_rows_reference, pack_rows
 from engramrt.lookup.tiers import (
     DeviceRowStore,
     DiskRowStore,
@@ -24,7 +25,6 @@ from engramrt.lookup.tiers import (
     RowStore,
     UvaRowStore,
     make_store,
-    memory,
 )
 
 CUDA = torch.cuda.is_available()
@@ -97,8 +97,7 @@ def test_tier_matches_reference(
         row_begin=row_begin,
         col_begin=col_begin,
         col_end=col_end,
-        chunk_rows=8,
-        num_threads=3,
+        **(dict(chunk_rows=8, num_threads=3) if tier in ("host", "disk") else {}),
     )
     assert store.tier == tier and store.num_rows == num_rows and store.E == E
     assert store.row_bytes == E + E // 32 and store.nbytes == num_rows * store.row_bytes
@@ -193,7 +192,7 @@ def test_disk_tier_writes_in_pieces(tmp_path: Path) -> None:
 @pytest.mark.parametrize("tier", TIERS)
 def test_checked_mode_names_column_and_id(tier: str, tmp_path: Path) -> None:
     table = random_packed_table(10, 32, seed=20)
-    store = build(tier, table, tmp_path, row_begin=100, col_begin=1, validate=True)
+    store = build(tier, table, tmp_path, row_begin=100, col_begin=1, check_ids=True)
     row_ids = torch.full((3, 5), 104, dtype=torch.int64, device=DEVICE)
     row_ids[:, 0] = -5  # not owned
     row_ids[1, 3] = 110
@@ -209,9 +208,9 @@ def test_host_tiers_reject_bad_ids_even_unchecked(
     tier: str, dedup_min_rows: int, tmp_path: Path
 ) -> None:
     """When the CPU gathers, the ids are on the host anyway, so the range check is always
-    on (GPU reads are checked in validate mode: test_gpu_reads_check_ids_in_validate_mode)."""
+    on (GPU reads are checked with check_ids: test_gpu_reads_check_ids_with_check_ids)."""
     table = random_packed_table(10, 32, seed=21)
-    store = build(tier, table, tmp_path, row_begin=100, validate=False, gpu_reads=False)
+    store = build(tier, table, tmp_path, row_begin=100, check_ids=False, gpu_reads=False)
     store.dedup_min_rows = dedup_min_rows
     for bad in (99, 110, -(2**62)):
         row_ids = torch.full((3, 5), 104, dtype=torch.int64, device=DEVICE)
@@ -257,7 +256,8 @@ def test_capacity_errors_report_the_numbers(
     ):
         DeviceRowStore(rows, 256)
     with pytest.raises(
-        CapacityError, match=r"tier='disk' file .* but its file system has only 3000 bytes"
+        CapacityError,
+        match=r"tier='disk' \(1000000000 rows of 264 B\) file .* but its file system has only 3000 bytes",
     ):
         DiskRowStore(tmp_path / "huge.rows", rows, 256, create=True)
     assert not (tmp_path / "huge.rows").exists()  # checked before creating anything
@@ -290,7 +290,8 @@ def test_uva_refuses_cpu_only_machine() -> None:
 def test_store_argument_errors(tmp_path: Path) -> None:
     table = random_packed_table(10, 64, seed=24)
     with pytest.raises(
-        ValidationError, match="tier = 'gpu'; expected one of auto, device, uva, host, disk"
+        ValidationError,
+        match="tier = 'gpu'; expected 'auto' or one of device, disk, host, synthetic, uva",
     ):
         make_store("gpu", packed=table)
     with pytest.raises(ValidationError, match="E = 32 but packed rows hold E = 64 values"):
@@ -369,9 +370,9 @@ def test_gpu_reads_match_reference(gpu_share: float, dedup_min_rows: int) -> Non
 
 
 @needs_cuda
-def test_gpu_reads_check_ids_in_validate_mode() -> None:
+def test_gpu_reads_check_ids_with_check_ids() -> None:
     table = random_packed_table(10, 32, seed=42)
-    store = make_store("host", packed=table, row_begin=100, validate=True)
+    store = make_store("host", packed=table, row_begin=100, check_ids=True)
     assert isinstance(store, HostGatherRowStore) and store.gpu_reads
     row_ids = torch.full((3, 5), 104, dtype=torch.int64, device=DEVICE)
     row_ids[2, 1] = 110
@@ -420,23 +421,36 @@ def test_gpu_reads_settings(tmp_path: Path) -> None:
 def test_host_memory_reads_with_few_programs(tier: str) -> None:
     """The kernel's reads of host memory from a bounded grid give the same bytes."""
     table = random_packed_table(300, 256, seed=45)  # 16 rows per tile: 14 tiles, 2 programs
-    store = make_store(tier, packed=table, max_programs=3)
+    store = make_store(tier, packed=table, kernel=LookupKernelSettings(max_programs=3))
     row_ids = torch.randint(0, 300, (37, 6), device=DEVICE)
     expected = lookup_rows_reference(row_ids.cpu(), table, 256)
     assert_same_bits(store.lookup(row_ids), expected)
-    store.max_programs = None  # read at every lookup
+    store.kernel = store.kernel.replace(max_programs=None)  # read at every lookup
     assert_same_bits(store.lookup(row_ids), expected)
 
 
-def test_max_programs_setting_is_checked() -> None:
+def test_kernel_settings_of_a_store_are_checked() -> None:
     table = random_packed_table(10, 32, seed=46)
     with pytest.raises(ValidationError, match=r"max_programs = 0; expected None or an int >= 1"):
-        make_store("host", packed=table, max_programs=0)
-
-
-@needs_cuda
-def test_max_programs_set_on_a_store_is_checked_at_lookup() -> None:
-    store = make_store("uva", packed=random_packed_table(10, 32, seed=47))
-    store.max_programs = 0
+        make_store("host", packed=table, kernel=LookupKernelSettings(max_programs=0))
+    store = make_store("host", packed=table)
     with pytest.raises(ValidationError, match=r"max_programs = 0; expected None or an int >= 1"):
-        store.lookup(torch.zeros((2, 3), dtype=torch.int64, device=DEVICE))
+        store.kernel = store.kernel.replace(max_programs=0)  # checked before it is set
+    with pytest.raises(ValidationError, match=r"kernel = \{'max_programs': 3\}; expected a Lookup"):
+        make_store("device", packed=table, kernel={"max_programs": 3})
+
+
+def test_host_tier_keeps_its_bounded_grid_by_default() -> None:
+    from engramrt.lookup.tiers.host_gather import (
+        HOST_READ_KERNEL,
+        READ_MAX_PROGRAMS,
+        READ_ROWS_PER_PROGRAM,
+    )
+
+    table = random_packed_table(10, 32, seed=47)
+    assert make_store("host", packed=table).kernel == HOST_READ_KERNEL
+    assert (HOST_READ_KERNEL.max_programs, HOST_READ_KERNEL.rows_per_program) == (
+        READ_MAX_PROGRAMS,
+        READ_ROWS_PER_PROGRAM,
+    )
+    assert make_store("device", packed=table).kernel == LookupKernelSettings()

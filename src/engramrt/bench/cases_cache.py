@@ -38,8 +38,8 @@ from typing import Any
 import torch
 
 from engramrt.bench.registry import Case, Inputs, register
-from engramrt.lookup.reference import row_bytes_for
 from engramrt.lookup.synthetic import random_packed_rows
+from engramrt.packed import row_bytes_for
 
 E = 256
 COLS = 24

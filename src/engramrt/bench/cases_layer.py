@@ -57,8 +57,7 @@ from engramrt.bench.registry import Case, Inputs, register
 from engramrt.config import PRESETS
 from engramrt.gate import assert_within_tolerance, engram_gate_reference, gate_tolerance
 from engramrt.layer.reference import linear_exact, linear_tolerance
-from engramrt.lookup import unpack_rows
-from engramrt.lookup.reference import row_bytes_for
+from engramrt.packed import row_bytes_for, unpack_rows
 from engramrt.quant import dequantize_rows_reference
 
 CONFIG = PRESETS["dsv41-flash"]  # D = 5120, hc = 4, C = 24, E = 256

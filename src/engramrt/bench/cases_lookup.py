@@ -7,6 +7,10 @@ random value bytes (the two e4m3fn NaN codes remapped so every result is
 finite) and scale bytes in 110..135. Row ids are uniform, int32, as
 hashing produces them.
 
+- ``device-outside`` (T=8192): the device tier's lookup, the same launch,
+  with 1/8 of the ids outside the table (read as rows of zeros, never
+  out of bounds); timed against ``lookup/device/T=8192`` it shows what
+  bounding every id costs.
 - ``device`` tier: the Triton kernel (default settings, the
   hardware-conversion variant, and at T=8192 three other tilings, so the
   H200 run shows which is best) against ``torch-eager``,
@@ -41,9 +45,10 @@ from typing import Any, Literal
 import torch
 
 from engramrt.bench.registry import Case, Inputs, register
-from engramrt.lookup import lookup_rows_reference, unpack_rows
-from engramrt.lookup.reference import row_bytes_for
+from engramrt.lookup import lookup_rows_reference
+from engramrt.lookup.settings import LookupKernelSettings
 from engramrt.lookup.synthetic import random_packed_rows
+from engramrt.packed import row_bytes_for, unpack_rows
 from engramrt.quant import dequantize_rows_reference
 
 E = 256
@@ -109,13 +114,23 @@ def _store(tier: str, num_rows: int, device: torch.device) -> Any:
 
 def _host_table(store: Any) -> torch.Tensor:
     """The CPU tensor of packed rows behind a host-side store (for the baseline)."""
-    return store.host_table if store.tier == "uva" else store.source
+    return store.source
 
 
-def _make(tier: str, num_tokens: int, num_rows: int) -> Callable[[torch.device], Inputs]:
+def _make(
+    tier: str, num_tokens: int, num_rows: int, outside_share: float = 0.0
+) -> Callable[[torch.device], Inputs]:
+    """Inputs of a case; ``outside_share`` of the ids (at random places) lie outside the
+    table: below it, just past it and far past it, all read as rows of zeros."""
+
     def make(device: torch.device) -> Inputs:
         store = _store(tier, num_rows, device)
         row_ids = torch.randint(0, num_rows, (num_tokens, COLS), dtype=torch.int32, device=device)
+        if outside_share:
+            outside = torch.rand(row_ids.shape, device=device) < outside_share
+            far = torch.tensor([-1, num_rows, 2**31 - 1], dtype=torch.int32, device=device)
+            choice = torch.randint(0, 3, row_ids.shape, device=device)
+            row_ids = torch.where(outside, far[choice], row_ids)
         return {
             "store": store,
             "row_ids": row_ids,
@@ -130,9 +145,7 @@ def _tier_lookup(inputs: Inputs) -> torch.Tensor:
     return inputs["store"].lookup(inputs["row_ids"], out=inputs["out"])
 
 
-def _variant(
-    rows_per_program: int | None = None, num_warps: int | None = None, hw_convert: bool = False
-) -> Callable[[Inputs], torch.Tensor]:
+def _variant(kernel: LookupKernelSettings) -> Callable[[Inputs], torch.Tensor]:
     """The device-tier kernel with other settings, on the same table."""
 
     def run(inputs: Inputs) -> torch.Tensor:
@@ -142,9 +155,7 @@ def _variant(
             inputs["row_ids"],
             inputs["store"].table,
             backend="triton",
-            rows_per_program=rows_per_program,
-            num_warps=num_warps,
-            hw_convert=hw_convert,
+            kernel=kernel,
         )
 
     return run
@@ -212,13 +223,13 @@ def lookup_cases(quick: bool) -> list[Case]:
             if tier == "device":
                 impls = {
                     "triton": _tier_lookup,
-                    "triton[hw_convert]": _variant(hw_convert=True),
+                    "triton[hw_convert]": _variant(LookupKernelSettings(hw_convert=True)),
                     "torch-eager": _device_torch_eager,
                 }
                 if num_tokens == 8192:
                     for rows_per_program, num_warps in _TILINGS:
                         impls[f"triton[rows={rows_per_program},warps={num_warps}]"] = _variant(
-                            rows_per_program, num_warps
+                            LookupKernelSettings(rows_per_program, num_warps)
                         )
                 bytes_moved, ceiling = rows * ROW_BYTES + rows * E * 2, "d2d"
             else:
@@ -256,4 +267,29 @@ def lookup_cases(quick: bool) -> list[Case]:
                     else (),
                 )
             )
+    rows = 8192 * COLS
+    cases.append(
+        Case(
+            name="lookup/device-outside/T=8192",
+            group="lookup",
+            params={
+                "tier": "device",
+                "T": 8192,
+                "C": COLS,
+                "E": E,
+                "table_GiB": round(num_rows * ROW_BYTES / 2**30, 2),
+                "ids": "uniform int32, 1/8 outside the table",
+            },
+            make=_make("device", 8192, num_rows, outside_share=0.125),
+            impls={"triton": _tier_lookup, "torch-eager": _device_torch_eager},
+            baseline="torch-eager",
+            check=_check,
+            bytes_moved=rows * ROW_BYTES + rows * E * 2,
+            items=rows,
+            item_name="rows",
+            ceiling="d2d",
+            graph=True,
+            graph_impls=("triton",),
+        )
+    )
     return cases

@@ -3,7 +3,7 @@
 One launch, no host synchronisation (the miss path that follows it is the
 part that synchronises). The structure is :mod:`engramrt.lookup.kernel`'s,
 with a probe in front (the flat-lookup preamble and the dequantising tail are
-that module's ``@triton.jit`` helpers):
+the shared ``@triton.jit`` helpers of :mod:`engramrt._jit`):
 
 - the ``T * C`` lookups are flattened, ``ROWS`` per program, as tiles
   ``[ROWS, NB, 32]`` (rows x scale blocks x values);
@@ -13,13 +13,15 @@ that module's ``@triton.jit`` helpers):
   per lookup at 8 ways, contiguous); a match gives the slot;
 - a hit reads the slot's packed row (264 bytes at ``E = 256``, 8-byte
   aligned as in the lookup kernel) and dequantises it with the lookup
-  kernel's own tail (:func:`engramrt.lookup.kernel._store_dequantized_rows`,
+  kernel's own tail (:func:`engramrt._jit.store_dequantized_rows`,
   the integer formulation that is exact in the interpreter too);
 - a non-owned column stores +0.0; a miss stores nothing (the caller's miss
   path fills it), and its slot is reported as -1 — unless ``READ_MISSES``:
   then a miss reads its packed row from the backing tier's rows (device
   memory, or host memory mapped for the device) and stores it like a hit,
-  so the lookup needs no miss path at all.
+  so the lookup needs no miss path at all. A miss outside the backing's
+  rows reads nothing and stores +0.0 (the lookup kernel's rule), never
+  out of bounds.
 
 Every index is int64 (program id cast first): slot * 264 overflows int32
 past 8.1 M slots, and a 5 % cache of a V4.1 layer has 19 M.
@@ -33,19 +35,17 @@ import torch
 import triton
 import triton.language as tl
 
+from engramrt._jit import flat_lookups, store_dequantized_rows
 from engramrt._launch import CachedLauncher
 from engramrt.cache.policy import MIX_MULTIPLIER
-from engramrt.lookup.kernel import (
-    DEFAULT_NUM_WARPS,
-    _flat_lookups,
-    _store_dequantized_rows,
-    tile_shape,
-)
+from engramrt.lookup.kernel import DEFAULT_NUM_WARPS, tile_shape
+from engramrt.lookup.settings import DEFAULT_KERNEL, LookupKernelSettings
 
 __all__ = ["probe_gather_triton"]
 
 # Runtime integers are not specialised on their values (cheap launcher key).
 _INTS = [
+    "backing_num_rows",
     "n_lookups",
     "num_cols",
     "stride_t",
@@ -73,6 +73,7 @@ def _cache_probe_gather_kernel(
     col_end,
     num_sets,
     backing_row_begin,  # the global id of the backing's first row
+    backing_num_rows,  # its rows: a miss outside them reads zeros (READ_MISSES)
     E: tl.constexpr,
     ROW_BYTES: tl.constexpr,
     NB: tl.constexpr,
@@ -84,7 +85,7 @@ def _cache_probe_gather_kernel(
     READ_MISSES: tl.constexpr,
 ):
     tile = tl.program_id(0).to(tl.int64)
-    lookup, in_batch, owned, row_id = _flat_lookups(
+    lookup, in_batch, owned, row_id = flat_lookups(
         row_ids_ptr, tile, n_lookups, num_cols, stride_t, stride_c, col_begin, col_end, ROWS
     )
 
@@ -106,17 +107,18 @@ def _cache_probe_gather_kernel(
 
     if READ_MISSES:
         # A miss reads the backing's row; each lookup loads from one of two tables.
-        miss = owned & ~hit
+        local_row = row_id - backing_row_begin
+        miss = owned & ~hit & (local_row >= 0) & (local_row < backing_num_rows)
         read = hit | miss
         cache_start = tl.where(hit, slot, 0) * ROW_BYTES
-        backing_start = tl.where(miss, row_id - backing_row_begin, 0) * ROW_BYTES
+        backing_start = tl.where(miss, local_row, 0) * ROW_BYTES
         row_ptrs = tl.where(hit, cache_rows_ptr + cache_start, backing_ptr + backing_start)
         written = in_batch
     else:
         read = hit
         row_ptrs = cache_rows_ptr + tl.where(hit, slot, 0) * ROW_BYTES
         written = in_batch & (hit | ~owned)  # misses are left to the miss path
-    _store_dequantized_rows(out_ptr, lookup, row_ptrs, read, written, E, NB, NB_PAD, HW_CONVERT)
+    store_dequantized_rows(out_ptr, lookup, row_ptrs, read, written, E, NB, NB_PAD, HW_CONVERT)
 
 
 # A plain kernel[grid](...) binds ~20 arguments in Python on every call
@@ -135,9 +137,7 @@ def probe_gather_triton(
     ways: int,
     col_begin: int,
     col_end: int,
-    rows_per_program: int | None = None,
-    num_warps: int | None = None,
-    hw_convert: bool = False,
+    kernel: LookupKernelSettings = DEFAULT_KERNEL,
     backing: Any = None,
     backing_row_begin: int = 0,
 ) -> torch.Tensor:
@@ -150,12 +150,16 @@ def probe_gather_triton(
         slots: contiguous ``[T, C]`` int64, fully written.
         num_sets, ways: geometry (``ways`` a power of two).
         col_begin, col_end: owned columns.
-        rows_per_program, num_warps, hw_convert: as in
-            :func:`engramrt.lookup.kernel.lookup_rows_triton`.
+        kernel: tile, warps and conversion variant, as in
+            :func:`engramrt.lookup.kernel.lookup_rows_triton` (one tile per
+            program: ``max_programs`` does not apply to the probe).
         backing: the backing tier's packed rows as the device reads them
             (:meth:`engramrt.lookup.tiers.RowStore.device_rows`): misses read
             them and ``out`` is written everywhere. None: misses are left.
-        backing_row_begin: the global row id of ``backing``'s first row.
+        backing_row_begin: the global row id of ``backing``'s first row; a
+            miss outside ``backing``'s rows (``shape[0]`` of a tensor,
+            ``num_rows`` of :class:`~engramrt.lookup.mapped.MappedHostRows`)
+            reads a row of zeros.
 
     Returns:
         ``slots``.
@@ -165,7 +169,13 @@ def probe_gather_triton(
     if n_lookups == 0:
         return slots
     E = out.shape[-1]
-    blocks, blocks_pad, rows = tile_shape(E, rows_per_program)
+    blocks, blocks_pad, rows = tile_shape(E, kernel.rows_per_program)
+    if backing is None:
+        backing_num_rows = 0
+    elif isinstance(backing, torch.Tensor):
+        backing_num_rows = backing.shape[0]
+    else:
+        backing_num_rows = backing.num_rows
     grid = (triton.cdiv(n_lookups, rows),)
     _launch_probe_gather(
         grid,
@@ -183,6 +193,7 @@ def probe_gather_triton(
         col_end,
         num_sets,
         backing_row_begin,
+        backing_num_rows,
         E=E,
         ROW_BYTES=E + blocks,
         NB=blocks,
@@ -190,8 +201,8 @@ def probe_gather_triton(
         ROWS=rows,
         WAYS=ways,
         MIX=MIX_MULTIPLIER,
-        HW_CONVERT=hw_convert,
+        HW_CONVERT=kernel.hw_convert,
         READ_MISSES=backing is not None,
-        num_warps=num_warps or DEFAULT_NUM_WARPS,
+        num_warps=kernel.num_warps or DEFAULT_NUM_WARPS,
     )
     return slots

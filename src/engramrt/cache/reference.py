@@ -52,7 +52,8 @@ def probe_gather_reference(
         col_begin, col_end: the owned hash columns.
         backing: ``[rows, E + E/32]`` uint8 packed rows of the backing tier,
             its row ``i`` being global row ``backing_row_begin + i``: misses
-            are dequantised from it (then ``out`` is written everywhere).
+            are dequantised from it (then ``out`` is written everywhere); a
+            miss outside its rows reads a row of zeros.
 
     Returns:
         ``slots [T, C]`` int64 on ``tags``' device.

@@ -58,6 +58,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engramrt import memory
 from engramrt._backend import resolve_backend
 from engramrt.cache.backing import packed_row_reader
 from engramrt.cache.policy import (
@@ -70,7 +71,8 @@ from engramrt.cache.reference import probe_gather_reference
 from engramrt.cache.stats import CacheStats
 from engramrt.errors import CapacityError, ValidationError
 from engramrt.lookup import check_row_ids_in_shard, lookup_rows
-from engramrt.lookup.tiers import RowStore, memory
+from engramrt.lookup.settings import DEFAULT_KERNEL, LookupKernelSettings, check_kernel_settings
+from engramrt.lookup.tiers import RowStore
 
 __all__ = ["PHASES", "CacheUpdate", "CachedRowStore"]
 
@@ -132,17 +134,20 @@ class CachedRowStore(RowStore):
         layer_id: the Engram layer served (a label for statistics).
         backend: ``"auto"``, ``"triton"`` or ``"reference"`` for the probe and
             the miss dequantisation.
-        validate: check every batch's owned ids (synchronises); default the
-            backing's setting. Out-of-range ids that miss are always caught
-            on the miss path; a probe that reads misses itself
-            (:attr:`probe_reads_misses`) checks them in validate mode only,
-            as the device and UVA tiers do.
+        validate: check every batch's shapes, dtypes and devices on the host
+            (never synchronises); default the backing's setting.
+        check_ids: check every batch's owned ids (synchronises); default the
+            backing's setting. Out-of-range ids that miss are caught anyway
+            on the miss path, whose ids come to the host; a probe that reads
+            misses itself (:attr:`probe_reads_misses`) checks them only with
+            ``check_ids``, as the device and UVA tiers do, and otherwise
+            reads them as rows of zeros (never admitted).
         sketch_width, sketch_depth, decay_period: policy settings, see
             :class:`SetAssociativeLfu`.
         max_pending: lookups remembered for the next update; older ones are
             dropped (they only inform admission).
-        rows_per_program, num_warps, hw_convert: kernel settings (see
-            :func:`engramrt.lookup.lookup_rows`).
+        kernel: the probe's and the miss lookup's kernel settings (see
+            :class:`~engramrt.lookup.settings.LookupKernelSettings`).
         read_misses: let the probe read misses from the backing's rows
             (:attr:`probe_reads_misses`). None (default): when the backing
             offers rows the device reads in place and the probe runs the
@@ -167,21 +172,23 @@ class CachedRowStore(RowStore):
         layer_id: int | None = None,
         backend: str = "auto",
         validate: bool | None = None,
+        check_ids: bool | None = None,
         sketch_width: int | None = None,
         sketch_depth: int = 4,
         decay_period: int | None = None,
         max_pending: int = 4,
-        rows_per_program: int | None = None,
-        num_warps: int | None = None,
-        hw_convert: bool = False,
+        kernel: LookupKernelSettings = DEFAULT_KERNEL,
         read_misses: bool | None = None,
     ) -> None:
         if not isinstance(backing, RowStore):
             raise ValidationError(
                 f"backing is {type(backing).__name__}; expected a RowStore (see make_store)"
             )
-        if isinstance(backing, CachedRowStore):
-            raise ValidationError("backing is a CachedRowStore; expected the tier it caches")
+        if backing.has_update:
+            raise ValidationError(
+                f"backing is a {type(backing).__name__}, which has work after each lookup (a "
+                f"cache); expected the tier it caches"
+            )
         super().__init__(
             backing.num_rows,
             backing.E,
@@ -190,6 +197,7 @@ class CachedRowStore(RowStore):
             col_begin=backing.col_begin,
             col_end=backing.col_end,
             validate=backing.validate if validate is None else validate,
+            check_ids=backing.check_ids if check_ids is None else check_ids,
         )
         if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int):
             raise ValidationError(
@@ -214,16 +222,14 @@ class CachedRowStore(RowStore):
         self.layer_id = layer_id
         self.backend = backend
         self.max_pending = max_pending
-        self.rows_per_program = rows_per_program
-        self.num_warps = num_warps
-        self.hw_convert = hw_convert
+        self.kernel = check_kernel_settings(kernel)
         self._read_packed = packed_row_reader(backing)
         # The backing's rows as the probe kernel can read them (misses read
         # in the probe), or None (the miss path gathers them).
         self._miss_source = None
         if read_misses is not False:
-            kernel = resolve_backend(backend, self.device) == "triton"
-            self._miss_source = backing.device_rows() if kernel else None
+            triton = resolve_backend(backend, self.device) == "triton"
+            self._miss_source = backing.device_rows() if triton else None
             if read_misses and self._miss_source is None:
                 raise ValidationError(
                     f"read_misses=True with backing tier={backing.tier!r} and backend={backend!r}; "
@@ -382,9 +388,7 @@ class CachedRowStore(RowStore):
             ways=self.ways,
             col_begin=self.col_begin,
             col_end=col_end,
-            rows_per_program=self.rows_per_program,
-            num_warps=self.num_warps,
-            hw_convert=self.hw_convert,
+            kernel=self.kernel,
             backing=self._miss_source,
             backing_row_begin=self.row_begin,
         )
@@ -426,9 +430,8 @@ class CachedRowStore(RowStore):
                 inverse.view(-1, 1),
                 miss_rows,
                 backend=self.backend,
-                rows_per_program=self.rows_per_program,
-                num_warps=self.num_warps,
-                hw_convert=self.hw_convert,
+                validate=False,  # internal: the ids are the cache's, checked above
+                kernel=self.kernel,
             )  # [M, 1, E]
             out.view(-1, self.E).index_copy_(0, miss_pos, rows.view(-1, self.E))
         else:
@@ -497,6 +500,8 @@ class CachedRowStore(RowStore):
             p.row_ids.index_select(0, torch.nonzero(p.slots == MISS).squeeze(1)) for p in pending
         ]
         candidates = torch.unique(torch.cat(missed).to(torch.int64), sorted=True)
+        # Ids outside the shard read zeros in the probe (unchecked lookups): never admitted.
+        candidates = candidates[(candidates >= self.row_begin) & (candidates < self.row_end)]
         plan = self._plan(candidates)
         rows = torch.zeros(
             (candidates.shape[0], self.row_bytes), dtype=torch.uint8, device=self.device

@@ -313,7 +313,7 @@ def _write_staged(
                         block = read_rows(piece, source, block_begin, block_end)  # [n, E] float
                         block = block.to(compute_device)
                         _check_finite(block, piece.location.name, layer_id, block_begin)
-                        values, scales = quantize_rows(block, backend=backend, validate=False)
+                        values, scales = quantize_rows(block, backend=backend, check_finite=False)
                         writer.append(slot.weight, tensor_bytes(values))
                         writer.append(slot.scale, tensor_bytes(scales))
                         if on_rows is not None:

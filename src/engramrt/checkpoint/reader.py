@@ -37,9 +37,9 @@ from engramrt.checkpoint.safetensors_format import SafetensorsHeader, TensorEntr
 from engramrt.config import EngramConfig, load_config
 from engramrt.errors import CheckpointError, ValidationError
 from engramrt.layout import ColumnShard, EngramLayout
-from engramrt.lookup.reference import pack_rows, row_bytes_for
-from engramrt.lookup.tiers import DiskRowStore, RowStore, choose_tier, make_store
+from engramrt.lookup.tiers import RowStore, choose_tier, tier_class
 from engramrt.lookup.tiers.base import default_compute_device
+from engramrt.packed import pack_rows, row_bytes_for
 
 __all__ = [
     "DEFAULT_BLOCK_BYTES",
@@ -521,22 +521,21 @@ def _new_store(
     disk_path: str | os.PathLike[str] | None,
     store_options: Mapping[str, Any],
 ) -> RowStore:
+    """An empty store of ``tier`` for ``shard`` (a file-backed tier creates ``disk_path``)."""
     compute_device = torch.device(device) if device is not None else default_compute_device()
     if tier == "auto":
         tier = choose_tier(shard.num_rows * row_bytes_for(E), compute_device, disk_path)
-    geometry: dict[str, Any] = {
-        "device": compute_device,
-        "row_begin": shard.row_begin,
-        "col_begin": shard.col_begin,
-        "col_end": shard.col_end,
-    }
-    if tier == "disk":
-        if disk_path is None:
-            raise ValidationError("disk_path = None; expected the packed-row file of tier='disk'")
-        return DiskRowStore(
-            disk_path, shard.num_rows, E, create=True, **geometry, **dict(store_options)
-        )
-    return make_store(tier, num_rows=shard.num_rows, E=E, **geometry, **dict(store_options))
+    return tier_class(tier).build(
+        shard.num_rows,
+        E,
+        path=disk_path,
+        new_file=True,
+        device=compute_device,
+        row_begin=shard.row_begin,
+        col_begin=shard.col_begin,
+        col_end=shard.col_end,
+        **store_options,
+    )
 
 
 def load_table(
@@ -595,8 +594,7 @@ def load_table(
         _check_store(store, shard, cfg.head_dim)
     for local_row, packed in _iter_plan(plan, rows_per_block):
         store.write_rows(local_row, packed)
-    if isinstance(store, DiskRowStore):
-        store.flush()
+    store.flush()
     return store
 
 

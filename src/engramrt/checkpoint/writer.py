@@ -38,7 +38,7 @@ from engramrt.checkpoint.safetensors_format import (
 from engramrt.config import EngramConfig, load_config
 from engramrt.errors import CapacityError, CheckpointError
 from engramrt.layout import EngramLayout
-from engramrt.lookup.reference import row_bytes_for
+from engramrt.packed import row_bytes_for
 
 __all__ = [
     "SCALE_DTYPES",

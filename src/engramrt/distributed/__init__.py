@@ -28,23 +28,20 @@ from engramrt.distributed.shared_table import (
     node_id,
 )
 from engramrt.distributed.stores import (
-    SHARED_TIERS,
-    SharedHostGatherRowStore,
-    SharedUvaRowStore,
+    SharedRows,
     checkpoint_fingerprint,
     checkpoint_loader,
     load_shared_table,
     shared_store,
     shared_table_name,
+    shared_tiers,
 )
 
 __all__ = [
     "DIRECTORY_ENV",
-    "SHARED_TIERS",
     "Loader",
-    "SharedHostGatherRowStore",
     "SharedHostTable",
-    "SharedUvaRowStore",
+    "SharedRows",
     "SharingDecision",
     "SharingRequest",
     "TablePaths",
@@ -57,4 +54,5 @@ __all__ = [
     "node_id",
     "shared_store",
     "shared_table_name",
+    "shared_tiers",
 ]

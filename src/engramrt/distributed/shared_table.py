@@ -99,9 +99,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from engramrt import memory
 from engramrt._io import atomic_write_bytes
 from engramrt.errors import CapacityError, UntrustedFileError, ValidationError
-from engramrt.lookup.tiers import memory
 
 __all__ = [
     "DIRECTORY_ENV",

@@ -1,16 +1,17 @@
 """Storage tiers over rows that already live in host memory (a :class:`SharedHostTable`).
 
-The tiers of :mod:`engramrt.lookup.tiers` allocate their own memory; these
-subclasses serve an existing mapping instead, without copying it:
+The host-memory tiers of :mod:`engramrt.lookup.tiers` take their rows from
+an injected :class:`~engramrt.lookup.tiers.host_rows.HostRows`; here that is
+:class:`SharedRows`, an existing mapping served without copying it:
 
-- :class:`SharedHostGatherRowStore`: the host-gather tier (CPU threads
-  gather the unique rows, one bulk copy to the device) over any contiguous
-  ``[num_rows, row_bytes]`` uint8 CPU tensor, through the tier's
-  ``_allocate_source`` hook. Works on CPU-only machines (tests, gloo).
-- :class:`SharedUvaRowStore`: the UVA tier (the lookup kernel reads the
-  host rows over PCIe) over a shared table registered with
-  ``cudaHostRegister`` by :meth:`SharedHostTable.register_cuda`, through
-  the tier's ``_allocate_host_table`` hook.
+- tier ``"host"``: CPU threads gather the unique rows, one bulk copy to
+  the device; works on CPU-only machines (tests, gloo);
+- tier ``"uva"``: the lookup kernel reads the host rows over PCIe, the
+  table registered with ``cudaHostRegister`` by
+  :meth:`SharedHostTable.register_cuda`.
+
+:func:`shared_store` builds either (any registered tier that takes
+``host_rows``).
 
 :func:`load_shared_table` is the one call an engine makes per layer:
 this rank's shard of a checkpoint's table, loaded once per node, served by
@@ -27,206 +28,106 @@ from typing import Any
 
 import torch
 
+from engramrt import memory
 from engramrt.config import EngramConfig, load_config
 from engramrt.distributed.shared_table import Loader, SharedHostTable
 from engramrt.errors import CapacityError, ValidationError
 from engramrt.layout import EngramLayout
-from engramrt.lookup.reference import row_bytes_for, row_width_for
-from engramrt.lookup.tiers import memory
-from engramrt.lookup.tiers.base import RowStore
-from engramrt.lookup.tiers.host_gather import DEFAULT_CHUNK_ROWS, GPU_SHARE, HostGatherRowStore
-from engramrt.lookup.tiers.uva import UvaRowStore
+from engramrt.lookup.tiers import TIERS, HostRows, RowStore, tier_class
+from engramrt.packed import check_packed_rows, row_bytes_for
 
 __all__ = [
-    "SHARED_TIERS",
-    "SharedHostGatherRowStore",
-    "SharedUvaRowStore",
+    "SharedRows",
     "checkpoint_fingerprint",
     "checkpoint_loader",
     "load_shared_table",
     "shared_store",
     "shared_table_name",
+    "shared_tiers",
 ]
 
-SHARED_TIERS: tuple[str, ...] = ("host", "uva")
 
-
-def _check_rows(rows: torch.Tensor) -> int:
-    """``E`` of contiguous uint8 ``rows [num_rows, E + E/32]`` in CPU memory."""
-    if (
-        not isinstance(rows, torch.Tensor)
-        or rows.dtype != torch.uint8
-        or rows.dim() != 2
-        or rows.device.type != "cpu"
-        or not rows.is_contiguous()
-    ):
-        found = (
-            f"{rows.dtype} {tuple(rows.shape)} on {rows.device} (contiguous: {rows.is_contiguous()})"
-            if isinstance(rows, torch.Tensor)
-            else type(rows).__name__
-        )
-        raise ValidationError(
-            f"rows is {found}; expected contiguous CPU uint8 [num_rows, E + E/32]"
-        )
-    return row_width_for(rows.shape[1])
-
-
-class SharedHostGatherRowStore(HostGatherRowStore):
-    """The host-gather tier serving existing host rows, read-only.
+class SharedRows(HostRows):
+    """Rows that already exist in host memory (a :class:`SharedHostTable`'s mapping, or a
+    row slice of it), served read-only and never copied.
 
     Args:
-        rows: contiguous ``[num_rows, E + E/32]`` uint8 CPU tensor, e.g.
-            ``SharedHostTable.rows`` or a row slice of it. Not copied.
-        owner: an object to keep alive as long as the store (the table
-            whose mapping ``rows`` views).
-        device, row_begin, col_begin, col_end, validate, chunk_rows,
-        num_threads, backend, gpu_reads, gpu_share: see
-            :class:`HostGatherRowStore`; GPU reads of a shared table's rows
-            register its whole mapping (:meth:`SharedHostTable.register_cuda`).
+        rows: contiguous ``[num_rows, E + E/32]`` uint8 CPU tensor.
+        owner: kept alive as long as the store (the table whose mapping
+            ``rows`` views); a :class:`SharedHostTable` registers its whole
+            mapping for the device once per process
+            (:meth:`SharedHostTable.register_cuda`).
     """
 
-    def __init__(
-        self,
-        rows: torch.Tensor,
-        *,
-        owner: object = None,
-        device: torch.device | str | None = None,
-        row_begin: int = 0,
-        col_begin: int = 0,
-        col_end: int | None = None,
-        validate: bool = False,
-        chunk_rows: int = DEFAULT_CHUNK_ROWS,
-        num_threads: int | None = None,
-        backend: str = "auto",
-        gpu_reads: bool | None = None,
-        gpu_share: float = GPU_SHARE,
-    ) -> None:
-        E = _check_rows(rows)
-        self._existing_rows = rows
+    writable = False
+
+    def __init__(self, rows: torch.Tensor, owner: object = None) -> None:
+        self.E = check_packed_rows("rows", rows, on_cpu=True)
+        self._rows = rows
         self.owner = owner
-        super().__init__(
-            rows.shape[0],
-            E,
-            device=device,
-            row_begin=row_begin,
-            col_begin=col_begin,
-            col_end=col_end,
-            validate=validate,
-            chunk_rows=chunk_rows,
-            num_threads=num_threads,
-            backend=backend,
-            gpu_reads=gpu_reads,
-            gpu_share=gpu_share,
-        )
 
-    def _allocate_source(self) -> torch.Tensor:
-        return self._existing_rows  # no allocation, no capacity check: the rows exist
+    def rows(self, num_rows: int, row_bytes: int, what: str) -> torch.Tensor:
+        if tuple(self._rows.shape) != (num_rows, row_bytes):
+            raise ValidationError(
+                f"{what}: shared rows are {tuple(self._rows.shape)}; expected "
+                f"({num_rows}, {row_bytes})"
+            )
+        return self._rows  # no allocation, no capacity check: the rows exist
 
-    def _register_source(self) -> None:
+    def map_for_device(self, rows: torch.Tensor, holder: object, what: str) -> None:
         if isinstance(self.owner, SharedHostTable):
             self.owner.register_cuda()  # the whole read-only mapping, once per process
             return
-        status = memory.cuda_host_register(self, self.source, read_only=True)  # maybe PROT_READ
+        status = memory.cuda_host_register(holder, rows, read_only=True)  # maybe PROT_READ
         if status != 0:
             raise CapacityError(
-                f"cudaHostRegister of the shared rows ({memory.format_bytes(self.nbytes)}, "
+                f"cudaHostRegister of the shared rows ({memory.format_bytes(rows.numel())}, "
                 f"read-only) for GPU reads returned cudaError {status}; check ulimit -l (memlock)"
             )
 
-    def _write(self, start: int, packed: torch.Tensor) -> None:
+    def check_writable(self) -> None:
         raise ValidationError(
             "write_rows on a store over shared rows; expected them filled by the table's loader"
         )
 
+    def __repr__(self) -> str:
+        return f"SharedRows({tuple(self._rows.shape)}, owner={type(self.owner).__name__})"
 
-class SharedUvaRowStore(UvaRowStore):
-    """The UVA tier serving a shared table's rows (registered for CUDA, not copied).
 
-    Args:
-        table: the shared table; its rows (or ``rows_slice`` of them) are
-            the store's rows.
-        rows_slice: which rows of the table, a ``slice`` with step 1
-            (default: all).
-        device, row_begin, col_begin, col_end, validate, rows_per_program,
-        num_warps, hw_convert: see :class:`UvaRowStore`.
-
-    Raises:
-        CapacityError: no CUDA device, or registration failed.
-    """
-
-    def __init__(
-        self,
-        table: SharedHostTable,
-        *,
-        rows_slice: slice | None = None,
-        device: torch.device | str | None = None,
-        row_begin: int = 0,
-        col_begin: int = 0,
-        col_end: int | None = None,
-        validate: bool = False,
-        rows_per_program: int | None = None,
-        num_warps: int | None = None,
-        hw_convert: bool = False,
-    ) -> None:
-        self.table = table
-        rows = table.rows if rows_slice is None else table.rows[rows_slice]
-        E = _check_rows(rows)
-        self._existing_rows = rows
-        super().__init__(
-            rows.shape[0],
-            E,
-            device=device,
-            row_begin=row_begin,
-            col_begin=col_begin,
-            col_end=col_end,
-            validate=validate,
-            rows_per_program=rows_per_program,
-            num_warps=num_warps,
-            hw_convert=hw_convert,
-        )
-
-    def _allocate_host_table(self) -> torch.Tensor:
-        self.table.register_cuda()  # the whole mapping, once per process
-        return self._existing_rows
-
-    def _write(self, start: int, packed: torch.Tensor) -> None:
-        raise ValidationError(
-            "write_rows on a store over shared rows; expected them filled by the table's loader"
-        )
+def shared_tiers() -> tuple[str, ...]:
+    """The registered tiers that can serve rows they do not allocate (``host_rows``)."""
+    return tuple(sorted(name for name, cls in TIERS.items() if "host_rows" in cls.options()))
 
 
 def shared_store(
-    table: SharedHostTable,
+    table: SharedHostTable | torch.Tensor,
     tier: str = "host",
     *,
     rows_slice: slice | None = None,
-    device: torch.device | str | None = None,
-    row_begin: int = 0,
-    col_begin: int = 0,
-    col_end: int | None = None,
     **options: Any,
 ) -> RowStore:
     """A :class:`RowStore` of ``tier`` (``"host"`` or ``"uva"``) over ``table``'s rows, not copied.
 
-    ``row_begin``/``col_begin``/``col_end`` give the shard the rows are
-    (see :class:`RowStore`); ``options`` go to the tier (``backend``,
-    ``chunk_rows``, ``num_threads``, ``validate``, kernel settings).
+    ``table`` is a :class:`SharedHostTable` or any contiguous CPU uint8 rows
+    ``[num_rows, E + E/32]``; ``rows_slice`` (a step-1 ``slice``) takes some
+    of them. ``options`` go to the tier, checked there: the shard
+    (``device``, ``row_begin``, ``col_begin``, ``col_end``), the checks
+    (``validate``, ``check_ids``) and its own settings (``backend``,
+    ``chunk_rows``, ``num_threads``, ``kernel``, ...).
     """
-    geometry: dict[str, Any] = {
-        "device": device,
-        "row_begin": row_begin,
-        "col_begin": col_begin,
-        "col_end": col_end,
-    }
-    if tier == "host":
-        rows = table.rows if rows_slice is None else table.rows[rows_slice]
-        return SharedHostGatherRowStore(rows, owner=table, **geometry, **options)
-    if tier == "uva":
-        return SharedUvaRowStore(table, rows_slice=rows_slice, **geometry, **options)
-    raise ValidationError(
-        f"tier={tier!r}; expected one of {', '.join(SHARED_TIERS)} for a shared host table "
-        f"(tier 'device' copies into device memory: use make_store('device', packed=table.rows))"
-    )
+    cls = tier_class(tier)
+    if cls.tier not in shared_tiers():
+        raise ValidationError(
+            f"tier={tier!r}; expected one of {', '.join(shared_tiers())} for a shared host table "
+            f"(tier 'device' copies into device memory: use make_store('device', packed=table.rows))"
+        )
+    cls.check_options(options)
+    rows = table.rows if isinstance(table, SharedHostTable) else table
+    if rows_slice is not None:
+        rows = rows[rows_slice]
+    host_rows = SharedRows(rows, owner=table)
+    store: RowStore = cls(rows.shape[0], host_rows.E, host_rows=host_rows, **options)  # type: ignore[call-arg]
+    return store
 
 
 # --- checkpoints -------------------------------------------------------------------

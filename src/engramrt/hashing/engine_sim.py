@@ -248,7 +248,7 @@ def run_schedule(
     negative controls.
     """
     rng = np.random.default_rng(seed)
-    hasher = NgramHasher(consts, token_map, device, backend=backend, validate=True)
+    hasher = NgramHasher(consts, token_map, device, backend=backend, check_ids=True)
     engine = Engine(
         rng, consts, token_map.map, hasher, mode, drop_lookback=drop_lookback, device=device
     )

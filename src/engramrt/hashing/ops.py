@@ -12,7 +12,7 @@ from engramrt.errors import ValidationError
 from engramrt.hashing.history import RequestHistory, SlotHashCache
 from engramrt.hashing.reference import hash_batch_reference
 from engramrt.hashing.types import HashBatch, HashConstants
-from engramrt.hashing.validate import validate_batch
+from engramrt.hashing.validate import check_batch_contents, check_batch_metadata
 
 if TYPE_CHECKING:
     from engramrt.config import EngramConfig
@@ -32,15 +32,19 @@ class NgramHasher:
 
     One call is one launch of ``_ngram_hash_kernel`` (two with a
     :class:`RequestHistory`, whose ring is written by a second kernel), with
-    no host synchronisation when ``validate=False``: the call can be
-    captured in a CUDA graph.
+    no host synchronisation unless ``check_ids``: the call can be captured
+    in a CUDA graph (host-side ``validate`` checks read no tensor).
 
     Args:
         consts: multipliers, primes, offsets and pad id (see :class:`HashConstants`).
         token_map: ``[V]`` tokenizer id -> compressed id.
         device: where batches live.
         backend: ``"auto"``, ``"triton"`` or ``"reference"`` (see ``_backend``).
-        validate: check every batch on the host first (synchronises).
+        validate: check every batch's fields (types, shapes, dtypes,
+            devices) and ``out`` on the host; never synchronises.
+        check_ids: check every batch's values (token ids in the vocabulary,
+            boundaries, positions, lookback ids, history slots) on the host
+            first; synchronises, so off on the hot path.
         out_dtype: ``torch.int32`` (default when every row id fits) or ``torch.int64``.
         block_t: tokens per program of the kernel.
     """
@@ -53,6 +57,7 @@ class NgramHasher:
         *,
         backend: str = "auto",
         validate: bool = True,
+        check_ids: bool = False,
         out_dtype: torch.dtype | None = None,
         block_t: int = 64,
         num_warps: int = 4,
@@ -64,6 +69,7 @@ class NgramHasher:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.backend = resolve_backend(backend, self.device)
         self.validate = validate
+        self.check_ids = check_ids
         self.vocab_size = int(mapping.shape[0])
         self.token_map = np.asarray(mapping, dtype=np.int64)
         fits32 = consts.max_row_id < 2**31
@@ -127,16 +133,18 @@ class NgramHasher:
                 for CUDA graphs).
         """
         if self.validate:
-            validate_batch(
+            check_batch_metadata(batch, max_ngram_size=self.consts.max_ngram_size, history=history)
+            if batch.device != self.device:
+                raise ValidationError(
+                    f"batch is on {batch.device}; this hasher was built for {self.device}"
+                )
+        if self.check_ids:
+            check_batch_contents(
                 batch,
                 vocab_size=self.vocab_size,
                 max_ngram_size=self.consts.max_ngram_size,
                 history=history,
             )
-            if batch.device != self.device:
-                raise ValidationError(
-                    f"batch is on {batch.device}; this hasher was built for {self.device}"
-                )
         shape = (batch.num_tokens, self.consts.n_layers, self.consts.n_cols)
         if out is None:
             out = torch.empty(shape, dtype=self.out_dtype, device=self.device)

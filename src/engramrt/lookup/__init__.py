@@ -13,16 +13,13 @@ import torch
 
 from engramrt._backend import resolve_backend
 from engramrt.errors import ValidationError
-from engramrt.lookup.reference import (
-    gather_packed_rows_reference,
-    lookup_rows_reference,
-    pack_rows,
-    row_bytes_for,
-    row_width_for,
-    unpack_rows,
-)
+from engramrt.lookup.reference import gather_packed_rows_reference, lookup_rows_reference
+from engramrt.lookup.settings import DEFAULT_KERNEL, LookupKernelSettings, check_kernel_settings
+from engramrt.packed import check_packed_rows, pack_rows, row_bytes_for, row_width_for, unpack_rows
 
 __all__ = [
+    "DEFAULT_KERNEL",
+    "LookupKernelSettings",
     "check_lookup_args",
     "check_row_ids_in_shard",
     "gather_packed_rows_reference",
@@ -35,12 +32,6 @@ __all__ = [
 ]
 
 _ID_DTYPES = (torch.int32, torch.int64)
-
-
-def check_max_programs(max_programs: int | None) -> None:
-    """Reject a ``max_programs`` that is neither None nor a positive int."""
-    if max_programs is not None and (not isinstance(max_programs, int) or max_programs < 1):
-        raise ValidationError(f"max_programs = {max_programs!r}; expected None or an int >= 1")
 
 
 def check_lookup_args(
@@ -111,11 +102,9 @@ def lookup_rows(
     row_begin: int = 0,
     out: torch.Tensor | None = None,
     backend: str = "auto",
-    validate: bool = False,
-    rows_per_program: int | None = None,
-    num_warps: int | None = None,
-    hw_convert: bool = False,
-    max_programs: int | None = None,
+    validate: bool = True,
+    check_ids: bool = False,
+    kernel: LookupKernelSettings = DEFAULT_KERNEL,
 ) -> torch.Tensor:
     """Gather and dequantise packed rows: ``[T, C]`` ids -> ``[T, C, E]`` bf16.
 
@@ -130,46 +119,38 @@ def lookup_rows(
         out: optional contiguous ``[T, C, E]`` bf16 to write (a fixed
             address, e.g. for CUDA-graph capture).
         backend: ``"auto"``, ``"triton"`` or ``"reference"``.
-        validate: reject owned ids outside the shard (synchronises). Off on
-            the hot path, where an out-of-range id reads out of bounds.
-        rows_per_program, num_warps: kernel tuning knobs.
-        hw_convert: kernel variant using the GPU's conversion instructions
-            (same bytes on a GPU; see :mod:`engramrt.lookup.kernel`).
-        max_programs: at most this many kernel programs, each serving several
-            tiles in turn (see :func:`engramrt.lookup.kernel.lookup_rows_triton`);
-            the same bytes.
+        validate: check shapes, dtypes, devices, the column range and
+            ``kernel`` on the host (never synchronises).
+        check_ids: reject owned ids outside the table's rows (synchronises).
+            Off on the hot path, where such an id reads as a row of zeros
+            (see :mod:`engramrt.lookup.reference`), never out of bounds.
+        kernel: the kernel's tuning settings (see
+            :class:`~engramrt.lookup.settings.LookupKernelSettings`); the same
+            bytes for every setting (``hw_convert``: on a GPU).
 
     Returns:
         ``out`` or a new ``[T, C, E]`` bf16 tensor on ``packed_table``'s device.
     """
-    if (
-        not isinstance(packed_table, torch.Tensor)
-        or packed_table.dtype != torch.uint8
-        or packed_table.dim() != 2
-        or not packed_table.is_contiguous()
-    ):
-        found = (
-            f"{packed_table.dtype} {tuple(packed_table.shape)}"
-            if isinstance(packed_table, torch.Tensor)
-            else type(packed_table).__name__
-        )
-        raise ValidationError(
-            f"packed_table is {found}; expected contiguous uint8 [num_rows, E + E/32]"
-        )
+    if validate:
+        check_packed_rows("packed_table", packed_table)
+        check_kernel_settings(kernel)
     row_width = row_width_for(packed_table.shape[1])
     device = packed_table.device
-    check_max_programs(max_programs)
-    col_end = check_lookup_args(row_ids, col_begin, col_end, E=row_width, device=device, out=out)
+    num_rows = packed_table.shape[0]
     if validate:
-        check_row_ids_in_shard(
-            row_ids, col_begin, col_end, row_begin, row_begin + packed_table.shape[0]
+        col_end = check_lookup_args(
+            row_ids, col_begin, col_end, E=row_width, device=device, out=out
         )
+    elif col_end is None:
+        col_end = row_ids.shape[1]
+    if check_ids:
+        check_row_ids_in_shard(row_ids, col_begin, col_end, row_begin, row_begin + num_rows)
     if resolve_backend(backend, device) == "reference":
         rows = lookup_rows_reference(
             row_ids, packed_table, row_width, col_begin, col_end, row_begin
         )
         return rows if out is None else out.copy_(rows)
-    if row_ids.device != device:
+    if validate and row_ids.device != device:
         raise ValidationError(
             f"row_ids is on {row_ids.device}; expected packed_table's device {device}"
         )
@@ -185,8 +166,6 @@ def lookup_rows(
         col_begin=col_begin,
         col_end=col_end,
         row_begin=row_begin,
-        rows_per_program=rows_per_program,
-        num_warps=num_warps,
-        hw_convert=hw_convert,
-        max_programs=max_programs,
+        num_rows=num_rows,
+        kernel=kernel,
     )

@@ -17,6 +17,10 @@ Design (one launch, no host synchronisation, capturable in a CUDA graph):
   264-byte rows alternate between 0 and 8 mod 16, so 8 bytes is the widest
   load that is legal for every row without padding the table format.
 - Non-owned columns (tensor-parallel shards) load nothing and store +0.0.
+- Memory-safe without checks: an owned id outside the table's rows
+  ``[row_begin, row_begin + num_rows)`` loads nothing and stores +0.0, as
+  :func:`engramrt.lookup.reference.lookup_rows_reference` defines; no id
+  makes the kernel read outside the table.
 - Conversions are the integer formulations of :mod:`engramrt.quant.kernel`,
   so the bytes equal :func:`engramrt.lookup.reference.lookup_rows_reference`
   on the GPU and in Triton's interpreter alike (about 15 integer/float
@@ -37,8 +41,9 @@ import torch
 import triton
 import triton.language as tl
 
-from engramrt.lookup.reference import word_dtype_for
-from engramrt.quant.kernel import _dequantize_to_bf16_bits
+from engramrt._jit import flat_lookups, store_dequantized_rows
+from engramrt.lookup.settings import DEFAULT_KERNEL, LookupKernelSettings
+from engramrt.packed import word_dtype_for
 
 __all__ = [
     "DEFAULT_NUM_WARPS",
@@ -58,63 +63,7 @@ GATHER_ROWS_PER_PROGRAM = 8
 scattered rows from host memory, against 4, 16 and 32)."""
 
 
-@triton.jit
-def _flat_lookups(
-    row_ids_ptr,
-    tile,
-    n_lookups,
-    num_cols,
-    stride_t,
-    stride_c,
-    col_begin,
-    col_end,
-    ROWS: tl.constexpr,
-):
-    """Tile ``tile``'s (int64) ``ROWS`` flat lookups ``t * C + c``: their indices,
-    whether each is in the batch and owned (``col_begin <= c < col_end``), and its row
-    id as int64 (0 where not owned)."""
-    lookup = tile * ROWS + tl.arange(0, ROWS).to(tl.int64)  # [ROWS] flat (t, c)
-    in_batch = lookup < n_lookups
-    token = lookup // num_cols
-    col = lookup - token * num_cols
-    owned = in_batch & (col >= col_begin) & (col < col_end)
-    row_id = tl.load(row_ids_ptr + token * stride_t + col * stride_c, mask=owned, other=0)
-    return lookup, in_batch, owned, row_id.to(tl.int64)
-
-
-@triton.jit
-def _store_dequantized_rows(
-    out_ptr,
-    lookup,
-    row_ptrs,
-    read,
-    written,
-    E: tl.constexpr,
-    NB: tl.constexpr,
-    NB_PAD: tl.constexpr,
-    HW_CONVERT: tl.constexpr,
-):
-    """Dequantise the packed row at ``row_ptrs[i]`` (``[ROWS]`` uint8 pointers; zeros
-    where not ``read``) into ``out[lookup[i]]`` where ``written``, as a
-    ``[ROWS, NB_PAD, 32]`` tile."""
-    block = tl.arange(0, NB_PAD)
-    lane = tl.arange(0, 32)
-    if NB_PAD != NB:
-        load_ok = (read[:, None] & (block < NB)[None, :])[:, :, None]  # [ROWS, NB_PAD, 1]
-        store_ok = (written[:, None] & (block < NB)[None, :])[:, :, None]
-    else:
-        load_ok = read[:, None, None]  # [ROWS, 1, 1]
-        store_ok = written[:, None, None]
-    byte = block[None, :, None] * 32 + lane[None, None, :]  # [1, NB_PAD, 32]
-    value_bytes = tl.load(row_ptrs[:, None, None] + byte, mask=load_ok, other=0)
-    scale_ptrs = row_ptrs[:, None, None] + E + block[None, :, None]  # [ROWS, NB_PAD, 1]
-    scale_bytes = tl.load(scale_ptrs, mask=load_ok, other=127)
-    bf16_bits = _dequantize_to_bf16_bits(value_bytes, scale_bytes, HW_CONVERT)
-    out_offsets = lookup[:, None, None] * E + byte
-    tl.store(out_ptr + out_offsets, bf16_bits, mask=store_ok)
-
-
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows"])
 def _lookup_rows_kernel(
     row_ids_ptr,  # [T, C] int32 / int64, strides (stride_t, stride_c)
     table_ptr,  # [num_rows, ROW_BYTES] uint8, packed rows
@@ -126,6 +75,7 @@ def _lookup_rows_kernel(
     col_begin,
     col_end,
     row_begin,
+    num_rows,  # rows of the table: ids outside [row_begin, row_begin + num_rows) read zeros
     E: tl.constexpr,
     ROW_BYTES: tl.constexpr,
     NB: tl.constexpr,
@@ -136,7 +86,7 @@ def _lookup_rows_kernel(
 ):
     first_tile = tl.program_id(0).to(tl.int64) * TILES
     for i in range(TILES):
-        lookup, in_batch, owned, row_id = _flat_lookups(
+        lookup, in_batch, owned, row_id = flat_lookups(
             row_ids_ptr,
             first_tile + i,
             n_lookups,
@@ -147,10 +97,12 @@ def _lookup_rows_kernel(
             col_end,
             ROWS,
         )
-        local_row = tl.where(owned, row_id - row_begin, 0)
+        local_row = row_id - row_begin
+        in_table = owned & (local_row >= 0) & (local_row < num_rows)
+        local_row = tl.where(in_table, local_row, 0)
         row_ptrs = table_ptr + local_row * ROW_BYTES  # [ROWS]
-        _store_dequantized_rows(
-            out_ptr, lookup, row_ptrs, owned, in_batch, E, NB, NB_PAD, HW_CONVERT
+        store_dequantized_rows(
+            out_ptr, lookup, row_ptrs, in_table, in_batch, E, NB, NB_PAD, HW_CONVERT
         )
 
 
@@ -163,10 +115,8 @@ def lookup_rows_triton(
     col_begin: int,
     col_end: int,
     row_begin: int,
-    rows_per_program: int | None = None,
-    num_warps: int | None = None,
-    hw_convert: bool = False,
-    max_programs: int | None = None,
+    num_rows: int,
+    kernel: LookupKernelSettings = DEFAULT_KERNEL,
 ) -> torch.Tensor:
     """Launch :func:`_lookup_rows_kernel` (inputs validated by the caller).
 
@@ -175,24 +125,21 @@ def lookup_rows_triton(
         table: packed ``[num_rows, E + E/32]`` uint8 rows: a contiguous tensor
             or an object with ``data_ptr()`` and ``dtype`` readable by the device.
         out: contiguous ``[T, C, E]`` bf16, fully written.
-        rows_per_program, num_warps: tuning knobs (defaults: 4096 values per
-            program, 4 warps).
-        hw_convert: decode and round with the GPU's conversion instructions
-            instead of integer operations (see
-            :func:`engramrt.quant.kernel._dequantize_to_bf16_bits`).
-        max_programs: launch at most this many programs, each serving
-            consecutive tiles (a power of two of them) in turn; None: one
-            tile per program. Meant for reads of host memory, whose programs
-            mostly wait on the bus: fewer of them hold fewer of the GPU's
-            multiprocessors while a model runs beside them.
+        num_rows: rows of ``table``; an owned id outside
+            ``[row_begin, row_begin + num_rows)`` reads a row of zeros.
+        kernel: tile, warps, conversion variant and grid limit (see
+            :class:`LookupKernelSettings`). With ``max_programs``, each
+            program serves a power of two of consecutive tiles in turn:
+            fewer programs hold fewer of the GPU's multiprocessors while a
+            model runs beside reads of host memory.
     """
     num_tokens, num_cols = row_ids.shape
     n_lookups = num_tokens * num_cols
     if n_lookups == 0:
         return out
-    blocks, blocks_pad, rows = tile_shape(E, rows_per_program)
+    blocks, blocks_pad, rows = tile_shape(E, kernel.rows_per_program)
     tiles = triton.cdiv(n_lookups, rows)
-    per_program = tiles_per_program(tiles, max_programs)
+    per_program = tiles_per_program(tiles, kernel.max_programs)
     grid = (triton.cdiv(tiles, per_program),)
     _lookup_rows_kernel[grid](
         row_ids,
@@ -205,14 +152,15 @@ def lookup_rows_triton(
         col_begin,
         col_end,
         row_begin,
+        num_rows,
         E=E,
         ROW_BYTES=E + blocks,
         NB=blocks,
         NB_PAD=blocks_pad,
         ROWS=rows,
-        HW_CONVERT=hw_convert,
+        HW_CONVERT=kernel.hw_convert,
         TILES=per_program,
-        num_warps=num_warps or DEFAULT_NUM_WARPS,
+        num_warps=kernel.num_warps or DEFAULT_NUM_WARPS,
     )
     return out
 
@@ -236,13 +184,14 @@ def tiles_per_program(tiles: int, max_programs: int | None) -> int:
     return triton.next_power_of_2(triton.cdiv(tiles, max_programs))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows"])
 def _gather_packed_kernel(
     row_ids_ptr,  # [U] int32 / int64, global row ids
     table_ptr,  # [num_rows, WORDS] words, packed rows
     out_ptr,  # [U, WORDS] words, contiguous
     n_rows,  # U
     row_begin,
+    num_rows,  # rows of the table: ids outside [row_begin, row_begin + num_rows) copy zeros
     WORDS: tl.constexpr,
     WORDS_PAD: tl.constexpr,
     ROWS: tl.constexpr,
@@ -251,10 +200,14 @@ def _gather_packed_kernel(
     r = pid * ROWS + tl.arange(0, ROWS).to(tl.int64)
     ok = r < n_rows
     row = tl.load(row_ids_ptr + r, mask=ok, other=0).to(tl.int64) - row_begin
+    in_table = ok & (row >= 0) & (row < num_rows)
+    row = tl.where(in_table, row, 0)
     word = tl.arange(0, WORDS_PAD)
-    mask = ok[:, None] & (word < WORDS)[None, :]
-    words = tl.load(table_ptr + row[:, None] * WORDS + word[None, :], mask=mask)
-    tl.store(out_ptr + r[:, None] * WORDS + word[None, :], words, mask=mask)
+    in_row = (word < WORDS)[None, :]
+    words = tl.load(
+        table_ptr + row[:, None] * WORDS + word[None, :], mask=in_table[:, None] & in_row, other=0
+    )
+    tl.store(out_ptr + r[:, None] * WORDS + word[None, :], words, mask=ok[:, None] & in_row)
 
 
 def gather_packed_rows_triton(
@@ -263,6 +216,7 @@ def gather_packed_rows_triton(
     out: torch.Tensor,
     *,
     row_begin: int = 0,
+    num_rows: int,
 ) -> torch.Tensor:
     """Copy packed rows ``table[row_ids - row_begin]`` into ``out`` (inputs validated by the caller).
 
@@ -272,6 +226,8 @@ def gather_packed_rows_triton(
             bytes: a contiguous tensor, or an object with ``data_ptr()`` and
             that ``dtype`` readable by the device (host memory mapped for it).
         out: contiguous ``[U, row_bytes]`` uint8 on the compute device.
+        num_rows: rows of ``table``; an id outside ``[row_begin, row_begin +
+            num_rows)`` copies a row of zero bytes, read from nowhere.
 
     The bytes equal :func:`engramrt.lookup.reference.gather_packed_rows_reference`.
     """
@@ -287,6 +243,7 @@ def gather_packed_rows_triton(
         out.view(word),
         n_rows,
         row_begin,
+        num_rows,
         WORDS=words,
         WORDS_PAD=triton.next_power_of_2(words),
         ROWS=GATHER_ROWS_PER_PROGRAM,

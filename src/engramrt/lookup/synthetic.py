@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from engramrt.lookup.reference import row_bytes_for
+from engramrt.packed import row_bytes_for
 
 __all__ = ["random_packed_rows"]
 

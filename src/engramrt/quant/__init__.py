@@ -52,28 +52,39 @@ def check_row_width(name: str, row_width: int) -> None:
 
 
 def quantize_rows(
-    x: torch.Tensor, *, backend: str = "auto", validate: bool = True
+    x: torch.Tensor,
+    *,
+    backend: str = "auto",
+    validate: bool = True,
+    check_finite: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantise float rows to e4m3fn values and ue8m0 scale bytes (SPEC §6).
 
     Args:
         x: ``[..., E]`` float32, bfloat16 or float16; ``E`` a multiple of 32.
         backend: ``"auto"``, ``"triton"`` or ``"reference"``.
-        validate: check that ``x`` is finite (one host synchronisation).
-            Non-finite input has no defined quantisation; with
-            ``validate=False`` its bytes are unspecified.
+        validate: check ``x``'s dtype and shape on the host (never
+            synchronises).
+        check_finite: check that ``x`` is finite (one host synchronisation;
+            on by default: quantising runs offline, in conversion, where a
+            non-finite value would silently spoil a stored row). Non-finite
+            input has no defined quantisation; unchecked, its bytes are
+            unspecified.
 
     Returns:
         ``(values [..., E] float8_e4m3fn, scales [..., E/32] uint8)`` on
         ``x``'s device.
     """
-    if not isinstance(x, torch.Tensor) or x.dtype not in _FLOAT_INPUTS:
-        found = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
-        raise ValidationError(f"x has dtype {found}; expected one of float32, bfloat16, float16")
-    if x.dim() < 1:
-        raise ValidationError(f"x has shape {tuple(x.shape)}; expected [..., E]")
-    check_row_width("x", x.shape[-1])
-    if validate and x.numel() > 0 and not bool(torch.isfinite(x).all()):
+    if validate:
+        if not isinstance(x, torch.Tensor) or x.dtype not in _FLOAT_INPUTS:
+            found = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValidationError(
+                f"x has dtype {found}; expected one of float32, bfloat16, float16"
+            )
+        if x.dim() < 1:
+            raise ValidationError(f"x has shape {tuple(x.shape)}; expected [..., E]")
+        check_row_width("x", x.shape[-1])
+    if check_finite and x.numel() > 0 and not bool(torch.isfinite(x).all()):
         bad = torch.nonzero(~torch.isfinite(x))[0].tolist()
         raise ValidationError(
             f"x{bad} = {x[tuple(bad)].item()}; expected finite values (a non-finite block has no scale)"

@@ -34,6 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
+from engramrt._jit import dequantize_to_bf16_bits
+
 __all__ = ["dequantize_rows_triton", "quantize_rows_triton"]
 
 _TILE_ELEMENTS = 4096
@@ -78,44 +80,6 @@ def _fp32_to_e4m3fn_code(x):
     subnormal = shifted.to(tl.int32, bitcast=True) - (141 << 23)
     code = tl.where(magnitude < (121 << 23), subnormal, normal)
     return code | sign
-
-
-@triton.jit
-def _dequantize_to_bf16_bits(value_bytes, scale_bytes, HW_CONVERT: tl.constexpr):
-    """``bf16(fp32(value) * 2**(b-127))`` as int16 bits; NaN as ``0x7FC0``.
-
-    ``value_bytes`` and ``scale_bytes`` are uint8 and broadcast against each
-    other (``[..., 32]`` and ``[..., 1]``).
-
-    ``HW_CONVERT=False`` (the default everywhere) decodes and rounds with
-    integer operations and is exact in Triton's interpreter too.
-    ``HW_CONVERT=True`` uses the GPU's conversion instructions instead
-    (``cvt`` e4m3 -> f16 -> f32 and ``cvt.rn`` f32 -> bf16): fewer
-    instructions per value, same bytes on a GPU; the interpreter gets it
-    right only for finite codes and normal products (it truncates to bf16
-    and decodes the NaN codes as 480), so it is checked in full on the GPU.
-    """
-    scale = (scale_bytes.to(tl.int32) << 23).to(tl.float32, bitcast=True)
-    if HW_CONVERT:
-        product = value_bytes.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale
-        bits = product.to(tl.bfloat16).to(tl.int16, bitcast=True)
-        return tl.where(product != product, 0x7FC0, bits.to(tl.int32)).to(tl.int16)
-    value_bits = value_bytes.to(tl.int32)
-    magnitude = value_bits & 0x7F
-    # Put the e4m3 exponent and mantissa fields at the top of the fp32
-    # fields; multiplying by 2**120 (= 2**(127-7)) rebiases the exponent and
-    # also turns e4m3 subnormals (exponent field 0, an fp32 subnormal here)
-    # into the exact value. Both products below are exact or IEEE-rounded.
-    decoded_bits = ((value_bits & 0x80) << 24) | (magnitude << 20)
-    decoded = decoded_bits.to(tl.float32, bitcast=True) * 1.329227995784916e36
-    product = decoded * scale
-    product_bits = product.to(tl.int32, bitcast=True)
-    # fp32 -> bf16 round to nearest even on the bits; overflow rounds to inf.
-    # (Only subnormal products have non-zero low bits: 4 significant bits times
-    # a power of two fit bf16's 8 otherwise.)
-    rounded = (product_bits + 0x7FFF + ((product_bits >> 16) & 1)) >> 16
-    is_nan = (magnitude == 0x7F) | (product != product)
-    return tl.where(is_nan, 0x7FC0, rounded).to(tl.int16)
 
 
 @triton.jit
@@ -182,7 +146,7 @@ def _dequantize_rows_kernel(
     value_bytes = tl.load(values_ptr + offsets, mask=tile_ok, other=0)
     scale_offsets = row[:, None, None] * NB + block[None, :, None]  # [ROWS, NB_PAD, 1]
     scale_bytes = tl.load(scales_ptr + scale_offsets, mask=tile_ok, other=127)
-    bf16_bits = _dequantize_to_bf16_bits(value_bytes, scale_bytes, HW_CONVERT)
+    bf16_bits = dequantize_to_bf16_bits(value_bytes, scale_bytes, HW_CONVERT)
     tl.store(out_ptr + offsets, bf16_bits, mask=tile_ok)
 
 

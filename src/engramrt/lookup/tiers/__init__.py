@@ -10,24 +10,35 @@ disk       a raw packed-row file, memory-mapped, then as ``host``      yes
 synthetic  nowhere: rows computed from their ids (demos, tests)        no
 =========  ==========================================================  =====================
 
-:func:`make_store` builds one, checking capacity first.
+:func:`make_store` builds one, checking capacity first. Each tier is a class
+registered in :data:`TIERS` by :func:`register_tier`; a new tier is a new
+module whose class carries the decorator (and is imported once).
 """
 
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import torch
 
+from engramrt import memory
 from engramrt.errors import CapacityError, ValidationError
-from engramrt.lookup.reference import row_bytes_for, row_width_for
-from engramrt.lookup.tiers import memory
-from engramrt.lookup.tiers.base import RowStore, default_compute_device
+from engramrt.lookup.tiers.base import (
+    TIERS,
+    KernelRowStore,
+    RowStore,
+    default_compute_device,
+    register_tier,
+    tier_class,
+)
 from engramrt.lookup.tiers.device import DeviceRowStore
 from engramrt.lookup.tiers.disk import DiskRowStore
-from engramrt.lookup.tiers.host_gather import DEFAULT_CHUNK_ROWS, GPU_SHARE, HostGatherRowStore
+from engramrt.lookup.tiers.host_gather import HostGatherRowStore
+from engramrt.lookup.tiers.host_rows import HostRows, MappedFileRows, PrivateHostRows
 from engramrt.lookup.tiers.synthetic import SyntheticRowStore
 from engramrt.lookup.tiers.uva import UvaRowStore
+from engramrt.packed import row_bytes_for, row_width_for
 
 __all__ = [
     "AUTO_DEVICE_HEADROOM_BYTES",
@@ -35,14 +46,18 @@ __all__ = [
     "DeviceRowStore",
     "DiskRowStore",
     "HostGatherRowStore",
+    "HostRows",
+    "KernelRowStore",
+    "MappedFileRows",
+    "PrivateHostRows",
     "RowStore",
     "SyntheticRowStore",
     "UvaRowStore",
     "choose_tier",
     "make_store",
+    "register_tier",
+    "tier_class",
 ]
-
-TIERS: tuple[str, ...] = ("auto", "device", "uva", "host", "disk")
 
 AUTO_DEVICE_HEADROOM_BYTES = 8 * 2**30
 """Device memory ``tier="auto"`` leaves free for weights and activations."""
@@ -79,11 +94,6 @@ def choose_tier(nbytes: int, device: torch.device, path: str | os.PathLike[str] 
     )
 
 
-def _given(**settings: int | None) -> dict[str, int]:
-    """The settings that are not None (the others keep the store's defaults)."""
-    return {name: value for name, value in settings.items() if value is not None}
-
-
 def make_store(
     tier: str = "auto",
     *,
@@ -92,24 +102,12 @@ def make_store(
     packed: torch.Tensor | None = None,
     path: str | os.PathLike[str] | None = None,
     device: torch.device | str | None = None,
-    row_begin: int = 0,
-    col_begin: int = 0,
-    col_end: int | None = None,
-    validate: bool = False,
-    backend: str = "auto",
-    chunk_rows: int = DEFAULT_CHUNK_ROWS,
-    num_threads: int | None = None,
-    gpu_reads: bool | None = None,
-    gpu_share: float = GPU_SHARE,
-    rows_per_program: int | None = None,
-    num_warps: int | None = None,
-    hw_convert: bool = False,
-    max_programs: int | None = None,
+    **options: Any,
 ) -> RowStore:
     """Build a :class:`RowStore` of ``tier`` for rows ``[row_begin, row_begin + num_rows)``.
 
     Args:
-        tier: ``"auto"``, ``"device"``, ``"uva"``, ``"host"`` or ``"disk"``.
+        tier: ``"auto"`` (see :func:`choose_tier`) or a name of :data:`TIERS`.
         num_rows, E: table size; taken from ``packed`` when it is given
             (then they must agree), or for ``"disk"`` from the file.
         packed: optional ``[num_rows, E + E/32]`` uint8 rows to fill the store
@@ -118,25 +116,19 @@ def make_store(
         path: the packed-row file of tier ``"disk"``: created (after a
             free-space check) when ``packed`` is given, opened otherwise.
         device: the compute device (default: the current CUDA device, else CPU).
-        row_begin, col_begin, col_end, validate: the shard and checked mode,
-            see :class:`RowStore`.
-        backend: kernel or reference for the device/host/disk tiers.
-        chunk_rows, num_threads: host-gather settings (``"host"``, ``"disk"``).
-        gpu_reads, gpu_share: whether and how much the GPU reads host rows
-            itself (``"host"``; see :class:`HostGatherRowStore`).
-        rows_per_program, num_warps, hw_convert: kernel settings (``"device"``,
-            ``"uva"``; see :func:`engramrt.lookup.lookup_rows`).
-        max_programs: at most this many programs for kernels that read host
-            memory (``"uva"``, and ``"host"`` with GPU reads, which also
-            takes ``rows_per_program``). None: the tier's default (UVA: one
-            program per tile; host: :data:`engramrt.lookup.tiers.host_gather.READ_MAX_PROGRAMS`).
+        options: the tier's own keyword arguments, checked against
+            :meth:`RowStore.options`: the shard and checks (``row_begin``,
+            ``col_begin``, ``col_end``, ``validate``, ``check_ids``) for every
+            tier; ``backend``, ``kernel`` (a
+            :class:`~engramrt.lookup.settings.LookupKernelSettings`) and the
+            host-gather settings (``chunk_rows``, ``num_threads``,
+            ``gpu_reads``, ``gpu_share``) where the tier takes them.
 
     Raises:
         CapacityError: the chosen memory or disk is too small.
-        ValidationError: inconsistent sizes or an unknown tier.
+        ValidationError: inconsistent sizes, an unknown tier or an option the
+            tier does not take (the message lists those it does).
     """
-    if tier not in TIERS:
-        raise ValidationError(f"tier = {tier!r}; expected one of {', '.join(TIERS)}")
     if packed is not None:
         if packed.dtype != torch.uint8 or packed.dim() != 2:
             raise ValidationError(
@@ -156,75 +148,10 @@ def make_store(
             tier = "disk"
         else:
             tier = choose_tier(num_rows * row_bytes_for(E), compute_device, path)
-    if tier != "disk" and num_rows is None:
-        raise ValidationError(f"num_rows = None for tier={tier!r}; expected the rows to hold")
-    store: RowStore
-    if tier == "disk":
-        if path is None:
-            raise ValidationError("path = None; expected the packed-row file of tier='disk'")
-        store = DiskRowStore(
-            path,
-            num_rows,
-            E,
-            create=packed is not None,
-            device=compute_device,
-            row_begin=row_begin,
-            col_begin=col_begin,
-            col_end=col_end,
-            validate=validate,
-            chunk_rows=chunk_rows,
-            num_threads=num_threads,
-            backend=backend,
-        )
-    elif tier == "host":
-        assert num_rows is not None
-        store = HostGatherRowStore(
-            num_rows,
-            E,
-            device=compute_device,
-            row_begin=row_begin,
-            col_begin=col_begin,
-            col_end=col_end,
-            validate=validate,
-            chunk_rows=chunk_rows,
-            num_threads=num_threads,
-            backend=backend,
-            gpu_reads=gpu_reads,
-            gpu_share=gpu_share,
-            **_given(max_programs=max_programs, rows_per_program=rows_per_program),
-        )
-    elif tier == "uva":
-        assert num_rows is not None
-        store = UvaRowStore(
-            num_rows,
-            E,
-            device=compute_device,
-            row_begin=row_begin,
-            col_begin=col_begin,
-            col_end=col_end,
-            validate=validate,
-            rows_per_program=rows_per_program,
-            num_warps=num_warps,
-            hw_convert=hw_convert,
-            max_programs=max_programs,
-        )
-    else:
-        assert num_rows is not None
-        store = DeviceRowStore(
-            num_rows,
-            E,
-            device=compute_device,
-            row_begin=row_begin,
-            col_begin=col_begin,
-            col_end=col_end,
-            validate=validate,
-            backend=backend,
-            rows_per_program=rows_per_program,
-            num_warps=num_warps,
-            hw_convert=hw_convert,
-        )
+    store = tier_class(tier).build(
+        num_rows, E, path=path, new_file=packed is not None, device=compute_device, **options
+    )
     if packed is not None:
         store.write_rows(0, packed)
-        if isinstance(store, DiskRowStore):
-            store.flush()
+        store.flush()
     return store

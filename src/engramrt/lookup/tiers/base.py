@@ -6,23 +6,67 @@ hash columns ``[col_begin, col_end)``) in some memory, and answers
 ``lookup(row_ids [T, C]) -> [T, C, E]`` bf16 on its compute device with the
 bytes of :func:`engramrt.lookup.reference.lookup_rows_reference`.
 Where the rows live, and how they reach the device, is the tier's business;
-a new tier is a new file, not an ``if`` in every caller.
+a new tier is a new file, not an ``if`` in every caller: a :class:`RowStore`
+subclass decorated with :func:`register_tier`, which puts it in
+:data:`TIERS` under its :attr:`RowStore.tier` name for ``make_store``, the
+checkpoint loader and the shared-table stores to find.
 """
 
 from __future__ import annotations
 
+import inspect
 from abc import abstractmethod
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 import torch
 
 from engramrt.errors import ValidationError
 from engramrt.lookup import check_lookup_args, check_row_ids_in_shard
-from engramrt.lookup.reference import row_bytes_for
+from engramrt.lookup.mapped import MappedHostRows, lookup_mapped_rows
+from engramrt.lookup.settings import DEFAULT_KERNEL, LookupKernelSettings, check_kernel_settings
+from engramrt.packed import row_bytes_for
 from engramrt.quant import check_row_width
 from engramrt.source import RowSource
 
-__all__ = ["RowStore", "default_compute_device"]
+__all__ = [
+    "TIERS",
+    "KernelRowStore",
+    "RowStore",
+    "default_compute_device",
+    "register_tier",
+    "tier_class",
+]
+
+TIERS: dict[str, type[RowStore]] = {}
+"""Every registered tier, by name (see :func:`register_tier`)."""
+
+_Store = TypeVar("_Store", bound="type[RowStore]")
+
+
+def register_tier(cls: _Store) -> _Store:
+    """Class decorator: register a :class:`RowStore` subclass under its ``tier`` name."""
+    name = cls.__dict__.get("tier")
+    if not isinstance(name, str) or not name or name == "auto":
+        raise ValidationError(
+            f"{cls.__name__}.tier = {name!r}; expected the tier's own name (not 'auto')"
+        )
+    if TIERS.get(name, cls) is not cls:
+        raise ValidationError(
+            f"tier {name!r} of {cls.__name__} is already registered by {TIERS[name].__name__}; "
+            f"expected a new name"
+        )
+    TIERS[name] = cls
+    return cls
+
+
+def tier_class(name: str) -> type[RowStore]:
+    """The registered class of tier ``name``; the error lists the tiers there are."""
+    cls = TIERS.get(name) if isinstance(name, str) else None
+    if cls is None:
+        raise ValidationError(
+            f"tier = {name!r}; expected 'auto' or one of {', '.join(sorted(TIERS))}"
+        )
+    return cls
 
 
 def default_compute_device() -> torch.device:
@@ -51,11 +95,19 @@ class RowStore(RowSource):
         col_begin, col_end: the hash columns served; ``col_end=None`` means
             "up to the last column of each batch". Other columns read as 0.
         device: where :meth:`lookup` writes its output (the compute device).
-        validate: check every batch's owned ids against the shard (one host
-            synchronisation per call); off on the hot path.
+        validate: check every batch's shapes, dtypes and devices on the host
+            (never synchronises; on by default).
+        check_ids: check every batch's owned ids against the shard (one host
+            synchronisation per call); off on the hot path, where an id
+            outside the shard reads as a row of zeros on the kernel tiers.
+
+    A subclass's constructor takes ``(num_rows, E, *, <its options>,
+    **common)`` and passes ``common`` (the arguments above) on unchanged.
     """
 
     tier: ClassVar[str]
+    set_options: ClassVar[frozenset[str]] = frozenset()
+    """Options of a base class that a subclass sets itself (not the caller's)."""
 
     def __init__(
         self,
@@ -66,7 +118,8 @@ class RowStore(RowSource):
         row_begin: int = 0,
         col_begin: int = 0,
         col_end: int | None = None,
-        validate: bool = False,
+        validate: bool = True,
+        check_ids: bool = False,
     ) -> None:
         check_row_width("E", E)
         if num_rows < 0:
@@ -85,7 +138,70 @@ class RowStore(RowSource):
         self.col_begin = int(col_begin)
         self.col_end = None if col_end is None else int(col_end)
         self.device = _with_index(device) if device is not None else default_compute_device()
-        self.validate = validate
+        self.validate = bool(validate)
+        self.check_ids = bool(check_ids)
+
+    @classmethod
+    def options(cls) -> tuple[str, ...]:
+        """The keyword arguments this tier's constructor accepts (its own and the
+        base classes' it passes on), in order."""
+        names: list[str] = []
+        for klass in cls.__mro__:
+            init = klass.__dict__.get("__init__")
+            if init is None:
+                continue
+            parameters = inspect.signature(init).parameters.values()
+            names += [
+                p.name
+                for p in parameters
+                if p.kind == p.KEYWORD_ONLY
+                and p.name not in names
+                and p.name not in cls.set_options
+            ]
+            if not any(p.kind == p.VAR_KEYWORD for p in parameters):
+                break
+        return tuple(names)
+
+    @classmethod
+    def check_options(cls, options: dict[str, Any]) -> None:
+        """Raise :class:`ValidationError` naming the options this tier does not take."""
+        accepted = cls.options()
+        unknown = [name for name in options if name not in accepted]
+        if unknown:
+            raise ValidationError(
+                f"option(s) {', '.join(unknown)} for tier={cls.tier!r}; expected some of "
+                f"{', '.join(accepted)}"
+            )
+
+    @classmethod
+    def build(
+        cls,
+        num_rows: int | None,
+        E: int,
+        *,
+        path: Any = None,
+        new_file: bool = False,
+        **options: Any,
+    ) -> RowStore:
+        """The store ``make_store`` asks for: ``num_rows`` rows of ``E`` values, options
+        checked against :meth:`options`. ``path`` and ``new_file`` concern tiers that keep
+        rows in a file (see :meth:`_create`); the others ignore them."""
+        cls.check_options(options)
+        return cls._create(num_rows, E, path, new_file, options)
+
+    @classmethod
+    def _create(
+        cls, num_rows: int | None, E: int, path: Any, new_file: bool, options: dict[str, Any]
+    ) -> RowStore:
+        """Construct from :meth:`build`'s checked arguments (a file-backed tier overrides)."""
+        if num_rows is None:
+            raise ValidationError(
+                f"num_rows = None for tier={cls.tier!r}; expected the rows to hold"
+            )
+        return cls(num_rows, E, **options)
+
+    def flush(self) -> None:
+        """Make written rows durable (a file-backed tier); nothing to do elsewhere."""
 
     @property
     def row_end(self) -> int:
@@ -101,11 +217,16 @@ class RowStore(RowSource):
 
         Columns outside ``[col_begin, col_end)`` are zeros. ``out``, when
         given, is a contiguous ``[T, C, E]`` bf16 tensor on :attr:`device`.
+        The one place a store checks its inputs (:attr:`validate`,
+        :attr:`check_ids`); the tier's work below does not check again.
         """
-        col_end = check_lookup_args(
-            row_ids, self.col_begin, self.col_end, E=self.E, device=self.device, out=out
-        )
         if self.validate:
+            col_end = check_lookup_args(
+                row_ids, self.col_begin, self.col_end, E=self.E, device=self.device, out=out
+            )
+        else:
+            col_end = row_ids.shape[1] if self.col_end is None else self.col_end
+        if self.check_ids:
             check_row_ids_in_shard(row_ids, self.col_begin, col_end, self.row_begin, self.row_end)
         return self._lookup(row_ids, col_end, out)
 
@@ -174,4 +295,49 @@ class RowStore(RowSource):
             f"{type(self).__name__}(tier={self.tier!r}, rows=[{self.row_begin}, {self.row_end}), "
             f"cols=[{self.col_begin}, {self.col_end}), E={self.E}, nbytes={self.nbytes}, "
             f"device={self.device})"
+        )
+
+
+class KernelRowStore(RowStore):
+    """A store whose lookups run the lookup kernel (or its reference) over its rows.
+
+    Args:
+        num_rows, E: see :class:`RowStore`.
+        backend: ``"auto"``, ``"triton"`` or ``"reference"``.
+        kernel: the lookup kernel's settings (see :class:`LookupKernelSettings`);
+            None: the tier's :attr:`default_kernel`. The attribute
+            :attr:`kernel` is read at every lookup.
+        common: ``device``, ``row_begin``, ``col_begin``, ``col_end``,
+            ``validate``, ``check_ids`` (see :class:`RowStore`).
+    """
+
+    default_kernel: ClassVar[LookupKernelSettings] = DEFAULT_KERNEL
+
+    def __init__(
+        self,
+        num_rows: int,
+        E: int,
+        *,
+        backend: str = "auto",
+        kernel: LookupKernelSettings | None = None,
+        **common: Any,
+    ) -> None:
+        super().__init__(num_rows, E, **common)
+        self.backend = backend
+        self.kernel = check_kernel_settings(self.default_kernel if kernel is None else kernel)
+
+    def _read_mapped(
+        self, mapped: MappedHostRows, row_ids: torch.Tensor, col_end: int, out: Any
+    ) -> torch.Tensor:
+        """The lookup kernel over this store's rows in host memory mapped for the device."""
+        return lookup_mapped_rows(
+            row_ids,
+            mapped,
+            out,
+            E=self.E,
+            device=self.device,
+            col_begin=self.col_begin,
+            col_end=col_end,
+            row_begin=self.row_begin,
+            kernel=self.kernel,
         )

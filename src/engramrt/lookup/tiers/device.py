@@ -8,24 +8,24 @@ synchronisation, capturable in a CUDA graph. On a machine without a GPU the
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
+from engramrt import memory
 from engramrt.lookup import lookup_rows
-from engramrt.lookup.tiers import memory
-from engramrt.lookup.tiers.base import RowStore
+from engramrt.lookup.tiers.base import KernelRowStore, register_tier
 
 __all__ = ["DeviceRowStore"]
 
 
-class DeviceRowStore(RowStore):
+@register_tier
+class DeviceRowStore(KernelRowStore):
     """Packed rows in device memory (HBM), or in CPU memory on a CPU-only machine.
 
     Args:
-        num_rows, E, device, row_begin, col_begin, col_end, validate: see
-            :class:`RowStore`.
-        backend: ``"auto"``, ``"triton"`` or ``"reference"`` for the lookup.
-        rows_per_program, num_warps, hw_convert: kernel settings (see
-            :func:`engramrt.lookup.lookup_rows`).
+        num_rows, E, options: see :class:`KernelRowStore` (``backend``,
+            ``kernel``) and :class:`RowStore` (the shard and checks).
 
     Raises:
         CapacityError: the device (or, on a CPU device, the host) has less
@@ -34,30 +34,8 @@ class DeviceRowStore(RowStore):
 
     tier = "device"
 
-    def __init__(
-        self,
-        num_rows: int,
-        E: int,
-        *,
-        device: torch.device | str | None = None,
-        row_begin: int = 0,
-        col_begin: int = 0,
-        col_end: int | None = None,
-        validate: bool = False,
-        backend: str = "auto",
-        rows_per_program: int | None = None,
-        num_warps: int | None = None,
-        hw_convert: bool = False,
-    ) -> None:
-        super().__init__(
-            num_rows,
-            E,
-            device=device,
-            row_begin=row_begin,
-            col_begin=col_begin,
-            col_end=col_end,
-            validate=validate,
-        )
+    def __init__(self, num_rows: int, E: int, **options: Any) -> None:
+        super().__init__(num_rows, E, **options)
         what = f"tier='device' ({self.num_rows} rows of {self.row_bytes} B)"
         if self.device.type == "cuda":
             memory.require(
@@ -65,10 +43,6 @@ class DeviceRowStore(RowStore):
             )
         else:
             memory.require(what, self.nbytes, memory.host_available_bytes(), "host memory")
-        self.backend = backend
-        self.rows_per_program = rows_per_program
-        self.num_warps = num_warps
-        self.hw_convert = hw_convert
         self.table = torch.empty(
             (self.num_rows, self.row_bytes), dtype=torch.uint8, device=self.device
         )
@@ -93,7 +67,6 @@ class DeviceRowStore(RowStore):
             row_begin=self.row_begin,
             out=out,
             backend=self.backend,
-            rows_per_program=self.rows_per_program,
-            num_warps=self.num_warps,
-            hw_convert=self.hw_convert,
+            validate=False,  # checked once, by lookup()
+            kernel=self.kernel,
         )

@@ -1,31 +1,31 @@
 """Disk tier: a raw packed-row file, memory-mapped and served by host gather.
 
 The file is nothing but the packed rows back to back (``num_rows *
-(E + E/32)`` bytes, no header), opened with ``numpy.memmap``; lookups run
-the host-gather path of :mod:`.host_gather` over the mapping, so only the
-pages holding the requested rows are read and a table larger than host
-memory still serves (the operating system's page cache keeps hot rows).
-Gather threads fault pages in parallel, which keeps several reads in
-flight on an NVMe drive. Sorted unique ids read the file front to back.
+(E + E/32)`` bytes, no header), opened with ``numpy.memmap``
+(:class:`~engramrt.lookup.tiers.host_rows.MappedFileRows`); lookups run the
+host-gather path of :mod:`.host_gather` over the mapping, so only the pages
+holding the requested rows are read and a table larger than host memory
+still serves (the operating system's page cache keeps hot rows). Gather
+threads fault pages in parallel, which keeps several reads in flight on an
+NVMe drive. Sorted unique ids read the file front to back.
 """
 
 from __future__ import annotations
 
 import os
-import warnings
 from pathlib import Path
-
-import numpy as np
-import torch
+from typing import Any, ClassVar
 
 from engramrt.errors import CheckpointError, ValidationError
-from engramrt.lookup.reference import row_bytes_for
-from engramrt.lookup.tiers import memory
-from engramrt.lookup.tiers.host_gather import DEFAULT_CHUNK_ROWS, HostGatherRowStore
+from engramrt.lookup.tiers.base import RowStore, register_tier
+from engramrt.lookup.tiers.host_gather import HostGatherRowStore
+from engramrt.lookup.tiers.host_rows import MappedFileRows
+from engramrt.packed import row_bytes_for
 
 __all__ = ["DiskRowStore"]
 
 
+@register_tier
 class DiskRowStore(HostGatherRowStore):
     """Packed rows in a raw file on disk, gathered through a memory map.
 
@@ -38,8 +38,9 @@ class DiskRowStore(HostGatherRowStore):
             ``path``) after checking the free disk space; otherwise open an
             existing one, whose size must be ``num_rows * (E + E/32)``.
         writable: open an existing file for :meth:`write_rows` too.
-        device, row_begin, col_begin, col_end, validate, chunk_rows,
-        num_threads, backend: see :class:`HostGatherRowStore`.
+        options: see :class:`HostGatherRowStore` (GPU reads stay off unless
+            ``gpu_reads=True``: pinning a file's mapping would hold all of it
+            in memory).
 
     Raises:
         CapacityError: ``create=True`` and the file system has less free
@@ -48,7 +49,7 @@ class DiskRowStore(HostGatherRowStore):
     """
 
     tier = "disk"
-    _maps_rows_for_gpu = False  # pinning a file's mapping would hold all of it in memory
+    set_options: ClassVar[frozenset[str]] = frozenset({"host_rows"})
 
     def __init__(
         self,
@@ -58,18 +59,9 @@ class DiskRowStore(HostGatherRowStore):
         *,
         create: bool = False,
         writable: bool = False,
-        device: torch.device | str | None = None,
-        row_begin: int = 0,
-        col_begin: int = 0,
-        col_end: int | None = None,
-        validate: bool = False,
-        chunk_rows: int = DEFAULT_CHUNK_ROWS,
-        num_threads: int | None = None,
-        backend: str = "auto",
+        **options: Any,
     ) -> None:
         self.path = Path(path)
-        self.create = create
-        self.writable = writable or create
         row_bytes = row_bytes_for(E)
         if not create:
             if not self.path.is_file():
@@ -93,50 +85,16 @@ class DiskRowStore(HostGatherRowStore):
             raise ValidationError(
                 "num_rows = None with create=True; expected the rows of the new file"
             )
-        self._memmap: np.memmap | None = None
-        super().__init__(
-            num_rows,
-            E,
-            device=device,
-            row_begin=row_begin,
-            col_begin=col_begin,
-            col_end=col_end,
-            validate=validate,
-            chunk_rows=chunk_rows,
-            num_threads=num_threads,
-            backend=backend,
-        )
+        self.create = create
+        self.writable = writable or create
+        rows = MappedFileRows(self.path, create=create, writable=writable)
+        super().__init__(num_rows, E, host_rows=rows, **options)
 
-    def _allocate_source(self) -> torch.Tensor:
-        shape = (self.num_rows, self.row_bytes)
-        if self.create:
-            existing = self.path.stat().st_size if self.path.is_file() else 0
-            what = f"tier='disk' file {self.path} ({self.num_rows} rows of {self.row_bytes} B)"
-            memory.require(
-                what, self.nbytes - existing, memory.disk_free_bytes(self.path), "its file system"
-            )
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            with open(self.path, "wb") as handle:  # sparse until written
-                handle.truncate(self.nbytes)
-        if self.nbytes == 0:  # mmap cannot map zero bytes
-            return torch.empty(shape, dtype=torch.uint8)
-        if self.writable:
-            self._memmap = np.memmap(self.path, dtype=np.uint8, mode="r+", shape=shape)
-        else:
-            self._memmap = np.memmap(self.path, dtype=np.uint8, mode="r", shape=shape)
-        with warnings.catch_warnings():
-            # A read-only mapping is not writable; this tier never writes through it then.
-            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-            return torch.from_numpy(self._memmap)
-
-    def _write(self, start: int, packed: torch.Tensor) -> None:
-        if not self.writable:
-            raise ValidationError(
-                f"write_rows on {self.path} opened read-only; expected writable=True or create=True"
-            )
-        super()._write(start, packed)
-
-    def flush(self) -> None:
-        """Write dirty pages of the mapping back to the file."""
-        if self._memmap is not None:
-            self._memmap.flush()
+    @classmethod
+    def _create(
+        cls, num_rows: int | None, E: int, path: Any, new_file: bool, options: dict[str, Any]
+    ) -> RowStore:
+        """The file at ``path``: created (``new_file``) or opened."""
+        if path is None:
+            raise ValidationError("path = None; expected the packed-row file of tier='disk'")
+        return cls(path, num_rows, E, create=new_file, **options)

@@ -11,10 +11,10 @@ For tables larger than device memory. One lookup:
    capturable in a CUDA graph); they are made local (``id - row_begin``)
    there;
 3. the rows are gathered into a persistent pinned staging buffer in
-   ``pieces`` of ``chunk_rows`` rows, each by one ``torch.index_select``
-   that runs on torch's intra-op thread pool (``num_threads`` threads), over
-   the widest integer view of a row (int64 words for 264-byte rows); each
-   piece is copied to the device on a side stream while the next one is
+   pieces of ``chunk_rows`` rows, each by one ``torch.index_select`` that
+   runs on torch's intra-op thread pool (``num_threads`` threads), over the
+   widest integer view of a row (int64 words for 264-byte rows); each piece
+   is copied to the device on a side stream while the next one is
    gathered;
 4. the lookup kernel, given the unique rows as its table and the inverse
    index as row ids, dequantises them and scatters them back to
@@ -22,58 +22,32 @@ For tables larger than device memory. One lookup:
 
 GPU reads (``gpu_reads``, on by default on a CUDA device): the rows are
 also page-locked and mapped for the device (``cudaHostRegister``, as the
-UVA tier does; about 0.5 s per 8 GiB when the store is built), and the GPU
-reads some of them itself:
+UVA tier does), and the GPU reads some of them itself:
 
 - a batch of fewer than :data:`DEDUP_MIN_ROWS` owned ids (decode) skips all
   of the above: the lookup kernel reads its rows straight from host memory,
-  with no host synchronisation (H200, 6,144 random rows of an 8 GiB
-  table: 80 µs, against 538 µs for the CPU path), from a bounded grid that
-  leaves most of the GPU to the model beside it (:data:`READ_MAX_PROGRAMS`);
+  with no host synchronisation, from a bounded grid that leaves most of the
+  GPU to the model beside it (:data:`HOST_READ_KERNEL`);
 - in a larger batch, the GPU can copy the highest ``gpu_share`` of the
   unique rows out of host memory on its own stream while the CPU gathers
   the others (step 3), both feeding step 4 (off by default: see
   :data:`GPU_SHARE`).
 
-Why this shape (measured on an H200 host, 16 vCPUs, 196,608 random
-264-byte rows of an 8 GiB table; ``bench/study_host_tier.py``): one
-``index_select`` with 16 intra-op threads gathers 172 M rows/s, while 16
-Python threads each running ``index_select`` on a slice reach 98 M rows/s
-and chunked
-per-thread gather-and-copy pipelines 10-45 M rows/s (GIL and per-chunk
-overhead); int64 words beat bytes (98 vs 83 M rows/s) and numpy's ``take``
-(72 M rows/s); transparent huge pages did not help (48 vs 98 M rows/s).
-The pinned copy runs at 205 M rows/s, unique on the GPU and the ids'
-trip to the host take ~0.2 ms each.
-
-Where one lookup's time goes (T = 8,192, 196,608 rows, 16 threads): unique
-and the ids to the host 0.37 ms, gather and copy in three pieces 1.55 ms,
-dequantise-and-scatter 0.2 ms with its launch; 2.0-2.4 ms in all. Alone, the
-gather runs at 200-245 M rows/s and the pinned copy at ~200 M rows/s, and
-on the same host the two at once take no longer than the copy alone, so
-the stages could overlap; but the deduplication must finish before the
-first gather and the dequantisation waits for the last copy, which bounds
-a lookup of uniform ids at about 0.37 + 0.98 + 0.2 = 1.55 ms (127 M rows/s).
-Pieces: smaller ones shorten the last copy but each can cost up to ~80 µs of
-gather start-up (65,536 rows were best of 16,384 to 1 M), and entering the
-copy stream once per piece rather than once per gather cost another
-30-60 µs each. Tried and dropped:
-
-- a sort-based deduplication that waits once instead of twice: its
-  fifteen small operations cost the host more (0.33 vs 0.21 ms at
-  T = 256) than the wait they save;
-- token groups, each deduplicated, gathered, copied and dequantised in
-  turn so that one group's stages overlap another's: 1, 2, 3 and 6 groups
-  took 2.45, 2.71, 3.52 and 4.43 ms (the store 2.31 ms in the same run),
-  since a group's unique and the ids' trip to the host are latency (a
-  synchronisation each), not work that shrinks with the group; with a
-  helper thread deduplicating ahead, 3 groups took 2.82 ms.
+Why this shape: one multi-threaded ``index_select`` over integer words
+gathers faster than Python threads, per-thread pipelines, byte views or
+numpy; the stages could overlap, but the deduplication must finish before
+the first gather and the dequantisation waits for the last copy, which
+bounds a lookup; smaller pieces shorten the last copy but each costs
+gather start-up. The measurements, and the designs tried and dropped
+(sort-based deduplication, token groups), are in
+BENCHMARKS.md#the-host-tier-where-the-time-goes.
 
 Out-of-range ids are caught nearly for free wherever the ids come to the
 host (sorted unique ids need only their first and last checked, a plain
 batch its minimum and maximum), before the GPU reads any of them; the
-GPU's direct reads of a small batch check ids in validate mode only, as the
-device and UVA tiers do.
+GPU's direct reads of a small batch check ids only with ``check_ids``, as
+the device and UVA tiers do (unchecked, an id outside the shard reads as a
+row of zeros).
 
 A store is meant to be used from one thread at a time (it owns the
 staging buffer).
@@ -85,20 +59,23 @@ import contextlib
 import os
 import warnings
 from collections.abc import Iterator
-from typing import ClassVar
+from typing import Any
 
 import torch
 
+from engramrt import memory
 from engramrt.errors import CapacityError, ValidationError
-from engramrt.lookup import check_max_programs, check_row_ids_in_shard, lookup_rows
-from engramrt.lookup.reference import word_dtype_for
-from engramrt.lookup.tiers import memory
-from engramrt.lookup.tiers.base import RowStore
-from engramrt.lookup.tiers.uva import MappedHostRows, gather_mapped_rows, lookup_mapped_rows
+from engramrt.lookup import check_row_ids_in_shard, lookup_rows
+from engramrt.lookup.mapped import MappedHostRows, gather_mapped_rows
+from engramrt.lookup.settings import LookupKernelSettings
+from engramrt.lookup.tiers.base import KernelRowStore, register_tier
+from engramrt.lookup.tiers.host_rows import HostRows, PrivateHostRows
+from engramrt.packed import word_dtype_for
 
 __all__ = [
     "DEFAULT_CHUNK_ROWS",
     "GPU_SHARE",
+    "HOST_READ_KERNEL",
     "READ_MAX_PROGRAMS",
     "READ_ROWS_PER_PROGRAM",
     "HostGatherRowStore",
@@ -107,51 +84,44 @@ __all__ = [
 DEFAULT_CHUNK_ROWS = 65536
 """Rows per pipelined piece (17 MB at 264 B): 8,192 tokens x 24 columns is
 three pieces, so the copy of one overlaps the gather of the next while each
-gather is still long enough to keep 16 threads busy."""
+gather is still long enough to keep 16 threads busy. Chosen by measurement:
+BENCHMARKS.md#the-host-tier-where-the-time-goes."""
 
 DEDUP_MIN_ROWS = 32768
 """Owned ids below which a lookup skips deduplication (the ``dedup_min_rows``
-attribute of a store, read at every lookup; 0 always deduplicates). Sorting
-and the extra wait cost ~0.2 ms of host time; at T = 256 (6,144 ids) the
-whole lookup was 587 µs with it, against 393 µs for a plain gather."""
+attribute of a store, read at every lookup; 0 always deduplicates): for a
+small batch, sorting and the extra wait cost more than the rows they save.
+Chosen by measurement: BENCHMARKS.md#the-host-tier-where-the-time-goes."""
 
 ROWS_PER_GATHER_THREAD = 8192
 """With ``num_threads=None`` the gather uses one intra-op thread per this many
-unique rows (at most the CPUs this process may use). Alone, a lookup is
-faster on more threads (6,144 rows: 0.19 ms on 16, 0.39 ms on one), but in
-a serving loop the gather runs beside the model and competes with it: on
-decode steps of 256 requests (6,144 rows per layer) with a graph-captured
-30-block backbone and prefetch, host tables cost 0.0% and 2.8% of
-throughput against GPU memory (two runs) with one thread, 4.6% with three
-and 2.6% with 16;
-prefill chunks of 8,192 tokens get 16 threads and cost 0.2%
-(``bench/runtime_overhead.py``, H200 host, 16 vCPUs)."""
+unique rows (at most the CPUs this process may use): alone, a lookup is
+faster on more threads, but in a serving loop the gather runs beside the
+model and competes with it, so decode batches get one thread and prefill
+chunks many. Chosen by measurement:
+BENCHMARKS.md#what-keeping-the-tables-off-the-gpu-costs (runs B, C)."""
 
 READ_MAX_PROGRAMS = 16
 READ_ROWS_PER_PROGRAM = 32
 """The lookup kernel's grid limit and tile when it reads a small batch's rows from
 host memory. Its programs mostly wait on the bus, and while they wait they hold
-multiprocessors a model running beside them would use: bounding the grid to 16
-programs of 32-row tiles (each serving its tiles in turn) cost nothing alone
-(6,144 rows: 78 µs, as with one program per 16 rows; 24,576 rows: 0.82 vs
-0.72 ms) and lowered host tables' throughput loss in decode beside a
-graph-captured 7B-sized backbone from 5.8% to 4.5% without prefetch and
-from 5.0% to 3.3% with it (one run). Over three runs, 8 or 16 programs of
-16-64 rows landed between 3.1% and 4.9%, 32 and 64 programs at 4.7-5.2%, the
-unbounded grid at 4.5-5.8% (``bench/runtime_overhead.py --max-programs``,
-H200; the UVA tier, which takes the same settings, went from 5.0-5.2% to
-2.5-3.1% with 16 programs)."""
+multiprocessors a model running beside them would use: a bounded grid, each
+program serving its tiles in turn, reads as fast alone and takes less from the
+model. Chosen by measurement: BENCHMARKS.md#what-keeping-the-tables-off-the-gpu-costs
+(run E)."""
+
+HOST_READ_KERNEL = LookupKernelSettings(
+    rows_per_program=READ_ROWS_PER_PROGRAM, max_programs=READ_MAX_PROGRAMS
+)
+"""The lookup kernel's settings for the host tier's GPU reads of a small batch."""
 
 GPU_SHARE = 0.0
 """Default share of a deduplicated batch's unique rows that the GPU reads from
-host memory itself (the highest ids) while the CPU gathers the rest. Off:
-on the H200 host at T = 8,192 (196,608 random rows of an 8 GiB table,
-``engramrt bench --group lookup``, one run) the CPU alone took 1.91 ms,
-with the GPU reading 15% 1.91 ms, 30% 2.09 ms, 45% 2.00 ms: the GPU's
-reads of scattered 264-byte rows (60-75 M rows/s when sorted) share the
-link and the host memory with the CPU's gather and copies, and gain
-nothing there. A machine with slower CPUs may differ: the bench times the
-shares beside the default."""
+host memory itself (the highest ids) while the CPU gathers the rest. Off: the
+GPU's reads of scattered rows share the link and the host memory with the
+CPU's gather and copies, and gained nothing on the H200 host. A machine with
+slower CPUs may differ: the lookup bench times other shares beside the
+default. Chosen by measurement: BENCHMARKS.md#the-host-tier-where-the-time-goes."""
 
 
 def _word_view(rows: torch.Tensor) -> torch.Tensor:
@@ -189,19 +159,17 @@ def _intra_op_threads(count: int | None) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
-class HostGatherRowStore(RowStore):
+@register_tier
+class HostGatherRowStore(KernelRowStore):
     """Packed rows in host memory (pageable), gathered by the CPU per lookup.
 
     Args:
-        num_rows, E, device, row_begin, col_begin, col_end, validate: see
-            :class:`RowStore`.
+        num_rows, E: see :class:`RowStore`.
         chunk_rows: rows per pipelined piece (gather of one piece overlaps
             the copy of the previous).
         num_threads: torch intra-op threads for the gather; None picks one
             per :data:`ROWS_PER_GATHER_THREAD` unique rows, at most the
             number of CPUs this process may use.
-        backend: ``"auto"``, ``"triton"`` or ``"reference"`` for the final
-            dequantise-and-scatter.
         gpu_reads: page-lock the rows and map them for the device
             (``cudaHostRegister``) so that the GPU reads rows itself: whole
             batches below :attr:`dedup_min_rows` owned ids (the lookup
@@ -212,11 +180,11 @@ class HostGatherRowStore(RowStore):
             registration fails; True: required (a failure raises).
         gpu_share: the fraction of a deduplicated batch's unique rows the
             GPU reads (see :data:`GPU_SHARE`); 0 leaves them all to the CPU.
-        max_programs, rows_per_program: the lookup kernel's grid limit and
-            tile for its reads of a small batch (see
-            :data:`READ_MAX_PROGRAMS` and :func:`engramrt.lookup.lookup_rows`;
-            None: one program per tile, the kernel's tile); attributes read
-            at every lookup.
+        host_rows: where the rows live (default: a private allocation).
+        options: see :class:`KernelRowStore` (``backend`` for the final
+            dequantise-and-scatter; ``kernel`` for the GPU's reads of a
+            small batch, default :data:`HOST_READ_KERNEL`, a bounded grid)
+            and :class:`RowStore` (the shard and checks).
 
     Raises:
         CapacityError: less available host memory (``MemAvailable``) than
@@ -226,36 +194,21 @@ class HostGatherRowStore(RowStore):
 
     tier = "host"
     host_sync = True  # the CPU gathers large batches: it must learn their ids
-    _maps_rows_for_gpu: ClassVar[bool] = True
-    """Whether ``gpu_reads=None`` turns GPU reads on (the disk tier: never)."""
+    default_kernel = HOST_READ_KERNEL
 
     def __init__(
         self,
         num_rows: int,
         E: int,
         *,
-        device: torch.device | str | None = None,
-        row_begin: int = 0,
-        col_begin: int = 0,
-        col_end: int | None = None,
-        validate: bool = False,
         chunk_rows: int = DEFAULT_CHUNK_ROWS,
         num_threads: int | None = None,
-        backend: str = "auto",
         gpu_reads: bool | None = None,
         gpu_share: float = GPU_SHARE,
-        max_programs: int | None = READ_MAX_PROGRAMS,
-        rows_per_program: int | None = READ_ROWS_PER_PROGRAM,
+        host_rows: HostRows | None = None,
+        **options: Any,
     ) -> None:
-        super().__init__(
-            num_rows,
-            E,
-            device=device,
-            row_begin=row_begin,
-            col_begin=col_begin,
-            col_end=col_end,
-            validate=validate,
-        )
+        super().__init__(num_rows, E, **options)
         if chunk_rows < 1:
             raise ValidationError(f"chunk_rows = {chunk_rows}; expected >= 1")
         if num_threads is not None and num_threads < 1:
@@ -264,14 +217,12 @@ class HostGatherRowStore(RowStore):
             raise ValidationError(f"gpu_share = {gpu_share}; expected a fraction in [0, 1]")
         self.chunk_rows = int(chunk_rows)
         self.num_threads = num_threads
-        self.backend = backend
         self.gpu_share = float(gpu_share)
-        check_max_programs(max_programs)
-        self.max_programs = max_programs
-        self.rows_per_program = rows_per_program
         self.dedup_min_rows = DEDUP_MIN_ROWS
         self._arange: torch.Tensor | None = None
-        self.source = self._allocate_source()  # [num_rows, row_bytes] uint8, CPU
+        self.host_rows = host_rows or PrivateHostRows()
+        what = f"tier='{self.tier}' ({self.num_rows} rows of {self.row_bytes} B)"
+        self.source = self.host_rows.rows(self.num_rows, self.row_bytes, what)  # uint8, CPU
         # The source as the device reads it (bytes for the lookup kernel,
         # words for packed copies) when it is registered, and the stream the
         # GPU's share of a gather runs on.
@@ -287,13 +238,12 @@ class HostGatherRowStore(RowStore):
         self._copy_stream: torch.cuda.Stream | None = None
         self._staging_free: torch.cuda.Event | None = None
 
-    def _allocate_source(self) -> torch.Tensor:
-        what = f"tier='{self.tier}' ({self.num_rows} rows of {self.row_bytes} B)"
-        memory.require(what, self.nbytes, memory.host_available_bytes(), "host memory")
-        return torch.empty((self.num_rows, self.row_bytes), dtype=torch.uint8)
-
     def _write(self, start: int, packed: torch.Tensor) -> None:
+        self.host_rows.check_writable()
         self.source[start : start + packed.shape[0]].copy_(packed)
+
+    def flush(self) -> None:
+        self.host_rows.flush()
 
     @property
     def gpu_reads(self) -> bool:
@@ -314,7 +264,7 @@ class HostGatherRowStore(RowStore):
         required = bool(gpu_reads)
         if gpu_reads is None:
             gpu_reads = (
-                self._maps_rows_for_gpu
+                self.host_rows.map_by_default
                 and self.device.type == "cuda"
                 and self.backend != "reference"
                 and self.nbytes > 0
@@ -328,26 +278,15 @@ class HostGatherRowStore(RowStore):
                 "kernels: expected backend 'auto' or 'triton'"
             )
         try:
-            self._register_source()
+            self.host_rows.map_for_device(self.source, self, f"tier='{self.tier}'")
         except CapacityError as error:
             if required:
                 raise
             warnings.warn(f"{error}; the CPU gathers every row", RuntimeWarning, stacklevel=4)
             return
         pointer = self.source.data_ptr()
-        self._mapped = MappedHostRows(pointer)
-        self._mapped_words = MappedHostRows(pointer, word_dtype_for(self.row_bytes))
-
-    def _register_source(self) -> None:
-        """Page-lock :attr:`source` and map it for the device (a hook: rows that
-        belong to a shared table are registered by the table)."""
-        status = memory.cuda_host_register(self, self.source)
-        if status != 0:
-            raise CapacityError(
-                f"tier='{self.tier}' could not page-lock its {memory.format_bytes(self.nbytes)} "
-                f"of host rows for GPU reads: cudaHostRegister returned cudaError {status} (is "
-                f"the memlock limit, ulimit -l, below the table size?)"
-            )
+        self._mapped = MappedHostRows(pointer, self.num_rows)
+        self._mapped_words = MappedHostRows(pointer, self.num_rows, word_dtype_for(self.row_bytes))
 
     # -- gathering ---------------------------------------------------------
 
@@ -452,7 +391,7 @@ class HostGatherRowStore(RowStore):
         copy_stream.wait_stream(compute)
         # The copy stream is current for the whole loop (the gathers run on
         # the CPU, whatever the stream): entering a stream context per piece
-        # cost 30-60 µs each on the H200 host (``bench/study_host_tier.py``).
+        # costs host time each (BENCHMARKS.md#the-host-tier-where-the-time-goes).
         with _intra_op_threads(self._gather_threads(count)), torch.cuda.stream(copy_stream):
             for lo in range(0, count, self.chunk_rows):
                 hi = min(lo + self.chunk_rows, count)
@@ -475,18 +414,7 @@ class HostGatherRowStore(RowStore):
             # Small batches: the lookup kernel reads the rows from host
             # memory itself, with no host synchronisation (ids are checked
             # in validate mode only, as on the device and UVA tiers).
-            return lookup_mapped_rows(
-                row_ids,
-                self._mapped,
-                out,
-                E=self.E,
-                device=self.device,
-                col_begin=self.col_begin,
-                col_end=col_end,
-                row_begin=self.row_begin,
-                max_programs=self.max_programs,
-                rows_per_program=self.rows_per_program,
-            )
+            return self._read_mapped(self._mapped, row_ids, col_end, out)
         if owned.numel() == 0:
             return lookup_rows(
                 row_ids,
@@ -495,6 +423,7 @@ class HostGatherRowStore(RowStore):
                 col_end=col_end,
                 out=out,
                 backend=self.backend,
+                validate=False,  # checked once, by lookup()
             )
         device_ids = None
         if owned.numel() >= self.dedup_min_rows:
@@ -528,6 +457,7 @@ class HostGatherRowStore(RowStore):
             row_begin=0,
             out=out,
             backend=self.backend,
+            validate=False,  # checked once, by lookup()
         )
 
     def _positions(self, count: int) -> torch.Tensor:

@@ -10,10 +10,12 @@ exactly those rows of the whole table).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from engramrt.errors import ValidationError
-from engramrt.lookup.tiers.base import RowStore
+from engramrt.lookup.tiers.base import RowStore, register_tier
 from engramrt.quant import dequantize_rows
 
 __all__ = ["SyntheticRowStore", "synthetic_packed_rows"]
@@ -41,14 +43,19 @@ def synthetic_packed_rows(row_ids: torch.Tensor, E: int, seed: int = 0) -> torch
     return torch.cat([values, scales], dim=-1)
 
 
+@register_tier
 class SyntheticRowStore(RowStore):
     """Rows ``[row_begin, row_end)`` of a synthetic table (see the module doc).
 
     Args:
-        num_rows, E, device, row_begin, col_begin, col_end, validate: see
-            :class:`RowStore`.
+        num_rows, E: see :class:`RowStore`.
         seed: selects the table.
         backend: ``"auto"``, ``"triton"`` or ``"reference"`` for the dequantise.
+        common: ``device``, ``row_begin``, ``col_begin``, ``col_end``,
+            ``validate``, ``check_ids`` (see :class:`RowStore`).
+
+    Every id reads its synthetic row, inside the shard or not: nothing is
+    stored that an id could read out of bounds.
     """
 
     tier = "synthetic"
@@ -58,23 +65,11 @@ class SyntheticRowStore(RowStore):
         num_rows: int,
         E: int,
         *,
-        device: torch.device | str | None = None,
-        row_begin: int = 0,
-        col_begin: int = 0,
-        col_end: int | None = None,
-        validate: bool = False,
         seed: int = 0,
         backend: str = "auto",
+        **common: Any,
     ) -> None:
-        super().__init__(
-            num_rows,
-            E,
-            device=device,
-            row_begin=row_begin,
-            col_begin=col_begin,
-            col_end=col_end,
-            validate=validate,
-        )
+        super().__init__(num_rows, E, **common)
         self.seed = int(seed)
         self.backend = backend
 

@@ -1,61 +1,47 @@
 """UVA tier: pinned host memory read directly by the lookup kernel.
 
-The table is ordinary host memory registered with CUDA
-(``cudaHostRegister``, portable + mapped) so the GPU can read it over PCIe
-through unified virtual addressing; the same gather + dequantise kernel as
-the device tier then runs unchanged, each row crossing the bus once. No
-host synchronisation, so it can be captured in a CUDA graph, but every
-lookup is a small random PCIe read: measured at 26 M rows/s (73 M rows/s
-with ids sorted first) against the host-gather tier's bulk copies, so
-``make_store(tier="auto")`` never picks it.
+The table is host memory registered with CUDA (``cudaHostRegister``,
+portable + mapped) so the GPU can read it over PCIe through unified virtual
+addressing; the same gather + dequantise kernel as the device tier then
+runs unchanged (:mod:`engramrt.lookup.mapped`), each row crossing the bus
+once. No host synchronisation, so it can be captured in a CUDA graph, but
+every lookup is a small random PCIe read, slower than the host-gather
+tier's bulk copies (BENCHMARKS.md#what-keeping-the-tables-off-the-gpu-costs), so ``make_store(tier="auto")``
+never picks it.
 
-Triton refuses pointers it cannot map to the device; it resolves a
-pointer argument with ``cuPointerGetAttribute(DEVICE_POINTER)``, which for
-registered host memory returns its device address. So the kernel receives
-an object whose ``data_ptr()`` is the host address and ``dtype`` is uint8.
-
-Registration is done on pageable memory rather than through
-``pin_memory=True`` because PyTorch's pinned-memory allocator rounds each
-block up to a power of two (a 94 GiB table would take 128 GiB).
+The rows come from a :class:`~engramrt.lookup.tiers.host_rows.HostRows`:
+by default a private allocation of exactly the table's bytes, registered
+after the fact, because PyTorch's pinned-memory allocator rounds each block
+up to a power of two (a 94 GiB table would take 128 GiB).
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
-from engramrt.errors import CapacityError
-from engramrt.lookup import check_max_programs
-from engramrt.lookup.reference import word_dtype_for
-from engramrt.lookup.tiers import memory
-from engramrt.lookup.tiers.base import RowStore
+from engramrt import memory
+from engramrt.errors import ValidationError
+from engramrt.lookup.mapped import MappedHostRows, gather_mapped_rows
+from engramrt.lookup.tiers.base import KernelRowStore, register_tier
+from engramrt.lookup.tiers.host_rows import HostRows, PrivateHostRows
+from engramrt.packed import word_dtype_for
 
-__all__ = ["MappedHostRows", "UvaRowStore", "gather_mapped_rows", "lookup_mapped_rows"]
-
-
-class MappedHostRows:
-    """What Triton needs of a pointer argument: ``data_ptr()`` and ``dtype``.
-
-    ``host_pointer`` is registered host memory (see the module doc);
-    ``dtype`` the element type the kernel reads it as.
-    """
-
-    def __init__(self, host_pointer: int, dtype: torch.dtype = torch.uint8) -> None:
-        self._host_pointer = host_pointer
-        self.dtype = dtype
-
-    def data_ptr(self) -> int:
-        return self._host_pointer
+__all__ = ["UvaRowStore"]
 
 
-class UvaRowStore(RowStore):
+@register_tier
+class UvaRowStore(KernelRowStore):
     """Packed rows in page-locked host memory, read by the kernel over PCIe.
 
     Args:
-        num_rows, E, device, row_begin, col_begin, col_end, validate: see
-            :class:`RowStore`; ``device`` must be a CUDA device.
-        rows_per_program, num_warps, hw_convert, max_programs: kernel settings
-            (see :func:`engramrt.lookup.lookup_rows`); ``max_programs`` is
-            an attribute read at every lookup.
+        num_rows, E: see :class:`RowStore`.
+        host_rows: where the rows live (default: a private allocation).
+        options: see :class:`KernelRowStore` (``backend``: ``"auto"`` or
+            ``"triton"``, the kernel being the tier's only way to read its
+            rows; ``kernel``) and :class:`RowStore` (``device``, a CUDA
+            device, the shard and checks).
 
     Raises:
         CapacityError: no CUDA device, or less available host memory than
@@ -65,64 +51,37 @@ class UvaRowStore(RowStore):
     tier = "uva"
 
     def __init__(
-        self,
-        num_rows: int,
-        E: int,
-        *,
-        device: torch.device | str | None = None,
-        row_begin: int = 0,
-        col_begin: int = 0,
-        col_end: int | None = None,
-        validate: bool = False,
-        rows_per_program: int | None = None,
-        num_warps: int | None = None,
-        hw_convert: bool = False,
-        max_programs: int | None = None,
+        self, num_rows: int, E: int, *, host_rows: HostRows | None = None, **options: Any
     ) -> None:
-        super().__init__(
-            num_rows,
-            E,
-            device=device,
-            row_begin=row_begin,
-            col_begin=col_begin,
-            col_end=col_end,
-            validate=validate,
-        )
+        super().__init__(num_rows, E, **options)
+        if self.backend not in ("auto", "triton"):
+            raise ValidationError(
+                f"backend = {self.backend!r} for tier='uva'; expected 'auto' or 'triton' (the "
+                f"GPU reads host memory with the Triton kernel only)"
+            )
         memory.require_cuda_mapping(
             "tier='uva'", self.device, "; use tier='host' or tier='device' on this machine"
         )
-        self.rows_per_program = rows_per_program
-        self.num_warps = num_warps
-        self.hw_convert = hw_convert
-        check_max_programs(max_programs)
-        self.max_programs = max_programs
-        self.host_table = self._allocate_host_table()
-        self._mapped = MappedHostRows(self.host_table.data_ptr())
-        self._mapped_words = MappedHostRows(
-            self.host_table.data_ptr(), word_dtype_for(self.row_bytes)
-        )
-
-    def _allocate_host_table(self) -> torch.Tensor:
-        """``[num_rows, row_bytes]`` uint8 host rows, page-locked and mapped for the device.
-
-        A hook: a store over memory that already exists (a table shared by
-        several processes) overrides it and checks no capacity.
-        """
+        self.host_rows = host_rows or PrivateHostRows()
         what = f"tier='uva' ({self.num_rows} rows of {self.row_bytes} B, page-locked)"
-        memory.require(what, self.nbytes, memory.host_available_bytes(), "host memory")
-        host_table = torch.empty((self.num_rows, self.row_bytes), dtype=torch.uint8)
+        self.host_table = self.host_rows.rows(self.num_rows, self.row_bytes, what)
         if self.nbytes > 0:
-            status = memory.cuda_host_register(self, host_table)
-            if status != 0:
-                raise CapacityError(
-                    f"tier='uva' could not page-lock {memory.format_bytes(self.nbytes)} of host "
-                    f"memory: cudaHostRegister returned cudaError {status} (is the memlock "
-                    f"limit, ulimit -l, below the table size?)"
-                )
-        return host_table
+            self.host_rows.map_for_device(self.host_table, self, "tier='uva'")
+        pointer = self.host_table.data_ptr()
+        self._mapped = MappedHostRows(pointer, self.num_rows)
+        self._mapped_words = MappedHostRows(pointer, self.num_rows, word_dtype_for(self.row_bytes))
+
+    @property
+    def source(self) -> torch.Tensor:
+        """The host rows ``[num_rows, row_bytes]`` uint8 (as the host tier names them)."""
+        return self.host_table
 
     def _write(self, start: int, packed: torch.Tensor) -> None:
+        self.host_rows.check_writable()
         self.host_table[start : start + packed.shape[0]].copy_(packed)
+
+    def flush(self) -> None:
+        self.host_rows.flush()
 
     def device_rows(self) -> MappedHostRows:
         return self._mapped
@@ -134,75 +93,4 @@ class UvaRowStore(RowStore):
     def _lookup(
         self, row_ids: torch.Tensor, col_end: int, out: torch.Tensor | None
     ) -> torch.Tensor:
-        return lookup_mapped_rows(
-            row_ids,
-            self._mapped,
-            out,
-            E=self.E,
-            device=self.device,
-            col_begin=self.col_begin,
-            col_end=col_end,
-            row_begin=self.row_begin,
-            rows_per_program=self.rows_per_program,
-            num_warps=self.num_warps,
-            hw_convert=self.hw_convert,
-            max_programs=self.max_programs,
-        )
-
-
-def lookup_mapped_rows(
-    row_ids: torch.Tensor,
-    mapped: MappedHostRows,
-    out: torch.Tensor | None,
-    *,
-    E: int,
-    device: torch.device,
-    col_begin: int,
-    col_end: int,
-    row_begin: int,
-    rows_per_program: int | None = None,
-    num_warps: int | None = None,
-    hw_convert: bool = False,
-    max_programs: int | None = None,
-) -> torch.Tensor:
-    """The lookup kernel over rows in registered host memory (``mapped``, bytes)."""
-    from engramrt.lookup.kernel import lookup_rows_triton  # imports Triton
-
-    check_max_programs(max_programs)  # a store attribute, settable between lookups
-    row_ids = row_ids.to(device, non_blocking=True)
-    if out is None:
-        out = torch.empty((*row_ids.shape, E), dtype=torch.bfloat16, device=device)
-    with torch.cuda.device(device):
-        return lookup_rows_triton(
-            row_ids,
-            mapped,
-            out,
-            E=E,
-            col_begin=col_begin,
-            col_end=col_end,
-            row_begin=row_begin,
-            rows_per_program=rows_per_program,
-            num_warps=num_warps,
-            hw_convert=hw_convert,
-            max_programs=max_programs,
-        )
-
-
-def gather_mapped_rows(
-    row_ids: torch.Tensor,
-    mapped_words: MappedHostRows,
-    row_bytes: int,
-    device: torch.device,
-    *,
-    row_begin: int = 0,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Packed rows ``[U, row_bytes]`` of ids ``[U]`` copied by the device out of registered
-    host memory (``mapped_words``, viewed as :func:`word_dtype_for` words)."""
-    from engramrt.lookup.kernel import gather_packed_rows_triton  # imports Triton
-
-    row_ids = row_ids.to(device, non_blocking=True)
-    if out is None:
-        out = torch.empty((row_ids.shape[0], row_bytes), dtype=torch.uint8, device=device)
-    with torch.cuda.device(device):
-        return gather_packed_rows_triton(row_ids, mapped_words, out, row_begin=row_begin)
+        return self._read_mapped(self._mapped, row_ids, col_end, out)

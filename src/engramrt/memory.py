@@ -1,7 +1,9 @@
-"""How much memory or disk a tier may take, probed before it allocates.
+"""How much memory or disk a store may take, probed before it allocates, and the
+``cudaHostRegister`` call that page-locks host rows for the device.
 
-Tiers call these through the module (``memory.host_available_bytes()``),
-so tests can monkeypatch one probe to simulate a small machine.
+Used by the storage tiers, the row cache and the shared host tables. Callers
+go through the module (``memory.host_available_bytes()``), so tests can
+monkeypatch one probe to simulate a small machine.
 """
 
 from __future__ import annotations
