@@ -7,7 +7,8 @@ Every rank builds its column shard of one layer (SPEC §7) of a V4.1 layout
 scaled to ``--table-gib`` GiB per layer (``runtime_overhead.scaled_config``: C = 24,
 E = 256, hidden size 4096; random rows that depend only on the global row id) and, as the reference, the whole table on its own GPU.
 For each T it checks, bit for bit against that single-GPU lookup, and then
-times (median wall time of synchronised calls; every rank calls together):
+times (the report also holds a SHA-256 of the all-gather's rows on rank 0,
+for a check outside this script) (median wall time of synchronised calls; every rank calls together):
 
 - ``AllGatherExchange`` with ``all_gather`` and ``all_reduce`` (full rows on
   every rank);
@@ -31,6 +32,7 @@ Rank 0 prints one line per measurement and writes the JSON report.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import time
@@ -61,6 +63,11 @@ def random_ids(layout: EngramLayout, num_tokens: int, seed: int) -> torch.Tensor
     primes = torch.from_numpy(layout.col_primes[0].copy())
     fraction = torch.rand(num_tokens, layout.n_cols, generator=g, dtype=torch.float64)
     return offsets + (fraction * primes).long().clamp_max(primes - 1)
+
+
+def rows_digest(rows: torch.Tensor) -> str:
+    """SHA-256 of bf16 rows' bit patterns (C order)."""
+    return hashlib.sha256(rows.contiguous().view(torch.int16).cpu().numpy().tobytes()).hexdigest()
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -228,13 +235,18 @@ def main() -> None:
     results: list[dict] = []
     failures: list[str] = []
 
-    def record(what: str, num_tokens: int, ok: bool, ms: float) -> None:
+    def record(
+        what: str, num_tokens: int, ok: bool, ms: float, rows: torch.Tensor | None = None
+    ) -> None:
         flags = torch.tensor([0 if ok else 1], device=device)
         dist.all_reduce(flags)  # a check fails if it fails on any rank
         ok_everywhere = int(flags) == 0
         if not ok_everywhere:
             failures.append(f"{what} T={num_tokens}")
-        results.append({"what": what, "T": num_tokens, "exact": ok_everywhere, "ms": ms})
+        result = {"what": what, "T": num_tokens, "exact": ok_everywhere, "ms": ms}
+        if rows is not None:  # rank 0's rows, for a check outside this script
+            result["rows_sha256"] = rows_digest(rows)
+        results.append(result)
         if rank == 0:
             print(
                 f"tp={world} {what:36s} T={num_tokens:6d} "
@@ -253,9 +265,10 @@ def main() -> None:
         )
         for collective in ("all_gather", "all_reduce"):
             tp_lookup = AllGatherExchange(shard_store, num_cols=C, collective=collective)
-            ok = same_bits(tp_lookup.fetch(ids), expected)
+            rows = tp_lookup.fetch(ids)
+            ok = same_bits(rows, expected)
             ms = median_ms(lambda ids=ids, f=tp_lookup: f.fetch(ids), device, args.reps)
-            record(f"AllGatherExchange {collective}", num_tokens, ok, ms)
+            record(f"AllGatherExchange {collective}", num_tokens, ok, ms, rows)
         part = tokens_per_rank(num_tokens, world)
         begin, end = token_range(num_tokens, world, rank)
         for collective in ("reduce_scatter", "all_to_all"):

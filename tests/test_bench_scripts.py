@@ -120,3 +120,35 @@ def test_multi_gpu_script_on_gloo(tmp_path) -> None:
     assert {"SharedHostTable load once, map", "shared host table, host tier"} <= what
     assert all(r["exact"] for r in report["results"])
     assert [p.name for p in tmp_path.iterdir()] == ["report.json"]
+    # Independent of the script's own verdict: the rows it gathered, recomputed here
+    # with the lookup reference over the same synthetic table.
+    digests = {r["what"]: r["rows_sha256"] for r in report["results"] if "rows_sha256" in r}
+    assert set(digests) == {"AllGatherExchange all_gather", "AllGatherExchange all_reduce"}
+    expected = _gathered_rows_digest(table_gib=0.02, num_tokens=5, seed=5)
+    assert digests == dict.fromkeys(digests, expected)
+    # The control: other rows give another digest, so the comparison above can fail.
+    assert _gathered_rows_digest(table_gib=0.02, num_tokens=5, seed=6) != expected
+
+
+def _gathered_rows_digest(*, table_gib: float, num_tokens: int, seed: int) -> str:
+    """SHA-256 of the rows multi_gpu.py's exchanges must return: ids drawn as the script
+    draws them, rows by the lookup reference over the synthetic table."""
+    import hashlib
+
+    import torch
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        from multi_gpu import random_ids
+        from runtime_overhead import scaled_config
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    from engramrt.layout import EngramLayout
+    from engramrt.lookup import lookup_rows_reference
+    from engramrt.runtime import synthetic_stores
+
+    layout = EngramLayout(scaled_config(table_gib))
+    (store,) = synthetic_stores(layout, "device", device="cpu", seed=1)[:1]
+    ids = random_ids(layout, num_tokens, seed=seed)
+    rows = lookup_rows_reference(ids, store.table, layout.config.head_dim)
+    return hashlib.sha256(rows.view(torch.int16).numpy().tobytes()).hexdigest()

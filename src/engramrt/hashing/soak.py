@@ -63,6 +63,7 @@ def soak(
     device: str | None = None,
     config: str = "tiny",
     stop_at_first: bool = False,
+    progress: int = 0,
 ) -> SoakResult:
     """Run ``count`` schedules with seeds ``seed, seed + 1, ...``.
 
@@ -76,6 +77,9 @@ def soak(
         device: where the kernel runs (default CUDA when available, else CPU).
         config: preset whose hash layout is used.
         stop_at_first: return at the first mismatch.
+        progress: print ``k schedules, m mismatches`` every ``progress``
+            schedules (0: never), so a run stopped early still says how far
+            it got.
     """
     import torch
 
@@ -117,6 +121,8 @@ def soak(
                 found.append(Mismatch(schedule_seed, mode, backend, engine.mismatches[0]))
                 if stop_at_first:
                     return SoakResult(index + 1, tuple(found), time.perf_counter() - start)
+        if progress and (index + 1) % progress == 0:
+            print(f"{index + 1} schedules, {len(found)} mismatches so far", flush=True)
     return SoakResult(count, tuple(found), time.perf_counter() - start)
 
 
@@ -139,6 +145,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--max-steps", type=int, default=12, help="batches per schedule")
     parser.add_argument("--device", default=None, help="kernel device (default: cuda if any)")
+    parser.add_argument(
+        "--progress", type=int, default=0, help="print a count every this many schedules"
+    )
     return parser
 
 
@@ -168,6 +177,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             max_steps=args.max_steps,
             device=args.device,
             stop_at_first=True,
+            progress=args.progress,
         )
     except EngramError as exc:
         print(f"error: {exc}", file=sys.stderr)
