@@ -249,7 +249,10 @@ def test_convert_into_read_only_directory(capsys, tmp_path, source) -> None:
 
 def test_entry_point_prints_one_line(tmp_path) -> None:
     """The installed console script: exit 2, one stderr line, nothing on stdout."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
+    }
     done = subprocess.run(
         [sys.executable, "-m", "engramrt.cli", "hash", "-c", "tiny", "--ids", "1,2**70"],
         capture_output=True,

@@ -138,7 +138,10 @@ def test_same_tensor_in_two_source_files_is_an_error(tmp_path, small) -> None:
 
 
 def _convert_process(src: Path, dst: Path, config_file: Path, kill_at: str | None) -> int:
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
+    }
     env.pop(KILL_ENV, None)
     if kill_at is not None:
         env[KILL_ENV] = kill_at

@@ -73,7 +73,11 @@ def test_schedule_draws_stay_in_range(token_map) -> None:
 
 
 def test_soak_script_runs_the_installed_package(tmp_path) -> None:
-    env = {**os.environ, "PYTHON": sys.executable, "PYTHONPATH": str(ROOT / "src")}
+    env = {
+        **os.environ,
+        "PYTHON": sys.executable,
+        "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
+    }
     done = subprocess.run(
         [str(ROOT / "scripts" / "soak"), "5", "--seed", "9"],
         capture_output=True,

@@ -256,7 +256,7 @@ def register(app: typer.Typer) -> None:
         token_ids = np.array(tokenizer.encode(text, add_special_tokens=False).ids, dtype=np.int64)
         if token_ids.size < 24:
             raise EngramError(f"the text has {token_ids.size} tokens; the demo needs at least 24")
-        hasher = NgramHasher(consts, token_map, dev)
+        hasher = NgramHasher(consts, token_map, dev, check_ids=True)
         console.print(
             f"[bold]engramrt demo[/]: {cfg.name} layout ({cfg.n_layers} layers, C={cfg.n_cols}, "
             f"{sum(layout.num_embeddings):,} rows), {token_ids.size} tokens, device {dev}, "

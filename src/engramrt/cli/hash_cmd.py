@@ -105,7 +105,7 @@ def register(app: typer.Typer) -> None:
             )
             raise ValidationError(f"{given_as} gives no token; expected at least one token id")
         chunk_sizes = parse_int_list("--chunks", chunks) if chunks is not None else None
-        hasher = NgramHasher.from_config(cfg, token_map, dev, backend=backend)
+        hasher = NgramHasher.from_config(cfg, token_map, dev, backend=backend, check_ids=True)
         row_ids = stream_sequence(hasher, token_ids, chunk_sizes, history=history)
         consts = HashConstants.from_config(cfg, token_map)
         one_shot = hash_sequence(token_map.compress(token_ids), consts)
