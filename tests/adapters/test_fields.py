@@ -243,7 +243,10 @@ _SGLANG_INVALID = [
     ({"extend_seq_lens": None}, "extend_prefix_lens was given alone"),
     ({"extend_seq_lens": None, "extend_prefix_lens": None}, "seq_lens is None in a decode step"),
     ({"req_pool_indices": torch.tensor([2, 9, 1])}, r"req_pool_indices\[1\]=9"),
-    ({"req_pool_indices": torch.tensor([2, 0])}, r"extend_prefix_lens has shape \[3\]; expected \[2\]"),
+    (
+        {"req_pool_indices": torch.tensor([2, 0])},
+        r"extend_prefix_lens has shape \[3\]; expected \[2\]",
+    ),
     (
         {"extend_prefix_lens": torch.tensor([11, 0, 2], dtype=torch.int32)},
         "request 0 reaches position 12; req_to_token has only 12 positions",
