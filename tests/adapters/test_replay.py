@@ -49,6 +49,7 @@ def _replay(
 ):
     rng = np.random.default_rng(seed)
     hasher = NgramHasher(consts, token_map, device, backend=backend, validate=True)
+    assert hasher.backend == backend
     dead_rate = float(rng.choice([0.0, 0.0, 0.1]))
     options = (
         {"block_size": block_size, "pad_slot_id": pad_slot_id, "worst_padding": worst_padding}
@@ -70,7 +71,7 @@ _FAST = {"deadline": None, "suppress_health_check": [HealthCheck.function_scoped
     block_size=st.sampled_from([1, 3, 4, 16]),
     pad_slot_id=st.sampled_from([-1, 0]),
 )
-@settings(max_examples=20, **_FAST)
+@settings(max_examples=100, **_FAST)
 def test_vllm_replays_match_one_shot(seed, block_size, pad_slot_id, consts, token_map) -> None:
     sim = _replay(
         "vllm", seed, "reference", consts, token_map, block_size=block_size, pad_slot_id=pad_slot_id
@@ -79,7 +80,7 @@ def test_vllm_replays_match_one_shot(seed, block_size, pad_slot_id, consts, toke
 
 
 @given(seed=st.integers(0, 2**32 - 1))
-@settings(max_examples=20, **_FAST)
+@settings(max_examples=100, **_FAST)
 def test_sglang_replays_match_one_shot(seed, consts, token_map) -> None:
     sim = _replay("sglang", seed, "reference", consts, token_map)
     assert not sim.mismatches, sim.mismatches
@@ -87,9 +88,9 @@ def test_sglang_replays_match_one_shot(seed, consts, token_map) -> None:
 
 @pytest.mark.parametrize("engine", sorted(ENGINES))
 @given(seed=st.integers(0, 2**32 - 1))
-@settings(max_examples=3, **_FAST)
+@settings(max_examples=10, **_FAST)
 def test_kernel_replays_match_one_shot(engine, seed, consts, token_map, device) -> None:
-    sim = _replay(engine, seed, "triton", consts, token_map, device=device, steps=10)
+    sim = _replay(engine, seed, "triton", consts, token_map, device=device, steps=16)
     assert not sim.mismatches, sim.mismatches
 
 
