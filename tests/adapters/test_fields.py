@@ -18,7 +18,15 @@ from engramrt.adapters import (
 )
 from engramrt.config import PRESETS
 from engramrt.errors import ValidationError
-from engramrt.hashing import DEAD, EMPTY, HashBatch, HashConstants, hash_batch_reference
+from engramrt.hashing import (
+    DEAD,
+    EMPTY,
+    HashBatch,
+    HashConstants,
+    NgramHasher,
+    hash_batch_reference,
+    hash_sequence,
+)
 
 N = 4  # max_ngram_size of the tiny preset
 
@@ -338,3 +346,55 @@ def test_adapters_do_not_synchronise_cuda() -> None:
         from_sglang_batch(**sglang_step, cache=cache)
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+# KV from elsewhere -----------------------------------------------------------------
+
+
+def _remote_prefill_steps(engine: str, tokens: np.ndarray, lookback: list[int] | None):
+    """Positions 6..7, then 8, of a request whose first 6 positions were prefilled elsewhere."""
+    lb = None if lookback is None else torch.tensor([lookback])
+    if engine == "vllm":
+        blocks = [3, 1, 6]
+        slots = [blocks[p // 4] * 4 + p % 4 for p in range(9)]
+
+        def step(start: int, end: int, lookback_ids) -> HashBatch:
+            return from_vllm_step(
+                input_ids=torch.from_numpy(tokens[start:end]),
+                positions=torch.arange(start, end),
+                query_start_loc=torch.tensor([0, end - start], dtype=torch.int32),
+                slot_mapping=torch.tensor(slots[start:end]),
+                block_table=torch.tensor([blocks], dtype=torch.int32),
+                block_size=4,
+                lookback_token_ids=lookback_ids,
+            )
+
+        return vllm_slot_cache(8, 4), [step(6, 8, lb), step(8, 9, None)]
+    pool = _pool()
+
+    def batch(start: int, end: int, lookback_ids) -> HashBatch:
+        return from_sglang_batch(
+            input_ids=torch.from_numpy(tokens[start:end]),
+            req_pool_indices=torch.tensor([1]),
+            req_to_token=pool,
+            max_ngram_size=N,
+            extend_prefix_lens=torch.tensor([start]),
+            extend_seq_lens=torch.tensor([end - start]),
+            lookback_token_ids=lookback_ids,
+        )
+
+    return sglang_slot_cache(1001), [batch(6, 8, lb), batch(8, 9, None)]
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+def test_kv_from_elsewhere_needs_lookback_once(engine, backend, consts, token_map) -> None:
+    """Lookback ids in the first step seed the cache; the next step finds them there."""
+    tokens = np.random.default_rng(5).integers(0, token_map.vocab_size, 9)
+    want = hash_sequence(token_map.compress(tokens), consts)[6:9]
+    for lookback, exact in (([int(t) for t in tokens[5:2:-1]], True), (None, False)):
+        hasher = NgramHasher(consts, token_map, "cpu", backend=backend)
+        cache, steps = _remote_prefill_steps(engine, tokens, lookback)
+        got = np.concatenate([hasher(b, cache).numpy().astype(np.int64) for b in steps])
+        # Without lookback ids (the control) the history before position 6 is unknown.
+        assert np.array_equal(got, want) == exact
