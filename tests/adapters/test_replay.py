@@ -87,10 +87,12 @@ def test_sglang_replays_match_one_shot(seed, consts, token_map) -> None:
 
 
 @pytest.mark.parametrize("engine", sorted(ENGINES))
-@given(seed=st.integers(0, 2**32 - 1))
+@given(seed=st.integers(0, 2**32 - 1), block_size=st.sampled_from([1, 4, 16]))
 @settings(max_examples=10, **_FAST)
-def test_kernel_replays_match_one_shot(engine, seed, consts, token_map, device) -> None:
-    sim = _replay(engine, seed, "triton", consts, token_map, device=device, steps=16)
+def test_kernel_replays_match_one_shot(engine, seed, block_size, consts, token_map, device) -> None:
+    sim = _replay(
+        engine, seed, "triton", consts, token_map, device=device, steps=16, block_size=block_size
+    )
     assert not sim.mismatches, sim.mismatches
 
 
