@@ -310,6 +310,12 @@ def test_sglang_validate_false_skips_the_checks() -> None:
         from_sglang_batch(**step)
     batch = from_sglang_batch(**step, validate=False)
     assert batch.query_start_loc.tolist() == [0, 2, 5, 5]
+    # A missing field is refused even then: knowing it is missing reads nothing.
+    decode = {**step, "extend_prefix_lens": None, "extend_seq_lens": None}
+    with pytest.raises(ValidationError, match="seq_lens is None in a decode step"):
+        from_sglang_batch(**decode, validate=False)
+    with pytest.raises(ValidationError, match="extend_seq_lens was given alone"):
+        from_sglang_batch(**{**step, "extend_prefix_lens": None}, validate=False)
 
 
 # No host reads ------------------------------------------------------------------

@@ -129,11 +129,13 @@ def from_sglang_batch(
 
     live = torch.arange(n_req, device=device) < n_real  # [R]
     if extend_seq_lens is None:  # decode: one token per request, at seq_lens - 1
-        assert seq_lens is not None
+        if seq_lens is None:  # checked even without validate: it costs nothing
+            raise ValidationError("seq_lens is None in a decode step; expected [R] lengths")
         chunk_start = seq_lens.to(torch.int64) - 1
         chunk_len = live.to(torch.int64)
     else:
-        assert extend_prefix_lens is not None
+        if extend_prefix_lens is None:
+            raise ValidationError("extend_seq_lens was given alone; expected extend_prefix_lens")
         chunk_start = extend_prefix_lens.to(torch.int64)
         chunk_len = torch.where(live, extend_seq_lens.to(torch.int64), 0)
     chunk_start = torch.where(live, chunk_start, 0)

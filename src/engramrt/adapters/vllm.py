@@ -201,8 +201,9 @@ def validate_vllm_step(
         )
     check_tensor("block_table", block_table, dims=2, device=device)
     if block_table.shape[0] < n_real:
+        label = f"num_reqs={n_real}" if num_reqs is not None else f"R_pad={n_real} (no num_reqs)"
         raise ValidationError(
-            f"block_table has {block_table.shape[0]} rows; expected at least num_reqs={n_real}"
+            f"block_table has {block_table.shape[0]} rows; expected at least {label}"
         )
     check_count("block_size", block_size, 1, 2**31 - 1)
     if isinstance(pad_slot_id, bool) or not isinstance(pad_slot_id, int):
