@@ -1,0 +1,55 @@
+"""Checks shared by the engine adapters' validation functions.
+
+They look at what the host already holds: tensor types, shapes, dtypes,
+devices and plain ints. Values are read only from tensors that live on the
+CPU (engines keep host mirrors of their step metadata); a device tensor's
+values are never read, so validating never synchronises with a device.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from engramrt.errors import ValidationError
+
+__all__ = ["check_count", "check_tensor", "host_values"]
+
+INT_DTYPES = (torch.int32, torch.int64)
+
+
+def check_tensor(
+    name: str,
+    x: object,
+    *,
+    dims: int,
+    device: torch.device,
+    dtypes: tuple[torch.dtype, ...] = INT_DTYPES,
+) -> torch.Tensor:
+    """``x`` as a tensor of ``dims`` dimensions, one of ``dtypes``, on ``device``."""
+    if not isinstance(x, torch.Tensor):
+        raise ValidationError(f"{name} must be a torch.Tensor; got {type(x).__name__}")
+    if x.dim() != dims:
+        raise ValidationError(f"{name} has shape {list(x.shape)}; expected {dims} dimension(s)")
+    if x.dtype not in dtypes:
+        names = " or ".join(str(d).removeprefix("torch.") for d in dtypes)
+        raise ValidationError(f"{name} has dtype {x.dtype}; expected {names}")
+    if x.device != device:
+        raise ValidationError(f"{name} is on {x.device}; expected {device} like input_ids")
+    return x
+
+
+def check_count(name: str, value: object, low: int, high: int) -> int:
+    """``value`` as a Python int in ``[low, high]``."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValidationError(f"{name}={value!r} must be a Python int (a host value)")
+    if not low <= value <= high:
+        raise ValidationError(f"{name}={value} must be in [{low}, {high}]")
+    return value
+
+
+def host_values(x: torch.Tensor | None) -> np.ndarray | None:
+    """``x`` as int64 numpy when it lives on the CPU; None for a device tensor (never read)."""
+    if x is None or x.device.type != "cpu":
+        return None
+    return x.detach().numpy().astype(np.int64)

@@ -1,0 +1,337 @@
+"""An SGLang-style forward batch as a :class:`HashBatch` (SPEC §5).
+
+SGLang describes a step per request, not per token:
+
+- ``input_ids [T]``: the step's tokens, request by request (CUDA-graph
+  padded past ``num_actual_tokens``);
+- ``req_pool_indices [R]``: each request's row in the request-to-token pool;
+- ``seq_lens [R]``: a request's length after a decode step;
+- ``extend_prefix_lens [R]``, ``extend_seq_lens [R]`` (extend, mixed and
+  chain-draft verify steps): tokens already in the KV cache and tokens of
+  this step;
+- ``req_to_token [max_reqs, max_context]``: the KV slot of every (pool row,
+  position): a block table with one slot per block.
+
+History lives in a :class:`SlotHashCache` of ``block_size`` 1 keyed by those
+KV slots. The batch's block table holds only the few slots hashing can read
+(the N-1 positions before each chunk, plus the chunk start), not whole pool
+rows: positions are rebased per request so that this window starts at
+column 0 (see :func:`from_sglang_batch`). Hash ids depend only on distances
+between positions and on which ones are negative, so rebasing leaves them
+unchanged.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engramrt.adapters._checks import check_count, check_tensor, host_values
+from engramrt.errors import ValidationError
+from engramrt.hashing.history import SlotHashCache
+from engramrt.hashing.types import HashBatch
+
+__all__ = ["from_sglang_batch", "sglang_slot_cache", "validate_sglang_batch"]
+
+
+def sglang_slot_cache(num_kv_slots: int, device: torch.device | str = "cpu") -> SlotHashCache:
+    """The history for an SGLang KV pool of ``num_kv_slots`` token slots.
+
+    ``num_kv_slots`` counts every slot ``req_to_token`` may name, the
+    reserved padding slot included (``size + page_size`` rows in SGLang's
+    token-to-KV pools).
+    """
+    return SlotHashCache(num_kv_slots, 1, device)
+
+
+def from_sglang_batch(
+    *,
+    input_ids: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    req_to_token: torch.Tensor,
+    max_ngram_size: int,
+    seq_lens: torch.Tensor | None = None,
+    extend_prefix_lens: torch.Tensor | None = None,
+    extend_seq_lens: torch.Tensor | None = None,
+    num_reqs: int | None = None,
+    num_actual_tokens: int | None = None,
+    dead_mask: torch.Tensor | None = None,
+    lookback_token_ids: torch.Tensor | None = None,
+    lookback_dead: torch.Tensor | None = None,
+    cache: SlotHashCache | None = None,
+    validate: bool = True,
+) -> HashBatch:
+    """The :class:`HashBatch` of one forward batch, for :func:`sglang_slot_cache`.
+
+    Request r's chunk is positions ``extend_prefix_lens[r] ..
+    extend_prefix_lens[r] + extend_seq_lens[r] - 1`` (extend steps), or the
+    single position ``seq_lens[r] - 1`` (decode steps: leave both extend
+    fields None). A chain-draft verify step is an extend step with
+    ``extend_prefix_lens = seq_lens`` (committed tokens) and
+    ``extend_seq_lens`` = the draft tokens per request.
+
+    Never synchronises with the device: a binary search of each token's
+    request, gathers and ``torch.where``, all of shapes known from tensor
+    metadata and host ints, so it can sit inside a captured CUDA graph.
+    ``validate=True`` reads host metadata only (and values of CPU tensors).
+
+    Args:
+        input_ids: ``[T]`` token ids; rows past ``num_actual_tokens`` are padding.
+        req_pool_indices: ``[R]`` pool row of each request.
+        req_to_token: ``[max_reqs, max_context]`` KV slot of each (pool row, position).
+        max_ngram_size: N of the model's Engram config (the history window is N-1).
+        seq_lens: ``[R]`` lengths after this step; used by decode steps only.
+        extend_prefix_lens, extend_seq_lens: ``[R]`` each (extend steps).
+        num_reqs: real requests (CUDA-graph padding adds requests after them,
+            which become empty); default R.
+        num_actual_tokens: real tokens; default the sum of the real chunks.
+        dead_mask: ``[T]`` bool, passed through.
+        lookback_token_ids, lookback_dead: ``[R, N-1]``, passed through; only
+            the first step of a request whose KV came from elsewhere needs them.
+        cache: the :class:`SlotHashCache` the batch will be hashed with; only
+            used by validation (block size 1, slots in range, device).
+        validate: run :func:`validate_sglang_batch` first.
+
+    Returns:
+        A batch whose fields are:
+
+        - ``query_start_loc [R+1]``: 0, then the running sum of the real
+          chunks' lengths (padded requests add 0);
+        - ``positions [T]``: ``position - base[r]`` of each token of request
+          r, with ``base[r] = max(0, chunk_start[r] - (N-1))``; 0 on padding rows;
+        - ``slot_mapping [T]``: ``req_to_token[req_pool_indices[r], position]``;
+          -1 on padding rows (never written);
+        - ``block_table [R, N]``: ``req_to_token[req_pool_indices[r], base[r] + j]``
+          (column index clamped to the pool's width; columns past the chunk
+          start are never read).
+    """
+    if validate:
+        validate_sglang_batch(
+            input_ids=input_ids,
+            req_pool_indices=req_pool_indices,
+            req_to_token=req_to_token,
+            max_ngram_size=max_ngram_size,
+            seq_lens=seq_lens,
+            extend_prefix_lens=extend_prefix_lens,
+            extend_seq_lens=extend_seq_lens,
+            num_reqs=num_reqs,
+            num_actual_tokens=num_actual_tokens,
+            dead_mask=dead_mask,
+            lookback_token_ids=lookback_token_ids,
+            lookback_dead=lookback_dead,
+            cache=cache,
+        )
+    device = input_ids.device
+    t_len = int(input_ids.shape[0])
+    n_req = int(req_pool_indices.shape[0])
+    n_real = n_req if num_reqs is None else num_reqs
+    window = max_ngram_size  # N-1 history positions, then the chunk start
+    max_context = int(req_to_token.shape[1])
+
+    live = torch.arange(n_req, device=device) < n_real  # [R]
+    if extend_seq_lens is None:  # decode: one token per request, at seq_lens - 1
+        if seq_lens is None:  # checked even without validate: it costs nothing
+            raise ValidationError("seq_lens is None in a decode step; expected [R] lengths")
+        chunk_start = seq_lens.to(torch.int64) - 1
+        chunk_len = live.to(torch.int64)
+    else:
+        if extend_prefix_lens is None:
+            raise ValidationError("extend_seq_lens was given alone; expected extend_prefix_lens")
+        chunk_start = extend_prefix_lens.to(torch.int64)
+        chunk_len = torch.where(live, extend_seq_lens.to(torch.int64), 0)
+    chunk_start = torch.where(live, chunk_start, 0)
+    qsl = torch.cat([torch.zeros(1, dtype=torch.int64, device=device), chunk_len.cumsum(0)])
+    if num_actual_tokens is not None:
+        qsl = qsl.clamp(max=num_actual_tokens)
+    base = (chunk_start - (max_ngram_size - 1)).clamp(min=0)  # [R]
+    pool_rows = torch.where(live, req_pool_indices.to(torch.int64), 0)  # [R]
+
+    token = torch.arange(t_len, device=device)
+    owner = torch.searchsorted(qsl[1:].contiguous(), token, right=True)  # [T]; R: padding
+    padding_row = owner >= n_req
+    if n_req == 0:
+        positions = torch.zeros(t_len, dtype=torch.int64, device=device)
+        slot_mapping = torch.full((t_len,), -1, dtype=torch.int64, device=device)
+    else:
+        owner = owner.clamp(max=n_req - 1)
+        position = chunk_start[owner] + (token - qsl[owner])  # [T] in the request
+        column = position.clamp(0, max_context - 1)
+        slot = req_to_token[pool_rows[owner], column].to(torch.int64)
+        positions = torch.where(padding_row, 0, position - base[owner])
+        slot_mapping = torch.where(padding_row, -1, slot)
+    columns = (base[:, None] + torch.arange(window, device=device)).clamp(max=max_context - 1)
+    block_table = req_to_token[pool_rows[:, None], columns]  # [R, N]
+
+    return HashBatch(
+        input_ids=input_ids,
+        positions=positions,
+        query_start_loc=qsl,
+        dead_mask=dead_mask,
+        lookback_token_ids=lookback_token_ids,
+        lookback_dead=lookback_dead,
+        slot_mapping=slot_mapping,
+        block_table=block_table,
+    )
+
+
+def validate_sglang_batch(
+    *,
+    input_ids: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    req_to_token: torch.Tensor,
+    max_ngram_size: int,
+    seq_lens: torch.Tensor | None = None,
+    extend_prefix_lens: torch.Tensor | None = None,
+    extend_seq_lens: torch.Tensor | None = None,
+    num_reqs: int | None = None,
+    num_actual_tokens: int | None = None,
+    dead_mask: torch.Tensor | None = None,
+    lookback_token_ids: torch.Tensor | None = None,
+    lookback_dead: torch.Tensor | None = None,
+    cache: SlotHashCache | None = None,
+) -> None:
+    """Raise :class:`ValidationError` naming the first field of a forward batch that is wrong.
+
+    Shapes, dtypes, devices and host ints are always checked. Values are
+    checked only for tensors on the CPU (never read back from a device):
+    lengths, pool rows, a pool row wide enough for every position, the
+    token count, and slots inside the cache.
+    """
+    if not isinstance(input_ids, torch.Tensor):
+        raise ValidationError(f"input_ids must be a torch.Tensor; got {type(input_ids).__name__}")
+    device = input_ids.device
+    check_tensor("input_ids", input_ids, dims=1, device=device)
+    t_len = int(input_ids.shape[0])
+    check_tensor("req_pool_indices", req_pool_indices, dims=1, device=device)
+    n_req = int(req_pool_indices.shape[0])
+    check_tensor("req_to_token", req_to_token, dims=2, device=device)
+    if req_to_token.shape[1] < 1:
+        raise ValidationError(
+            f"req_to_token has shape {list(req_to_token.shape)}; expected [max_reqs, max_context >= 1]"
+        )
+    check_count("max_ngram_size", max_ngram_size, 1, 64)
+    n_real = n_req if num_reqs is None else check_count("num_reqs", num_reqs, 0, n_req)
+    if num_actual_tokens is not None:
+        check_count("num_actual_tokens", num_actual_tokens, 0, t_len)
+    if (extend_prefix_lens is None) != (extend_seq_lens is None):
+        given = "extend_prefix_lens" if extend_seq_lens is None else "extend_seq_lens"
+        raise ValidationError(
+            f"{given} was given alone; expected extend_prefix_lens and extend_seq_lens "
+            f"together (extend steps) or neither (decode steps)"
+        )
+    decode = extend_seq_lens is None
+    if decode and seq_lens is None:
+        raise ValidationError(
+            "seq_lens is None in a decode step (no extend_seq_lens); expected [R] lengths"
+        )
+    for name, lengths in (
+        ("seq_lens", seq_lens),
+        ("extend_prefix_lens", extend_prefix_lens),
+        ("extend_seq_lens", extend_seq_lens),
+    ):
+        if lengths is None:
+            continue
+        check_tensor(name, lengths, dims=1, device=device)
+        if lengths.shape[0] != n_req:
+            raise ValidationError(
+                f"{name} has shape {list(lengths.shape)}; expected [{n_req}] like req_pool_indices"
+            )
+    if decode and t_len < n_real:
+        raise ValidationError(
+            f"input_ids has {t_len} rows in a decode step of num_reqs={n_real}; expected "
+            f"at least one token per request"
+        )
+    if decode and num_actual_tokens is not None and num_actual_tokens != n_real:
+        raise ValidationError(
+            f"num_actual_tokens={num_actual_tokens} in a decode step; expected "
+            f"num_reqs={n_real} (one token per request)"
+        )
+    if dead_mask is not None:
+        check_tensor(
+            "dead_mask", dead_mask, dims=1, device=device, dtypes=(torch.bool, torch.uint8)
+        )
+        if dead_mask.shape[0] != t_len:
+            raise ValidationError(
+                f"dead_mask has shape {list(dead_mask.shape)}; expected [{t_len}] like input_ids"
+            )
+    for name, lookback in (
+        ("lookback_token_ids", lookback_token_ids),
+        ("lookback_dead", lookback_dead),
+    ):
+        if lookback is None:
+            continue
+        dtypes = (
+            (torch.bool, torch.uint8) if name == "lookback_dead" else (torch.int32, torch.int64)
+        )
+        check_tensor(name, lookback, dims=2, device=device, dtypes=dtypes)
+        if list(lookback.shape) != [n_req, max_ngram_size - 1]:
+            raise ValidationError(
+                f"{name} has shape {list(lookback.shape)}; expected [R, N-1] = "
+                f"[{n_req}, {max_ngram_size - 1}]"
+            )
+    if cache is not None:
+        if cache.block_size != 1:
+            raise ValidationError(
+                f"the SlotHashCache has block_size={cache.block_size}; expected 1 "
+                f"(req_to_token names one slot per position)"
+            )
+        if cache.device != device:
+            raise ValidationError(f"the SlotHashCache is on {cache.device}; expected {device}")
+
+    rows = host_values(req_pool_indices)
+    if decode:
+        seq = host_values(seq_lens)
+        if seq is None:
+            return
+        starts, counts = seq[:n_real] - 1, [1] * n_real
+        bad = [r for r in range(n_real) if seq[r] < 1]
+        if bad:
+            r = bad[0]
+            raise ValidationError(f"seq_lens[{r}]={int(seq[r])} in a decode step; expected >= 1")
+    else:
+        prefix, extend = host_values(extend_prefix_lens), host_values(extend_seq_lens)
+        if prefix is None or extend is None:
+            return
+        for name, host in (("extend_prefix_lens", prefix), ("extend_seq_lens", extend)):
+            if n_real and int(host[:n_real].min()) < 0:
+                r = int(host[:n_real].argmin())
+                raise ValidationError(f"{name}[{r}]={int(host[r])}; expected >= 0")
+        starts, counts = prefix[:n_real], extend[:n_real].tolist()
+        total = int(sum(counts))
+        if total > t_len:
+            raise ValidationError(
+                f"extend_seq_lens of the {n_real} real requests add up to {total}; "
+                f"input_ids has {t_len} rows"
+            )
+        if num_actual_tokens is not None and total != num_actual_tokens:
+            raise ValidationError(
+                f"extend_seq_lens of the {n_real} real requests add up to {total}; "
+                f"expected num_actual_tokens={num_actual_tokens}"
+            )
+    max_context = int(req_to_token.shape[1])
+    for r in range(n_real):
+        end = int(starts[r]) + int(counts[r])
+        if end > max_context:
+            raise ValidationError(
+                f"request {r} reaches position {end - 1}; req_to_token has only "
+                f"{max_context} positions per row"
+            )
+    if rows is None:
+        return
+    n_rows = int(req_to_token.shape[0])
+    for r in range(n_real):
+        if not 0 <= int(rows[r]) < n_rows:
+            raise ValidationError(
+                f"req_pool_indices[{r}]={int(rows[r])}; expected a row of req_to_token in "
+                f"[0, {n_rows})"
+            )
+    table = host_values(req_to_token)
+    if cache is None or table is None:
+        return
+    for r in range(n_real):
+        first = max(0, int(starts[r]) - (max_ngram_size - 1))
+        used = table[int(rows[r]), first : int(starts[r]) + int(counts[r])]
+        if used.size and (int(used.min()) < 0 or int(used.max()) >= cache.num_slots):
+            raise ValidationError(
+                f"req_to_token[{int(rows[r])}] names slots {int(used.min())}..{int(used.max())} "
+                f"for request {r}; the SlotHashCache has {cache.num_slots} slots"
+            )

@@ -1,0 +1,299 @@
+"""A vLLM-style V1 model runner's step as a :class:`HashBatch` (SPEC §5).
+
+The runner keeps persistent, CUDA-graph-padded buffers for a step:
+
+- ``input_ids [T_pad]``, ``positions [T_pad]``: the first
+  ``num_actual_tokens`` rows are the scheduled tokens, request by request;
+  the rest are padding up to a captured graph size (stale values);
+- ``query_start_loc [R_pad + 1]``: request r (its row in the persistent
+  batch) owns tokens ``qsl[r] .. qsl[r+1]-1``; ``num_reqs`` requests are
+  real, the rest are padded requests;
+- ``slot_mapping [>= num_actual_tokens]``: the KV slot each scheduled token
+  is written to, ``block_table[r, pos // bs] * bs + pos % bs``; padding
+  entries hold the pad slot (-1 in vLLM);
+- ``block_table [>= num_reqs, max_blocks]``: the KV blocks of each request
+  (one KV-cache group's table, with that group's ``block_size``).
+
+History lives in a :class:`SlotHashCache` bound to the same KV cache
+(``num_blocks * block_size`` slots): prefix-cache hits and rejected drafts
+then need nothing from the engine (see docs/adapters.md).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from engramrt.adapters._checks import check_count, check_tensor, host_values
+from engramrt.errors import ValidationError
+from engramrt.hashing.history import SlotHashCache
+from engramrt.hashing.types import HashBatch
+
+__all__ = ["from_vllm_step", "validate_vllm_step", "vllm_slot_cache"]
+
+
+def vllm_slot_cache(
+    num_blocks: int, block_size: int, device: torch.device | str = "cpu"
+) -> SlotHashCache:
+    """The history for a vLLM KV-cache group of ``num_blocks`` blocks of ``block_size``.
+
+    Bind it (or call ``bind`` again) wherever the runner binds its KV cache:
+    vLLM first allocates a small cache to profile memory, then the real one.
+    """
+    return SlotHashCache(num_blocks * block_size, block_size, device)
+
+
+def from_vllm_step(
+    *,
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_table: torch.Tensor,
+    block_size: int,
+    num_actual_tokens: int | None = None,
+    num_reqs: int | None = None,
+    pad_slot_id: int = -1,
+    dead_mask: torch.Tensor | None = None,
+    lookback_token_ids: torch.Tensor | None = None,
+    lookback_dead: torch.Tensor | None = None,
+    cache: SlotHashCache | None = None,
+    validate: bool = True,
+) -> HashBatch:
+    """The :class:`HashBatch` of one V1 runner step, for a :class:`SlotHashCache`.
+
+    Never synchronises with the device: only views, ``torch.where``,
+    ``arange`` and (when a buffer is shorter than the padded step) ``cat``,
+    with shapes taken from tensor metadata and host ints. The call can sit
+    inside a captured CUDA graph; ``validate=True`` only reads host
+    metadata (and values of CPU tensors), so it never synchronises either.
+
+    Args:
+        input_ids: ``[T_pad]`` token ids of the padded step.
+        positions: ``[T_pad]`` position of each token in its request.
+        query_start_loc: ``[R_pad + 1]`` request boundaries. Entries after
+            ``num_reqs`` are rewritten to repeat ``qsl[num_reqs]`` (padded
+            requests own no tokens) and every entry is clamped to
+            ``num_actual_tokens``, so rows past it are padding rows (SPEC §5).
+        slot_mapping: ``[>= num_actual_tokens]`` KV slot of each token. Rows at
+            or past ``num_actual_tokens`` and entries equal to ``pad_slot_id``
+            become -1 (never written); a shorter buffer is extended with -1.
+        block_table: ``[>= num_reqs, max_blocks]`` block ids per request;
+            rows past ``R_pad`` are dropped, missing padded rows are zeros
+            (a padded request owns no token, so its row is never read).
+        block_size: tokens per KV block of this table (the cache's block size).
+        num_actual_tokens: scheduled (unpadded) tokens; default ``qsl[num_reqs]``.
+        num_reqs: real (unpadded) requests; default ``R_pad``.
+        pad_slot_id: the runner's slot for padding tokens (-1 in vLLM).
+        dead_mask, lookback_token_ids, lookback_dead: passed through
+            unchanged (``[T_pad]``, ``[R_pad, N-1]``); lookback ids are needed
+            only in the first step of a request whose KV came from elsewhere.
+        cache: the :class:`SlotHashCache` the batch will be hashed with; only
+            used by validation (geometry and device).
+        validate: run :func:`validate_vllm_step` first.
+
+    Returns:
+        A batch with ``input_ids``, ``positions`` and ``block_table`` as views
+        of the runner's tensors and rebuilt ``query_start_loc``/``slot_mapping``.
+    """
+    if validate:
+        validate_vllm_step(
+            input_ids=input_ids,
+            positions=positions,
+            query_start_loc=query_start_loc,
+            slot_mapping=slot_mapping,
+            block_table=block_table,
+            block_size=block_size,
+            num_actual_tokens=num_actual_tokens,
+            num_reqs=num_reqs,
+            pad_slot_id=pad_slot_id,
+            dead_mask=dead_mask,
+            lookback_token_ids=lookback_token_ids,
+            lookback_dead=lookback_dead,
+            cache=cache,
+        )
+    device = input_ids.device
+    t_len = int(input_ids.shape[0])
+    r_pad = int(query_start_loc.shape[0]) - 1
+    n_real = r_pad if num_reqs is None else num_reqs
+
+    # Padded requests repeat the last real boundary; nothing reaches past the real tokens.
+    request_index = torch.arange(r_pad + 1, device=device)
+    qsl = torch.where(request_index > n_real, query_start_loc[n_real], query_start_loc)
+    if num_actual_tokens is not None:
+        qsl = qsl.clamp(max=num_actual_tokens)
+    end = num_actual_tokens if num_actual_tokens is not None else qsl[n_real]
+
+    slots = slot_mapping[:t_len]
+    if slots.shape[0] < t_len:
+        fill = torch.full((t_len - slots.shape[0],), -1, dtype=slots.dtype, device=device)
+        slots = torch.cat([slots, fill])
+    real_token = torch.arange(t_len, device=device) < end  # [T_pad]
+    if pad_slot_id != -1:
+        real_token = real_token & (slots != pad_slot_id)
+    slots = torch.where(real_token, slots, torch.full_like(slots, -1))
+
+    table = block_table[:r_pad]
+    if table.shape[0] < r_pad:
+        zeros = torch.zeros(
+            (r_pad - table.shape[0], table.shape[1]), dtype=table.dtype, device=device
+        )
+        table = torch.cat([table, zeros])
+
+    return HashBatch(
+        input_ids=input_ids,
+        positions=positions,
+        query_start_loc=qsl,
+        dead_mask=dead_mask,
+        lookback_token_ids=lookback_token_ids,
+        lookback_dead=lookback_dead,
+        slot_mapping=slots,
+        block_table=table,
+    )
+
+
+def validate_vllm_step(
+    *,
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_table: torch.Tensor,
+    block_size: int,
+    num_actual_tokens: int | None = None,
+    num_reqs: int | None = None,
+    pad_slot_id: int = -1,
+    dead_mask: torch.Tensor | None = None,
+    lookback_token_ids: torch.Tensor | None = None,
+    lookback_dead: torch.Tensor | None = None,
+    cache: SlotHashCache | None = None,
+) -> None:
+    """Raise :class:`ValidationError` naming the first field of a runner step that is wrong.
+
+    Shapes, dtypes, devices and host ints are always checked. Values are
+    checked only for tensors on the CPU (never read back from a device):
+    boundaries, a block table wide enough for every position, and slot
+    mapping entries that agree with the block table and ``block_size``.
+    The hasher's own validation checks the rest of the batch contract.
+    """
+    if not isinstance(input_ids, torch.Tensor):
+        raise ValidationError(f"input_ids must be a torch.Tensor; got {type(input_ids).__name__}")
+    device = input_ids.device
+    check_tensor("input_ids", input_ids, dims=1, device=device)
+    t_len = int(input_ids.shape[0])
+    check_tensor("positions", positions, dims=1, device=device)
+    if positions.shape[0] != t_len:
+        raise ValidationError(
+            f"positions has shape {list(positions.shape)}; expected [{t_len}] like input_ids"
+        )
+    check_tensor("query_start_loc", query_start_loc, dims=1, device=device)
+    if query_start_loc.shape[0] < 1:
+        raise ValidationError("query_start_loc has shape [0]; expected [R_pad + 1] boundaries")
+    r_pad = int(query_start_loc.shape[0]) - 1
+    n_real = r_pad if num_reqs is None else check_count("num_reqs", num_reqs, 0, r_pad)
+    if num_actual_tokens is not None:
+        check_count("num_actual_tokens", num_actual_tokens, 0, t_len)
+    check_tensor("slot_mapping", slot_mapping, dims=1, device=device)
+    if num_actual_tokens is not None and slot_mapping.shape[0] < num_actual_tokens:
+        raise ValidationError(
+            f"slot_mapping has {slot_mapping.shape[0]} entries; expected at least "
+            f"num_actual_tokens={num_actual_tokens}"
+        )
+    check_tensor("block_table", block_table, dims=2, device=device)
+    if block_table.shape[0] < n_real:
+        label = f"num_reqs={n_real}" if num_reqs is not None else f"R_pad={n_real} (no num_reqs)"
+        raise ValidationError(
+            f"block_table has {block_table.shape[0]} rows; expected at least {label}"
+        )
+    check_count("block_size", block_size, 1, 2**31 - 1)
+    if isinstance(pad_slot_id, bool) or not isinstance(pad_slot_id, int):
+        raise ValidationError(f"pad_slot_id={pad_slot_id!r} must be a Python int")
+    if dead_mask is not None:
+        check_tensor(
+            "dead_mask", dead_mask, dims=1, device=device, dtypes=(torch.bool, torch.uint8)
+        )
+        if dead_mask.shape[0] != t_len:
+            raise ValidationError(
+                f"dead_mask has shape {list(dead_mask.shape)}; expected [{t_len}] like input_ids"
+            )
+    for name, lookback in (
+        ("lookback_token_ids", lookback_token_ids),
+        ("lookback_dead", lookback_dead),
+    ):
+        if lookback is None:
+            continue
+        dtypes = (
+            (torch.bool, torch.uint8) if name == "lookback_dead" else (torch.int32, torch.int64)
+        )
+        check_tensor(name, lookback, dims=2, device=device, dtypes=dtypes)
+        if lookback.shape[0] != r_pad:
+            raise ValidationError(
+                f"{name} has shape {list(lookback.shape)}; expected [R_pad, N-1] with R_pad={r_pad}"
+            )
+    if cache is not None:
+        if cache.block_size != block_size:
+            raise ValidationError(
+                f"block_size={block_size} but the SlotHashCache was bound with "
+                f"block_size={cache.block_size}; bind it to this KV-cache group's geometry"
+            )
+        if cache.device != device:
+            raise ValidationError(f"the SlotHashCache is on {cache.device}; expected {device}")
+
+    qsl = host_values(query_start_loc)
+    if qsl is None:
+        return
+    if qsl[0] != 0:
+        raise ValidationError(f"query_start_loc[0]={int(qsl[0])}; expected 0")
+    for r in range(n_real):
+        if qsl[r + 1] < qsl[r]:
+            raise ValidationError(
+                f"query_start_loc is not non-decreasing: [{r}]={int(qsl[r])} > "
+                f"[{r + 1}]={int(qsl[r + 1])}"
+            )
+    end = int(qsl[n_real])
+    if num_actual_tokens is not None and end != num_actual_tokens:
+        raise ValidationError(
+            f"query_start_loc[num_reqs={n_real}]={end}; expected num_actual_tokens="
+            f"{num_actual_tokens}"
+        )
+    if end > t_len:
+        raise ValidationError(
+            f"query_start_loc[num_reqs={n_real}]={end} exceeds the {t_len} rows of input_ids"
+        )
+    pos = host_values(positions)
+    table = host_values(block_table)
+    slots = host_values(slot_mapping)
+    if pos is None or table is None:
+        return
+    width = table.shape[1]
+    for r in range(n_real):
+        a, b = int(qsl[r]), int(qsl[r + 1])
+        if a == b:
+            continue
+        last = int(pos[a:b].max())
+        if int(pos[a:b].min()) < 0:
+            raise ValidationError(f"positions of request {r} hold {int(pos[a:b].min())} < 0")
+        if last // block_size >= width:
+            raise ValidationError(
+                f"block_table row {r} has {width} blocks of {block_size}; position {last} "
+                f"needs block {last // block_size}"
+            )
+        if slots is None:
+            continue
+        want = table[r, pos[a:b] // block_size] * block_size + pos[a:b] % block_size
+        got = np.full(b - a, -1, dtype=np.int64)  # the adapter extends a short buffer with -1
+        got[: max(0, min(b, slots.shape[0]) - a)] = slots[a:b]
+        wrong = (got != want) & (got != -1) & (got != pad_slot_id)
+        if wrong.any():
+            i = a + int(wrong.argmax())
+            raise ValidationError(
+                f"slot_mapping[{i}]={int(slots[i])} but block_table[{r}] with "
+                f"block_size={block_size} puts position {int(pos[i])} at slot "
+                f"{int(want[i - a])}; the table, slot mapping and block size must "
+                f"come from one KV-cache group"
+            )
+        if cache is not None and int(got.max()) >= cache.num_slots:
+            raise ValidationError(
+                f"slot_mapping holds slot {int(got.max())} in request {r}; the SlotHashCache "
+                f"has {cache.num_slots} slots"
+            )
