@@ -83,12 +83,10 @@ def test_opcheck_hash_ids_with_a_slot_history(layout, token_map, device) -> None
         None,
         batch.slot_mapping,
         batch.block_table,
-        None,
         cache.slots,
-        None,
         "opcheck-slots",
     )
-    torch.library.opcheck(custom_ops.hash_ids, args)
+    torch.library.opcheck(custom_ops.hash_ids_slot_cache, args)
 
 
 def test_ops_give_the_eager_bytes(layout, token_map, device) -> None:
@@ -140,9 +138,8 @@ class TwoLayerStep(torch.nn.Module):
 
     def forward(self, input_ids, positions, query_start_loc, lookback, hidden):
         row_ids = custom_ops.hash_ids(
-            input_ids, positions, query_start_loc, None, lookback, None, None, None, None,
-            None, None, self.hasher,
-        )  # fmt: skip
+            input_ids, positions, query_start_loc, None, lookback, None, self.hasher
+        )
         outs, all_rows = [], []
         for li, head in enumerate(self.heads):
             rows = custom_ops.fetch_rows(row_ids[:, li], self.sources[li])

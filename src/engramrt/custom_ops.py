@@ -7,14 +7,16 @@ fake implementations that give output shapes and dtypes without running
 anything, and call the same launchers as the eager API, so a compiled
 model computes the eager bytes:
 
-=================================  ===========================================  ==========
-operator                           what                                         mutates
-=================================  ===========================================  ==========
-``engramrt::hash_ids``             row ids ``[T, L, C]`` of a batch (SPEC §4-5)  the history
-``engramrt::lookup_rows``          rows ``[T, C, E]`` of a packed device table   nothing
-``engramrt::fetch_rows``           rows of any registered row source            nothing
-``engramrt::engram_gate``          the fused gate (SPEC §8)                     nothing
-=================================  ===========================================  ==========
+=====================================  =======================================  ==========
+operator                               what                                     mutates
+=====================================  =======================================  ==========
+``engramrt::hash_ids``                 row ids ``[T, L, C]`` (SPEC §4-5)         nothing
+``engramrt::hash_ids_slot_cache``      the same, history in a SlotHashCache     its slots
+``engramrt::hash_ids_request_history`` the same, history in a RequestHistory    its ring
+``engramrt::lookup_rows``              rows ``[T, C, E]`` of a packed table     nothing
+``engramrt::fetch_rows``               rows of any registered row source        nothing
+``engramrt::engram_gate``              the fused gate (SPEC §8)                 nothing
+=====================================  =======================================  ==========
 
 Objects the operators cannot take as arguments (a hasher with its
 constants and history, a row source with its memory and threads) are
@@ -42,7 +44,11 @@ from engramrt.source import RowSource
 __all__ = [
     "engram_gate",
     "fetch_rows",
+    "hash_batch",
     "hash_ids",
+    "hash_ids_request_history",
+    "hash_ids_slot_cache",
+    "head_step",
     "lookup_rows",
     "register_hasher",
     "register_source",
@@ -89,9 +95,43 @@ def _source(name: str) -> RowSource:
 
 
 # -- hashing -------------------------------------------------------------------
+#
+# Three operators, one per kind of history, so that each declares exactly the
+# tensors it mutates (an optional mutated argument does not survive Inductor's
+# lowering of functionalised operators).
 
 
-@torch.library.custom_op("engramrt::hash_ids", mutates_args=("history_slots", "history_tags"))
+def _hash(
+    hasher: str,
+    history_slots: torch.Tensor | None,
+    history_tags: torch.Tensor | None,
+    **fields: torch.Tensor | None,
+) -> torch.Tensor:
+    owner, registered = _hasher(hasher)
+    history = None
+    if history_slots is not None:
+        if registered is None:
+            raise ValidationError(
+                f"hash ops: history tensors given but hasher {hasher!r} was registered "
+                f"without a history (register_hasher(name, hasher, history))"
+            )
+        # The history's memory is the tensors passed in (under opcheck or
+        # functionalisation they may be copies of the registered ones): a
+        # shallow copy of the registered object over them.
+        history = copy.copy(registered)
+        history.slots = history_slots
+        if isinstance(history, RequestHistory) and history_tags is not None:
+            history.tags = history_tags
+    return owner(HashBatch(**fields), history)  # type: ignore[arg-type]
+
+
+def _hash_fake(hasher: str, input_ids: torch.Tensor) -> torch.Tensor:
+    owner, _history = _hasher(hasher)
+    shape = (input_ids.shape[0], owner.consts.n_layers, owner.consts.n_cols)
+    return input_ids.new_empty(shape, dtype=owner.out_dtype)
+
+
+@torch.library.custom_op("engramrt::hash_ids", mutates_args=())
 def hash_ids(
     input_ids: torch.Tensor,
     positions: torch.Tensor,
@@ -99,40 +139,49 @@ def hash_ids(
     dead_mask: torch.Tensor | None,
     lookback_token_ids: torch.Tensor | None,
     lookback_dead: torch.Tensor | None,
-    slot_mapping: torch.Tensor | None,
-    block_table: torch.Tensor | None,
-    request_slots: torch.Tensor | None,
-    history_slots: torch.Tensor | None,
-    history_tags: torch.Tensor | None,
     hasher: str,
 ) -> torch.Tensor:
-    """Row ids ``[T, L, C]`` of a batch, by the hasher registered as ``hasher``.
+    """Row ids ``[T, L, C]`` of a batch whose history comes from lookback ids (or none),
+    by the hasher registered as ``hasher``; the fields are :class:`HashBatch`'s."""
+    return _hash(
+        hasher,
+        None,
+        None,
+        input_ids=input_ids,
+        positions=positions,
+        query_start_loc=query_start_loc,
+        dead_mask=dead_mask,
+        lookback_token_ids=lookback_token_ids,
+        lookback_dead=lookback_dead,
+    )
 
-    The batch's fields are :class:`~engramrt.hashing.HashBatch`'s;
-    ``history_slots`` / ``history_tags`` are the history's memory
-    (``history.slots``, and ``history.tags`` of a :class:`RequestHistory`,
-    of the history registered with the hasher, which supplies the rest of
-    its geometry), updated in place with the batch's tokens.
-    """
-    owner, registered = _hasher(hasher)
-    history = None
-    if registered is not None:
-        # The history's memory is the tensors passed in (under opcheck or
-        # functionalisation they may be copies of the registered ones): a
-        # shallow copy of the registered object over them.
-        if history_slots is None or (
-            isinstance(registered, RequestHistory) and history_tags is None
-        ):
-            raise ValidationError(
-                f"hash_ids({hasher!r}): history_slots (and history_tags for a RequestHistory) "
-                f"= None but the hasher was registered with a "
-                f"{type(registered).__name__}; pass its tensors"
-            )
-        history = copy.copy(registered)
-        history.slots = history_slots
-        if isinstance(history, RequestHistory) and history_tags is not None:
-            history.tags = history_tags
-    batch = HashBatch(
+
+@hash_ids.register_fake
+def _(input_ids, positions, query_start_loc, dead_mask, lookback_token_ids, lookback_dead,
+      hasher):  # fmt: skip
+    return _hash_fake(hasher, input_ids)
+
+
+@torch.library.custom_op("engramrt::hash_ids_slot_cache", mutates_args=("history_slots",))
+def hash_ids_slot_cache(
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    dead_mask: torch.Tensor | None,
+    lookback_token_ids: torch.Tensor | None,
+    lookback_dead: torch.Tensor | None,
+    slot_mapping: torch.Tensor,
+    block_table: torch.Tensor,
+    history_slots: torch.Tensor,
+    hasher: str,
+) -> torch.Tensor:
+    """:func:`hash_ids` with a :class:`SlotHashCache`: ``history_slots`` is the cache's
+    ``slots`` (the one registered with the hasher gives the block size), updated in
+    place with the batch's tokens."""
+    return _hash(
+        hasher,
+        history_slots,
+        None,
         input_ids=input_ids,
         positions=positions,
         query_start_loc=query_start_loc,
@@ -141,37 +190,81 @@ def hash_ids(
         lookback_dead=lookback_dead,
         slot_mapping=slot_mapping,
         block_table=block_table,
+    )
+
+
+@hash_ids_slot_cache.register_fake
+def _(input_ids, positions, query_start_loc, dead_mask, lookback_token_ids, lookback_dead,
+      slot_mapping, block_table, history_slots, hasher):  # fmt: skip
+    return _hash_fake(hasher, input_ids)
+
+
+@torch.library.custom_op(
+    "engramrt::hash_ids_request_history", mutates_args=("history_slots", "history_tags")
+)
+def hash_ids_request_history(
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    dead_mask: torch.Tensor | None,
+    lookback_token_ids: torch.Tensor | None,
+    lookback_dead: torch.Tensor | None,
+    request_slots: torch.Tensor,
+    history_slots: torch.Tensor,
+    history_tags: torch.Tensor,
+    hasher: str,
+) -> torch.Tensor:
+    """:func:`hash_ids` with a :class:`RequestHistory`: ``history_slots`` and
+    ``history_tags`` are its ``slots`` and ``tags``, updated in place."""
+    return _hash(
+        hasher,
+        history_slots,
+        history_tags,
+        input_ids=input_ids,
+        positions=positions,
+        query_start_loc=query_start_loc,
+        dead_mask=dead_mask,
+        lookback_token_ids=lookback_token_ids,
+        lookback_dead=lookback_dead,
         request_slots=request_slots,
     )
-    return owner(batch, history)
 
 
-@hash_ids.register_fake
+@hash_ids_request_history.register_fake
 def _(input_ids, positions, query_start_loc, dead_mask, lookback_token_ids, lookback_dead,
-      slot_mapping, block_table, request_slots, history_slots, history_tags, hasher):  # fmt: skip
-    owner, _history = _hasher(hasher)
-    consts = owner.consts
-    shape = (input_ids.shape[0], consts.n_layers, consts.n_cols)
-    return input_ids.new_empty(shape, dtype=owner.out_dtype)
+      request_slots, history_slots, history_tags, hasher):  # fmt: skip
+    return _hash_fake(hasher, input_ids)
 
 
 def hash_batch(batch: HashBatch, hasher: str) -> torch.Tensor:
-    """:func:`hash_ids` on a :class:`HashBatch` (a convenience for model code)."""
+    """The hash operator for ``batch`` and the history registered with ``hasher``."""
     _owner, history = _hasher(hasher)
-    return hash_ids(
+    common = (
         batch.input_ids,
         batch.positions,
         batch.query_start_loc,
         batch.dead_mask,
         batch.lookback_token_ids,
         batch.lookback_dead,
-        batch.slot_mapping,
-        batch.block_table,
-        batch.request_slots,
-        None if history is None else history.slots,
-        getattr(history, "tags", None),
-        hasher,
     )
+    if isinstance(history, SlotHashCache):
+        if batch.slot_mapping is None or batch.block_table is None:
+            raise ValidationError(
+                f"hasher {hasher!r} has a SlotHashCache; expected the batch's slot_mapping "
+                f"and block_table"
+            )
+        return hash_ids_slot_cache(
+            *common, batch.slot_mapping, batch.block_table, history.slots, hasher
+        )
+    if isinstance(history, RequestHistory):
+        if batch.request_slots is None:
+            raise ValidationError(
+                f"hasher {hasher!r} has a RequestHistory; expected the batch's request_slots"
+            )
+        return hash_ids_request_history(
+            *common, batch.request_slots, history.slots, history.tags, hasher
+        )
+    return hash_ids(*common, hasher)
 
 
 # -- rows ----------------------------------------------------------------------

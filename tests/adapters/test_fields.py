@@ -398,9 +398,14 @@ def test_kv_from_elsewhere_needs_lookback_once(engine, backend, consts, token_ma
     """Lookback ids in the first step seed the cache; the next step finds them there."""
     tokens = np.random.default_rng(5).integers(0, token_map.vocab_size, 9)
     want = hash_sequence(token_map.compress(tokens), consts)[6:9]
+    # The kernel on a GPU when there is one, else under the interpreter (conftest).
+    device = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
     for lookback, exact in (([int(t) for t in tokens[5:2:-1]], True), (None, False)):
-        hasher = NgramHasher(consts, token_map, "cpu", backend=backend)
+        hasher = NgramHasher(consts, token_map, device, backend=backend)
         cache, steps = _remote_prefill_steps(engine, tokens, lookback)
-        got = np.concatenate([hasher(b, cache).numpy().astype(np.int64) for b in steps])
+        cache.bind(cache.num_slots, cache.block_size, device)  # a fresh cache on that device
+        got = np.concatenate(
+            [hasher(b.to(device), cache).cpu().numpy().astype(np.int64) for b in steps]
+        )
         # Without lookback ids (the control) the history before position 6 is unknown.
         assert np.array_equal(got, want) == exact
