@@ -122,6 +122,26 @@ def exact_wkv(weights: dict) -> torch.Tensor:
     return dequantize_block_fp8_reference(weights["wkv"], weights["wkv_scale"], dtype=torch.float64)
 
 
+def check_head_step(head, weights: dict, hidden, rows, kv, out, token_mask=None) -> None:
+    """kv and out of one step of ``head`` on ``rows`` against the float reference, within
+    the derived tolerances (:func:`engramrt.layer.assert_layer_within_tolerance`)."""
+    from engramrt.layer import assert_layer_within_tolerance
+
+    assert_layer_within_tolerance(
+        hidden=hidden,
+        rows=rows,
+        kv=kv,
+        out=out,
+        wkv_exact=exact_wkv(weights).to(hidden.device),
+        q_weight=head.q_weight,
+        k_weight=head.k_weight,
+        eps=head.eps,
+        token_mask=token_mask,
+        weight_rounding=head.wkv.weight_rounding,
+        truncating_store=hidden.device.type == "cpu" and interpreter_enabled(),
+    )
+
+
 def assert_same_bits(found: torch.Tensor, expected: torch.Tensor, label: str = "rows") -> None:
     """bf16 tensors equal bit for bit; the first differences listed otherwise."""
     assert found.shape == expected.shape, (

@@ -23,9 +23,8 @@ from tests.layer.common import (
     CONFIG,
     CUDA,
     DEVICE,
-    TRUNCATING_STORE,
     assert_same_bits,
-    exact_wkv,
+    check_head_step,
     full_store,
     layer_table,
     random_hidden,
@@ -37,7 +36,6 @@ from tests.layer.common import (
 from engramrt.errors import CheckpointError, ShardingError, ValidationError
 from engramrt.layer import (
     EngramLayer,
-    assert_layer_within_tolerance,
     engram_layer_reference,
 )
 from engramrt.lookup import lookup_rows_reference
@@ -69,19 +67,7 @@ def check_step(layer, weights, table, hidden, row_ids, out, kv, token_mask=None)
     """Rows bit for bit, then kv and out within their derived tolerances."""
     rows = lookup_rows_reference(row_ids.cpu(), table, E).to(DEVICE)
     assert_same_bits(layer.rows_buffer[: row_ids.shape[0]], rows)
-    assert_layer_within_tolerance(
-        hidden=hidden,
-        rows=rows,
-        kv=kv,
-        out=out,
-        wkv_exact=exact_wkv(weights).to(DEVICE),
-        q_weight=layer.head.q_weight,
-        k_weight=layer.head.k_weight,
-        eps=layer.head.eps,
-        token_mask=token_mask,
-        weight_rounding=layer.head.wkv.weight_rounding,
-        truncating_store=TRUNCATING_STORE,
-    )
+    check_head_step(layer.head, weights, hidden, rows, kv, out, token_mask)
     if token_mask is not None:  # masked tokens pass through bit for bit
         assert_same_bits(out[~token_mask], hidden[~token_mask], label="masked tokens")
 
@@ -392,18 +378,7 @@ def test_head_on_given_rows_matches_reference(table) -> None:
     rows = lookup_rows_reference(row_ids, table, E).to(DEVICE)
     hidden = random_hidden(7, seed=22).to(DEVICE)
     out, kv = head(hidden, rows, return_kv=True)
-    assert_layer_within_tolerance(
-        hidden=hidden,
-        rows=rows,
-        kv=kv,
-        out=out,
-        wkv_exact=exact_wkv(weights).to(DEVICE),
-        q_weight=head.q_weight,
-        k_weight=head.k_weight,
-        eps=head.eps,
-        weight_rounding=head.wkv.weight_rounding,
-        truncating_store=TRUNCATING_STORE,
-    )
+    check_head_step(head, weights, hidden, rows, kv, out)
 
 
 def test_layer_equals_its_head_on_the_sources_rows(store, table) -> None:

@@ -153,6 +153,20 @@ def test_tensor_parallel_shards_hold_their_columns(layout, token_map, device) ->
     full.close()
 
 
+def _captured(step) -> torch.cuda.CUDAGraph:
+    """``step`` run once on a side stream (kernels compile outside the capture), then
+    captured in a CUDA graph."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 def test_graph_capture_replays_like_eager(layout, token_map) -> None:
     """Capture one step (hash + both lookups, device tier), replay it over many batches."""
@@ -176,14 +190,7 @@ def test_graph_capture_replays_like_eager(layout, token_map) -> None:
         for li in range(2):
             outs[li].copy_(handle.rows(li))
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()  # warm-up: compiles kernels outside the capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    graph = _captured(step)
     for _ in range(10):
         ids = torch.as_tensor(rng.integers(0, token_map.vocab_size, t_len), device=device)
         lookback = torch.as_tensor(rng.integers(-1, token_map.vocab_size, (3, 3)), device=device)
@@ -249,33 +256,12 @@ def _heads(device, seeds=(11, 12)):
     return heads, weights
 
 
-def _check_layer_step(layer_out, kv, hidden, rows, weights, head, device) -> None:
-    """kv and out of one layer step against the float reference (derived tolerances)."""
-    from tests.layer.common import exact_wkv
-
-    from engramrt._backend import interpreter_enabled
-    from engramrt.layer import assert_layer_within_tolerance
-
-    assert_layer_within_tolerance(
-        hidden=hidden,
-        rows=rows,
-        kv=kv,
-        out=layer_out,
-        wkv_exact=exact_wkv(weights).to(device),
-        q_weight=head.q_weight,
-        k_weight=head.k_weight,
-        eps=head.eps,
-        weight_rounding=head.wkv.weight_rounding,
-        truncating_store=device.type == "cpu" and interpreter_enabled(),
-    )
-
-
 @pytest.mark.parametrize("tier", ["device", "host"])
 def test_runtime_layers_compute_the_model_step(tier, layout, token_map, device) -> None:
     """One engine step: runtime.step(batch), then each layer called with hidden alone.
     Rows are checked bit for bit against hashing + the lookup reference computed here,
     kv and out against the float reference."""
-    from tests.layer.common import random_hidden
+    from tests.layer.common import check_head_step, random_hidden
 
     heads, weights = _heads(device)
     runtime = _runtime(layout, token_map, device, tier=tier, heads=heads)
@@ -293,7 +279,7 @@ def test_runtime_layers_compute_the_model_step(tier, layout, token_map, device) 
             CFG.head_dim,
             row_begin=store.row_begin,
         ).to(device)
-        _check_layer_step(out, kv, hidden, rows, weights[li], heads[li], device)
+        check_head_step(heads[li], weights[li], hidden, rows, kv, out)
     runtime.close()
 
 
@@ -370,14 +356,7 @@ def test_graph_capture_of_a_model_step(layout, token_map) -> None:
         for li, layer in enumerate(captured.layers):
             outs[li].copy_(layer(hidden[li]))
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()  # warm-up: compiles kernels outside the capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    graph = _captured(step)
     for _ in range(5):
         ids = torch.as_tensor(rng.integers(0, token_map.vocab_size, t_len), device=device)
         lookback = torch.as_tensor(rng.integers(-1, token_map.vocab_size, (2, 3)), device=device)

@@ -266,8 +266,8 @@ class EngramRuntime:
         num_tokens = batch.num_tokens
         row_ids = self.row_ids[slot][:num_tokens]
         self.hasher(batch, self.history, out=row_ids)
-        ready = None
-        if self.device.type == "cuda":
+        ready = None  # marks the hash ids done, for the worker threads' streams
+        if self._workers:
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(self.device))
         pending = []
@@ -292,25 +292,17 @@ class EngramRuntime:
         out: torch.Tensor,
         ready: torch.cuda.Event | None,
     ) -> PendingRows:
-        num_tokens = ids.shape[0]
-        if ready is None:  # a CPU device: in order, now
-            return source.start(ids, out)
         key = self._worker_of.get(index)
+        if key is None:
+            # A side-stream source, ordered after the hashing queued so far (on a
+            # CPU device there is no stream: in order, now).
+            return source.start(ids, out, stream=self._lookup_stream)
+        assert ready is not None
         done = torch.cuda.Event()
-        if key is None:  # a side-stream source
-            stream = self._lookup_stream
-            assert stream is not None
-            stream.wait_event(ready)
-            with torch.cuda.stream(stream):
-                source.fetch(ids, out)
-                done.record(stream)
-                if source.has_update:
-                    source.update(stream)
-            return PendingRows(out, num_tokens, event=done, keep_alive=(ids,))
         future = self._workers[key].submit(
             self._run_on_worker, source, ids, out, ready, self._worker_streams[key], done
         )
-        return PendingRows(out, num_tokens, event=done, future=future, keep_alive=(ids,))
+        return PendingRows(out, ids.shape[0], event=done, future=future, keep_alive=(ids,))
 
     def _run_on_worker(
         self,
