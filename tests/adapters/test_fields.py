@@ -114,7 +114,14 @@ _VLLM_INVALID = [
     ({"num_actual_tokens": 4}, r"query_start_loc\[num_reqs=2\]=5; expected num_actual_tokens=4"),
     ({"slot_mapping": torch.tensor([13, 14])}, "slot_mapping has 2 entries"),
     ({"dead_mask": torch.zeros(7, dtype=torch.bool)}, r"dead_mask has shape \[7\]"),
-    ({"lookback_token_ids": torch.zeros(2, 3, dtype=torch.int64)}, "with R_pad=4"),
+    (
+        {"lookback_token_ids": torch.zeros(2, 3, dtype=torch.int64)},
+        r"lookback_token_ids has shape \[2, 3\]; expected \[4, N-1\]",
+    ),
+    (
+        {"dead_mask": torch.zeros(8, dtype=torch.uint8)},
+        "dead_mask has dtype torch.uint8; expected bool",
+    ),
     ({"positions": torch.zeros(8, dtype=torch.int64, device="meta")}, "positions is on meta"),
     ({"num_reqs": 2.0}, "num_reqs=2.0 must be a Python int"),
 ]
@@ -268,7 +275,10 @@ _SGLANG_INVALID = [
     ),
     ({"req_to_token": torch.zeros(4, 12)}, "req_to_token has dtype torch.float32"),
     ({"max_ngram_size": 0}, r"max_ngram_size=0 must be in \[1, 64\]"),
-    ({"lookback_token_ids": torch.zeros(3, 2, dtype=torch.int64)}, r"expected \[R, N-1\]"),
+    (
+        {"lookback_token_ids": torch.zeros(3, 2, dtype=torch.int64)},
+        r"lookback_token_ids has shape \[3, 2\]; expected \[\d+, 3\]",
+    ),
     ({"dead_mask": torch.zeros(8, dtype=torch.int64)}, "dead_mask has dtype torch.int64"),
 ]
 

@@ -13,7 +13,7 @@ import torch
 
 from engramrt.errors import ValidationError
 
-__all__ = ["check_count", "check_tensor", "host_values"]
+__all__ = ["check_count", "check_dead_and_lookback", "check_tensor", "host_values"]
 
 INT_DTYPES = (torch.int32, torch.int64)
 
@@ -53,3 +53,39 @@ def host_values(x: torch.Tensor | None) -> np.ndarray | None:
     if x is None or x.device.type != "cpu":
         return None
     return x.detach().numpy().astype(np.int64)
+
+
+def check_dead_and_lookback(
+    dead_mask: torch.Tensor | None,
+    lookback_token_ids: torch.Tensor | None,
+    lookback_dead: torch.Tensor | None,
+    *,
+    num_tokens: int,
+    num_requests: int,
+    width: int | None,
+    device: torch.device,
+) -> None:
+    """The optional dead mask ``[T]`` (bool, as the hasher takes it) and lookback ids /
+    dead flags ``[R, N-1]`` of a step (``width=None``: only the rows are checked)."""
+    if dead_mask is not None:
+        check_tensor("dead_mask", dead_mask, dims=1, device=device, dtypes=(torch.bool,))
+        if dead_mask.shape[0] != num_tokens:
+            raise ValidationError(
+                f"dead_mask has shape {list(dead_mask.shape)}; expected [{num_tokens}] like "
+                f"input_ids"
+            )
+    for name, lookback, dtypes in (
+        ("lookback_token_ids", lookback_token_ids, INT_DTYPES),
+        ("lookback_dead", lookback_dead, (torch.bool,)),
+    ):
+        if lookback is None:
+            continue
+        check_tensor(name, lookback, dims=2, device=device, dtypes=dtypes)
+        if lookback.shape[0] != num_requests or (width is not None and lookback.shape[1] != width):
+            expected = (
+                f"[{num_requests}, {width}]" if width is not None else f"[{num_requests}, N-1]"
+            )
+            raise ValidationError(
+                f"{name} has shape {list(lookback.shape)}; expected {expected} (one row per "
+                f"request of the step)"
+            )

@@ -25,7 +25,12 @@ from __future__ import annotations
 
 import torch
 
-from engramrt.adapters._checks import check_count, check_tensor, host_values
+from engramrt.adapters._checks import (
+    check_count,
+    check_dead_and_lookback,
+    check_tensor,
+    host_values,
+)
 from engramrt.errors import ValidationError
 from engramrt.hashing.history import SlotHashCache
 from engramrt.hashing.types import HashBatch
@@ -245,29 +250,15 @@ def validate_sglang_batch(
             f"num_actual_tokens={num_actual_tokens} in a decode step; expected "
             f"num_reqs={n_real} (one token per request)"
         )
-    if dead_mask is not None:
-        check_tensor(
-            "dead_mask", dead_mask, dims=1, device=device, dtypes=(torch.bool, torch.uint8)
-        )
-        if dead_mask.shape[0] != t_len:
-            raise ValidationError(
-                f"dead_mask has shape {list(dead_mask.shape)}; expected [{t_len}] like input_ids"
-            )
-    for name, lookback in (
-        ("lookback_token_ids", lookback_token_ids),
-        ("lookback_dead", lookback_dead),
-    ):
-        if lookback is None:
-            continue
-        dtypes = (
-            (torch.bool, torch.uint8) if name == "lookback_dead" else (torch.int32, torch.int64)
-        )
-        check_tensor(name, lookback, dims=2, device=device, dtypes=dtypes)
-        if list(lookback.shape) != [n_req, max_ngram_size - 1]:
-            raise ValidationError(
-                f"{name} has shape {list(lookback.shape)}; expected [R, N-1] = "
-                f"[{n_req}, {max_ngram_size - 1}]"
-            )
+    check_dead_and_lookback(
+        dead_mask,
+        lookback_token_ids,
+        lookback_dead,
+        num_tokens=t_len,
+        num_requests=n_req,
+        width=max_ngram_size - 1,
+        device=device,
+    )
     if cache is not None:
         if cache.block_size != 1:
             raise ValidationError(

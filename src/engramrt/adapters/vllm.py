@@ -24,7 +24,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from engramrt.adapters._checks import check_count, check_tensor, host_values
+from engramrt.adapters._checks import (
+    check_count,
+    check_dead_and_lookback,
+    check_tensor,
+    host_values,
+)
 from engramrt.errors import ValidationError
 from engramrt.hashing.history import SlotHashCache
 from engramrt.hashing.types import HashBatch
@@ -208,28 +213,15 @@ def validate_vllm_step(
     check_count("block_size", block_size, 1, 2**31 - 1)
     if isinstance(pad_slot_id, bool) or not isinstance(pad_slot_id, int):
         raise ValidationError(f"pad_slot_id={pad_slot_id!r} must be a Python int")
-    if dead_mask is not None:
-        check_tensor(
-            "dead_mask", dead_mask, dims=1, device=device, dtypes=(torch.bool, torch.uint8)
-        )
-        if dead_mask.shape[0] != t_len:
-            raise ValidationError(
-                f"dead_mask has shape {list(dead_mask.shape)}; expected [{t_len}] like input_ids"
-            )
-    for name, lookback in (
-        ("lookback_token_ids", lookback_token_ids),
-        ("lookback_dead", lookback_dead),
-    ):
-        if lookback is None:
-            continue
-        dtypes = (
-            (torch.bool, torch.uint8) if name == "lookback_dead" else (torch.int32, torch.int64)
-        )
-        check_tensor(name, lookback, dims=2, device=device, dtypes=dtypes)
-        if lookback.shape[0] != r_pad:
-            raise ValidationError(
-                f"{name} has shape {list(lookback.shape)}; expected [R_pad, N-1] with R_pad={r_pad}"
-            )
+    check_dead_and_lookback(
+        dead_mask,
+        lookback_token_ids,
+        lookback_dead,
+        num_tokens=t_len,
+        num_requests=r_pad,
+        width=None,
+        device=device,
+    )
     if cache is not None:
         if cache.block_size != block_size:
             raise ValidationError(
