@@ -266,6 +266,8 @@ class TokenMapFingerprint:
                 f"(a newer engramrt wrote it)"
             )
         tokens = _field(data, "probe_token_ids", list)
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+            raise TokenizerError(f"fingerprint probe_token_ids = {tokens!r}; expected integers")
         rows = _field(data, "probe_row_ids", list)
         try:
             row_ids = np.array(rows, dtype=np.int64)
@@ -276,8 +278,6 @@ class TokenMapFingerprint:
                 f"fingerprint probe_row_ids has shape {list(row_ids.shape)}; expected "
                 f"[{len(tokens)}, L, C] (one [L, C] per probe token)"
             )
-        if not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
-            raise TokenizerError(f"fingerprint probe_token_ids = {tokens!r}; expected integers")
         return cls(
             tokenizer_sha256=_field(data, "tokenizer_sha256", str),
             vocab_size=_field(data, "vocab_size", int),
