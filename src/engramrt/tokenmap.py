@@ -289,7 +289,7 @@ class TokenMapFingerprint:
         )
 
     def differences(self, other: TokenMapFingerprint) -> list[str]:
-        """One line per compared field where ``other`` differs: ``field: this X, other Y``."""
+        """One line per compared field where ``other`` differs: ``field: <this> vs <other>``."""
         lines = []
         for name in self.COMPARED:
             mine, theirs = getattr(self, name), getattr(other, name)

@@ -199,3 +199,19 @@ def test_files_engramrt_did_not_convert_load_silently(
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         read_table(path, tiny, 0, token_map=_swapped(token_map, 3, 4))
+
+
+def test_same_map_other_hash_is_refused_by_the_probe(converted, tiny, token_map) -> None:
+    """Another seed keeps the map and the table shapes; only the probe's row ids see it."""
+    _src, path, _packed = converted
+    with pytest.raises(TokenizerError) as info:
+        read_table(path, tiny.replace(hash_seed=1), 0, token_map=token_map)
+    message = str(info.value)
+    assert "probe_row_ids:" in message and "map_sha256" not in message
+
+
+def test_recorded_map_with_a_config_it_does_not_fit(converted, tiny, token_map) -> None:
+    """The map is the recorded one; the config disagrees with it: the size check's message."""
+    _src, path, _packed = converted
+    with pytest.raises(TokenizerError, match=r"compresses to 99,092 ids but .*=99,000"):
+        read_table(path, tiny.replace(compressed_vocab_size=99_000), 0, token_map=token_map)

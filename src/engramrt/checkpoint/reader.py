@@ -639,6 +639,8 @@ def load_tables(
 
     Tier ``"disk"`` (or ``"auto"`` falling back to it) writes
     ``engram-layer<id>-rank<r>-of-<tp>.rows`` files under ``disk_dir``.
+    Every layer is checked against ``token_map`` (default: the DeepSeek-V4
+    map, built once per process); see :func:`iter_packed_rows`.
     """
     ckpt = open_checkpoint(checkpoint)
     cfg, layout = _resolve(config, None)
