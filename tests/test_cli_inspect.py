@@ -72,3 +72,37 @@ def test_console_script_runs() -> None:
     )
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["n_cols"] == 12
+
+
+def test_inspect_prints_the_token_map_fingerprint(capsys, token_map) -> None:
+    import hashlib
+
+    import numpy as np
+
+    from engramrt.config import PRESETS
+    from engramrt.hashing import HashConstants, hash_sequence
+    from engramrt.tokenmap import default_tokenizer_path, load_tokenizer
+
+    code, out, _ = _run(capsys, "inspect", "--config", "tiny", "--json")
+    assert code == 0
+    report = json.loads(out)
+    fingerprint = report["token_map_fingerprint"]
+    tokenizer_file = default_tokenizer_path().read_bytes()
+    assert fingerprint["tokenizer_sha256"] == hashlib.sha256(tokenizer_file).hexdigest()
+    assert (
+        fingerprint["map_sha256"]
+        == hashlib.sha256(token_map.map.astype("<i8").tobytes()).hexdigest()
+    )
+    assert (fingerprint["vocab_size"], fingerprint["compressed_vocab_size"]) == (129_280, 99_092)
+    ids = load_tokenizer().encode(fingerprint["probe_text"], add_special_tokens=False).ids
+    assert fingerprint["probe_token_ids"] == ids
+    cfg = PRESETS["tiny"]
+    expected = hash_sequence(token_map.map[ids], HashConstants.from_config(cfg, token_map))
+    assert fingerprint["probe_row_ids"] == expected.tolist()
+    digest = hashlib.sha256(np.array(fingerprint["probe_row_ids"], dtype="<i8").tobytes())
+    assert report["probe_row_ids_sha256"] == digest.hexdigest()
+
+    code, out, _ = _run(capsys, "inspect", "--config", "tiny")
+    assert code == 0
+    assert f"map sha256 {fingerprint['map_sha256']}" in out
+    assert f"row ids sha256 {report['probe_row_ids_sha256']}" in out

@@ -117,3 +117,141 @@ def test_missing_and_malformed_tokenizer(tmp_path) -> None:
     bad.write_text("{}")
     with pytest.raises(TokenizerError, match="cannot be loaded"):
         TokenMap.from_tokenizer_file(tmp_path, use_cache=False)
+
+
+# The hash contract ----------------------------------------------------------
+
+
+def _swapped(token_map: TokenMap, first: int, second: int) -> TokenMap:
+    """The map with compressed ids ``first`` and ``second`` exchanged (same size, same file hash)."""
+    mapping = token_map.map.copy()
+    mapping[token_map.map == first] = second
+    mapping[token_map.map == second] = first
+    return TokenMap(
+        mapping, token_map.num_compressed, token_map.tokenizer_path, token_map.tokenizer_sha256
+    )
+
+
+def _spec_row_ids(compressed: list[int], layout, pad_id: int) -> list[list[list[int]]]:
+    """SPEC §4 in Python ints, from the layout's multipliers, primes and offsets."""
+    n, h = layout.max_ngram_size, layout.n_heads
+    out = []
+    for p in range(len(compressed)):
+        values, blocked = [], False
+        for k in range(n):
+            blocked = blocked or p - k < 0
+            values.append(pad_id if blocked else compressed[p - k])
+        per_layer = []
+        for li in range(layout.n_layers):
+            m = [int(x) for x in layout.multipliers[li]]
+            rolling, cols = values[0] * m[0], []
+            for k in range(1, n):
+                rolling ^= values[k] * m[k]
+                for head in range(h):
+                    col = (k - 1) * h + head
+                    prime = int(layout.primes[li, k - 1, head])
+                    cols.append(rolling % prime + int(layout.offsets[li, col]))
+            per_layer.append(cols)
+        out.append(per_layer)
+    return out
+
+
+def test_fingerprint_is_stable_and_computed_from_the_map(token_map: TokenMap, tmp_path) -> None:
+    import hashlib
+
+    from engramrt.tokenmap import PROBE_TEXT
+
+    cfg = PRESETS["tiny"]
+    first = token_map.fingerprint(cfg)
+    again = TokenMap(
+        token_map.map.copy(),
+        token_map.num_compressed,
+        token_map.tokenizer_path,
+        token_map.tokenizer_sha256,
+    ).fingerprint(cfg)  # computed afresh, not from the per-map memo
+    built = TokenMap.from_tokenizer_file(cache_dir=tmp_path)
+    cached = TokenMap.from_tokenizer_file(cache_dir=tmp_path)  # served from the cache file
+    assert first == again == built.fingerprint(cfg) == cached.fingerprint(cfg)
+    assert (
+        first.tokenizer_sha256 == hashlib.sha256(default_tokenizer_path().read_bytes()).hexdigest()
+    )
+    assert first.map_sha256 == hashlib.sha256(token_map.map.astype("<i8").tobytes()).hexdigest()
+    assert (first.vocab_size, first.compressed_vocab_size) == (129_280, 99_092)
+    assert first.probe_text == PROBE_TEXT
+    # Another config keeps the map fields and changes only the probe's row ids.
+    flash = token_map.fingerprint(PRESETS["dsv41-flash"])
+    assert flash.map_sha256 == first.map_sha256 and flash.probe_row_ids != first.probe_row_ids
+
+
+@pytest.mark.parametrize("preset", ["tiny", "dsv41-flash"])
+def test_probe_row_ids_match_independent_hashing(token_map: TokenMap, preset: str) -> None:
+    from engramrt.hashing import HashConstants, hash_sequence
+    from engramrt.layout import EngramLayout
+    from engramrt.tokenmap import PROBE_TEXT
+
+    cfg = PRESETS[preset]
+    fingerprint = token_map.fingerprint(cfg)
+    token_ids = load_tokenizer().encode(PROBE_TEXT, add_special_tokens=False).ids
+    assert list(fingerprint.probe_token_ids) == token_ids and len(token_ids) >= cfg.max_ngram_size
+    compressed = token_map.map[token_ids]
+    by_reference = hash_sequence(compressed, HashConstants.from_config(cfg, token_map))
+    np.testing.assert_array_equal(np.array(fingerprint.probe_row_ids), by_reference)
+    layout = EngramLayout(cfg)
+    by_spec = _spec_row_ids(
+        [int(c) for c in compressed], layout, int(token_map.map[cfg.pad_token_id])
+    )
+    assert np.array(fingerprint.probe_row_ids).tolist() == by_spec
+    assert np.array(fingerprint.probe_row_ids).shape == (len(token_ids), cfg.n_layers, cfg.n_cols)
+
+
+def test_swapped_pair_of_compressed_ids_changes_the_fingerprint(token_map: TokenMap) -> None:
+    cfg = PRESETS["tiny"]
+    recorded = token_map.fingerprint(cfg)
+    probe = recorded.probe_token_ids
+    # Two ids the probe uses: the map hash and the probe's row ids both see it.
+    a, b = (int(token_map.map[t]) for t in (probe[0], probe[3]))
+    swapped = _swapped(token_map, a, b)
+    assert swapped.num_compressed == token_map.num_compressed
+    assert not np.array_equal(swapped.map, token_map.map)
+    in_use = swapped.fingerprint(cfg)
+    assert in_use.tokenizer_sha256 == recorded.tokenizer_sha256
+    assert in_use.compressed_vocab_size == recorded.compressed_vocab_size
+    differences = recorded.differences(in_use)
+    assert [line.split(":")[0] for line in differences] == ["map_sha256", "probe_row_ids"]
+    assert recorded.map_sha256 in differences[0] and in_use.map_sha256 in differences[0]
+    with pytest.raises(TokenizerError) as info:
+        swapped.check_fingerprint(recorded, cfg, where="rows.safetensors")
+    message = str(info.value)
+    assert "rows.safetensors" in message and "map_sha256" in message and "probe_row_ids" in message
+    assert "compressed_vocab_size" not in message  # the size agrees: not named as differing
+
+    # Two ids the probe does not use: only the map hash catches it.
+    unused = sorted(set(range(token_map.num_compressed)) - {int(token_map.map[t]) for t in probe})
+    far = _swapped(token_map, unused[0], unused[-1]).fingerprint(cfg)
+    assert far.probe_row_ids == recorded.probe_row_ids
+    assert [line.split(":")[0] for line in recorded.differences(far)] == ["map_sha256"]
+
+    # The control: the same map passes, whatever its file hash says.
+    token_map.check_fingerprint(recorded, cfg, where="rows.safetensors")
+    renamed = TokenMap(
+        token_map.map.copy(), token_map.num_compressed, token_map.tokenizer_path, "0" * 64
+    )
+    renamed.check_fingerprint(recorded, cfg, where="rows.safetensors")
+
+
+def test_fingerprint_round_trips_and_refuses_malformed_records(token_map: TokenMap) -> None:
+    from engramrt.tokenmap import TokenMapFingerprint
+
+    fingerprint = token_map.fingerprint(PRESETS["tiny"])
+    assert TokenMapFingerprint.from_dict(fingerprint.to_dict()) == fingerprint
+    for field, value, needle in [
+        ("map_sha256", 5, "map_sha256 = 5; expected a str"),
+        ("vocab_size", True, "vocab_size = True; expected a int"),
+        ("format", 2, "format = 2; this engramrt reads format 1"),
+        ("probe_row_ids", [[1, 2]], "expected [19, L, C]"),
+        ("probe_token_ids", ["a"], "probe_token_ids = ['a']"),
+    ]:
+        record = fingerprint.to_dict()
+        record[field] = value
+        with pytest.raises(TokenizerError, match=re.escape(needle)):
+            TokenMapFingerprint.from_dict(record)

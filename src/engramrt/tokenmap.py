@@ -9,6 +9,12 @@ Building the map decodes every id (129,280 for the DeepSeek-V4 tokenizer),
 so the result is cached on disk keyed by the SHA-256 of the tokenizer file.
 A cache file carries its own key and a checksum of its contents; one that is
 stale, truncated or corrupt is rebuilt, never used.
+
+A tokenizer revision can keep the number of compressed ids and still change
+the map, which changes every hash silently. :class:`TokenMapFingerprint`
+pins what the rows of a table were hashed with (the hash contract):
+converted checkpoints record it and loading compares it with the map in use
+(see :mod:`engramrt.checkpoint.metadata`).
 """
 
 from __future__ import annotations
@@ -19,7 +25,9 @@ import importlib.util
 import io
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -34,8 +42,13 @@ if TYPE_CHECKING:
     from engramrt.config import EngramConfig
 
 __all__ = [
+    "FINGERPRINT_FORMAT",
+    "PROBE_TEXT",
     "TokenMap",
+    "TokenMapFingerprint",
+    "TokenMapWarning",
     "default_cache_dir",
+    "default_token_map",
     "default_tokenizer_path",
     "load_tokenizer",
     "make_normalizer",
@@ -46,6 +59,20 @@ __all__ = [
 _MAP_VERSION = 1
 _SENTINEL = "\ue000"
 _REPLACEMENT_CHAR = "\ufffd"
+
+PROBE_TEXT = "The Engram hash contract: THE the café Café, 0123 深度求索."
+"""The text whose row ids a fingerprint records (19 DeepSeek-V4 tokens).
+
+Case, accent and spacing variants that share compressed ids, digits, CJK
+and punctuation, long enough that every n-gram order is hashed.
+"""
+
+FINGERPRINT_FORMAT = 1
+"""Version of :meth:`TokenMapFingerprint.to_dict`; bump when its fields change."""
+
+
+class TokenMapWarning(UserWarning):
+    """Rows whose token map cannot be checked: no fingerprint was recorded, or none fits."""
 
 
 def default_tokenizer_path() -> Path:
@@ -143,6 +170,174 @@ def _sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
+def _sha256_array(mapping: np.ndarray) -> str:
+    """SHA-256 of a map as little-endian int64 bytes (independent of the host's byte order)."""
+    return hashlib.sha256(np.ascontiguousarray(mapping, dtype="<i8").tobytes()).hexdigest()
+
+
+RowIds3D = tuple[tuple[tuple[int, ...], ...], ...]
+"""Row ids ``[T, L, C]`` as nested tuples (hashable, comparable, JSON-able)."""
+
+
+@dataclass(frozen=True)
+class TokenMapFingerprint:
+    """What a table's rows were hashed with: the token map and the hash it feeds.
+
+    Compared when a checkpoint is loaded (:attr:`COMPARED`); each field is
+    there for a reason:
+
+    Attributes:
+        tokenizer_sha256: SHA-256 of the tokenizer file. Provenance only,
+            never compared: the same map is often shipped in files that differ
+            byte for byte (the PyPI package, a model repository, a
+            re-serialized copy), and a file hash says nothing about the map
+            when the file is not at hand.
+        vocab_size: tokenizer ids the map covers (added tokens included).
+        compressed_vocab_size: distinct compressed ids; every hash multiplier
+            derives from it (SPEC §3). Necessary but not sufficient: a
+            revision can keep it and still move ids.
+        map_sha256: SHA-256 of the whole map (``[V]`` little-endian int64).
+            Pins every compressed id, so a swapped pair of ids is caught
+            even though the size is unchanged and even where the probe
+            text does not reach.
+        probe_text: the text of the probe (recorded, so a later engramrt
+            with another :data:`PROBE_TEXT` still checks the recorded one).
+        probe_token_ids: the tokenizer's ids of ``probe_text`` (no special
+            tokens added): catches a tokenizer whose encoding changed while
+            its id -> text map did not (the n-grams of any text move).
+        probe_row_ids: ``[T, L, C]`` row ids of the probe for the config's
+            layout (SPEC §4). Pins the hash end to end: the map, the pad id,
+            the multipliers, primes and offsets, and the hashing code itself,
+            so rows converted by one engramrt are refused by another that
+            hashes differently.
+        format: :data:`FINGERPRINT_FORMAT` of the writer.
+    """
+
+    tokenizer_sha256: str
+    vocab_size: int
+    compressed_vocab_size: int
+    map_sha256: str
+    probe_text: str
+    probe_token_ids: tuple[int, ...]
+    probe_row_ids: RowIds3D
+    format: int = FINGERPRINT_FORMAT
+
+    COMPARED = (
+        "vocab_size",
+        "compressed_vocab_size",
+        "map_sha256",
+        "probe_token_ids",
+        "probe_row_ids",
+    )
+    """Fields that must agree for rows to be served with another map."""
+
+    @property
+    def probe_row_ids_sha256(self) -> str:
+        """SHA-256 of :attr:`probe_row_ids` as little-endian int64 (a short form to print)."""
+        return _sha256_array(np.array(self.probe_row_ids, dtype=np.int64))
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able fields (what a checkpoint's metadata records)."""
+        return {
+            "format": self.format,
+            "tokenizer_sha256": self.tokenizer_sha256,
+            "vocab_size": self.vocab_size,
+            "compressed_vocab_size": self.compressed_vocab_size,
+            "map_sha256": self.map_sha256,
+            "probe_text": self.probe_text,
+            "probe_token_ids": list(self.probe_token_ids),
+            "probe_row_ids": [[list(cols) for cols in layers] for layers in self.probe_row_ids],
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> TokenMapFingerprint:
+        """The fingerprint :meth:`to_dict` wrote.
+
+        Raises:
+            TokenizerError: a field is missing or of the wrong type, or the
+                format is newer than this engramrt reads.
+        """
+        if not isinstance(data, Mapping):
+            raise TokenizerError(f"fingerprint = {data!r}; expected a JSON object")
+        version = _field(data, "format", int)
+        if version != FINGERPRINT_FORMAT:
+            raise TokenizerError(
+                f"fingerprint format = {version}; this engramrt reads format {FINGERPRINT_FORMAT} "
+                f"(a newer engramrt wrote it)"
+            )
+        tokens = _field(data, "probe_token_ids", list)
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+            raise TokenizerError(f"fingerprint probe_token_ids = {tokens!r}; expected integers")
+        rows = _field(data, "probe_row_ids", list)
+        try:
+            row_ids = np.array(rows, dtype=np.int64)
+        except (TypeError, ValueError, OverflowError) as exc:
+            raise TokenizerError(f"fingerprint probe_row_ids is not an int array: {exc}") from exc
+        if row_ids.ndim != 3 or row_ids.shape[0] != len(tokens):
+            raise TokenizerError(
+                f"fingerprint probe_row_ids has shape {list(row_ids.shape)}; expected "
+                f"[{len(tokens)}, L, C] (one [L, C] per probe token)"
+            )
+        return cls(
+            tokenizer_sha256=_field(data, "tokenizer_sha256", str),
+            vocab_size=_field(data, "vocab_size", int),
+            compressed_vocab_size=_field(data, "compressed_vocab_size", int),
+            map_sha256=_field(data, "map_sha256", str),
+            probe_text=_field(data, "probe_text", str),
+            probe_token_ids=tuple(int(t) for t in tokens),
+            probe_row_ids=_nested_tuple(row_ids),
+        )
+
+    def differences(self, other: TokenMapFingerprint) -> list[str]:
+        """One line per compared field where ``other`` differs: ``field: <this> vs <other>``."""
+        lines = []
+        for name in self.COMPARED:
+            mine, theirs = getattr(self, name), getattr(other, name)
+            if mine == theirs:
+                continue
+            if name == "probe_token_ids":
+                lines.append(f"{name}: {_first_difference(mine, theirs)}")
+            elif name == "probe_row_ids":
+                lines.append(f"{name}: {_row_ids_difference(mine, theirs)}")
+            elif isinstance(mine, int):
+                lines.append(f"{name}: {mine:,} vs {theirs:,}")
+            else:
+                lines.append(f"{name}: {mine} vs {theirs}")
+        return lines
+
+
+def _field(data: Mapping[str, Any], name: str, kind: type) -> Any:
+    value = data.get(name)
+    if not isinstance(value, kind) or isinstance(value, bool):
+        raise TokenizerError(
+            f"fingerprint {name} = {value!r}; expected a {kind.__name__} (a malformed record)"
+        )
+    return value
+
+
+def _nested_tuple(row_ids: np.ndarray) -> RowIds3D:
+    return tuple(tuple(tuple(int(v) for v in cols) for cols in layers) for layers in row_ids)
+
+
+def _first_difference(a: Sequence[int], b: Sequence[int]) -> str:
+    if len(a) != len(b):
+        return f"{len(a)} tokens vs {len(b)} tokens"
+    i = next(i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y)
+    return f"token {i} is {a[i]} vs {b[i]}"
+
+
+def _row_ids_difference(a: RowIds3D, b: RowIds3D) -> str:
+    left, right = np.array(a, dtype=np.int64), np.array(b, dtype=np.int64)
+    if left.shape != right.shape:
+        return f"shape {list(left.shape)} vs {list(right.shape)}"
+    differ = np.argwhere(left != right)
+    t, layer, col = (int(i) for i in differ[0])
+    return (
+        f"{len(differ)} of {left.size} differ, first at token {t}, layer index {layer}, "
+        f"column {col}: {int(left[t, layer, col])} vs {int(right[t, layer, col])}"
+    )
+
+
 class TokenMap:
     """Tokenizer id -> compressed id, with the tokenizer it came from.
 
@@ -151,6 +346,7 @@ class TokenMap:
         num_compressed: number of distinct compressed ids.
         tokenizer_path: the tokenizer.json it was built from.
         tokenizer_sha256: SHA-256 of that file (the cache key).
+        map_sha256: SHA-256 of ``map`` (see :class:`TokenMapFingerprint`).
     """
 
     def __init__(
@@ -161,6 +357,7 @@ class TokenMap:
         self.num_compressed = int(num_compressed)
         self.tokenizer_path = tokenizer_path
         self.tokenizer_sha256 = tokenizer_sha256
+        self._fingerprints: dict[tuple[EngramConfig, str], TokenMapFingerprint] = {}
 
     @property
     def vocab_size(self) -> int:
@@ -218,6 +415,99 @@ class TokenMap:
         self.check_config(config)
         return int(self.map[config.pad_token_id])
 
+    @cached_property
+    def map_sha256(self) -> str:
+        """SHA-256 of :attr:`map` as little-endian int64 bytes."""
+        return _sha256_array(self.map)
+
+    def fingerprint(
+        self, config: EngramConfig, *, probe_text: str = PROBE_TEXT
+    ) -> TokenMapFingerprint:
+        """The fingerprint of this map and ``config``'s layout (cached per config and probe).
+
+        Encodes ``probe_text`` with the tokenizer at :attr:`tokenizer_path`
+        and hashes it with :func:`engramrt.hashing.hash_sequence`, the
+        reference that defines the row ids.
+
+        Raises:
+            TokenizerError: the map does not fit ``config`` (see :meth:`check_config`).
+        """
+        key = (config, probe_text)
+        cached = self._fingerprints.get(key)
+        if cached is not None:
+            return cached
+        # The probe pins the hash end to end, so the map reaches up to the
+        # hashing reference here; imported on use, so the map stays lean.
+        from engramrt.hashing.reference import hash_sequence
+        from engramrt.hashing.types import HashConstants
+        from engramrt.layout import EngramLayout
+
+        consts = HashConstants.from_layout(EngramLayout(config), self.pad_id(config))
+        token_ids = load_tokenizer(self.tokenizer_path).encode(probe_text, add_special_tokens=False)
+        probe_ids = tuple(int(t) for t in token_ids.ids)
+        row_ids = hash_sequence(self.compress(probe_ids), consts)  # [T, L, C] int64
+        result = TokenMapFingerprint(
+            tokenizer_sha256=self.tokenizer_sha256,
+            vocab_size=self.vocab_size,
+            compressed_vocab_size=self.num_compressed,
+            map_sha256=self.map_sha256,
+            probe_text=probe_text,
+            probe_token_ids=probe_ids,
+            probe_row_ids=_nested_tuple(row_ids),
+        )
+        self._fingerprints[key] = result
+        return result
+
+    def check_fingerprint(
+        self, recorded: TokenMapFingerprint, config: EngramConfig, *, where: str
+    ) -> None:
+        """Refuse rows ``recorded`` says were hashed with another map or hash than this one.
+
+        Args:
+            recorded: the fingerprint the rows were written with.
+            config: the config the rows are served with.
+            where: what holds the rows, for the message (a file name).
+
+        Raises:
+            TokenizerError: a field of :attr:`TokenMapFingerprint.COMPARED`
+                differs; the message names each such field with both values.
+        """
+        try:
+            self.check_config(config)
+        except TokenizerError as exc:
+            in_use_map = (self.vocab_size, self.num_compressed, self.map_sha256)
+            if in_use_map == (
+                recorded.vocab_size,
+                recorded.compressed_vocab_size,
+                recorded.map_sha256,
+            ):
+                raise  # the map is the recorded one; the config is what disagrees
+            differences = [
+                f"{name}: {mine:,} vs {theirs:,}"
+                if isinstance(mine, int)
+                else f"{name}: {mine} vs {theirs}"
+                for name, mine, theirs in zip(
+                    ("vocab_size", "compressed_vocab_size", "map_sha256"),
+                    (recorded.vocab_size, recorded.compressed_vocab_size, recorded.map_sha256),
+                    in_use_map,
+                    strict=True,
+                )
+                if mine != theirs
+            ]
+            differences.append(f"probe_row_ids: not computed ({exc})")
+        else:
+            differences = recorded.differences(
+                self.fingerprint(config, probe_text=recorded.probe_text)
+            )
+        if differences:
+            raise TokenizerError(
+                f"{where} was hashed with another token map than the one in use; differing "
+                f"(recorded vs in use): {'; '.join(differences)}. Recorded tokenizer sha256 "
+                f"{recorded.tokenizer_sha256}; in use {self.tokenizer_path} (sha256 "
+                f"{self.tokenizer_sha256}). Load it with the tokenizer it was converted with "
+                f"(token_map=TokenMap.from_tokenizer_file(path)), or convert it again with this one"
+            )
+
     def compress(self, ids: Sequence[int] | np.ndarray) -> np.ndarray:
         """Compressed ids of tokenizer ids (int64); refuses ids outside the tokenizer."""
         arr = np.asarray(ids, dtype=np.int64)
@@ -261,3 +551,20 @@ def _write_cache(cache_file: Path, sha: str, mapping: np.ndarray, count: int) ->
     np.savez(buf, map=mapping.astype(np.int64), meta=np.array(json.dumps(meta)))
     with contextlib.suppress(OSError):
         atomic_write_bytes(cache_file, buf.getvalue())
+
+
+_DEFAULT_MAPS: dict[tuple[str, int, int, str], TokenMap] = {}
+
+
+def default_token_map() -> TokenMap:
+    """The DeepSeek-V4 token map, built or loaded once per process.
+
+    Memoised on the tokenizer file's path, size and modification time and
+    on the cache directory, so checking many tables costs one load.
+    """
+    path = default_tokenizer_path()
+    stat = path.stat()
+    key = (str(path), stat.st_size, stat.st_mtime_ns, str(default_cache_dir()))
+    if key not in _DEFAULT_MAPS:
+        _DEFAULT_MAPS[key] = TokenMap.from_tokenizer_file(path)
+    return _DEFAULT_MAPS[key]

@@ -43,6 +43,7 @@ from engramrt.checkpoint.conversion_set import (
     remove_stale_temporaries,
     staged_path,
 )
+from engramrt.checkpoint.metadata import token_map_metadata
 from engramrt.checkpoint.names import TensorNames
 from engramrt.checkpoint.reader import (
     SOURCE_DTYPES,
@@ -68,6 +69,7 @@ from engramrt.config import EngramConfig, load_config
 from engramrt.errors import CheckpointError
 from engramrt.layout import EngramLayout
 from engramrt.quant import quantize_rows
+from engramrt.tokenmap import TokenMap
 
 __all__ = [
     "ConversionPlan",
@@ -139,10 +141,16 @@ def plan_conversion(
     tp: int = 1,
     names: NamesSpec = None,
     scale_dtype: str = "uint8",
+    token_map: TokenMap | None = None,
 ) -> ConversionPlan:
     """Locate and check every source tensor and lay out every output; writes nothing.
 
+    Every output records the fingerprint of ``token_map`` (default: the
+    DeepSeek-V4 map, when it fits the config), which loading checks: see
+    :mod:`engramrt.checkpoint.metadata`.
+
     Raises:
+        TokenizerError: ``token_map`` does not fit the config.
         CheckpointError: SRC is missing, a source tensor is missing, or its
             dtype or shape does not match the config.
         ShardingError: ``tp`` leaves a rank without a hash column.
@@ -194,6 +202,9 @@ def plan_conversion(
     directory_set = all(is_output_name(path.name) for path in paths) and not (
         Path(dst).suffix == ".safetensors" or Path(dst).is_file()
     )
+    # The hash contract: the token map the rows are hashed with, checked on load.
+    recorded = token_map_metadata(cfg, token_map)
+    files = [dataclasses.replace(f, metadata={**f.metadata, **recorded}) for f in files]
     return ConversionPlan(cfg, tuple(sources), tuple(files), tp, directory_set)
 
 
@@ -362,9 +373,12 @@ def convert_checkpoint(
     device: torch.device | str = "cpu",
     backend: str | None = None,
     on_rows: Callable[[int], None] | None = None,
+    token_map: TokenMap | None = None,
 ) -> list[Path]:
     """:func:`plan_conversion` then :func:`run_conversion`; returns the files written."""
-    plan = plan_conversion(src, dst, config, tp=tp, names=names, scale_dtype=scale_dtype)
+    plan = plan_conversion(
+        src, dst, config, tp=tp, names=names, scale_dtype=scale_dtype, token_map=token_map
+    )
     return run_conversion(
         plan, block_rows=block_rows, device=device, backend=backend, on_rows=on_rows
     )

@@ -21,6 +21,10 @@ key                         value
                             table), ``row_begin``, ``row_end`` (the global rows
                             this file's tensors hold), ``col_begin``,
                             ``col_end`` (the hash columns they serve)
+``engramrt_token_map``      the hash contract: the fingerprint of the token map
+                            and layout the rows were hashed with, JSON of
+                            :meth:`engramrt.tokenmap.TokenMapFingerprint.to_dict`
+                            (written by ``engramrt convert``)
 ==========================  ===================================================
 
 A reader uses ``engramrt_layers`` to map a tensor's local row 0 to global
@@ -28,17 +32,31 @@ row ``row_begin``: that is how a rank's file of a ``--tp N`` conversion
 serves its shard without the rest of the table. A tensor without such an
 entry (any file engramrt did not write, e.g. DeepSeek's) holds the full
 table, global row ``i`` at local row ``i``.
+
+The hash contract (:func:`check_token_map`): rows are only meaningful under
+the hash they were trained with, and a tokenizer revision can keep the
+compressed vocabulary size while moving ids. A conversion records the
+fingerprint of its token map (the one passed, else the DeepSeek-V4 map when
+it fits the config); loading compares it with the map in use and refuses a
+difference with a :class:`~engramrt.errors.TokenizerError` naming each
+differing field. A converted file without a fingerprint (an older engramrt,
+or a conversion no map fitted) loads with a :class:`TokenMapWarning`. Files
+engramrt did not convert (DeepSeek's, :func:`save_tables` output) record
+no hash contract and load as before.
 """
 
 from __future__ import annotations
 
 import json
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 from engramrt.config import EngramConfig
-from engramrt.errors import CheckpointError
+from engramrt.errors import CheckpointError, TokenizerError
+from engramrt.tokenmap import TokenMap, TokenMapFingerprint, TokenMapWarning, default_token_map
 
 __all__ = [
     "META_CONFIG",
@@ -46,12 +64,16 @@ __all__ = [
     "META_LAYERS",
     "META_RANK",
     "META_SCALES",
+    "META_TOKEN_MAP",
     "META_TP",
     "META_VERSION",
     "LayerSlot",
     "RowRange",
     "build_metadata",
+    "check_token_map",
+    "read_token_map_fingerprint",
     "tensor_row_ranges",
+    "token_map_metadata",
 ]
 
 META_VERSION = "engramrt_version"
@@ -61,6 +83,10 @@ META_TP = "engramrt_tp"
 META_RANK = "engramrt_rank"
 META_SCALES = "engramrt_scale_dtype"
 META_LAYERS = "engramrt_layers"
+META_TOKEN_MAP = "engramrt_token_map"
+# Written by every conversion (see engramrt.checkpoint.conversion_set); repeated
+# here so that this module does not import the conversion machinery.
+_META_CONVERSION_ID = "engramrt_conversion_id"
 
 
 @dataclass(frozen=True)
@@ -161,3 +187,82 @@ def tensor_row_ranges(metadata: Mapping[str, str], file: object) -> dict[str, Ro
     except (KeyError, TypeError, ValueError) as exc:
         raise CheckpointError(f"{file}: metadata {META_LAYERS} is malformed: {exc}") from exc
     return ranges
+
+
+def token_map_metadata(config: EngramConfig, token_map: TokenMap | None) -> dict[str, str]:
+    """The ``engramrt_token_map`` entry a conversion records, or ``{}`` with a warning.
+
+    ``token_map`` None means the DeepSeek-V4 map, recorded when it fits the
+    config; when it does not, nothing can be recorded and a
+    :class:`TokenMapWarning` says so (pass the tokenizer the model uses).
+
+    Raises:
+        TokenizerError: ``token_map`` was given and does not fit ``config``.
+    """
+    if token_map is None:
+        default = default_token_map()
+        if default.num_compressed != config.compressed_vocab_size:
+            warnings.warn(
+                f"no token map fingerprint recorded: the DeepSeek-V4 tokenizer compresses to "
+                f"{default.num_compressed:,} ids but engram_compressed_vocab_size="
+                f"{config.compressed_vocab_size:,}; pass token_map= (the model's tokenizer) so "
+                f"that loading can refuse rows hashed with another map",
+                TokenMapWarning,
+                stacklevel=3,
+            )
+            return {}
+        token_map = default
+    fingerprint = token_map.fingerprint(config)
+    return {META_TOKEN_MAP: json.dumps(fingerprint.to_dict(), separators=(",", ":"))}
+
+
+def read_token_map_fingerprint(
+    metadata: Mapping[str, str], file: object
+) -> TokenMapFingerprint | None:
+    """The fingerprint a file records (``None`` if it records none)."""
+    raw = metadata.get(META_TOKEN_MAP)
+    if raw is None:
+        return None
+    try:
+        return TokenMapFingerprint.from_dict(json.loads(raw))
+    except (json.JSONDecodeError, TokenizerError) as exc:
+        raise CheckpointError(f"{file}: metadata {META_TOKEN_MAP} is malformed: {exc}") from exc
+
+
+def check_token_map(
+    metadata_by_file: Mapping[Path, Mapping[str, str]],
+    config: EngramConfig,
+    token_map: TokenMap | None,
+) -> None:
+    """Refuse files whose rows were hashed with another token map than ``token_map``.
+
+    Args:
+        metadata_by_file: the ``__metadata__`` of each file rows are read from.
+        config: the config the rows are served with.
+        token_map: the map in use; None: the DeepSeek-V4 map (built only if
+            some file records a fingerprint).
+
+    Raises:
+        TokenizerError: a file's fingerprint differs from the map in use
+            (every differing field named, both values).
+        CheckpointError: a recorded fingerprint is malformed.
+
+    Warns:
+        TokenMapWarning: a converted file records no fingerprint.
+    """
+    for file, metadata in metadata_by_file.items():
+        recorded = read_token_map_fingerprint(metadata, file)
+        if recorded is None:
+            if _META_CONVERSION_ID in metadata:
+                warnings.warn(
+                    f"{file} records no token map fingerprint (converted by an older engramrt, "
+                    f"or without a token map that fits its config): the rows are served without "
+                    f"checking that they were hashed with the token map in use; convert it "
+                    f"again to record one",
+                    TokenMapWarning,
+                    stacklevel=4,
+                )
+            continue
+        if token_map is None:
+            token_map = default_token_map()
+        token_map.check_fingerprint(recorded, config, where=str(file))

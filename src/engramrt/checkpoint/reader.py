@@ -31,7 +31,7 @@ from typing import Any, TypeAlias
 import torch
 
 from engramrt.checkpoint.conversion_set import resolve_directory
-from engramrt.checkpoint.metadata import RowRange, tensor_row_ranges
+from engramrt.checkpoint.metadata import RowRange, check_token_map, tensor_row_ranges
 from engramrt.checkpoint.names import TensorNames
 from engramrt.checkpoint.safetensors_format import SafetensorsHeader, TensorEntry, read_header
 from engramrt.config import EngramConfig, load_config
@@ -40,6 +40,7 @@ from engramrt.layout import ColumnShard, EngramLayout
 from engramrt.lookup.tiers import RowStore, choose_tier, tier_class
 from engramrt.lookup.tiers.base import default_compute_device
 from engramrt.packed import pack_rows, row_bytes_for
+from engramrt.tokenmap import TokenMap
 
 __all__ = [
     "DEFAULT_BLOCK_BYTES",
@@ -423,6 +424,17 @@ def plan_layer_read(
     return LayerRead(layer_index, layer_id, shard, E, tuple(segments))
 
 
+def check_plan_token_map(
+    checkpoint: SafetensorsCheckpoint,
+    plan: LayerRead,
+    config: EngramConfig,
+    token_map: TokenMap | None,
+) -> None:
+    """Refuse a plan whose files were hashed with another token map (see :func:`check_token_map`)."""
+    files = {p.location.file for s in plan.segments for p in (s.weight, s.scale)}
+    check_token_map({f: checkpoint.header(f).metadata for f in sorted(files)}, config, token_map)
+
+
 def safe_slice(file: Path, name: str) -> Any:
     """``safe_open(file).get_slice(name)``, with the file's errors as :class:`CheckpointError`."""
     from safetensors import SafetensorError, safe_open
@@ -480,6 +492,7 @@ def iter_packed_rows(
     names: NamesSpec = None,
     block_rows: int | None = None,
     layout: EngramLayout | None = None,
+    token_map: TokenMap | None = None,
 ) -> Iterator[tuple[int, torch.Tensor]]:
     """Stream the packed rows of one rank's shard of layer ``layer_index``.
 
@@ -495,11 +508,18 @@ def iter_packed_rows(
         names: tensor names (see :mod:`engramrt.checkpoint.names`).
         block_rows: rows per block (default: about 64 MiB).
         layout: the config's layout, if already built.
+        token_map: the token map the rows are served with (default: the
+            DeepSeek-V4 map); a file whose recorded fingerprint differs is
+            refused (see :func:`engramrt.checkpoint.metadata.check_token_map`).
+
+    Raises:
+        TokenizerError: the checkpoint was hashed with another token map.
     """
     ckpt = open_checkpoint(checkpoint)
     cfg, layout = _resolve(config, layout)
     shard = layout.column_shard(layer_index, tp, rank)
     plan = plan_layer_read(ckpt, cfg, layout, layer_index, shard, TensorNames.from_spec(names))
+    check_plan_token_map(ckpt, plan, cfg, token_map)
     return _iter_plan(plan, check_block_rows(block_rows, row_bytes_for(cfg.head_dim)))
 
 
@@ -552,6 +572,7 @@ def load_table(
     disk_path: str | os.PathLike[str] | None = None,
     block_rows: int | None = None,
     layout: EngramLayout | None = None,
+    token_map: TokenMap | None = None,
     **store_options: Any,
 ) -> RowStore:
     """Load one rank's rows of one layer's table into a :class:`RowStore`.
@@ -561,8 +582,8 @@ def load_table(
     arrives: memory peaks at the store plus one block.
 
     Args:
-        checkpoint, config, layer_index, tp, rank, names, block_rows, layout:
-            see :func:`iter_packed_rows`.
+        checkpoint, config, layer_index, tp, rank, names, block_rows, layout,
+        token_map: see :func:`iter_packed_rows`.
         tier: ``"auto"``, ``"device"``, ``"uva"``, ``"host"`` or ``"disk"``
             (see :func:`engramrt.lookup.tiers.make_store`).
         store: an empty store to fill instead (its rows, E and row_begin
@@ -575,11 +596,13 @@ def load_table(
     Raises:
         CheckpointError: a tensor is missing or has the wrong dtype or shape.
         CapacityError: the chosen memory or disk is too small.
+        TokenizerError: the checkpoint was hashed with another token map.
     """
     ckpt = open_checkpoint(checkpoint)
     cfg, layout = _resolve(config, layout)
     shard = layout.column_shard(layer_index, tp, rank)
     plan = plan_layer_read(ckpt, cfg, layout, layer_index, shard, TensorNames.from_spec(names))
+    check_plan_token_map(ckpt, plan, cfg, token_map)
     rows_per_block = check_block_rows(block_rows, row_bytes_for(cfg.head_dim))
     if store is None:
         store = _new_store(
@@ -609,12 +632,15 @@ def load_tables(
     device: torch.device | str | None = None,
     disk_dir: str | os.PathLike[str] | None = None,
     block_rows: int | None = None,
+    token_map: TokenMap | None = None,
     **store_options: Any,
 ) -> list[RowStore]:
     """:func:`load_table` for every Engram layer, in ``config.layer_ids`` order.
 
     Tier ``"disk"`` (or ``"auto"`` falling back to it) writes
     ``engram-layer<id>-rank<r>-of-<tp>.rows`` files under ``disk_dir``.
+    Every layer is checked against ``token_map`` (default: the DeepSeek-V4
+    map, built once per process); see :func:`iter_packed_rows`.
     """
     ckpt = open_checkpoint(checkpoint)
     cfg, layout = _resolve(config, None)
@@ -638,6 +664,7 @@ def load_tables(
                 disk_path=disk_path,
                 block_rows=block_rows,
                 layout=layout,
+                token_map=token_map,
                 **store_options,
             )
         )
@@ -653,6 +680,7 @@ def read_table(
     rank: int = 0,
     names: NamesSpec = None,
     block_rows: int | None = None,
+    token_map: TokenMap | None = None,
 ) -> torch.Tensor:
     """One rank's rows of one layer as a CPU ``[num_rows, E + E/32]`` uint8 tensor.
 
@@ -671,6 +699,7 @@ def read_table(
         names=names,
         block_rows=block_rows,
         layout=layout,
+        token_map=token_map,
     ):
         packed[local_row : local_row + block.shape[0]] = block
     return packed

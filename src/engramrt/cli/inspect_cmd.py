@@ -1,4 +1,4 @@
-"""``engramrt inspect``: the hash layout of a config and its memory plan."""
+"""``engramrt inspect``: the hash layout of a config, its token map fingerprint, its memory plan."""
 
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ def inspect_report(config: str, tokenizer: Path | None, tp: int) -> dict[str, An
     layout = EngramLayout(cfg)
     token_map = TokenMap.from_tokenizer_file(tokenizer)
     pad_id = token_map.pad_id(cfg)
+    fingerprint = token_map.fingerprint(cfg)
     plans = memory_plan(layout, tp)
     return {
         "config": cfg.name,
@@ -34,6 +35,8 @@ def inspect_report(config: str, tokenizer: Path | None, tp: int) -> dict[str, An
         "compressed_vocab_size": token_map.num_compressed,
         "pad_token_id": cfg.pad_token_id,
         "pad_id": pad_id,
+        "token_map_fingerprint": fingerprint.to_dict(),
+        "probe_row_ids_sha256": fingerprint.probe_row_ids_sha256,
         "layer_ids": list(cfg.layer_ids),
         "max_ngram_size": cfg.max_ngram_size,
         "n_heads": cfg.n_heads,
@@ -67,6 +70,15 @@ def _print_report(report: dict[str, Any]) -> None:
         f"tokenizer {report['tokenizer']}: {report['tokenizer_vocab_size']:,} ids -> "
         f"{report['compressed_vocab_size']:,} compressed; pad id {report['pad_token_id']} -> "
         f"{report['pad_id']}"
+    )
+    fingerprint = report["token_map_fingerprint"]
+    console.print(
+        f"token map fingerprint: tokenizer sha256 {fingerprint['tokenizer_sha256']}\n"
+        f"  map sha256 {fingerprint['map_sha256']}\n"
+        f"  probe {fingerprint['probe_text']!r}: {len(fingerprint['probe_token_ids'])} tokens, "
+        f"row ids sha256 {report['probe_row_ids_sha256']}",
+        highlight=False,
+        soft_wrap=True,
     )
     for li, layer in enumerate(report["layer_ids"]):
         table = Table(
@@ -119,7 +131,7 @@ def register(app: typer.Typer) -> None:
         tp: Annotated[int, typer.Option(help="Tensor-parallel size for the memory plan.")] = 1,
         as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
     ) -> None:
-        """Show the hash layout (primes, offsets, multipliers) and the memory plan."""
+        """Show the hash layout (primes, offsets, multipliers), the token map fingerprint and the memory plan."""
         report = inspect_report(config, tokenizer, tp)
         if as_json:
             print(json.dumps(report, indent=1))
