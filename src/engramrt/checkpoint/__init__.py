@@ -29,9 +29,12 @@ from engramrt.checkpoint.convert import (
 )
 from engramrt.checkpoint.metadata import LayerSlot
 from engramrt.checkpoint.names import (
+    DEFAULT_HEAD_NAMES,
     DEFAULT_SCALE_NAME,
+    DEFAULT_SCALE_NAMES,
     DEFAULT_SOURCE_NAMES,
     DEFAULT_WEIGHT_NAME,
+    DEFAULT_WEIGHT_NAMES,
     TensorNames,
     load_names,
 )
@@ -52,9 +55,12 @@ from engramrt.checkpoint.writer import SCALE_DTYPES, save_tables
 
 __all__ = [
     "DEFAULT_BLOCK_BYTES",
+    "DEFAULT_HEAD_NAMES",
     "DEFAULT_SCALE_NAME",
+    "DEFAULT_SCALE_NAMES",
     "DEFAULT_SOURCE_NAMES",
     "DEFAULT_WEIGHT_NAME",
+    "DEFAULT_WEIGHT_NAMES",
     "SCALE_DTYPES",
     "ConversionPlan",
     "LayerSlot",
