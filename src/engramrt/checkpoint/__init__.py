@@ -6,6 +6,9 @@
   directory (``*.safetensors`` with an optional
   ``model.safetensors.index.json``) into a
   :class:`~engramrt.lookup.tiers.RowStore`, reading only those rows.
+- :class:`EngramWeightLoader`: an engine-style ``load_weights(iterable)``
+  of ``(name, tensor)`` pairs in any order, filling one rank's stores and
+  the layers' heads.
 - :func:`save_tables`: write fp8 tables atomically, in DeepSeek's layout.
 - :func:`convert_checkpoint`: quantise float tables (bf16/fp16/fp32) into
   fp8 files, one per rank with ``tp=N`` (``engramrt convert``).
@@ -27,6 +30,7 @@ from engramrt.checkpoint.convert import (
     plan_conversion,
     run_conversion,
 )
+from engramrt.checkpoint.engine_loader import EngramWeightLoader
 from engramrt.checkpoint.metadata import LayerSlot
 from engramrt.checkpoint.names import (
     DEFAULT_HEAD_NAMES,
@@ -63,6 +67,7 @@ __all__ = [
     "DEFAULT_WEIGHT_NAMES",
     "SCALE_DTYPES",
     "ConversionPlan",
+    "EngramWeightLoader",
     "LayerSlot",
     "SafetensorsCheckpoint",
     "SafetensorsStreamWriter",
