@@ -386,3 +386,52 @@ def _file_pairs(path: Path):
     with safe_open(str(path), framework="pt") as handle:
         for name in handle.keys():  # noqa: SIM118 - safe_open is not a mapping
             yield name, handle.get_tensor(name)
+
+
+def test_overridden_names_replace_the_defaults() -> None:
+    """Overrides stay: renamed tensors load, and the default names become unknown."""
+    renamed = {}
+    for name, tensor in v41_tensors("", "weight_scale_inv").items():
+        name = name.replace("layers.", "blocks.").replace(".engram.", ".mem.")
+        renamed[name.replace("mem.q_weight", "mem.qn")] = tensor
+    loader = _loader(
+        2,
+        0,
+        table_names={
+            "weight": "blocks.{layer}.mem.embed.weight",
+            "scale": ["blocks.{layer}.mem.embed.weight_scale_inv"],
+        },
+        weight_names={
+            "wkv": "blocks.{layer}.mem.wkv.weight",
+            "wkv_scale": ["x.{index}", "blocks.{layer}.mem.wkv.weight_scale_inv"],
+            "q_weight": "blocks.{layer}.mem.qn",
+            "k_weight": "blocks.{layer}.mem.k_weight",
+        },
+    )
+    assert len(loader.load_weights(renamed.items())) == 6 * CONFIG.n_layers
+    for layer_index, store in enumerate(loader.finish()):
+        assert_store_holds_shard(store, layer_index, 2, 0)
+        assert_head_holds(loader.heads[layer_index], layer_index)
+    with pytest.raises(CheckpointError, match=r"'layers\.1\.engram\.q_weight' looks like"):
+        _loader(1, 0, weight_names={"q_weight": "blocks.{layer}.qn"}).load_weights(
+            v41_tensors("", "scale").items()
+        )
+
+
+@pytest.mark.parametrize(
+    ("weight_names", "needle"),
+    [
+        ({"wq": "x"}, r"weight_names has the role\(s\) \['wq'\]"),
+        ({"wkv": ""}, r"weight_names\['wkv'\] = ''; expected a tensor name"),
+        (
+            {"wkv": "a.{layr}"},
+            r"weight_names\['wkv'\] = 'a\.\{layr\}' uses the field\(s\) \['layr'\]",
+        ),
+        ({"k_weight": [3]}, r"weight_names\['k_weight'\] = \[3\]"),
+    ],
+)
+def test_bad_weight_names_are_refused(weight_names, needle) -> None:
+    with pytest.raises(CheckpointError, match=needle):
+        _loader(1, 0, weight_names=weight_names)
+    with pytest.raises(CheckpointError, match=needle):
+        load_layer("unused", CONFIG, 0, max_tokens=4, weight_names=weight_names)

@@ -55,7 +55,7 @@ from typing import Any, Protocol
 
 import torch
 
-from engramrt.checkpoint.names import DEFAULT_HEAD_NAMES, TensorNames
+from engramrt.checkpoint.names import DEFAULT_HEAD_NAMES, TensorNames, head_name_templates
 from engramrt.checkpoint.reader import (
     ConfigSource,
     NamesSpec,
@@ -129,10 +129,11 @@ class EngramWeightLoader:
             ``load_weights(wkv=, wkv_scale=, q_weight=, k_weight=)`` once its
             tensors have all arrived. None: the head tensors are kept in
             :attr:`head_weights` for the caller.
-        names: the table's tensor names (:class:`TensorNames`; defaults: V4.1's).
-        head_names: overrides of :data:`DEFAULT_HEAD_NAMES` (role -> a format
+        table_names: the table's tensor names (:class:`TensorNames`; defaults:
+            V4.1's), as ``names=`` of :func:`~engramrt.checkpoint.load_table`.
+        weight_names: overrides of :data:`DEFAULT_HEAD_NAMES` (role -> a format
             string or a list of them; ``{layer}`` block index, ``{index}``
-            position in ``engram_layer_ids``).
+            position in ``engram_layer_ids``), as in :func:`~engramrt.layer.load_layer`.
         block_rows: rows packed per write (default: about 64 MiB).
         layout: the config's layout, if already built.
 
@@ -154,8 +155,8 @@ class EngramWeightLoader:
         device: torch.device | str | None = None,
         disk_dir: str | os.PathLike[str] | None = None,
         heads: Sequence[HeadWeightsTarget] | None = None,
-        names: NamesSpec = None,
-        head_names: Mapping[str, str | Sequence[str]] | None = None,
+        table_names: NamesSpec = None,
+        weight_names: Mapping[str, str | Sequence[str]] | None = None,
         block_rows: int | None = None,
         layout: EngramLayout | None = None,
         **store_options: Any,
@@ -174,7 +175,7 @@ class EngramWeightLoader:
                     f"layer {list(cfg.layer_ids)}"
                 )
         self.heads = heads
-        self._roles = self._name_table(TensorNames.from_spec(names), head_names)
+        self._roles = self._name_table(TensorNames.from_spec(table_names), weight_names)
         shards = [layout.column_shard(index, tp, rank) for index in range(cfg.n_layers)]
         self._tables: list[_LayerTable] = []
         for index, (layer_id, shard) in enumerate(zip(cfg.layer_ids, shards, strict=True)):
@@ -200,30 +201,11 @@ class EngramWeightLoader:
     # --- names ---------------------------------------------------------------------------
 
     def _name_table(
-        self, names: TensorNames, head_names: Mapping[str, str | Sequence[str]] | None
+        self, names: TensorNames, weight_names: Mapping[str, str | Sequence[str]] | None
     ) -> dict[str, tuple[int, str]]:
         """Every accepted tensor name -> (layer index, role)."""
         cfg = self.config
-        unknown = sorted(set(head_names or {}) - set(_HEAD_ROLES))
-        if unknown:
-            raise CheckpointError(
-                f"head_names has the role(s) {unknown}; expected only {', '.join(_HEAD_ROLES)}"
-            )
-        head_templates = dict(DEFAULT_HEAD_NAMES)
-        for role, value in (head_names or {}).items():
-            if isinstance(value, str) and value:
-                head_templates[role] = (value,)
-            elif (
-                isinstance(value, Sequence)
-                and value
-                and all(isinstance(v, str) and v for v in value)
-            ):
-                head_templates[role] = tuple(value)
-            else:
-                raise CheckpointError(
-                    f"head_names[{role!r}] = {value!r}; expected a format string or a "
-                    f"non-empty list of them"
-                )
+        head_templates = head_name_templates(weight_names)
         self._candidates: list[dict[str, tuple[str, ...]]] = []
         table: dict[str, tuple[int, str]] = {}
         per_role = {role: names.per_layer(role, cfg) for role in _TABLE_ROLES}
@@ -259,7 +241,7 @@ class EngramWeightLoader:
                 f"tensor {name!r} looks like an Engram weight (contains {ENGRAM_MARKER!r}) but "
                 f"matches no role of Engram layers {list(self.config.layer_ids)}; expected names "
                 f"such as {expected} (for layer {self.config.layer_ids[0]}; also with 'model.', "
-                f"and '.scale' for '.weight_scale_inv'), or pass names=/head_names="
+                f"and '.scale' for '.weight_scale_inv'), or pass table_names=/weight_names="
             )
         return found
 

@@ -63,6 +63,7 @@ __all__ = [
     "ENGRAM_PREFIXES",
     "ROLES",
     "TensorNames",
+    "head_name_templates",
     "load_names",
 ]
 
@@ -116,19 +117,20 @@ NameRule = tuple[str, ...] | Mapping[int, str]
 """Format strings tried in order, or exact names keyed by layer id."""
 
 
-def _check_template(role: str, template: Any) -> str:
+def _check_template(role: str, template: Any, label: str | None = None) -> str:
+    label = f"names.{role}" if label is None else label
     if not isinstance(template, str) or not template:
         raise CheckpointError(
-            f"names.{role} = {template!r}; expected a non-empty tensor name or format string"
+            f"{label} = {template!r}; expected a non-empty tensor name or format string"
         )
     try:
         fields = {name for _, name, _, _ in string.Formatter().parse(template) if name is not None}
     except ValueError as exc:
-        raise CheckpointError(f"names.{role} = {template!r} is not a format string: {exc}") from exc
+        raise CheckpointError(f"{label} = {template!r} is not a format string: {exc}") from exc
     unknown = fields - _FIELDS
     if unknown:
         raise CheckpointError(
-            f"names.{role} = {template!r} uses the field(s) {sorted(unknown)}; expected only "
+            f"{label} = {template!r} uses the field(s) {sorted(unknown)}; expected only "
             f"{{layer}} (block index) and {{index}} (position in engram_layer_ids)"
         )
     return template
@@ -242,6 +244,41 @@ class TensorNames:
                 {str(k): v for k, v in rule.items()} if isinstance(rule, Mapping) else list(rule)
             )
         return out
+
+
+def head_name_templates(
+    overrides: Mapping[str, str | Sequence[str]] | None,
+) -> dict[str, tuple[str, ...]]:
+    """:data:`DEFAULT_HEAD_NAMES` with ``overrides`` (role -> a format string or a list of them).
+
+    Raises:
+        CheckpointError: an unknown role, or a value that is not a non-empty
+            name or list of names (naming the role and the value).
+    """
+    unknown = sorted(set(overrides or {}) - set(DEFAULT_HEAD_NAMES))
+    if unknown:
+        raise CheckpointError(
+            f"weight_names has the role(s) {unknown}; expected only {', '.join(DEFAULT_HEAD_NAMES)}"
+        )
+    templates = dict(DEFAULT_HEAD_NAMES)
+    for role, value in (overrides or {}).items():
+        if isinstance(value, str) and value:
+            templates[role] = (_check_template(role, value, f"weight_names[{role!r}]"),)
+        elif (
+            isinstance(value, Sequence)
+            and not isinstance(value, str)
+            and value
+            and all(isinstance(v, str) and v for v in value)
+        ):
+            templates[role] = tuple(
+                _check_template(role, v, f"weight_names[{role!r}]") for v in value
+            )
+        else:
+            raise CheckpointError(
+                f"weight_names[{role!r}] = {value!r}; expected a tensor name or format string, "
+                f"or a non-empty list of them"
+            )
+    return templates
 
 
 def load_names(path: str | os.PathLike[str]) -> TensorNames:

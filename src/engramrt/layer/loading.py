@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from engramrt.checkpoint.names import DEFAULT_HEAD_NAMES
+from engramrt.checkpoint.names import DEFAULT_HEAD_NAMES, head_name_templates
 from engramrt.config import EngramConfig, load_config
 from engramrt.errors import CheckpointError
 from engramrt.layer.module import EngramLayer
@@ -30,22 +30,6 @@ __all__ = ["DEFAULT_LAYER_WEIGHT_NAMES", "load_layer"]
 
 DEFAULT_LAYER_WEIGHT_NAMES: dict[str, tuple[str, ...]] = DEFAULT_HEAD_NAMES
 """Head weight role -> names tried in order (see :data:`engramrt.checkpoint.names.DEFAULT_HEAD_NAMES`)."""
-
-
-def _templates(role: str, value: Any) -> tuple[str, ...]:
-    if isinstance(value, str) and value:
-        return (value,)
-    if (
-        isinstance(value, Sequence)
-        and not isinstance(value, str)
-        and value
-        and all(isinstance(v, str) and v for v in value)
-    ):
-        return tuple(value)
-    raise CheckpointError(
-        f"weight_names[{role!r}] = {value!r}; expected a tensor name or format string, or a "
-        f"non-empty list of them"
-    )
 
 
 def _read_tensor(checkpoint: Any, names: Sequence[str]) -> torch.Tensor | None:
@@ -113,15 +97,7 @@ def load_layer(
     cfg = load_config(config)
     if not 0 <= layer_index < cfg.n_layers:
         raise CheckpointError(f"layer_index={layer_index} must be in [0, {cfg.n_layers})")
-    unknown = sorted(set(weight_names or {}) - set(DEFAULT_LAYER_WEIGHT_NAMES))
-    if unknown:
-        raise CheckpointError(
-            f"weight_names has {unknown}; expected only {', '.join(DEFAULT_LAYER_WEIGHT_NAMES)}"
-        )
-    templates = {
-        **DEFAULT_LAYER_WEIGHT_NAMES,
-        **{role: _templates(role, value) for role, value in (weight_names or {}).items()},
-    }
+    templates = head_name_templates(weight_names)
     layer_id = cfg.layer_ids[layer_index]
     ckpt = (
         checkpoint
