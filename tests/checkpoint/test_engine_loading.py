@@ -153,16 +153,19 @@ def hf_checkpoint(request, tmp_path_factory) -> Path:
 # --- the files, read by name (load_table / load_layer) -----------------------------------
 
 
-@pytest.mark.parametrize("tp", [1, 2, 4])
-def test_hf_checkpoint_loads_with_no_names(hf_checkpoint, tp) -> None:
+@pytest.mark.parametrize(("tp", "tier"), [(1, "device"), (2, "host"), (4, "disk")])
+def test_hf_checkpoint_loads_with_no_names(hf_checkpoint, tmp_path, tp, tier) -> None:
     rank = tp - 1
     for layer_index in range(CONFIG.n_layers):
         store = load_table(
-            hf_checkpoint, CONFIG, layer_index, tp=tp, rank=rank, tier="host", device="cpu",
-            block_rows=777, **STORE_OPTIONS,
+            hf_checkpoint, CONFIG, layer_index, tp=tp, rank=rank, tier=tier, device="cpu",
+            disk_path=tmp_path / f"layer{layer_index}.rows", block_rows=777, **STORE_OPTIONS,
         )  # fmt: skip
+        assert store.tier == tier
         assert_store_holds_shard(store, layer_index, tp, rank)
-    if tp == 1:  # a layer over a column shard needs an exchange (tests/layer/test_parallel.py)
+    if (
+        tp == 1 and tier == "device"
+    ):  # a layer over a column shard needs an exchange (tests/layer/test_parallel.py)
         layer = load_layer(
             hf_checkpoint, CONFIG, 1, max_tokens=4, tier="device", device="cpu", **STORE_OPTIONS
         )
