@@ -438,3 +438,15 @@ def test_bad_weight_names_are_refused(weight_names, needle) -> None:
         _loader(1, 0, weight_names=weight_names)
     with pytest.raises(CheckpointError, match=needle):
         load_layer("unused", CONFIG, 0, max_tokens=4, weight_names=weight_names)
+
+
+def test_a_wkv_scale_for_a_bf16_wkv_is_refused() -> None:
+    tensors = v41_tensors("", "weight_scale_inv")
+    scale = tensors.pop("layers.3.engram.wkv.weight_scale_inv")
+    tensors["layers.3.engram.wkv.weight"] = torch.randn(1280, 768).bfloat16()
+    loader = _loader(1, 0)
+    loader.load_weights(tensors.items())
+    with pytest.raises(
+        CheckpointError, match=r"'layers\.3\.engram\.wkv\.weight_scale_inv' .* loaded without it"
+    ):
+        loader.load_weights([("layers.3.engram.wkv.weight_scale_inv", scale)])
