@@ -23,7 +23,7 @@ from tests.layer.common import random_packed_table, random_weights
 from engramrt.checkpoint import EngramWeightLoader, convert_checkpoint, load_table
 from engramrt.checkpoint.safetensors_format import read_header
 from engramrt.config import PRESETS
-from engramrt.errors import CheckpointError
+from engramrt.errors import CheckpointError, ValidationError
 from engramrt.layer import EngramHead, load_layer
 from engramrt.layout import EngramLayout
 
@@ -450,3 +450,26 @@ def test_a_wkv_scale_for_a_bf16_wkv_is_refused() -> None:
         CheckpointError, match=r"'layers\.3\.engram\.wkv\.weight_scale_inv' .* loaded without it"
     ):
         loader.load_weights([("layers.3.engram.wkv.weight_scale_inv", scale)])
+
+
+def test_a_pipeline_stage_owns_some_layers() -> None:
+    heads = [EngramHead(CONFIG, device="cpu")]
+    loader = EngramWeightLoader(
+        CONFIG, tp=2, rank=1, tier="host", device="cpu", layer_ids=[3], heads=heads,
+        **STORE_OPTIONS,
+    )  # fmt: skip
+    assert loader.layer_indices == [1]
+    tensors = v41_tensors("model.", "scale")
+    used = loader.load_weights(tensors.items())
+    assert used == {name for name in tensors if ".layers.3." in name}  # layer 1's: skipped
+    (store,) = loader.finish()
+    assert_store_holds_shard(store, 1, 2, 1)
+    assert_head_holds(heads[0], 1)
+    partial = EngramWeightLoader(CONFIG, layer_ids=[1], tier="host", device="cpu")
+    partial.load_weights((n, t) for n, t in tensors.items() if ".layers.3." in n)
+    assert len(partial.missing()) == 6 and all(m.startswith("layer 1 ") for m in partial.missing())
+    for bad in ([2], [1, 1], []):
+        with pytest.raises(ValidationError, match=r"layer_ids = .*expected distinct Engram layers"):
+            EngramWeightLoader(CONFIG, layer_ids=bad, tier="host", device="cpu")
+    with pytest.raises(ValidationError, match=r"heads has 2 head\(s\); expected 1"):
+        EngramWeightLoader(CONFIG, layer_ids=[1], heads=heads * 2, tier="host", device="cpu")

@@ -124,7 +124,10 @@ class EngramWeightLoader:
         tier, device, disk_dir, store_options: where each layer's rows live
             (see :func:`~engramrt.checkpoint.load_table`); tier ``"disk"``
             writes ``engram-layer<id>-rank<r>-of-<tp>.rows`` under ``disk_dir``.
-        heads: one head per Engram layer (``config.layer_ids`` order),
+        layer_ids: the Engram layers this loader owns (a pipeline stage's),
+            default all of ``config.layer_ids``; tensors of the other Engram
+            layers are recognised and skipped.
+        heads: one head per owned layer (``config.layer_ids`` order),
             e.g. :class:`~engramrt.layer.EngramHead`; each gets
             ``load_weights(wkv=, wkv_scale=, q_weight=, k_weight=)`` once its
             tensors have all arrived. None: the head tensors are kept in
@@ -138,11 +141,12 @@ class EngramWeightLoader:
         layout: the config's layout, if already built.
 
     Attributes:
-        stores: one store per layer, allocated at construction, filled as
-            each layer's values and scales have both arrived.
+        layer_indices: positions in ``config.layer_ids`` of the owned layers.
+        stores: one store per owned layer, allocated at construction, filled
+            as each layer's values and scales have both arrived.
         heads: the heads passed in (or None).
-        head_weights: per layer, the head tensors received (role -> tensor)
-            when ``heads`` is None; emptied per layer when a head is loaded.
+        head_weights: per owned layer, the head tensors received (role ->
+            tensor) when ``heads`` is None; emptied when a head is loaded.
     """
 
     def __init__(
@@ -154,6 +158,7 @@ class EngramWeightLoader:
         tier: str = "auto",
         device: torch.device | str | None = None,
         disk_dir: str | os.PathLike[str] | None = None,
+        layer_ids: Sequence[int] | None = None,
         heads: Sequence[HeadWeightsTarget] | None = None,
         table_names: NamesSpec = None,
         weight_names: Mapping[str, str | Sequence[str]] | None = None,
@@ -167,18 +172,28 @@ class EngramWeightLoader:
         self.tp = tp
         self.rank = rank
         self.block_rows = check_block_rows(block_rows, row_bytes_for(cfg.head_dim))
+        owned = list(cfg.layer_ids) if layer_ids is None else list(layer_ids)
+        unknown = [layer for layer in owned if layer not in cfg.layer_ids]
+        if not owned or unknown or len(set(owned)) != len(owned):
+            raise ValidationError(
+                f"layer_ids = {owned}; expected distinct Engram layers among "
+                f"{list(cfg.layer_ids)} (engram_layer_ids)"
+            )
+        self.layer_indices = sorted(cfg.layer_ids.index(layer) for layer in owned)
         if heads is not None:
             heads = list(heads)
-            if len(heads) != cfg.n_layers:
+            if len(heads) != len(self.layer_indices):
                 raise ValidationError(
-                    f"heads has {len(heads)} head(s); expected {cfg.n_layers}, one per Engram "
-                    f"layer {list(cfg.layer_ids)}"
+                    f"heads has {len(heads)} head(s); expected {len(self.layer_indices)}, one "
+                    f"per Engram layer {[cfg.layer_ids[i] for i in self.layer_indices]}"
                 )
         self.heads = heads
+        self._heads = dict(zip(self.layer_indices, heads or [], strict=False))
         self._roles = self._name_table(TensorNames.from_spec(table_names), weight_names)
-        shards = [layout.column_shard(index, tp, rank) for index in range(cfg.n_layers)]
-        self._tables: list[_LayerTable] = []
-        for index, (layer_id, shard) in enumerate(zip(cfg.layer_ids, shards, strict=True)):
+        self._tables: dict[int, _LayerTable] = {}
+        for index in self.layer_indices:
+            layer_id = cfg.layer_ids[index]
+            shard = layout.column_shard(index, tp, rank)
             disk_path = (
                 None
                 if disk_dir is None
@@ -192,10 +207,10 @@ class EngramWeightLoader:
                 disk_path=disk_path,
                 store_options=store_options,
             )
-            self._tables.append(_LayerTable(store, shards[index]))
-        self.head_weights: list[dict[str, torch.Tensor]] = [{} for _ in cfg.layer_ids]
-        self._head_names: list[dict[str, str]] = [{} for _ in cfg.layer_ids]
-        self._head_loaded = [False] * cfg.n_layers
+            self._tables[index] = _LayerTable(store, shard)
+        self._head_weights: dict[int, dict[str, torch.Tensor]] = {i: {} for i in self._tables}
+        self._head_names: dict[int, dict[str, str]] = {i: {} for i in self._tables}
+        self._head_loaded = dict.fromkeys(self._tables, False)
         self._finished = False
 
     # --- names ---------------------------------------------------------------------------
@@ -265,6 +280,8 @@ class EngramWeightLoader:
             if found is None:
                 continue
             index, role = found
+            if index not in self._tables:
+                continue  # another pipeline stage's layer
             if role in _TABLE_ROLES:
                 self._table_tensor(index, role, name, tensor)
             else:
@@ -336,22 +353,22 @@ class EngramWeightLoader:
                 f"expected a tensor"
             )
         received[role] = name
-        self.head_weights[index][role] = tensor
+        self._head_weights[index][role] = tensor
         self._load_head_if_complete(index)
 
     def _head_needs(self, index: int) -> tuple[str, ...]:
-        wkv = self.head_weights[index].get("wkv")
+        wkv = self._head_weights[index].get("wkv")
         if wkv is not None and wkv.dtype != torch.float8_e4m3fn:
             return ("wkv", "q_weight", "k_weight")
         return _HEAD_ROLES
 
     def _load_head_if_complete(self, index: int) -> None:
-        weights = self.head_weights[index]
+        weights = self._head_weights[index]
         needs = self._head_needs(index)
-        if self.heads is None or not all(role in weights for role in needs):
+        if index not in self._heads or not all(role in weights for role in needs):
             return
         try:
-            self.heads[index].load_weights(
+            self._heads[index].load_weights(
                 wkv=weights["wkv"],
                 wkv_scale=weights.get("wkv_scale"),
                 q_weight=weights["q_weight"],
@@ -370,8 +387,8 @@ class EngramWeightLoader:
     def missing(self) -> list[str]:
         """One line per Engram tensor not received yet: its layer, role and accepted names."""
         lines = []
-        for index, layer_id in enumerate(self.config.layer_ids):
-            layer = self._tables[index]
+        for index, layer in self._tables.items():
+            layer_id = self.config.layer_ids[index]
             roles = [] if layer.written else [r for r in _TABLE_ROLES if r not in layer.names]
             if not self._head_loaded[index]:
                 received = self._head_names[index]
@@ -393,16 +410,21 @@ class EngramWeightLoader:
                 f"{len(missing)} Engram tensor(s) never given to load_weights:\n  "
                 + "\n  ".join(missing)
             )
-        for layer in self._tables:
+        for layer in self._tables.values():
             layer.store.flush()
         self._finished = True
         return self.stores
 
     def pending_bytes(self) -> int:
         """Host bytes held for tables whose partner tensor has not arrived (this shard's rows)."""
-        return sum(t.nbytes for layer in self._tables for t in layer.held.values())
+        return sum(t.nbytes for layer in self._tables.values() for t in layer.held.values())
 
     @property
     def stores(self) -> list[RowStore]:
-        """One store per Engram layer, in ``config.layer_ids`` order."""
-        return [layer.store for layer in self._tables]
+        """One store per owned Engram layer, in ``config.layer_ids`` order."""
+        return [self._tables[index].store for index in self.layer_indices]
+
+    @property
+    def head_weights(self) -> list[dict[str, torch.Tensor]]:
+        """Per owned layer, the head tensors received and not yet loaded into a head."""
+        return [self._head_weights[index] for index in self.layer_indices]
