@@ -19,8 +19,8 @@ from engramrt.layout import EngramLayout
 from engramrt.lookup import pack_rows
 from engramrt.quant import quantize_rows
 
-WEIGHT = "model.layers.{layer}.engram.embedding.weight"
-SCALE = "model.layers.{layer}.engram.embedding.weight_scale_inv"
+WEIGHT = "layers.{layer}.engram.embed.weight"
+SCALE = "layers.{layer}.engram.embed.weight_scale_inv"
 
 
 def synthetic_config(extra_rows: Sequence[int] = (0, 0, 0), head_dim: int = 96) -> EngramConfig:

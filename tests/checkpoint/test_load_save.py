@@ -195,7 +195,7 @@ def test_index_pointing_at_a_missing_or_wrong_file(tmp_path, small, small_tables
     index = json.loads(index_path.read_text())
     index["weight_map"][WEIGHT.format(layer=5)] = "gone.safetensors"
     index_path.write_text(json.dumps(index))
-    with pytest.raises(CheckpointError, match=r"maps tensor 'model.layers.5.*gone.safetensors"):
+    with pytest.raises(CheckpointError, match=r"maps tensor 'layers.5.*gone.safetensors"):
         read_table(directory, small, 1)
     index["weight_map"][WEIGHT.format(layer=5)] = "b.safetensors"
     index_path.write_text(json.dumps(index))
@@ -318,11 +318,11 @@ def _replace(name_template, value_fn):
 _BAD_CHECKPOINTS = {
     "missing weight": Case(
         lambda config, tensors: tensors.pop(WEIGHT.format(layer=5)),
-        r"layer 5: no weight tensor 'model\.layers\.5\.engram\.embedding\.weight' in .*m\.safetensors",
+        r"layer 5: no weight tensor 'layers\.5\.engram\.embed\.weight' or .* in .*m\.safetensors",
     ),
     "weight dtype": Case(
         _replace(WEIGHT, lambda c, t: t.to(torch.bfloat16)),
-        r"'model\.layers\.5\.engram\.embedding\.weight' in m\.safetensors \(layer 5 weight\) has "
+        r"'layers\.5\.engram\.embed\.weight' in m\.safetensors \(layer 5 weight\) has "
         r"dtype BF16; expected F8_E4M3",
     ),
     "head dim": Case(

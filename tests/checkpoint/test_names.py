@@ -6,20 +6,48 @@ import json
 
 import pytest
 
-from engramrt.checkpoint import DEFAULT_SCALE_NAME, DEFAULT_WEIGHT_NAME, TensorNames, load_names
+from engramrt.checkpoint import (
+    DEFAULT_HEAD_NAMES,
+    DEFAULT_SCALE_NAMES,
+    DEFAULT_WEIGHT_NAMES,
+    TensorNames,
+    load_names,
+)
 from engramrt.errors import CheckpointError
 
 
-def test_defaults_follow_deepseek_naming(tiny) -> None:
+def test_defaults_are_deepseek_v41_names(tiny) -> None:
+    """The names a V4.1 checkpoint uses, written out (not derived from the constants)."""
     names = TensorNames()
-    assert names.candidates("weight", 14, 1) == (DEFAULT_WEIGHT_NAME.format(layer=14),)
-    assert names.candidates("weight", 14, 1) == ("model.layers.14.engram.embedding.weight",)
-    assert names.candidates("scale", 1, 0) == (DEFAULT_SCALE_NAME.format(layer=1),)
-    assert "engram.3.weight" in names.candidates("source", 3, 1)
+    assert names.candidates("weight", 14, 1) == (
+        "layers.14.engram.embed.weight",
+        "model.layers.14.engram.embed.weight",
+    )
+    assert names.candidates("scale", 1, 0) == (
+        "layers.1.engram.embed.weight_scale_inv",
+        "model.layers.1.engram.embed.weight_scale_inv",
+        "layers.1.engram.embed.scale",
+        "model.layers.1.engram.embed.scale",
+    )
+    source = names.candidates("source", 3, 1)
+    assert source[:2] == ("layers.3.engram.embed.weight", "model.layers.3.engram.embed.weight")
+    assert "engram.3.weight" in source
     assert [n[0] for n in names.per_layer("weight", tiny)] == [
-        "model.layers.1.engram.embedding.weight",
-        "model.layers.3.engram.embedding.weight",
+        "layers.1.engram.embed.weight",
+        "layers.3.engram.embed.weight",
     ]
+    head = {role: tuple(t.format(layer=1) for t in ts) for role, ts in DEFAULT_HEAD_NAMES.items()}
+    assert head == {
+        "wkv": ("layers.1.engram.wkv.weight", "model.layers.1.engram.wkv.weight"),
+        "wkv_scale": (
+            "layers.1.engram.wkv.weight_scale_inv",
+            "model.layers.1.engram.wkv.weight_scale_inv",
+            "layers.1.engram.wkv.scale",
+            "model.layers.1.engram.wkv.scale",
+        ),
+        "q_weight": ("layers.1.engram.q_weight", "model.layers.1.engram.q_weight"),
+        "k_weight": ("layers.1.engram.k_weight", "model.layers.1.engram.k_weight"),
+    }
 
 
 def test_overrides_as_template_list_and_mapping(tiny) -> None:
@@ -36,7 +64,8 @@ def test_overrides_as_template_list_and_mapping(tiny) -> None:
     assert names.candidates("source", 3, 1) == ("second",)
     assert TensorNames.from_spec(names.to_dict()) == names
     # Roles left out keep their defaults.
-    assert TensorNames.from_spec({"source": "x.{layer}"}).weight == (DEFAULT_WEIGHT_NAME,)
+    kept = TensorNames.from_spec({"source": "x.{layer}"})
+    assert (kept.weight, kept.scale) == (DEFAULT_WEIGHT_NAMES, DEFAULT_SCALE_NAMES)
 
 
 def test_names_json_file(tmp_path) -> None:

@@ -21,27 +21,44 @@ from engramrt.errors import CheckpointError
 from engramrt.layer import EngramLayer, load_layer
 
 
-def _checkpoint(tmp_path, weights: dict, drop: str | None = None):
+def _checkpoint(
+    tmp_path,
+    weights: dict,
+    drop: str | None = None,
+    prefix: str = "model.",
+    scale: str = "weight_scale_inv",
+):
     tables = [layer_table(), random_packed_table(CONFIG.num_embeddings[1], CONFIG.head_dim, 9)]
     save_tables(tmp_path / "engram.safetensors", tables, CONFIG)
     layer_id = CONFIG.layer_ids[0]
     named = {
-        f"model.layers.{layer_id}.engram.wkv.weight": weights["wkv"],
-        f"model.layers.{layer_id}.engram.q_norm.weight": weights["q_weight"],
-        f"model.layers.{layer_id}.engram.k_norm.weight": weights["k_weight"],
+        f"{prefix}layers.{layer_id}.engram.wkv.weight": weights["wkv"],
+        f"{prefix}layers.{layer_id}.engram.q_weight": weights["q_weight"],
+        f"{prefix}layers.{layer_id}.engram.k_weight": weights["k_weight"],
     }
     if weights.get("wkv_scale") is not None:
-        named[f"model.layers.{layer_id}.engram.wkv.weight_scale_inv"] = weights["wkv_scale"]
+        named[f"{prefix}layers.{layer_id}.engram.wkv.{scale}"] = weights["wkv_scale"]
     if drop is not None:
         named = {k: v for k, v in named.items() if drop not in k}
     save_file(named, str(tmp_path / "model-00001.safetensors"))
     return tmp_path
 
 
-@pytest.mark.parametrize("fp8", [False, True])
-def test_load_layer_matches_a_hand_built_layer(tmp_path, fp8: bool) -> None:
+@pytest.mark.parametrize(
+    ("fp8", "prefix", "scale"),
+    [
+        (False, "model.", "weight_scale_inv"),
+        (True, "model.", "weight_scale_inv"),
+        (True, "", "weight_scale_inv"),
+        (True, "", "scale"),
+        (True, "model.", "scale"),
+    ],
+)
+def test_load_layer_matches_a_hand_built_layer(
+    tmp_path, fp8: bool, prefix: str, scale: str
+) -> None:
     weights = random_weights(3, fp8=fp8)
-    ckpt = _checkpoint(tmp_path, weights)
+    ckpt = _checkpoint(tmp_path, weights, prefix=prefix, scale=scale)
     loaded = load_layer(ckpt, CONFIG, 0, max_tokens=16, tier="device", device=DEVICE)
     by_hand = EngramLayer(CONFIG, full_store(layer_table()), max_tokens=16)
     by_hand.load_weights(**weights)
@@ -52,9 +69,11 @@ def test_load_layer_matches_a_hand_built_layer(tmp_path, fp8: bool) -> None:
 
 
 def test_load_layer_names_missing_tensors(tmp_path) -> None:
-    ckpt = _checkpoint(tmp_path, random_weights(3, fp8=False), drop="k_norm")
+    ckpt = _checkpoint(tmp_path, random_weights(3, fp8=False), drop="k_weight")
     with pytest.raises(
-        CheckpointError, match=r"k_weight tensor 'model\.layers\.1\.engram\.k_norm\.weight'"
+        CheckpointError,
+        match=r"k_weight tensor \(tried 'layers\.1\.engram\.k_weight', "
+        r"'model\.layers\.1\.engram\.k_weight'\)",
     ):
         load_layer(ckpt, CONFIG, 0, max_tokens=4, tier="device", device=DEVICE)
     ckpt_fp8 = _checkpoint(tmp_path / "fp8", random_weights(3, fp8=True), drop="weight_scale_inv")

@@ -6,6 +6,9 @@
   directory (``*.safetensors`` with an optional
   ``model.safetensors.index.json``) into a
   :class:`~engramrt.lookup.tiers.RowStore`, reading only those rows.
+- :class:`EngramWeightLoader`: an engine-style ``load_weights(iterable)``
+  of ``(name, tensor)`` pairs in any order, filling one rank's stores and
+  the layers' heads.
 - :func:`save_tables`: write fp8 tables atomically, in DeepSeek's layout.
 - :func:`convert_checkpoint`: quantise float tables (bf16/fp16/fp32) into
   fp8 files, one per rank with ``tp=N`` (``engramrt convert``).
@@ -27,11 +30,15 @@ from engramrt.checkpoint.convert import (
     plan_conversion,
     run_conversion,
 )
+from engramrt.checkpoint.engine_loader import EngramWeightLoader
 from engramrt.checkpoint.metadata import LayerSlot
 from engramrt.checkpoint.names import (
+    DEFAULT_HEAD_NAMES,
     DEFAULT_SCALE_NAME,
+    DEFAULT_SCALE_NAMES,
     DEFAULT_SOURCE_NAMES,
     DEFAULT_WEIGHT_NAME,
+    DEFAULT_WEIGHT_NAMES,
     TensorNames,
     load_names,
 )
@@ -52,11 +59,15 @@ from engramrt.checkpoint.writer import SCALE_DTYPES, save_tables
 
 __all__ = [
     "DEFAULT_BLOCK_BYTES",
+    "DEFAULT_HEAD_NAMES",
     "DEFAULT_SCALE_NAME",
+    "DEFAULT_SCALE_NAMES",
     "DEFAULT_SOURCE_NAMES",
     "DEFAULT_WEIGHT_NAME",
+    "DEFAULT_WEIGHT_NAMES",
     "SCALE_DTYPES",
     "ConversionPlan",
+    "EngramWeightLoader",
     "LayerSlot",
     "SafetensorsCheckpoint",
     "SafetensorsStreamWriter",

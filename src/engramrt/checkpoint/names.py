@@ -5,20 +5,27 @@ Three roles, each resolved per Engram layer:
 =========  =====================================================  ==============================
 role       what the tensor holds                                  default name(s)
 =========  =====================================================  ==============================
-weight     fp8 e4m3fn values ``[num_embeddings, E]``              :data:`DEFAULT_WEIGHT_NAME`
-scale      ue8m0 scale bytes ``[num_embeddings, E/32]``           :data:`DEFAULT_SCALE_NAME`
+weight     fp8 e4m3fn values ``[num_embeddings, E]``              :data:`DEFAULT_WEIGHT_NAMES`
+scale      ue8m0 scale bytes ``[num_embeddings, E/32]``           :data:`DEFAULT_SCALE_NAMES`
            (stored as float8_e8m0fnu or uint8: the same bytes)
 source     a float table (bf16/fp16/fp32) ``[num_embeddings, E]``  :data:`DEFAULT_SOURCE_NAMES`
            to quantise (``engramrt convert``)
 =========  =====================================================  ==============================
 
-The defaults are *defaults*, not a statement of what every checkpoint uses:
-the weight/scale names follow DeepSeek's ``model.layers.<block>.<module>``
-convention with ``weight_scale_inv`` for the block scales, and the source
-names are where DeepSeek's Engram demo code keeps its table (the
-``nn.Embedding`` inside ``Engram.multi_head_embedding``) under a model's
-``layers`` list, with or without a ``model.`` prefix, plus a flat
-``engram.<layer>.weight``. Override any role with:
+The defaults are the names DeepSeek-V4.1 checkpoints use, so a real
+checkpoint loads with no name arguments. Per Engram block ``{layer}``:
+
+- weight: ``layers.{layer}.engram.embed.weight``;
+- scale: ``layers.{layer}.engram.embed.weight_scale_inv`` (Hugging Face
+  files) or ``layers.{layer}.engram.embed.scale`` (DeepSeek's own
+  inference format);
+- source: the same ``embed.weight`` name in a float checkpoint, then where
+  DeepSeek's Engram demo code keeps its table (the ``nn.Embedding`` inside
+  ``Engram.multi_head_embedding``), then a flat ``engram.{layer}.weight``;
+
+each also with a ``model.`` prefix (Hugging Face layout). The first name
+of each role is the one ``engramrt convert`` and :func:`save_tables`
+write. Override any role with:
 
 - a format string, e.g. ``"blocks.{layer}.engram.table.weight"``:
   ``{layer}`` is the backbone block index (an entry of
@@ -47,26 +54,60 @@ from engramrt.config import EngramConfig
 from engramrt.errors import CheckpointError
 
 __all__ = [
+    "DEFAULT_HEAD_NAMES",
     "DEFAULT_SCALE_NAME",
+    "DEFAULT_SCALE_NAMES",
     "DEFAULT_SOURCE_NAMES",
     "DEFAULT_WEIGHT_NAME",
+    "DEFAULT_WEIGHT_NAMES",
+    "ENGRAM_PREFIXES",
     "ROLES",
     "TensorNames",
+    "head_name_templates",
     "load_names",
 ]
 
-DEFAULT_WEIGHT_NAME = "model.layers.{layer}.engram.embedding.weight"
-"""Default name of a layer's fp8 table ``[num_embeddings, E]``."""
+ENGRAM_PREFIXES = ("", "model.")
+"""Prefixes a checkpoint puts before ``layers.{layer}.engram.``: none, or ``model.`` (HF)."""
 
-DEFAULT_SCALE_NAME = "model.layers.{layer}.engram.embedding.weight_scale_inv"
-"""Default name of a layer's ue8m0 scales ``[num_embeddings, E/32]``."""
+
+def _prefixed(*suffixes: str) -> tuple[str, ...]:
+    """``layers.{layer}.engram.<suffix>`` under every prefix, suffix-major order."""
+    return tuple(
+        f"{prefix}layers.{{layer}}.engram.{suffix}"
+        for suffix in suffixes
+        for prefix in ENGRAM_PREFIXES
+    )
+
+
+DEFAULT_WEIGHT_NAMES = _prefixed("embed.weight")
+"""Names of a layer's fp8 table ``[num_embeddings, E]``, tried in order; the first is written."""
+
+DEFAULT_SCALE_NAMES = _prefixed("embed.weight_scale_inv", "embed.scale")
+"""Names of a layer's ue8m0 scales ``[num_embeddings, E/32]``, tried in order."""
 
 DEFAULT_SOURCE_NAMES = (
-    "model.layers.{layer}.engram.multi_head_embedding.embedding.weight",
-    "layers.{layer}.engram.multi_head_embedding.embedding.weight",
+    *_prefixed("embed.weight", "multi_head_embedding.embedding.weight"),
     "engram.{layer}.weight",
 )
-"""Default names of a layer's float table, tried in this order."""
+"""Names of a layer's float table, tried in order."""
+
+DEFAULT_WEIGHT_NAME = DEFAULT_WEIGHT_NAMES[0]
+"""The fp8 table name written: ``layers.{layer}.engram.embed.weight``."""
+
+DEFAULT_SCALE_NAME = DEFAULT_SCALE_NAMES[0]
+"""The scale name written: ``layers.{layer}.engram.embed.weight_scale_inv``."""
+
+DEFAULT_HEAD_NAMES: dict[str, tuple[str, ...]] = {
+    "wkv": _prefixed("wkv.weight"),
+    "wkv_scale": _prefixed("wkv.weight_scale_inv", "wkv.scale"),
+    "q_weight": _prefixed("q_weight"),
+    "k_weight": _prefixed("k_weight"),
+}
+"""Names of a layer's head weights (:meth:`EngramHead.load_weights` arguments), tried in order:
+``wkv`` ``[(hc+1)*D, C*E]`` bf16 or fp8 with its block scales ``wkv_scale``
+(``weight_scale_inv`` in HF files, ``scale`` in DeepSeek's format), and the
+gate's ``q_weight``, ``k_weight`` ``[hc, D]`` bf16."""
 
 ROLES = ("weight", "scale", "source")
 
@@ -76,19 +117,20 @@ NameRule = tuple[str, ...] | Mapping[int, str]
 """Format strings tried in order, or exact names keyed by layer id."""
 
 
-def _check_template(role: str, template: Any) -> str:
+def _check_template(role: str, template: Any, label: str | None = None) -> str:
+    label = f"names.{role}" if label is None else label
     if not isinstance(template, str) or not template:
         raise CheckpointError(
-            f"names.{role} = {template!r}; expected a non-empty tensor name or format string"
+            f"{label} = {template!r}; expected a non-empty tensor name or format string"
         )
     try:
         fields = {name for _, name, _, _ in string.Formatter().parse(template) if name is not None}
     except ValueError as exc:
-        raise CheckpointError(f"names.{role} = {template!r} is not a format string: {exc}") from exc
+        raise CheckpointError(f"{label} = {template!r} is not a format string: {exc}") from exc
     unknown = fields - _FIELDS
     if unknown:
         raise CheckpointError(
-            f"names.{role} = {template!r} uses the field(s) {sorted(unknown)}; expected only "
+            f"{label} = {template!r} uses the field(s) {sorted(unknown)}; expected only "
             f"{{layer}} (block index) and {{index}} (position in engram_layer_ids)"
         )
     return template
@@ -131,8 +173,8 @@ def _rule(role: str, value: Any) -> NameRule:
 class TensorNames:
     """Tensor names per role (``weight``, ``scale``, ``source``); see the module docstring."""
 
-    weight: NameRule = (DEFAULT_WEIGHT_NAME,)
-    scale: NameRule = (DEFAULT_SCALE_NAME,)
+    weight: NameRule = field(default=DEFAULT_WEIGHT_NAMES)
+    scale: NameRule = field(default=DEFAULT_SCALE_NAMES)
     source: NameRule = field(default=DEFAULT_SOURCE_NAMES)
 
     def __post_init__(self) -> None:
@@ -202,6 +244,41 @@ class TensorNames:
                 {str(k): v for k, v in rule.items()} if isinstance(rule, Mapping) else list(rule)
             )
         return out
+
+
+def head_name_templates(
+    overrides: Mapping[str, str | Sequence[str]] | None,
+) -> dict[str, tuple[str, ...]]:
+    """:data:`DEFAULT_HEAD_NAMES` with ``overrides`` (role -> a format string or a list of them).
+
+    Raises:
+        CheckpointError: an unknown role, or a value that is not a non-empty
+            name or list of names (naming the role and the value).
+    """
+    unknown = sorted(set(overrides or {}) - set(DEFAULT_HEAD_NAMES))
+    if unknown:
+        raise CheckpointError(
+            f"weight_names has the role(s) {unknown}; expected only {', '.join(DEFAULT_HEAD_NAMES)}"
+        )
+    templates = dict(DEFAULT_HEAD_NAMES)
+    for role, value in (overrides or {}).items():
+        if isinstance(value, str) and value:
+            templates[role] = (_check_template(role, value, f"weight_names[{role!r}]"),)
+        elif (
+            isinstance(value, Sequence)
+            and not isinstance(value, str)
+            and value
+            and all(isinstance(v, str) and v for v in value)
+        ):
+            templates[role] = tuple(
+                _check_template(role, v, f"weight_names[{role!r}]") for v in value
+            )
+        else:
+            raise CheckpointError(
+                f"weight_names[{role!r}] = {value!r}; expected a tensor name or format string, "
+                f"or a non-empty list of them"
+            )
+    return templates
 
 
 def load_names(path: str | os.PathLike[str]) -> TensorNames:

@@ -12,12 +12,12 @@ _HELP = """Quantise float Engram tables (bf16/fp16/fp32) into fp8 e4m3fn + ue8m0
 
 SRC is a .safetensors file or a directory of them (with or without
 model.safetensors.index.json) holding one float table \\[num_embeddings, E] per
-Engram layer; by default it is looked up as
-model.layers.{layer}.engram.multi_head_embedding.embedding.weight, then
-layers.{layer}.engram.multi_head_embedding.embedding.weight, then
-engram.{layer}.weight ({layer}: the block index in engram_layer_ids). DST gets
-model.layers.{layer}.engram.embedding.weight (F8_E4M3) and
-...weight_scale_inv (U8, or F8_E8M0 with --scales e8m0). Override any of them
+Engram layer; by default it is looked up as layers.{layer}.engram.embed.weight
+(DeepSeek-V4.1's name), then layers.{layer}.engram.multi_head_embedding.embedding.weight,
+each also with a model. prefix, then engram.{layer}.weight ({layer}: the block
+index in engram_layer_ids). DST gets layers.{layer}.engram.embed.weight
+(F8_E4M3) and layers.{layer}.engram.embed.weight_scale_inv (U8, or F8_E8M0
+with --scales e8m0), the names DeepSeek-V4.1 checkpoints use. Override any of them
 with --names FILE, a JSON object such as
 {"source": "engram.{index}.weight", "weight": "...", "scale": "..."} ({index}:
 position in engram_layer_ids; a value may also be a list of names to try or an

@@ -2,23 +2,25 @@
 
 The table goes through :func:`engramrt.checkpoint.load_table` (only this
 rank's rows are read); the layer's own weights — ``wkv`` (bf16, or fp8 with
-its ``weight_scale_inv``), ``q_weight`` and ``k_weight`` — are read whole.
-Their names default to DeepSeek's ``model.layers.<block>.<module>``
-convention; like the table's names they are defaults, not a statement of
-what every checkpoint uses: override any of them with a format string
-(``{layer}``: the backbone block index, ``{index}``: the position in
-``engram_layer_ids``).
+its block scales), ``q_weight`` and ``k_weight`` — are read whole. Their
+names default to DeepSeek-V4.1's (:data:`DEFAULT_LAYER_WEIGHT_NAMES`:
+``layers.{layer}.engram.wkv.weight``, ``...wkv.weight_scale_inv`` or
+``...wkv.scale``, ``...engram.q_weight``, ``...engram.k_weight``, each with
+or without ``model.``); override any of them with a format string or a list
+of them tried in order (``{layer}``: the backbone block index, ``{index}``:
+the position in ``engram_layer_ids``).
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from engramrt.checkpoint.names import DEFAULT_HEAD_NAMES, head_name_templates
 from engramrt.config import EngramConfig, load_config
 from engramrt.errors import CheckpointError
 from engramrt.layer.module import EngramLayer
@@ -26,25 +28,32 @@ from engramrt.source import RowSource
 
 __all__ = ["DEFAULT_LAYER_WEIGHT_NAMES", "load_layer"]
 
-DEFAULT_LAYER_WEIGHT_NAMES: dict[str, str] = {
-    "wkv": "model.layers.{layer}.engram.wkv.weight",
-    "wkv_scale": "model.layers.{layer}.engram.wkv.weight_scale_inv",
-    "q_weight": "model.layers.{layer}.engram.q_norm.weight",
-    "k_weight": "model.layers.{layer}.engram.k_norm.weight",
-}
+DEFAULT_LAYER_WEIGHT_NAMES: dict[str, tuple[str, ...]] = DEFAULT_HEAD_NAMES
+"""Head weight role -> names tried in order (see :data:`engramrt.checkpoint.names.DEFAULT_HEAD_NAMES`)."""
 
 
-def _read_tensor(checkpoint: Any, name: str, role: str, layer_id: int) -> torch.Tensor:
+def _read_tensor(checkpoint: Any, names: Sequence[str]) -> torch.Tensor | None:
+    """The first of ``names`` the checkpoint holds, read whole; None if it holds none."""
     from safetensors import safe_open
 
-    locations = checkpoint.locations(name)
-    if not locations:
+    for name in names:
+        locations = checkpoint.locations(name)
+        if locations:
+            with safe_open(str(locations[0].file), framework="pt") as handle:
+                return handle.get_tensor(name)
+    return None
+
+
+def _require(
+    tensor: torch.Tensor | None, checkpoint: Any, names: Sequence[str], role: str, layer_id: int
+) -> torch.Tensor:
+    if tensor is None:
+        tried = ", ".join(repr(n) for n in names)
         raise CheckpointError(
-            f"layer {layer_id}: no {role} tensor {name!r} in {checkpoint.describe()}; pass "
-            f"weight_names={{{role!r}: ...}} if the checkpoint names it differently"
+            f"layer {layer_id}: no {role} tensor (tried {tried}) in {checkpoint.describe()}; "
+            f"pass weight_names={{{role!r}: ...}} if the checkpoint names it differently"
         )
-    with safe_open(str(locations[0].file), framework="pt") as handle:
-        return handle.get_tensor(name)
+    return tensor
 
 
 def load_layer(
@@ -59,7 +68,7 @@ def load_layer(
     tier: str = "auto",
     device: torch.device | str | None = None,
     table_names: Any = None,
-    weight_names: Mapping[str, str] | None = None,
+    weight_names: Mapping[str, str | Sequence[str]] | None = None,
     collective: str = "reduce_scatter",
     **store_options: Any,
 ) -> EngramLayer:
@@ -88,12 +97,7 @@ def load_layer(
     cfg = load_config(config)
     if not 0 <= layer_index < cfg.n_layers:
         raise CheckpointError(f"layer_index={layer_index} must be in [0, {cfg.n_layers})")
-    unknown = sorted(set(weight_names or {}) - set(DEFAULT_LAYER_WEIGHT_NAMES))
-    if unknown:
-        raise CheckpointError(
-            f"weight_names has {unknown}; expected only {', '.join(DEFAULT_LAYER_WEIGHT_NAMES)}"
-        )
-    names = {**DEFAULT_LAYER_WEIGHT_NAMES, **(weight_names or {})}
+    templates = head_name_templates(weight_names)
     layer_id = cfg.layer_ids[layer_index]
     ckpt = (
         checkpoint
@@ -101,15 +105,14 @@ def load_layer(
         else SafetensorsCheckpoint(checkpoint)
     )
 
-    def name_of(role: str) -> str:
-        return names[role].format(layer=layer_id, index=layer_index)
+    def read(role: str) -> torch.Tensor:
+        names = [t.format(layer=layer_id, index=layer_index) for t in templates[role]]
+        return _require(_read_tensor(ckpt, names), ckpt, names, role, layer_id)
 
-    wkv = _read_tensor(ckpt, name_of("wkv"), "wkv", layer_id)
-    wkv_scale = None
-    if wkv.dtype == torch.float8_e4m3fn:
-        wkv_scale = _read_tensor(ckpt, name_of("wkv_scale"), "wkv_scale", layer_id)
-    q_weight = _read_tensor(ckpt, name_of("q_weight"), "q_weight", layer_id)
-    k_weight = _read_tensor(ckpt, name_of("k_weight"), "k_weight", layer_id)
+    wkv = read("wkv")
+    wkv_scale = read("wkv_scale") if wkv.dtype == torch.float8_e4m3fn else None
+    q_weight = read("q_weight")
+    k_weight = read("k_weight")
     store = load_table(
         ckpt,
         cfg,
