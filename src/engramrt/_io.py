@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
 
-__all__ = ["atomic_write_bytes", "atomic_writer"]
+__all__ = ["atomic_write_bytes", "atomic_writer", "fsync_directory"]
 
 
 @contextlib.contextmanager
@@ -35,12 +35,18 @@ def atomic_writer(path: str | Path, mode: int | None = None) -> Iterator[BinaryI
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    with contextlib.suppress(OSError):  # make the rename itself durable
-        dir_fd = os.open(target.parent, os.O_RDONLY)
+    fsync_directory(target.parent)  # make the rename itself durable
+
+
+def fsync_directory(directory: str | Path) -> None:
+    """Flush ``directory``'s entries (renames, creations) to disk; best effort (some
+    file systems refuse to open or fsync a directory)."""
+    with contextlib.suppress(OSError):
+        fd = os.open(directory, os.O_RDONLY)
         try:
-            os.fsync(dir_fd)
+            os.fsync(fd)
         finally:
-            os.close(dir_fd)
+            os.close(fd)
 
 
 def _umask() -> int:

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from engramrt._io import atomic_write_bytes
+from engramrt._io import atomic_write_bytes, fsync_directory
 from engramrt.checkpoint.conversion_set import (
     MANIFEST_NAME,
     META_CONVERSION_ID,
@@ -274,7 +274,7 @@ def run_conversion(
             for index, (path, output) in enumerate(zip(staged, files, strict=True)):
                 os.replace(path, output.path)
                 kill_point(f"convert:renamed-{index + 1}")
-            _fsync_directory(directory)
+            fsync_directory(directory)
             for path, _cid in replaced:
                 path.unlink(missing_ok=True)
             kill_point("convert:cleaned")
@@ -350,15 +350,6 @@ def _replaced_files(
             if ours:
                 replaced.append((path, cid))
     return replaced
-
-
-def _fsync_directory(directory: Path) -> None:
-    with contextlib.suppress(OSError):
-        fd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
 
 
 def convert_checkpoint(

@@ -100,7 +100,7 @@ import numpy as np
 import torch
 
 from engramrt import memory
-from engramrt._io import atomic_write_bytes
+from engramrt._io import atomic_write_bytes, fsync_directory
 from engramrt.errors import CapacityError, UntrustedFileError, ValidationError
 
 __all__ = [
@@ -279,15 +279,6 @@ def _pid_alive(pid: int) -> bool:
     except PermissionError:  # alive, owned by someone else
         return True
     return True
-
-
-def _fsync_directory(directory: Path) -> None:
-    with contextlib.suppress(OSError):
-        fd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
 
 
 def clean_stale_tmp_files(directory: str | os.PathLike[str], name: str) -> list[Path]:
@@ -879,7 +870,7 @@ def _publish(paths: TablePaths, geometry: Mapping[str, Any], loader: Loader, che
     # 1. Nothing of an older or crashed attempt survives: manifest first, so no
     #    instant exists where a manifest describes a file about to change.
     paths.manifest.unlink(missing_ok=True)
-    _fsync_directory(paths.directory)
+    fsync_directory(paths.directory)
     paths.data.unlink(missing_ok=True)
     for path, _pid in paths.tmp_files():  # under the lock nobody is writing one
         path.unlink(missing_ok=True)
@@ -931,7 +922,7 @@ def _publish(paths: TablePaths, geometry: Mapping[str, Any], loader: Loader, che
         raise
     os.close(fd)
     os.rename(tmp, paths.data)
-    _fsync_directory(paths.directory)
+    fsync_directory(paths.directory)
     _kill_point("shared:renamed")
     # 4. The manifest, last and atomically.
     fields: dict[str, Any] = {
