@@ -114,3 +114,15 @@ def assert_same_bits(actual: torch.Tensor, expected: torch.Tensor, label: str) -
         raise AssertionError(
             f"{label}: {bad.shape[0]} elements differ; first (index, got, want): {shown}"
         )
+
+
+class CountingLoader:
+    """Fills the rows from ``table`` and counts its calls."""
+
+    def __init__(self, table: torch.Tensor) -> None:
+        self.table = table
+        self.calls = 0
+
+    def __call__(self, target: torch.Tensor) -> None:
+        self.calls += 1
+        target.copy_(self.table)

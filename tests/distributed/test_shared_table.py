@@ -25,7 +25,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from tests.distributed import crash_worker
-from tests.distributed.common import random_packed_table, sha256_of
+from tests.distributed.common import CountingLoader, random_packed_table, sha256_of
 from tests.distributed.world_worker import mapping_permissions
 
 from engramrt.distributed import (
@@ -46,18 +46,6 @@ NAME = "table"
 def dead_pid() -> int:
     """A pid no process has: pids are below ``pid_max``."""
     return int(Path("/proc/sys/kernel/pid_max").read_text())
-
-
-class CountingLoader:
-    """Fills the rows from ``table`` and counts its calls."""
-
-    def __init__(self, table: torch.Tensor) -> None:
-        self.table = table
-        self.calls = 0
-
-    def __call__(self, target: torch.Tensor) -> None:
-        self.calls += 1
-        target.copy_(self.table)
 
 
 @pytest.fixture

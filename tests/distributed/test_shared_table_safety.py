@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tests.distributed.common import random_packed_table, sha256_of
+from tests.distributed.common import CountingLoader, random_packed_table, sha256_of
 
 from engramrt.distributed import SharedHostTable, TablePaths
 from engramrt.distributed import shared_table as shared_table_module
@@ -31,16 +31,6 @@ NUM_ROWS, E = 500, 64
 ROW_BYTES = E + E // 32
 NAME = "table"
 OTHER_UID = 54321
-
-
-class CountingLoader:
-    def __init__(self, table: torch.Tensor) -> None:
-        self.table = table
-        self.calls = 0
-
-    def __call__(self, target: torch.Tensor) -> None:
-        self.calls += 1
-        target.copy_(self.table)
 
 
 @pytest.fixture
