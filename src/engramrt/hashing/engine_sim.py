@@ -236,6 +236,7 @@ def run_schedule(
     device: torch.device | str = "cpu",
     drop_lookback: bool = False,
     sabotage: str | None = None,
+    hasher: NgramHasher | None = None,
 ) -> Engine:
     """Run one random schedule drawn from ``seed``; returns the engine (``mismatches`` lists failures).
 
@@ -245,10 +246,14 @@ def run_schedule(
     blocks, a request whose prefix was prefilled elsewhere (lookback ids
     only), dead spans, padding rows and padded requests, then an empty batch.
     ``sabotage`` (``"rebind"``, ``"reset"``) loses history on purpose, for
-    negative controls.
+    negative controls. ``hasher``: one to reuse across schedules (it keeps no
+    state between calls; building one per run costs a soak most of its time
+    on a GPU), built for ``consts``, ``backend`` and ``device`` with
+    ``check_ids=True``; None builds it.
     """
     rng = np.random.default_rng(seed)
-    hasher = NgramHasher(consts, token_map, device, backend=backend, check_ids=True)
+    if hasher is None:
+        hasher = NgramHasher(consts, token_map, device, backend=backend, check_ids=True)
     engine = Engine(
         rng, consts, token_map.map, hasher, mode, drop_lookback=drop_lookback, device=device
     )

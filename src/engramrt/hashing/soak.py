@@ -85,7 +85,7 @@ def soak(
 
     from engramrt.config import load_config
     from engramrt.errors import ValidationError
-    from engramrt.hashing import HashConstants
+    from engramrt.hashing import HashConstants, NgramHasher
     from engramrt.hashing.engine_sim import MODES, run_schedule
     from engramrt.tokenmap import TokenMap
 
@@ -100,6 +100,11 @@ def soak(
     kernel_device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     token_map = TokenMap.from_tokenizer_file()
     consts = HashConstants.from_config(load_config(config), token_map)
+    hashers = {
+        (backend, where): NgramHasher(consts, token_map, where, backend=backend, check_ids=True)
+        for backend, where in (("reference", "cpu"), ("triton", kernel_device))
+        if backend == "reference" or kernel
+    }
     start = time.perf_counter()
     found: list[Mismatch] = []
     for index in range(count):
@@ -116,6 +121,7 @@ def soak(
                 token_map,
                 max_steps=max_steps,
                 device=where,
+                hasher=hashers[(backend, where)],
             )
             if engine.mismatches:
                 found.append(Mismatch(schedule_seed, mode, backend, engine.mismatches[0]))
