@@ -115,7 +115,9 @@ class _Engine:
         rest_tokens, rest_dead = req.saved
         req.tokens = (req.tokens[:keep] + rest_tokens)[:MAX_LEN]
         req.dead = (req.dead[:keep] + rest_dead)[:MAX_LEN]
-        req.computed = keep
+        # Drafts accepted past MAX_LEN are cut like rejected ones (their slots
+        # are given back by the caller): the request ends at MAX_LEN.
+        req.computed = min(keep, len(req.tokens))
         req.saved = None
         if accepted < drafts:
             self.events["drafts rejected"] += 1
