@@ -12,8 +12,8 @@ outside ``[col_begin, col_end)`` and ids outside ``[row_begin, row_begin +
 num_rows)`` read as zeros and receive no gradient.
 
 The backward never builds a dense ``[num_rows, E]`` gradient: it returns a
-coalesced sparse COO tensor holding only the touched rows, the unique local
-ids ``[U]`` and their summed gradients ``[U, E]`` (duplicate ids add up as
+sparse COO tensor holding only the touched rows, the unique local ids
+``[U]`` (sorted, each once) and their summed gradients ``[U, E]`` (duplicate ids add up as
 dense autograd's ``index_add`` would). Gradient memory is ``U * (E + 1)``
 elements with ``U <= T * C``, whatever ``num_rows`` is. Finding the unique
 ids has a data-dependent size (one host synchronisation), so the backward is
@@ -89,7 +89,11 @@ class _MasterRowLookup(torch.autograd.Function):
             row_grads = grad_out[:, col_begin:col_end].reshape(-1, dim)  # [T * owned, E]
             ids, summed = sum_rows_by_id(local[in_table], row_grads[in_table])
             grad_table = torch.sparse_coo_tensor(
-                ids.unsqueeze(0), summed, (num_rows, dim), is_coalesced=True
+                ids.unsqueeze(0),
+                summed,
+                (num_rows, dim),
+                is_coalesced=True,
+                check_invariants=False,  # unique sorted in-range ids by construction
             )
         return None, grad_table, None, None, None
 
@@ -142,8 +146,8 @@ class EngramTable(nn.Module):
     Holds ``weight``: an fp32 ``[num_rows, E]`` parameter for global rows
     ``[row_begin, row_begin + num_rows)`` serving hash columns ``[col_begin,
     col_end)``. ``forward(row_ids [T, C]) -> [T, C, E]`` fp32. After backward,
-    ``weight.grad`` is a coalesced sparse COO tensor holding the touched rows
-    only; update it with :class:`engramrt.training.SparseRowAdam`.
+    ``weight.grad`` is a sparse COO tensor holding the touched rows only
+    (each once); update it with :class:`engramrt.training.SparseRowAdam`.
     """
 
     def __init__(
