@@ -6,6 +6,8 @@ import pytest
 import torch
 
 from engramrt.errors import ValidationError
+from engramrt.lookup.reference import lookup_rows_reference
+from engramrt.quant.reference import dequantize_rows_reference, quantize_rows_reference
 from engramrt.training import EngramTable, lookup_master_rows
 from engramrt.training import lookup as lookup_module
 
@@ -148,3 +150,21 @@ def test_bad_inputs_are_refused():
         lookup_master_rows(torch.zeros(3, 2, dtype=torch.int64), table, 0, 3)
     with pytest.raises(ValidationError, match="E must be > 0, got 0"):
         EngramTable(4, 0)
+
+
+def test_packed_rows_serve_through_the_inference_lookup():
+    module = EngramTable(10, 64, row_begin=30, col_begin=1, col_end=4, init_std=0.5)
+    packed = module.packed_rows(backend="reference")
+    assert packed.dtype == torch.uint8 and packed.shape == (10, 64 + 2)
+    row_ids = _row_ids(6, 4, 28, 42, seed=12)
+    served = lookup_rows_reference(row_ids, packed, 64, col_begin=1, col_end=4, row_begin=30)
+    values, scales = quantize_rows_reference(module.weight.detach())
+    dequantized = dequantize_rows_reference(values, scales)  # [10, 64] bf16
+    assert torch.equal(served, _dense_lookup(row_ids, dequantized, 1, 4, 30))
+    # And close to the fp32 rows: e4m3 keeps 3 mantissa bits (relative error
+    # <= 2^-4), its subnormals are spaced 2^-9 * scale, bf16 adds 2^-9 relative.
+    trained = module(row_ids).detach()
+    block_scale = torch.exp2(scales.double() - 127).repeat_interleave(32, dim=-1)  # [10, 64]
+    scale = _dense_lookup(row_ids, block_scale, 1, 4, 30)
+    bound = trained.double().abs() * (2**-4 + 2**-8) + scale * 2**-9
+    assert bool(((served.double() - trained.double()).abs() <= bound).all())

@@ -28,6 +28,8 @@ import torch
 from torch import nn
 
 from engramrt.errors import ValidationError, expect
+from engramrt.packed import pack_rows
+from engramrt.quant import quantize_rows
 
 __all__ = ["EngramTable", "lookup_master_rows", "sum_rows_by_id"]
 
@@ -177,6 +179,14 @@ class EngramTable(nn.Module):
         return lookup_master_rows(
             row_ids, self.weight, self.col_begin, self.col_end, self.row_begin
         )
+
+    @torch.no_grad()
+    def packed_rows(self, *, backend: str = "auto") -> torch.Tensor:
+        """The master table quantised for serving (SPEC §6): ``[num_rows, E + E/32]``
+        uint8 packed rows, readable by :func:`engramrt.lookup.reference.lookup_rows_reference`
+        with this module's ``row_begin`` and columns. ``E`` must be a multiple of 32."""
+        values, scales = quantize_rows(self.weight.detach(), backend=backend)
+        return pack_rows(values, scales)
 
     def extra_repr(self) -> str:
         num_rows, dim = self.weight.shape
