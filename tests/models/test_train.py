@@ -1,0 +1,106 @@
+"""The training command end to end on a CPU slice, and the corpus / vocab rules it uses."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from engramrt.models import artifacts
+from engramrt.models.corpus import Split, corpus_row_ids, eval_segments, is_heldout
+from engramrt.models.vocab import BOS_TOKEN_ID, Vocab
+
+
+def test_training_writes_every_artifact(trained_dir: Path) -> None:
+    for name in (*artifacts.SHIPPED_FILES, artifacts.LOSS_CURVES, artifacts.TRAIN_LOG):
+        assert (trained_dir / name).is_file(), name
+    assert not (trained_dir / "_work").exists()  # the float source checkpoint is removed
+    data = json.loads((trained_dir / artifacts.MODEL_JSON).read_text())
+    record = data["training"]
+    assert record["engram"]["steps"] == record["baseline"]["steps"] == 4
+    assert record["engram"]["tokens_seen"] == 4 * 2 * 64
+    losses = record["heldout"]["losses"]
+    assert set(losses) == {"engram", "baseline", "engram_fp8"}
+    assert all(math.isfinite(v) and 0 < v < 20 for v in losses.values())
+    # fp8 rows change the loss a little, never by much (target <= 0.5% after training).
+    assert abs(record["heldout"]["fp8_vs_float_relative"]) < 0.01
+    corpus = record["corpus"]
+    assert corpus["train_files"] == 12 and corpus["heldout_files"] == 1
+    assert corpus["train_tokens"] > 1000 and corpus["heldout_tokens"] > 10
+    assert len(record["engram"]["loss_curve"]) == 4
+    log = json.loads((trained_dir / artifacts.TRAIN_LOG).read_text())
+    assert len(log["losses"]["engram"]) == 4 and log["log"]
+
+
+def test_shipped_files_fit_the_size_budget(trained_dir: Path) -> None:
+    """The shapes do not depend on the training length: this is the H200 run's size
+    (bar a held-out sample of 32 full sequences, ~64 KB more)."""
+    sizes = {name: (trained_dir / name).stat().st_size for name in artifacts.SHIPPED_FILES}
+    assert sum(sizes.values()) + 200_000 <= 24_000_000, sizes
+    assert max(sizes.values()) <= 15 * 2**20, sizes
+
+
+def test_heldout_rule_is_the_documented_hash() -> None:
+    import hashlib
+
+    for path in ("os.py", "json/decoder.py", "asyncio/tasks.py", "x/y/z.py"):
+        want = int(hashlib.sha256(path.encode()).hexdigest(), 16) % 20 == 0
+        assert is_heldout(path) == want
+    names = [f"m{i}.py" for i in range(400)]
+    held = [n for n in names if is_heldout(n)]
+    assert 5 <= len(held) <= 45  # about 1 in 20
+
+
+def test_vocab_rule() -> None:
+    counts = np.array([1, 0, 5, 7, 5, 0, 9, 2])
+    vocab = Vocab.from_counts(counts, 4)
+    # BOS first, then counts descending with ties by id: 6 (9), 3 (7), 2 (5).
+    assert vocab.token_ids == (BOS_TOKEN_ID, 6, 3, 2)
+    assert vocab.other_id == 4 and vocab.size == 5
+    np.testing.assert_array_equal(vocab.trim([0, 6, 3, 2, 4, 7, 1]), [0, 1, 2, 3, 4, 4, 4])
+    np.testing.assert_array_equal(vocab.untrim([1, 2, 3]), [6, 3, 2])
+    with pytest.raises(ValueError, match="trimmed ids"):
+        vocab.untrim([4])
+    assert Vocab.from_dict(vocab.to_dict()) == vocab
+    # Fewer distinct tokens than K: K shrinks.
+    assert Vocab.from_counts(np.array([0, 3, 0, 1]), 10).token_ids == (0, 1, 3)
+
+
+def test_corpus_row_ids_restart_at_every_document(token_map) -> None:
+    """Each document hashes as its own request from position 0 (pad history), bit for
+    bit as :func:`hash_sequence` of that document alone; a control shows that hashing
+    the stream as one sequence differs."""
+    from engramrt.config import PRESETS
+    from engramrt.hashing import HashConstants, hash_sequence
+
+    consts = HashConstants.from_config(PRESETS["tiny"], token_map)
+    rng = np.random.default_rng(5)
+    docs = [np.concatenate([[0], rng.integers(3, 120_000, n)]) for n in (7, 1, 30, 12)]
+    starts = np.concatenate([[0], np.cumsum([d.size for d in docs])])
+    split = Split([f"d{i}.py" for i in range(4)], np.concatenate(docs), starts)
+    ids, report = corpus_row_ids(split, consts, token_map.map, torch.device("cpu"))
+    assert report["checked_against_hash_sequence"] > 0
+    got = ids.to(torch.int64).numpy()
+    for d, doc in enumerate(docs):
+        want = hash_sequence(token_map.map[doc], consts)
+        np.testing.assert_array_equal(got[starts[d] : starts[d + 1]], want)
+    whole = hash_sequence(token_map.map[split.tokens], consts)
+    assert not np.array_equal(got, whole)
+
+
+def test_eval_segments_stay_inside_documents() -> None:
+    docs = [np.arange(100, 100 + n) for n in (5, 12, 1, 9)]
+    starts = np.concatenate([[0], np.cumsum([d.size for d in docs])])
+    split = Split(["a", "b", "c", "d"], np.concatenate(docs), starts)
+    segments = eval_segments(split, seq_len=4, max_sequences=100, max_ngram_size=4)
+    # a: [0:4], [4:5] dropped (1 token); b: 3 pieces of 4; c: dropped; d: 4, 4, 1 dropped.
+    np.testing.assert_array_equal(segments.lengths, [4, 4, 4, 4, 4, 4])
+    np.testing.assert_array_equal(segments.positions, [0, 0, 4, 8, 0, 4])
+    # b's second piece starts at its position 4: lookback = positions 3, 2, 1 of b.
+    np.testing.assert_array_equal(segments.lookback[2], [103, 102, 101])
+    np.testing.assert_array_equal(segments.lookback[0], [-1, -1, -1])
+    np.testing.assert_array_equal(segments.tokens[5], [104, 105, 106, 107])
