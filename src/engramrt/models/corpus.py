@@ -3,10 +3,12 @@
 - Files: every ``*.py`` under ``sysconfig.get_paths()["stdlib"]`` except
   those under a ``site-packages`` directory, sorted by relative path (POSIX
   form). A file is **held out** when ``int(sha256(relative_path)) % 20 ==
-  0`` (about 5%); the rule reads only the path, so the split is the same
-  on every machine with the same Python version. ``max_files`` (tests)
-  keeps the first ``max_files`` training files and the first
-  ``max(1, max_files // 10)`` held-out files.
+  0`` (about 5%) and a **validation** file when it is ``1`` (another 5%,
+  used only to choose the training step to keep: held-out files are never
+  looked at during training); the rule reads only the path, so the split
+  is the same on every machine with the same Python version. ``max_files``
+  (tests) keeps the first ``max_files`` training files and the first
+  ``max(1, max_files // 10)`` held-out and validation files.
 - Documents: a file's text (UTF-8, undecodable bytes replaced) tokenised
   with the DeepSeek-V4 tokenizer (``encode_batch``, no special tokens
   added), preceded by the document-start token (id 0). Documents are
@@ -44,17 +46,28 @@ __all__ = [
     "corpus_row_ids",
     "eval_segments",
     "is_heldout",
+    "split_of",
     "stdlib_files",
 ]
 
 HELDOUT_MODULUS = 20
+_HELDOUT_RESIDUE = 0
+_VALIDATION_RESIDUE = 1
 _MAX_TOKENS_PER_HASH_BATCH = 1 << 20  # bounds the hasher's temporaries, whole documents per batch
+
+
+def split_of(relative_path: str) -> str:
+    """``"heldout"``, ``"validation"`` or ``"train"`` for a file (POSIX path under the stdlib)."""
+    digest = hashlib.sha256(relative_path.encode("utf-8")).digest()
+    residue = int.from_bytes(digest, "big") % HELDOUT_MODULUS
+    if residue == _HELDOUT_RESIDUE:
+        return "heldout"
+    return "validation" if residue == _VALIDATION_RESIDUE else "train"
 
 
 def is_heldout(relative_path: str) -> bool:
     """Whether a file (its POSIX path relative to the stdlib root) is held out."""
-    digest = hashlib.sha256(relative_path.encode("utf-8")).digest()
-    return int.from_bytes(digest, "big") % HELDOUT_MODULUS == 0
+    return split_of(relative_path) == "heldout"
 
 
 def stdlib_files(root: Path | None = None) -> tuple[Path, list[str]]:
@@ -98,6 +111,7 @@ class Corpus:
     python_version: str
     train: Split
     heldout: Split
+    validation: Split
     seconds: float = 0.0
     stats: dict[str, Any] = field(default_factory=dict)
 
@@ -107,11 +121,15 @@ class Corpus:
             "source": "python stdlib *.py (no site-packages)",
             "python_version": self.python_version,
             "stdlib_root": self.root,
-            "heldout_rule": f"int(sha256(relative_path)) % {HELDOUT_MODULUS} == 0",
+            "heldout_rule": f"int(sha256(relative_path)) % {HELDOUT_MODULUS} == {_HELDOUT_RESIDUE}",
+            "validation_rule": f"int(sha256(relative_path)) % {HELDOUT_MODULUS} == "
+            f"{_VALIDATION_RESIDUE}",
             "train_files": len(self.train.files),
             "heldout_files": len(self.heldout.files),
+            "validation_files": len(self.validation.files),
             "train_tokens": self.train.num_tokens,
             "heldout_tokens": self.heldout.num_tokens,
+            "validation_tokens": self.validation.num_tokens,
             "seconds": round(self.seconds, 2),
             **self.stats,
         }
@@ -138,17 +156,20 @@ def build_corpus(
 
     began = time.perf_counter()
     base, files = stdlib_files(root)
-    train_files = [f for f in files if not is_heldout(f)]
-    heldout_files = [f for f in files if is_heldout(f)]
+    split = {f: split_of(f) for f in files}
+    train_files = [f for f in files if split[f] == "train"]
+    heldout_files = [f for f in files if split[f] == "heldout"]
+    validation_files = [f for f in files if split[f] == "validation"]
     if max_files is not None:
         train_files = train_files[:max_files]
         heldout_files = heldout_files[: max(1, max_files // 10)]
+        validation_files = validation_files[: max(1, max_files // 10)]
     splits = []
-    for names in (train_files, heldout_files):
+    for names in (train_files, heldout_files, validation_files):
         texts = [(base / name).read_text(encoding="utf-8", errors="replace") for name in names]
         splits.append(_split(names, _tokenize(tokenizer, texts)))
     version = ".".join(str(v) for v in sys.version_info[:3])
-    return Corpus(str(base), version, splits[0], splits[1], time.perf_counter() - began)
+    return Corpus(str(base), version, splits[0], splits[1], splits[2], time.perf_counter() - began)
 
 
 def corpus_row_ids(

@@ -2,7 +2,7 @@
 
 One command (on one H200 it runs in well under 10 minutes, both models)::
 
-    python -m engramrt.models.train --out DIR --minutes 3 --device cuda
+    python -m engramrt.models.train --out DIR --minutes 1.5 --device cuda
 
 A small end-to-end run on a CPU (what the tests do)::
 
@@ -24,7 +24,12 @@ What it does, in order (every stage prints a line, flushed):
    CUDA; for ``--minutes`` of wall clock (the step count is fixed after 20
    timed steps) or ``--steps``;
 5. the baseline (the same backbone without Engram) for exactly as many
-   steps, with the same schedule;
+   steps, with the same schedule; both are evaluated on the validation
+   files every ``--eval-every`` steps and each keeps the weights of its
+   lowest validation loss (early stopping: the corpus is small, a few
+   million tokens, so a minute of training is many epochs and both models,
+   the Engram tables most, go on to memorise it; the held-out loss of the
+   last step's weights is recorded too);
 6. held-out loss of both on the same fixed held-out sequences; then the
    float tables are written as a source checkpoint with the V4.1 tensor
    names, converted to fp8 by the conversion the ``engramrt convert``
@@ -80,7 +85,7 @@ class TrainSettings:
 
     out: Path
     device: str = "auto"
-    minutes: float = 3.0
+    minutes: float = 1.5
     steps: int | None = None
     max_files: int | None = None
     batch_size: int = 64
@@ -93,6 +98,8 @@ class TrainSettings:
     table_lr: float = 1e-2
     weight_decay: float = 0.1
     eval_sequences: int = 128
+    val_sequences: int = 64
+    eval_every: int = 25
     sample_sequences: int = 32
     seed: int = 0
     log: list[str] = field(default_factory=list)
@@ -202,11 +209,23 @@ def _lr_factor(step: int, warmup: int, total: int) -> float:
 
 @dataclass
 class TrainResult:
+    """One model's run; ``val_curve`` is ``[[step, validation loss], ...]``.
+
+    With validation, the model (and its tables) hold the weights of
+    ``best_step``, the step of the lowest validation loss, when
+    :func:`train_model` returns; ``last_heldout`` is the held-out loss of the
+    last step's weights, measured before they were replaced.
+    """
+
     steps: int
     schedule_steps: int
     seconds: float
     tokens_seen: int
     losses: list[float]
+    val_curve: list[list[float]] = field(default_factory=list)
+    best_step: int | None = None
+    best_val: float | None = None
+    last_heldout: float | None = None
 
 
 def train_model(
@@ -220,11 +239,18 @@ def train_model(
     steps: int | None,
     budget_s: float | None,
     schedule_steps: int | None = None,
+    validate: Callable[[], float] | None = None,
+    heldout: Callable[[], float] | None = None,
 ) -> TrainResult:
     """Train ``model`` (and its ``tables``) on random windows of the training stream.
 
     Exactly ``steps`` steps, or as many as fit ``budget_s`` seconds (the
     count is fixed after 20 timed steps; a hard stop at 110% of the budget).
+    ``validate`` (the validation loss) runs every ``settings.eval_every``
+    steps and after the last; the weights of the best step are kept and put
+    back at the end (early stopping on the validation split; the held-out
+    split is only evaluated, by ``heldout``, on the last step's weights
+    before they are replaced, and afterwards by the caller).
     """
     device = train_tokens.device
     generator = torch.Generator(device="cpu").manual_seed(settings.seed)
@@ -261,6 +287,19 @@ def train_model(
     last_log = began
     step = 0
     rows_of: RowsOf = lambda index, ids: tables[index](ids)  # noqa: E731
+    val_curve: list[list[float]] = []
+    best: tuple[int, float, dict[str, torch.Tensor], list[torch.Tensor]] | None = None
+
+    def check_validation() -> None:
+        nonlocal best
+        if validate is None or (val_curve and val_curve[-1][0] == step):
+            return
+        value = validate()
+        val_curve.append([step, round(value, 5)])
+        if best is None or value < best[1]:
+            state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+            best = (step, value, state, [t.weight.detach().clone() for t in tables])
+
     model.train()
     while True:
         if total is not None and step >= total:
@@ -295,6 +334,8 @@ def train_model(
         dense.zero_grad(set_to_none=True)
         losses.append(loss.detach())
         step += 1
+        if validate is not None and step % settings.eval_every == 0:
+            check_validation()
         if step == 5:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
@@ -318,7 +359,25 @@ def train_model(
         torch.cuda.synchronize(device)
     seconds = time.perf_counter() - began
     values = torch.stack(losses).float().cpu().tolist() if losses else []
-    return TrainResult(step, total or step, seconds, step * batch * seq, values)
+    result = TrainResult(step, total or step, seconds, step * batch * seq, values)
+    if validate is not None:
+        check_validation()
+        result.val_curve = val_curve
+        if heldout is not None:
+            result.last_heldout = heldout()
+        assert best is not None
+        result.best_step, result.best_val = best[0], best[1]
+        model.load_state_dict(best[2])
+        with torch.no_grad():
+            for table, weight in zip(tables, best[3], strict=True):
+                table.weight.copy_(weight)
+        settings.say(
+            f"{name}: kept step {best[0]} (validation loss {best[1]:.4f}; last step "
+            f"{val_curve[-1][1]:.4f}"
+            + (f", held-out {result.last_heldout:.4f}" if result.last_heldout is not None else "")
+            + ")"
+        )
+    return result
 
 
 def _subsample(values: list[float], points: int = 400) -> list[list[float]]:
@@ -332,17 +391,37 @@ def _subsample(values: list[float], points: int = 400) -> list[list[float]]:
     ]
 
 
-def _plot(path: Path, curves: dict[str, list[float]], evals: dict[str, float]) -> None:
+def _plot(
+    path: Path,
+    curves: dict[str, list[float]],
+    evals: dict[str, float],
+    validation: dict[str, list[list[float]]] | None = None,
+) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 4.5))
-    for label, values in curves.items():
+    for index, (label, values) in enumerate(curves.items()):
         points = _subsample(values)
+        color = f"C{index}"
         if points:
-            ax.plot([p[0] for p in points], [p[1] for p in points], label=f"{label} (train)")
+            ax.plot(
+                [p[0] for p in points],
+                [p[1] for p in points],
+                color=color,
+                label=f"{label} (train)",
+            )
+        val = (validation or {}).get(label) or []
+        if val:
+            ax.plot(
+                [p[0] for p in val],
+                [p[1] for p in val],
+                color=color,
+                linestyle="--",
+                label=f"{label} (validation)",
+            )
     for (label, value), style in zip(evals.items(), ("--", ":", "-."), strict=False):
         ax.axhline(value, linestyle=style, linewidth=1, color="gray")
         ax.annotate(
@@ -401,7 +480,8 @@ def train(settings: TrainSettings) -> dict[str, Any]:
     say(
         f"corpus: python {corpus.python_version}, {len(corpus.train.files)} train files "
         f"({corpus.train.num_tokens:,} tokens), {len(corpus.heldout.files)} held-out files "
-        f"({corpus.heldout.num_tokens:,} tokens), {corpus.seconds:.1f} s"
+        f"({corpus.heldout.num_tokens:,} tokens), {len(corpus.validation.files)} validation "
+        f"files ({corpus.validation.num_tokens:,} tokens), {corpus.seconds:.1f} s"
     )
     counts = np.bincount(corpus.train.tokens, minlength=token_map.vocab_size)
     vocab = Vocab.from_counts(counts, settings.vocab_k)
@@ -445,6 +525,19 @@ def train(settings: TrainSettings) -> dict[str, Any]:
         f"held-out: {segments.num_sequences} sequences ({segments.num_predictions:,} predictions), "
         f"sample {sample.num_sequences} sequences ({int(sample.lengths.sum()):,} tokens)"
     )
+    # Validation (its own files) chooses the step each model keeps; held-out stays unseen.
+    val_segments = eval_segments(
+        corpus.validation, settings.seq_len, settings.val_sequences, cfg.max_ngram_size
+    )
+    val_tokens = trim[torch.as_tensor(val_segments.tokens, device=device)]
+    val_lengths = torch.as_tensor(val_segments.lengths, device=device)
+    val_ids = segment_row_ids(
+        val_segments, consts, torch.as_tensor(np.array(token_map.map)), device
+    )
+    say(
+        f"validation: {val_segments.num_sequences} sequences "
+        f"({val_segments.num_predictions:,} predictions), every {settings.eval_every} steps"
+    )
 
     lm_cfg = lm_configs(settings, vocab.size, cfg)
     engram_model = TinyLM(lm_cfg).to(device)
@@ -454,6 +547,7 @@ def train(settings: TrainSettings) -> dict[str, Any]:
         f"Engram model: {sum(p.numel() for p in engram_model.parameters()):,} backbone "
         f"parameters, tables {[tuple(t.weight.shape) for t in tables]}"
     )
+    table_rows: RowsOf = lambda index, ids: tables[index](ids)  # noqa: E731
     engram_run = train_model(
         "engram",
         engram_model,
@@ -463,6 +557,8 @@ def train(settings: TrainSettings) -> dict[str, Any]:
         settings,
         steps=settings.steps,
         budget_s=budget,
+        validate=lambda: evaluate(engram_model, table_rows, val_tokens, val_lengths, val_ids),
+        heldout=lambda: evaluate(engram_model, table_rows, eval_tokens, eval_lengths, eval_ids),
     )
     torch.manual_seed(settings.seed)
     baseline = TinyLM(lm_cfg.baseline()).to(device)
@@ -477,6 +573,8 @@ def train(settings: TrainSettings) -> dict[str, Any]:
         steps=engram_run.steps,
         budget_s=None,
         schedule_steps=engram_run.schedule_steps,
+        validate=lambda: evaluate(baseline, None, val_tokens, val_lengths, None),
+        heldout=lambda: evaluate(baseline, None, eval_tokens, eval_lengths, None),
     )
     del train_ids
 
@@ -564,6 +662,11 @@ def train(settings: TrainSettings) -> dict[str, Any]:
             "predictions": segments.num_predictions,
             "losses": losses,
             "fp8_vs_float_relative": fp8_rel,
+            "weights": "each model at its step of lowest validation loss (early stopping)",
+            "last_step_losses": {
+                "engram": engram_run.last_heldout,
+                "baseline": baseline_run.last_heldout,
+            },
             "sample_sequences": sample.num_sequences,
             "sample_predictions": sample.num_predictions,
             "sample_losses": sample_losses,
@@ -597,6 +700,7 @@ def train(settings: TrainSettings) -> dict[str, Any]:
         out / artifacts.LOSS_CURVES,
         {"engram": engram_run.losses, "baseline": baseline_run.losses},
         {k: v for k, v in losses.items()},
+        {"engram": engram_run.val_curve, "baseline": baseline_run.val_curve},
     )
     say(f"done in {record['seconds_total']} s: {out}")
     artifacts.write_json(
@@ -619,6 +723,10 @@ def _run_record(run: TrainResult, settings: TrainSettings) -> dict[str, Any]:
         "batch_size": settings.batch_size,
         "seq_len": settings.seq_len,
         "final_train_loss": (float(np.mean(run.losses[-50:])) if run.losses else None),
+        "kept_step": run.best_step,
+        "kept_validation_loss": run.best_val,
+        "last_step_heldout_loss": run.last_heldout,
+        "validation_curve": run.val_curve,
         "loss_curve": _subsample(run.losses),
     }
 
@@ -630,11 +738,12 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainSettings:
     )
     parser.add_argument("--out", type=Path, required=True, help="the model directory to write")
     parser.add_argument("--device", default="auto", help="auto, cpu or cuda[:i]")
+    defaults_minutes = TrainSettings(out=Path(".")).minutes
     parser.add_argument(
         "--minutes",
         type=float,
-        default=3.0,
-        help="wall-clock training budget of the Engram model (default 3)",
+        default=defaults_minutes,
+        help=f"wall-clock training budget of the Engram model (default {defaults_minutes})",
     )
     parser.add_argument(
         "--steps", type=int, default=None, help="train exactly this many steps instead of --minutes"
@@ -646,6 +755,8 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainSettings:
     for name in (
         "batch_size",
         "seq_len",
+        "val_sequences",
+        "eval_every",
         "vocab_k",
         "dim",
         "n_blocks",
@@ -664,6 +775,8 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainSettings:
     args = parser.parse_args(argv)
     if args.steps is not None and args.steps < 1:
         parser.error(f"--steps={args.steps} must be at least 1")
+    if args.eval_every < 1:
+        parser.error(f"--eval-every={args.eval_every} must be at least 1")
     if args.minutes <= 0:
         parser.error(f"--minutes={args.minutes} must be positive")
     return TrainSettings(**vars(args))
