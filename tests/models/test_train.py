@@ -25,6 +25,8 @@ def test_training_writes_every_artifact(trained_dir: Path) -> None:
     assert record["engram"]["tokens_seen"] == 4 * 2 * 64
     losses = record["heldout"]["losses"]
     assert set(losses) == {"engram", "baseline", "engram_fp8"}
+    sample = record["heldout"]["sample_losses"]
+    assert abs(sample["engram_fp8_served"] - sample["engram_fp8"]) / sample["engram_fp8"] < 2e-3
     assert all(math.isfinite(v) and 0 < v < 20 for v in losses.values())
     # fp8 rows change the loss a little, never by much (target <= 0.5% after training).
     assert abs(record["heldout"]["fp8_vs_float_relative"]) < 0.01
@@ -98,6 +100,12 @@ def test_corpus_row_ids_restart_at_every_document(token_map) -> None:
         np.testing.assert_array_equal(got[starts[d] : starts[d + 1]], want)
     whole = hash_sequence(token_map.map[split.tokens], consts)
     assert not np.array_equal(got, whole)
+    # The kernel path (what CUDA runs; here through Triton's interpreter) agrees.
+    kernel_ids, report = corpus_row_ids(
+        split, consts, token_map.map, torch.device("cpu"), kernel=True
+    )
+    assert report["kernel_mismatched_tokens"] == 0 and "kernel_error" not in report
+    assert torch.equal(kernel_ids, ids)
 
 
 def test_eval_segments_stay_inside_documents() -> None:

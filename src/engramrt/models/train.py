@@ -226,7 +226,7 @@ def train_model(
     count is fixed after 20 timed steps; a hard stop at 110% of the budget).
     """
     device = train_tokens.device
-    generator = torch.Generator(device="cpu").manual_seed(settings.seed)
+    generator = torch.Generator(device=device).manual_seed(settings.seed)
     decay: list[torch.nn.Parameter] = []
     no_decay: list[torch.nn.Parameter] = []
     for pname, param in model.named_parameters():
@@ -275,7 +275,7 @@ def train_model(
         if sparse is not None:
             for group in sparse.param_groups:
                 group["lr"] = settings.table_lr * factor
-        starts = torch.randint(0, max_start, (batch,), generator=generator).to(device)
+        starts = torch.randint(0, max_start, (batch,), generator=generator, device=device)
         index = starts[:, None] + offsets[None, :]  # [B, S+1]
         window = train_tokens[index]
         inputs, targets = window[:, :-1], window[:, 1:]
@@ -342,15 +342,17 @@ def _plot(path: Path, curves: dict[str, list[float]], evals: dict[str, float]) -
         points = _subsample(values)
         if points:
             ax.plot([p[0] for p in points], [p[1] for p in points], label=f"{label} (train)")
-    for (label, value), style in zip(evals.items(), ("--", ":", "-."), strict=False):
-        ax.axhline(value, linestyle=style, linewidth=1, color="gray")
-        ax.annotate(
-            f"{label} held-out {value:.3f}",
-            (0, value),
-            fontsize=7,
-            textcoords="offset points",
-            xytext=(4, 3),
-        )
+    summary = "\n".join(f"held-out {label}: {value:.4f}" for label, value in evals.items())
+    ax.text(
+        0.98,
+        0.75,
+        summary,
+        transform=ax.transAxes,
+        ha="right",
+        va="top",
+        fontsize=8,
+        bbox={"boxstyle": "round", "facecolor": "white", "alpha": 0.8},
+    )
     ax.set_xlabel("step")
     ax.set_ylabel("loss (nats / token)")
     ax.set_title("tiny Engram LM vs baseline on Python stdlib sources")
@@ -598,6 +600,7 @@ def train(settings: TrainSettings) -> dict[str, Any]:
     if total_bytes > SIZE_BUDGET_BYTES or max(shipped.values()) > FILE_LIMIT_BYTES:
         say("WARNING: the shipped files exceed the size budget")
     record["shipped_bytes"] = shipped
+    record["heldout"]["sample_losses"]["engram_fp8_served"] = _served_sample_loss(out, device, say)
     record["seconds_total"] = round(time.perf_counter() - began, 1)
     artifacts.write_json(out / artifacts.MODEL_JSON, model_json)
     _plot(
@@ -615,6 +618,33 @@ def train(settings: TrainSettings) -> dict[str, Any]:
         },
     )
     return record
+
+
+def _served_sample_loss(
+    out: Path, device: torch.device, say: Callable[[str], None]
+) -> float | None:
+    """The sample's loss through the serving path (:func:`engramrt.models.serve.load_model`
+    of the directory just written); None, and a printed reason, if that fails: the
+    directory is complete either way."""
+    try:
+        from engramrt.models.serve import load_model
+
+        began = time.perf_counter()
+        backend = "auto" if device.type == "cuda" else "reference"
+        model = load_model(
+            out,
+            tier="device",
+            device=device,
+            load_baseline=False,
+            head_backend=backend,
+            backend=backend,
+        )
+        loss = model.evaluate()
+        say(f"served fp8 model, sample loss {loss:.5f} ({time.perf_counter() - began:.1f} s)")
+        return loss
+    except Exception as exc:
+        say(f"served fp8 model: evaluation failed: {type(exc).__name__}: {exc}")
+        return None
 
 
 def _run_record(run: TrainResult, settings: TrainSettings) -> dict[str, Any]:
