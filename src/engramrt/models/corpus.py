@@ -180,6 +180,7 @@ def corpus_row_ids(
     *,
     check_docs: int = 2,
     check_tokens: int = 200,
+    kernel: bool | None = None,
 ) -> tuple[torch.Tensor, dict[str, Any]]:
     """Row ids ``[T, L, C]`` int32 on ``device`` of every position of ``split``.
 
@@ -190,7 +191,9 @@ def corpus_row_ids(
     and the mismatch is reported); on the CPU the torch hashing computes
     them (the reference hasher loops in Python). The first ``check_tokens``
     positions of the first ``check_docs`` documents are also compared with
-    :func:`hash_sequence` (numpy, one token at a time).
+    :func:`hash_sequence` (numpy, one token at a time). ``kernel`` forces the
+    kernel on or off (default: on CUDA only; on a CPU it runs through
+    Triton's interpreter, for tests).
     """
     num_tokens = split.num_tokens
     out = torch.empty(
@@ -198,7 +201,8 @@ def corpus_row_ids(
     )
     positions = split.positions()
     token_map_dev = torch.as_tensor(np.array(token_map, dtype=np.int64), device=device)
-    hasher = NgramHasher(consts, token_map, device) if device.type == "cuda" else None
+    use_kernel = device.type == "cuda" if kernel is None else kernel
+    hasher = NgramHasher(consts, token_map, device, backend="triton") if use_kernel else None
     report: dict[str, Any] = {"hasher": "triton kernel" if hasher is not None else "torch"}
     kernel_mismatch = 0
     starts = split.doc_starts

@@ -419,8 +419,15 @@ class TinyLM(nn.Module):
             )
             nn.init.normal_(param, 0.0, scale)
 
-    def engram_blocks(self) -> list[int]:
-        return list(self.config.engram_layer_ids)
+    def engram_head(self, block: int) -> TrainEngramHead:
+        """The Engram weights of block ``block`` (one of ``engram_layer_ids``)."""
+        head = self.layers[block].engram
+        if not isinstance(head, TrainEngramHead):
+            raise ValidationError(
+                f"block {block} has no Engram layer; engram_layer_ids="
+                f"{list(self.config.engram_layer_ids)}"
+            )
+        return head
 
     def forward(
         self,

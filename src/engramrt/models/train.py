@@ -135,8 +135,7 @@ def engram_fns(model: TinyLM, rows_of: RowsOf, row_ids: torch.Tensor) -> dict[in
     fns = {}
     cols = row_ids.shape[-1]
     for index, block in enumerate(model.config.engram_layer_ids):
-        head = model.layers[block].engram
-        assert head is not None
+        head = model.engram_head(block)
         ids = row_ids[:, :, index].reshape(-1, cols)
 
         def apply(
@@ -253,7 +252,7 @@ def train_model(
     before they are replaced, and afterwards by the caller).
     """
     device = train_tokens.device
-    generator = torch.Generator(device="cpu").manual_seed(settings.seed)
+    generator = torch.Generator(device=device).manual_seed(settings.seed)
     decay: list[torch.nn.Parameter] = []
     no_decay: list[torch.nn.Parameter] = []
     for pname, param in model.named_parameters():
@@ -315,7 +314,7 @@ def train_model(
         if sparse is not None:
             for group in sparse.param_groups:
                 group["lr"] = settings.table_lr * factor
-        starts = torch.randint(0, max_start, (batch,), generator=generator).to(device)
+        starts = torch.randint(0, max_start, (batch,), generator=generator, device=device)
         index = starts[:, None] + offsets[None, :]  # [B, S+1]
         window = train_tokens[index]
         inputs, targets = window[:, :-1], window[:, 1:]
@@ -422,15 +421,17 @@ def _plot(
                 linestyle="--",
                 label=f"{label} (validation)",
             )
-    for (label, value), style in zip(evals.items(), ("--", ":", "-."), strict=False):
-        ax.axhline(value, linestyle=style, linewidth=1, color="gray")
-        ax.annotate(
-            f"{label} held-out {value:.3f}",
-            (0, value),
-            fontsize=7,
-            textcoords="offset points",
-            xytext=(4, 3),
-        )
+    summary = "\n".join(f"held-out {label}: {value:.4f}" for label, value in evals.items())
+    ax.text(
+        0.98,
+        0.75,
+        summary,
+        transform=ax.transAxes,
+        ha="right",
+        va="top",
+        fontsize=8,
+        bbox={"boxstyle": "round", "facecolor": "white", "alpha": 0.8},
+    )
     ax.set_xlabel("step")
     ax.set_ylabel("loss (nats / token)")
     ax.set_title("tiny Engram LM vs baseline on Python stdlib sources")
@@ -616,14 +617,22 @@ def train(settings: TrainSettings) -> dict[str, Any]:
     )
     plan = plan_conversion(source, out / artifacts.ENGRAM_TABLES, cfg, token_map=token_map)
     run_conversion(plan, device=device)
+    # Kernels on CUDA; on a CPU the references (the same bytes and rows, without
+    # Triton's interpreter when it is switched on).
+    backend = "auto" if device.type == "cuda" else "reference"
     for index, table in enumerate(tables):
         converted = read_table(out / artifacts.ENGRAM_TABLES, cfg, index, token_map=token_map)
-        if not torch.equal(converted, table.packed_rows().cpu()):
+        if not torch.equal(converted, table.packed_rows(backend=backend).cpu()):
             raise AssertionError(
                 f"converted table of layer {cfg.layer_ids[index]} differs from packed_rows()"
             )
     stores = load_tables(
-        out / artifacts.ENGRAM_TABLES, cfg, tier="device", device=device, token_map=token_map
+        out / artifacts.ENGRAM_TABLES,
+        cfg,
+        tier="device",
+        device=device,
+        token_map=token_map,
+        backend=backend,
     )
     fp8_rows: RowsOf = lambda index, ids: stores[index].lookup(ids).float()  # noqa: E731
     losses["engram_fp8"] = evaluate(engram_model, fp8_rows, eval_tokens, eval_lengths, eval_ids)
@@ -694,6 +703,7 @@ def train(settings: TrainSettings) -> dict[str, Any]:
     if total_bytes > SIZE_BUDGET_BYTES or max(shipped.values()) > FILE_LIMIT_BYTES:
         say("WARNING: the shipped files exceed the size budget")
     record["shipped_bytes"] = shipped
+    record["heldout"]["sample_losses"]["engram_fp8_served"] = _served_sample_loss(out, device, say)
     record["seconds_total"] = round(time.perf_counter() - began, 1)
     artifacts.write_json(out / artifacts.MODEL_JSON, model_json)
     _plot(
@@ -712,6 +722,33 @@ def train(settings: TrainSettings) -> dict[str, Any]:
         },
     )
     return record
+
+
+def _served_sample_loss(
+    out: Path, device: torch.device, say: Callable[[str], None]
+) -> float | None:
+    """The sample's loss through the serving path (:func:`engramrt.models.serve.load_model`
+    of the directory just written); None, and a printed reason, if that fails: the
+    directory is complete either way."""
+    try:
+        from engramrt.models.serve import load_model
+
+        began = time.perf_counter()
+        backend = "auto" if device.type == "cuda" else "reference"
+        model = load_model(
+            out,
+            tier="device",
+            device=device,
+            load_baseline=False,
+            head_backend=backend,
+            backend=backend,
+        )
+        loss = model.evaluate()
+        say(f"served fp8 model, sample loss {loss:.5f} ({time.perf_counter() - began:.1f} s)")
+        return loss
+    except Exception as exc:
+        say(f"served fp8 model: evaluation failed: {type(exc).__name__}: {exc}")
+        return None
 
 
 def _run_record(run: TrainResult, settings: TrainSettings) -> dict[str, Any]:

@@ -1,0 +1,701 @@
+"""Load a trained model directory and serve it: loss, greedy generation, eager reference.
+
+::
+
+    model = load_model("DIR", tier="host", device="cpu")
+    loss = model.evaluate()                           # fp8 model, held-out sample
+    result = model.generate([prompt_a, prompt_b], max_new_tokens=16)
+    assert result.tokens == [model.reference_generate(p, 16).tokens for p in (prompt_a, prompt_b)]
+
+:meth:`TinyEngramModel.generate` runs requests the way an engine does,
+one :meth:`EngramRuntime.step <engramrt.runtime.EngramRuntime.step>` per
+engine step, the backbone keeping a KV cache per request:
+
+- the first request: its prompt prefilled in chunks of ``chunk_size``, then
+  greedy decode steps, one of which is a speculative step: the pending
+  token plus ``drafts`` draft tokens are verified in one step; drafts that
+  greedy decoding would not produce are rejected and rolled back in the
+  backbone's KV cache and in the runtime's hash history;
+- every later request: its longest common prefix with the first request,
+  in whole KV blocks of ``block_size`` (at least one token left to compute),
+  is a prefix-cache hit: its keys/values are copied from the first
+  request's cache, and its hash history comes from the first request's KV
+  slots (``history="slot"``), from lookback ids (``"lookback"``) or from a
+  seeded :class:`~engramrt.hashing.RequestHistory` (``"request"``); the rest
+  is prefilled in chunks, then greedy decode.
+
+Greedy means argmax over the K kept ids (``<other>`` has no text: it is
+never emitted). :meth:`TinyEngramModel.reference_generate` is the eager
+reference of the same fp8 model: each new token from a full-sequence
+forward, row ids from :func:`~engramrt.hashing.hash_sequence`, rows from
+:func:`~engramrt.lookup.lookup_rows_reference` of the packed rows read
+straight from the checkpoint, no runtime, no KV cache. The two must give the
+same tokens.
+
+Gate values: per token and Engram layer, the gate of SPEC §8 averaged over
+the ``hc`` streams (:func:`~engramrt.gate.gate_values_reference` of the
+layer's input and kv), where the layer lets its memory in.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from engramrt.config import EngramConfig
+from engramrt.errors import ValidationError
+from engramrt.gate import gate_values_reference
+from engramrt.hashing import (
+    HashBatch,
+    HashConstants,
+    NgramHasher,
+    RequestHistory,
+    SlotHashCache,
+    hash_sequence,
+)
+from engramrt.layer import EngramHead
+from engramrt.lookup import lookup_rows_reference
+from engramrt.models import artifacts
+from engramrt.models.corpus import EvalSegments
+from engramrt.models.lm import KVCache, LMConfig, TinyLM, next_token_loss_sum
+from engramrt.models.vocab import Vocab
+from engramrt.tokenmap import TokenMap
+
+__all__ = [
+    "HISTORY_MODES",
+    "GenerationResult",
+    "ReferenceResult",
+    "TinyEngramModel",
+    "load_model",
+]
+
+HISTORY_MODES = ("slot", "request", "lookback")
+
+
+@dataclass
+class ReferenceResult:
+    """Greedy tokens of the eager reference.
+
+    Attributes:
+        tokens: the generated tokenizer ids.
+        gates: ``[len(prompt) + len(tokens) - 1, L]`` gate per position of
+            the last forward (mean over streams).
+    """
+
+    tokens: list[int]
+    gates: np.ndarray
+
+
+@dataclass
+class GenerationResult:
+    """What :meth:`TinyEngramModel.generate` did.
+
+    Attributes:
+        tokens: per request, the generated tokenizer ids.
+        gates: per request, ``[positions, L]``: the gate (mean over streams)
+            of every position that was fed through the model (prompt and
+            generated tokens but the last), from the step that last computed
+            it (positions of a prefix-cache hit: the first request's values).
+        steps: one entry per engine step: ``{"request", "kind", "start",
+            "tokens"}``; kind is ``prefill``, ``decode`` or ``verify``.
+        prefix_hit_tokens: per request, the positions taken from the first
+            request's cache (0 for the first).
+        rejected_drafts: draft tokens rejected (and rolled back) in all.
+        accepted_drafts: draft tokens accepted.
+        cache_stats: per Engram layer, the source's counters (a cache's), or None.
+    """
+
+    tokens: list[list[int]] = field(default_factory=list)
+    gates: list[np.ndarray] = field(default_factory=list)
+    steps: list[dict[str, Any]] = field(default_factory=list)
+    prefix_hit_tokens: list[int] = field(default_factory=list)
+    rejected_drafts: int = 0
+    accepted_drafts: int = 0
+    cache_stats: list[Any] = field(default_factory=list)
+
+
+@dataclass
+class _Request:
+    index: int
+    tokens: list[int]  # every token known: prompt, then generated
+    kv: KVCache
+    blocks: list[int]
+    gates: np.ndarray
+    fed: int = 0  # tokens in the KV cache
+
+
+class TinyEngramModel:
+    """A loaded model directory (see :func:`load_model`).
+
+    Attributes:
+        lm: the Engram model's backbone (fp32, eval mode).
+        baseline: the baseline backbone, or None when not loaded.
+        lm_config: its :class:`LMConfig`.
+        config: the :class:`EngramConfig` of the tables.
+        vocab: the trimmed :class:`Vocab`.
+        token_map: the DeepSeek-V4 :class:`TokenMap` (hashing uses real ids).
+        hasher: an :class:`NgramHasher` on :attr:`device`.
+        stores: one row source per Engram layer (the tier, optionally behind a cache).
+        heads: one :class:`EngramHead` per Engram layer, with the trained weights.
+        packed_tables: per layer, the packed fp8 rows ``[rows, E + E/32]``
+            uint8 (CPU) read from the checkpoint, for the eager reference.
+        sample: the held-out sample sequences.
+        record: the training record of ``model.json``.
+        device: where everything computes.
+    """
+
+    def __init__(
+        self,
+        lm: TinyLM,
+        baseline: TinyLM | None,
+        config: EngramConfig,
+        vocab: Vocab,
+        token_map: TokenMap,
+        stores: list[Any],
+        heads: list[EngramHead],
+        packed_tables: list[torch.Tensor],
+        sample: EvalSegments,
+        record: dict[str, Any],
+        device: torch.device,
+    ) -> None:
+        self.lm = lm
+        self.baseline = baseline
+        self.lm_config: LMConfig = lm.config
+        self.config = config
+        self.vocab = vocab
+        self.token_map = token_map
+        self.consts = HashConstants.from_config(config, token_map)
+        self.hasher = NgramHasher(self.consts, token_map, device)
+        self.stores = stores
+        self.heads = heads
+        self.packed_tables = packed_tables
+        self.sample = sample
+        self.record = record
+        self.device = device
+        self._trim = torch.as_tensor(np.array(vocab.trim_map), device=device)
+        self.load_heads()
+
+    @torch.no_grad()
+    def load_heads(self) -> None:
+        """Load :attr:`heads` with the backbone's Engram weights (``wkv``, ``q_weight``,
+        ``k_weight`` of each Engram block, as bf16): done at load; call again after
+        changing the backbone's weights."""
+        for head, block in zip(self.heads, self.lm_config.engram_layer_ids, strict=True):
+            trained = self.lm.engram_head(block)
+            head.load_weights(
+                wkv=trained.wkv.weight.detach().to(torch.bfloat16),
+                q_weight=trained.q_weight.detach().to(torch.bfloat16),
+                k_weight=trained.k_weight.detach().to(torch.bfloat16),
+            )
+
+    # -- held-out loss -------------------------------------------------------
+
+    @torch.no_grad()
+    def evaluate(
+        self,
+        segments: EvalSegments | None = None,
+        *,
+        model: str = "engram",
+        batch_size: int = 8,
+    ) -> float:
+        """Mean next-token loss (nats) over held-out sequences (default: the sample).
+
+        ``model="engram"``: the fp8 model, eager, whole sequences: each
+        sequence hashed as one request with its lookback ids by
+        :attr:`hasher`, rows from :attr:`stores`, :attr:`heads`, the backbone
+        without KV cache. ``model="baseline"``: the baseline backbone.
+        """
+        if model not in ("engram", "baseline"):
+            raise ValidationError(f"model={model!r}; expected 'engram' or 'baseline'")
+        if model == "baseline" and self.baseline is None:
+            raise ValidationError("model='baseline' but the baseline was not loaded")
+        segments = self.sample if segments is None else segments
+        total, count = 0.0, 0
+        for begin in range(0, segments.num_sequences, batch_size):
+            part = segments.subset(range(begin, min(begin + batch_size, segments.num_sequences)))
+            tokens = self._trim[torch.as_tensor(part.tokens, device=self.device)]
+            lengths = torch.as_tensor(part.lengths, device=self.device)
+            if model == "baseline":
+                assert self.baseline is not None
+                logits = self.baseline(tokens)
+            else:
+                fns = self._eager_engram(self._segment_row_ids(part), tokens.shape, None)
+                logits = self.lm(tokens, engram=fns)
+            loss, n = next_token_loss_sum(logits, tokens, lengths)
+            total += float(loss)
+            count += n
+        return total / max(count, 1)
+
+    def _segment_row_ids(self, part: EvalSegments) -> torch.Tensor:
+        count, seq = part.tokens.shape
+        batch = HashBatch(
+            input_ids=torch.as_tensor(part.tokens.reshape(-1), device=self.device),
+            positions=torch.as_tensor(
+                (part.positions[:, None] + np.arange(seq)[None, :]).reshape(-1),
+                device=self.device,
+            ),
+            query_start_loc=torch.arange(
+                0, (count + 1) * seq, seq, device=self.device, dtype=torch.int32
+            ),
+            lookback_token_ids=torch.as_tensor(part.lookback, device=self.device),
+        )
+        return self.hasher(batch)  # [M*S, L, C]
+
+    def _eager_engram(
+        self, row_ids: torch.Tensor, shape: torch.Size, gates: list[torch.Tensor] | None
+    ) -> dict[int, Any]:
+        """Engram layers of a whole-sequence forward: rows from the stores by ``row_ids [T, L, C]``."""
+        fns = {}
+        for index, block in enumerate(self.lm_config.engram_layer_ids):
+
+            def apply(streams: torch.Tensor, index: int = index) -> torch.Tensor:
+                rows = self.stores[index].lookup(row_ids[:, index])
+                return self._head(index, streams, rows, gates)
+
+            fns[block] = apply
+        return fns
+
+    def _head(
+        self,
+        index: int,
+        streams: torch.Tensor,
+        rows: torch.Tensor,
+        gates: list[torch.Tensor] | None,
+    ) -> torch.Tensor:
+        shape = streams.shape
+        hidden = streams.reshape(-1, shape[-2], shape[-1]).contiguous()
+        head = self.heads[index]
+        out, kv = head(hidden, rows.contiguous(), return_kv=True)
+        if gates is not None:
+            gates.append(self._gate(head, hidden, kv))
+        return out.float().view(shape)
+
+    def _gate(self, head: EngramHead, hidden: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        """``[T]`` gate of each token, the mean over streams."""
+        values = gate_values_reference(hidden, kv, head.q_weight, head.k_weight, head.eps)
+        return values.mean(dim=-1)
+
+    # -- eager reference -----------------------------------------------------
+
+    @torch.no_grad()
+    def reference_forward(self, token_ids: Sequence[int]) -> tuple[torch.Tensor, np.ndarray]:
+        """Logits ``[T, K+1]`` and gates ``[T, L]`` of one whole sequence (tokenizer ids
+        from position 0): reference hashing, reference lookups of the checkpoint's packed
+        rows, the heads, the backbone without KV cache."""
+        ids = np.asarray(token_ids, dtype=np.int64)
+        row_ids = torch.as_tensor(hash_sequence(self.token_map.compress(ids), self.consts))
+        gates: list[torch.Tensor] = []
+        fns = {}
+        for index, block in enumerate(self.lm_config.engram_layer_ids):
+
+            def apply(streams: torch.Tensor, index: int = index) -> torch.Tensor:
+                rows = lookup_rows_reference(
+                    row_ids[:, index], self.packed_tables[index], self.config.head_dim
+                )
+                return self._head(index, streams, rows.to(self.device), gates)
+
+            fns[block] = apply
+        tokens = self._trim[torch.as_tensor(ids, device=self.device)][None, :]
+        logits = self.lm(tokens, engram=fns, cache=self._cache(ids.size), start=0)
+        gate_array = torch.stack(gates, dim=-1).cpu().numpy() if gates else np.zeros((ids.size, 0))
+        return logits[0], gate_array
+
+    @torch.no_grad()
+    def reference_check(self, prompt: Sequence[int], tokens: Sequence[int]) -> ReferenceResult:
+        """The eager reference's greedy choice after each prefix of ``prompt + tokens``,
+        from one full forward (teacher forcing): equal to ``tokens`` exactly when
+        :meth:`reference_generate` would generate them, at the cost of one forward."""
+        self._check_prompt(prompt, max(1, len(tokens)))
+        sequence = [int(t) for t in prompt] + [int(t) for t in tokens]
+        logits, gates = self.reference_forward(sequence[:-1] if tokens else sequence)
+        greedy = self._greedy(logits[len(prompt) - 1 :])
+        return ReferenceResult(greedy[: len(tokens)], gates)
+
+    @torch.no_grad()
+    def reference_generate(self, prompt: Sequence[int], max_new_tokens: int) -> ReferenceResult:
+        """Greedy tokens of the eager reference (a full forward per new token)."""
+        self._check_prompt(prompt, max_new_tokens)
+        sequence = [int(t) for t in prompt]
+        gates = np.zeros((0, len(self.lm_config.engram_layer_ids)))
+        for _ in range(max_new_tokens):
+            logits, gates = self.reference_forward(sequence)
+            sequence.append(self._greedy(logits[-1:])[0])
+        return ReferenceResult(sequence[len(prompt) :], gates)
+
+    # -- serving through the runtime -----------------------------------------
+
+    @torch.no_grad()
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_new_tokens: int,
+        *,
+        history: str = "slot",
+        chunk_size: int = 16,
+        block_size: int = 8,
+        speculative_step: int | None = 1,
+        drafts: Sequence[int] | None = None,
+    ) -> GenerationResult:
+        """Greedy generation through an :class:`~engramrt.runtime.EngramRuntime`
+        (see the module docstring for the schedule).
+
+        Args:
+            prompts: tokenizer ids of each request (the first is served first;
+                later ones may hit its prefix cache).
+            max_new_tokens: tokens generated per request.
+            history: where hash history comes from: ``"slot"``
+                (:class:`SlotHashCache` over the KV blocks), ``"request"``
+                (:class:`RequestHistory`) or ``"lookback"`` (lookback ids only).
+            chunk_size: prefill tokens per step.
+            block_size: KV block size (prefix hits are whole blocks).
+            speculative_step: the first request's decode step (0-based) that
+                verifies drafts; None for none.
+            drafts: the draft tokens (tokenizer ids of kept tokens); default
+                the two least frequent kept tokens, which greedy decoding
+                almost never produces, so they are rejected.
+        """
+        from engramrt.runtime import EngramRuntime
+
+        if history not in HISTORY_MODES:
+            raise ValidationError(f"history={history!r}; expected one of {HISTORY_MODES}")
+        if not prompts:
+            raise ValidationError("prompts is empty; expected at least one request")
+        for prompt in prompts:
+            self._check_prompt(prompt, max_new_tokens)
+        for name, value in (("chunk_size", chunk_size), ("block_size", block_size)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValidationError(f"{name}={value!r} must be a positive integer")
+        if drafts is None:
+            drafts = [self.vocab.token_ids[-1], self.vocab.token_ids[-2]]
+        drafts = [int(t) for t in drafts]
+        if any(self.vocab.trim([t])[0] == self.vocab.other_id for t in drafts):
+            raise ValidationError(f"drafts={drafts} must be kept tokenizer ids (not <other>)")
+        max_len = max(len(p) for p in prompts) + max_new_tokens + len(drafts) + 1
+        blocks_per_request = -(-max_len // block_size)
+        n = self.config.max_ngram_size
+        store: SlotHashCache | RequestHistory | None = None
+        if history == "slot":
+            store = SlotHashCache(
+                blocks_per_request * len(prompts) * block_size, block_size, self.device
+            )
+        elif history == "request":
+            store = RequestHistory(
+                len(prompts), n, window=n - 1 + len(drafts) + 1, device=self.device
+            )
+        runtime = EngramRuntime(
+            self.hasher,
+            self.stores,
+            heads=self.heads,
+            max_tokens=max(chunk_size, len(drafts) + 1),
+            max_requests=1,
+            history=store,
+        )
+        result = GenerationResult()
+        requests: list[_Request] = []
+        try:
+            for index, prompt in enumerate(prompts):
+                request = _Request(
+                    index,
+                    [int(t) for t in prompt],
+                    self._cache(max_len),
+                    [index * blocks_per_request + b for b in range(blocks_per_request)],
+                    np.full((max_len, len(self.heads)), np.nan),
+                )
+                hit = 0
+                if index > 0:
+                    hit = self._prefix_hit(requests[0], request, block_size)
+                    request.kv.copy_prefix(requests[0].kv, hit)
+                    request.blocks[: hit // block_size] = requests[0].blocks[: hit // block_size]
+                    request.gates[:hit] = requests[0].gates[:hit]
+                    request.fed = hit
+                    if isinstance(store, RequestHistory):
+                        store.reset(index)
+                        lookback = [request.tokens[hit - 1 - j] for j in range(min(n - 1, hit))]
+                        store.seed(index, hit, self.token_map.compress(lookback))
+                elif isinstance(store, RequestHistory):
+                    store.reset(index)
+                result.prefix_hit_tokens.append(hit)
+                requests.append(request)
+                self._serve(
+                    runtime,
+                    store,
+                    request,
+                    len(prompt),
+                    max_new_tokens,
+                    chunk_size,
+                    block_size,
+                    speculative_step if index == 0 else None,
+                    drafts,
+                    result,
+                )
+                result.tokens.append(request.tokens[len(prompt) :])
+                result.gates.append(request.gates[: len(request.tokens) - 1].copy())
+            if any(s.stats() is not None for s in self.stores):
+                result.cache_stats = runtime.cache_stats()
+        finally:
+            runtime.close()
+        return result
+
+    def _serve(
+        self,
+        runtime: Any,
+        store: SlotHashCache | RequestHistory | None,
+        request: _Request,
+        prompt_len: int,
+        max_new_tokens: int,
+        chunk_size: int,
+        block_size: int,
+        speculative_step: int | None,
+        drafts: list[int],
+        result: GenerationResult,
+    ) -> None:
+        # Prefill: the prompt's tokens not in the cache yet, in chunks.
+        logits = None
+        while request.fed < prompt_len:
+            end = min(request.fed + chunk_size, prompt_len)
+            logits = self._step(
+                runtime, store, request, request.fed, end, "prefill", block_size, result
+            )
+        assert logits is not None
+        request.tokens.append(self._greedy(logits[-1:])[0])
+        decode_index = 0
+        while len(request.tokens) - prompt_len < max_new_tokens:
+            start = request.fed  # the pending token's position
+            if decode_index == speculative_step:
+                request.tokens.extend(drafts)
+                logits = self._step(
+                    runtime,
+                    store,
+                    request,
+                    start,
+                    start + 1 + len(drafts),
+                    "verify",
+                    block_size,
+                    result,
+                )
+                greedy = self._greedy(logits)
+                accepted = 0
+                while accepted < len(drafts) and greedy[accepted] == drafts[accepted]:
+                    accepted += 1
+                result.accepted_drafts += accepted
+                result.rejected_drafts += len(drafts) - accepted
+                # Keep the pending token and the accepted drafts; roll back the rest.
+                keep = start + 1 + accepted
+                del request.tokens[keep:]
+                request.fed = keep
+                request.kv.length = keep
+                if isinstance(store, RequestHistory):
+                    store.rollback(request.index, keep)
+                request.tokens.append(greedy[accepted])
+            else:
+                logits = self._step(
+                    runtime, store, request, start, start + 1, "decode", block_size, result
+                )
+                request.tokens.append(self._greedy(logits[-1:])[0])
+            decode_index += 1
+        del request.tokens[prompt_len + max_new_tokens :]
+
+    def _step(
+        self,
+        runtime: Any,
+        store: SlotHashCache | RequestHistory | None,
+        request: _Request,
+        start: int,
+        end: int,
+        kind: str,
+        block_size: int,
+        result: GenerationResult,
+    ) -> torch.Tensor:
+        """One engine step: tokens ``[start, end)`` of ``request``; returns their logits."""
+        chunk = request.tokens[start:end]
+        batch = HashBatch.single(chunk, start=start, device=self.device)
+        if isinstance(store, SlotHashCache):
+            batch.slot_mapping = torch.tensor(
+                [
+                    request.blocks[p // block_size] * block_size + p % block_size
+                    for p in range(start, end)
+                ],
+                device=self.device,
+            )
+            batch.block_table = torch.tensor(
+                [request.blocks], dtype=torch.int32, device=self.device
+            )
+        elif isinstance(store, RequestHistory):
+            batch.request_slots = torch.tensor(
+                [request.index], dtype=torch.int32, device=self.device
+            )
+        else:
+            n = self.config.max_ngram_size
+            lookback = [
+                request.tokens[start - 1 - j] if start - 1 - j >= 0 else -1 for j in range(n - 1)
+            ]
+            batch.lookback_token_ids = torch.tensor([lookback], device=self.device)
+        runtime.step(batch)
+        gates: list[torch.Tensor] = []
+        fns = {}
+        for index, block in enumerate(self.lm_config.engram_layer_ids):
+
+            def apply(streams: torch.Tensor, index: int = index) -> torch.Tensor:
+                shape = streams.shape
+                hidden = streams.reshape(-1, shape[-2], shape[-1]).contiguous()
+                layer = runtime.layers[index]
+                out, kv = layer(hidden, return_kv=True)
+                gates.append(self._gate(layer.head, hidden, kv))
+                return out.float().view(shape)
+
+            fns[block] = apply
+        tokens = self._trim[torch.as_tensor(chunk, device=self.device)][None, :]
+        logits = self.lm(tokens, engram=fns, cache=request.kv, start=start)
+        request.fed = end
+        if gates:
+            request.gates[start:end] = torch.stack(gates, dim=-1).cpu().numpy()
+        result.steps.append(
+            {"request": request.index, "kind": kind, "start": start, "tokens": end - start}
+        )
+        return logits[0]
+
+    @staticmethod
+    def _prefix_hit(first: _Request, request: _Request, block_size: int) -> int:
+        """Tokens of ``request``'s prompt found in ``first``'s cache: the longest common
+        prefix with ``first``'s cached tokens, in whole blocks, leaving one token to compute."""
+        common = 0
+        limit = min(first.fed, len(request.tokens) - 1)
+        while common < limit and first.tokens[common] == request.tokens[common]:
+            common += 1
+        return common // block_size * block_size
+
+    # -- helpers ------------------------------------------------------------------
+
+    def _greedy(self, logits: torch.Tensor) -> list[int]:
+        """Tokenizer ids of the argmax over the kept ids of ``logits [S, K+1]``."""
+        best = logits[:, : self.vocab.num_kept].argmax(dim=-1).cpu().numpy()
+        return [int(t) for t in self.vocab.untrim(best)]
+
+    def _cache(self, max_len: int) -> KVCache:
+        return KVCache.empty(self.lm_config, max_len, self.device, torch.float32)
+
+    def _check_prompt(self, prompt: Sequence[int], max_new_tokens: int) -> None:
+        if len(prompt) < 1:
+            raise ValidationError("a prompt is empty; expected at least one token")
+        if (
+            isinstance(max_new_tokens, bool)
+            or not isinstance(max_new_tokens, int)
+            or max_new_tokens < 1
+        ):
+            raise ValidationError(f"max_new_tokens={max_new_tokens!r} must be a positive integer")
+        ids = np.asarray(prompt, dtype=np.int64)
+        if ids.min() < 0 or ids.max() >= self.token_map.vocab_size:
+            raise ValidationError(
+                f"a prompt holds ids outside the tokenizer's [0, {self.token_map.vocab_size})"
+            )
+        longest = len(prompt) + max_new_tokens + 3
+        if longest > self.lm_config.max_seq_len:
+            raise ValidationError(
+                f"a prompt of {len(prompt)} tokens plus max_new_tokens={max_new_tokens} exceeds "
+                f"the model's max_seq_len={self.lm_config.max_seq_len}"
+            )
+
+    def encode(self, text: str) -> list[int]:
+        """Tokenizer ids of a text, starting with the document-start token (as in training)."""
+        from engramrt.models.vocab import BOS_TOKEN_ID
+        from engramrt.tokenmap import load_tokenizer
+
+        return [BOS_TOKEN_ID, *load_tokenizer().encode(text, add_special_tokens=False).ids]
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        from engramrt.tokenmap import load_tokenizer
+
+        return str(load_tokenizer().decode([int(t) for t in token_ids], skip_special_tokens=False))
+
+
+def load_model(
+    path: str | os.PathLike[str],
+    *,
+    tier: str = "auto",
+    device: torch.device | str | None = None,
+    cache_mib: float = 0.0,
+    disk_dir: str | os.PathLike[str] | None = None,
+    token_map: TokenMap | None = None,
+    load_baseline: bool = True,
+    head_backend: str = "auto",
+    **store_options: Any,
+) -> TinyEngramModel:
+    """Load a directory written by ``python -m engramrt.models.train``.
+
+    Args:
+        path: the model directory.
+        tier: where the fp8 tables live (:func:`~engramrt.lookup.tiers.make_store`
+            names: ``auto``, ``device``, ``uva``, ``host``, ``disk``).
+        device: the compute device (default: CUDA when available, else CPU).
+        cache_mib: a hot-row cache of this many MiB per layer in front of the
+            tier (:class:`~engramrt.cache.CachedRowStore`); 0 for none.
+        disk_dir: where tier ``disk`` writes its packed-row files (required for it).
+        token_map: the DeepSeek-V4 token map (default: built or read once per process).
+        load_baseline: also load the baseline backbone.
+        head_backend: the Engram heads' gate backend (``auto``, ``triton``, ``reference``).
+        store_options: further tier settings.
+    """
+    from engramrt.checkpoint import load_tables, read_table
+    from engramrt.layer import EngramHead
+    from engramrt.tokenmap import default_token_map
+
+    directory = Path(path)
+    data = artifacts.read_model_json(directory)
+    if data.get("format") != "engramrt-tiny-lm/1":
+        raise ValidationError(
+            f"{str(directory / artifacts.MODEL_JSON)!r} has format {data.get('format')!r}; "
+            f"expected 'engramrt-tiny-lm/1'"
+        )
+    if tier == "disk" and disk_dir is None:
+        raise ValidationError("tier='disk' needs disk_dir= (where the packed-row files go)")
+    if not 0 <= cache_mib < 2**40:
+        raise ValidationError(f"cache_mib={cache_mib}; expected a size in MiB >= 0")
+    dev = torch.device(
+        device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu")
+    )
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    token_map = token_map or default_token_map()
+    config = EngramConfig.from_hf_dict(data["engram"], name="tiny-lm")
+    lm_config = LMConfig.from_dict(data["lm"])
+    vocab = Vocab.from_dict(data["vocab"])
+    files = data["files"]
+    lm = TinyLM(lm_config)
+    artifacts.load_weights(directory / files["engram_weights"], lm)
+    lm = lm.to(dev).float().eval()
+    baseline = None
+    if load_baseline:
+        baseline = TinyLM(LMConfig.from_dict(data["baseline_lm"]))
+        artifacts.load_weights(directory / files["baseline_weights"], baseline)
+        baseline = baseline.to(dev).float().eval()
+    tables = directory / files["engram_tables"]
+    stores: list[Any] = load_tables(
+        tables,
+        config,
+        tier=tier,
+        device=dev,
+        disk_dir=disk_dir,
+        token_map=token_map,
+        **store_options,
+    )
+    if cache_mib > 0:
+        from engramrt.cache import CachedRowStore
+
+        stores = [
+            CachedRowStore(
+                store, int(cache_mib * 2**20), n_heads=config.n_heads, layer_id=config.layer_ids[i]
+            )
+            for i, store in enumerate(stores)
+        ]
+    heads = [EngramHead(config, device=dev, backend=head_backend) for _ in config.layer_ids]
+    packed = [read_table(tables, config, i, token_map=token_map) for i in range(config.n_layers)]
+    sample = artifacts.load_sample(directory / files["heldout_sample"])
+    return TinyEngramModel(
+        lm, baseline, config, vocab, token_map, stores, heads, packed, sample, data["training"], dev
+    )
