@@ -16,7 +16,7 @@ def _run(capsys, *args: str) -> tuple[int, str, str]:
 
 def test_demo_runs_and_checks_every_step(capsys, tmp_path) -> None:
     chart = tmp_path / "demo.png"
-    code, out, _ = _run(capsys, "demo", "--device", "cpu", "--plot", str(chart))
+    code, out, _ = _run(capsys, "demo", "--synthetic", "--device", "cpu", "--plot", str(chart))
     assert code == 0
     assert "B prefix hit" in out and "rejected" in out and "checks passed" in out
     assert "Engram layer 1 (lookup + wkv + gate), whole text" in out
@@ -33,6 +33,7 @@ def test_demo_on_tiny_config_with_text(capsys, tmp_path) -> None:
     code, out, _ = _run(
         capsys,
         "demo",
+        "--synthetic",
         "--config",
         "tiny",
         "--text",
@@ -77,7 +78,7 @@ def test_control_a_wrong_token_map_fails_the_independent_check(capsys, tmp_path,
     monkeypatch.setattr(TokenMap, "compress", lambda self, ids: real(self, ids) + 1)
     text = "The cat and THE CAT and the cat sat on the mat while the Cat slept on The Mat all day long, and the cat woke up."
     with pytest.raises(SystemExit):
-        main(["demo", "-c", "tiny", "--text", text, "--plot", str(tmp_path / "c.png")])
+        main(["demo", "--synthetic", "-c", "tiny", "--text", text, "--plot", str(tmp_path / "c.png")])
     capsys.raw = capsys.readouterr().out
     parsed = _first_tokens_rows(capsys.raw)
     assert len(parsed) == 12 and parsed != _independent_first_tokens(text)
@@ -87,6 +88,7 @@ def test_demo_without_a_cache(capsys, tmp_path) -> None:
     code, out, _ = _run(
         capsys,
         "demo",
+        "--synthetic",
         "--config",
         "tiny",
         "--device",
@@ -108,7 +110,7 @@ def test_demo_without_a_cache(capsys, tmp_path) -> None:
     ],
 )
 def test_demo_bad_input(capsys, args, needle) -> None:
-    code, _, err = _run(capsys, "demo", "--device", "cpu", *args)
+    code, _, err = _run(capsys, "demo", "--synthetic", "--device", "cpu", *args)
     assert code == 2 and needle in err
 
 
@@ -125,6 +127,7 @@ def test_demo_serves_rows_from_a_checkpoint(capsys, tmp_path) -> None:
     code, out, _ = _run(
         capsys,
         "demo",
+        "--synthetic",
         "--config",
         "tiny",
         "--text",
@@ -142,6 +145,7 @@ def test_demo_serves_rows_from_a_checkpoint(capsys, tmp_path) -> None:
     code, _, err = _run(
         capsys,
         "demo",
+        "--synthetic",
         "--config",
         "tiny",
         "--text",

@@ -135,7 +135,9 @@ DEMO_CASES = [
 
 @pytest.mark.parametrize(("args", "needles"), DEMO_CASES)
 def test_demo_errors(capsys, files, args, needles) -> None:
-    code, _, err = _run(capsys, "demo", "-c", "tiny", *(a.format(d=files) for a in args))
+    code, _, err = _run(
+        capsys, "demo", "--synthetic", "-c", "tiny", *(a.format(d=files) for a in args)
+    )
     _one_line_error(code, err, *needles)
 
 

@@ -4,7 +4,9 @@ Each ```python block of README.md and docs/*.md runs in a fresh Python
 process on the CPU (``CUDA_VISIBLE_DEVICES`` empty, ``TRITON_INTERPRET=1``)
 in an empty temporary directory, and must exit 0 within its timeout. Each
 line of a ```bash block that starts with ``engramrt`` runs the same way
-through ``python -m engramrt.cli``.
+through ``python -m engramrt.cli``, but as a user on a CPU machine types it:
+without ``TRITON_INTERPRET`` (the kernels' interpreter runs in the python
+blocks and the kernel tests; the CLI on a CPU takes the torch references).
 
 A command that cannot run here says why at its end, ``# needs a GPU`` (or
 ``# needs <input it cannot make>``); it is skipped with that reason. A block
@@ -145,23 +147,23 @@ def _doc_commands() -> list[Command]:
     return commands
 
 
-def _environment() -> dict[str, str]:
+def _environment(interpret: bool = True) -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(
         [str(SRC), *filter(None, [os.environ.get("PYTHONPATH", "")])]
     )
-    env["TRITON_INTERPRET"] = "1"
+    env["TRITON_INTERPRET"] = "1" if interpret else "0"
     env["CUDA_VISIBLE_DEVICES"] = ""
     return env
 
 
-def run_in_fresh_process(argv: list[str], cwd: Path, what: str) -> None:
+def run_in_fresh_process(argv: list[str], cwd: Path, what: str, *, interpret: bool = True) -> None:
     """Run ``argv`` in ``cwd`` on the CPU; fail with its output unless it exits 0 in time."""
     try:
         proc = subprocess.run(
             argv,
             cwd=cwd,
-            env=_environment(),
+            env=_environment(interpret),
             capture_output=True,
             text=True,
             timeout=BLOCK_TIMEOUT_S,
@@ -220,7 +222,10 @@ def test_python_block_runs(block: Block, tmp_path: Path) -> None:
 def test_cli_line_runs(command: Command, tmp_path: Path) -> None:
     argv = [sys.executable, "-m", "engramrt.cli", *command.argv]
     run_in_fresh_process(
-        argv, tmp_path, f"{command.block.doc}:{command.line} engramrt {shlex.join(command.argv)}"
+        argv,
+        tmp_path,
+        f"{command.block.doc}:{command.line} engramrt {shlex.join(command.argv)}",
+        interpret=False,
     )
 
 

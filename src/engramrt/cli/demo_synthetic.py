@@ -1,0 +1,414 @@
+"""``engramrt demo --synthetic``: the V4.1-Flash layout on synthetic rows, every stage checked.
+
+Rows come from a synthetic table computed from the row ids (no storage, so
+the real V4.1-Flash layout with its 384 M rows per layer works anywhere) or
+from a checkpoint (``--checkpoint``); they are projected by a random wkv
+and gated into random hidden states, each stage checked against its
+reference. Nothing here is a trained model: the tokenizer, the token map
+and the hashing are real, the rows, weights and hidden states are not.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+DEFAULT_TEXT = (
+    "Only Alexander the Great could tame the horse Bucephalus. THE GREAT horse and the great "
+    "Alexander rode east; the Great Sea lay behind them. Alexander the Great could tame the "
+    "horse Bucephalus, and only Alexander THE GREAT could ride him."
+)
+
+
+def _stream_checked(
+    hasher: Any,
+    stores: list[Any],
+    heads: list[Any],
+    hidden: Any,
+    token_ids: Any,
+    token_map: Any,
+    consts: Any,
+) -> tuple[list[dict[str, Any]], Any]:
+    """Stream ``token_ids`` through an :class:`EngramRuntime` and its layers as two requests.
+
+    Request A: chunked prefill, decode steps, one speculative step whose
+    drafts are rejected. Request B: shares A's first blocks (a prefix-cache
+    hit) and prefills the rest. Each step is one engine step: ``runtime.step``
+    then every Engram layer called with the step's hidden states
+    (``hidden [T, hc, D]``, by position). Every step's row ids are checked
+    against one-shot hashing, its rows against the reference lookup of the
+    same table, and each layer's kv and output against the float reference.
+    Returns the checks and the runtime (closed; for its cache stats).
+    """
+    import numpy as np
+    import torch
+
+    from engramrt.hashing import HashBatch, SlotHashCache, hash_sequence
+    from engramrt.runtime import EngramRuntime
+
+    device = hasher.device
+    block = 8
+    t_len = len(token_ids)
+    cache = SlotHashCache(block * (2 * (t_len // block + 2)), block, device)
+    runtime = EngramRuntime(
+        hasher, stores, heads=heads, max_tokens=t_len, max_requests=1, history=cache
+    )
+    blocks_a = list(range(t_len // block + 2))
+    blocks_b = blocks_a[:2] + [len(blocks_a) + i for i in range(t_len // block + 2)]
+    steps: list[dict[str, Any]] = []
+
+    def run(label: str, seq: Any, start: int, end: int, blocks: list[int]) -> None:
+        batch = HashBatch.single(seq[start:end], start=start, device=device)
+        batch.slot_mapping = torch.tensor(
+            [blocks[p // block] * block + p % block for p in range(start, end)], device=device
+        )
+        batch.block_table = torch.tensor([blocks], dtype=torch.int32, device=device)
+        handle = runtime.step(batch)
+        got = handle.row_ids.to(torch.int64).cpu()
+        want = hash_sequence(token_map.compress(seq[:end]), consts)[start:end]
+        ok = bool(np.array_equal(got.numpy(), want))
+        for li, (store, layer) in enumerate(zip(stores, runtime.layers, strict=True)):
+            rows = _reference_rows(store, got[:, li])
+            ok &= torch.equal(handle.rows(li).cpu().view(torch.int16), rows.view(torch.int16))
+            step_hidden = hidden[start:end].contiguous()
+            out, kv = layer(step_hidden, return_kv=True)
+            ok &= _layer_within_tolerance(layer.head, step_hidden, rows.to(device), kv, out)
+        steps.append({"step": label, "tokens": end - start, "ok": ok})
+
+    ids = np.asarray(token_ids, dtype=np.int64)
+    prefill_end = max(1, t_len - 6)
+    for start in range(0, prefill_end, 11):
+        run(
+            f"A prefill {start}:{min(start + 11, prefill_end)}",
+            ids,
+            start,
+            min(start + 11, prefill_end),
+            blocks_a,
+        )
+    pos = prefill_end
+    # A speculative step: the real next token plus two wrong drafts, then rejected.
+    drafted = np.concatenate([ids[: pos + 1], [(ids[pos] + 1) % len(token_map.map), 7]])
+    run(f"A verify {pos}:{pos + 3} (2 drafts, rejected)", drafted, pos, pos + 3, blocks_a)
+    pos += 1
+    while pos < t_len:
+        run(f"A decode {pos}", ids, pos, pos + 1, blocks_a)
+        pos += 1
+    run(f"B prefix hit, prefill {2 * block}:{t_len}", ids, 2 * block, t_len, blocks_b)
+    runtime.close()
+    return steps, runtime
+
+
+def _layer_within_tolerance(head: Any, hidden: Any, rows: Any, kv: Any, out: Any) -> bool:
+    """Whether a layer step's kv and out are within the derived tolerances of the float
+    reference computed from ``rows`` (the reference lookup's)."""
+    from engramrt._backend import interpreter_enabled
+    from engramrt.layer import assert_layer_within_tolerance
+
+    try:
+        assert_layer_within_tolerance(
+            hidden=hidden,
+            rows=rows,
+            kv=kv,
+            out=out,
+            wkv_exact=head.wkv.weight.double(),
+            q_weight=head.q_weight,
+            k_weight=head.k_weight,
+            eps=head.eps,
+            weight_rounding=head.wkv.weight_rounding,
+            truncating_store=hidden.device.type == "cpu" and interpreter_enabled(),
+        )
+    except AssertionError:
+        return False
+    return True
+
+
+def _reference_rows(store: Any, row_ids: Any) -> Any:
+    """The reference lookup of ``row_ids [T, C]`` from the table's own packed bytes."""
+    import torch
+
+    from engramrt.lookup import lookup_rows_reference
+
+    table = getattr(store, "backing", store)  # a cache's reference is the table behind it
+    unique, inverse = torch.unique(row_ids.cpu().to(torch.int64), return_inverse=True)
+    packed = table.gather_packed(unique - table.row_begin).cpu()
+    return lookup_rows_reference(inverse, packed, store.E)
+
+
+def _write_chart(
+    path: Path, tokenizer: Any, token_ids: Any, layer_rows: Any, cfg: Any, gates: Any
+) -> None:
+    """Two panels: how often each token's n-gram rows were already used, and the gates."""
+    import io
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    from engramrt.cli._checks import write_output
+
+    t_len = len(token_ids)
+    h = cfg.n_heads
+    orders = range(2, cfg.max_ngram_size + 1)
+    reuse = np.zeros((len(orders), t_len))
+    for oi, _ in enumerate(orders):
+        seen: dict[int, int] = {}
+        for p in range(t_len):
+            row = int(layer_rows[p, oi * h])  # head 0 of this order
+            reuse[oi, p] = seen.get(row, 0)
+            seen[row] = seen.get(row, 0) + 1
+    labels = [tokenizer.decode([int(t)]) for t in token_ids]
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(max(8, t_len * 0.22), 6), sharex=True)
+    width = 0.8 / len(orders)
+    for oi, order in enumerate(orders):
+        top.bar(np.arange(t_len) + oi * width, reuse[oi], width, label=f"{order}-gram")
+    top.set_ylabel("earlier uses of this row")
+    top.set_title(f"{cfg.name}, layer {cfg.layer_ids[0]}: n-gram rows reused across the text")
+    top.legend(loc="upper left")
+    image = bottom.imshow(gates.T, aspect="auto", cmap="viridis", vmin=0, vmax=1)
+    bottom.set_ylabel("stream")
+    bottom.set_title("gate value per token and hyper-connection stream")
+    bottom.set_xticks(np.arange(t_len))
+    bottom.set_xticklabels(labels, rotation=90, fontsize=7)
+    fig.colorbar(image, ax=bottom, fraction=0.02)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110)
+    plt.close(fig)
+    write_output("--plot", path, buf.getvalue())
+
+
+def run_synthetic(
+    *,
+    config: str,
+    text: str | None,
+    device: str,
+    plot: Path,
+    checkpoint: Path | None,
+    tier: str,
+    cache_mib: float,
+) -> None:
+    """Stream a text (``None``: :data:`DEFAULT_TEXT`) through Engram like an engine would
+    and check every step."""
+    import numpy as np
+    import torch
+    from rich.table import Table
+
+    from engramrt.cli import console
+    from engramrt.cli._checks import check_output_path, parse_device
+    from engramrt.config import load_config
+    from engramrt.errors import EngramError
+    from engramrt.gate import gate_values_reference
+    from engramrt.hashing import HashBatch, HashConstants, NgramHasher
+    from engramrt.layer import EngramHead, EngramLayer
+    from engramrt.layout import EngramLayout
+    from engramrt.lookup.tiers import SyntheticRowStore
+    from engramrt.plan import memory_plan
+    from engramrt.tokenmap import TokenMap, load_tokenizer
+
+    if not 0 <= cache_mib < 2**40:
+        raise EngramError(f"--cache-mib={cache_mib}; expected a finite size in MiB >= 0")
+    text = DEFAULT_TEXT if text is None else text
+    dev = parse_device("--device", device, allow_auto=True)
+    if tier == "disk":
+        raise EngramError(
+            "--tier='disk' needs a file for the packed rows and the demo takes no path for "
+            "it; expected auto, device, uva or host"
+        )
+    check_output_path("--plot", plot)
+    cfg = load_config(config)
+    layout = EngramLayout(cfg)
+    token_map = TokenMap.from_tokenizer_file()
+    tokenizer = load_tokenizer()
+    consts = HashConstants.from_layout(layout, token_map.pad_id(cfg))
+    token_ids = np.array(tokenizer.encode(text, add_special_tokens=False).ids, dtype=np.int64)
+    if token_ids.size < 24:
+        raise EngramError(f"the text has {token_ids.size} tokens; the demo needs at least 24")
+    hasher = NgramHasher(consts, token_map, dev, check_ids=True)
+    console.print(
+        f"[bold]engramrt demo[/]: {cfg.name} layout ({cfg.n_layers} layers, C={cfg.n_cols}, "
+        f"{sum(layout.num_embeddings):,} rows), {token_ids.size} tokens, device {dev}, "
+        f"hash backend {hasher.backend}"
+    )
+
+    comp = token_map.compress(token_ids)
+    sharing = np.bincount(token_map.map, minlength=token_map.num_compressed)
+    first = Table(
+        title="first tokens: compressed ids merge case and space variants", title_justify="left"
+    )
+    for name in ("pos", "token", "id", "compressed", "ids sharing it"):
+        first.add_column(name, justify="right")
+    for p in range(min(12, token_ids.size)):
+        piece = tokenizer.decode([int(token_ids[p])])
+        first.add_row(str(p), repr(piece), str(token_ids[p]), str(comp[p]), str(sharing[comp[p]]))
+    console.print(first)
+
+    row_ids = hasher(HashBatch.single(token_ids, device=dev)).to(torch.int64).cpu().numpy()
+    repeats, seen = [], set()
+    for p in range(2, token_ids.size):
+        for q in range(1, p):
+            pair = (int(token_ids[p - 1]), int(token_ids[p]))
+            if (
+                comp[p] == comp[q]
+                and comp[p - 1] == comp[q - 1]
+                and token_ids[p - 1] != token_ids[q - 1]
+                and pair not in seen
+            ):
+                seen.add(pair)
+                same = bool(
+                    np.array_equal(row_ids[p, :, : cfg.n_heads], row_ids[q, :, : cfg.n_heads])
+                )
+                repeats.append((q, p, same))
+                break
+    variants = Table(
+        title="bigrams that differ in case or spacing share their 2-gram rows",
+        title_justify="left",
+    )
+    for name in ("bigram", "earlier", "same rows"):
+        variants.add_column(name)
+    for q, p, same in repeats[:6]:
+        variants.add_row(
+            repr(tokenizer.decode([int(token_ids[p - 1]), int(token_ids[p])])),
+            repr(tokenizer.decode([int(token_ids[q - 1]), int(token_ids[q])])),
+            "yes" if same else "[red]NO[/]",
+        )
+    console.print(variants)
+
+    # Rows from a synthetic table (computed from the row ids) or a checkpoint,
+    # optionally behind a hot-row cache; Engram layers with a random wkv
+    # (D capped at 1024 to stay quick on a CPU) and random hidden states:
+    # every stage against its reference.
+    t_len, hc, dim = int(token_ids.size), cfg.hc_mult, min(cfg.hidden_size, 1024)
+    if checkpoint is not None:
+        from engramrt.checkpoint import load_table
+
+        stores = [
+            load_table(checkpoint, cfg, li, tier=tier, device=dev) for li in range(cfg.n_layers)
+        ]
+    else:
+        stores = [
+            SyntheticRowStore(n, cfg.head_dim, device=dev, seed=li)
+            for li, n in enumerate(cfg.num_embeddings)
+        ]
+    if cache_mib > 0:
+        from engramrt.cache import CachedRowStore
+
+        stores = [
+            CachedRowStore(
+                store, int(cache_mib * 2**20), n_heads=cfg.n_heads, layer_id=cfg.layer_ids[li]
+            )
+            for li, store in enumerate(stores)
+        ]
+    head_cfg = cfg.replace(hidden_size=dim)
+    gen = torch.Generator().manual_seed(0)
+    heads = []
+    for _ in range(cfg.n_layers):
+        head = EngramHead(head_cfg, device=dev)
+        head.load_weights(
+            wkv=(
+                torch.randn((hc + 1) * dim, cfg.n_cols * cfg.head_dim, generator=gen) / 64
+            ).bfloat16(),
+            q_weight=(1 + 0.1 * torch.randn(hc, dim, generator=gen)).bfloat16(),
+            k_weight=(1 + 0.1 * torch.randn(hc, dim, generator=gen)).bfloat16(),
+        )
+        heads.append(head)
+    hidden = torch.randn(t_len, hc, dim, generator=gen).bfloat16().to(dev)
+    steps, runtime = _stream_checked(hasher, stores, heads, hidden, token_ids, token_map, consts)
+    cache_stats = runtime.cache_stats() if cache_mib > 0 else []
+    # The whole text in one step of one layer: a plain EngramLayer over the store.
+    ids_dev = torch.as_tensor(row_ids, device=dev)
+    whole = EngramLayer(heads[0], stores[0], max_tokens=t_len)
+    out, kv = whole(hidden, ids_dev[:, 0], return_kv=True)
+    rows = _reference_rows(stores[0], ids_dev[:, 0])
+    steps.append(
+        {
+            "step": f"Engram layer {cfg.layer_ids[0]} (lookup + wkv + gate), whole text",
+            "tokens": t_len,
+            "ok": _layer_within_tolerance(heads[0], hidden, rows.to(dev), kv, out),
+        }
+    )
+    head0 = heads[0]
+    gates = (
+        gate_values_reference(hidden, kv, head0.q_weight, head0.k_weight, cfg.rms_norm_eps)
+        .cpu()
+        .numpy()
+    )
+
+    checks = Table(
+        title="checks: streaming through the runtime (slot cache) vs one-shot hashing and "
+        "the reference lookup; rows and gate vs references",
+        title_justify="left",
+    )
+    for name in ("step", "tokens", "matches"):
+        checks.add_column(name)
+    for s in steps:
+        checks.add_row(s["step"], str(s["tokens"]), "yes" if s["ok"] else "[red]NO[/]")
+    console.print(checks)
+
+    if cache_stats:
+        hits = Table(
+            title=f"hot-row cache ({cache_mib:g} MiB per layer) over the stream, by n-gram order",
+            title_justify="left",
+        )
+        for name in ("layer", "order", "hits", "misses", "hit rate", "bytes saved"):
+            hits.add_column(name, justify="right")
+        for st in cache_stats:
+            for order, counts in st.by_order().items():
+                hits.add_row(
+                    str(st.layer_id),
+                    str(order),
+                    str(int(counts["hits"])),
+                    str(int(counts["misses"])),
+                    f"{counts['hit_rate']:.0%}",
+                    f"{int(counts['bytes_saved']):,}",
+                )
+        console.print(hits)
+
+    timing = Table(
+        title=f"per-stage time on {dev} ({t_len} tokens, median of 20)", title_justify="left"
+    )
+    timing.add_column("stage")
+    timing.add_column("ms", justify="right")
+    batch = HashBatch.single(token_ids, device=dev)
+    for label, fn in (
+        ("hash ids", lambda: hasher(batch)),
+        (
+            "lookup, both layers" + (" (through the cache)" if cache_mib > 0 else ""),
+            lambda: [st.lookup(ids_dev[:, li]) for li, st in enumerate(stores)],
+        ),
+        (
+            f"Engram layer {cfg.layer_ids[0]}, whole text (D={dim})",
+            lambda: whole(hidden, ids_dev[:, 0]),
+        ),
+    ):
+        times = []
+        for _ in range(20):
+            start = time.perf_counter()
+            fn()
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            times.append((time.perf_counter() - start) * 1e3)
+        timing.add_row(label, f"{sorted(times)[10]:.3f}")
+    console.print(timing)
+
+    plan = Table(title=f"memory plan for {cfg.name} tables", title_justify="left")
+    for name in ("tp", "GPU / rank", "host / node", "disk / node"):
+        plan.add_column(name, justify="right")
+    for tp in (t for t in (1, 2, 4, 8) if (t - 1) * -(-cfg.n_cols // t) < cfg.n_cols):
+        gpu, host, disk = memory_plan(layout, tp)
+        plan.add_row(
+            str(tp),
+            f"{gpu.gpu_bytes_per_rank / 2**30:.1f} GiB",
+            f"{host.host_bytes_per_node / 2**30:.1f} GiB",
+            f"{disk.disk_bytes_per_node / 2**30:.1f} GiB",
+        )
+    console.print(plan)
+    _write_chart(plot, tokenizer, token_ids, row_ids[:, 0], cfg, gates)
+    console.print(f"chart: {plot}")
+    failed = [s["step"] for s in steps if not s["ok"]]
+    if failed or not all(same for *_, same in repeats):
+        console.print(f"[bold red]FAILED[/]: {failed}")
+        raise SystemExit(1)
+    console.print(f"[bold green]all {len(steps)} checks passed[/]")
