@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -18,7 +19,7 @@ if TYPE_CHECKING:
     from engramrt.config import EngramConfig
     from engramrt.tokenmap import TokenMap
 
-__all__ = ["NgramHasher"]
+__all__ = ["HASH_KERNEL_CONFIGS", "HashKernelConfig", "NgramHasher", "kernel_config_for"]
 
 History = SlotHashCache | RequestHistory
 
@@ -27,11 +28,68 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+@dataclass(frozen=True)
+class HashKernelConfig:
+    """Launch settings of ``_ngram_hash_kernel``; every choice gives the same row ids.
+
+    Attributes:
+        block_t: tokens per program (a power of two). Fewer spread a decode
+            batch over more SMs, so more dependent-load chains run in
+            parallel and fewer lanes idle; more amortise each program's
+            constant loads and request search over more tokens at prefill.
+        num_warps: warps per program; at small ``block_t`` extra warps only
+            idle.
+        scan_max_requests: find requests with one vector load of
+            ``query_start_loc`` when the batch has at most this many (the
+            compare tile is ``block_t x next_pow2(R)``); above it, or at 0, a
+            binary search of ``ceil(log2(R + 1))`` dependent loads.
+        ring_commit: with a :class:`RequestHistory`, write the ring inside
+            the hash launch (no second kernel) when ``T <= window - (N-1)``,
+            which bounds every chunk so no written slot aliases a read one.
+    """
+
+    block_t: int = 64
+    num_warps: int = 4
+    scan_max_requests: int = 1024
+    ring_commit: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("block_t", "num_warps"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValidationError(f"{name}={value!r} must be a positive power of two")
+            if value & (value - 1):
+                raise ValidationError(f"{name}={value} must be a power of two")
+        if self.scan_max_requests < 0:
+            raise ValidationError(
+                f"scan_max_requests={self.scan_max_requests} must be >= 0 (0: binary search)"
+            )
+
+
+# Default settings by batch size: the first entry whose bound is >= T.
+# Best guesses before a GPU sweep; `engramrt bench --group hash` runs the
+# "hash/sweep ..." cases that pick them (BENCHMARKS.md keeps the numbers).
+HASH_KERNEL_CONFIGS: tuple[tuple[int, HashKernelConfig], ...] = (
+    (1024, HashKernelConfig(block_t=16, num_warps=1)),
+    (16384, HashKernelConfig(block_t=64, num_warps=4)),
+    (2**62, HashKernelConfig(block_t=128, num_warps=4)),
+)
+
+
+def kernel_config_for(num_tokens: int) -> HashKernelConfig:
+    """The default :class:`HashKernelConfig` for a batch of ``num_tokens`` (host ints only)."""
+    for bound, config in HASH_KERNEL_CONFIGS:
+        if num_tokens <= bound:
+            return config
+    return HASH_KERNEL_CONFIGS[-1][1]
+
+
 class NgramHasher:
     """Computes ``[T, n_layers, C]`` row ids for every Engram layer of a batch.
 
     One call is one launch of ``_ngram_hash_kernel`` (two with a
-    :class:`RequestHistory`, whose ring is written by a second kernel), with
+    :class:`RequestHistory` and more than ``window - (N-1)`` tokens, whose
+    ring is then written by a second kernel), with
     no host synchronisation unless ``check_ids``: the call can be captured
     in a CUDA graph (host-side ``validate`` checks read no tensor).
 
@@ -46,7 +104,8 @@ class NgramHasher:
             boundaries, positions, lookback ids, history slots) on the host
             first; synchronises, so off on the hot path.
         out_dtype: ``torch.int32`` (default when every row id fits) or ``torch.int64``.
-        block_t: tokens per program of the kernel.
+        kernel_config: launch settings for every call; None (default)
+            picks one by token count from :data:`HASH_KERNEL_CONFIGS`.
     """
 
     def __init__(
@@ -59,8 +118,7 @@ class NgramHasher:
         validate: bool = True,
         check_ids: bool = False,
         out_dtype: torch.dtype | None = None,
-        block_t: int = 64,
-        num_warps: int = 4,
+        kernel_config: HashKernelConfig | None = None,
     ) -> None:
         mapping = token_map if isinstance(token_map, np.ndarray) else token_map.map
         self.consts = consts
@@ -82,8 +140,11 @@ class NgramHasher:
                 f"out_dtype=torch.int32 cannot hold row id {consts.max_row_id:,}; use torch.int64"
             )
         self.out_dtype = out_dtype
-        self.block_t = block_t
-        self.num_warps = num_warps
+        if kernel_config is not None and not isinstance(kernel_config, HashKernelConfig):
+            raise ValidationError(
+                f"kernel_config={kernel_config!r} must be a HashKernelConfig or None"
+            )
+        self.kernel_config = kernel_config
         self.token_map_dev = torch.as_tensor(self.token_map.astype(np.int32), device=self.device)
         self.consts_dev = consts.packed(self.device)
         self._launchers: tuple[Any, Any] | None = None
@@ -92,8 +153,8 @@ class NgramHasher:
             "N": consts.max_ngram_size,
             "H": consts.n_heads,
             "L_PAD": _next_pow2(consts.n_layers),
+            "N_PAD": _next_pow2(consts.max_ngram_size),
             "H_PAD": _next_pow2(consts.n_heads),
-            "BLOCK_T": block_t,
         }
 
     @classmethod
@@ -206,9 +267,17 @@ class NgramHasher:
             assert batch.request_slots is not None
             mode, slots, tags = 2, history.slots, history.tags
             table, block_size = batch.request_slots, history.window
-        # Rounded up to a multiple of 4 so only a few variants ever compile.
+        config = self.kernel_config or kernel_config_for(t_len)
+        # Both rounded so only a few variants ever compile: the binary search
+        # to a multiple of 4 steps, the scanned qsl tile to a power of two >= 16.
         search_steps = -(-max(1, n_req.bit_length()) // 4) * 4
-        grid = (triton_cdiv(t_len, self.block_t),)
+        scan_r = max(16, _next_pow2(n_req)) if n_req <= config.scan_max_requests else 0
+        ring_commit = (
+            isinstance(history, RequestHistory)
+            and config.ring_commit
+            and t_len <= history.window - (consts.max_ngram_size - 1)
+        )
+        grid = (triton_cdiv(t_len, config.block_t),)
         hash_kernel(
             grid,
             out,
@@ -236,10 +305,13 @@ class NgramHasher:
             HAS_LOOKBACK=lookback is not None,
             HAS_LOOKBACK_DEAD=lookback_dead is not None,
             HISTORY=mode,
-            SEARCH_STEPS=search_steps,
-            num_warps=self.num_warps,
+            SEARCH_STEPS=0 if scan_r else search_steps,
+            SCAN_R=scan_r,
+            RING_COMMIT=ring_commit,
+            BLOCK_T=config.block_t,
+            num_warps=config.num_warps,
         )
-        if isinstance(history, RequestHistory):
+        if isinstance(history, RequestHistory) and not ring_commit:
             commit_kernel(
                 grid,
                 history.slots,
@@ -254,10 +326,10 @@ class NgramHasher:
                 n_req,
                 self.vocab_size,
                 history.window,
-                BLOCK_T=self.block_t,
+                BLOCK_T=config.block_t,
                 HAS_DEAD=dead is not None,
                 SEARCH_STEPS=search_steps,
-                num_warps=self.num_warps,
+                num_warps=config.num_warps,
             )
 
 
