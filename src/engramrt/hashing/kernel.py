@@ -21,6 +21,9 @@ evicted L2, so every dependent global load costs a DRAM round trip, ~0.5-1
   small tiles up front; the hash loop then runs from registers. A per-shift
   loop that loads as it goes pays the token -> token-map chain once per shift.
 - Chunk and lookback ids share one token-map gather.
+- Remainders by the column primes use a float64 reciprocal and an exact
+  correction (``FAST_MOD``) instead of a 64-bit integer division, which the
+  GPU runs as a long software routine (48 of them per token at V4.1-Flash).
 - The slot-cache write and, when provably safe, the request-ring write
   (``RING_COMMIT``) happen in the same launch: inside a CUDA graph each
   kernel node adds its own launch latency.
@@ -99,14 +102,40 @@ def _request_of_scan(qsl_ptr, i, R, R_PAD: tl.constexpr):
     binary search's ``ceil(log2(R + 1))`` dependent loads by one load and a
     ``[BLOCK_T, R_PAD]`` compare in registers.
     """
+    # int32 halves the registers of the tile: boundaries and token indices are < T < 2**31.
     j = tl.arange(0, R_PAD)
     in_range = j < R
-    bounds = tl.load(qsl_ptr + 1 + j, mask=in_range, other=0).to(tl.int64)  # [R_PAD] qsl[1..R]
-    first = tl.load(qsl_ptr).to(tl.int64)
-    passed = in_range[None, :] & (bounds[None, :] <= i[:, None])  # [BLOCK_T, R_PAD]
+    bounds = tl.load(qsl_ptr + 1 + j, mask=in_range, other=0).to(tl.int32)  # [R_PAD] qsl[1..R]
+    first = tl.load(qsl_ptr).to(tl.int32)
+    passed = in_range[None, :] & (bounds[None, :] <= i.to(tl.int32)[:, None])  # [BLOCK_T, R_PAD]
     r = tl.sum(passed.to(tl.int32), axis=1).to(tl.int64)
     start = tl.max(tl.where(passed, bounds[None, :], first), axis=1)
-    return r, tl.maximum(start, first)
+    return r, tl.maximum(start, first).to(tl.int64)
+
+
+@triton.jit
+def _mod_prime(x, prime, inv_prime, FAST_MOD: tl.constexpr):
+    """``x % prime`` for ``0 <= x < 2**63``, bit-exact.
+
+    FAST_MOD (needs every prime >= 4096): the quotient from a float64
+    multiply by ``inv_prime``, ``1 / prime`` correctly rounded on the host,
+    is off by at most one (x rounds by at most 512 when converted, the
+    reciprocal and the product by 2**-53 relative each:
+    ``|x * inv_prime - x / prime| <= 512 / prime + 2**63 * 2**-52 / prime
+    = 2560 / prime < 1``), so one correction each way makes the remainder
+    exact. Lanes of padded columns (prime 1, inv_prime 0, never stored)
+    compute a harmless garbage value. A 64-bit integer division is a long software
+    routine on the GPU; this is a convert, a multiply, a multiply-subtract
+    and two selects.
+    """
+    if FAST_MOD:
+        q = (x.to(tl.float64) * inv_prime).to(tl.int64)  # truncation = floor, x >= 0
+        rem = x - q * prime  # in [-prime, 2 * prime); exact in wrapping int64
+        rem = tl.where(rem < 0, rem + prime, rem)
+        rem = tl.where(rem >= prime, rem - prime, rem)
+    else:
+        rem = x % prime
+    return rem
 
 
 @triton.jit(do_not_specialize=_HASH_INTS)
@@ -120,6 +149,7 @@ def _ngram_hash_kernel(
     lookback_dead_ptr,  # [R, N-1]         (HAS_LOOKBACK_DEAD)
     token_map_ptr,  # [V] int32
     consts_ptr,  # [L, N + 2C] int64: multipliers | primes | offsets
+    inv_primes_ptr,  # [L, C] float64: 1 / prime, correctly rounded (FAST_MOD)
     slots_ptr,  # int32 history store      (HISTORY > 0)
     tags_ptr,  # int64 ring tags           (HISTORY == 2)
     slot_mapping_ptr,  # [T]               (HISTORY == 1)
@@ -145,6 +175,7 @@ def _ngram_hash_kernel(
     SEARCH_STEPS: tl.constexpr,  # binary search: >= ceil(log2(R + 1)); a constexpr so loops unroll
     SCAN_R: tl.constexpr,  # > 0: find requests by _request_of_scan with R_PAD = SCAN_R >= R
     RING_COMMIT: tl.constexpr,  # HISTORY == 2: write the ring here (launcher proves it safe)
+    FAST_MOD: tl.constexpr,  # every prime >= 4096: remainders through float64 (_mod_prime)
 ):
     """Row ids of BLOCK_T tokens for all layers; see the module docstring.
 
@@ -188,6 +219,7 @@ def _ngram_hash_kernel(
         consts_ptr + l3 * ROW + N + col3, mask=col_ok, other=1
     )  # [L_PAD, N_PAD, H_PAD]
     offset3 = tl.load(consts_ptr + l3 * ROW + N + C + col3, mask=col_ok, other=0)
+    inv_prime3 = tl.load(inv_primes_ptr + l3 * C + col3, mask=col_ok, other=0.0)
     if HISTORY == 1:
         new_slot = tl.load(slot_mapping_ptr + i, mask=valid, other=-1).to(tl.int64)
 
@@ -279,7 +311,11 @@ def _ngram_hash_kernel(
         if k > 0:
             prime = tl.sum(tl.where(k3 == k, prime3, 0), axis=1)  # [L_PAD, H_PAD]
             offset = tl.sum(tl.where(k3 == k, offset3, 0), axis=1)
-            row_id = rolling[:, :, None] % prime[None, :, :] + offset[None, :, :]
+            inv_prime = tl.sum(tl.where(k3 == k, inv_prime3, 0.0), axis=1)
+            bucket = _mod_prime(
+                rolling[:, :, None], prime[None, :, :], inv_prime[None, :, :], FAST_MOD
+            )
+            row_id = bucket + offset[None, :, :]
             col = (k - 1) * H + h_idx  # [H_PAD]
             out_off = i[:, None, None] * (L * C) + l_idx[None, :, None] * C + col[None, None, :]
             tl.store(

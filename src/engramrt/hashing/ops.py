@@ -34,24 +34,33 @@ class HashKernelConfig:
 
     Attributes:
         block_t: tokens per program (a power of two). Fewer spread a decode
-            batch over more SMs, so more dependent-load chains run in
-            parallel and fewer lanes idle; more amortise each program's
-            constant loads and request search over more tokens at prefill.
-        num_warps: warps per program; at small ``block_t`` extra warps only
-            idle.
-        scan_max_requests: find requests with one vector load of
-            ``query_start_loc`` when the batch has at most this many (the
-            compare tile is ``block_t x next_pow2(R)``); above it, or at 0, a
-            binary search of ``ceil(log2(R + 1))`` dependent loads.
+            batch over more SMs, so more dependent-load chains and more of
+            the hash arithmetic run in parallel and fewer lanes idle; more
+            amortise each program's constant loads and request search over
+            more tokens at prefill sizes.
+        num_warps: warps per program (a power of two); more share one
+            program's remainders and compare tile, at small ``block_t``
+            they idle.
+        scan_tile: find requests with ONE vector load of ``query_start_loc``
+            and a ``block_t x max(16, next_pow2(R))`` int32 compare in
+            registers when that tile has at most this many elements; beyond
+            it (or at 0) a binary search, ``ceil(log2(R + 1))`` dependent
+            loads (each a DRAM round trip when L2 is cold).
         ring_commit: with a :class:`RequestHistory`, write the ring inside
-            the hash launch (no second kernel) when ``T <= window - (N-1)``,
-            which bounds every chunk so no written slot aliases a read one.
+            the hash launch (no second kernel node) when
+            ``T <= window - (N-1)``: no chunk is then long enough for a
+            written slot to alias one read before it.
+        fast_mod: remainders by the column primes through a float64
+            reciprocal with an exact correction instead of a 64-bit integer
+            division (used only when every prime is >= 4096, which the
+            correction's error bound needs).
     """
 
     block_t: int = 64
     num_warps: int = 4
-    scan_max_requests: int = 1024
+    scan_tile: int = 8192
     ring_commit: bool = True
+    fast_mod: bool = True
 
     def __post_init__(self) -> None:
         for name in ("block_t", "num_warps"):
@@ -60,17 +69,25 @@ class HashKernelConfig:
                 raise ValidationError(f"{name}={value!r} must be a positive power of two")
             if value & (value - 1):
                 raise ValidationError(f"{name}={value} must be a power of two")
-        if self.scan_max_requests < 0:
-            raise ValidationError(
-                f"scan_max_requests={self.scan_max_requests} must be >= 0 (0: binary search)"
-            )
+        if isinstance(self.scan_tile, bool) or not isinstance(self.scan_tile, int):
+            raise ValidationError(f"scan_tile={self.scan_tile!r} must be an integer")
+        if self.scan_tile < 0:
+            raise ValidationError(f"scan_tile={self.scan_tile} must be >= 0 (0: binary search)")
+
+    def scan_width(self, num_requests: int) -> int:
+        """``SCAN_R`` for a batch of ``num_requests``: the qsl tile width, 0 for a binary search.
+
+        Powers of two from 16 up, so only a few variants ever compile.
+        """
+        width = max(16, _next_pow2(num_requests))
+        return width if self.block_t * width <= self.scan_tile else 0
 
 
 # Default settings by batch size: the first entry whose bound is >= T.
 # Best guesses before a GPU sweep; `engramrt bench --group hash` runs the
 # "hash/sweep ..." cases that pick them (BENCHMARKS.md keeps the numbers).
 HASH_KERNEL_CONFIGS: tuple[tuple[int, HashKernelConfig], ...] = (
-    (1024, HashKernelConfig(block_t=16, num_warps=1)),
+    (1024, HashKernelConfig(block_t=16, num_warps=2)),
     (16384, HashKernelConfig(block_t=64, num_warps=4)),
     (2**62, HashKernelConfig(block_t=128, num_warps=4)),
 )
@@ -147,6 +164,11 @@ class NgramHasher:
         self.kernel_config = kernel_config
         self.token_map_dev = torch.as_tensor(self.token_map.astype(np.int32), device=self.device)
         self.consts_dev = consts.packed(self.device)
+        # The float64 remainder's error bound needs every prime >= 4096 (kernel._mod_prime);
+        # numpy divides with IEEE rounding, which the bound assumes of the reciprocals.
+        self._primes_allow_fast_mod = bool(consts.col_primes.min(initial=4096) >= 4096)
+        inv_primes = 1.0 / consts.col_primes.astype(np.float64)  # [L, C]
+        self.inv_primes_dev = torch.as_tensor(np.ascontiguousarray(inv_primes), device=self.device)
         self._launchers: tuple[Any, Any] | None = None
         self._shape_constexprs = {
             "L": consts.n_layers,
@@ -271,7 +293,7 @@ class NgramHasher:
         # Both rounded so only a few variants ever compile: the binary search
         # to a multiple of 4 steps, the scanned qsl tile to a power of two >= 16.
         search_steps = -(-max(1, n_req.bit_length()) // 4) * 4
-        scan_r = max(16, _next_pow2(n_req)) if n_req <= config.scan_max_requests else 0
+        scan_r = config.scan_width(n_req)
         ring_commit = (
             isinstance(history, RequestHistory)
             and config.ring_commit
@@ -289,6 +311,7 @@ class NgramHasher:
             lookback_dead if lookback_dead is not None else dummy,
             self.token_map_dev,
             self.consts_dev,
+            self.inv_primes_dev,
             slots,
             tags,
             slot_mapping,
@@ -308,6 +331,7 @@ class NgramHasher:
             SEARCH_STEPS=0 if scan_r else search_steps,
             SCAN_R=scan_r,
             RING_COMMIT=ring_commit,
+            FAST_MOD=config.fast_mod and self._primes_allow_fast_mod,
             BLOCK_T=config.block_t,
             num_warps=config.num_warps,
         )
