@@ -85,7 +85,7 @@ class HashKernelConfig:
 
 # Default settings by batch size: the first entry whose bound is >= T.
 # Best guesses before a GPU sweep; `engramrt bench --group hash` runs the
-# "hash/sweep ..." cases that pick them (BENCHMARKS.md keeps the numbers).
+# "hash/sweep ..." cases that pick them (their numbers belong in BENCHMARKS.md).
 HASH_KERNEL_CONFIGS: tuple[tuple[int, HashKernelConfig], ...] = (
     (1024, HashKernelConfig(block_t=16, num_warps=2)),
     (16384, HashKernelConfig(block_t=64, num_warps=4)),
