@@ -38,6 +38,7 @@ CONFIGS = {
     "bt16w1-tile-too-small": HashKernelConfig(block_t=16, num_warps=1, scan_tile=128),
     "bt64w4-intmod": HashKernelConfig(block_t=64, fast_mod=False),
     "bt16w2-no-ring-commit": HashKernelConfig(block_t=16, num_warps=2, ring_commit=False),
+    "bt16w2-no-speculation": HashKernelConfig(block_t=16, num_warps=2, speculate_decode=False),
 }
 
 
@@ -82,6 +83,55 @@ def test_every_config_matches_reference(name, n_req, consts, token_map, device) 
     out = torch.full(shape, -1, dtype=torch.int64, device=device)  # poisoned
     got = hasher(batch.to(device), out=out)
     np.testing.assert_array_equal(got.cpu().numpy(), want)
+
+
+def _decode_batch(rng: np.random.Generator, vocab: int, n: int, lengths: list[int]) -> HashBatch:
+    """Chunks of the given lengths (1: a decode token), two padded requests, padding rows."""
+    qsl = np.concatenate([[0], np.cumsum(lengths), [sum(lengths)] * 2]).astype(np.int64)
+    t_len = int(qsl[-1]) + 3
+    positions = np.zeros(t_len, dtype=np.int64)
+    for r in range(qsl.shape[0] - 1):
+        # Starts 0..4 too: lookback columns before position 0 must be ignored.
+        positions[qsl[r] : qsl[r + 1]] = (
+            rng.integers(0, 5) * (r % 2) * 7 + r % 4 + np.arange(qsl[r + 1] - qsl[r])
+        )
+    lookback = rng.integers(0, vocab, size=(qsl.shape[0] - 1, n - 1))
+    lookback[rng.random(lookback.shape) < 0.2] = -1
+    return HashBatch(
+        input_ids=torch.tensor(rng.integers(0, vocab, size=t_len)),
+        positions=torch.from_numpy(positions),
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32),
+        dead_mask=torch.from_numpy(rng.random(t_len) < 0.1),
+        lookback_token_ids=torch.from_numpy(lookback),
+        lookback_dead=torch.from_numpy(rng.random(lookback.shape) < 0.2),
+    )
+
+
+@pytest.mark.parametrize("speculate", [True, False])
+@pytest.mark.parametrize(
+    "lengths",
+    [
+        [1] * 37,  # pure decode: every guess right
+        [1] * 9 + [0] + [1] * 6,  # an empty request shifts the rest: guesses wrong after it
+        [1] * 5 + [13] + [1] * 4,  # decode first, then a prefill chunk, then more decode
+        [3, 1, 1, 2, 1],  # speculative drafts beside decode tokens
+        [1],
+    ],
+)
+def test_decode_batches_with_and_without_speculation(
+    speculate, lengths, consts, token_map, device
+) -> None:
+    rng = np.random.default_rng(len(lengths) * 7 + sum(lengths))
+    batch = _decode_batch(rng, token_map.vocab_size, consts.max_ngram_size, lengths)
+    want = hash_batch_reference(batch, consts, token_map.map)
+    for block_t in (8, 32):
+        config = HashKernelConfig(block_t=block_t, num_warps=1, speculate_decode=speculate)
+        hasher = NgramHasher(
+            consts, token_map, device, backend="triton", out_dtype=torch.int64, kernel_config=config
+        )
+        out = torch.full((batch.num_tokens, consts.n_layers, consts.n_cols), -1, device=device)
+        got = hasher(batch.to(device), out=out.to(torch.int64))
+        np.testing.assert_array_equal(got.cpu().numpy(), want)
 
 
 def test_scan_width_follows_the_tile_bound() -> None:

@@ -79,36 +79,41 @@ def _check(inputs: dict[str, Any], outputs: dict[str, Any]) -> None:
 
 
 # Launch settings swept by the "hash/sweep ..." cases, as (block_t, num_warps,
-# scan_tile, fast_mod); scan_tile=0 is the binary request search, fast_mod
-# False the 64-bit integer remainder. One GPU run of `engramrt bench --group
-# hash` compares them with the graph cold time (one call per CUDA graph, L2
-# flushed) and the eager wall time; the winners go into
+# scan_tile, fast_mod, speculate_decode) of HashKernelConfig; scan_tile=0 is
+# the binary request search. One GPU run of `engramrt bench --group hash`
+# compares them by the graph cold time (one call per CUDA graph, L2 flushed)
+# and the eager wall time; the winners go into
 # engramrt.hashing.ops.HASH_KERNEL_CONFIGS.
-SWEEP: tuple[tuple[int, int, int, bool], ...] = (
-    (8, 1, 8192, True),
-    (16, 1, 8192, True),
-    (16, 2, 8192, True),
-    (16, 4, 8192, True),
-    (32, 1, 8192, True),
-    (32, 2, 8192, True),
-    (32, 4, 8192, True),
-    (64, 2, 16384, True),
-    (64, 4, 16384, True),
-    (128, 4, 16384, True),
-    (128, 8, 32768, True),
-    (256, 8, 32768, True),
-    (16, 2, 0, True),
-    (64, 4, 0, True),
-    (16, 2, 8192, False),
-    (64, 4, 8192, False),
-    (128, 4, 16384, False),
+SWEEP: tuple[tuple[int, int, int, bool, bool], ...] = (
+    (8, 1, 8192, True, True),
+    (16, 1, 8192, True, True),
+    (16, 2, 8192, True, True),
+    (16, 4, 8192, True, True),
+    (32, 1, 8192, True, True),
+    (32, 2, 8192, True, True),
+    (32, 4, 8192, True, True),
+    (64, 2, 16384, True, True),
+    (64, 4, 16384, True, True),
+    (128, 4, 16384, True, True),
+    (128, 8, 32768, True, True),
+    (256, 8, 32768, True, True),
+    (16, 2, 0, True, True),
+    (64, 4, 0, True, True),
+    (16, 2, 8192, False, True),
+    (64, 4, 8192, False, True),
+    (128, 4, 16384, False, True),
+    (16, 2, 8192, True, False),
+    (64, 4, 8192, True, False),
 )
 
 
-def _sweep_name(block_t: int, num_warps: int, scan_tile: int, fast_mod: bool) -> str:
+def _sweep_name(
+    block_t: int, num_warps: int, scan_tile: int, fast_mod: bool, speculate: bool
+) -> str:
     scan = f"-scan{scan_tile}" if scan_tile else "-bsearch"
     mod = "" if fast_mod else "-intmod"
-    return f"bt{block_t}w{num_warps}{scan}{mod}"
+    spec = "" if speculate else "-nospec"
+    return f"bt{block_t}w{num_warps}{scan}{mod}{spec}"
 
 
 def _with_sweep(device: torch.device, **kwargs: Any) -> dict[str, Any]:
@@ -117,9 +122,13 @@ def _with_sweep(device: torch.device, **kwargs: Any) -> dict[str, Any]:
 
     inputs = _setup(device, **kwargs)
     for settings in SWEEP:
-        block_t, num_warps, scan_tile, fast_mod = settings
+        block_t, num_warps, scan_tile, fast_mod, speculate = settings
         config = HashKernelConfig(
-            block_t=block_t, num_warps=num_warps, scan_tile=scan_tile, fast_mod=fast_mod
+            block_t=block_t,
+            num_warps=num_warps,
+            scan_tile=scan_tile,
+            fast_mod=fast_mod,
+            speculate_decode=speculate,
         )
         inputs[_sweep_name(*settings)] = NgramHasher(
             inputs["consts"],
@@ -190,7 +199,8 @@ def hash_cases(quick: bool) -> list[Case]:
                     "tokens_per_request": per,
                     "T": t_len,
                     "layout": "dsv41-flash",
-                    "sweep": "HashKernelConfig bt<block_t>w<num_warps>-scan<scan_tile>|-bsearch[-intmod]",
+                    "sweep": "HashKernelConfig: bt<block_t>w<num_warps>, -scan<scan_tile> or "
+                    "-bsearch, -intmod: fast_mod off, -nospec: speculate_decode off",
                 },
                 make=functools.partial(
                     _with_sweep, n_req=n_req, tokens_per_req=per, seed=n_req * 7 + per

@@ -21,6 +21,10 @@ evicted L2, so every dependent global load costs a DRAM round trip, ~0.5-1
   small tiles up front; the hash loop then runs from registers. A per-shift
   loop that loads as it goes pays the token -> token-map chain once per shift.
 - Chunk and lookback ids share one token-map gather.
+- Decode tokens (chunks of one, request r owning token r, as engines lay
+  out a decode batch) get their lookback ids loaded speculatively beside
+  the batch tokens (``SPECULATE``), before the request search confirms the
+  guess; tokens where the guess is wrong load theirs after it, as before.
 - Remainders by the column primes use a float64 reciprocal and an exact
   correction (``FAST_MOD``) instead of a 64-bit integer division, which the
   GPU runs as a long software routine (48 of them per token at V4.1-Flash).
@@ -176,6 +180,7 @@ def _ngram_hash_kernel(
     SCAN_R: tl.constexpr,  # > 0: find requests by _request_of_scan with R_PAD = SCAN_R >= R
     RING_COMMIT: tl.constexpr,  # HISTORY == 2: write the ring here (launcher proves it safe)
     FAST_MOD: tl.constexpr,  # every prime >= 4096: remainders through float64 (_mod_prime)
+    SPECULATE: tl.constexpr,  # load lookback ids as if every token were a decode token
 ):
     """Row ids of BLOCK_T tokens for all layers; see the module docstring.
 
@@ -183,6 +188,8 @@ def _ngram_hash_kernel(
     constants as small tiles before any of them is used, so the loads of a
     program form a chain of at most three dependent global loads (four with
     a slot cache): qsl -> lookback ids -> token map (-> block table -> slot).
+    With SPECULATE, a decode token's lookback ids load beside qsl, so its
+    chain is two loads long: (qsl | tokens | lookback ids) -> token map.
     """
     C: tl.constexpr = (N - 1) * H
     ROW: tl.constexpr = N + 2 * C
@@ -222,6 +229,16 @@ def _ngram_hash_kernel(
     inv_prime3 = tl.load(inv_primes_ptr + l3 * C + col3, mask=col_ok, other=0.0)
     if HISTORY == 1:
         new_slot = tl.load(slot_mapping_ptr + i, mask=valid, other=-1).to(tl.int64)
+    if HAS_LOOKBACK and SPECULATE:
+        # Guess that token i is a decode token (a chunk of one) of request i:
+        # its lookback ids are then row i, column k - 1, loaded now with the
+        # batch tokens instead of after the request search.
+        r_guess = tl.minimum(i, tl.maximum(R - 1, 0))  # [BLOCK_T]
+        guess_off = r_guess[:, None] * lb_stride + (k2 - 1)  # [BLOCK_T, N_PAD]
+        guess_ok = valid[:, None] & (k2 >= 1) & shift_ok & (r_guess < R)[:, None]
+        lb_guess = tl.load(lookback_ptr + guess_off, mask=guess_ok, other=-1).to(tl.int64)
+        if HAS_LOOKBACK_DEAD:
+            lb_dead_guess = tl.load(lookback_dead_ptr + guess_off, mask=guess_ok, other=0) != 0
 
     if SCAN_R > 0:
         r, start = _request_of_scan(qsl_ptr, i, R, SCAN_R)
@@ -246,9 +263,19 @@ def _ngram_hash_kernel(
         j = chunk_start_pos[:, None] - 1 - pos  # >= 0 outside the chunk
         use_lb = outside & (j < N - 1)
         lb_off = r_safe[:, None] * lb_stride + j
-        lb = tl.load(lookback_ptr + lb_off, mask=use_lb, other=-1).to(tl.int64)
-        if HAS_LOOKBACK_DEAD:
-            lb_dead = tl.load(lookback_dead_ptr + lb_off, mask=use_lb, other=0) != 0
+        if SPECULATE:
+            # Right guess (request i, first token of its chunk): then j == k - 1 and the
+            # guessed ids are the ones wanted; only the other tokens load (later).
+            hit = ((r == r_guess) & (start == i))[:, None]
+            lb = tl.load(lookback_ptr + lb_off, mask=use_lb & ~hit, other=-1).to(tl.int64)
+            lb = tl.where(hit, lb_guess, lb)
+            if HAS_LOOKBACK_DEAD:
+                lb_dead = tl.load(lookback_dead_ptr + lb_off, mask=use_lb & ~hit, other=0) != 0
+                lb_dead = tl.where(hit, lb_dead_guess, lb_dead)
+        else:
+            lb = tl.load(lookback_ptr + lb_off, mask=use_lb, other=-1).to(tl.int64)
+            if HAS_LOOKBACK_DEAD:
+                lb_dead = tl.load(lookback_dead_ptr + lb_off, mask=use_lb, other=0) != 0
         lb_known = use_lb & (lb >= 0)
         tok = tl.where(lb_known, lb, tok)
         if HAS_LOOKBACK_DEAD:

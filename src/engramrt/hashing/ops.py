@@ -54,6 +54,10 @@ class HashKernelConfig:
             reciprocal with an exact correction instead of a 64-bit integer
             division (used only when every prime is >= 4096, which the
             correction's error bound needs).
+        speculate_decode: load lookback row ``i``, columns ``k-1``, for token
+            ``i`` before the request search, as if every token were a
+            decode token of its own request; right guesses (a decode batch)
+            save one dependent load, wrong ones load after the search.
     """
 
     block_t: int = 64
@@ -61,6 +65,7 @@ class HashKernelConfig:
     scan_tile: int = 8192
     ring_commit: bool = True
     fast_mod: bool = True
+    speculate_decode: bool = True
 
     def __post_init__(self) -> None:
         for name in ("block_t", "num_warps"):
@@ -332,6 +337,7 @@ class NgramHasher:
             SCAN_R=scan_r,
             RING_COMMIT=ring_commit,
             FAST_MOD=config.fast_mod and self._primes_allow_fast_mod,
+            SPECULATE=config.speculate_decode,
             BLOCK_T=config.block_t,
             num_warps=config.num_warps,
         )
