@@ -104,6 +104,7 @@ SWEEP: tuple[tuple[int, int, int, bool, bool], ...] = (
     (128, 4, 16384, False, True),
     (16, 2, 8192, True, False),
     (64, 4, 8192, True, False),
+    (64, 4, 0, False, False),  # the earlier kernel's search, remainder and load order
 )
 
 

@@ -20,7 +20,8 @@ evicted L2, so every dependent global load costs a DRAM round trip, ~0.5-1
   all constants (multipliers, primes, offsets of every layer and column) as
   small tiles up front; the hash loop then runs from registers. A per-shift
   loop that loads as it goes pays the token -> token-map chain once per shift.
-- Chunk and lookback ids share one token-map gather.
+- The token-map gathers of the batch tokens (and of speculated lookback
+  ids) are issued before the request search, so they overlap it.
 - Decode tokens (chunks of one, request r owning token r, as engines lay
   out a decode batch) get their lookback ids loaded speculatively beside
   the batch tokens (``SPECULATE``), before the request search confirms the
@@ -189,7 +190,8 @@ def _ngram_hash_kernel(
     program form a chain of at most three dependent global loads (four with
     a slot cache): qsl -> lookback ids -> token map (-> block table -> slot).
     With SPECULATE, a decode token's lookback ids load beside qsl, so its
-    chain is two loads long: (qsl | tokens | lookback ids) -> token map.
+    chain is two loads long: (qsl | tokens | lookback ids) -> token map,
+    and the token-map gathers run while the request search computes.
     """
     C: tl.constexpr = (N - 1) * H
     ROW: tl.constexpr = N + 2 * C
@@ -239,6 +241,14 @@ def _ngram_hash_kernel(
         lb_guess = tl.load(lookback_ptr + guess_off, mask=guess_ok, other=-1).to(tl.int64)
         if HAS_LOOKBACK_DEAD:
             lb_dead_guess = tl.load(lookback_dead_ptr + guess_off, mask=guess_ok, other=0) != 0
+    # Token-map gathers that need no request: issued before the search so its
+    # compute (or its dependent loads) overlaps them.
+    tok = tl.minimum(tl.maximum(tok, 0), V - 1)  # never read outside the map
+    value = tl.load(token_map_ptr + tok, mask=maybe, other=0).to(tl.int64)  # [BLOCK_T, N_PAD]
+    if HAS_LOOKBACK and SPECULATE:
+        guess_known = guess_ok & (lb_guess >= 0)
+        lb_guess_tok = tl.minimum(tl.maximum(lb_guess, 0), V - 1)
+        value_guess = tl.load(token_map_ptr + lb_guess_tok, mask=guess_known, other=0)
 
     if SCAN_R > 0:
         r, start = _request_of_scan(qsl_ptr, i, R, SCAN_R)
@@ -277,12 +287,16 @@ def _ngram_hash_kernel(
             if HAS_LOOKBACK_DEAD:
                 lb_dead = tl.load(lookback_dead_ptr + lb_off, mask=use_lb, other=0) != 0
         lb_known = use_lb & (lb >= 0)
-        tok = tl.where(lb_known, lb, tok)
+        lb_tok = tl.minimum(tl.maximum(lb, 0), V - 1)
+        if SPECULATE:
+            lb_value = tl.load(token_map_ptr + lb_tok, mask=lb_known & ~hit, other=0)
+            lb_value = tl.where(hit, value_guess, lb_value).to(tl.int64)
+        else:
+            lb_value = tl.load(token_map_ptr + lb_tok, mask=lb_known, other=0).to(tl.int64)
+        value = tl.where(lb_known, lb_value, value)
         if HAS_LOOKBACK_DEAD:
             dead = tl.where(lb_known, lb_dead, dead)
         known = known | lb_known
-    tok = tl.minimum(tl.maximum(tok, 0), V - 1)  # never read outside the map
-    value = tl.load(token_map_ptr + tok, mask=known, other=0).to(tl.int64)  # [BLOCK_T, N_PAD]
     if HISTORY == 1:
         if HAS_LOOKBACK:
             # Seed the cache from lookback ids (a request prefilled elsewhere):
