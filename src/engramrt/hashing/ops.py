@@ -91,10 +91,15 @@ class HashKernelConfig:
 # Default settings by batch size: the first entry whose bound is >= T.
 # Best guesses before a GPU sweep; `engramrt bench --group hash` runs the
 # "hash/sweep ..." cases that pick them (their numbers belong in BENCHMARKS.md).
+# Decode sizes are a chain of dependent loads: 16 tokens and 4 warps per
+# program give 16 programs at T = 256, each thread with few remainders and a
+# small share of the request-scan tile. Around 8,192 tokens, 32 per program
+# put two programs on each SM; larger batches are throughput-bound and take
+# 64 per program.
 HASH_KERNEL_CONFIGS: tuple[tuple[int, HashKernelConfig], ...] = (
-    (1024, HashKernelConfig(block_t=16, num_warps=2)),
-    (16384, HashKernelConfig(block_t=64, num_warps=4)),
-    (2**62, HashKernelConfig(block_t=128, num_warps=4)),
+    (1024, HashKernelConfig(block_t=16, num_warps=4)),
+    (16384, HashKernelConfig(block_t=32, num_warps=4)),
+    (2**62, HashKernelConfig(block_t=64, num_warps=4)),
 )
 
 
