@@ -65,14 +65,14 @@ def test_render_takes_each_cases_newest_full_size_record(tmp_path, monkeypatch) 
     for name, report in reports.items():
         (results / name).write_text(json.dumps(report))
     target = tmp_path / "BENCHMARKS.md"
-    target.write_text("head\n<!-- results:start -->\nold\n<!-- results:end -->\ntail\n")
+    target.write_text("head\n<!-- results:start -->\nstale rendering\n<!-- results:end -->\ntail\n")
     monkeypatch.setattr(sys, "argv", ["render", str(results), str(target)])
     _load("render_benchmarks").main()
     text = target.read_text()
     assert text.startswith("head\n<!-- results:start -->") and text.endswith(
         "<!-- results:end -->\ntail\n"
     )
-    assert "old" not in text and "### lookup" in text
+    assert "stale rendering" not in text and "### lookup" in text
     assert "| lookup/a | base (baseline) | 111.0 |" in text  # the quick run is not rendered
     assert "| lookup/b | base (baseline) | 333.0 |" in text and "222.0" not in text
     assert "2026-01-01" in text and "2026-01-02" in text  # each table keeps its run's header
