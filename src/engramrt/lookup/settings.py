@@ -17,6 +17,7 @@ from engramrt.errors import ValidationError
 __all__ = ["DEFAULT_KERNEL", "LookupKernelSettings", "check_kernel_settings"]
 
 _NUM_WARPS = (1, 2, 4, 8, 16, 32)
+_CACHE_MODIFIERS = ("", ".ca", ".cg", ".cv")
 
 
 def _optional_positive_int(name: str, value: Any) -> None:
@@ -40,12 +41,28 @@ class LookupKernelSettings:
             consecutive tiles in turn; None: one tile per program. Meant for
             reads of host memory, whose programs mostly wait on the bus.
             The cache's probe kernel always runs one tile per program.
+        num_stages: Triton's software-pipelining depth for the loop over a
+            program's tiles (only matters with ``max_programs``: the loads
+            of the next tile can be issued while the current one is
+            converted and stored); None: Triton's default.
+        cache_modifier: the cache operator of the table loads: ``""``
+            (default, cached in L1 and L2), ``".cg"`` (L2 only: rows are
+            read once, so L1 lines only hold space another load could
+            use), ``".ca"``, ``".cv"`` (no caching, fetched again).
+        cached_launch: launch through :class:`engramrt._launch.CachedLauncher`
+            (the compiled kernel called directly, a few µs of host time)
+            instead of ``kernel[grid](...)`` (tens of µs, as binding and
+            specialising ~20 arguments in Python costs that much). False is
+            for debugging: the same kernel, the same bytes.
     """
 
     rows_per_program: int | None = None
     num_warps: int | None = None
     hw_convert: bool = False
     max_programs: int | None = None
+    num_stages: int | None = None
+    cache_modifier: str = ""
+    cached_launch: bool = True
 
     def __post_init__(self) -> None:
         _optional_positive_int("rows_per_program", self.rows_per_program)
@@ -57,8 +74,16 @@ class LookupKernelSettings:
                 f"num_warps = {self.num_warps!r}; expected None or one of "
                 f"{', '.join(map(str, _NUM_WARPS))}"
             )
-        if not isinstance(self.hw_convert, bool):
-            raise ValidationError(f"hw_convert = {self.hw_convert!r}; expected a bool")
+        _optional_positive_int("num_stages", self.num_stages)
+        for name in ("hw_convert", "cached_launch"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise ValidationError(f"{name} = {value!r}; expected a bool")
+        if self.cache_modifier not in _CACHE_MODIFIERS:
+            raise ValidationError(
+                f"cache_modifier = {self.cache_modifier!r}; expected one of "
+                f"{', '.join(map(repr, _CACHE_MODIFIERS))}"
+            )
 
     def replace(self, **changes: Any) -> LookupKernelSettings:
         """A copy with ``changes`` applied (and checked)."""
@@ -66,7 +91,8 @@ class LookupKernelSettings:
 
 
 DEFAULT_KERNEL = LookupKernelSettings()
-"""One tile of 4096 values per program, 4 warps, integer conversions."""
+"""One tile of 4096 values per program, 4 warps, integer conversions, one tile per
+program, launched through the cached launcher."""
 
 
 def check_kernel_settings(kernel: Any) -> LookupKernelSettings:
