@@ -12,14 +12,17 @@ hashing produces them.
   out of bounds); timed against ``lookup/device/T=8192`` it shows what
   bounding every id costs.
 - ``device`` tier: the Triton kernel (default settings, the
-  hardware-conversion variant, and at T=8192 three other tilings, so the
-  H200 run shows which is best) against ``torch-eager``,
+  hardware-conversion variant, and at T=8192 the variants of
+  :data:`DEVICE_RATE_SWEEP`, so one H200 run shows which is best) against
+  ``torch-eager``,
   an ``index_select`` of packed rows followed by the reference dequantise,
   both on the GPU. Ceiling: device copy, ``rows * 264`` bytes read plus
   ``rows * E * 2`` written.
 - ``uva``, ``host``, ``disk`` tiers: the tier's lookup (the host tier
   also with the CPU gathering every row, and at T=8192 with other shares of
-  GPU reads) against
+  GPU reads and the gather settings of :data:`HOST_GATHER_SWEEP`; the uva
+  and host tiers at T=256 with the kernel settings of
+  :data:`DECODE_READ_SWEEP` for their reads of host memory) against
   ``torch-eager``, a plain CPU ``index_select`` of the packed rows, then
   ``.to('cuda')``, then the reference dequantise on the GPU. Ceiling:
   host-to-device copy of ``rows * 264`` bytes.
@@ -55,8 +58,86 @@ E = 256
 COLS = 24  # (N - 1) * H hash columns per layer
 ROW_BYTES = row_bytes_for(E)  # 264
 _FILL_ROWS = 1 << 22  # rows generated per piece when filling host and disk tables
-_TILINGS = ((8, 4), (32, 4), (32, 8))  # (rows per program, warps) besides the default
 _GPU_SHARES = (0.15, 0.3, 0.45)  # host tier: shares of the GPU's reads besides the default
+
+_K = LookupKernelSettings
+
+DECODE_READ_SWEEP: tuple[LookupKernelSettings, ...] = (
+    # full grids (one tile per program): bytes in flight per program
+    _K(8, 4),
+    _K(16, 4),  # the default tile (DEFAULT_KERNEL)
+    _K(32, 4),
+    _K(32, 8),
+    _K(64, 8),
+    _K(64, 16),
+    _K(16, 4, cache_modifier=".cg"),
+    _K(32, 8, cache_modifier=".cg"),
+    # bounded grids: few programs, big tiles so that few round trips remain
+    _K(32, 4, max_programs=16),  # the host tier's HOST_READ_KERNEL before this sweep
+    _K(32, 4, max_programs=16, num_stages=1),
+    _K(32, 4, max_programs=16, num_stages=4),
+    _K(128, 16, max_programs=16),
+    _K(256, 32, max_programs=16),
+    _K(64, 8, max_programs=32),
+    _K(64, 8, max_programs=32, num_stages=4),
+    _K(128, 8, max_programs=48),
+    _K(64, 8, max_programs=66),
+    _K(32, 4, max_programs=132),
+    _K(32, 8, max_programs=132, cache_modifier=".cg"),
+)
+"""Lookup-kernel settings timed for the reads of host memory at T=256 (6,144 rows),
+on the uva tier and the host tier's GPU reads; the winners go to
+:data:`engramrt.lookup.tiers.uva.UVA_KERNEL` and
+:data:`engramrt.lookup.tiers.host_gather.HOST_READ_KERNEL`."""
+
+DEVICE_RATE_SWEEP: tuple[LookupKernelSettings, ...] = (
+    _K(8, 4),
+    _K(32, 4),
+    _K(32, 8),
+    _K(16, 8),
+    _K(64, 8),
+    _K(64, 16),
+    _K(32, 8, hw_convert=True),
+    _K(64, 16, hw_convert=True),
+    _K(16, 4, cache_modifier=".cg"),
+    _K(32, 8, cache_modifier=".cg"),
+    _K(32, 4, max_programs=1056),  # a persistent grid: 8 programs per SM
+    _K(32, 8, max_programs=528, num_stages=3),
+)
+"""Lookup-kernel settings timed on the device tier at T=8192 (196,608 rows) beside
+the default; the winner goes to :data:`engramrt.lookup.settings.DEFAULT_KERNEL`."""
+
+HOST_GATHER_SWEEP: tuple[tuple[int, int | None], ...] = (
+    (16384, None),
+    (32768, None),
+    (131072, None),
+    (196608, None),  # one piece: no overlap of gather and copy
+    (32768, 8),
+    (65536, 8),
+    (65536, 16),
+    (32768, 16),
+)
+"""(``chunk_rows``, ``num_threads``) of the host tier's CPU gather timed at T=8192
+beside the store's defaults; the winner goes to
+:data:`engramrt.lookup.tiers.host_gather.DEFAULT_CHUNK_ROWS` and
+:data:`~engramrt.lookup.tiers.host_gather.ROWS_PER_GATHER_THREAD`."""
+
+
+def kernel_label(kernel: LookupKernelSettings) -> str:
+    """``rows=32,warps=8,programs=16,stages=4,cg,hw``: the settings that differ from
+    the defaults, for an implementation's name."""
+    parts = [f"rows={kernel.rows_per_program}", f"warps={kernel.num_warps}"]
+    if kernel.max_programs is not None:
+        parts.append(f"programs={kernel.max_programs}")
+    if kernel.num_stages is not None:
+        parts.append(f"stages={kernel.num_stages}")
+    if kernel.cache_modifier:
+        parts.append(kernel.cache_modifier.lstrip("."))
+    if kernel.hw_convert:
+        parts.append("hw")
+    if not kernel.cached_launch:
+        parts.append("plain-launch")
+    return ",".join(parts)
 
 
 def _random_packed_rows(
@@ -161,20 +242,29 @@ def _variant(kernel: LookupKernelSettings) -> Callable[[Inputs], torch.Tensor]:
     return run
 
 
-def _host_variant(gpu_reads: bool, gpu_share: float | None = None) -> Callable[[Inputs], Any]:
-    """The host tier's lookup with GPU reads switched off, or another GPU share."""
+def _store_variant(**settings: Any) -> Callable[[Inputs], Any]:
+    """The store's lookup with some of its attributes (``kernel``, ``gpu_reads``,
+    ``gpu_share``, ``chunk_rows``, ``num_threads``) set otherwise for the call."""
 
     def run(inputs: Inputs) -> torch.Tensor:
         store = inputs["store"]
-        before = store.gpu_reads, store.gpu_share
-        store.gpu_reads = gpu_reads
-        store.gpu_share = before[1] if gpu_share is None else gpu_share
+        before = {name: getattr(store, name) for name in settings}
+        for name, value in settings.items():
+            setattr(store, name, value)
         try:
             return store.lookup(inputs["row_ids"], out=inputs["out"])
         finally:
-            store.gpu_reads, store.gpu_share = before
+            for name, value in before.items():
+                setattr(store, name, value)
 
     return run
+
+
+def _host_variant(gpu_reads: bool, gpu_share: float | None = None) -> Callable[[Inputs], Any]:
+    """The host tier's lookup with GPU reads switched off, or another GPU share."""
+    if gpu_share is None:
+        return _store_variant(gpu_reads=gpu_reads)
+    return _store_variant(gpu_reads=gpu_reads, gpu_share=gpu_share)
 
 
 def _device_torch_eager(inputs: Inputs) -> torch.Tensor:
@@ -227,10 +317,8 @@ def lookup_cases(quick: bool) -> list[Case]:
                     "torch-eager": _device_torch_eager,
                 }
                 if num_tokens == 8192:
-                    for rows_per_program, num_warps in _TILINGS:
-                        impls[f"triton[rows={rows_per_program},warps={num_warps}]"] = _variant(
-                            LookupKernelSettings(rows_per_program, num_warps)
-                        )
+                    for kernel in DEVICE_RATE_SWEEP:
+                        impls[f"triton[{kernel_label(kernel)}]"] = _variant(kernel)
                 bytes_moved, ceiling = rows * ROW_BYTES + rows * E * 2, "d2d"
             else:
                 impls = {tier: _tier_lookup, "torch-eager": _host_torch_eager}
@@ -239,8 +327,20 @@ def lookup_cases(quick: bool) -> list[Case]:
                     if num_tokens == 8192:
                         for share in _GPU_SHARES:
                             impls[f"host[gpu_share={share}]"] = _host_variant(True, share)
+                        for chunk_rows, num_threads in HOST_GATHER_SWEEP:
+                            name = f"host[cpu gather,chunk={chunk_rows},threads={num_threads}]"
+                            impls[name] = _store_variant(
+                                gpu_reads=False, chunk_rows=chunk_rows, num_threads=num_threads
+                            )
+                if tier in ("uva", "host") and num_tokens == 256:
+                    for kernel in DECODE_READ_SWEEP:
+                        impls[f"{tier}[{kernel_label(kernel)}]"] = _store_variant(kernel=kernel)
                 bytes_moved, ceiling = rows * ROW_BYTES, "h2d"
-            capturable = tier in ("device", "uva")
+            # The host tier's GPU reads of a decode batch need no host synchronisation.
+            capturable = tier in ("device", "uva") or (tier == "host" and num_tokens == 256)
+            graph_impls = tuple(
+                name for name in impls if name not in ("torch-eager", "host[cpu gather]")
+            )
             cases.append(
                 Case(
                     name=f"lookup/{tier}/T={num_tokens}",
@@ -262,9 +362,7 @@ def lookup_cases(quick: bool) -> list[Case]:
                     item_name="rows",
                     ceiling=ceiling,
                     graph=capturable,
-                    graph_impls=(("triton",) if tier == "device" else (tier,))
-                    if capturable
-                    else (),
+                    graph_impls=graph_impls if capturable else (),
                 )
             )
     rows = 8192 * COLS
