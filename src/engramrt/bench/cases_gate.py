@@ -5,8 +5,8 @@ decode-sized batch (T=256, where launch latency matters; target <= 12 µs)
 and a prefill-sized one (T=8192, bandwidth-bound; target >= 85% of the
 device copy ceiling). Beside the default configuration each case times the
 launch configurations of :data:`GATE_SWEEP`, so one H200 run shows which to
-put in :func:`engramrt.gate.kernel.default_gate_config` (and its decode table
-:data:`engramrt.gate.kernel.DECODE_CONFIGS`).
+put in :func:`engramrt.gate.config.default_gate_config` (and its decode table
+:data:`engramrt.gate.config.DECODE_CONFIGS`).
 """
 
 from __future__ import annotations

@@ -44,21 +44,11 @@ import triton
 import triton.language as tl
 
 from engramrt._launch import CachedLauncher
-from engramrt.gate.config import (
-    DECODE_CONFIGS,
-    DECODE_MAX_TOKENS,
-    VEC,
-    GateConfig,
-    default_gate_config,
-)
+from engramrt.gate.config import VEC, GateConfig, default_gate_config
 
-__all__ = [
-    "DECODE_CONFIGS",
-    "DECODE_MAX_TOKENS",
-    "GateConfig",
-    "default_gate_config",
-    "engram_gate_triton",
-]
+# GateConfig and default_gate_config live in engramrt.gate.config (no Triton
+# import); they are re-exported here, where the launcher's callers look.
+__all__ = ["GateConfig", "default_gate_config", "engram_gate_triton"]
 
 
 @triton.jit

@@ -24,11 +24,18 @@ import torch
 from engramrt import memory
 from engramrt.errors import ValidationError
 from engramrt.lookup.mapped import MappedHostRows, gather_mapped_rows
+from engramrt.lookup.settings import DEFAULT_KERNEL
 from engramrt.lookup.tiers.base import KernelRowStore, register_tier
 from engramrt.lookup.tiers.host_rows import HostRows, PrivateHostRows
 from engramrt.packed import word_dtype_for
 
-__all__ = ["UvaRowStore"]
+__all__ = ["UVA_KERNEL", "UvaRowStore"]
+
+UVA_KERNEL = DEFAULT_KERNEL
+"""The lookup kernel's settings on this tier (a full grid of 4096-value tiles). Every
+lookup here is a batch of small reads over PCIe, latency-bound: the bench's
+``lookup/uva/T=256`` case times the settings of
+:data:`engramrt.bench.cases_lookup.DECODE_READ_SWEEP` beside this one."""
 
 
 @register_tier
@@ -49,6 +56,7 @@ class UvaRowStore(KernelRowStore):
     """
 
     tier = "uva"
+    default_kernel = UVA_KERNEL
 
     def __init__(
         self, num_rows: int, E: int, *, host_rows: HostRows | None = None, **options: Any
