@@ -199,3 +199,21 @@ def test_labels_tell_the_variants_apart() -> None:
     assert kernel_label(LookupKernelSettings(32, 8, max_programs=16, num_stages=4)) == (
         "rows=32,warps=8,programs=16,stages=4"
     )
+
+
+def test_hw_convert_resolves_by_platform() -> None:
+    """None: the conversion instructions on a GPU, integer operations in the
+    interpreter (whose casts are not the GPU's); True and False force one."""
+    assert LookupKernelSettings().resolved_hw_convert(interpreted=False) is True
+    assert LookupKernelSettings().resolved_hw_convert(interpreted=True) is False
+    for forced in (True, False):
+        settings = LookupKernelSettings(hw_convert=forced)
+        assert settings.resolved_hw_convert(interpreted=False) is forced
+        assert settings.resolved_hw_convert(interpreted=True) is forced
+
+
+def test_uva_tier_defaults_to_its_bounded_grid() -> None:
+    from engramrt.lookup.tiers.uva import UVA_KERNEL, UvaRowStore
+
+    assert UvaRowStore.default_kernel is UVA_KERNEL
+    assert UVA_KERNEL.max_programs is not None and UVA_KERNEL.max_programs >= 1

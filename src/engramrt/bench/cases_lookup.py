@@ -12,7 +12,7 @@ hashing produces them.
   out of bounds); timed against ``lookup/device/T=8192`` it shows what
   bounding every id costs.
 - ``device`` tier: the Triton kernel (default settings, the
-  hardware-conversion variant, and at T=8192 the variants of
+  integer-conversion variant, and at T=8192 the variants of
   :data:`DEVICE_RATE_SWEEP`, so one H200 run shows which is best) against
   ``torch-eager``,
   an ``index_select`` of packed rows followed by the reference dequantise,
@@ -65,25 +65,26 @@ _K = LookupKernelSettings
 DECODE_READ_SWEEP: tuple[LookupKernelSettings, ...] = (
     # full grids (one tile per program): bytes in flight per program
     _K(8, 4),
-    _K(16, 4),  # the default tile (DEFAULT_KERNEL)
-    _K(32, 4),
+    _K(16, 4),  # DEFAULT_KERNEL's tile (the uva tier's default before this sweep)
     _K(32, 8),
-    _K(64, 8),
     _K(64, 16),
     _K(16, 4, cache_modifier=".cg"),
-    _K(32, 8, cache_modifier=".cg"),
-    # bounded grids: few programs, big tiles so that few round trips remain
-    _K(32, 4, max_programs=16),  # the host tier's HOST_READ_KERNEL before this sweep
+    # bounded grids: fewer requests in flight, each program's tiles in turn
+    _K(32, 4, max_programs=16),  # HOST_READ_KERNEL
     _K(32, 4, max_programs=16, num_stages=1),
     _K(32, 4, max_programs=16, num_stages=4),
+    _K(32, 4, max_programs=16, cache_modifier=".cg"),
     _K(128, 16, max_programs=16),
-    _K(256, 32, max_programs=16),
+    _K(32, 4, max_programs=24),
+    _K(8, 1, max_programs=64),
+    _K(16, 4, max_programs=64),
     _K(64, 8, max_programs=32),
-    _K(64, 8, max_programs=32, num_stages=4),
-    _K(128, 8, max_programs=48),
-    _K(64, 8, max_programs=66),
-    _K(32, 4, max_programs=132),
-    _K(32, 8, max_programs=132, cache_modifier=".cg"),
+    _K(8, 2, max_programs=132),  # UVA_KERNEL
+    _K(8, 2, max_programs=132, num_stages=4),
+    _K(8, 2, max_programs=132, cache_modifier=".cg"),
+    _K(16, 4, max_programs=132),
+    _K(4, 2, max_programs=132),
+    _K(8, 2, max_programs=264),
 )
 """Lookup-kernel settings timed for the reads of host memory at T=256 (6,144 rows),
 on the uva tier and the host tier's GPU reads; the winners go to
@@ -91,16 +92,15 @@ on the uva tier and the host tier's GPU reads; the winners go to
 :data:`engramrt.lookup.tiers.host_gather.HOST_READ_KERNEL`."""
 
 DEVICE_RATE_SWEEP: tuple[LookupKernelSettings, ...] = (
+    _K(8, 2),
     _K(8, 4),
     _K(32, 4),
     _K(32, 8),
     _K(16, 8),
     _K(64, 8),
-    _K(64, 16),
-    _K(32, 8, hw_convert=True),
-    _K(64, 16, hw_convert=True),
+    _K(32, 4, hw_convert=False),
     _K(16, 4, cache_modifier=".cg"),
-    _K(32, 8, cache_modifier=".cg"),
+    _K(8, 2, cache_modifier=".cg"),
     _K(32, 4, max_programs=1056),  # a persistent grid: 8 programs per SM
     _K(32, 8, max_programs=528, num_stages=3),
 )
@@ -133,8 +133,8 @@ def kernel_label(kernel: LookupKernelSettings) -> str:
         parts.append(f"stages={kernel.num_stages}")
     if kernel.cache_modifier:
         parts.append(kernel.cache_modifier.lstrip("."))
-    if kernel.hw_convert:
-        parts.append("hw")
+    if kernel.hw_convert is not None:
+        parts.append("hw" if kernel.hw_convert else "int")
     if not kernel.cached_launch:
         parts.append("plain-launch")
     return ",".join(parts)
@@ -313,7 +313,7 @@ def lookup_cases(quick: bool) -> list[Case]:
             if tier == "device":
                 impls = {
                     "triton": _tier_lookup,
-                    "triton[hw_convert]": _variant(LookupKernelSettings(hw_convert=True)),
+                    "triton[int convert]": _variant(LookupKernelSettings(hw_convert=False)),
                     "torch-eager": _device_torch_eager,
                 }
                 if num_tokens == 8192:

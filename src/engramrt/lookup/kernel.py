@@ -24,9 +24,10 @@ Design (one launch, no host synchronisation, capturable in a CUDA graph):
 - Conversions are the integer formulations of :mod:`engramrt.quant.kernel`,
   so the bytes equal :func:`engramrt.lookup.reference.lookup_rows_reference`
   on the GPU and in Triton's interpreter alike (about 15 integer/float
-  operations per value). ``hw_convert=True`` swaps in the GPU's conversion
-  instructions (about 6 per value), for the case where the integer pipe,
-  not memory, bounds the kernel on the H200; it must be re-checked there.
+  operations per value). ``hw_convert`` (by default on a GPU) swaps in the
+  GPU's conversion instructions (about 6 per value): the integer pipe, not
+  memory, bounds the lookup from device memory on the H200; the bytes are
+  checked equal on the GPU (tests/lookup/test_lookup.py).
 
 ``table`` may be any object with ``data_ptr()`` and ``dtype`` (Triton only
 uses those), e.g. a pointer to pinned host memory mapped into the device's
@@ -61,6 +62,7 @@ import torch
 import triton
 import triton.language as tl
 
+from engramrt._backend import interpreter_enabled
 from engramrt._jit import dequantize_to_bf16_bits, flat_lookups
 from engramrt._launch import CachedLauncher
 from engramrt.lookup.settings import DEFAULT_KERNEL, LookupKernelSettings
@@ -222,7 +224,7 @@ def lookup_rows_triton(
         "NB": blocks,
         "NB_PAD": blocks_pad,
         "ROWS": rows,
-        "HW_CONVERT": kernel.hw_convert,
+        "HW_CONVERT": kernel.resolved_hw_convert(interpreter_enabled()),
         "TILES": per_program,
         "CACHE": kernel.cache_modifier,
         "num_warps": kernel.num_warps or DEFAULT_NUM_WARPS,

@@ -31,11 +31,14 @@ from engramrt.packed import word_dtype_for
 
 __all__ = ["UVA_KERNEL", "UvaRowStore"]
 
-UVA_KERNEL = DEFAULT_KERNEL
-"""The lookup kernel's settings on this tier (a full grid of 4096-value tiles). Every
-lookup here is a batch of small reads over PCIe, latency-bound: the bench's
-``lookup/uva/T=256`` case times the settings of
-:data:`engramrt.bench.cases_lookup.DECODE_READ_SWEEP` beside this one."""
+UVA_KERNEL = DEFAULT_KERNEL.replace(rows_per_program=8, num_warps=2, max_programs=132)
+"""The lookup kernel's settings on this tier: a grid bounded at 132 programs (one
+per H200 SM) of 2 warps, each serving 8-row tiles in turn. Reads of scattered
+rows over PCIe gain nothing from more requests in flight: on an H200 (graph
+replay, 6,144 rows of an 8 GiB table, one run) the full grid of 16-row tiles
+took 77-88 µs, bigger tiles or more warps up to 108 µs, this grid 58 µs (and
+16-row tiles on it 64-65 µs in two runs). The bench's ``lookup/uva/T=256`` case
+times :data:`engramrt.bench.cases_lookup.DECODE_READ_SWEEP` beside it."""
 
 
 @register_tier
