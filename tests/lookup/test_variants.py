@@ -158,12 +158,12 @@ def test_store_kernel_variant(kernel: LookupKernelSettings, table: torch.Tensor)
     assert_same_bits(store.lookup(row_ids), lookup_rows_reference(row_ids, table, E))
 
 
-@pytest.mark.parametrize(("chunk_rows", "num_threads"), HOST_GATHER_SWEEP[:5])
+@pytest.mark.parametrize(("chunk_rows", "num_threads", "dedup"), HOST_GATHER_SWEEP)
 def test_host_gather_settings_change_no_byte(
-    chunk_rows: int, num_threads: int | None, table: torch.Tensor
+    chunk_rows: int, num_threads: int | None, dedup: bool, table: torch.Tensor
 ) -> None:
-    """The host tier's gather settings of the bench sweep, on a batch large enough to
-    be deduplicated (every id twice), give the reference's bytes."""
+    """The host tier's gather settings of the bench sweep (every id twice, deduplicated
+    or not) give the reference's bytes."""
     store = make_store(
         "host",
         packed=table.cpu(),
@@ -172,7 +172,7 @@ def test_host_gather_settings_change_no_byte(
         num_threads=num_threads,
         gpu_reads=False,
     )
-    store.dedup_min_rows = 0  # deduplicate, gather in pieces, scatter back
+    store.dedup_min_rows = 0 if dedup else 1 << 62
     half = random_ids((13, 12), 0, NUM_ROWS, torch.int64, seed=9)
     row_ids = torch.cat([half, half.flip(0)], dim=1).to(DEVICE)
     assert_same_bits(store.lookup(row_ids), lookup_rows_reference(row_ids, table, E))

@@ -107,20 +107,26 @@ DEVICE_RATE_SWEEP: tuple[LookupKernelSettings, ...] = (
 """Lookup-kernel settings timed on the device tier at T=8192 (196,608 rows) beside
 the default; the winner goes to :data:`engramrt.lookup.settings.DEFAULT_KERNEL`."""
 
-HOST_GATHER_SWEEP: tuple[tuple[int, int | None], ...] = (
-    (16384, None),
-    (32768, None),
-    (131072, None),
-    (196608, None),  # one piece: no overlap of gather and copy
-    (32768, 8),
-    (65536, 8),
-    (65536, 16),
-    (32768, 16),
+HOST_GATHER_SWEEP: tuple[tuple[int, int | None, bool], ...] = (
+    # (chunk_rows, num_threads, deduplicate)
+    (16384, None, True),  # more, smaller pieces: a shorter last copy
+    (32768, None, True),
+    (131072, None, True),
+    (196608, None, True),  # one piece: no overlap of gather and copy
+    (32768, 8, True),
+    (65536, 8, True),
+    (65536, 16, True),
+    (32768, 16, True),
+    (65536, None, False),  # uniform ids repeat little: skip the sort on the GPU
+    (32768, None, False),
 )
-"""(``chunk_rows``, ``num_threads``) of the host tier's CPU gather timed at T=8192
-beside the store's defaults; the winner goes to
-:data:`engramrt.lookup.tiers.host_gather.DEFAULT_CHUNK_ROWS` and
-:data:`~engramrt.lookup.tiers.host_gather.ROWS_PER_GATHER_THREAD`."""
+"""Settings of the host tier's CPU gather timed at T=8192 beside the store's
+defaults: ``chunk_rows`` (rows per gather-then-copy piece), ``num_threads`` (None:
+the store's rule) and whether the batch is deduplicated (sorted and made unique
+on the GPU first). The winners go to
+:data:`engramrt.lookup.tiers.host_gather.DEFAULT_CHUNK_ROWS`,
+:data:`~engramrt.lookup.tiers.host_gather.ROWS_PER_GATHER_THREAD` and
+:data:`~engramrt.lookup.tiers.host_gather.DEDUP_MIN_ROWS`."""
 
 
 def kernel_label(kernel: LookupKernelSettings) -> str:
@@ -327,10 +333,17 @@ def lookup_cases(quick: bool) -> list[Case]:
                     if num_tokens == 8192:
                         for share in _GPU_SHARES:
                             impls[f"host[gpu_share={share}]"] = _host_variant(True, share)
-                        for chunk_rows, num_threads in HOST_GATHER_SWEEP:
-                            name = f"host[cpu gather,chunk={chunk_rows},threads={num_threads}]"
+                        for chunk_rows, num_threads, dedup in HOST_GATHER_SWEEP:
+                            name = (
+                                f"host[cpu gather,chunk={chunk_rows},threads={num_threads}"
+                                f"{'' if dedup else ',no dedup'}]"
+                            )
                             impls[name] = _store_variant(
-                                gpu_reads=False, chunk_rows=chunk_rows, num_threads=num_threads
+                                gpu_reads=False,
+                                chunk_rows=chunk_rows,
+                                num_threads=num_threads,
+                                # 0: always deduplicate; past any batch: never
+                                dedup_min_rows=0 if dedup else 1 << 62,
                             )
                 if tier in ("uva", "host") and num_tokens == 256:
                     for kernel in DECODE_READ_SWEEP:
