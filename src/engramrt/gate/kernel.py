@@ -38,12 +38,14 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import Any
 
 import torch
 import triton
 import triton.language as tl
 
 from engramrt._launch import CachedLauncher
+from engramrt.gate import config as gate_config
 from engramrt.gate.config import VEC, GateConfig, default_gate_config
 
 # GateConfig and default_gate_config live in engramrt.gate.config (no Triton
@@ -259,43 +261,60 @@ def engram_gate_triton(
         return out
     if config is None:
         widest = max(t.element_size() for t in (hidden, kv, q_weight, k_weight))
-        config = default_gate_config(hc, dim, widest, num_tokens)
+        decode = num_tokens <= gate_config.DECODE_MAX_TOKENS
+        config = _default_config(hc, dim, widest, decode)
     has_mask = token_mask is not None
     # bool storage is one byte; uint8 makes the pointer type explicit for Triton.
     mask_arg = token_mask.view(torch.uint8) if token_mask is not None else hidden
+    groups, constexprs = _launch_plan(hc, dim, config, has_mask)
+    grid = (_grid_size(num_tokens * groups, hidden.device, config),)
+    args = (
+        hidden,
+        kv,
+        q_weight,
+        k_weight,
+        mask_arg,
+        out,
+        num_tokens,
+        dim,
+        float(eps),
+        1.0 / math.sqrt(dim),
+    )
+    # Entering torch.cuda.device costs microseconds, a fair part of a decode
+    # step's gate: only when the inputs are not on the current device.
+    if hidden.device.type == "cuda" and hidden.device.index != torch.cuda.current_device():
+        with torch.cuda.device(hidden.device):
+            _launch_gate_kernel(grid, *args, **constexprs)
+    else:
+        _launch_gate_kernel(grid, *args, **constexprs)
+    return out
+
+
+@functools.cache
+def _default_config(hc: int, dim: int, element_bytes: int, decode: bool) -> GateConfig:
+    """:func:`default_gate_config` once per shape (the launch path runs every step)."""
+    return default_gate_config(hc, dim, element_bytes, 1 if decode else None)
+
+
+@functools.cache
+def _launch_plan(
+    hc: int, dim: int, config: GateConfig, has_mask: bool
+) -> tuple[int, dict[str, Any]]:
+    """Stream groups per token and the kernel's constexprs, once per shape and config
+    (read only by the launcher, never changed)."""
     streams = min(hc, config.streams_per_program or hc)
     groups = triton.cdiv(hc, streams)
-    grid = (_grid_size(num_tokens * groups, hidden.device, config),)
-
-    def launch() -> None:
-        _launch_gate_kernel(
-            grid,
-            hidden,
-            kv,
-            q_weight,
-            k_weight,
-            mask_arg,
-            out,
-            num_tokens,
-            dim,
-            float(eps),
-            1.0 / math.sqrt(dim),
-            HC=hc,
-            S=streams,
-            S_PAD=triton.next_power_of_2(streams),
-            GROUPS=groups,
-            BLOCK_D=config.block_d,
-            VEC=VEC,
-            NUM_CHUNKS=triton.cdiv(dim, config.block_d),
-            HAS_MASK=has_mask,
-            NUM_STAGES=config.num_stages,
-            UNROLL=config.unroll,
-            num_warps=config.num_warps,
-        )
-
-    if hidden.device.type == "cuda":
-        with torch.cuda.device(hidden.device):
-            launch()
-    else:
-        launch()
-    return out
+    constexprs: dict[str, Any] = {
+        "HC": hc,
+        "S": streams,
+        "S_PAD": triton.next_power_of_2(streams),
+        "GROUPS": groups,
+        "BLOCK_D": config.block_d,
+        "VEC": VEC,
+        "NUM_CHUNKS": triton.cdiv(dim, config.block_d),
+        "HAS_MASK": has_mask,
+        "NUM_STAGES": config.num_stages,
+        "UNROLL": config.unroll,
+        "num_warps": config.num_warps,
+    }
+    return groups, constexprs
