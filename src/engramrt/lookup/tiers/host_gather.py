@@ -118,9 +118,10 @@ HOST_READ_KERNEL = LookupKernelSettings(
 The bench's ``lookup/host/T=256`` case times
 :data:`engramrt.bench.cases_lookup.DECODE_READ_SWEEP` beside it. Alone, a grid
 of 132 programs of 8-row tiles and 2 warps (the uva tier's
-:data:`~engramrt.lookup.tiers.uva.UVA_KERNEL`) read 6,144 rows faster in one
-H200 run (58 µs against 63-71 µs for these settings); these stay until the
-cost to a model running beside it (BENCHMARKS.md, run E) is measured too."""
+:data:`~engramrt.lookup.tiers.uva.UVA_KERNEL`) read 6,144 rows of a uva table
+faster in one H200 run (58 µs against 63-71 µs for these settings, which took
+64 µs on this tier); these stay until the cost to a model running beside it
+(BENCHMARKS.md, run E) is measured too."""
 
 GPU_SHARE = 0.0
 """Default share of a deduplicated batch's unique rows that the GPU reads from
