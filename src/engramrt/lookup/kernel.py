@@ -37,16 +37,19 @@ Levers (:class:`~engramrt.lookup.settings.LookupKernelSettings`; every one
 writes the same bytes) and why each should help:
 
 - ``rows_per_program`` and ``num_warps``: bytes in flight per program. A
-  read of host memory over PCIe waits ~1-2 µs per round trip whatever its
-  size, so a program that issues more rows at once (a bigger tile, more
-  warps to issue it) hides more of that latency; from device memory a
-  bigger tile amortises the id load and index arithmetic per row.
+  read of host memory over PCIe waits microseconds per round trip whatever
+  its size, so a program that issues more rows at once (a bigger tile, more
+  warps to issue it) hides more of that latency, up to what the link
+  sustains for small scattered reads: past that, more requests only queue
+  (on the H200, 6,144 rows in flight at once read slower than ~800 at a
+  time; see :data:`engramrt.lookup.tiers.uva.UVA_KERNEL`). From device
+  memory a bigger tile amortises the id load and index arithmetic per row.
 - ``max_programs``: a bounded grid. Programs reading host memory mostly
   wait, yet hold their multiprocessor's slots; a grid that does not grow
-  with the batch leaves the GPU to the model beside it. With a bounded grid
-  each program serves its tiles one after the other, so its round trips add
-  up: a bounded grid wants big tiles (all of a decode batch in flight in
-  one or two rounds), and enough programs to use every SM's load units.
+  with the batch leaves the GPU to the model beside it, and bounds the
+  requests in flight. Each program serves its tiles one after the other,
+  so its round trips add up: too few programs (or too small tiles) and the
+  chain of round trips, not the link, bounds the read.
 - ``num_stages``: pipelining of that loop over tiles, so the loads of the
   next tile may be issued before the current one is stored.
 - ``cache_modifier``: ``.cg`` keeps rows (read once) out of L1.
