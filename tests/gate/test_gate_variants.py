@@ -88,6 +88,16 @@ def test_decode_table_is_used_below_the_threshold(monkeypatch: pytest.MonkeyPatc
     assert default_gate_config(2, 5120, 2, num_tokens=1) != decode  # no entry
 
 
+def test_measured_shape_takes_its_table_entry(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert default_gate_config(4, 5120).streams_per_program == 1  # the measured entry
+    tuned = GateConfig(512, 2, None, streams_per_program=1)
+    monkeypatch.setattr(gate_config, "SHAPE_CONFIGS", {(3, 100): tuned})
+    assert default_gate_config(3, 100, 2) is tuned
+    assert default_gate_config(3, 100, 2, num_tokens=8192) is tuned
+    assert default_gate_config(3, 100, 4) != tuned  # fp32 operands: the rule
+    assert default_gate_config(3, 128, 2) != tuned
+
+
 @pytest.mark.parametrize(
     ("field", "bad", "expected"),
     [

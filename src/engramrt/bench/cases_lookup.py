@@ -73,7 +73,6 @@ DECODE_READ_SWEEP: tuple[LookupKernelSettings, ...] = (
     _K(32, 4, max_programs=16),  # HOST_READ_KERNEL
     _K(32, 4, max_programs=16, num_stages=1),
     _K(32, 4, max_programs=16, num_stages=4),
-    _K(32, 4, max_programs=16, cache_modifier=".cg"),
     _K(128, 16, max_programs=16),
     _K(32, 4, max_programs=24),
     _K(8, 1, max_programs=64),
@@ -81,7 +80,6 @@ DECODE_READ_SWEEP: tuple[LookupKernelSettings, ...] = (
     _K(64, 8, max_programs=32),
     _K(8, 2, max_programs=132),  # UVA_KERNEL
     _K(8, 2, max_programs=132, num_stages=4),
-    _K(8, 2, max_programs=132, cache_modifier=".cg"),
     _K(16, 4, max_programs=132),
     _K(4, 2, max_programs=132),
     _K(8, 2, max_programs=264),
@@ -100,7 +98,6 @@ DEVICE_RATE_SWEEP: tuple[LookupKernelSettings, ...] = (
     _K(64, 8),
     _K(32, 4, hw_convert=False),
     _K(16, 4, cache_modifier=".cg"),
-    _K(8, 2, cache_modifier=".cg"),
     _K(32, 4, max_programs=1056),  # a persistent grid: 8 programs per SM
     _K(32, 8, max_programs=528, num_stages=3),
 )

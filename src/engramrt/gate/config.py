@@ -17,6 +17,7 @@ from engramrt.errors import ValidationError
 __all__ = [
     "DECODE_CONFIGS",
     "DECODE_MAX_TOKENS",
+    "SHAPE_CONFIGS",
     "VEC",
     "GateConfig",
     "default_gate_config",
@@ -73,13 +74,20 @@ class GateConfig:
             raise ValidationError(f"unroll = {self.unroll!r}; expected a bool")
 
 
+SHAPE_CONFIGS: dict[tuple[int, int], GateConfig] = {
+    (4, 5120): GateConfig(1024, 4, None, 1, streams_per_program=1),
+}
+"""Launch configuration by ``(hc, D)`` for 2-byte (bf16/fp16) operands, chosen by
+measurement (see :func:`default_gate_config`); other shapes follow its rule."""
+
 DECODE_MAX_TOKENS = 0
-"""Batches of at most this many tokens use :data:`DECODE_CONFIGS` (0: never; the
-decode-sized variants await a measurement: ``bench/tune_gate.py`` and the
-``gate/T=256`` bench case time them)."""
+"""Batches of at most this many tokens use :data:`DECODE_CONFIGS` (0: never). In
+the one H200 run of the decode variants, no configuration beat
+:data:`SHAPE_CONFIGS` at T=256, so the table is off; ``bench/tune_gate.py`` and
+the ``gate/T=256`` bench case time them."""
 
 DECODE_CONFIGS: dict[tuple[int, int], GateConfig] = {
-    (4, 5120): GateConfig(1024, 8, None, 1, streams_per_program=2, unroll=True),
+    (4, 5120): GateConfig(1024, 4, None, 1, streams_per_program=1, unroll=True),
 }
 """Launch configuration by ``(hc, D)`` for decode-sized batches (at most
 :data:`DECODE_MAX_TOKENS` tokens), where latency, not bandwidth, bounds the gate."""
@@ -93,8 +101,9 @@ def default_gate_config(
     ``element_bytes`` is the widest element among hidden, kv and the weights.
     One chunk is a ``[next_pow2(hc), block_d]`` tile of at most 8 KB per
     tensor at 4 warps, one program per token (no persistent grid).
-    ``num_tokens`` (when given) at most :data:`DECODE_MAX_TOKENS` with bf16
-    operands picks the decode table :data:`DECODE_CONFIGS` when it has the shape.
+    With 2-byte operands, a shape in :data:`SHAPE_CONFIGS` takes its entry
+    there, and ``num_tokens`` (when given) at most :data:`DECODE_MAX_TOKENS`
+    the entry of :data:`DECODE_CONFIGS`.
 
     Measured on an H200 (torch 2.11, Triton 3.6; ``bench/tune_gate.py``), hc=4,
     D=5120, bf16, T=8192, percent of the 4.27 TB/s device copy ceiling:
@@ -114,11 +123,36 @@ def default_gate_config(
 
     Software pipelining through shared memory (``num_stages=2``) costs 3x:
     the loads are already 16 bytes wide and enough tokens are in flight.
+
+    A later run (same machine and versions, graph replay, this kernel) timed
+    streams per program and unrolled D loops beside the chosen configuration:
+
+    ===================================================  ========  =========
+    GateConfig(block_d, warps, per_sm, st, streams, unr)  T=8192    T=256
+    ===================================================  ========  =========
+    (1024, 4, None, 1)                                   288.7 µs  11.0 µs
+    (1024, 4, None, 1, 1) -- chosen (SHAPE_CONFIGS)      277.6 µs   9.7 µs
+    (1024, 4, None, 1, 1, unroll)                        308.0 µs   9.7 µs
+    (1024, 4, None, 1, 2, unroll)                        315.3 µs  10.6 µs
+    (1024, 4, None, 1, 2)                                292.3 µs  11.3 µs
+    (1024, 8 or 16, None, 1, all, unroll)                ≥ 509 µs  ≥ 15.7 µs
+    ===================================================  ========  =========
+
+    One program per (token, stream) (the value row read four times, three of
+    them mostly from L2) runs four times as many programs of a quarter of the
+    work: at T=256 more of the GPU's warp slots wait on DRAM at once, at
+    T=8192 the smaller programs keep more loads in flight per SM (92% of the
+    copy ceiling against 88%). Unrolling costs registers and occupancy more
+    than it saves in round trips.
     """
-    if num_tokens is not None and num_tokens <= DECODE_MAX_TOKENS and element_bytes == 2:
-        decode = DECODE_CONFIGS.get((hc, dim))
-        if decode is not None:
-            return decode
+    if element_bytes == 2:
+        if num_tokens is not None and num_tokens <= DECODE_MAX_TOKENS:
+            decode = DECODE_CONFIGS.get((hc, dim))
+            if decode is not None:
+                return decode
+        tuned = SHAPE_CONFIGS.get((hc, dim))
+        if tuned is not None:
+            return tuned
     hc_pad = _next_power_of_2(hc)
     tile_bytes = 8192
     block_d = max(VEC, min(_next_power_of_2(dim), tile_bytes // element_bytes // hc_pad))

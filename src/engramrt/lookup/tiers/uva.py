@@ -35,9 +35,9 @@ UVA_KERNEL = DEFAULT_KERNEL.replace(rows_per_program=8, num_warps=2, max_program
 """The lookup kernel's settings on this tier: a grid bounded at 132 programs (one
 per H200 SM) of 2 warps, each serving 8-row tiles in turn. Reads of scattered
 rows over PCIe gain nothing from more requests in flight: on an H200 (graph
-replay, 6,144 rows of an 8 GiB table, one run) the full grid of 16-row tiles
-took 77-88 µs, bigger tiles or more warps up to 108 µs, this grid 58 µs (and
-16-row tiles on it 64-65 µs in two runs). The bench's ``lookup/uva/T=256`` case
+replay, 6,144 rows of an 8 GiB table) the full grid of 16-row tiles took
+71-88 µs in three runs, bigger tiles or more warps up to 108 µs, this grid
+50-58 µs in two (``.cg`` loads: 129 µs). The bench's ``lookup/uva/T=256`` case
 times :data:`engramrt.bench.cases_lookup.DECODE_READ_SWEEP` beside it."""
 
 
