@@ -54,7 +54,9 @@ class LookupKernelSettings:
         cache_modifier: the cache operator of the table loads: ``""``
             (default, cached in L1 and L2), ``".cg"`` (L2 only: rows are
             read once, so L1 lines only hold space another load could
-            use), ``".ca"``, ``".cv"`` (no caching, fetched again).
+            use), ``".ca"``, ``".cv"`` (no caching, fetched again). In one
+            H200 run ``.cg`` was slower everywhere (reads of host memory by
+            more than 2x), so the default stays.
         cached_launch: launch through :class:`engramrt._launch.CachedLauncher`
             (the compiled kernel called directly, a few µs of host time)
             instead of ``kernel[grid](...)`` (tens of µs, as binding and
