@@ -54,13 +54,16 @@ from engramrt.hashing import HashBatch, NgramHasher, RequestHistory, SlotHashCac
 from engramrt.layer import EngramHead, EngramLayer
 from engramrt.source import PendingRows, RowSource
 
-__all__ = ["EngramRuntime", "StepRows", "worker_plan"]
+__all__ = ["LOOKUP_WORKERS", "EngramRuntime", "StepRows", "worker_plan"]
 
 _T = TypeVar("_T")
 _COLLECTIVE_WORKER = -1  # the worker key shared by collective sources that need a thread
+_SHARED_WORKER = -2  # the worker key of every other threaded source, with lookup_workers="shared"
+LOOKUP_WORKERS = ("per-layer", "shared")
+"""How sources that need a thread are spread over worker threads (see :func:`worker_plan`)."""
 
 
-def worker_plan(sources: Sequence[RowSource]) -> dict[int, int]:
+def worker_plan(sources: Sequence[RowSource], *, shared: bool = False) -> dict[int, int]:
     """Which layers' sources run on a worker thread, and which thread: ``{layer: key}``.
 
     A source with :attr:`~engramrt.source.RowSource.host_sync` gets a worker
@@ -70,6 +73,12 @@ def worker_plan(sources: Sequence[RowSource]) -> dict[int, int]:
     in layer order on every rank: when any of them needs a thread, all of
     them share one worker (key -1); otherwise they stay on the side stream,
     which keeps the order too. Layers not in the plan run on the side stream.
+
+    ``shared``: every non-collective source that needs a thread runs on one
+    worker (key -2) instead, in layer order: the first Engram layer's lookup,
+    the one with the fewest blocks to hide behind, then has the host's gather
+    threads and the copy engine to itself instead of sharing them with the
+    later layers' lookups, which have many more blocks to hide behind.
     """
     plan: dict[int, int] = {}
     threaded_collectives = any(s.collective and s.host_sync for s in sources)
@@ -78,7 +87,7 @@ def worker_plan(sources: Sequence[RowSource]) -> dict[int, int]:
             if threaded_collectives:
                 plan[index] = _COLLECTIVE_WORKER
         elif source.host_sync:
-            plan[index] = index
+            plan[index] = _SHARED_WORKER if shared else index
     return plan
 
 
@@ -136,6 +145,11 @@ class EngramRuntime:
             default, 0, is the lowest, the same as a default stream's: an
             engine that runs its model on a higher-priority stream keeps
             precedence over the lookups.
+        lookup_workers: ``"per-layer"`` (default): a worker thread per layer
+            whose source needs one (host and disk tiers, caches), so the
+            layers' lookups run at once; ``"shared"``: one thread for all of
+            them, in layer order, so the first layer's lookup runs alone (see
+            :func:`worker_plan`). Collective sources keep their own rule.
 
     Attributes:
         layers: the Engram layers (empty without ``heads``).
@@ -153,6 +167,7 @@ class EngramRuntime:
         validate: bool = True,
         num_slots: int = 2,
         lookup_priority: int = 0,
+        lookup_workers: str = "per-layer",
     ) -> None:
         consts = hasher.consts
         if len(sources) != consts.n_layers:
@@ -173,6 +188,10 @@ class EngramRuntime:
         ):
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValidationError(f"{name}={value!r} must be a positive integer")
+        if lookup_workers not in LOOKUP_WORKERS:
+            raise ValidationError(
+                f"lookup_workers={lookup_workers!r}; expected one of {', '.join(LOOKUP_WORKERS)}"
+            )
         devices = {s.device for s in sources}
         if devices != {hasher.device}:
             raise ValidationError(
@@ -222,7 +241,10 @@ class EngramRuntime:
         self._lookup_stream = (
             torch.cuda.Stream(self.device, priority=lookup_priority) if cuda else None
         )
-        self._worker_of = worker_plan(self.sources) if cuda else {}
+        self.lookup_workers = lookup_workers
+        self._worker_of = (
+            worker_plan(self.sources, shared=lookup_workers == "shared") if cuda else {}
+        )
         self._workers = {
             key: ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"engramrt-rows-{key}")
             for key in set(self._worker_of.values())
