@@ -377,8 +377,8 @@ def test_graph_capture_of_a_model_step(layout, token_map) -> None:
 class _Flags:
     """Only the capability flags the plan reads."""
 
-    def __init__(self, host_sync: bool, collective: bool = False) -> None:
-        self.host_sync, self.collective = host_sync, collective
+    def __init__(self, host_sync: bool, collective: bool = False, has_update: bool = False) -> None:
+        self.host_sync, self.collective, self.has_update = host_sync, collective, has_update
 
 
 @pytest.mark.parametrize(
@@ -430,3 +430,23 @@ def test_shared_lookup_worker_rows_equal_per_layer(layout, token_map, device) ->
 def test_lookup_workers_is_checked(layout, token_map, device) -> None:
     with pytest.raises(ValidationError, match=r"lookup_workers='one'; expected one of per-layer"):
         _runtime(layout, token_map, device, lookup_workers="one")
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_updates_are_queued_after_every_lookup_of_the_step(shared) -> None:
+    """A layer's wait joins its lookup job only: updates are jobs of their own, after all of
+    the step's lookups, so on a shared worker layer 1's lookup never queues behind layer 0's
+    update (a cache's admission planning, which synchronises with the device)."""
+    from engramrt.runtime.runtime import worker_jobs, worker_plan
+
+    sources = [_Flags(True, has_update=True), _Flags(False), _Flags(True, has_update=True)]
+    sources.append(_Flags(True))
+    plan = worker_plan(sources, shared=shared)  # type: ignore[arg-type]
+    jobs = worker_jobs(sources, plan)  # type: ignore[arg-type]
+    assert jobs == [("fetch", 0), ("fetch", 2), ("fetch", 3), ("update", 0), ("update", 2)]
+    # On each worker, a source's update comes after its own lookup.
+    for key in set(plan.values()):
+        mine = [job for job in jobs if plan[job[1]] == key]
+        for job, index in mine:
+            if job == "update":
+                assert mine.index(("fetch", index)) < mine.index((job, index))
