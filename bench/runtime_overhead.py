@@ -117,7 +117,9 @@ def make_backbone(cfg, device):
     blocks = [(w(D, 3 * D), w(D, D), w(D, 2 * FFN), w(FFN, D)) for _ in range(BLOCKS)]
     heads = []
     for _ in range(2):
-        head = EngramHead(cfg, device=device, validate=False)
+        # On a CPU (a smoke run) the plain torch gate: Triton's interpreter is far too slow.
+        backend = "auto" if torch.device(device).type == "cuda" else "reference"
+        head = EngramHead(cfg, device=device, backend=backend, validate=False)
         head.load_weights(
             wkv=w((HC + 1) * D, cfg.n_cols * cfg.head_dim),
             q_weight=(1 + w(HC, D)).bfloat16(),
@@ -329,6 +331,11 @@ class EngineStyle:
         pass
 
 
+def synchronize(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def run(runtime, batches, forward, prefetch):
     """Time ``forward(handle, batch)`` over ``batches``, the lookups started per step.
 
@@ -336,7 +343,7 @@ def run(runtime, batches, forward, prefetch):
     forward; without, when the next step starts.
     """
     tokens = sum(b.num_tokens for b in batches)
-    torch.cuda.synchronize()
+    synchronize(batches[0].input_ids.device)
     start = time.perf_counter()
     handle = runtime.step(batches[0])
     for i, batch in enumerate(batches):
@@ -346,7 +353,7 @@ def run(runtime, batches, forward, prefetch):
         forward(handle, batch)
         if i + 1 < len(batches):
             handle = nxt if nxt is not None else runtime.step(batches[i + 1])
-    torch.cuda.synchronize()
+    synchronize(batches[0].input_ids.device)
     return summary(batches, tokens, time.perf_counter() - start)
 
 
@@ -434,16 +441,27 @@ class GraphedBackbone:
         self.tail[handle.slot].replay()
 
 
-def parse_programs(text: str) -> tuple[int | None, int | None] | None:
+def parse_programs(text: str):
     """``"default"`` -> None (the store's own settings); ``"16"`` or ``"16:64"`` ->
-    (max_programs, rows_per_program), ``"0"`` for an unbounded grid."""
+    (max_programs, rows_per_program), ``"0"`` for an unbounded grid; ``"0/16"``:
+    one setting per Engram layer (here: a full grid for the first layer, whose
+    rows have one block to hide behind, 16 programs for the second) -> a tuple
+    of such pairs."""
     if text == "default":
         return None
+    if "/" in text:
+        return tuple(parse_programs(part) for part in text.split("/"))
     programs, _, rows = text.partition(":")
     return int(programs) or None, int(rows) if rows else None
 
 
-def main() -> None:
+def layer_grid(programs, layer_index: int):
+    """The (max_programs, rows_per_program) of one layer from a :func:`parse_programs`
+    value that is not None."""
+    return programs[layer_index] if isinstance(programs[0], tuple) else programs
+
+
+def main(argv=None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--table-gib", type=float, default=16.0)
     parser.add_argument("--decode-steps", type=int, default=100)
@@ -459,7 +477,8 @@ def main() -> None:
         default="default",
         help="comma-separated grid limits of the kernel reading host memory (tiers host and "
         "uva), each optionally ':ROWS' rows per program ('default': the store's own settings; "
-        "'0': one program per tile), to compare; all but the first on decode only",
+        "'0': one program per tile; 'A/B': A for the first Engram layer, B for the second), "
+        "to compare; all but the first on decode only",
     )
     parser.add_argument("--workloads", default="decode,prefill", help="decode, prefill or both")
     parser.add_argument(
@@ -501,9 +520,24 @@ def main() -> None:
         default="per-layer",
         help="comma-separated: per-layer and/or shared (one thread for both layers' host lookups)",
     )
-    args = parser.parse_args()
+    parser.add_argument("--device", default="cuda", help="where to run (cpu: --smoke only)")
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="a tiny backbone (hidden 64, 16 blocks) so the whole script runs on a CPU; "
+        "use with a small --table-gib, --decode-steps and --tiers none,device,host,"
+        "host-cache,engine-uva (engine-uva reads device-tier stores on a CPU)",
+    )
+    args = parser.parse_args(argv)
+    backbones = args.backbones.split(",")
+    if args.smoke:
+        # A backbone small enough for a CPU: the plumbing, not the timings.
+        global D, FFN, BLOCKS
+        D, FFN, BLOCKS = 64, 128, 16
     engram_at = parse_engram_at(args.engram_at)
-    device = torch.device("cuda")
+    device = torch.device(args.device)
+    if device.type != "cuda":
+        backbones = [b for b in backbones if b != "graph"]  # CUDA graphs need a GPU
     cfg = scaled_config(args.table_gib)
     layout = EngramLayout(cfg)
     token_map = TokenMap.from_tokenizer_file()
@@ -529,18 +563,21 @@ def main() -> None:
         workloads["prefill 512 seqs 100-1024"] = prefill_batches(rng, token_map.vocab_size, device)
     host_threads = [None if t == "default" else int(t) for t in args.host_threads.split(",")]
     max_programs = [parse_programs(m) for m in args.max_programs.split(",")]
-    backbones = args.backbones.split(",")
     backbone = make_backbone(cfg, device)
     # Every placement is built first and the configurations are interleaved
     # over rounds, so drift of the machine (clocks, other tenants) spreads
     # over all of them; the median of the rounds is reported.
+    # On a CPU (a smoke run) the plain torch paths: Triton's interpreter is far too slow.
+    backend = {} if device.type == "cuda" else {"backend": "reference"}
     priorities = [int(p) for p in args.lookup_priority.split(",")]
     worker_modes = args.lookup_workers.split(",")
     setups = []
     for tier in args.tiers.split(","):
         variants = [(None, None)]
-        if tier in RUNTIME_TIERS:
-            variants = [(p, w) for p in priorities for w in worker_modes]
+        if tier in RUNTIME_TIERS:  # only threaded lookups have workers to share
+            threaded = tier in ("host", "host-cpu", "disk", "host-cache")
+            modes = worker_modes if threaded else worker_modes[:1]
+            variants = [(p, w) for p in priorities for w in modes]
         for priority, workers in variants:
             label = tier
             if priority not in (None, priorities[0]) or workers not in (None, worker_modes[0]):
@@ -548,14 +585,16 @@ def main() -> None:
             if tier == "none":
                 stores, runtime = [], NoLookups(8192, cfg.n_cols, cfg.head_dim, device)
             elif tier == "engine-uva":
-                stores = synthetic_stores(layout, "uva", device=device, seed=1)
+                # No UVA without a GPU: a CPU smoke run reads device-tier stores instead.
+                uva = "uva" if device.type == "cuda" else "device"
+                stores = synthetic_stores(layout, uva, device=device, seed=1, **backend)
                 for store in stores:  # a full grid: one program per tile
                     store.kernel = store.kernel.replace(max_programs=None)
-                hasher = NgramHasher(consts, token_map, device, validate=False)
+                hasher = NgramHasher(consts, token_map, device, validate=False, **backend)
                 runtime = EngineStyle(hasher, stores, max_tokens=8192)
             else:
                 backing = "host" if tier in ("host-cpu", "host-cache") else tier
-                stores = synthetic_stores(layout, backing, device=device, seed=1)
+                stores = synthetic_stores(layout, backing, device=device, seed=1, **backend)
                 for store in stores:
                     if tier == "host-cpu":
                         store.gpu_reads = False
@@ -566,10 +605,11 @@ def main() -> None:
                             int(args.cache_fraction * store.nbytes),
                             n_heads=cfg.n_heads,
                             layer_id=cfg.layer_ids[li],
+                            **backend,
                         )
                         for li, store in enumerate(stores)
                     ]
-                hasher = NgramHasher(consts, token_map, device, validate=False)
+                hasher = NgramHasher(consts, token_map, device, validate=False, **backend)
                 runtime = EngramRuntime(
                     hasher,
                     stores,
@@ -602,7 +642,7 @@ def main() -> None:
                     if gathers:
                         store.num_threads = threads
                     if reads:
-                        grid = defaults[index] if programs is None else programs
+                        grid = defaults[index] if programs is None else layer_grid(programs, index)
                         store.kernel = store.kernel.replace(
                             max_programs=grid[0], rows_per_program=grid[1]
                         )
@@ -652,8 +692,12 @@ def main() -> None:
             backbone=kind,
             prefetch=prefetch,
             host_threads=threads,
-            max_programs="default" if programs is None else programs[0],
-            rows_per_program="default" if programs is None else programs[1],
+            max_programs="default"
+            if programs is None
+            else "/".join(str(layer_grid(programs, li)[0]) for li in range(2)),
+            rows_per_program="default"
+            if programs is None
+            else "/".join(str(layer_grid(programs, li)[1]) for li in range(2)),
             ms_per_step_rounds=[r["ms_per_step"] for r in runs],
         )
         results.append(res)
@@ -698,7 +742,9 @@ def main() -> None:
             "date": time.strftime("%Y-%m-%d"),
             "torch": torch.__version__,
             "triton": triton.__version__,
-            "gpu": torch.cuda.get_device_name(),
+            "gpu": torch.cuda.get_device_name() if device.type == "cuda" else "none",
+            "device": str(device),
+            "smoke": args.smoke,
             "table_gib_per_layer": args.table_gib,
             "engram_at_blocks": sorted(engram_at),
             "ids": args.ids,

@@ -252,3 +252,59 @@ def test_runtime_bench_engine_style_rows(token_map) -> None:
             assert torch.equal(rows.view(torch.int16), ref.view(torch.int16))
     assert engine.step(batch).slot != got.slot  # two staging slots, alternating
     runtime.close()
+
+
+def test_runtime_bench_grid_settings_per_layer() -> None:
+    bench = _load("runtime_overhead")
+    assert bench.parse_programs("default") is None
+    assert bench.parse_programs("16:32") == (16, 32)
+    assert bench.parse_programs("0") == (None, None)
+    both = bench.parse_programs("0/16:64")
+    assert both == ((None, None), (16, 64))
+    assert [bench.layer_grid(both, li) for li in range(2)] == [(None, None), (16, 64)]
+    assert [bench.layer_grid((16, 32), li) for li in range(2)] == [(16, 32), (16, 32)]
+
+
+def test_runtime_bench_smoke_on_cpu(tmp_path) -> None:
+    """The whole script on a CPU with a tiny backbone: every placement runs, and the report
+    gives each against GPU-memory tables and against the engine-style baseline."""
+    bench = _load("runtime_overhead")
+    out = tmp_path / "runtime.json"
+    bench.main(
+        [
+            "--smoke",
+            "--device",
+            "cpu",
+            "--table-gib",
+            "0.001",
+            "--decode-steps",
+            "1",
+            "--workloads",
+            "decode",
+            "--ids",
+            "zipf",
+            "--tiers",
+            "device,host-cache,engine-uva",
+            "--rounds",
+            "1",
+            "--backbones",
+            "eager",
+            "--out",
+            str(out),
+        ]
+    )
+    report = json.loads(out.read_text())
+    assert report["engram_at_blocks"] == [1, 14] and report["smoke"] is True
+    results = report["results"]
+    assert {r["placement"] for r in results} == {"device", "host-cache", "engine-uva"}
+    assert len(results) == 3 * 2  # each placement with and without prefetch
+    for r in results:
+        assert r["workload"] == "decode 256x1 zipf" and r["tokens"] == 256
+        assert "loss_vs_gpu_pct" in r and "gain_vs_engine_uva_pct" in r
+    for r in results:
+        if r["placement"] == "host-cache":
+            assert r["lookup_workers"] == "per-layer" and r["lookup_priority"] == 0
+            assert len(r["cache_hit_rate"]) == 2
+            assert all(0.0 <= rate <= 1.0 for rate in r["cache_hit_rate"])
+        else:
+            assert "cache_hit_rate" not in r
