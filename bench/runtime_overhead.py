@@ -53,7 +53,9 @@ More placements and levers:
   (:class:`engramrt.cache.CachedRowStore`, ``--cache-fraction`` of each
   table's bytes in GPU memory); the cache keeps its rows from run to run,
   as a serving engine's would, and each result holds its hit rate over the
-  timed steps (``cache_hit_rate``, per layer);
+  timed steps (``cache_hit_rate``, per layer). The variants of a tier
+  (priorities, worker modes) run over the tier's one set of stores, so the
+  ``host-cache`` variants share one cache;
 - ``--lookup-priority``: stream priorities of the runtime's lookups
   (``EngramRuntime(lookup_priority=)``; lower is higher in torch);
 - ``--lookup-workers``: ``per-layer`` worker threads or one ``shared`` one
@@ -571,6 +573,29 @@ def main(argv=None) -> None:
     backend = {} if device.type == "cuda" else {"backend": "reference"}
     priorities = [int(p) for p in args.lookup_priority.split(",")]
     worker_modes = args.lookup_workers.split(",")
+
+    def build_stores(tier):
+        """Both layers' stores of a runtime tier, shared by the runtimes of its variants
+        (one table in memory per tier; the runs are sequential)."""
+        backing = "host" if tier in ("host-cpu", "host-cache") else tier
+        stores = synthetic_stores(layout, backing, device=device, seed=1, **backend)
+        for store in stores:
+            if tier == "host-cpu":
+                store.gpu_reads = False
+        if tier == "host-cache":
+            stores = [
+                CachedRowStore(
+                    store,
+                    int(args.cache_fraction * store.nbytes),
+                    n_heads=cfg.n_heads,
+                    layer_id=cfg.layer_ids[li],
+                    **backend,
+                )
+                for li, store in enumerate(stores)
+            ]
+        return stores
+
+    built: dict[str, list] = {}
     setups = []
     for tier in args.tiers.split(","):
         variants = [(None, None)]
@@ -593,22 +618,9 @@ def main(argv=None) -> None:
                 hasher = NgramHasher(consts, token_map, device, validate=False, **backend)
                 runtime = EngineStyle(hasher, stores, max_tokens=8192)
             else:
-                backing = "host" if tier in ("host-cpu", "host-cache") else tier
-                stores = synthetic_stores(layout, backing, device=device, seed=1, **backend)
-                for store in stores:
-                    if tier == "host-cpu":
-                        store.gpu_reads = False
-                if tier == "host-cache":
-                    stores = [
-                        CachedRowStore(
-                            store,
-                            int(args.cache_fraction * store.nbytes),
-                            n_heads=cfg.n_heads,
-                            layer_id=cfg.layer_ids[li],
-                            **backend,
-                        )
-                        for li, store in enumerate(stores)
-                    ]
+                if tier not in built:
+                    built[tier] = build_stores(tier)
+                stores = built[tier]
                 hasher = NgramHasher(consts, token_map, device, validate=False, **backend)
                 runtime = EngramRuntime(
                     hasher,

@@ -289,6 +289,8 @@ def test_runtime_bench_smoke_on_cpu(tmp_path) -> None:
             "1",
             "--backbones",
             "eager",
+            "--lookup-workers",
+            "per-layer,shared",
             "--out",
             str(out),
         ]
@@ -296,14 +298,17 @@ def test_runtime_bench_smoke_on_cpu(tmp_path) -> None:
     report = json.loads(out.read_text())
     assert report["engram_at_blocks"] == [1, 14] and report["smoke"] is True
     results = report["results"]
-    assert {r["placement"] for r in results} == {"device", "host-cache", "engine-uva"}
-    assert len(results) == 3 * 2  # each placement with and without prefetch
+    shared = "host-cache priority=0 workers=shared"
+    placements = {"device", "host-cache", shared, "engine-uva"}
+    assert {r["placement"] for r in results} == placements
+    assert len(results) == 4 * 2  # each placement with and without prefetch
     for r in results:
         assert r["workload"] == "decode 256x1 zipf" and r["tokens"] == 256
         assert "loss_vs_gpu_pct" in r and "gain_vs_engine_uva_pct" in r
     for r in results:
-        if r["placement"] == "host-cache":
-            assert r["lookup_workers"] == "per-layer" and r["lookup_priority"] == 0
+        if r["tier"] == "host-cache":
+            workers = "shared" if r["placement"] == shared else "per-layer"
+            assert r["lookup_workers"] == workers and r["lookup_priority"] == 0
             assert len(r["cache_hit_rate"]) == 2
             assert all(0.0 <= rate <= 1.0 for rate in r["cache_hit_rate"])
         else:
