@@ -11,7 +11,7 @@ and every schedule's every step is compared with hashing each full sequence
 at once by numpy array ops (not by the kernel). The last line is
 ``N schedules, 0 mismatches``; otherwise the exit code is 1 and the first
 mismatch's seed, mode, backend and step are printed, so
-``--seed SEED --count 1`` replays it.
+``scripts/soak 1 --seed SEED`` replays it alone.
 
 Run as ``scripts/soak N [--seed S] [--kernel K] [--width W]`` or
 ``python -m engramrt.hashing.soak N``.
@@ -86,8 +86,8 @@ def soak(
         width: schedules run at once, as the requests of one batch per step
             (:func:`~engramrt.hashing.engine_sim.run_schedules`): one hasher
             call serves a step of ``width`` schedules. A schedule draws the
-            same steps whatever ``width``, so ``--seed S --count 1``
-            (``count=1``) replays one alone.
+            same steps whatever ``width``, so ``scripts/soak 1 --seed S``
+            (``count=1, seed=S``) replays schedule S alone.
     """
     import torch
 
