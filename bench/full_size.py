@@ -178,6 +178,11 @@ def directory_report(directory: Path) -> dict[str, Any]:
 
 def preflight(directory: Path, specs: list[TableSpec]) -> dict[str, Any]:
     """The directory must hold the tables not yet there; raises :class:`CapacityError` if not."""
+    if not directory.is_dir():
+        raise CapacityError(
+            f"--shared-dir {directory} does not exist; expected a directory on a memory file "
+            f"system (/dev/shm, or a tmpfs mounted for the tables)"
+        )
     report = directory_report(directory)
     missing = [s for s in specs if not TablePaths(directory, s.name).manifest.exists()]
     needed = sum(s.nbytes for s in missing)
@@ -234,6 +239,7 @@ def publish_tables(
     fillers = min(world, len(specs))
     threads = args.fill_threads or max(1, len(os.sched_getaffinity(0)) // fillers)
     fill_device = device if args.fill_device == "auto" else torch.device(args.fill_device)
+    policy = args.numa if args.numa != "replicate" else "bind"
     for round_index in range(len(specs)):
         spec = specs[(rank + round_index) % len(specs)]
         stats: list[FillStats] = []
@@ -244,6 +250,7 @@ def publish_tables(
             num_threads=threads,
             device=fill_device,
             hugepages=args.hugepages == "thp",
+            numa=(policy, placement),
             stats=stats,
         )
 
@@ -254,7 +261,7 @@ def publish_tables(
 
         loader = missing_loader(spec) if args.expect_existing else load
         start = time.perf_counter()
-        with memory_policy(args.numa if args.numa != "replicate" else "bind", placement) as numa:
+        with memory_policy(policy, placement) as numa:
             table = SharedHostTable.create_or_attach(
                 spec.name,
                 spec.num_rows,
@@ -265,6 +272,7 @@ def publish_tables(
                 fingerprint=spec.fingerprint,
                 replace_mismatched=not args.expect_existing,
                 private_fallback=False,
+                reserve=args.reserve,
             )
         end = time.perf_counter()
         phase: dict[str, Any] = {"table": spec.name, "created": table.created, "numa": numa}
@@ -530,6 +538,26 @@ def runtime_steps(
 # --- the run -----------------------------------------------------------------------------
 
 
+def check_only(args: argparse.Namespace) -> None:
+    """What the machine offers for the run, and whether the tables fit; no tables built."""
+    directory = Path(args.shared_dir or default_directory())
+    specs = table_specs(args.layers, args.scale, args.seed)
+    if args.baseline_gib > 0:
+        specs.append(baseline_spec(args.baseline_gib, args.scale, args.seed))
+    print(
+        json.dumps({"numa_nodes": numa_nodes(), "hugepages": hugepage_state(directory)}, indent=1)
+    )
+    try:
+        report = preflight(directory, specs)
+    except CapacityError as exc:
+        raise SystemExit(f"preflight: {exc}") from exc
+    print(
+        f"{directory}: {memory.format_bytes(report['size_bytes'])} in all, "
+        f"{memory.format_bytes(report['free_bytes'])} free, the tables need "
+        f"{memory.format_bytes(report['needed_bytes'])}: fits"
+    )
+
+
 def placement_nodes(args: argparse.Namespace, device: torch.device) -> list[int]:
     """NUMA nodes the tables' pages go to (``--numa``)."""
     if args.numa == "interleave":
@@ -542,6 +570,9 @@ def main() -> None:
     args = parse_args()
     if args.probe:
         probe(args)
+        return
+    if args.preflight_only:
+        check_only(args)
         return
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if args.cpu or not torch.cuda.is_available():
@@ -667,7 +698,20 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--numa", choices=("none", "interleave", "bind", "replicate"), default="none"
     )
+    parser.add_argument(
+        "--reserve",
+        choices=("fallocate", "truncate"),
+        default="fallocate",
+        help="how the creator reserves a table (SharedHostTable reserve=): fallocate "
+        "allocates in one thread, truncate leaves it to the fill's threads",
+    )
     parser.add_argument("--restart", action="store_true", help="time a fresh process mapping")
+    parser.add_argument(
+        "--preflight-only",
+        action="store_true",
+        help="no torchrun needed: print the directory's size, NUMA and huge page state, exit 1 "
+        "when the tables do not fit",
+    )
     parser.add_argument("--expect-existing", action="store_true", help="map, never build")
     parser.add_argument("--keep", action="store_true", help="leave the tables for a restart")
     parser.add_argument(

@@ -143,6 +143,8 @@ def test_preflight_names_the_shortfall(tmp_path, monkeypatch) -> None:
     monkeypatch.setattr(module, "free_bytes", lambda directory: 64 * 2**30)
     with pytest.raises(CapacityError, match=r"need 202758032400 bytes \(188.83 GiB\).*shm-size"):
         module.preflight(tmp_path, specs)
+    with pytest.raises(CapacityError, match=r"shared-dir .*missing does not exist; expected"):
+        module.preflight(tmp_path / "missing", specs)
     small = module.table_specs([1], 0.001, seed=0)
     assert module.preflight(tmp_path, small)["needed_bytes"] == small[0].nbytes  # control
 

@@ -9,6 +9,7 @@ import torch
 from engramrt.distributed import SharedHostTable
 from engramrt.distributed.fill import (
     advise_hugepages,
+    bind_rows,
     fill_synthetic_rows,
     hugepage_state,
     memory_policy,
@@ -101,6 +102,23 @@ def test_loader_publishes_the_synthetic_rows(tmp_path) -> None:
     SharedHostTable.remove("fill-test", tmp_path)
 
 
+def test_sparse_reservation_publishes_the_same_rows(tmp_path) -> None:
+    """reserve="truncate": the fill's writers allocate the pages; the table is the same."""
+    loader = synthetic_loader(256, 6, num_threads=3)
+    table = SharedHostTable.create_or_attach(
+        "fill-sparse", 1234, 264, loader, directory=tmp_path, reserve="truncate"
+    )
+    assert table.created and torch.equal(table.rows, _reference(0, 1234, 256, 6))
+    again = SharedHostTable.attach("fill-sparse", 1234, 264, directory=tmp_path)
+    assert torch.equal(again.rows, table.rows)
+    del table, again
+    SharedHostTable.remove("fill-sparse", tmp_path)
+    with pytest.raises(ValidationError, match="reserve='lazy'; expected 'fallocate' or"):
+        SharedHostTable.create_or_attach(
+            "fill-sparse", 4, 264, loader, directory=tmp_path, reserve="lazy"
+        )
+
+
 def test_memory_policy_and_hugepage_reports() -> None:
     nodes = numa_nodes()
     assert nodes and all(node >= 0 for node in nodes)
@@ -116,6 +134,14 @@ def test_memory_policy_and_hugepage_reports() -> None:
     with pytest.raises(ValidationError, match="nodes=\\[-1\\]"), memory_policy("bind", [-1]):
         pass
     rows = torch.zeros((4096, 264), dtype=torch.uint8)
+    for mode in ("interleave", "bind"):
+        assert bind_rows(rows, mode).startswith(("applied", "not applied"))
+        assert int(rows.sum()) == 0  # the bytes are untouched
+    assert bind_rows(rows, "none") == "none" and bind_rows(rows[:0], "bind") == "empty"
+    with pytest.raises(ValidationError, match="mode='spread'"):
+        bind_rows(rows, "spread")
+    with pytest.raises(ValidationError, match="mode='spread'"):
+        synthetic_loader(256, numa=("spread", None))
     assert advise_hugepages(rows) == "ok" or advise_hugepages(rows).startswith("madvise")
     assert advise_hugepages(rows[:0]) == "empty"
     state = hugepage_state("/")

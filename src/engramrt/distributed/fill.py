@@ -25,6 +25,9 @@ raising (containers often forbid them):
   duration of a ``with`` block. Pages of a shared table are allocated when
   the creator reserves the file (``posix_fallocate``) in the calling thread,
   so wrapping :meth:`SharedHostTable.create_or_attach` places them.
+- :func:`bind_rows`: the same policy set on the memory itself (``mbind``),
+  for pages first touched later by any thread (a sparse reservation,
+  ``reserve="truncate"``, leaves the allocation to the fill's writers).
 - :func:`advise_hugepages`: ``madvise(MADV_HUGEPAGE)`` on a tensor's pages.
 - :func:`numa_nodes`, :func:`device_numa_node`, :func:`hugepage_state`: what
   the machine offers, for reports.
@@ -35,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import errno
 import mmap
 import os
 import platform
@@ -44,6 +48,7 @@ from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -56,6 +61,7 @@ from engramrt.packed import row_bytes_for
 __all__ = [
     "FillStats",
     "advise_hugepages",
+    "bind_rows",
     "device_numa_node",
     "fill_synthetic_rows",
     "hugepage_state",
@@ -251,17 +257,22 @@ def synthetic_loader(
     num_threads: int | None = None,
     device: torch.device | str = "cpu",
     hugepages: bool = False,
+    numa: tuple[str, Sequence[int] | None] = ("none", None),
     stats: list[FillStats] | None = None,
 ) -> Loader:
     """A :data:`Loader` that fills a table with :func:`fill_synthetic_rows`.
 
-    ``hugepages``: :func:`advise_hugepages` on the target before the first
-    write. ``stats``: each fill's :class:`FillStats` is appended to it.
+    Before the first write: ``hugepages``: :func:`advise_hugepages` on the
+    target; ``numa``: ``(mode, nodes)`` for :func:`bind_rows` on the target.
+    ``stats``: each fill's :class:`FillStats` is appended to it.
     """
+    if numa[0] != "none":
+        _policy_mode(*numa)  # checked at the door, not inside the creator's lock
 
     def load(target: torch.Tensor) -> None:
         if hugepages:
             advise_hugepages(target)
+        bind_rows(target, *numa)
         done = fill_synthetic_rows(
             target, E, seed, row_begin=row_begin, num_threads=num_threads, device=device
         )
@@ -277,6 +288,7 @@ def synthetic_loader(
 _MPOL_DEFAULT, _MPOL_BIND, _MPOL_INTERLEAVE = 0, 2, 3
 _MADV_HUGEPAGE = 14
 _SYS_SET_MEMPOLICY = {"x86_64": 238, "aarch64": 237, "ppc64le": 261}
+_SYS_MBIND = {"x86_64": 237, "aarch64": 235, "ppc64le": 259}
 _libc_lock = threading.Lock()
 _libc: ctypes.CDLL | None = None
 
@@ -317,22 +329,71 @@ def device_numa_node(device: torch.device | str) -> int | None:
     return node if node >= 0 else None
 
 
+def _nodemask(nodes: Sequence[int]) -> tuple[Any, int]:
+    """The kernel's node bitmask for ``nodes`` and its ``maxnode`` (None, 0 for no nodes)."""
+    if not nodes:
+        return None, 0
+    bits = 8 * ctypes.sizeof(ctypes.c_ulong)
+    maxnode = max(nodes) + 2
+    words = (ctypes.c_ulong * (maxnode // bits + 1))()
+    for node in nodes:
+        words[node // bits] |= 1 << (node % bits)
+    return words, maxnode
+
+
 def _set_mempolicy(mode: int, nodes: Sequence[int]) -> int:
     """``set_mempolicy(mode, nodes)`` for the calling thread; returns 0 or the errno."""
     number = _SYS_SET_MEMPOLICY.get(platform.machine())
     if number is None:
-        return 38  # ENOSYS: no known syscall number on this architecture
-    libc = _load_libc()
-    maxnode = max(nodes, default=0) + 2
-    words = (ctypes.c_ulong * (maxnode // (8 * ctypes.sizeof(ctypes.c_ulong)) + 1))()
-    bits = 8 * ctypes.sizeof(ctypes.c_ulong)
-    for node in nodes:
-        words[node // bits] |= 1 << (node % bits)
-    mask = words if nodes else None
-    status = libc.syscall(
-        ctypes.c_long(number), ctypes.c_int(mode), mask, ctypes.c_ulong(maxnode if nodes else 0)
+        return errno.ENOSYS  # no known syscall number on this architecture
+    mask, maxnode = _nodemask(nodes)
+    status = _load_libc().syscall(
+        ctypes.c_long(number), ctypes.c_int(mode), mask, ctypes.c_ulong(maxnode)
     )
     return 0 if status == 0 else ctypes.get_errno()
+
+
+def _policy_mode(mode: str, nodes: Sequence[int] | None) -> tuple[int, list[int]]:
+    if mode not in ("interleave", "bind"):
+        raise ValidationError(f"mode={mode!r}; expected 'none', 'interleave' or 'bind'")
+    chosen = list(nodes) if nodes is not None else (numa_nodes() if mode == "interleave" else [0])
+    if not chosen or min(chosen) < 0:
+        raise ValidationError(f"nodes={nodes!r}; expected non-negative NUMA node numbers")
+    return (_MPOL_INTERLEAVE if mode == "interleave" else _MPOL_BIND), chosen
+
+
+def bind_rows(rows: torch.Tensor, mode: str, nodes: Sequence[int] | None = None) -> str:
+    """``mbind`` the pages under ``rows`` to ``mode`` over ``nodes``; returns what happened.
+
+    The policy belongs to the memory, not to a thread: pages of a shared
+    mapping faulted afterwards by any thread (the fill's writers, after a
+    sparse reservation) follow it. Pages that already exist stay where they
+    are. ``mode``, ``nodes``: as :func:`memory_policy`.
+    """
+    if mode == "none":
+        return "none"
+    policy, chosen = _policy_mode(mode, nodes)
+    nbytes = rows.numel() * rows.element_size()
+    if nbytes == 0:
+        return "empty"
+    number = _SYS_MBIND.get(platform.machine())
+    if number is None:
+        return f"not applied: no mbind on {platform.machine()}"
+    page = mmap.PAGESIZE
+    begin = rows.data_ptr() // page * page
+    mask, maxnode = _nodemask(chosen)
+    status = _load_libc().syscall(
+        ctypes.c_long(number),
+        ctypes.c_void_p(begin),
+        ctypes.c_ulong(rows.data_ptr() + nbytes - begin),
+        ctypes.c_int(policy),
+        mask,
+        ctypes.c_ulong(maxnode),
+        ctypes.c_uint(0),
+    )
+    if status != 0:
+        return f"not applied: mbind({mode}, {chosen}) failed: {os.strerror(ctypes.get_errno())}"
+    return f"applied {mode} {chosen}"
 
 
 @contextlib.contextmanager
@@ -345,15 +406,11 @@ def memory_policy(mode: str, nodes: Sequence[int] | None = None) -> Iterator[str
     not applied (``set_mempolicy`` failed: no NUMA support, seccomp); the
     default policy is restored on exit.
     """
-    if mode not in ("none", "interleave", "bind"):
-        raise ValidationError(f"mode={mode!r}; expected 'none', 'interleave' or 'bind'")
     if mode == "none":
         yield "none"
         return
-    chosen = list(nodes) if nodes is not None else (numa_nodes() if mode == "interleave" else [0])
-    if not chosen or min(chosen) < 0:
-        raise ValidationError(f"nodes={nodes!r}; expected non-negative NUMA node numbers")
-    status = _set_mempolicy(_MPOL_INTERLEAVE if mode == "interleave" else _MPOL_BIND, chosen)
+    policy, chosen = _policy_mode(mode, nodes)
+    status = _set_mempolicy(policy, chosen)
     if status != 0:
         yield f"not applied: set_mempolicy({mode}, {chosen}) failed: {os.strerror(status)}"
         return
