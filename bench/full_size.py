@@ -1,7 +1,7 @@
 """The V4.1-Flash tables at full size in host memory: time to ready, restart, lookups.
 
     torchrun --nproc-per-node 2 bench/full_size.py [--layers 0,1] [--scale 1.0]
-        [--hugepages none|thp] [--numa none|interleave|bind|replicate] [--restart]
+        [--hugepages none|thp] [--numa-placement none|interleave|bind|replicate] [--restart]
         [--out PATH]
     torchrun --nproc-per-node 2 bench/full_size.py --cpu --scale 0.0001 --restart   # gloo
 
@@ -239,7 +239,7 @@ def publish_tables(
     fillers = min(world, len(specs))
     threads = args.fill_threads or max(1, len(os.sched_getaffinity(0)) // fillers)
     fill_device = device if args.fill_device == "auto" else torch.device(args.fill_device)
-    policy = args.numa if args.numa != "replicate" else "bind"
+    policy = args.numa_placement if args.numa_placement != "replicate" else "bind"
     for round_index in range(len(specs)):
         spec = specs[(rank + round_index) % len(specs)]
         stats: list[FillStats] = []
@@ -560,7 +560,7 @@ def check_only(args: argparse.Namespace) -> None:
 
 def placement_nodes(args: argparse.Namespace, device: torch.device) -> list[int]:
     """NUMA nodes the tables' pages go to (``--numa``)."""
-    if args.numa == "interleave":
+    if args.numa_placement == "interleave":
         return numa_nodes()
     node = device_numa_node(device)
     return [node if node is not None else numa_nodes()[0]]
@@ -586,7 +586,7 @@ def main() -> None:
     args.shared_dir = Path(args.shared_dir or default_directory())
     args.shared_dir.mkdir(parents=True, exist_ok=True)
     placement = placement_nodes(args, device)
-    suffix = f"-numa{placement[0]}" if args.numa == "replicate" else ""
+    suffix = f"-numa{placement[0]}" if args.numa_placement == "replicate" else ""
     specs = table_specs(args.layers, args.scale, args.seed, suffix)
     extra = [baseline_spec(args.baseline_gib, args.scale, args.seed, suffix)]
     extra = extra if args.baseline_gib > 0 else []
@@ -594,7 +594,11 @@ def main() -> None:
     report["memory_before"] = memory_report()
     failures: list[str] = []
     try:
-        report["preflight"] = preflight(args.shared_dir, specs + extra)
+        # Every rank's tables (--numa-placement replicate: one set per NUMA node), each name once.
+        everyones: list[Any] = [None] * world
+        dist.all_gather_object(everyones, [asdict(spec) for spec in specs + extra])
+        union = {item["name"]: TableSpec(**item) for mine in everyones for item in mine}
+        report["preflight"] = preflight(args.shared_dir, list(union.values()))
         dist.barrier()
         start = time.perf_counter()
         tables, report["publish"] = publish_tables(specs, args, device, placement)
@@ -696,7 +700,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0, help="which synthetic table")
     parser.add_argument("--hugepages", choices=("none", "thp"), default="none")
     parser.add_argument(
-        "--numa", choices=("none", "interleave", "bind", "replicate"), default="none"
+        "--numa-placement",  # not --numa: torchrun would take it for its --numa-binding
+        choices=("none", "interleave", "bind", "replicate"),
+        default="none",
+        help="interleave: pages over every node; bind: each table on the node of its creator's "
+        "GPU; replicate: one copy of every table per node, each rank mapping its GPU's node's",
     )
     parser.add_argument(
         "--reserve",
