@@ -648,6 +648,9 @@ def main() -> None:
             "ranks": [item["report"] for item in gathered],
             "failures": [f for item in gathered for f in item["failures"]],
         }
+        if not args.out and not args.cpu:
+            stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+            args.out = str(Path(__file__).resolve().parent / "results" / f"full-size-{stamp}.json")
         if args.out:
             Path(args.out).parent.mkdir(parents=True, exist_ok=True)
             atomic_write_bytes(args.out, json.dumps(everything, indent=1, default=str).encode())
@@ -735,7 +738,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--skip-cache", action="store_true")
     parser.add_argument("--skip-runtime", action="store_true")
     parser.add_argument("--cpu", action="store_true", help="gloo, no CUDA (a smoke run)")
-    parser.add_argument("--out", default=None)
+    parser.add_argument(
+        "--out", default=None, help="default: bench/results/full-size-<UTC time>.json (GPU runs)"
+    )
     parser.add_argument("--probe", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--probe-device", default="cpu", help=argparse.SUPPRESS)
     parser.add_argument("--probe-specs", default="[]", help=argparse.SUPPRESS)
