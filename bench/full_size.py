@@ -142,9 +142,10 @@ def table_specs(layers: list[int], scale: float, seed: int, suffix: str = "") ->
     return specs
 
 
-def baseline_spec(gib: float, scale: float, seed: int, suffix: str = "") -> TableSpec:
-    """The small table of the same rows that earlier host-tier numbers were measured on."""
-    num_rows = max(1, round(gib * 2**30 * scale) // ROW_BYTES)
+def baseline_spec(gib: float, seed: int, suffix: str = "") -> TableSpec:
+    """The small table of the same rows that earlier host-tier numbers were measured on
+    (``gib`` GiB whatever ``--scale``)."""
+    num_rows = max(1, round(gib * 2**30) // ROW_BYTES)
     described = {"rows": "synthetic_packed_rows", "seed": seed, "num_rows": num_rows, "E": E}
     return TableSpec(
         f"engramrt-fullsize-baseline{suffix}", -1, -1, num_rows, seed, fingerprint_of(described)
@@ -543,7 +544,7 @@ def check_only(args: argparse.Namespace) -> None:
     directory = Path(args.shared_dir or default_directory())
     specs = table_specs(args.layers, args.scale, args.seed)
     if args.baseline_gib > 0:
-        specs.append(baseline_spec(args.baseline_gib, args.scale, args.seed))
+        specs.append(baseline_spec(args.baseline_gib, args.seed))
     print(
         json.dumps({"numa_nodes": numa_nodes(), "hugepages": hugepage_state(directory)}, indent=1)
     )
@@ -588,7 +589,7 @@ def main() -> None:
     placement = placement_nodes(args, device)
     suffix = f"-numa{placement[0]}" if args.numa_placement == "replicate" else ""
     specs = table_specs(args.layers, args.scale, args.seed, suffix)
-    extra = [baseline_spec(args.baseline_gib, args.scale, args.seed, suffix)]
+    extra = [baseline_spec(args.baseline_gib, args.seed, suffix)]
     extra = extra if args.baseline_gib > 0 else []
     report: dict[str, Any] = {"rank": rank, "device": str(device), "placement_nodes": placement}
     report["memory_before"] = memory_report()
