@@ -4,6 +4,10 @@
 
 Each configuration is checked against the reference (derived tolerance)
 before it is timed; prints median µs and percent of the measured copy ceiling.
+The configurations are those below and the bench's
+:data:`engramrt.bench.cases_gate.GATE_SWEEP` (streams per program, unrolled D
+loops: the levers for decode-sized batches). The decode winner goes to
+:data:`engramrt.gate.config.DECODE_CONFIGS` (with ``DECODE_MAX_TOKENS``).
 """
 
 from __future__ import annotations
@@ -11,9 +15,11 @@ from __future__ import annotations
 import torch
 from triton.testing import do_bench
 
+from engramrt.bench.cases_gate import GATE_SWEEP
 from engramrt.bench.runner import measure_ceilings
 from engramrt.gate import engram_gate_reference
-from engramrt.gate.kernel import GateConfig, default_gate_config, engram_gate_triton
+from engramrt.gate.config import GateConfig, default_gate_config
+from engramrt.gate.kernel import engram_gate_triton
 from engramrt.gate.reference import assert_within_tolerance, gate_tolerance
 
 CONFIGS = [
@@ -27,6 +33,7 @@ CONFIGS = [
     GateConfig(1024, 4, None, 1),
     GateConfig(2048, 8, None, 1),
 ]
+CONFIGS += [config for config in GATE_SWEEP if config not in CONFIGS]
 
 
 def main() -> None:
@@ -34,6 +41,7 @@ def main() -> None:
     d2d = measure_ceilings(device)["d2d"]
     hc, dim = 4, 5120
     print("default", default_gate_config(hc, dim))
+    print("default at T=256", default_gate_config(hc, dim, num_tokens=256))
     for t_len in (256, 8192):
         g = torch.Generator(device=device).manual_seed(t_len)
         hidden = torch.randn(t_len, hc, dim, device=device, generator=g).bfloat16()

@@ -8,7 +8,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from engramrt.bench import registry
+from engramrt.bench import registry, runner
 from engramrt.bench.registry import Case, all_cases
 from engramrt.bench.runner import markdown_table, run_case, run_cases
 from engramrt.cli import app
@@ -101,3 +101,46 @@ def test_bench_refuses_cuda_without_a_gpu() -> None:
     result = CliRunner().invoke(app, ["bench", "--quick"])
     assert result.exit_code != 0
     assert "no CUDA device is visible" in str(result.exception) + result.output
+
+
+def test_record_format_with_graph_times(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A graph case's record carries graph_us and graph_cold_us, shown in both outputs."""
+    case = _case("selftest/graph")
+    case.graph, case.graph_impls = True, ("fast",)
+    # On CPU the runner times nothing in graphs: no graph key appears.
+    record = run_case(case, torch.device("cpu"), {})
+    assert record["status"] == "ok"
+    for res in record["results"].values():
+        assert not {"graph_us", "graph_cold_us", "graph_error"} & set(res)
+    # Graph timings as CUDA would report them (20 calls warm; one call, L2 flushed).
+    calls: list[str] = []
+
+    def fake_graph_times(fn: Any, inputs: Any, device: torch.device) -> dict[str, float]:
+        calls.append(str(device))
+        return {"graph_us": 2.5, "graph_cold_us": 7.25}
+
+    monkeypatch.setattr(runner, "_graph_times", fake_graph_times)
+    record = run_case(case, torch.device("cpu"), {})
+    assert len(calls) == 1  # only the impl listed in graph_impls
+    fast, base = record["results"]["fast"], record["results"]["baseline"]
+    assert (fast["graph_us"], fast["graph_cold_us"]) == (2.5, 7.25)
+    assert "graph_cold_us" not in base
+    assert set(fast) >= {"median_us", "eager_wall_us", "items_per_s", "speedup_vs_baseline"}
+    # The best time counts the warm graph, never the cold one.
+    assert fast["items_per_s"] == pytest.approx(8 / (min(fast["median_us"], 2.5) * 1e-6))
+    assert "graph 2.5us graph-cold 7.2us" in runner.format_record(record)
+    table = markdown_table(
+        {
+            "environment": {"date": "2026-01-01", "device": "cpu", "torch": "t", "triton": "t"},
+            "cases": [record],
+        }
+    )
+    header = next(line for line in table.splitlines() if line.startswith("| case"))
+    cells = [c.strip() for c in header.strip("|").split("|")]
+    assert cells[3:5] == ["graph µs", "graph cold µs"]
+    row = next(line for line in table.splitlines() if "| fast |" in line)
+    values = [c.strip() for c in row.strip("|").split("|")]
+    assert len(values) == len(cells)
+    assert values[3:5] == ["2.5", "7.2"]
+    base_row = next(line for line in table.splitlines() if "baseline (baseline)" in line)
+    assert [c.strip() for c in base_row.strip("|").split("|")][3:5] == ["—", "—"]

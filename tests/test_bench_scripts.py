@@ -65,14 +65,14 @@ def test_render_takes_each_cases_newest_full_size_record(tmp_path, monkeypatch) 
     for name, report in reports.items():
         (results / name).write_text(json.dumps(report))
     target = tmp_path / "BENCHMARKS.md"
-    target.write_text("head\n<!-- results:start -->\nold\n<!-- results:end -->\ntail\n")
+    target.write_text("head\n<!-- results:start -->\nstale rendering\n<!-- results:end -->\ntail\n")
     monkeypatch.setattr(sys, "argv", ["render", str(results), str(target)])
     _load("render_benchmarks").main()
     text = target.read_text()
     assert text.startswith("head\n<!-- results:start -->") and text.endswith(
         "<!-- results:end -->\ntail\n"
     )
-    assert "old" not in text and "### lookup" in text
+    assert "stale rendering" not in text and "### lookup" in text
     assert "| lookup/a | base (baseline) | 111.0 |" in text  # the quick run is not rendered
     assert "| lookup/b | base (baseline) | 333.0 |" in text and "222.0" not in text
     assert "2026-01-01" in text and "2026-01-02" in text  # each table keeps its run's header
@@ -152,3 +152,164 @@ def _gathered_rows_digest(*, table_gib: float, num_tokens: int, seed: int) -> st
     ids = random_ids(layout, num_tokens, seed=seed)
     rows = lookup_rows_reference(ids, store.table, layout.config.head_dim)
     return hashlib.sha256(rows.view(torch.int16).numpy().tobytes()).hexdigest()
+
+
+# --- bench/runtime_overhead.py: the parts that run without a GPU ----------------------
+
+
+def test_runtime_bench_engram_blocks() -> None:
+    bench = _load("runtime_overhead")
+    assert bench.parse_engram_at("1,14") == {1: 0, 14: 1}  # V4.1-Flash's engram_layer_ids
+    assert bench.parse_engram_at("0,29") == {0: 0, 29: 1}
+    for bad in ("14,1", "1", "1,30", "-1,3"):
+        with pytest.raises(SystemExit, match="--engram-at"):
+            bench.parse_engram_at(bad)
+
+
+@pytest.fixture(scope="module")
+def tiny_hashing(token_map):
+    from engramrt.config import PRESETS
+    from engramrt.hashing import HashConstants, NgramHasher
+
+    consts = HashConstants.from_config(PRESETS["tiny"], token_map)
+    return consts, NgramHasher(consts, token_map, "cpu", backend="reference")
+
+
+def test_runtime_bench_decode_streams_hash_like_one_shot(tiny_hashing, token_map) -> None:
+    """Every decode step built from text or Zipf streams hashes, through the hasher, to the
+    one-shot row ids of each request's stream at that position."""
+    import numpy as np
+
+    from engramrt.hashing import hash_sequence
+
+    bench = _load("runtime_overhead")
+    consts, hasher = tiny_hashing
+    rng = np.random.default_rng(3)
+    docs = [rng.integers(0, token_map.vocab_size, n) for n in (40, 7, 55, 31)]
+    text = bench.text_streams(docs, 5, 12)
+    assert text.shape == (5, 12)
+    np.testing.assert_array_equal(text[1], np.concatenate(docs)[26:38])  # 133 // 5 per slice
+    zipf = bench.zipf_streams(rng, token_map.vocab_size, 5, 12)
+    assert zipf.shape == (5, 12) and zipf.min() >= 0 and zipf.max() < token_map.vocab_size
+    for streams in (text, zipf):
+        batches = bench.decode_batches_from(streams, "cpu")
+        assert len(batches) == 12 - 3
+        want = np.stack([hash_sequence(token_map.compress(s), consts) for s in streams])
+        for t, batch in enumerate(batches):
+            got = hasher(batch).numpy()
+            np.testing.assert_array_equal(got, want[:, 3 + t])
+        # Negative control: lookback ids one position off hash differently.
+        shifted = bench.decode_batches_from(streams, "cpu")[1]
+        shifted.lookback_token_ids = batches[0].lookback_token_ids
+        assert not np.array_equal(hasher(shifted).numpy(), want[:, 4])
+    with pytest.raises(SystemExit, match="need more"):
+        bench.text_streams(docs, 5, 40)
+
+
+def test_runtime_bench_zipf_ids_are_skewed() -> None:
+    import numpy as np
+
+    bench = _load("runtime_overhead")
+    ids = bench.zipf_streams(np.random.default_rng(0), 129_280, 256, 103)
+    counts = np.sort(np.bincount(ids.ravel()))[::-1]
+    # Zipf(1.2): the top id alone is about 1 / zeta(1.2) = 18% of the draws; uniform
+    # ids over 129,280 would repeat about once in all 26,368.
+    assert counts[0] > 0.1 * ids.size
+    assert len(np.unique(ids)) < ids.size / 2
+
+
+def test_runtime_bench_engine_style_rows(token_map) -> None:
+    """The engine-style baseline's rows: hashing, then every layer's lookup on the current
+    stream; equal to the runtime's rows and to the reference lookup."""
+    import numpy as np
+    import torch
+
+    from engramrt.config import PRESETS
+    from engramrt.hashing import HashBatch, HashConstants, NgramHasher
+    from engramrt.layout import EngramLayout
+    from engramrt.lookup import lookup_rows_reference
+    from engramrt.runtime import EngramRuntime, synthetic_stores
+
+    bench = _load("runtime_overhead")
+    cfg = PRESETS["tiny"]
+    layout = EngramLayout(cfg)
+    consts = HashConstants.from_layout(layout, token_map.pad_id(cfg))
+    stores = synthetic_stores(layout, "device", device="cpu", seed=2)
+    engine = bench.EngineStyle(NgramHasher(consts, token_map, "cpu"), stores, max_tokens=64)
+    runtime = EngramRuntime(
+        NgramHasher(consts, token_map, "cpu"), stores, max_tokens=64, max_requests=8
+    )
+    rng = np.random.default_rng(5)
+    for length, start in ((23, 0), (9, 23)):
+        batch = HashBatch.single(rng.integers(0, token_map.vocab_size, length), start=start)
+        got, want = engine.step(batch), runtime.step(batch)
+        assert got.num_tokens == length
+        for li, store in enumerate(stores):
+            rows = got.rows(li)
+            assert rows.shape == (length, cfg.n_cols, cfg.head_dim)
+            assert torch.equal(rows.view(torch.int16), want.rows(li).view(torch.int16))
+            ref = lookup_rows_reference(want.row_ids[:, li], store.table, cfg.head_dim)
+            assert torch.equal(rows.view(torch.int16), ref.view(torch.int16))
+    assert engine.step(batch).slot != got.slot  # two staging slots, alternating
+    runtime.close()
+
+
+def test_runtime_bench_grid_settings_per_layer() -> None:
+    bench = _load("runtime_overhead")
+    assert bench.parse_programs("default") is None
+    assert bench.parse_programs("16:32") == (16, 32)
+    assert bench.parse_programs("0") == (None, None)
+    both = bench.parse_programs("0/16:64")
+    assert both == ((None, None), (16, 64))
+    assert [bench.layer_grid(both, li) for li in range(2)] == [(None, None), (16, 64)]
+    assert [bench.layer_grid((16, 32), li) for li in range(2)] == [(16, 32), (16, 32)]
+
+
+def test_runtime_bench_smoke_on_cpu(tmp_path) -> None:
+    """The whole script on a CPU with a tiny backbone: every placement runs, and the report
+    gives each against GPU-memory tables and against the engine-style baseline."""
+    bench = _load("runtime_overhead")
+    out = tmp_path / "runtime.json"
+    bench.main(
+        [
+            "--smoke",
+            "--device",
+            "cpu",
+            "--table-gib",
+            "0.001",
+            "--decode-steps",
+            "1",
+            "--workloads",
+            "decode",
+            "--ids",
+            "zipf",
+            "--tiers",
+            "device,host-cache,engine-uva",
+            "--rounds",
+            "1",
+            "--backbones",
+            "eager",
+            "--lookup-workers",
+            "per-layer,shared",
+            "--out",
+            str(out),
+        ]
+    )
+    report = json.loads(out.read_text())
+    assert report["engram_at_blocks"] == [1, 14] and report["smoke"] is True
+    results = report["results"]
+    shared = "host-cache priority=0 workers=shared"
+    placements = {"device", "host-cache", shared, "engine-uva"}
+    assert {r["placement"] for r in results} == placements
+    assert len(results) == 4 * 2  # each placement with and without prefetch
+    for r in results:
+        assert r["workload"] == "decode 256x1 zipf" and r["tokens"] == 256
+        assert "loss_vs_gpu_pct" in r and "gain_vs_engine_uva_pct" in r
+    for r in results:
+        if r["tier"] == "host-cache":
+            workers = "shared" if r["placement"] == shared else "per-layer"
+            assert r["lookup_workers"] == workers and r["lookup_priority"] == 0
+            assert len(r["cache_hit_rate"]) == 2
+            assert all(0.0 <= rate <= 1.0 for rate in r["cache_hit_rate"])
+        else:
+            assert "cache_hit_rate" not in r

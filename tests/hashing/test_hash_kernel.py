@@ -19,6 +19,7 @@ from engramrt.hashing import (
     hash_batch_reference,
     hash_sequence,
 )
+from engramrt.hashing.ops import HashKernelConfig
 from engramrt.hashing.validate import check_batch_contents, check_batch_metadata
 
 
@@ -65,7 +66,7 @@ def test_kernel_matches_reference_on_random_batches(
         device,
         backend="triton",
         out_dtype=torch.int64,
-        block_t=int(rng.choice([16, 32, 64])),
+        kernel_config=HashKernelConfig(block_t=int(rng.choice([16, 32, 64]))),
     )
     shape = (batch.num_tokens, consts.n_layers, consts.n_cols)
     out = torch.full(shape, -1, dtype=torch.int64, device=device)

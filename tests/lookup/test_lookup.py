@@ -157,6 +157,7 @@ def test_kernel_matches_reference(
 
 HW_CONVERT = [
     False,
+    None,  # the default: conversion instructions on a GPU, integer ones in the interpreter
     pytest.param(
         True,
         marks=pytest.mark.skipif(
@@ -168,7 +169,7 @@ HW_CONVERT = [
 
 
 @pytest.mark.parametrize("hw_convert", HW_CONVERT)
-def test_kernel_variants_match_reference(hw_convert: bool) -> None:
+def test_kernel_variants_match_reference(hw_convert: bool | None) -> None:
     """Both conversion variants, every value byte, scale bytes 0..255 (subnormal
     and overflowing products, NaN codes, 0 * inf)."""
     E, num_rows = 256, 256
@@ -311,7 +312,7 @@ def test_tiles_per_program_bounds_the_grid() -> None:
         ("rows_per_program", True, "expected None or an int >= 1"),
         ("num_warps", 3, "expected None or one of 1, 2, 4, 8, 16, 32"),
         ("num_warps", 64, "expected None or one of 1, 2, 4, 8, 16, 32"),
-        ("hw_convert", 1, "expected a bool"),
+        ("hw_convert", 1, "expected None or a bool"),
     ],
 )
 def test_kernel_settings_name_the_bad_field(field: str, bad: object, expected: str) -> None:

@@ -369,3 +369,84 @@ def test_graph_capture_of_a_model_step(layout, token_map) -> None:
         for li, layer in enumerate(eager.layers):
             want = layer(hidden[li])
             assert torch.equal(outs[li].view(torch.int16), want.view(torch.int16)), f"layer {li}"
+
+
+# --- lookup_workers: which threads run the sources that need one ----------------------
+
+
+class _Flags:
+    """Only the capability flags the plan reads."""
+
+    def __init__(self, host_sync: bool, collective: bool = False, has_update: bool = False) -> None:
+        self.host_sync, self.collective, self.has_update = host_sync, collective, has_update
+
+
+@pytest.mark.parametrize(
+    ("flags", "per_layer", "shared"),
+    [
+        ([(True, False), (True, False)], {0: 0, 1: 1}, {0: -2, 1: -2}),
+        ([(True, False), (False, False)], {0: 0}, {0: -2}),
+        ([(False, False), (False, False)], {}, {}),
+        # Collective sources keep their one ordered worker either way.
+        ([(True, True), (True, False)], {0: -1, 1: 1}, {0: -1, 1: -2}),
+    ],
+)
+def test_shared_lookup_worker_plan(flags, per_layer, shared) -> None:
+    from engramrt.runtime.runtime import worker_plan
+
+    sources = [_Flags(h, c) for h, c in flags]
+    assert worker_plan(sources) == per_layer  # type: ignore[arg-type]
+    assert worker_plan(sources, shared=True) == shared  # type: ignore[arg-type]
+
+
+def test_shared_lookup_worker_rows_equal_per_layer(layout, token_map, device) -> None:
+    """Host tables with one lookup thread for both layers give the per-layer rows, step
+    after step, prefetch included."""
+    per_layer = _runtime(layout, token_map, device, tier="host")
+    shared = _runtime(layout, token_map, device, tier="host", lookup_workers="shared")
+    assert shared.lookup_workers == "shared"
+    if device.type == "cuda":
+        assert set(shared._worker_of.values()) == {-2}
+        assert len(shared._workers) == 1
+    rng = np.random.default_rng(7)
+    batches = [
+        HashBatch.single(rng.integers(0, token_map.vocab_size, n), start=s, device=device)
+        for n, s in ((17, 0), (5, 17), (1, 22))
+    ]
+    want = [per_layer.step(b) for b in batches[:1]]
+    got = [shared.step(b) for b in batches[:1]]
+    for batch in batches[1:]:  # each next step prefetched before the current one is read
+        want.append(per_layer.prefetch(batch))
+        got.append(shared.prefetch(batch))
+        for w, g in zip(want[-2:-1], got[-2:-1], strict=True):
+            for li in range(2):
+                assert torch.equal(g.rows(li).view(torch.int16), w.rows(li).view(torch.int16))
+    for li in range(2):
+        assert torch.equal(got[-1].rows(li).view(torch.int16), want[-1].rows(li).view(torch.int16))
+    per_layer.close()
+    shared.close()
+
+
+def test_lookup_workers_is_checked(layout, token_map, device) -> None:
+    with pytest.raises(ValidationError, match=r"lookup_workers='one'; expected one of per-layer"):
+        _runtime(layout, token_map, device, lookup_workers="one")
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_updates_are_queued_after_every_lookup_of_the_step(shared) -> None:
+    """A layer's wait joins its lookup job only: updates are jobs of their own, after all of
+    the step's lookups, so on a shared worker layer 1's lookup never queues behind layer 0's
+    update (a cache's admission planning, which synchronises with the device)."""
+    from engramrt.runtime.runtime import worker_jobs, worker_plan
+
+    sources = [_Flags(True, has_update=True), _Flags(False), _Flags(True, has_update=True)]
+    sources.append(_Flags(True))
+    plan = worker_plan(sources, shared=shared)  # type: ignore[arg-type]
+    jobs = worker_jobs(sources, plan)  # type: ignore[arg-type]
+    assert jobs == [("fetch", 0), ("fetch", 2), ("fetch", 3), ("update", 0), ("update", 2)]
+    # On each worker, a source's update comes after its own lookup.
+    for key in set(plan.values()):
+        mine = [job for job in jobs if plan[job[1]] == key]
+        for job, index in mine:
+            if job == "update":
+                assert mine.index(("fetch", index)) < mine.index((job, index))

@@ -1,9 +1,12 @@
 """Benchmark cases of the fused Engram gate (SPEC §8) at V4.1 shapes.
 
 The Triton kernel against the reference run eagerly on the same GPU, at a
-decode-sized batch (T=256, where launch latency matters; target <= 15 µs)
+decode-sized batch (T=256, where launch latency matters; target <= 12 µs)
 and a prefill-sized one (T=8192, bandwidth-bound; target >= 85% of the
-device copy ceiling).
+device copy ceiling). Beside the default configuration each case times the
+launch configurations of :data:`GATE_SWEEP`, so one H200 run shows which to
+put in :func:`engramrt.gate.config.default_gate_config` (and its decode table
+:data:`engramrt.gate.config.DECODE_CONFIGS`).
 """
 
 from __future__ import annotations
@@ -20,11 +23,40 @@ from engramrt.gate import (
     engram_gate_reference,
     gate_tolerance,
 )
+from engramrt.gate.config import GateConfig
 
 HC = 4  # hidden streams
 DIM = 5120  # model width D
 EPS = 1e-6
 _BF16_BYTES = 2
+
+GATE_SWEEP: tuple[GateConfig, ...] = (
+    GateConfig(1024, 4, None, 1),  # the default at hc=4, D=5120 before this sweep
+    GateConfig(1024, 4, 4, 1),
+    GateConfig(2048, 8, 2, 1),
+    # decode: several programs per token, and/or all chunks' loads issued at once
+    GateConfig(1024, 4, None, 1, streams_per_program=1),
+    GateConfig(1024, 4, None, 1, streams_per_program=2),
+    GateConfig(1024, 8, None, 1, unroll=True),
+    GateConfig(1024, 16, None, 1, unroll=True),
+    GateConfig(1024, 8, None, 1, streams_per_program=2, unroll=True),
+    GateConfig(1024, 4, None, 1, streams_per_program=1, unroll=True),
+    GateConfig(2048, 8, None, 1, streams_per_program=2, unroll=True),
+    GateConfig(512, 4, None, 1, streams_per_program=1, unroll=True),
+    GateConfig(2048, 16, None, 1, unroll=True),
+)
+"""Launch configurations timed beside the default at every gate case."""
+
+
+def config_label(config: GateConfig) -> str:
+    """``block=1024,warps=8,per_sm=None,stages=1,streams=2,unroll`` for an implementation's name."""
+    label = (
+        f"block={config.block_d},warps={config.num_warps},per_sm={config.programs_per_sm},"
+        f"stages={config.num_stages}"
+    )
+    if config.streams_per_program is not None:
+        label += f",streams={config.streams_per_program}"
+    return label + (",unroll" if config.unroll else "")
 
 
 def _make(num_tokens: int) -> Callable[[torch.device], Inputs]:
@@ -55,6 +87,15 @@ def _triton(inputs: Inputs) -> torch.Tensor:
     return engram_gate(*_operands(inputs), backend="triton", out=inputs["out"], validate=False)
 
 
+def _triton_config(config: GateConfig) -> Callable[[Inputs], torch.Tensor]:
+    def run(inputs: Inputs) -> torch.Tensor:
+        from engramrt.gate.kernel import engram_gate_triton
+
+        return engram_gate_triton(*_operands(inputs), out=inputs["out"], config=config)
+
+    return run
+
+
 def _torch_eager(inputs: Inputs) -> torch.Tensor:
     return engram_gate_reference(*_operands(inputs))
 
@@ -75,13 +116,19 @@ def gate_cases(quick: bool) -> list[Case]:
     cases = []
     for num_tokens in token_counts:
         bytes_moved = _BF16_BYTES * num_tokens * (HC * DIM + (HC + 1) * DIM + HC * DIM)
+        impls: dict[str, Callable[[Inputs], Any]] = {
+            "triton": _triton,
+            "torch-eager": _torch_eager,
+        }
+        for config in GATE_SWEEP:
+            impls[f"triton[{config_label(config)}]"] = _triton_config(config)
         cases.append(
             Case(
                 name=f"gate/T={num_tokens}",
                 group="gate",
                 params={"T": num_tokens, "hc": HC, "D": DIM, "dtype": "bf16"},
                 make=_make(num_tokens),
-                impls={"triton": _triton, "torch-eager": _torch_eager},
+                impls=impls,
                 baseline="torch-eager",
                 check=_check,
                 bytes_moved=bytes_moved,  # hidden + kv read, out written
@@ -89,7 +136,7 @@ def gate_cases(quick: bool) -> list[Case]:
                 item_name="tokens",
                 ceiling="d2d",
                 graph=True,
-                graph_impls=("triton",),
+                graph_impls=tuple(name for name in impls if name != "torch-eager"),
             )
         )
     return cases

@@ -48,11 +48,13 @@ def _setup(device: torch.device, n_req: int, tokens_per_req: int, seed: int) -> 
 def _check(inputs: dict[str, Any], outputs: dict[str, Any]) -> None:
     from engramrt.hashing import HashBatch, hash_batch_reference
 
-    kernel = outputs["triton"].to(torch.int64)
     torch_eager = outputs["torch-eager"].to(torch.int64)
-    if not torch.equal(kernel, torch_eager):
-        bad = (kernel != torch_eager).nonzero()[:5].tolist()
-        raise AssertionError(f"kernel and torch baseline differ at {bad}")
+    for name, output in outputs.items():
+        got_all = output.to(torch.int64)
+        if not torch.equal(got_all, torch_eager):
+            bad = (got_all != torch_eager).nonzero()[:5].tolist()
+            raise AssertionError(f"{name} and the torch baseline differ at {bad}")
+    kernel = outputs["triton"].to(torch.int64)
     # The numpy reference on a slice of whole requests (it is slow).
     batch: HashBatch = inputs["batch"]
     qsl = batch.query_start_loc.cpu()
@@ -74,6 +76,74 @@ def _check(inputs: dict[str, Any], outputs: dict[str, Any]) -> None:
         raise AssertionError(
             f"kernel and numpy reference differ at {np.argwhere(got != want)[:5].tolist()}"
         )
+
+
+# Launch settings swept by the "hash/sweep ..." cases, as (block_t, num_warps,
+# scan_tile, fast_mod, speculate_decode) of HashKernelConfig; scan_tile=0 is
+# the binary request search. One GPU run of `engramrt bench --group hash`
+# compares them by the graph cold time (one call per CUDA graph, L2 flushed)
+# and the eager wall time; the winners go into
+# engramrt.hashing.ops.HASH_KERNEL_CONFIGS.
+SWEEP: tuple[tuple[int, int, int, bool, bool], ...] = (
+    (8, 1, 8192, True, True),
+    (16, 1, 8192, True, True),
+    (16, 2, 8192, True, True),
+    (16, 4, 8192, True, True),
+    (32, 1, 8192, True, True),
+    (32, 2, 8192, True, True),
+    (32, 4, 8192, True, True),
+    (64, 2, 16384, True, True),
+    (64, 4, 16384, True, True),
+    (128, 4, 16384, True, True),
+    (128, 8, 32768, True, True),
+    (256, 8, 32768, True, True),
+    (16, 2, 0, True, True),
+    (64, 4, 0, True, True),
+    (16, 2, 8192, False, True),
+    (64, 4, 8192, False, True),
+    (128, 4, 16384, False, True),
+    (16, 2, 8192, True, False),
+    (64, 4, 8192, True, False),
+    (64, 4, 0, False, False),  # the earlier kernel's search, remainder and load order
+)
+
+
+def _sweep_name(
+    block_t: int, num_warps: int, scan_tile: int, fast_mod: bool, speculate: bool
+) -> str:
+    scan = f"-scan{scan_tile}" if scan_tile else "-bsearch"
+    mod = "" if fast_mod else "-intmod"
+    spec = "" if speculate else "-nospec"
+    return f"bt{block_t}w{num_warps}{scan}{mod}{spec}"
+
+
+def _with_sweep(device: torch.device, **kwargs: Any) -> dict[str, Any]:
+    from engramrt.hashing import NgramHasher
+    from engramrt.hashing.ops import HashKernelConfig
+
+    inputs = _setup(device, **kwargs)
+    for settings in SWEEP:
+        block_t, num_warps, scan_tile, fast_mod, speculate = settings
+        config = HashKernelConfig(
+            block_t=block_t,
+            num_warps=num_warps,
+            scan_tile=scan_tile,
+            fast_mod=fast_mod,
+            speculate_decode=speculate,
+        )
+        inputs[_sweep_name(*settings)] = NgramHasher(
+            inputs["consts"],
+            inputs["token_map"],
+            device,
+            backend="triton",
+            validate=False,
+            kernel_config=config,
+        )
+    return inputs
+
+
+def _sweep_impl(name: str) -> Callable[[dict[str, Any]], Any]:
+    return lambda s: s[name](s["batch"], out=s["out"])
 
 
 @register
@@ -112,6 +182,38 @@ def hash_cases(quick: bool) -> list[Case]:
                 item_name="tokens",
                 graph=True,
                 graph_impls=("triton",),
+            )
+        )
+    if quick:
+        return cases
+    sweep_impls = dict(impls)
+    for settings in SWEEP:
+        sweep_impls[_sweep_name(*settings)] = _sweep_impl(_sweep_name(*settings))
+    for kind, n_req, per in shapes:
+        t_len = n_req * per
+        cases.append(
+            Case(
+                name=f"hash/sweep {kind} {n_req}x{per}",
+                group="hash",
+                params={
+                    "requests": n_req,
+                    "tokens_per_request": per,
+                    "T": t_len,
+                    "layout": "dsv41-flash",
+                    "sweep": "HashKernelConfig: bt<block_t>w<num_warps>, -scan<scan_tile> or "
+                    "-bsearch, -intmod: fast_mod off, -nospec: speculate_decode off",
+                },
+                make=functools.partial(
+                    _with_sweep, n_req=n_req, tokens_per_req=per, seed=n_req * 7 + per
+                ),
+                impls=sweep_impls,
+                baseline="torch-eager",
+                check=_check,
+                bytes_moved=t_len * (8 + 8 + 1 + 2 * 24 * 4),
+                items=t_len,
+                item_name="tokens",
+                graph=True,
+                graph_impls=tuple(k for k in sweep_impls if k != "torch-eager"),
             )
         )
     return cases

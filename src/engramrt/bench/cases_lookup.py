@@ -12,14 +12,17 @@ hashing produces them.
   out of bounds); timed against ``lookup/device/T=8192`` it shows what
   bounding every id costs.
 - ``device`` tier: the Triton kernel (default settings, the
-  hardware-conversion variant, and at T=8192 three other tilings, so the
-  H200 run shows which is best) against ``torch-eager``,
+  integer-conversion variant, and at T=8192 the variants of
+  :data:`DEVICE_RATE_SWEEP`, so one H200 run shows which is best) against
+  ``torch-eager``,
   an ``index_select`` of packed rows followed by the reference dequantise,
   both on the GPU. Ceiling: device copy, ``rows * 264`` bytes read plus
   ``rows * E * 2`` written.
 - ``uva``, ``host``, ``disk`` tiers: the tier's lookup (the host tier
   also with the CPU gathering every row, and at T=8192 with other shares of
-  GPU reads) against
+  GPU reads and the gather settings of :data:`HOST_GATHER_SWEEP`; the uva
+  and host tiers at T=256 with the kernel settings of
+  :data:`DECODE_READ_SWEEP` for their reads of host memory) against
   ``torch-eager``, a plain CPU ``index_select`` of the packed rows, then
   ``.to('cuda')``, then the reference dequantise on the GPU. Ceiling:
   host-to-device copy of ``rows * 264`` bytes.
@@ -55,8 +58,91 @@ E = 256
 COLS = 24  # (N - 1) * H hash columns per layer
 ROW_BYTES = row_bytes_for(E)  # 264
 _FILL_ROWS = 1 << 22  # rows generated per piece when filling host and disk tables
-_TILINGS = ((8, 4), (32, 4), (32, 8))  # (rows per program, warps) besides the default
 _GPU_SHARES = (0.15, 0.3, 0.45)  # host tier: shares of the GPU's reads besides the default
+
+_K = LookupKernelSettings
+
+DECODE_READ_SWEEP: tuple[LookupKernelSettings, ...] = (
+    # full grids (one tile per program): bytes in flight per program
+    _K(8, 4),
+    _K(16, 4),  # DEFAULT_KERNEL's tile (the uva tier's default before this sweep)
+    _K(32, 8),
+    _K(64, 16),
+    _K(16, 4, cache_modifier=".cg"),
+    # bounded grids: fewer requests in flight, each program's tiles in turn
+    _K(32, 4, max_programs=16),  # HOST_READ_KERNEL
+    _K(32, 4, max_programs=16, num_stages=1),
+    _K(32, 4, max_programs=16, num_stages=4),
+    _K(128, 16, max_programs=16),
+    _K(32, 4, max_programs=24),
+    _K(8, 1, max_programs=64),
+    _K(16, 4, max_programs=64),
+    _K(64, 8, max_programs=32),
+    _K(8, 2, max_programs=132),  # UVA_KERNEL
+    _K(8, 2, max_programs=132, num_stages=4),
+    _K(16, 4, max_programs=132),
+    _K(4, 2, max_programs=132),
+    _K(8, 2, max_programs=264),
+)
+"""Lookup-kernel settings timed for the reads of host memory at T=256 (6,144 rows),
+on the uva tier and the host tier's GPU reads; the winners go to
+:data:`engramrt.lookup.tiers.uva.UVA_KERNEL` and
+:data:`engramrt.lookup.tiers.host_gather.HOST_READ_KERNEL`."""
+
+DEVICE_RATE_SWEEP: tuple[LookupKernelSettings, ...] = (
+    _K(8, 2),
+    _K(8, 4),
+    _K(32, 4),
+    _K(32, 8),
+    _K(16, 8),
+    _K(64, 8),
+    _K(32, 4, hw_convert=False),
+    _K(16, 4, cache_modifier=".cg"),
+    _K(32, 4, max_programs=1056),  # a persistent grid: 8 programs per SM
+    _K(32, 8, max_programs=528, num_stages=3),
+)
+"""Lookup-kernel settings timed on the device tier at T=8192 (196,608 rows) beside
+the default; the winner goes to :data:`engramrt.lookup.settings.DEFAULT_KERNEL`."""
+
+HOST_GATHER_SWEEP: tuple[tuple[int, int | None, bool], ...] = (
+    # (chunk_rows, num_threads, deduplicate)
+    (16384, None, True),  # more, smaller pieces: a shorter last copy
+    (32768, None, True),
+    (131072, None, True),
+    (196608, None, True),  # one piece: no overlap of gather and copy
+    (32768, 8, True),
+    (65536, 8, True),
+    (65536, 16, True),
+    (32768, 16, True),
+    (65536, None, False),  # uniform ids repeat little: skip the sort on the GPU
+    (32768, None, False),
+)
+"""Settings of the host tier's CPU gather timed at T=8192 beside the store's
+defaults: ``chunk_rows`` (rows per gather-then-copy piece), ``num_threads`` (None:
+the store's rule) and whether the batch is deduplicated (sorted and made unique
+on the GPU first). The winners go to
+:data:`engramrt.lookup.tiers.host_gather.DEFAULT_CHUNK_ROWS`,
+:data:`~engramrt.lookup.tiers.host_gather.ROWS_PER_GATHER_THREAD` and
+:data:`~engramrt.lookup.tiers.host_gather.DEDUP_MIN_ROWS`. In one H200 run (16
+CPUs) none beat the defaults (2.13 ms, 93 M rows/s): the others took 2.11-2.51 ms,
+8 threads 2.7-2.9 ms; the time is in the stages, not in these settings."""
+
+
+def kernel_label(kernel: LookupKernelSettings) -> str:
+    """``rows=32,warps=8,programs=16,stages=4,cg,hw``: the settings that differ from
+    the defaults, for an implementation's name."""
+    parts = [f"rows={kernel.rows_per_program}", f"warps={kernel.num_warps}"]
+    if kernel.max_programs is not None:
+        parts.append(f"programs={kernel.max_programs}")
+    if kernel.num_stages is not None:
+        parts.append(f"stages={kernel.num_stages}")
+    if kernel.cache_modifier:
+        parts.append(kernel.cache_modifier.lstrip("."))
+    if kernel.hw_convert is not None:
+        parts.append("hw" if kernel.hw_convert else "int")
+    if not kernel.cached_launch:
+        parts.append("plain-launch")
+    return ",".join(parts)
 
 
 def _random_packed_rows(
@@ -161,20 +247,29 @@ def _variant(kernel: LookupKernelSettings) -> Callable[[Inputs], torch.Tensor]:
     return run
 
 
-def _host_variant(gpu_reads: bool, gpu_share: float | None = None) -> Callable[[Inputs], Any]:
-    """The host tier's lookup with GPU reads switched off, or another GPU share."""
+def _store_variant(**settings: Any) -> Callable[[Inputs], Any]:
+    """The store's lookup with some of its attributes (``kernel``, ``gpu_reads``,
+    ``gpu_share``, ``chunk_rows``, ``num_threads``) set otherwise for the call."""
 
     def run(inputs: Inputs) -> torch.Tensor:
         store = inputs["store"]
-        before = store.gpu_reads, store.gpu_share
-        store.gpu_reads = gpu_reads
-        store.gpu_share = before[1] if gpu_share is None else gpu_share
+        before = {name: getattr(store, name) for name in settings}
+        for name, value in settings.items():
+            setattr(store, name, value)
         try:
             return store.lookup(inputs["row_ids"], out=inputs["out"])
         finally:
-            store.gpu_reads, store.gpu_share = before
+            for name, value in before.items():
+                setattr(store, name, value)
 
     return run
+
+
+def _host_variant(gpu_reads: bool, gpu_share: float | None = None) -> Callable[[Inputs], Any]:
+    """The host tier's lookup with GPU reads switched off, or another GPU share."""
+    if gpu_share is None:
+        return _store_variant(gpu_reads=gpu_reads)
+    return _store_variant(gpu_reads=gpu_reads, gpu_share=gpu_share)
 
 
 def _device_torch_eager(inputs: Inputs) -> torch.Tensor:
@@ -223,14 +318,12 @@ def lookup_cases(quick: bool) -> list[Case]:
             if tier == "device":
                 impls = {
                     "triton": _tier_lookup,
-                    "triton[hw_convert]": _variant(LookupKernelSettings(hw_convert=True)),
+                    "triton[int convert]": _variant(LookupKernelSettings(hw_convert=False)),
                     "torch-eager": _device_torch_eager,
                 }
                 if num_tokens == 8192:
-                    for rows_per_program, num_warps in _TILINGS:
-                        impls[f"triton[rows={rows_per_program},warps={num_warps}]"] = _variant(
-                            LookupKernelSettings(rows_per_program, num_warps)
-                        )
+                    for kernel in DEVICE_RATE_SWEEP:
+                        impls[f"triton[{kernel_label(kernel)}]"] = _variant(kernel)
                 bytes_moved, ceiling = rows * ROW_BYTES + rows * E * 2, "d2d"
             else:
                 impls = {tier: _tier_lookup, "torch-eager": _host_torch_eager}
@@ -239,8 +332,27 @@ def lookup_cases(quick: bool) -> list[Case]:
                     if num_tokens == 8192:
                         for share in _GPU_SHARES:
                             impls[f"host[gpu_share={share}]"] = _host_variant(True, share)
+                        for chunk_rows, num_threads, dedup in HOST_GATHER_SWEEP:
+                            name = (
+                                f"host[cpu gather,chunk={chunk_rows},threads={num_threads}"
+                                f"{'' if dedup else ',no dedup'}]"
+                            )
+                            impls[name] = _store_variant(
+                                gpu_reads=False,
+                                chunk_rows=chunk_rows,
+                                num_threads=num_threads,
+                                # 0: always deduplicate; past any batch: never
+                                dedup_min_rows=0 if dedup else 1 << 62,
+                            )
+                if tier in ("uva", "host") and num_tokens == 256:
+                    for kernel in DECODE_READ_SWEEP:
+                        impls[f"{tier}[{kernel_label(kernel)}]"] = _store_variant(kernel=kernel)
                 bytes_moved, ceiling = rows * ROW_BYTES, "h2d"
-            capturable = tier in ("device", "uva")
+            # The host tier's GPU reads of a decode batch need no host synchronisation.
+            capturable = tier in ("device", "uva") or (tier == "host" and num_tokens == 256)
+            graph_impls = tuple(
+                name for name in impls if name not in ("torch-eager", "host[cpu gather]")
+            )
             cases.append(
                 Case(
                     name=f"lookup/{tier}/T={num_tokens}",
@@ -262,9 +374,7 @@ def lookup_cases(quick: bool) -> list[Case]:
                     item_name="rows",
                     ceiling=ceiling,
                     graph=capturable,
-                    graph_impls=(("triton",) if tier == "device" else (tier,))
-                    if capturable
-                    else (),
+                    graph_impls=graph_impls if capturable else (),
                 )
             )
     rows = 8192 * COLS

@@ -35,6 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
+from engramrt._backend import interpreter_enabled
 from engramrt._jit import flat_lookups, store_dequantized_rows
 from engramrt._launch import CachedLauncher
 from engramrt.cache.policy import MIX_MULTIPLIER
@@ -201,7 +202,7 @@ def probe_gather_triton(
         ROWS=rows,
         WAYS=ways,
         MIX=MIX_MULTIPLIER,
-        HW_CONVERT=kernel.hw_convert,
+        HW_CONVERT=kernel.resolved_hw_convert(interpreter_enabled()),
         READ_MISSES=backing is not None,
         num_warps=kernel.num_warps or DEFAULT_NUM_WARPS,
     )

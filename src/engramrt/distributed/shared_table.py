@@ -38,7 +38,9 @@ Publication (the creator holds an exclusive ``flock`` on ``<name>.lock``):
    ``<name>.tmp-*`` file (under the lock nobody else can be writing one);
 2. create ``<name>.tmp-<pid>``, reserve its bytes with ``posix_fallocate``
    (a full ``/dev/shm`` fails here with ENOSPC, not later with SIGBUS on a
-   page fault), map it and let the loader fill it;
+   page fault; ``reserve="truncate"`` makes a sparse file instead, so the
+   loader's writers allocate the pages in parallel), map it and let the
+   loader fill it;
 3. ``msync`` + ``fsync``, make it read-only, ``rename`` it to ``<name>``,
    ``fsync`` the directory;
 4. write the manifest with :func:`engramrt._io.atomic_write_bytes` (temp
@@ -556,6 +558,7 @@ class SharedHostTable:
         cuda_register: bool = False,
         trusted_uids: Sequence[int] = (),
         private_fallback: bool = True,
+        reserve: str = "fallocate",
     ) -> SharedHostTable:
         """Attach the node's copy of table ``name``, loading it first if nobody has.
 
@@ -589,6 +592,15 @@ class SharedHostTable:
             private_fallback: when the group cannot share (several nodes,
                 too little room in ``directory``), load a private copy with
                 a warning; False: raise :class:`CapacityError` instead.
+            reserve: how the creator reserves the data file's bytes before
+                the loader writes them: ``"fallocate"`` (``posix_fallocate``:
+                a full directory fails there, cleanly; the pages are
+                allocated by this one thread) or ``"truncate"`` (a sparse
+                file of the right size: the loader's first writes allocate
+                the pages, in parallel when it writes from many threads; the
+                free space is still checked first, but a directory filled by
+                someone else meanwhile kills the creator with SIGBUS, which
+                the protocol survives like any other crash).
 
         Raises:
             UntrustedFileError: the table's files belong to an untrusted
@@ -613,6 +625,7 @@ class SharedHostTable:
             poll_s=poll_s,
             trusted=resolve_trusted_uids(trusted_uids),
             private_fallback=private_fallback,
+            reserve=reserve,
         )
         if cuda_register:
             table.register_cuda()
@@ -635,9 +648,12 @@ class SharedHostTable:
         poll_s: float,
         trusted: frozenset[int],
         private_fallback: bool,
+        reserve: str = "fallocate",
     ) -> SharedHostTable:
         if checksum not in ("sample", "full"):
             raise ValidationError(f"checksum={checksum!r}; expected 'sample' or 'full'")
+        if reserve not in ("fallocate", "truncate"):
+            raise ValidationError(f"reserve={reserve!r}; expected 'fallocate' or 'truncate'")
         if num_rows < 0 or row_bytes <= 0:
             raise ValidationError(
                 f"num_rows={num_rows}, row_bytes={row_bytes}; expected num_rows >= 0, row_bytes > 0"
@@ -674,7 +690,7 @@ class SharedHostTable:
                     if table is not None:
                         return table
                     try:
-                        _publish(paths, geometry, loader, checksum)
+                        _publish(paths, geometry, loader, checksum, reserve)
                     except _NoSpaceError as exc:
                         no_space = str(exc)
                     else:
@@ -863,7 +879,13 @@ class _NoSpaceError(Exception):
     """The directory could not reserve the table's bytes."""
 
 
-def _publish(paths: TablePaths, geometry: Mapping[str, Any], loader: Loader, checksum: str) -> None:
+def _publish(
+    paths: TablePaths,
+    geometry: Mapping[str, Any],
+    loader: Loader,
+    checksum: str,
+    reserve: str = "fallocate",
+) -> None:
     """Steps 1-4 of the module doc. The caller holds the creation lock."""
     num_rows, row_bytes = int(geometry["num_rows"]), int(geometry["row_bytes"])
     nbytes = num_rows * row_bytes
@@ -886,7 +908,9 @@ def _publish(paths: TablePaths, geometry: Mapping[str, Any], loader: Loader, che
     tmp = paths.tmp(os.getpid())
     fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
-        if nbytes > 0:
+        if nbytes > 0 and reserve == "truncate":
+            os.ftruncate(fd, nbytes)  # sparse: the loader's writes allocate the pages
+        elif nbytes > 0:
             try:
                 os.posix_fallocate(fd, 0, nbytes)
             except OSError as exc:

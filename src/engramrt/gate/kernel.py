@@ -23,82 +23,97 @@ DRAM traffic per token: ``hc*D`` x + ``(hc+1)*D`` kv read, ``hc*D`` out
 written (bf16: 26*D bytes at hc=4, 130 KB at D=5120); the [hc, D] weights
 come from L1/L2.
 
-Each chunk is a ``[BLOCK_D // VEC, HC_PAD, VEC]`` tile with VEC = 8 (16 bytes
-of bf16): a thread owns whole 16-byte vectors and folds them into its
+Each chunk is a ``[BLOCK_D // VEC, S_PAD, VEC]`` tile (``S`` streams, all
+``hc`` by default) with VEC = 8 (16 bytes of bf16): a thread owns whole 16-byte vectors and folds them into its
 accumulators with in-thread adds (``tl.sum(axis=2)``), so the three fp32
 accumulators take 1/8 of the registers of the tile, leaving the rest for
 loads in flight.
+
+The launch configuration (:class:`engramrt.gate.config.GateConfig`) also
+splits a token's streams over several programs and unrolls the D loops, for
+decode-sized batches where latency rather than bandwidth bounds the gate.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from typing import Any
 
 import torch
 import triton
 import triton.language as tl
 
 from engramrt._launch import CachedLauncher
+from engramrt.gate import config as gate_config
+from engramrt.gate.config import VEC, GateConfig, default_gate_config
 
+# GateConfig and default_gate_config live in engramrt.gate.config (no Triton
+# import); they are re-exported here, where the launcher's callers look.
 __all__ = ["GateConfig", "default_gate_config", "engram_gate_triton"]
 
-# Elements per 16-byte bf16 vector: the innermost tile dimension.
-VEC = 8
+
+@triton.jit
+def _gate_sums_chunk(
+    hidden_row,
+    kv_row,
+    q_weight_ptr,
+    k_weight_ptr,
+    chunk,
+    stream,  # [1, S_PAD, 1] stream indices
+    stream_ok,  # [1, S_PAD, 1]
+    col,  # [BD/VEC, VEC]
+    keep,
+    sum_xx,
+    sum_kk,
+    sum_xwk,
+    D,
+    BLOCK_D: tl.constexpr,
+):
+    """Pass 1 on one chunk of D: the per-stream sums, folded over VEC inside each thread."""
+    d = chunk * BLOCK_D + col  # [BD/VEC, VEC]
+    offs = stream * D + d[:, None, :]  # [BD/VEC, S_PAD, VEC]
+    mask = stream_ok & (d < D)[:, None, :]
+    x = tl.load(hidden_row + offs, mask=mask, other=0.0, eviction_policy="evict_last")
+    # A masked token's key does not matter (its output is x): skip reading it.
+    k = tl.load(kv_row + offs, mask=mask & keep, other=0.0, eviction_policy="evict_first")
+    q_w = tl.load(q_weight_ptr + offs, mask=mask, other=0.0, eviction_policy="evict_last")
+    k_w = tl.load(k_weight_ptr + offs, mask=mask, other=0.0, eviction_policy="evict_last")
+    x = x.to(tl.float32)
+    k = k.to(tl.float32)
+    w = q_w.to(tl.float32) * k_w.to(tl.float32)
+    sum_xx += tl.sum(x * x, axis=2)
+    sum_kk += tl.sum(k * k, axis=2)
+    sum_xwk += tl.sum(x * w * k, axis=2)
+    return sum_xx, sum_kk, sum_xwk
 
 
-@dataclass(frozen=True)
-class GateConfig:
-    """Launch parameters of :func:`_engram_gate_kernel` (tune on the GPU).
-
-    Attributes:
-        block_d: width of one chunk of D (a power of two, >= 8).
-        num_warps: warps per program.
-        programs_per_sm: cap on the persistent grid, programs per SM; None
-            launches one program per token.
-        num_stages: software-pipelining depth of the D loops; 1 keeps the
-            loops unpipelined (no shared-memory staging), so occupancy is set
-            by registers alone.
-    """
-
-    block_d: int
-    num_warps: int
-    programs_per_sm: int | None = 2
-    num_stages: int = 1
-
-
-def default_gate_config(hc: int, dim: int, element_bytes: int = 2) -> GateConfig:
-    """A launch configuration from the shape alone.
-
-    ``element_bytes`` is the widest element among hidden, kv and the weights.
-    One chunk is a ``[next_pow2(hc), block_d]`` tile of at most 8 KB per
-    tensor at 4 warps, one program per token (no persistent grid).
-
-    Measured on an H200 (torch 2.11, Triton 3.6; ``bench/tune_gate.py``), hc=4,
-    D=5120, bf16, T=8192, percent of the 4.27 TB/s device copy ceiling:
-
-    =======================================  ======  ==========================
-    GateConfig(block_d, warps, per_sm, st)   T=8192  T=256 (graph replay)
-    =======================================  ======  ==========================
-    (1024, 4, None, 1)  -- chosen            88.3%   11.4 µs
-    (1024, 4, 4, 1)                          87.2%   11.0 µs
-    (512, 4, 8, 1)                           77.8%   18.0 µs
-    (2048, 8, 2, 1)                          76.7%   10.7 µs
-    (2048, 8, None, 1)                       75.2%   11.1 µs
-    (1024, 8, 2, 1)                          64.3%   12.0 µs
-    (2048, 16, 1, 1)                         51.2%   15.5 µs
-    (1024, 4, 4, 2), (2048, 8, 2, 2)         26.8%   ~36 µs
-    =======================================  ======  ==========================
-
-    Software pipelining through shared memory (``num_stages=2``) costs 3x:
-    the loads are already 16 bytes wide and enough tokens are in flight.
-    """
-    hc_pad = triton.next_power_of_2(hc)
-    tile_bytes = 8192
-    block_d = max(VEC, min(triton.next_power_of_2(dim), tile_bytes // element_bytes // hc_pad))
-    num_warps = max(1, min(4, hc_pad * block_d * element_bytes // 2048))
-    return GateConfig(block_d=block_d, num_warps=num_warps, programs_per_sm=None)
+@triton.jit
+def _gate_out_chunk(
+    hidden_row,
+    value_row,
+    out_row,
+    chunk,
+    stream,
+    stream_ok,
+    col,
+    keep,
+    gate,  # [1, S_PAD, 1]
+    D,
+    BLOCK_D: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+):
+    """Pass 2 on one chunk of D: ``out = x + gate * value``."""
+    d = chunk * BLOCK_D + col
+    offs = stream * D + d[:, None, :]
+    mask = stream_ok & (d < D)[:, None, :]
+    x = tl.load(hidden_row + offs, mask=mask, other=0.0, eviction_policy="evict_first")
+    x = x.to(tl.float32)
+    value = tl.load(value_row + d, mask=(d < D) & keep, other=0.0, eviction_policy="evict_first")
+    out = x + gate * value.to(tl.float32)[:, None, :]  # value read once for all streams
+    if HAS_MASK:
+        out = tl.where(keep, out, x)  # gate forced to 0, bit for bit
+    tl.store(out_row + offs, out.to(tl.bfloat16), mask=mask)
 
 
 @triton.jit
@@ -114,32 +129,38 @@ def _engram_gate_kernel(
     eps,
     inv_sqrt_d,
     HC: tl.constexpr,
-    HC_PAD: tl.constexpr,
+    S: tl.constexpr,  # streams per program
+    S_PAD: tl.constexpr,
+    GROUPS: tl.constexpr,  # ceil(HC / S) programs' worth of work per token
     BLOCK_D: tl.constexpr,
     VEC: tl.constexpr,
     NUM_CHUNKS: tl.constexpr,
     HAS_MASK: tl.constexpr,
     NUM_STAGES: tl.constexpr,
+    UNROLL: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
     num_programs = tl.num_programs(0).to(tl.int64)
 
     # Offsets inside one token's rows stay int32: they are below (HC + 1) * D,
     # which engram_gate's validation checks fits in int32. Row bases are int64.
-    # Tiles are [BLOCK_D // VEC, HC_PAD, VEC]: with the stream axis in the
+    # Tiles are [BLOCK_D // VEC, S_PAD, VEC]: with the stream axis in the
     # middle, Triton gives each thread one 16-byte vector of every stream at
     # the same columns, so the value vector a thread needs is the one it loads
     # itself (no shuffle through shared memory) and a warp's load of one
     # stream is 512 contiguous bytes.
-    stream = tl.arange(0, HC_PAD)[None, :, None]  # [1, HC_PAD, 1]
+    lane = tl.arange(0, S_PAD)[None, :, None]  # [1, S_PAD, 1]
     col = tl.arange(0, BLOCK_D // VEC)[:, None] * VEC + tl.arange(0, VEC)[None, :]  # [BD/VEC, VEC]
-    stream_ok = stream < HC
+    total = num_tokens * GROUPS
 
-    # A while loop, not range(pid, num_tokens, num_programs): Triton's CPU
+    # A while loop, not range(pid, total, num_programs): Triton's CPU
     # interpreter cannot iterate a range with runtime bounds under numpy 2.4.
     # The chunk count is a constexpr (ceil(D / BLOCK_D)) for the same reason.
-    token = pid  # int64
-    while token < num_tokens:
+    item = pid  # int64: (token, group of S streams)
+    while item < total:
+        token = item // GROUPS
+        stream = (item - token * GROUPS).to(tl.int32) * S + lane  # [1, S_PAD, 1]
+        stream_ok = (lane < S) & (stream < HC)
         hidden_row = hidden_ptr + token * (HC * D)
         kv_row = kv_ptr + token * ((HC + 1) * D)
         value_row = kv_row + HC * D
@@ -149,48 +170,43 @@ def _engram_gate_kernel(
         else:
             keep = True
 
-        # Pass 1: per-stream sums over D, folded over VEC inside each thread.
-        sum_xx = tl.zeros([BLOCK_D // VEC, HC_PAD], dtype=tl.float32)
-        sum_kk = tl.zeros([BLOCK_D // VEC, HC_PAD], dtype=tl.float32)
-        sum_xwk = tl.zeros([BLOCK_D // VEC, HC_PAD], dtype=tl.float32)
-        for chunk in tl.range(0, NUM_CHUNKS, num_stages=NUM_STAGES):
-            d = chunk * BLOCK_D + col  # [BD/VEC, VEC]
-            offs = stream * D + d[:, None, :]  # [BD/VEC, HC_PAD, VEC]
-            mask = stream_ok & (d < D)[:, None, :]
-            x = tl.load(hidden_row + offs, mask=mask, other=0.0, eviction_policy="evict_last")
-            # A masked token's key does not matter (its output is x): skip reading it.
-            k = tl.load(kv_row + offs, mask=mask & keep, other=0.0, eviction_policy="evict_first")
-            q_w = tl.load(q_weight_ptr + offs, mask=mask, other=0.0, eviction_policy="evict_last")
-            k_w = tl.load(k_weight_ptr + offs, mask=mask, other=0.0, eviction_policy="evict_last")
-            x = x.to(tl.float32)
-            k = k.to(tl.float32)
-            w = q_w.to(tl.float32) * k_w.to(tl.float32)
-            sum_xx += tl.sum(x * x, axis=2)
-            sum_kk += tl.sum(k * k, axis=2)
-            sum_xwk += tl.sum(x * w * k, axis=2)
+        sum_xx = tl.zeros([BLOCK_D // VEC, S_PAD], dtype=tl.float32)
+        sum_kk = tl.zeros([BLOCK_D // VEC, S_PAD], dtype=tl.float32)
+        sum_xwk = tl.zeros([BLOCK_D // VEC, S_PAD], dtype=tl.float32)
+        if UNROLL:
+            for chunk in tl.static_range(NUM_CHUNKS):
+                sum_xx, sum_kk, sum_xwk = _gate_sums_chunk(
+                    hidden_row, kv_row, q_weight_ptr, k_weight_ptr, chunk, stream, stream_ok,
+                    col, keep, sum_xx, sum_kk, sum_xwk, D, BLOCK_D,
+                )  # fmt: skip
+        else:
+            for chunk in tl.range(0, NUM_CHUNKS, num_stages=NUM_STAGES):
+                sum_xx, sum_kk, sum_xwk = _gate_sums_chunk(
+                    hidden_row, kv_row, q_weight_ptr, k_weight_ptr, chunk, stream, stream_ok,
+                    col, keep, sum_xx, sum_kk, sum_xwk, D, BLOCK_D,
+                )  # fmt: skip
 
-        x_rstd = tl.rsqrt(tl.sum(sum_xx, axis=0) / D + eps)  # [HC_PAD]
+        x_rstd = tl.rsqrt(tl.sum(sum_xx, axis=0) / D + eps)  # [S_PAD]
         k_rstd = tl.rsqrt(tl.sum(sum_kk, axis=0) / D + eps)
-        dot = tl.sum(sum_xwk, axis=0) * (x_rstd * k_rstd * inv_sqrt_d)  # [HC_PAD]
+        dot = tl.sum(sum_xwk, axis=0) * (x_rstd * k_rstd * inv_sqrt_d)  # [S_PAD]
         magnitude = tl.sqrt(tl.maximum(tl.abs(dot), 1e-6))
         signed = tl.where(dot > 0, magnitude, tl.where(dot < 0, -magnitude, 0.0))
-        gate = tl.sigmoid(signed)[None, :, None]  # [1, HC_PAD, 1]
+        gate = tl.sigmoid(signed)[None, :, None]  # [1, S_PAD, 1]
 
         # Pass 2, last chunk first: those x chunks were read most recently.
-        for step in tl.range(0, NUM_CHUNKS, num_stages=NUM_STAGES):
-            d = (NUM_CHUNKS - 1 - step) * BLOCK_D + col
-            offs = stream * D + d[:, None, :]
-            mask = stream_ok & (d < D)[:, None, :]
-            x = tl.load(hidden_row + offs, mask=mask, other=0.0, eviction_policy="evict_first")
-            x = x.to(tl.float32)
-            value = tl.load(
-                value_row + d, mask=(d < D) & keep, other=0.0, eviction_policy="evict_first"
-            )
-            out = x + gate * value.to(tl.float32)[:, None, :]  # value read once for all streams
-            if HAS_MASK:
-                out = tl.where(keep, out, x)  # gate forced to 0, bit for bit
-            tl.store(out_row + offs, out.to(tl.bfloat16), mask=mask)
-        token += num_programs
+        if UNROLL:
+            for step in tl.static_range(NUM_CHUNKS):
+                _gate_out_chunk(
+                    hidden_row, value_row, out_row, NUM_CHUNKS - 1 - step, stream, stream_ok,
+                    col, keep, gate, D, BLOCK_D, HAS_MASK,
+                )  # fmt: skip
+        else:
+            for step in tl.range(0, NUM_CHUNKS, num_stages=NUM_STAGES):
+                _gate_out_chunk(
+                    hidden_row, value_row, out_row, NUM_CHUNKS - 1 - step, stream, stream_ok,
+                    col, keep, gate, D, BLOCK_D, HAS_MASK,
+                )  # fmt: skip
+        item += num_programs
 
 
 # Binds the arguments through kernel[grid] once per specialisation, then calls
@@ -204,21 +220,22 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def _grid_size(num_tokens: int, device: torch.device, config: GateConfig) -> int:
-    """Programs to launch: one per token, capped at ``programs_per_sm`` per SM.
+def _grid_size(num_items: int, device: torch.device, config: GateConfig) -> int:
+    """Programs to launch: one per work item (a token or a group of its streams),
+    capped at ``programs_per_sm`` per SM.
 
     The Triton interpreter (CPU tensors) has no SMs; we count one, which
     makes each program walk several tokens and so exercises the persistent
     loop in the CPU tests.
     """
     if config.programs_per_sm is None:
-        return num_tokens
+        return num_items
     if device.type == "cuda":
         index = device.index if device.index is not None else torch.cuda.current_device()
         sm_count = _sm_count(index)
     else:
         sm_count = 1
-    return max(1, min(num_tokens, sm_count * config.programs_per_sm))
+    return max(1, min(num_items, sm_count * config.programs_per_sm))
 
 
 def engram_gate_triton(
@@ -244,38 +261,60 @@ def engram_gate_triton(
         return out
     if config is None:
         widest = max(t.element_size() for t in (hidden, kv, q_weight, k_weight))
-        config = default_gate_config(hc, dim, widest)
+        decode = num_tokens <= gate_config.DECODE_MAX_TOKENS
+        config = _default_config(hc, dim, widest, decode)
     has_mask = token_mask is not None
     # bool storage is one byte; uint8 makes the pointer type explicit for Triton.
     mask_arg = token_mask.view(torch.uint8) if token_mask is not None else hidden
-    grid = (_grid_size(num_tokens, hidden.device, config),)
-
-    def launch() -> None:
-        _launch_gate_kernel(
-            grid,
-            hidden,
-            kv,
-            q_weight,
-            k_weight,
-            mask_arg,
-            out,
-            num_tokens,
-            dim,
-            float(eps),
-            1.0 / math.sqrt(dim),
-            HC=hc,
-            HC_PAD=triton.next_power_of_2(hc),
-            BLOCK_D=config.block_d,
-            VEC=VEC,
-            NUM_CHUNKS=triton.cdiv(dim, config.block_d),
-            HAS_MASK=has_mask,
-            NUM_STAGES=config.num_stages,
-            num_warps=config.num_warps,
-        )
-
-    if hidden.device.type == "cuda":
+    groups, constexprs = _launch_plan(hc, dim, config, has_mask)
+    grid = (_grid_size(num_tokens * groups, hidden.device, config),)
+    args = (
+        hidden,
+        kv,
+        q_weight,
+        k_weight,
+        mask_arg,
+        out,
+        num_tokens,
+        dim,
+        float(eps),
+        1.0 / math.sqrt(dim),
+    )
+    # Entering torch.cuda.device costs microseconds, a fair part of a decode
+    # step's gate: only when the inputs are not on the current device.
+    if hidden.device.type == "cuda" and hidden.device.index != torch.cuda.current_device():
         with torch.cuda.device(hidden.device):
-            launch()
+            _launch_gate_kernel(grid, *args, **constexprs)
     else:
-        launch()
+        _launch_gate_kernel(grid, *args, **constexprs)
     return out
+
+
+@functools.cache
+def _default_config(hc: int, dim: int, element_bytes: int, decode: bool) -> GateConfig:
+    """:func:`default_gate_config` once per shape (the launch path runs every step)."""
+    return default_gate_config(hc, dim, element_bytes, 1 if decode else None)
+
+
+@functools.cache
+def _launch_plan(
+    hc: int, dim: int, config: GateConfig, has_mask: bool
+) -> tuple[int, dict[str, Any]]:
+    """Stream groups per token and the kernel's constexprs, once per shape and config
+    (read only by the launcher, never changed)."""
+    streams = min(hc, config.streams_per_program or hc)
+    groups = triton.cdiv(hc, streams)
+    constexprs: dict[str, Any] = {
+        "HC": hc,
+        "S": streams,
+        "S_PAD": triton.next_power_of_2(streams),
+        "GROUPS": groups,
+        "BLOCK_D": config.block_d,
+        "VEC": VEC,
+        "NUM_CHUNKS": triton.cdiv(dim, config.block_d),
+        "HAS_MASK": has_mask,
+        "NUM_STAGES": config.num_stages,
+        "UNROLL": config.unroll,
+        "num_warps": config.num_warps,
+    }
+    return groups, constexprs

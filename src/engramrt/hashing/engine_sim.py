@@ -9,6 +9,13 @@ or verify speculative drafts (some rejected), share prefix blocks, and are
 batched together with padding rows. Every step's row ids are compared with
 one-shot hashing of each request's sequence as the engine knows it then.
 
+Many schedules can run at once (:func:`run_schedules`): each is one
+simulated engine owning a disjoint range of KV blocks and request-history
+slots of one shared history store, and every step hashes all of their
+batches as the requests of one batch, one hasher call (one kernel launch)
+for all of them, as an engine serving many users would. A schedule alone
+(:func:`run_schedule`) draws exactly the same steps from its seed.
+
 History modes (SPEC §5):
 - ``"lookback"``: the engine sends lookback ids only;
 - ``"slot"``: a SlotHashCache read through block tables, no lookback ids
@@ -18,7 +25,7 @@ History modes (SPEC §5):
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,16 +38,75 @@ from engramrt.hashing import (
     NgramHasher,
     RequestHistory,
     SlotHashCache,
-    hash_sequence,
 )
 
-__all__ = ["BLOCK_SIZE", "MODES", "NUM_BLOCKS", "Engine", "Request", "run_schedule"]
+__all__ = [
+    "BLOCK_SIZE",
+    "HISTORY_SLOTS",
+    "MODES",
+    "NUM_BLOCKS",
+    "Engine",
+    "Request",
+    "StepPart",
+    "one_shot_rows",
+    "run_schedule",
+    "run_schedules",
+]
 
 MODES = ("lookback", "slot", "request")
 """History modes of SPEC §5 that a schedule can run through."""
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 256
+HISTORY_SLOTS = 16
+"""KV blocks and request-history slots of one simulated engine."""
+
+
+def one_shot_rows(
+    sequences: Sequence[tuple[np.ndarray, np.ndarray, int, int]], consts: HashConstants
+) -> np.ndarray:
+    """Rows ``start..end-1`` of hashing each whole sequence at once, concatenated.
+
+    Each entry is ``(compressed_ids [S], dead [S], start, end)`` with
+    ``end <= S``; the result is ``[sum(end - start), L, C]`` int64, equal to
+    ``concatenate([hash_sequence(ids[:end], consts, dead[:end])[start:end] ...])``
+    (SPEC §4; a row depends only on its own and earlier positions), computed
+    with numpy array ops over every requested row at once instead of a
+    Python loop per token.
+    """
+    n, h = consts.max_ngram_size, consts.n_heads
+    n_layers, n_cols = consts.n_layers, consts.n_cols
+    lengths = [end - start for _, _, start, end in sequences]
+    total = int(sum(lengths))
+    out = np.empty((total, n_layers, n_cols), dtype=np.int64)
+    if total == 0:
+        return out
+    flat = np.concatenate([np.asarray(ids[:end], np.int64) for ids, _, _, end in sequences])
+    flat_dead = np.concatenate([np.asarray(dead[:end], bool) for _, dead, _, end in sequences])
+    bases = np.cumsum([0] + [end for _, _, _, end in sequences[:-1]])
+    index = np.concatenate(
+        [
+            base + np.arange(start, end)
+            for base, (_, _, start, end) in zip(bases, sequences, strict=True)
+        ]
+    )  # [M] flat index of each wanted row
+    positions = np.concatenate([np.arange(start, end) for _, _, start, end in sequences])
+    mult = np.asarray(consts.multipliers, np.int64)  # [L, N]
+    primes = np.asarray(consts.col_primes, np.int64)  # [L, C]
+    offsets = np.asarray(consts.offsets, np.int64)  # [L, C]
+    blocked = np.zeros(total, dtype=bool)
+    rolling = np.zeros((total, n_layers), dtype=np.int64)
+    with np.errstate(over="ignore"):
+        for k in range(n):
+            src = np.maximum(index - k, 0)
+            blocked |= (positions - k < 0) | flat_dead[src]
+            value = np.where(blocked, consts.pad_id, flat[src])  # [M]
+            rolling ^= value[:, None] * mult[None, :, k]
+            if k == 0:
+                continue
+            cols = slice((k - 1) * h, k * h)
+            out[:, :, cols] = rolling[:, :, None] % primes[None, :, cols] + offsets[None, :, cols]
+    return out
 
 
 @dataclass
@@ -54,17 +120,50 @@ class Request:
     shared_prefix: int = 0  # positions whose blocks are borrowed from another request
 
 
+@dataclass
+class StepPart:
+    """One engine's batch of one step, before it is hashed.
+
+    ``counts`` are the requests' token counts (0 for padded requests), then
+    ``pad_ids`` padding rows follow; ``expected`` lists, per request and then
+    per padding row, ``(compressed ids, dead, start, end)`` for
+    :func:`one_shot_rows`.
+    """
+
+    chunks: list[tuple[Request, int]]
+    ids: list[int]
+    positions: list[int]
+    dead: list[bool]
+    counts: list[int]
+    slot_mapping: list[int]
+    lookback: list[list[int]]
+    lookback_dead: list[list[bool]]
+    tables: list[list[int]]
+    request_slots: list[int]
+    pad_ids: list[int]
+    expected: list[tuple[np.ndarray, np.ndarray, int, int]]
+
+
 class Engine:
+    """One simulated engine; its KV blocks and history slots start at the given offsets.
+
+    ``cache`` and ``history`` are shared by every engine of a group (each
+    uses its own blocks and slots of them), or built for this engine alone.
+    """
+
     def __init__(
         self,
         rng: np.random.Generator,
         consts: HashConstants,
         token_map: np.ndarray,
-        hasher_factory: Callable[[HashBatch, Any], torch.Tensor],
         mode: str,
         *,
         drop_lookback: bool = False,
         device: torch.device | str = "cpu",
+        cache: SlotHashCache | None = None,
+        history: RequestHistory | None = None,
+        block_offset: int = 0,
+        slot_offset: int = 0,
     ) -> None:
         self.rng = rng
         self.consts = consts
@@ -72,12 +171,13 @@ class Engine:
         self.mode = mode
         self.drop_lookback = drop_lookback
         self.n = consts.max_ngram_size
-        self.hashers = hasher_factory
-        self.free_blocks = list(range(NUM_BLOCKS))
+        self.free_blocks = list(range(block_offset, block_offset + NUM_BLOCKS))
         self.device = torch.device(device)
-        self.cache = SlotHashCache(NUM_BLOCKS * BLOCK_SIZE, BLOCK_SIZE, self.device)
-        self.history = RequestHistory(16, self.n, window=self.n - 1 + 6, device=self.device)
-        self.free_slots = list(range(16))
+        self.cache = cache or SlotHashCache(NUM_BLOCKS * BLOCK_SIZE, BLOCK_SIZE, self.device)
+        self.history = history or RequestHistory(
+            HISTORY_SLOTS, self.n, window=self.n - 1 + 6, device=self.device
+        )
+        self.free_slots = list(range(slot_offset, slot_offset + HISTORY_SLOTS))
         self.mismatches: list[str] = []
         self.steps = 0
 
@@ -93,7 +193,8 @@ class Engine:
         tokens = self.rng.integers(0, vocab, size=length).tolist()
         dead = (self.rng.random(length) < dead_rate).tolist()
         req = Request(tokens=tokens, dead=dead, slot=self.free_slots.pop())
-        self.history.reset(req.slot)
+        if self.mode == "request":  # the other modes never read the ring: no device ops
+            self.history.reset(req.slot)
         if prefix_of is not None:
             # Prefix-cache hit: borrow the other request's full blocks.
             shared_blocks = min(prefix_of.computed, len(prefix_of.tokens)) // BLOCK_SIZE
@@ -133,20 +234,20 @@ class Engine:
         return ids, dead
 
     # One step ------------------------------------------------------------------
-    def step(self, chunks: list[tuple[Request, int]], pad_rows: int, pad_requests: int) -> None:
-        """Hash one batch: each (request, n) hashes the next n tokens of that request."""
-        ids, positions, dead, qsl, slot_map = [], [], [], [0], []
-        lookback, lookback_dead, tables, req_slots = [], [], [], []
-        expected = []
+    def prepare(
+        self, chunks: list[tuple[Request, int]], pad_rows: int, pad_requests: int
+    ) -> StepPart:
+        """This engine's batch: each (request, n) hashes the next n tokens of that request."""
+        part = StepPart(chunks, [], [], [], [], [], [], [], [], [], [], [])
         for req, count in chunks:
             start = req.computed
             end = start + count
             self._ensure_blocks(req, end)
-            ids += req.tokens[start:end]
-            dead += req.dead[start:end]
-            positions += list(range(start, end))
-            qsl.append(qsl[-1] + count)
-            slot_map += [
+            part.ids += req.tokens[start:end]
+            part.dead += req.dead[start:end]
+            part.positions += range(start, end)
+            part.counts.append(count)
+            part.slot_mapping += [
                 req.blocks[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(start, end)
             ]
             lb, lbd = self._lookback(req, start)
@@ -155,52 +256,36 @@ class Engine:
             )
             if self.drop_lookback or not needs_lookback:
                 lb = [-1] * (self.n - 1)
-            lookback.append(lb)
-            lookback_dead.append(lbd)
-            tables.append(req.blocks)
-            req_slots.append(req.slot)
-            full = hash_sequence(
-                self.token_map[np.array(req.tokens[:end], dtype=np.int64)],
-                self.consts,
-                np.array(req.dead[:end], dtype=bool),
+            part.lookback.append(lb)
+            part.lookback_dead.append(lbd)
+            part.tables.append(req.blocks)
+            part.request_slots.append(req.slot)
+            part.expected.append(
+                (
+                    self.token_map[np.array(req.tokens[:end], dtype=np.int64)],
+                    np.array(req.dead[:end], dtype=bool),
+                    start,
+                    end,
+                )
             )
-            expected.append(full[start:end])
         for _ in range(pad_requests):
-            qsl.append(qsl[-1])
-            lookback.append([-1] * (self.n - 1))
-            lookback_dead.append([False] * (self.n - 1))
-            tables.append([])
-            req_slots.append(0)
-        pad_ids = self.rng.integers(0, self.token_map.shape[0], size=pad_rows).tolist()
-        for tok in pad_ids:
-            ids.append(tok)
-            dead.append(False)
-            positions.append(0)
-            slot_map.append(-1)
-            expected.append(hash_sequence(self.token_map[np.array([tok])], self.consts))
-        width = max([len(t) for t in tables] + [1])
-        table = np.zeros((len(tables), width), dtype=np.int32)
-        for r, t in enumerate(tables):
-            table[r, : len(t)] = t
-        batch = HashBatch(
-            input_ids=torch.tensor(ids, dtype=torch.int64),
-            positions=torch.tensor(positions, dtype=torch.int64),
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32),
-            dead_mask=torch.tensor(dead, dtype=torch.bool),
-            lookback_token_ids=torch.tensor(lookback, dtype=torch.int64).reshape(-1, self.n - 1),
-            lookback_dead=torch.tensor(lookback_dead, dtype=torch.bool).reshape(-1, self.n - 1),
-            slot_mapping=torch.tensor(slot_map, dtype=torch.int64),
-            block_table=torch.from_numpy(table),
-            request_slots=torch.tensor(req_slots, dtype=torch.int32),
-        )
-        history = {"lookback": None, "slot": self.cache, "request": self.history}[self.mode]
-        batch = batch.to(self.device)
-        got = self.hashers(batch, history).cpu().numpy().astype(np.int64)
-        want = np.concatenate(expected) if expected else np.zeros((0, *got.shape[1:]), np.int64)
+            part.counts.append(0)
+            part.lookback.append([-1] * (self.n - 1))
+            part.lookback_dead.append([False] * (self.n - 1))
+            part.tables.append([])
+            part.request_slots.append(0)
+        part.pad_ids = self.rng.integers(0, self.token_map.shape[0], size=pad_rows).tolist()
+        no_dead = np.zeros(1, dtype=bool)
+        for tok in part.pad_ids:
+            part.expected.append((self.token_map[np.array([tok])], no_dead, 0, 1))
+        return part
+
+    def finish(self, part: StepPart, got: np.ndarray, want: np.ndarray) -> None:
+        """Compare this engine's rows (its requests' tokens, then its padding rows) and advance."""
         if not np.array_equal(got, want):
             bad = np.argwhere(got != want)[:3].tolist()
             self.mismatches.append(f"step {self.steps}: first mismatches at {bad}")
-        for req, count in chunks:
+        for req, count in part.chunks:
             req.computed += count
         self.steps += 1
 
@@ -222,46 +307,21 @@ class Engine:
         req.tokens = req.tokens[:keep] + rest_tokens
         req.dead = req.dead[:keep] + rest_dead
         req.computed = keep
-        self.history.rollback(req.slot, keep)
+        if self.mode == "request":
+            self.history.rollback(req.slot, keep)
 
 
-def run_schedule(
-    seed: int,
-    mode: str,
-    backend: str,
-    consts: HashConstants,
-    token_map: Any,
-    *,
-    max_steps: int = 12,
-    device: torch.device | str = "cpu",
-    drop_lookback: bool = False,
-    sabotage: str | None = None,
-    hasher: NgramHasher | None = None,
-) -> Engine:
-    """Run one random schedule drawn from ``seed``; returns the engine (``mismatches`` lists failures).
-
-    The schedule: a first request prefilled in part, then up to ``max_steps``
-    batches mixing chunked prefill, decode, speculative drafts verified with
-    random rejections, a prefix-cache hit that borrows the first request's
-    blocks, a request whose prefix was prefilled elsewhere (lookback ids
-    only), dead spans, padding rows and padded requests, then an empty batch.
-    ``sabotage`` (``"rebind"``, ``"reset"``) loses history on purpose, for
-    negative controls. ``hasher``: one to reuse across schedules (it keeps no
-    state between calls; building one per run costs a soak most of its time
-    on a GPU), built for ``consts``, ``backend`` and ``device`` with
-    ``check_ids=True``; None builds it.
-    """
-    rng = np.random.default_rng(seed)
-    if hasher is None:
-        hasher = NgramHasher(consts, token_map, device, backend=backend, check_ids=True)
-    engine = Engine(
-        rng, consts, token_map.map, hasher, mode, drop_lookback=drop_lookback, device=device
-    )
+def _schedule(
+    engine: Engine, max_steps: int, sabotage: str | None
+) -> Generator[StepPart, None, None]:
+    """The schedule drawn from ``engine.rng``: yields each step's batch; the caller
+    hashes it and calls :meth:`Engine.finish` before resuming."""
+    rng = engine.rng
     dead_rate = float(rng.choice([0.0, 0.0, 0.15]))
     first = engine.new_request(int(rng.integers(9, 24)), dead_rate)
     active = [first]
     # The first step prefills part of the first request, so later steps need history.
-    engine.step(
+    yield engine.prepare(
         [(first, int(rng.integers(1, 6)))], pad_rows=int(rng.integers(0, 3)), pad_requests=0
     )
     spawned_prefix = spawned_remote = False
@@ -306,8 +366,176 @@ def run_schedule(
         if sabotage == "reset" and engine.steps == 2:
             for req in active:
                 engine.history.reset(req.slot)
-        engine.step(chunks, pad_rows=int(rng.integers(0, 3)), pad_requests=int(rng.integers(0, 2)))
+        yield engine.prepare(
+            chunks, pad_rows=int(rng.integers(0, 3)), pad_requests=int(rng.integers(0, 2))
+        )
         for req, start, drafts in specs:
             engine.verify(req, start, int(rng.integers(0, drafts + 1)))
-    engine.step([], pad_rows=0, pad_requests=0)  # an empty batch
-    return engine
+    yield engine.prepare([], pad_rows=0, pad_requests=0)  # an empty batch
+
+
+def _hash_step(
+    parts: Sequence[tuple[Engine, StepPart]],
+    hasher: Callable[[HashBatch, Any], torch.Tensor],
+    history: SlotHashCache | RequestHistory | None,
+    consts: HashConstants,
+    device: torch.device,
+) -> None:
+    """Hash every engine's batch as one batch, compare each engine's rows, advance them.
+
+    The combined batch holds every engine's requests (padded requests
+    included) in order, then every engine's padding rows: padding rows must
+    come after ``query_start_loc[-1]``.
+    """
+    n = consts.max_ngram_size
+    ids = [t for _, p in parts for t in p.ids] + [t for _, p in parts for t in p.pad_ids]
+    owned = sum(len(p.ids) for _, p in parts)
+    pads = len(ids) - owned
+    counts = [c for _, p in parts for c in p.counts]
+    tables = [t for _, p in parts for t in p.tables]
+    width = max([len(t) for t in tables] + [1])
+    table = np.zeros((len(tables), width), dtype=np.int32)
+    for r, t in enumerate(tables):
+        table[r, : len(t)] = t
+    qsl = np.zeros(len(counts) + 1, dtype=np.int32)
+    np.cumsum(counts, out=qsl[1:])
+    batch = HashBatch(
+        input_ids=torch.tensor(ids, dtype=torch.int64),
+        positions=torch.tensor(
+            [q for _, p in parts for q in p.positions] + [0] * pads, dtype=torch.int64
+        ),
+        query_start_loc=torch.from_numpy(qsl),
+        dead_mask=torch.tensor(
+            [d for _, p in parts for d in p.dead] + [False] * pads, dtype=torch.bool
+        ),
+        lookback_token_ids=torch.tensor(
+            [lb for _, p in parts for lb in p.lookback], dtype=torch.int64
+        ).reshape(-1, n - 1),
+        lookback_dead=torch.tensor(
+            [lb for _, p in parts for lb in p.lookback_dead], dtype=torch.bool
+        ).reshape(-1, n - 1),
+        slot_mapping=torch.tensor(
+            [s for _, p in parts for s in p.slot_mapping] + [-1] * pads, dtype=torch.int64
+        ),
+        block_table=torch.from_numpy(table),
+        request_slots=torch.tensor(
+            [s for _, p in parts for s in p.request_slots], dtype=torch.int32
+        ),
+    )
+    got = hasher(batch.to(device), history).cpu().numpy().astype(np.int64)
+    want = one_shot_rows([e for _, p in parts for e in p.expected], consts)
+    real_at = pad_at = 0
+    want_at = 0
+    for engine, part in parts:
+        n_real, n_pad = len(part.ids), len(part.pad_ids)
+        mine = np.concatenate(
+            [got[real_at : real_at + n_real], got[owned + pad_at : owned + pad_at + n_pad]]
+        )
+        engine.finish(part, mine, want[want_at : want_at + n_real + n_pad])
+        real_at, pad_at, want_at = real_at + n_real, pad_at + n_pad, want_at + n_real + n_pad
+
+
+def run_schedules(
+    seeds: Sequence[int],
+    mode: str,
+    backend: str,
+    consts: HashConstants,
+    token_map: Any,
+    *,
+    max_steps: int = 12,
+    device: torch.device | str = "cpu",
+    drop_lookback: bool = False,
+    sabotage: str | None = None,
+    hasher: NgramHasher | None = None,
+) -> list[Engine]:
+    """Run the schedules of ``seeds`` at once, one hasher call per step for all of them.
+
+    Engine k owns KV blocks ``[k*NUM_BLOCKS, (k+1)*NUM_BLOCKS)`` of one shared
+    :class:`SlotHashCache` and request-history slots
+    ``[k*HISTORY_SLOTS, (k+1)*HISTORY_SLOTS)`` of one shared
+    :class:`RequestHistory`; every step, each engine that has not finished
+    adds its batch's requests to one combined batch. A schedule's draws
+    depend only on its seed, so it runs the same steps alone (as
+    :func:`run_schedule` does); its rows are compared with
+    :func:`one_shot_rows`. Returns the engines in ``seeds`` order, each with
+    its ``mismatches``. See :func:`run_schedule` for the other arguments.
+    """
+    device = torch.device(device)
+    if hasher is None:
+        hasher = NgramHasher(consts, token_map, device, backend=backend, check_ids=True)
+    count = len(seeds)
+    cache = SlotHashCache(max(count, 1) * NUM_BLOCKS * BLOCK_SIZE, BLOCK_SIZE, device)
+    history = RequestHistory(
+        max(count, 1) * HISTORY_SLOTS,
+        consts.max_ngram_size,
+        window=consts.max_ngram_size - 1 + 6,
+        device=device,
+    )
+    engines = [
+        Engine(
+            np.random.default_rng(seed),
+            consts,
+            token_map.map,
+            mode,
+            drop_lookback=drop_lookback,
+            device=device,
+            cache=cache,
+            history=history,
+            block_offset=k * NUM_BLOCKS,
+            slot_offset=k * HISTORY_SLOTS,
+        )
+        for k, seed in enumerate(seeds)
+    ]
+    store = {"lookback": None, "slot": cache, "request": history}[mode]
+    live = [(engine, _schedule(engine, max_steps, sabotage)) for engine in engines]
+    while live:
+        parts, still = [], []
+        for engine, steps in live:
+            part = next(steps, None)
+            if part is not None:
+                parts.append((engine, part))
+                still.append((engine, steps))
+        if parts:
+            _hash_step(parts, hasher, store, consts, device)
+        live = still
+    return engines
+
+
+def run_schedule(
+    seed: int,
+    mode: str,
+    backend: str,
+    consts: HashConstants,
+    token_map: Any,
+    *,
+    max_steps: int = 12,
+    device: torch.device | str = "cpu",
+    drop_lookback: bool = False,
+    sabotage: str | None = None,
+    hasher: NgramHasher | None = None,
+) -> Engine:
+    """Run one random schedule drawn from ``seed``; returns the engine (``mismatches`` lists failures).
+
+    The schedule: a first request prefilled in part, then up to ``max_steps``
+    batches mixing chunked prefill, decode, speculative drafts verified with
+    random rejections, a prefix-cache hit that borrows the first request's
+    blocks, a request whose prefix was prefilled elsewhere (lookback ids
+    only), dead spans, padding rows and padded requests, then an empty batch.
+    ``sabotage`` (``"rebind"``, ``"reset"``) loses history on purpose, for
+    negative controls. ``hasher``: one to reuse across schedules (it keeps no
+    state between calls; building one per run costs a soak most of its time
+    on a GPU), built for ``consts``, ``backend`` and ``device`` with
+    ``check_ids=True``; None builds it.
+    """
+    return run_schedules(
+        [seed],
+        mode,
+        backend,
+        consts,
+        token_map,
+        max_steps=max_steps,
+        device=device,
+        drop_lookback=drop_lookback,
+        sabotage=sabotage,
+        hasher=hasher,
+    )[0]

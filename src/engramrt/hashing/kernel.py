@@ -2,11 +2,40 @@
 
 ``_ngram_hash_kernel`` computes the row ids ``[T, L, C]`` of every Engram
 layer of a whole ragged batch in one launch. Each program takes BLOCK_T
-tokens, finds their requests by binary search over ``query_start_loc``,
-gathers the N values of each token (chunk -> lookback -> history store),
-then hashes them for all layers as ``[BLOCK_T, L_PAD, H_PAD]`` tiles. All
-index and hash arithmetic is int64. Nothing here reads a value back to the
-host, so a step can be captured in a CUDA graph.
+tokens, finds their requests in ``query_start_loc``, gathers the N values of
+each token (chunk -> lookback -> history store), then hashes them for all
+layers as ``[BLOCK_T, L_PAD, H_PAD]`` tiles. All index and hash arithmetic
+is int64. Nothing here reads a value back to the host, so a step can be
+captured in a CUDA graph.
+
+Why it is shaped this way (a decode step runs after a backbone step has
+evicted L2, so every dependent global load costs a DRAM round trip, ~0.5-1
+µs, and a small batch is a chain of them, not a bandwidth problem):
+
+- Requests are found by ONE vector load of ``query_start_loc`` and a
+  compare in registers (``SCAN_R``), not by a binary search whose
+  ``log2(R)`` steps are each a dependent load (9 at R = 256). A binary
+  search remains for batches with more requests than a tile holds.
+- The N shifts of every token are loaded as ``[BLOCK_T, N_PAD]`` tiles and
+  all constants (multipliers, primes, offsets of every layer and column) as
+  small tiles up front; the hash loop then runs from registers. A per-shift
+  loop that loads as it goes pays the token -> token-map chain once per shift.
+- The token-map gathers of the batch tokens (and of speculated lookback
+  ids) are issued before the request search, so they overlap it.
+- Decode tokens (chunks of one, request r owning token r, as engines lay
+  out a decode batch) get their lookback ids loaded speculatively beside
+  the batch tokens (``SPECULATE``), before the request search confirms the
+  guess; tokens where the guess is wrong load theirs after it, as before.
+- Remainders by the column primes use a float64 reciprocal and an exact
+  correction (``FAST_MOD``) instead of a 64-bit integer division, which the
+  GPU runs as a long software routine (48 of them per token at V4.1-Flash).
+- The slot-cache write and, when provably safe, the request-ring write
+  (``RING_COMMIT``) happen in the same launch: inside a CUDA graph each
+  kernel node adds its own launch latency.
+- Tokens per program and warps are launch parameters (see
+  ``engramrt.hashing.ops.HashKernelConfig``): few tokens per program spread
+  a decode batch over more SMs, more tokens per program amortise the
+  constant loads at prefill sizes.
 
 With a slot cache (HISTORY == 1) the same kernel writes each new token's
 compressed id (or DEAD) to ``slots[slot_mapping[i]]``, and the known
@@ -15,8 +44,10 @@ elsewhere needs lookback ids only in its first step). Neither write races
 with the history reads of the same launch: a request reads the cache only
 for positions before its chunk whose lookback id is unknown, the chunk
 writes positions inside it or with a known lookback id, and a block table
-pins every (request, position) to its own slot. A request-history ring (HISTORY == 2)
-can alias positions, so it is written by ``_history_commit_kernel`` after.
+pins every (request, position) to its own slot. A request-history ring
+(HISTORY == 2) can alias positions, so it is written by
+``_history_commit_kernel`` after, unless every chunk is short enough that
+no written position aliases a read one (``RING_COMMIT``).
 """
 
 from __future__ import annotations
@@ -66,6 +97,52 @@ def _history_code(input_ids_ptr, token_map_ptr, dead_ptr, i, write, V, HAS_DEAD:
     return code.to(tl.int32)
 
 
+@triton.jit
+def _request_of_scan(qsl_ptr, i, R, R_PAD: tl.constexpr):
+    """(request, chunk start) of each token ``i`` from ONE vector load of ``query_start_loc``.
+
+    ``request = #{b in qsl[1..R] : b <= i}`` (``R`` marks a padding row) and
+    ``start = qsl[request]`` = the largest of ``qsl[0]`` and the bounds
+    ``<= i`` (``qsl`` never decreases). Needs ``R_PAD >= R``. Replaces the
+    binary search's ``ceil(log2(R + 1))`` dependent loads by one load and a
+    ``[BLOCK_T, R_PAD]`` compare in registers.
+    """
+    # int32 halves the registers of the tile: boundaries and token indices are < T < 2**31.
+    j = tl.arange(0, R_PAD)
+    in_range = j < R
+    bounds = tl.load(qsl_ptr + 1 + j, mask=in_range, other=0).to(tl.int32)  # [R_PAD] qsl[1..R]
+    first = tl.load(qsl_ptr).to(tl.int32)
+    passed = in_range[None, :] & (bounds[None, :] <= i.to(tl.int32)[:, None])  # [BLOCK_T, R_PAD]
+    r = tl.sum(passed.to(tl.int32), axis=1).to(tl.int64)
+    start = tl.max(tl.where(passed, bounds[None, :], first), axis=1)
+    return r, tl.maximum(start, first).to(tl.int64)
+
+
+@triton.jit
+def _mod_prime(x, prime, inv_prime, FAST_MOD: tl.constexpr):
+    """``x % prime`` for ``0 <= x < 2**63``, bit-exact.
+
+    FAST_MOD (needs every prime >= 4096): the quotient from a float64
+    multiply by ``inv_prime``, ``1 / prime`` correctly rounded on the host,
+    is off by at most one (x rounds by at most 512 when converted, the
+    reciprocal and the product by 2**-53 relative each:
+    ``|x * inv_prime - x / prime| <= 512 / prime + 2**63 * 2**-52 / prime
+    = 2560 / prime < 1``), so one correction each way makes the remainder
+    exact. Lanes of padded columns (prime 1, inv_prime 0, never stored)
+    compute a harmless garbage value. A 64-bit integer division is a long software
+    routine on the GPU; this is a convert, a multiply, a multiply-subtract
+    and two selects.
+    """
+    if FAST_MOD:
+        q = (x.to(tl.float64) * inv_prime).to(tl.int64)  # truncation = floor, x >= 0
+        rem = x - q * prime  # in [-prime, 2 * prime); exact in wrapping int64
+        rem = tl.where(rem < 0, rem + prime, rem)
+        rem = tl.where(rem >= prime, rem - prime, rem)
+    else:
+        rem = x % prime
+    return rem
+
+
 @triton.jit(do_not_specialize=_HASH_INTS)
 def _ngram_hash_kernel(
     out_ptr,  # [T, L, C] int32 or int64
@@ -77,6 +154,7 @@ def _ngram_hash_kernel(
     lookback_dead_ptr,  # [R, N-1]         (HAS_LOOKBACK_DEAD)
     token_map_ptr,  # [V] int32
     consts_ptr,  # [L, N + 2C] int64: multipliers | primes | offsets
+    inv_primes_ptr,  # [L, C] float64: 1 / prime, correctly rounded (FAST_MOD)
     slots_ptr,  # int32 history store      (HISTORY > 0)
     tags_ptr,  # int64 ring tags           (HISTORY == 2)
     slot_mapping_ptr,  # [T]               (HISTORY == 1)
@@ -92,115 +170,194 @@ def _ngram_hash_kernel(
     N: tl.constexpr,
     H: tl.constexpr,
     L_PAD: tl.constexpr,
+    N_PAD: tl.constexpr,
     H_PAD: tl.constexpr,
     BLOCK_T: tl.constexpr,
     HAS_DEAD: tl.constexpr,
     HAS_LOOKBACK: tl.constexpr,
     HAS_LOOKBACK_DEAD: tl.constexpr,
     HISTORY: tl.constexpr,
-    SEARCH_STEPS: tl.constexpr,  # >= ceil(log2(R + 1)); a constexpr so loops unroll
+    SEARCH_STEPS: tl.constexpr,  # binary search: >= ceil(log2(R + 1)); a constexpr so loops unroll
+    SCAN_R: tl.constexpr,  # > 0: find requests by _request_of_scan with R_PAD = SCAN_R >= R
+    RING_COMMIT: tl.constexpr,  # HISTORY == 2: write the ring here (launcher proves it safe)
+    FAST_MOD: tl.constexpr,  # every prime >= 4096: remainders through float64 (_mod_prime)
+    SPECULATE: tl.constexpr,  # load lookback ids as if every token were a decode token
 ):
+    """Row ids of BLOCK_T tokens for all layers; see the module docstring.
+
+    Every token's N shifts are gathered as ``[BLOCK_T, N_PAD]`` tiles and all
+    constants as small tiles before any of them is used, so the loads of a
+    program form a chain of at most three dependent global loads (four with
+    a slot cache): qsl -> lookback ids -> token map (-> block table -> slot).
+    With SPECULATE, a decode token's lookback ids load beside qsl, so its
+    chain is two loads long: (qsl | tokens | lookback ids) -> token map,
+    and the token-map gathers run while the request search computes.
+    """
     C: tl.constexpr = (N - 1) * H
     ROW: tl.constexpr = N + 2 * C
     pid = tl.program_id(0).to(tl.int64)
     i = pid * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)  # [BLOCK_T] token index
     valid = i < T
-
-    r = _request_of(qsl_ptr, i, valid, R, BLOCK_T, SEARCH_STEPS)
-    padding_row = r >= R
-    r_safe = tl.where(padding_row, 0, r)
-    start = tl.load(qsl_ptr + r_safe, mask=valid & ~padding_row, other=0).to(tl.int64)
-    start = tl.where(padding_row, i, start)
-    p = tl.load(positions_ptr + i, mask=valid, other=0).to(tl.int64)
-    chunk_start_pos = p - (i - start)
-
+    k_idx = tl.arange(0, N_PAD).to(tl.int64)  # [N_PAD] shift
+    k2 = k_idx[None, :]  # [1, N_PAD]
+    shift_ok = k2 < N
+    src = i[:, None] - k2  # [BLOCK_T, N_PAD] token index of each shift
     l_idx = tl.arange(0, L_PAD).to(tl.int64)  # [L_PAD]
     h_idx = tl.arange(0, H_PAD).to(tl.int64)  # [H_PAD]
     l_ok = l_idx < L
     h_ok = h_idx < H
     lh_ok = l_ok[:, None] & h_ok[None, :]  # [L_PAD, H_PAD]
 
-    blocked = ~valid
+    # Loads that depend on nothing, issued together so their latencies overlap:
+    # positions, the batch tokens of every shift (the chunk test comes later),
+    # dead flags and all hash constants.
+    p = tl.load(positions_ptr + i, mask=valid, other=0).to(tl.int64)
+    maybe = valid[:, None] & shift_ok & (src >= 0)
+    tok = tl.load(input_ids_ptr + src, mask=maybe, other=0).to(tl.int64)  # [BLOCK_T, N_PAD]
+    dead_tok = tl.zeros([BLOCK_T, N_PAD], dtype=tl.int1)
+    if HAS_DEAD:
+        dead_tok = tl.load(dead_ptr + src, mask=maybe, other=0) != 0
+    mult = tl.load(
+        consts_ptr + l_idx[:, None] * ROW + k2, mask=l_ok[:, None] & shift_ok, other=0
+    )  # [L_PAD, N_PAD]
+    l3 = l_idx[:, None, None]
+    k3 = k_idx[None, :, None]
+    col3 = (k3 - 1) * H + h_idx[None, None, :]  # [1, N_PAD, H_PAD] column of (shift, head)
+    col_ok = (l3 < L) & (k3 >= 1) & (k3 < N) & h_ok[None, None, :]
+    prime3 = tl.load(
+        consts_ptr + l3 * ROW + N + col3, mask=col_ok, other=1
+    )  # [L_PAD, N_PAD, H_PAD]
+    offset3 = tl.load(consts_ptr + l3 * ROW + N + C + col3, mask=col_ok, other=0)
+    inv_prime3 = tl.load(inv_primes_ptr + l3 * C + col3, mask=col_ok, other=0.0)
+    if HISTORY == 1:
+        new_slot = tl.load(slot_mapping_ptr + i, mask=valid, other=-1).to(tl.int64)
+    if HAS_LOOKBACK and SPECULATE:
+        # Guess that token i is a decode token (a chunk of one) of request i:
+        # its lookback ids are then row i, column k - 1, loaded now with the
+        # batch tokens instead of after the request search.
+        r_guess = tl.minimum(i, tl.maximum(R - 1, 0))  # [BLOCK_T]
+        guess_off = r_guess[:, None] * lb_stride + (k2 - 1)  # [BLOCK_T, N_PAD]
+        guess_ok = valid[:, None] & (k2 >= 1) & shift_ok & (r_guess < R)[:, None]
+        lb_guess = tl.load(lookback_ptr + guess_off, mask=guess_ok, other=-1).to(tl.int64)
+        if HAS_LOOKBACK_DEAD:
+            lb_dead_guess = tl.load(lookback_dead_ptr + guess_off, mask=guess_ok, other=0) != 0
+    # Token-map gathers that need no request: issued before the search so its
+    # compute (or its dependent loads) overlaps them.
+    tok = tl.minimum(tl.maximum(tok, 0), V - 1)  # never read outside the map
+    value = tl.load(token_map_ptr + tok, mask=maybe, other=0).to(tl.int64)  # [BLOCK_T, N_PAD]
+    if HAS_LOOKBACK and SPECULATE:
+        guess_known = guess_ok & (lb_guess >= 0)
+        lb_guess_tok = tl.minimum(tl.maximum(lb_guess, 0), V - 1)
+        value_guess = tl.load(token_map_ptr + lb_guess_tok, mask=guess_known, other=0)
+
+    if SCAN_R > 0:
+        r, start = _request_of_scan(qsl_ptr, i, R, SCAN_R)
+    else:
+        r = _request_of(qsl_ptr, i, valid, R, BLOCK_T, SEARCH_STEPS)
+        start = tl.load(qsl_ptr + tl.minimum(r, R), mask=valid, other=0).to(tl.int64)
+    padding_row = r >= R
+    r_safe = tl.where(padding_row, 0, r)
+    start = tl.where(padding_row, i, start)
+    chunk_start_pos = p - (i - start)
+    owned = valid & ~padding_row
+    if HISTORY == 2:
+        ring = tl.load(table_ptr + r_safe, mask=owned, other=0).to(tl.int64)  # [BLOCK_T]
+
+    pos = p[:, None] - k2  # [BLOCK_T, N_PAD] position of each shift
+    in_chunk = valid[:, None] & shift_ok & (src >= start[:, None])
+    known = in_chunk
+    dead = dead_tok & in_chunk
+    # Shift 0 is always in the chunk, so `outside` is false there.
+    outside = owned[:, None] & shift_ok & ~in_chunk & (pos >= 0)
+    if HAS_LOOKBACK:
+        j = chunk_start_pos[:, None] - 1 - pos  # >= 0 outside the chunk
+        use_lb = outside & (j < N - 1)
+        lb_off = r_safe[:, None] * lb_stride + j
+        if SPECULATE:
+            # Right guess (request i, first token of its chunk): then j == k - 1 and the
+            # guessed ids are the ones wanted; only the other tokens load (later).
+            hit = ((r == r_guess) & (start == i))[:, None]
+            lb = tl.load(lookback_ptr + lb_off, mask=use_lb & ~hit, other=-1).to(tl.int64)
+            lb = tl.where(hit, lb_guess, lb)
+            if HAS_LOOKBACK_DEAD:
+                lb_dead = tl.load(lookback_dead_ptr + lb_off, mask=use_lb & ~hit, other=0) != 0
+                lb_dead = tl.where(hit, lb_dead_guess, lb_dead)
+        else:
+            lb = tl.load(lookback_ptr + lb_off, mask=use_lb, other=-1).to(tl.int64)
+            if HAS_LOOKBACK_DEAD:
+                lb_dead = tl.load(lookback_dead_ptr + lb_off, mask=use_lb, other=0) != 0
+        lb_known = use_lb & (lb >= 0)
+        lb_tok = tl.minimum(tl.maximum(lb, 0), V - 1)
+        if SPECULATE:
+            lb_value = tl.load(token_map_ptr + lb_tok, mask=lb_known & ~hit, other=0)
+            lb_value = tl.where(hit, value_guess, lb_value).to(tl.int64)
+        else:
+            lb_value = tl.load(token_map_ptr + lb_tok, mask=lb_known, other=0).to(tl.int64)
+        value = tl.where(lb_known, lb_value, value)
+        if HAS_LOOKBACK_DEAD:
+            dead = tl.where(lb_known, lb_dead, dead)
+        known = known | lb_known
+    if HISTORY == 1:
+        if HAS_LOOKBACK:
+            # Seed the cache from lookback ids (a request prefilled elsewhere):
+            # the chunk's first token writes each known column once.
+            seed = lb_known & (i == start)[:, None]
+            lb_pos = tl.where(seed, pos, 0)
+            lb_block = tl.load(
+                table_ptr + r_safe[:, None] * table_stride + lb_pos // block_size,
+                mask=seed,
+                other=0,
+            ).to(tl.int64)
+            lb_code = tl.where(dead, DEAD, value)
+            tl.store(
+                slots_ptr + lb_block * block_size + lb_pos % block_size,
+                lb_code.to(tl.int32),
+                mask=seed,
+            )
+        use_h = outside & ~known
+        pos_safe = tl.where(use_h, pos, 0)
+        block = tl.load(
+            table_ptr + r_safe[:, None] * table_stride + pos_safe // block_size,
+            mask=use_h,
+            other=0,
+        ).to(tl.int64)
+        code = tl.load(
+            slots_ptr + block * block_size + pos_safe % block_size, mask=use_h, other=EMPTY
+        ).to(tl.int64)
+        h_known = use_h & (code != EMPTY)
+        value = tl.where(h_known, tl.maximum(code, 0), value)
+        dead = tl.where(h_known, code == DEAD, dead)
+        known = known | h_known
+    if HISTORY == 2:
+        use_h = outside & ~known
+        slot = ring[:, None] * block_size + tl.where(use_h, pos, 0) % block_size
+        tag = tl.load(tags_ptr + slot, mask=use_h, other=-1)
+        code = tl.load(slots_ptr + slot, mask=use_h, other=EMPTY).to(tl.int64)
+        h_known = use_h & (tag == pos) & (code != EMPTY)
+        value = tl.where(h_known, tl.maximum(code, 0), value)
+        dead = tl.where(h_known, code == DEAD, dead)
+        known = known | h_known
+
+    # blocked_k = any stop at a shift <= k (SPEC §4): a prefix OR along the shifts.
+    stop = (known & dead) | ((k2 > 0) & ((pos < 0) | padding_row[:, None]))
+    blocked = (tl.cumsum(stop.to(tl.int32), axis=1) > 0) | ~valid[:, None]
+    hashed = tl.where(blocked | ~known, pad_id, value)  # [BLOCK_T, N_PAD]
+
     rolling = tl.zeros([BLOCK_T, L_PAD], dtype=tl.int64)
     for k in tl.static_range(N):
-        pos = p - k
-        src = i - k
-        in_chunk = valid & (src >= start)
-        tok = tl.load(input_ids_ptr + src, mask=in_chunk, other=0).to(tl.int64)
-        tok = tl.minimum(tl.maximum(tok, 0), V - 1)  # never read outside the map
-        value = tl.load(token_map_ptr + tok, mask=in_chunk, other=0).to(tl.int64)
-        known = in_chunk
-        dead = tl.zeros([BLOCK_T], dtype=tl.int1)
-        if HAS_DEAD:
-            dead = tl.load(dead_ptr + src, mask=in_chunk, other=0) != 0
+        # Column k of the register tiles (one nonzero term per sum: exact).
+        value_k = tl.sum(tl.where(k2 == k, hashed, 0), axis=1)  # [BLOCK_T]
+        mult_k = tl.sum(tl.where(k2 == k, mult, 0), axis=1)  # [L_PAD]
+        rolling = rolling ^ (value_k[:, None] * mult_k[None, :])  # [BLOCK_T, L_PAD]
         if k > 0:
-            outside = valid & ~in_chunk & ~padding_row & (pos >= 0)
-            if HAS_LOOKBACK:
-                j = chunk_start_pos - 1 - pos  # >= 0 outside the chunk
-                use_lb = outside & (j < N - 1)
-                lb = tl.load(lookback_ptr + r_safe * lb_stride + j, mask=use_lb, other=-1)
-                lb = lb.to(tl.int64)
-                lb_known = use_lb & (lb >= 0)
-                lb_tok = tl.minimum(tl.maximum(lb, 0), V - 1)
-                lb_value = tl.load(token_map_ptr + lb_tok, mask=lb_known, other=0).to(tl.int64)
-                value = tl.where(lb_known, lb_value, value)
-                if HAS_LOOKBACK_DEAD:
-                    lb_dead = tl.load(
-                        lookback_dead_ptr + r_safe * lb_stride + j, mask=lb_known, other=0
-                    )
-                    dead = tl.where(lb_known, lb_dead != 0, dead)
-                if HISTORY == 1:
-                    # Seed the cache from lookback ids (a request prefilled elsewhere):
-                    # the chunk's first token writes each known column once.
-                    seed = lb_known & (i == start)
-                    lb_pos = tl.where(seed, pos, 0)
-                    lb_block = tl.load(
-                        table_ptr + r_safe * table_stride + lb_pos // block_size, mask=seed, other=0
-                    ).to(tl.int64)
-                    lb_code = tl.where(dead & lb_known, DEAD, lb_value)
-                    tl.store(
-                        slots_ptr + lb_block * block_size + lb_pos % block_size,
-                        lb_code.to(tl.int32),
-                        mask=seed,
-                    )
-                known = known | lb_known
-            if HISTORY == 1:
-                use_h = outside & ~known
-                pos_safe = tl.where(use_h, pos, 0)
-                block = tl.load(
-                    table_ptr + r_safe * table_stride + pos_safe // block_size, mask=use_h, other=0
-                ).to(tl.int64)
-                slot = block * block_size + pos_safe % block_size
-                code = tl.load(slots_ptr + slot, mask=use_h, other=EMPTY).to(tl.int64)
-                h_known = use_h & (code != EMPTY)
-                value = tl.where(h_known, tl.maximum(code, 0), value)
-                dead = tl.where(h_known, code == DEAD, dead)
-                known = known | h_known
-            if HISTORY == 2:
-                use_h = outside & ~known
-                ring = tl.load(table_ptr + r_safe, mask=use_h, other=0).to(tl.int64)
-                slot = ring * block_size + tl.where(use_h, pos, 0) % block_size
-                tag = tl.load(tags_ptr + slot, mask=use_h, other=-1)
-                code = tl.load(slots_ptr + slot, mask=use_h, other=EMPTY).to(tl.int64)
-                h_known = use_h & (tag == pos) & (code != EMPTY)
-                value = tl.where(h_known, tl.maximum(code, 0), value)
-                dead = tl.where(h_known, code == DEAD, dead)
-                known = known | h_known
-            blocked = blocked | (pos < 0) | padding_row
-        blocked = blocked | (known & dead)
-        value = tl.where(blocked | ~known, pad_id, value)  # [BLOCK_T]
-
-        mult = tl.load(consts_ptr + l_idx * ROW + k, mask=l_ok, other=0)  # [L_PAD]
-        rolling = rolling ^ (value[:, None] * mult[None, :])  # [BLOCK_T, L_PAD]
-        if k > 0:
-            col = (k - 1) * H + h_idx  # [H_PAD]
-            prime = tl.load(
-                consts_ptr + l_idx[:, None] * ROW + N + col[None, :], mask=lh_ok, other=1
-            )  # [L_PAD, H_PAD]
-            offset = tl.load(
-                consts_ptr + l_idx[:, None] * ROW + N + C + col[None, :], mask=lh_ok, other=0
+            prime = tl.sum(tl.where(k3 == k, prime3, 0), axis=1)  # [L_PAD, H_PAD]
+            offset = tl.sum(tl.where(k3 == k, offset3, 0), axis=1)
+            inv_prime = tl.sum(tl.where(k3 == k, inv_prime3, 0.0), axis=1)
+            bucket = _mod_prime(
+                rolling[:, :, None], prime[None, :, :], inv_prime[None, :, :], FAST_MOD
             )
-            row_id = rolling[:, :, None] % prime[None, :, :] + offset[None, :, :]
+            row_id = bucket + offset[None, :, :]
+            col = (k - 1) * H + h_idx  # [H_PAD]
             out_off = i[:, None, None] * (L * C) + l_idx[None, :, None] * C + col[None, None, :]
             tl.store(
                 out_ptr + out_off,
@@ -208,12 +365,20 @@ def _ngram_hash_kernel(
                 mask=valid[:, None, None] & lh_ok[None, :, :],
             )
 
+    if HISTORY > 0:
+        # This step's tokens become history for later steps and other requests:
+        # shift 0 is the token itself (in its chunk), already mapped.
+        own_code = tl.sum(tl.where(k2 == 0, tl.where(dead, DEAD, value), 0), axis=1)
+        own_code = own_code.to(tl.int32)  # [BLOCK_T]
     if HISTORY == 1:
-        # This step's tokens become history for later steps and other requests.
-        slot = tl.load(slot_mapping_ptr + i, mask=valid & ~padding_row, other=-1).to(tl.int64)
-        write = valid & ~padding_row & (slot >= 0)
-        code = _history_code(input_ids_ptr, token_map_ptr, dead_ptr, i, write, V, HAS_DEAD)
-        tl.store(slots_ptr + slot, code, mask=write)
+        write = owned & (new_slot >= 0)
+        tl.store(slots_ptr + new_slot, own_code, mask=write)
+    if HISTORY == 2 and RING_COMMIT:
+        # Every chunk is at most window - (N-1) long here, so the positions
+        # written never alias (mod window) the N-1 positions read before a chunk.
+        ring_slot = ring * block_size + p % block_size
+        tl.store(slots_ptr + ring_slot, own_code, mask=owned)
+        tl.store(tags_ptr + ring_slot, p, mask=owned)
 
 
 @triton.jit(do_not_specialize=_COMMIT_INTS)

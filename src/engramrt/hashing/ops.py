@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -18,7 +19,7 @@ if TYPE_CHECKING:
     from engramrt.config import EngramConfig
     from engramrt.tokenmap import TokenMap
 
-__all__ = ["NgramHasher"]
+__all__ = ["HASH_KERNEL_CONFIGS", "HashKernelConfig", "NgramHasher", "kernel_config_for"]
 
 History = SlotHashCache | RequestHistory
 
@@ -27,11 +28,95 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+@dataclass(frozen=True)
+class HashKernelConfig:
+    """Launch settings of ``_ngram_hash_kernel``; every choice gives the same row ids.
+
+    Attributes:
+        block_t: tokens per program (a power of two). Fewer spread a decode
+            batch over more SMs, so more dependent-load chains and more of
+            the hash arithmetic run in parallel and fewer lanes idle; more
+            amortise each program's constant loads and request search over
+            more tokens at prefill sizes.
+        num_warps: warps per program (a power of two); more share one
+            program's remainders and compare tile, at small ``block_t``
+            they idle.
+        scan_tile: find requests with ONE vector load of ``query_start_loc``
+            and a ``block_t x max(16, next_pow2(R))`` int32 compare in
+            registers when that tile has at most this many elements; beyond
+            it (or at 0) a binary search, ``ceil(log2(R + 1))`` dependent
+            loads (each a DRAM round trip when L2 is cold).
+        ring_commit: with a :class:`RequestHistory`, write the ring inside
+            the hash launch (no second kernel node) when
+            ``T <= window - (N-1)``: no chunk is then long enough for a
+            written slot to alias one read before it.
+        fast_mod: remainders by the column primes through a float64
+            reciprocal with an exact correction instead of a 64-bit integer
+            division (used only when every prime is >= 4096, which the
+            correction's error bound needs).
+        speculate_decode: load lookback row ``i``, columns ``k-1``, for token
+            ``i`` before the request search, as if every token were a
+            decode token of its own request; right guesses (a decode batch)
+            save one dependent load, wrong ones load after the search.
+    """
+
+    block_t: int = 64
+    num_warps: int = 4
+    scan_tile: int = 8192
+    ring_commit: bool = True
+    fast_mod: bool = True
+    speculate_decode: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("block_t", "num_warps"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValidationError(f"{name}={value!r} must be a positive power of two")
+            if value & (value - 1):
+                raise ValidationError(f"{name}={value} must be a power of two")
+        if isinstance(self.scan_tile, bool) or not isinstance(self.scan_tile, int):
+            raise ValidationError(f"scan_tile={self.scan_tile!r} must be an integer")
+        if self.scan_tile < 0:
+            raise ValidationError(f"scan_tile={self.scan_tile} must be >= 0 (0: binary search)")
+
+    def scan_width(self, num_requests: int) -> int:
+        """``SCAN_R`` for a batch of ``num_requests``: the qsl tile width, 0 for a binary search.
+
+        Powers of two from 16 up, so only a few variants ever compile.
+        """
+        width = max(16, _next_pow2(num_requests))
+        return width if self.block_t * width <= self.scan_tile else 0
+
+
+# Default settings by batch size: the first entry whose bound is >= T.
+# Best guesses before a GPU sweep; `engramrt bench --group hash` runs the
+# "hash/sweep ..." cases that pick them (their numbers belong in BENCHMARKS.md).
+# Decode sizes are a chain of dependent loads: 16 tokens and 4 warps per
+# program give 16 programs at T = 256, each thread with few remainders and a
+# small share of the request-scan tile. Around 8,192 tokens, 32 per program
+# put two programs on each SM; larger batches are throughput-bound and take
+# 64 per program.
+HASH_KERNEL_CONFIGS: tuple[tuple[int, HashKernelConfig], ...] = (
+    (1024, HashKernelConfig(block_t=16, num_warps=4)),
+    (16384, HashKernelConfig(block_t=32, num_warps=4)),
+    (2**62, HashKernelConfig(block_t=64, num_warps=4)),
+)
+
+
+def kernel_config_for(num_tokens: int) -> HashKernelConfig:
+    """The default :class:`HashKernelConfig` for a batch of ``num_tokens`` (host ints only)."""
+    for bound, config in HASH_KERNEL_CONFIGS:
+        if num_tokens <= bound:
+            return config
+    return HASH_KERNEL_CONFIGS[-1][1]
+
+
 class NgramHasher:
     """Computes ``[T, n_layers, C]`` row ids for every Engram layer of a batch.
 
     One call is one launch of ``_ngram_hash_kernel`` (two with a
-    :class:`RequestHistory`, whose ring is written by a second kernel), with
+    :class:`RequestHistory` and more than ``window - (N-1)`` tokens, whose
+    ring is then written by a second kernel), with
     no host synchronisation unless ``check_ids``: the call can be captured
     in a CUDA graph (host-side ``validate`` checks read no tensor).
 
@@ -46,7 +131,8 @@ class NgramHasher:
             boundaries, positions, lookback ids, history slots) on the host
             first; synchronises, so off on the hot path.
         out_dtype: ``torch.int32`` (default when every row id fits) or ``torch.int64``.
-        block_t: tokens per program of the kernel.
+        kernel_config: launch settings for every call; None (default)
+            picks one by token count from :data:`HASH_KERNEL_CONFIGS`.
     """
 
     def __init__(
@@ -59,8 +145,7 @@ class NgramHasher:
         validate: bool = True,
         check_ids: bool = False,
         out_dtype: torch.dtype | None = None,
-        block_t: int = 64,
-        num_warps: int = 4,
+        kernel_config: HashKernelConfig | None = None,
     ) -> None:
         mapping = token_map if isinstance(token_map, np.ndarray) else token_map.map
         self.consts = consts
@@ -82,18 +167,26 @@ class NgramHasher:
                 f"out_dtype=torch.int32 cannot hold row id {consts.max_row_id:,}; use torch.int64"
             )
         self.out_dtype = out_dtype
-        self.block_t = block_t
-        self.num_warps = num_warps
+        if kernel_config is not None and not isinstance(kernel_config, HashKernelConfig):
+            raise ValidationError(
+                f"kernel_config={kernel_config!r} must be a HashKernelConfig or None"
+            )
+        self.kernel_config = kernel_config
         self.token_map_dev = torch.as_tensor(self.token_map.astype(np.int32), device=self.device)
         self.consts_dev = consts.packed(self.device)
+        # The float64 remainder's error bound needs every prime >= 4096 (kernel._mod_prime);
+        # numpy divides with IEEE rounding, which the bound assumes of the reciprocals.
+        self._primes_allow_fast_mod = bool(consts.col_primes.min(initial=4096) >= 4096)
+        inv_primes = 1.0 / consts.col_primes.astype(np.float64)  # [L, C]
+        self.inv_primes_dev = torch.as_tensor(np.ascontiguousarray(inv_primes), device=self.device)
         self._launchers: tuple[Any, Any] | None = None
         self._shape_constexprs = {
             "L": consts.n_layers,
             "N": consts.max_ngram_size,
             "H": consts.n_heads,
             "L_PAD": _next_pow2(consts.n_layers),
+            "N_PAD": _next_pow2(consts.max_ngram_size),
             "H_PAD": _next_pow2(consts.n_heads),
-            "BLOCK_T": block_t,
         }
 
     @classmethod
@@ -206,9 +299,17 @@ class NgramHasher:
             assert batch.request_slots is not None
             mode, slots, tags = 2, history.slots, history.tags
             table, block_size = batch.request_slots, history.window
-        # Rounded up to a multiple of 4 so only a few variants ever compile.
+        config = self.kernel_config or kernel_config_for(t_len)
+        # Both rounded so only a few variants ever compile: the binary search
+        # to a multiple of 4 steps, the scanned qsl tile to a power of two >= 16.
         search_steps = -(-max(1, n_req.bit_length()) // 4) * 4
-        grid = (triton_cdiv(t_len, self.block_t),)
+        scan_r = config.scan_width(n_req)
+        ring_commit = (
+            isinstance(history, RequestHistory)
+            and config.ring_commit
+            and t_len <= history.window - (consts.max_ngram_size - 1)
+        )
+        grid = (triton_cdiv(t_len, config.block_t),)
         hash_kernel(
             grid,
             out,
@@ -220,6 +321,7 @@ class NgramHasher:
             lookback_dead if lookback_dead is not None else dummy,
             self.token_map_dev,
             self.consts_dev,
+            self.inv_primes_dev,
             slots,
             tags,
             slot_mapping,
@@ -236,10 +338,15 @@ class NgramHasher:
             HAS_LOOKBACK=lookback is not None,
             HAS_LOOKBACK_DEAD=lookback_dead is not None,
             HISTORY=mode,
-            SEARCH_STEPS=search_steps,
-            num_warps=self.num_warps,
+            SEARCH_STEPS=0 if scan_r else search_steps,
+            SCAN_R=scan_r,
+            RING_COMMIT=ring_commit,
+            FAST_MOD=config.fast_mod and self._primes_allow_fast_mod,
+            SPECULATE=config.speculate_decode,
+            BLOCK_T=config.block_t,
+            num_warps=config.num_warps,
         )
-        if isinstance(history, RequestHistory):
+        if isinstance(history, RequestHistory) and not ring_commit:
             commit_kernel(
                 grid,
                 history.slots,
@@ -254,10 +361,10 @@ class NgramHasher:
                 n_req,
                 self.vocab_size,
                 history.window,
-                BLOCK_T=self.block_t,
+                BLOCK_T=config.block_t,
                 HAS_DEAD=dead is not None,
                 SEARCH_STEPS=search_steps,
-                num_warps=self.num_warps,
+                num_warps=config.num_warps,
             )
 
 

@@ -1,17 +1,19 @@
 """Soak the streaming invariant (SPEC §5): many random engine schedules, every history mode.
 
-Each schedule (:func:`engramrt.hashing.engine_sim.run_schedule`, drawn from
-its seed) runs through every history mode — lookback ids, the slot-keyed
+Each schedule (drawn from its seed by
+:mod:`engramrt.hashing.engine_sim`) runs through every history mode — lookback ids, the slot-keyed
 cache, request history — on the reference, and the first ``--kernel``
 schedules also through the Triton kernel (CUDA when available, else the
 CPU interpreter, which needs ``TRITON_INTERPRET=1`` before the kernel is
-imported: :func:`main` sets it). Every step's row ids are compared with
-hashing each full sequence at once. The last line is
+imported: :func:`main` sets it). ``--width`` schedules run at once, each
+step of all of them hashed as the requests of one batch (one kernel launch),
+and every schedule's every step is compared with hashing each full sequence
+at once by numpy array ops (not by the kernel). The last line is
 ``N schedules, 0 mismatches``; otherwise the exit code is 1 and the first
 mismatch's seed, mode, backend and step are printed, so
-``--seed SEED --count 1`` replays it.
+``scripts/soak 1 --seed SEED`` replays it alone.
 
-Run as ``scripts/soak N [--seed S] [--kernel K]`` or
+Run as ``scripts/soak N [--seed S] [--kernel K] [--width W]`` or
 ``python -m engramrt.hashing.soak N``.
 """
 
@@ -64,6 +66,7 @@ def soak(
     config: str = "tiny",
     stop_at_first: bool = False,
     progress: int = 0,
+    width: int = 64,
 ) -> SoakResult:
     """Run ``count`` schedules with seeds ``seed, seed + 1, ...``.
 
@@ -76,23 +79,30 @@ def soak(
         max_steps: batches per schedule after the first.
         device: where the kernel runs (default CUDA when available, else CPU).
         config: preset whose hash layout is used.
-        stop_at_first: return at the first mismatch.
+        stop_at_first: return after the group holding the first mismatch.
         progress: print ``k schedules, m mismatches`` every ``progress``
             schedules (0: never), so a run stopped early still says how far
             it got.
+        width: schedules run at once, as the requests of one batch per step
+            (:func:`~engramrt.hashing.engine_sim.run_schedules`): one hasher
+            call serves a step of ``width`` schedules. A schedule draws the
+            same steps whatever ``width``, so ``scripts/soak 1 --seed S``
+            (``count=1, seed=S``) replays schedule S alone.
     """
     import torch
 
     from engramrt.config import load_config
     from engramrt.errors import ValidationError
     from engramrt.hashing import HashConstants, NgramHasher
-    from engramrt.hashing.engine_sim import MODES, run_schedule
+    from engramrt.hashing.engine_sim import MODES, run_schedules
     from engramrt.tokenmap import TokenMap
 
     if isinstance(count, bool) or not isinstance(count, int) or count < 0:
         raise ValidationError(f"count={count!r}; expected a number of schedules >= 0")
     if isinstance(kernel, bool) or not isinstance(kernel, int) or kernel < 0:
         raise ValidationError(f"kernel={kernel!r}; expected a number of schedules >= 0")
+    if isinstance(width, bool) or not isinstance(width, int) or width < 1:
+        raise ValidationError(f"width={width!r}; expected a number of schedules >= 1")
     chosen = tuple(MODES if modes is None else modes)
     for mode in chosen:
         if mode not in MODES:
@@ -107,28 +117,36 @@ def soak(
     }
     start = time.perf_counter()
     found: list[Mismatch] = []
-    for index in range(count):
-        schedule_seed = seed + index
-        runs = [(mode, "reference", "cpu") for mode in chosen]
-        if index < kernel:
-            runs += [(mode, "triton", kernel_device) for mode in chosen]
-        for mode, backend, where in runs:
-            engine = run_schedule(
-                schedule_seed,
-                mode,
-                backend,
-                consts,
-                token_map,
-                max_steps=max_steps,
-                device=where,
-                hasher=hashers[(backend, where)],
-            )
-            if engine.mismatches:
-                found.append(Mismatch(schedule_seed, mode, backend, engine.mismatches[0]))
-                if stop_at_first:
-                    return SoakResult(index + 1, tuple(found), time.perf_counter() - start)
-        if progress and (index + 1) % progress == 0:
-            print(f"{index + 1} schedules, {len(found)} mismatches so far", flush=True)
+    done = 0
+    while done < count:
+        # Groups do not straddle the last kernel schedule, so each runs one set of backends.
+        size = min(width, count - done, kernel - done if done < kernel else count)
+        seeds = list(range(seed + done, seed + done + size))
+        runs = [("reference", "cpu")] + ([("triton", kernel_device)] if done < kernel else [])
+        group: list[tuple[int, int, Mismatch]] = []
+        for order, mode in enumerate(chosen):
+            for backend, where in runs:
+                engines = run_schedules(
+                    seeds,
+                    mode,
+                    backend,
+                    consts,
+                    token_map,
+                    max_steps=max_steps,
+                    device=where,
+                    hasher=hashers[(backend, where)],
+                )
+                group += [
+                    (schedule_seed, order, Mismatch(schedule_seed, mode, backend, e.mismatches[0]))
+                    for schedule_seed, e in zip(seeds, engines, strict=True)
+                    if e.mismatches
+                ]
+        found += [m for _, _, m in sorted(group, key=lambda g: g[:2])]
+        before, done = done, done + size
+        if found and stop_at_first:
+            return SoakResult(done, tuple(found), time.perf_counter() - start)
+        if progress and done // progress > before // progress:
+            print(f"{done} schedules, {len(found)} mismatches so far", flush=True)
     return SoakResult(count, tuple(found), time.perf_counter() - start)
 
 
@@ -153,6 +171,12 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--device", default=None, help="kernel device (default: cuda if any)")
     parser.add_argument(
         "--progress", type=int, default=0, help="print a count every this many schedules"
+    )
+    parser.add_argument(
+        "--width",
+        type=int,
+        default=64,
+        help="schedules hashed at once, as the requests of one batch per step",
     )
     return parser
 
@@ -184,6 +208,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             device=args.device,
             stop_at_first=True,
             progress=args.progress,
+            width=args.width,
         )
     except EngramError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -24,13 +24,37 @@ Design (one launch, no host synchronisation, capturable in a CUDA graph):
 - Conversions are the integer formulations of :mod:`engramrt.quant.kernel`,
   so the bytes equal :func:`engramrt.lookup.reference.lookup_rows_reference`
   on the GPU and in Triton's interpreter alike (about 15 integer/float
-  operations per value). ``hw_convert=True`` swaps in the GPU's conversion
-  instructions (about 6 per value), for the case where the integer pipe,
-  not memory, bounds the kernel on the H200; it must be re-checked there.
+  operations per value). ``hw_convert`` (by default on a GPU) swaps in the
+  GPU's conversion instructions (about 6 per value): the integer pipe, not
+  memory, bounds the lookup from device memory on the H200; the bytes are
+  checked equal on the GPU (tests/lookup/test_lookup.py).
 
 ``table`` may be any object with ``data_ptr()`` and ``dtype`` (Triton only
 uses those), e.g. a pointer to pinned host memory mapped into the device's
 address space (the UVA tier).
+
+Levers (:class:`~engramrt.lookup.settings.LookupKernelSettings`; every one
+writes the same bytes) and why each should help:
+
+- ``rows_per_program`` and ``num_warps``: bytes in flight per program. A
+  read of host memory over PCIe waits microseconds per round trip whatever
+  its size, so a program that issues more rows at once (a bigger tile, more
+  warps to issue it) hides more of that latency, up to what the link
+  sustains for small scattered reads: past that, more requests only queue
+  (on the H200, 6,144 rows in flight at once read slower than ~800 at a
+  time; see :data:`engramrt.lookup.tiers.uva.UVA_KERNEL`). From device
+  memory a bigger tile amortises the id load and index arithmetic per row.
+- ``max_programs``: a bounded grid. Programs reading host memory mostly
+  wait, yet hold their multiprocessor's slots; a grid that does not grow
+  with the batch leaves the GPU to the model beside it, and bounds the
+  requests in flight. Each program serves its tiles one after the other,
+  so its round trips add up: too few programs (or too small tiles) and the
+  chain of round trips, not the link, bounds the read.
+- ``num_stages``: pipelining of that loop over tiles, so the loads of the
+  next tile may be issued before the current one is stored.
+- ``cache_modifier``: ``.cg`` keeps rows (read once) out of L1.
+- ``cached_launch``: the launch itself costs a few µs instead of tens; at a
+  decode step that is a large part of the lookup's time.
 """
 
 from __future__ import annotations
@@ -41,7 +65,9 @@ import torch
 import triton
 import triton.language as tl
 
-from engramrt._jit import flat_lookups, store_dequantized_rows
+from engramrt._backend import interpreter_enabled
+from engramrt._jit import dequantize_to_bf16_bits, flat_lookups
+from engramrt._launch import CachedLauncher
 from engramrt.lookup.settings import DEFAULT_KERNEL, LookupKernelSettings
 from engramrt.packed import word_dtype_for
 
@@ -83,6 +109,7 @@ def _lookup_rows_kernel(
     ROWS: tl.constexpr,
     HW_CONVERT: tl.constexpr,
     TILES: tl.constexpr,  # consecutive tiles per program
+    CACHE: tl.constexpr,  # cache operator of the table loads ("" = default)
 ):
     first_tile = tl.program_id(0).to(tl.int64) * TILES
     for i in range(TILES):
@@ -101,9 +128,49 @@ def _lookup_rows_kernel(
         in_table = owned & (local_row >= 0) & (local_row < num_rows)
         local_row = tl.where(in_table, local_row, 0)
         row_ptrs = table_ptr + local_row * ROW_BYTES  # [ROWS]
-        store_dequantized_rows(
-            out_ptr, lookup, row_ptrs, in_table, in_batch, E, NB, NB_PAD, HW_CONVERT
+        _dequantize_rows_to(
+            out_ptr, lookup, row_ptrs, in_table, in_batch, E, NB, NB_PAD, HW_CONVERT, CACHE
         )
+
+
+@triton.jit
+def _dequantize_rows_to(
+    out_ptr,
+    lookup,
+    row_ptrs,
+    read,
+    written,
+    E: tl.constexpr,
+    NB: tl.constexpr,
+    NB_PAD: tl.constexpr,
+    HW_CONVERT: tl.constexpr,
+    CACHE: tl.constexpr,
+):
+    """:func:`engramrt._jit.store_dequantized_rows` with the table loads' cache operator
+    as a lever: dequantise the packed row at ``row_ptrs[i]`` (``[ROWS]`` uint8 pointers;
+    zeros where not ``read``) into ``out[lookup[i]]`` where ``written``."""
+    block = tl.arange(0, NB_PAD)
+    lane = tl.arange(0, 32)
+    if NB_PAD != NB:
+        load_ok = (read[:, None] & (block < NB)[None, :])[:, :, None]  # [ROWS, NB_PAD, 1]
+        store_ok = (written[:, None] & (block < NB)[None, :])[:, :, None]
+    else:
+        load_ok = read[:, None, None]  # [ROWS, 1, 1]
+        store_ok = written[:, None, None]
+    byte = block[None, :, None] * 32 + lane[None, None, :]  # [1, NB_PAD, 32]
+    value_bytes = tl.load(
+        row_ptrs[:, None, None] + byte, mask=load_ok, other=0, cache_modifier=CACHE
+    )
+    scale_ptrs = row_ptrs[:, None, None] + E + block[None, :, None]  # [ROWS, NB_PAD, 1]
+    scale_bytes = tl.load(scale_ptrs, mask=load_ok, other=127, cache_modifier=CACHE)
+    bf16_bits = dequantize_to_bf16_bits(value_bytes, scale_bytes, HW_CONVERT)
+    out_offsets = lookup[:, None, None] * E + byte
+    tl.store(out_ptr + out_offsets, bf16_bits, mask=store_ok)
+
+
+# Binds the ~20 arguments through kernel[grid] once per specialisation, then
+# calls the compiled kernel directly (see engramrt._launch).
+_launch_lookup_rows = CachedLauncher(_lookup_rows_kernel)
 
 
 def lookup_rows_triton(
@@ -141,7 +208,7 @@ def lookup_rows_triton(
     tiles = triton.cdiv(n_lookups, rows)
     per_program = tiles_per_program(tiles, kernel.max_programs)
     grid = (triton.cdiv(tiles, per_program),)
-    _lookup_rows_kernel[grid](
+    args = (
         row_ids,
         table,
         out.view(torch.int16),
@@ -153,15 +220,24 @@ def lookup_rows_triton(
         col_end,
         row_begin,
         num_rows,
-        E=E,
-        ROW_BYTES=E + blocks,
-        NB=blocks,
-        NB_PAD=blocks_pad,
-        ROWS=rows,
-        HW_CONVERT=kernel.hw_convert,
-        TILES=per_program,
-        num_warps=kernel.num_warps or DEFAULT_NUM_WARPS,
     )
+    options: dict[str, Any] = {
+        "E": E,
+        "ROW_BYTES": E + blocks,
+        "NB": blocks,
+        "NB_PAD": blocks_pad,
+        "ROWS": rows,
+        "HW_CONVERT": kernel.resolved_hw_convert(interpreter_enabled()),
+        "TILES": per_program,
+        "CACHE": kernel.cache_modifier,
+        "num_warps": kernel.num_warps or DEFAULT_NUM_WARPS,
+    }
+    if kernel.num_stages is not None:
+        options["num_stages"] = kernel.num_stages
+    if kernel.cached_launch:
+        _launch_lookup_rows(grid, *args, **options)
+    else:
+        _lookup_rows_kernel[grid](*args, **options)
     return out
 
 

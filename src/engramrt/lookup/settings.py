@@ -17,6 +17,7 @@ from engramrt.errors import ValidationError
 __all__ = ["DEFAULT_KERNEL", "LookupKernelSettings", "check_kernel_settings"]
 
 _NUM_WARPS = (1, 2, 4, 8, 16, 32)
+_CACHE_MODIFIERS = ("", ".ca", ".cg", ".cv")
 
 
 def _optional_positive_int(name: str, value: Any) -> None:
@@ -34,18 +35,42 @@ class LookupKernelSettings:
             per tile.
         num_warps: warps per program, a power of two in 1..32; None: 4.
         hw_convert: decode and round with the GPU's conversion instructions
-            instead of integer operations (see
-            :func:`engramrt._jit.dequantize_to_bf16_bits`).
+            (True) or with integer operations (False); see
+            :func:`engramrt._jit.dequantize_to_bf16_bits`. None (default): the
+            conversion instructions on a GPU, where they write the same bytes
+            with fewer instructions per value and the lookup from device
+            memory is bound by the integer pipe (an H200 run: 196,608 rows
+            from HBM in 45 µs against 54 µs, the bytes checked equal for
+            every value byte and scale byte), and integer operations under
+            Triton's interpreter, whose casts are not the GPU's.
         max_programs: launch at most this many programs, each serving
             consecutive tiles in turn; None: one tile per program. Meant for
             reads of host memory, whose programs mostly wait on the bus.
             The cache's probe kernel always runs one tile per program.
+        num_stages: Triton's software-pipelining depth for the loop over a
+            program's tiles (only matters with ``max_programs``: the loads
+            of the next tile can be issued while the current one is
+            converted and stored); None: Triton's default.
+        cache_modifier: the cache operator of the table loads: ``""``
+            (default, cached in L1 and L2), ``".cg"`` (L2 only: rows are
+            read once, so L1 lines only hold space another load could
+            use), ``".ca"``, ``".cv"`` (no caching, fetched again). In one
+            H200 run ``.cg`` was slower everywhere (reads of host memory by
+            more than 2x), so the default stays.
+        cached_launch: launch through :class:`engramrt._launch.CachedLauncher`
+            (the compiled kernel called directly, a few µs of host time)
+            instead of ``kernel[grid](...)`` (tens of µs, as binding and
+            specialising ~20 arguments in Python costs that much). False is
+            for debugging: the same kernel, the same bytes.
     """
 
     rows_per_program: int | None = None
     num_warps: int | None = None
-    hw_convert: bool = False
+    hw_convert: bool | None = None
     max_programs: int | None = None
+    num_stages: int | None = None
+    cache_modifier: str = ""
+    cached_launch: bool = True
 
     def __post_init__(self) -> None:
         _optional_positive_int("rows_per_program", self.rows_per_program)
@@ -57,8 +82,21 @@ class LookupKernelSettings:
                 f"num_warps = {self.num_warps!r}; expected None or one of "
                 f"{', '.join(map(str, _NUM_WARPS))}"
             )
-        if not isinstance(self.hw_convert, bool):
-            raise ValidationError(f"hw_convert = {self.hw_convert!r}; expected a bool")
+        _optional_positive_int("num_stages", self.num_stages)
+        if self.hw_convert is not None and not isinstance(self.hw_convert, bool):
+            raise ValidationError(f"hw_convert = {self.hw_convert!r}; expected None or a bool")
+        if not isinstance(self.cached_launch, bool):
+            raise ValidationError(f"cached_launch = {self.cached_launch!r}; expected a bool")
+        if self.cache_modifier not in _CACHE_MODIFIERS:
+            raise ValidationError(
+                f"cache_modifier = {self.cache_modifier!r}; expected one of "
+                f"{', '.join(map(repr, _CACHE_MODIFIERS))}"
+            )
+
+    def resolved_hw_convert(self, interpreted: bool) -> bool:
+        """Whether the kernel uses the conversion instructions: :attr:`hw_convert`, or
+        when None, whether it runs on a GPU (not ``interpreted``)."""
+        return (not interpreted) if self.hw_convert is None else self.hw_convert
 
     def replace(self, **changes: Any) -> LookupKernelSettings:
         """A copy with ``changes`` applied (and checked)."""
@@ -66,7 +104,9 @@ class LookupKernelSettings:
 
 
 DEFAULT_KERNEL = LookupKernelSettings()
-"""One tile of 4096 values per program, 4 warps, integer conversions."""
+"""One tile of 4096 values per program, 4 warps, the GPU's conversion instructions
+(integer ones in the interpreter), one tile per program, launched through the
+cached launcher."""
 
 
 def check_kernel_settings(kernel: Any) -> LookupKernelSettings:

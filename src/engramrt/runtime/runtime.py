@@ -24,8 +24,10 @@ How a layer's rows are started depends on its source's capability flags
   cache, which plans its admissions on the host): a worker thread per layer
   runs it on a stream of its own; the layer's wait joins the thread's
   lookup, then waits on its event. A source's
-  :meth:`~engramrt.source.RowSource.update` runs right after its lookup, on
-  the same thread and stream, off the layer's path;
+  :meth:`~engramrt.source.RowSource.update` runs on the same thread and
+  stream after every threaded lookup of the step (:func:`worker_jobs`), as
+  a job of its own that the layer does not join: the layer's wait never
+  includes an update's host synchronisation;
 - :attr:`~engramrt.source.RowSource.collective` (exchanges): every rank
   must issue the collectives in the same order, so all collective sources
   run in layer order on one side stream, or, when any of them needs a host
@@ -42,7 +44,7 @@ memory.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -54,13 +56,16 @@ from engramrt.hashing import HashBatch, NgramHasher, RequestHistory, SlotHashCac
 from engramrt.layer import EngramHead, EngramLayer
 from engramrt.source import PendingRows, RowSource
 
-__all__ = ["EngramRuntime", "StepRows", "worker_plan"]
+__all__ = ["LOOKUP_WORKERS", "EngramRuntime", "StepRows", "worker_jobs", "worker_plan"]
 
 _T = TypeVar("_T")
 _COLLECTIVE_WORKER = -1  # the worker key shared by collective sources that need a thread
+_SHARED_WORKER = -2  # the worker key of every other threaded source, with lookup_workers="shared"
+LOOKUP_WORKERS = ("per-layer", "shared")
+"""How sources that need a thread are spread over worker threads (see :func:`worker_plan`)."""
 
 
-def worker_plan(sources: Sequence[RowSource]) -> dict[int, int]:
+def worker_plan(sources: Sequence[RowSource], *, shared: bool = False) -> dict[int, int]:
     """Which layers' sources run on a worker thread, and which thread: ``{layer: key}``.
 
     A source with :attr:`~engramrt.source.RowSource.host_sync` gets a worker
@@ -70,6 +75,12 @@ def worker_plan(sources: Sequence[RowSource]) -> dict[int, int]:
     in layer order on every rank: when any of them needs a thread, all of
     them share one worker (key -1); otherwise they stay on the side stream,
     which keeps the order too. Layers not in the plan run on the side stream.
+
+    ``shared``: every non-collective source that needs a thread runs on one
+    worker (key -2) instead, in layer order: the first Engram layer's lookup,
+    the one with the fewest blocks to hide behind, then has the host's gather
+    threads and the copy engine to itself instead of sharing them with the
+    later layers' lookups, which have many more blocks to hide behind.
     """
     plan: dict[int, int] = {}
     threaded_collectives = any(s.collective and s.host_sync for s in sources)
@@ -78,8 +89,23 @@ def worker_plan(sources: Sequence[RowSource]) -> dict[int, int]:
             if threaded_collectives:
                 plan[index] = _COLLECTIVE_WORKER
         elif source.host_sync:
-            plan[index] = index
+            plan[index] = _SHARED_WORKER if shared else index
     return plan
+
+
+def worker_jobs(sources: Sequence[RowSource], plan: dict[int, int]) -> list[tuple[str, int]]:
+    """The jobs one step submits to worker threads, in order: ``("fetch", layer)`` for
+    every layer in ``plan``, then ``("update", layer)`` for those whose source
+    :attr:`~engramrt.source.RowSource.has_update`.
+
+    A layer's wait joins its fetch job only. Each worker runs its jobs in
+    submission order, so a source's update follows its lookup on the same
+    thread and stream, and on a worker shared by several layers no lookup
+    queues behind another layer's update.
+    """
+    fetches = [("fetch", index) for index in range(len(sources)) if index in plan]
+    updates = [("update", index) for _, index in fetches if sources[index].has_update]
+    return fetches + updates
 
 
 @dataclass
@@ -136,6 +162,11 @@ class EngramRuntime:
             default, 0, is the lowest, the same as a default stream's: an
             engine that runs its model on a higher-priority stream keeps
             precedence over the lookups.
+        lookup_workers: ``"per-layer"`` (default): a worker thread per layer
+            whose source needs one (host and disk tiers, caches), so the
+            layers' lookups run at once; ``"shared"``: one thread for all of
+            them, in layer order, so the first layer's lookup runs alone (see
+            :func:`worker_plan`). Collective sources keep their own rule.
 
     Attributes:
         layers: the Engram layers (empty without ``heads``).
@@ -153,6 +184,7 @@ class EngramRuntime:
         validate: bool = True,
         num_slots: int = 2,
         lookup_priority: int = 0,
+        lookup_workers: str = "per-layer",
     ) -> None:
         consts = hasher.consts
         if len(sources) != consts.n_layers:
@@ -173,6 +205,10 @@ class EngramRuntime:
         ):
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValidationError(f"{name}={value!r} must be a positive integer")
+        if lookup_workers not in LOOKUP_WORKERS:
+            raise ValidationError(
+                f"lookup_workers={lookup_workers!r}; expected one of {', '.join(LOOKUP_WORKERS)}"
+            )
         devices = {s.device for s in sources}
         if devices != {hasher.device}:
             raise ValidationError(
@@ -222,7 +258,10 @@ class EngramRuntime:
         self._lookup_stream = (
             torch.cuda.Stream(self.device, priority=lookup_priority) if cuda else None
         )
-        self._worker_of = worker_plan(self.sources) if cuda else {}
+        self.lookup_workers = lookup_workers
+        self._worker_of = (
+            worker_plan(self.sources, shared=lookup_workers == "shared") if cuda else {}
+        )
         self._workers = {
             key: ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"engramrt-rows-{key}")
             for key in set(self._worker_of.values())
@@ -230,6 +269,8 @@ class EngramRuntime:
         self._worker_streams = {
             key: torch.cuda.Stream(self.device, priority=lookup_priority) for key in self._workers
         }
+        self._jobs = worker_jobs(self.sources, self._worker_of)
+        self._updates: list[Future[None]] = []
 
     # -- steps -------------------------------------------------------------
 
@@ -261,6 +302,7 @@ class EngramRuntime:
         synchronisation), so they always run.
         """
         self._check(batch)
+        self._raise_failed_updates()
         slot = self._next_slot
         self._next_slot = (slot + 1) % self.num_slots
         num_tokens = batch.num_tokens
@@ -277,7 +319,28 @@ class EngramRuntime:
             pending.append(rows)
             if self.layers:
                 self.layers[index].receive(rows)
+        for job, index in self._jobs:
+            if job == "update":  # after every threaded lookup of the step; nobody joins it
+                key = self._worker_of[index]
+                self._updates.append(
+                    self._workers[key].submit(
+                        self._update_on_worker, self.sources[index], self._worker_streams[key]
+                    )
+                )
         return StepRows(row_ids=row_ids, num_tokens=num_tokens, slot=slot, pending=pending)
+
+    def _raise_failed_updates(self) -> None:
+        """Raise the error of an update that failed (the layers do not join updates);
+        forget the updates that finished."""
+        finished: list[Future[None]] = []
+        running: list[Future[None]] = []
+        for future in self._updates:
+            (finished if future.done() else running).append(future)
+        self._updates = running
+        for future in finished:
+            error = future.exception()
+            if error is not None:
+                raise error
 
     prefetch = step
     """Start the next step's rows now (an alias of :meth:`step`: the staging
@@ -317,10 +380,13 @@ class EngramRuntime:
             stream.wait_event(ready)
             source.fetch(ids, out)
             done.record(stream)
-            if source.has_update:
-                # After the rows are out: the layer waits on `done`, the
-                # source's next lookup on its update.
-                source.update(stream)
+
+    def _update_on_worker(self, source: RowSource, stream: torch.cuda.Stream) -> None:
+        """A source's update, on its lookup's thread and stream: queued after the step's
+        lookups, so the layers' waits (which join the lookups only) never include it;
+        the source's next lookup queues behind it."""
+        with torch.cuda.device(self.device), torch.cuda.stream(stream):
+            source.update(stream)
 
     def in_order(self, layer_index: int, call: Callable[[], _T]) -> _T:
         """Run ``call`` after the lookups of layer ``layer_index`` queued so far.
@@ -343,8 +409,11 @@ class EngramRuntime:
         return [self.in_order(index, source.stats) for index, source in enumerate(self.sources)]
 
     def close(self) -> None:
-        """Stop the worker threads (after their queued lookups finish)."""
+        """Stop the worker threads (after their queued lookups and updates finish); raises
+        the error of an update that failed."""
         for worker in self._workers.values():
             worker.shutdown(wait=True)
         self._workers = {}
         self._worker_of = {}
+        self._jobs = []
+        self._raise_failed_updates()

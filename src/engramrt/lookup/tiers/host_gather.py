@@ -113,7 +113,15 @@ model. Chosen by measurement: BENCHMARKS.md#what-keeping-the-tables-off-the-gpu-
 HOST_READ_KERNEL = LookupKernelSettings(
     rows_per_program=READ_ROWS_PER_PROGRAM, max_programs=READ_MAX_PROGRAMS
 )
-"""The lookup kernel's settings for the host tier's GPU reads of a small batch."""
+"""The lookup kernel's settings for the host tier's GPU reads of a small batch.
+
+The bench's ``lookup/host/T=256`` case times
+:data:`engramrt.bench.cases_lookup.DECODE_READ_SWEEP` beside it. Alone, a grid
+of 132 programs of 8-row tiles and 2 warps (the uva tier's
+:data:`~engramrt.lookup.tiers.uva.UVA_KERNEL`) read 6,144 rows of a uva table
+faster in two H200 runs (50-58 µs against 63-72 µs for these settings, which
+took 64 µs on this tier); these stay until the cost to a model running beside it
+(BENCHMARKS.md, run E) is measured too."""
 
 GPU_SHARE = 0.0
 """Default share of a deduplicated batch's unique rows that the GPU reads from

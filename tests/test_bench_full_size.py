@@ -1,0 +1,159 @@
+"""bench/full_size.py on the CPU: publish, attach, restart and lookups on gloo, at a tiny scale."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from engramrt.distributed import SharedHostTable
+from engramrt.errors import CapacityError
+from engramrt.lookup.tiers.synthetic import synthetic_packed_rows
+
+ROOT = Path(__file__).resolve().parents[1]
+SCALE = 0.00005  # 19,200 rows per layer, 5 MiB
+
+
+def _module():
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        spec = importlib.util.spec_from_file_location("full_size", ROOT / "bench" / "full_size.py")
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["full_size"] = module  # dataclasses look their module up
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    return module
+
+
+def _torchrun(*options: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        str(ROOT / "bench" / "full_size.py"),
+        "--cpu",
+        "--scale",
+        str(SCALE),
+        "--baseline-gib",
+        "0.002",
+        "--tokens",
+        "3,17",
+        "--reps",
+        "1",
+        "--fill-threads",
+        "2",
+        *options,
+    ]
+    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=240)
+
+
+def test_full_size_script_publishes_once_restarts_and_refuses_other_rows(tmp_path) -> None:
+    shm, first, second = tmp_path / "shm", tmp_path / "first.json", tmp_path / "second.json"
+    done = _torchrun("--shared-dir", str(shm), "--restart", "--keep", "--out", str(first))
+    assert done.returncode == 0, f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    report = json.loads(first.read_text())
+    assert report["world"] == 2 and report["failures"] == []
+    tables = {t["name"]: t for t in report["tables"]}
+    assert set(tables) == {
+        "engramrt-fullsize-layer1",
+        "engramrt-fullsize-layer14",
+        "engramrt-fullsize-baseline",
+    }
+    assert tables["engramrt-fullsize-layer1"]["num_rows"] == round(384_006_168 * SCALE)
+    # Each layer table was created by exactly one rank (rank r takes layer r first).
+    created = {
+        (rank["rank"], phase["table"])
+        for rank in report["ranks"]
+        for phase in rank["publish"] + rank["publish_baseline"]
+        if phase["created"]
+    }
+    assert {name for _, name in created} == set(tables) and len(created) == 3
+    assert {(0, "engramrt-fullsize-layer1"), (1, "engramrt-fullsize-layer14")} <= created
+    for rank in report["ranks"]:
+        for phase in rank["publish"]:
+            keys = {"allocate_s", "fill_s", "publish_s"} if phase["created"] else {"wait_attach_s"}
+            assert keys <= set(phase)
+        assert set(rank["attach_s"]) == {"engramrt-fullsize-layer1", "engramrt-fullsize-layer14"}
+        assert rank["ready_s"] > 0 and rank["memory_ready"]["ru_maxrss"] > 0
+        restart = rank["restart"]
+        assert restart["ok"] and [t["created"] for t in restart["tables"]] == [False, False]
+        assert all(t["other_fingerprint_refused"] for t in restart["tables"])
+        cases = {(r["table"], r["tier"], r["ids"], r["T"]) for r in rank["lookups"]}
+        assert len(cases) == 3 * 2 * 2 and all(r["exact"] for r in rank["lookups"])
+    # Outside the script: the kept file holds the synthetic rows (torch definition).
+    for name, table in tables.items():
+        data = np.fromfile(shm / name, dtype=np.uint8).reshape(-1, 264)
+        expected = synthetic_packed_rows(torch.arange(table["num_rows"]), 256, 0).numpy()
+        assert np.array_equal(data, expected), name
+
+    # A second invocation (a restart) maps the kept tables without building them.
+    done = _torchrun("--shared-dir", str(shm), "--expect-existing", "--out", str(second))
+    assert done.returncode == 0, f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    again = json.loads(second.read_text())
+    assert again["failures"] == []
+    assert not any(p["created"] for rank in again["ranks"] for p in rank["publish"])
+    assert sorted(p.name for p in shm.iterdir()) == []  # removed at the end (no --keep)
+
+    # Control: without tables, --expect-existing refuses to build them.
+    done = _torchrun("--shared-dir", str(shm), "--expect-existing", "--skip-lookups")
+    assert done.returncode != 0 and "expected one published by an earlier run" in done.stdout
+
+
+def test_restart_refuses_a_table_of_other_rows(tmp_path) -> None:
+    """A kept table of another seed is refused by name, geometry and fingerprint."""
+    module = _module()
+    (spec,) = module.table_specs([0], SCALE, seed=0)
+    (other,) = module.table_specs([0], SCALE, seed=1)
+    assert spec.name == other.name and spec.fingerprint != other.fingerprint
+
+    def load(target: torch.Tensor) -> None:
+        target.copy_(synthetic_packed_rows(torch.arange(spec.num_rows), 256, 0))
+
+    table = SharedHostTable.create_or_attach(
+        spec.name, spec.num_rows, 264, load, directory=tmp_path, fingerprint=spec.fingerprint
+    )
+    assert module.check_sample(spec, table.rows) and not module.check_sample(other, table.rows)
+    args = type("Args", (), {"shared_dir": tmp_path, "cpu": True})()
+    good = module.restart([spec], args, torch.device("cpu"))
+    assert good["ok"], good
+    bad = module.restart([other], args, torch.device("cpu"))
+    assert not bad["ok"] and "holds another table" in bad["error"]
+    del table
+    SharedHostTable.remove(spec.name, tmp_path)
+
+
+def test_preflight_names_the_shortfall(tmp_path, monkeypatch) -> None:
+    module = _module()
+    specs = module.table_specs([0, 1], 1.0, seed=0)
+    assert [s.num_rows for s in specs] == [384_006_168, 384_016_682]
+    assert sum(s.nbytes for s in specs) == 202_758_032_400  # 188.8 GiB
+    monkeypatch.setattr(module, "free_bytes", lambda directory: 64 * 2**30)
+    with pytest.raises(CapacityError, match=r"need 202758032400 bytes \(188.83 GiB\).*shm-size"):
+        module.preflight(tmp_path, specs)
+    with pytest.raises(CapacityError, match=r"shared-dir .*missing does not exist; expected"):
+        module.preflight(tmp_path / "missing", specs)
+    small = module.table_specs([1], 0.001, seed=0)
+    assert module.preflight(tmp_path, small)["needed_bytes"] == small[0].nbytes  # control
+
+
+def test_row_ids_are_in_range_and_zipf_is_skewed() -> None:
+    module = _module()
+    uniform = module.row_ids(1_000_003, 4096, "uniform", seed=1)
+    zipf = module.row_ids(1_000_003, 4096, "zipf", seed=1)
+    for ids in (uniform, zipf):
+        assert ids.shape == (4096, 24) and int(ids.min()) >= 0 and int(ids.max()) < 1_000_003
+    top = lambda ids: torch.unique(ids, return_counts=True)[1].max()  # noqa: E731
+    assert int(top(zipf)) > 100 > int(top(uniform))
