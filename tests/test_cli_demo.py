@@ -23,7 +23,7 @@ def test_demo_runs_and_checks_every_step(capsys, tmp_path) -> None:
     assert "hot-row cache (16 MiB per layer)" in out  # on by default, stats shown
     assert "NO" not in out
     assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    from engramrt.cli.demo_cmd import DEFAULT_TEXT
+    from engramrt.cli.demo_synthetic import DEFAULT_TEXT
 
     assert _first_tokens_rows(capsys.raw) == _independent_first_tokens(DEFAULT_TEXT)
 

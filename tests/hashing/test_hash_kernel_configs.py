@@ -149,7 +149,9 @@ def test_schedules_match_one_shot_under_each_config(
     hasher = NgramHasher(
         consts, token_map, device, backend="triton", check_ids=True, kernel_config=CONFIGS[name]
     )
-    engine = run_schedule(seed, mode, "triton", consts, token_map, max_steps=8, hasher=hasher)
+    engine = run_schedule(
+        seed, mode, "triton", consts, token_map, max_steps=8, device=device, hasher=hasher
+    )
     assert not engine.mismatches, engine.mismatches
 
 

@@ -88,17 +88,19 @@ class HashKernelConfig:
         return width if self.block_t * width <= self.scan_tile else 0
 
 
-# Default settings by batch size: the first entry whose bound is >= T.
-# Best guesses before a GPU sweep; `engramrt bench --group hash` runs the
-# "hash/sweep ..." cases that pick them (their numbers belong in BENCHMARKS.md).
-# Decode sizes are a chain of dependent loads: 16 tokens and 4 warps per
-# program give 16 programs at T = 256, each thread with few remainders and a
-# small share of the request-scan tile. Around 8,192 tokens, 32 per program
-# put two programs on each SM; larger batches are throughput-bound and take
-# 64 per program.
+# Default settings by batch size: the first entry whose bound is >= T, chosen
+# by the "hash/sweep ..." cases of `engramrt bench --group hash` on an H200
+# (torch 2.11, Triton 3.6; one call per CUDA graph replayed with L2 flushed,
+# medians; BENCHMARKS.md, "Decode hashing"). Decode sizes are a chain of
+# dependent loads: 16 tokens and 4 warps per program give 16 programs at
+# T = 256 (6.8 us; 8 tokens and 1 warp 7.2, 32/4 7.8, the earlier kernel's
+# search, remainder and load order 14.2). At 1 x 8,192, 16 tokens and 1 warp
+# per program (512 programs) measured 7.5 us against 7.7-8.0 for 16/4 and
+# 32/4 and 11.7 for the earlier choices; larger batches are throughput-bound
+# and take 64 per program.
 HASH_KERNEL_CONFIGS: tuple[tuple[int, HashKernelConfig], ...] = (
     (1024, HashKernelConfig(block_t=16, num_warps=4)),
-    (16384, HashKernelConfig(block_t=32, num_warps=4)),
+    (16384, HashKernelConfig(block_t=16, num_warps=1)),
     (2**62, HashKernelConfig(block_t=64, num_warps=4)),
 )
 
