@@ -78,7 +78,9 @@ def test_control_a_wrong_token_map_fails_the_independent_check(capsys, tmp_path,
     monkeypatch.setattr(TokenMap, "compress", lambda self, ids: real(self, ids) + 1)
     text = "The cat and THE CAT and the cat sat on the mat while the Cat slept on The Mat all day long, and the cat woke up."
     with pytest.raises(SystemExit):
-        main(["demo", "--synthetic", "-c", "tiny", "--text", text, "--plot", str(tmp_path / "c.png")])
+        main(
+            ["demo", "--synthetic", "-c", "tiny", "--text", text, "--plot", str(tmp_path / "c.png")]
+        )
     capsys.raw = capsys.readouterr().out
     parsed = _first_tokens_rows(capsys.raw)
     assert len(parsed) == 12 and parsed != _independent_first_tokens(text)
