@@ -92,10 +92,12 @@ def store_dequantized_rows(
     NB: tl.constexpr,
     NB_PAD: tl.constexpr,
     HW_CONVERT: tl.constexpr,
+    CACHE: tl.constexpr,
 ):
     """Dequantise the packed row at ``row_ptrs[i]`` (``[ROWS]`` uint8 pointers; zeros
     where not ``read``) into ``out[lookup[i]]`` where ``written``, as a
-    ``[ROWS, NB_PAD, 32]`` tile."""
+    ``[ROWS, NB_PAD, 32]`` tile. ``CACHE`` is the table loads' cache operator
+    (``""`` for the default, or ``".ca"``, ``".cg"``, ``".cv"``)."""
     block = tl.arange(0, NB_PAD)
     lane = tl.arange(0, 32)
     if NB_PAD != NB:
@@ -105,9 +107,11 @@ def store_dequantized_rows(
         load_ok = read[:, None, None]  # [ROWS, 1, 1]
         store_ok = written[:, None, None]
     byte = block[None, :, None] * 32 + lane[None, None, :]  # [1, NB_PAD, 32]
-    value_bytes = tl.load(row_ptrs[:, None, None] + byte, mask=load_ok, other=0)
+    value_bytes = tl.load(
+        row_ptrs[:, None, None] + byte, mask=load_ok, other=0, cache_modifier=CACHE
+    )
     scale_ptrs = row_ptrs[:, None, None] + E + block[None, :, None]  # [ROWS, NB_PAD, 1]
-    scale_bytes = tl.load(scale_ptrs, mask=load_ok, other=127)
+    scale_bytes = tl.load(scale_ptrs, mask=load_ok, other=127, cache_modifier=CACHE)
     bf16_bits = dequantize_to_bf16_bits(value_bytes, scale_bytes, HW_CONVERT)
     out_offsets = lookup[:, None, None] * E + byte
     tl.store(out_ptr + out_offsets, bf16_bits, mask=store_ok)

@@ -153,67 +153,51 @@ def hash_cases(quick: bool) -> list[Case]:
     shapes = [("decode", 256, 1), ("prefill", 1, 8192), ("prefill", 8, 8192)]
     if quick:
         shapes = shapes[:2]
-    cases = []
     impls: dict[str, Callable[[dict[str, Any]], Any]] = {
         "triton": lambda s: s["hasher"](s["batch"], out=s["out"]),
         "torch-eager": lambda s: hash_batch_torch(s["batch"], s["consts"], s["token_map_dev"]),
     }
-    for kind, n_req, per in shapes:
+
+    def case(
+        prefix: str,
+        shape: tuple[str, int, int],
+        setup: Callable[..., dict[str, Any]],
+        case_impls: dict[str, Callable[[dict[str, Any]], Any]],
+        **extra: str,
+    ) -> Case:
+        kind, n_req, per = shape
         t_len = n_req * per
-        cases.append(
-            Case(
-                name=f"hash/{kind} {n_req}x{per}",
-                group="hash",
-                params={
-                    "requests": n_req,
-                    "tokens_per_request": per,
-                    "T": t_len,
-                    "layout": "dsv41-flash",
-                },
-                make=functools.partial(
-                    _setup, n_req=n_req, tokens_per_req=per, seed=n_req * 7 + per
-                ),
-                impls=impls,
-                baseline="torch-eager",
-                check=_check,
-                # ids, positions read (8 B each), row ids written (2 layers x 24 x 4 B)
-                bytes_moved=t_len * (8 + 8 + 1 + 2 * 24 * 4),
-                items=t_len,
-                item_name="tokens",
-                graph=True,
-                graph_impls=("triton",),
-            )
+        return Case(
+            name=f"{prefix}{kind} {n_req}x{per}",
+            group="hash",
+            params={
+                "requests": n_req,
+                "tokens_per_request": per,
+                "T": t_len,
+                "layout": "dsv41-flash",
+                **extra,
+            },
+            make=functools.partial(setup, n_req=n_req, tokens_per_req=per, seed=n_req * 7 + per),
+            impls=case_impls,
+            baseline="torch-eager",
+            check=_check,
+            # ids, positions read (8 B each), row ids written (2 layers x 24 x 4 B)
+            bytes_moved=t_len * (8 + 8 + 1 + 2 * 24 * 4),
+            items=t_len,
+            item_name="tokens",
+            graph=True,
+            graph_impls=tuple(k for k in case_impls if k != "torch-eager"),
         )
+
+    cases = [case("hash/", shape, _setup, impls) for shape in shapes]
     if quick:
         return cases
     sweep_impls = dict(impls)
     for settings in SWEEP:
         sweep_impls[_sweep_name(*settings)] = _sweep_impl(_sweep_name(*settings))
-    for kind, n_req, per in shapes:
-        t_len = n_req * per
-        cases.append(
-            Case(
-                name=f"hash/sweep {kind} {n_req}x{per}",
-                group="hash",
-                params={
-                    "requests": n_req,
-                    "tokens_per_request": per,
-                    "T": t_len,
-                    "layout": "dsv41-flash",
-                    "sweep": "HashKernelConfig: bt<block_t>w<num_warps>, -scan<scan_tile> or "
-                    "-bsearch, -intmod: fast_mod off, -nospec: speculate_decode off",
-                },
-                make=functools.partial(
-                    _with_sweep, n_req=n_req, tokens_per_req=per, seed=n_req * 7 + per
-                ),
-                impls=sweep_impls,
-                baseline="torch-eager",
-                check=_check,
-                bytes_moved=t_len * (8 + 8 + 1 + 2 * 24 * 4),
-                items=t_len,
-                item_name="tokens",
-                graph=True,
-                graph_impls=tuple(k for k in sweep_impls if k != "torch-eager"),
-            )
-        )
+    sweep = (
+        "HashKernelConfig: bt<block_t>w<num_warps>, -scan<scan_tile> or -bsearch, -intmod: "
+        "fast_mod off, -nospec: speculate_decode off"
+    )
+    cases += [case("hash/sweep ", shape, _with_sweep, sweep_impls, sweep=sweep) for shape in shapes]
     return cases

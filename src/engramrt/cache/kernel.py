@@ -119,7 +119,7 @@ def _cache_probe_gather_kernel(
         read = hit
         row_ptrs = cache_rows_ptr + tl.where(hit, slot, 0) * ROW_BYTES
         written = in_batch & (hit | ~owned)  # misses are left to the miss path
-    store_dequantized_rows(out_ptr, lookup, row_ptrs, read, written, E, NB, NB_PAD, HW_CONVERT)
+    store_dequantized_rows(out_ptr, lookup, row_ptrs, read, written, E, NB, NB_PAD, HW_CONVERT, "")
 
 
 # A plain kernel[grid](...) binds ~20 arguments in Python on every call

@@ -66,7 +66,7 @@ import triton
 import triton.language as tl
 
 from engramrt._backend import interpreter_enabled
-from engramrt._jit import dequantize_to_bf16_bits, flat_lookups
+from engramrt._jit import flat_lookups, store_dequantized_rows
 from engramrt._launch import CachedLauncher
 from engramrt.lookup.settings import DEFAULT_KERNEL, LookupKernelSettings
 from engramrt.packed import word_dtype_for
@@ -128,44 +128,9 @@ def _lookup_rows_kernel(
         in_table = owned & (local_row >= 0) & (local_row < num_rows)
         local_row = tl.where(in_table, local_row, 0)
         row_ptrs = table_ptr + local_row * ROW_BYTES  # [ROWS]
-        _dequantize_rows_to(
+        store_dequantized_rows(
             out_ptr, lookup, row_ptrs, in_table, in_batch, E, NB, NB_PAD, HW_CONVERT, CACHE
         )
-
-
-@triton.jit
-def _dequantize_rows_to(
-    out_ptr,
-    lookup,
-    row_ptrs,
-    read,
-    written,
-    E: tl.constexpr,
-    NB: tl.constexpr,
-    NB_PAD: tl.constexpr,
-    HW_CONVERT: tl.constexpr,
-    CACHE: tl.constexpr,
-):
-    """:func:`engramrt._jit.store_dequantized_rows` with the table loads' cache operator
-    as a lever: dequantise the packed row at ``row_ptrs[i]`` (``[ROWS]`` uint8 pointers;
-    zeros where not ``read``) into ``out[lookup[i]]`` where ``written``."""
-    block = tl.arange(0, NB_PAD)
-    lane = tl.arange(0, 32)
-    if NB_PAD != NB:
-        load_ok = (read[:, None] & (block < NB)[None, :])[:, :, None]  # [ROWS, NB_PAD, 1]
-        store_ok = (written[:, None] & (block < NB)[None, :])[:, :, None]
-    else:
-        load_ok = read[:, None, None]  # [ROWS, 1, 1]
-        store_ok = written[:, None, None]
-    byte = block[None, :, None] * 32 + lane[None, None, :]  # [1, NB_PAD, 32]
-    value_bytes = tl.load(
-        row_ptrs[:, None, None] + byte, mask=load_ok, other=0, cache_modifier=CACHE
-    )
-    scale_ptrs = row_ptrs[:, None, None] + E + block[None, :, None]  # [ROWS, NB_PAD, 1]
-    scale_bytes = tl.load(scale_ptrs, mask=load_ok, other=127, cache_modifier=CACHE)
-    bf16_bits = dequantize_to_bf16_bits(value_bytes, scale_bytes, HW_CONVERT)
-    out_offsets = lookup[:, None, None] * E + byte
-    tl.store(out_ptr + out_offsets, bf16_bits, mask=store_ok)
 
 
 # Binds the ~20 arguments through kernel[grid] once per specialisation, then
