@@ -127,6 +127,8 @@ def run_model_demo(
             cache_mib=cache_mib,
             disk_dir=Path(scratch) / "a" if tier == "disk" else None,
         )
+        served = getattr(model.stores[0], "backing", model.stores[0])  # the tier behind a cache
+        tier = str(getattr(served, "tier", tier))  # "auto" resolved
         block = 8
         prompt_a = model.encode(prompt_text)
         if len(prompt_a) < 2 * block:
