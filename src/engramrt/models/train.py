@@ -229,8 +229,12 @@ def train_model(
     generator = torch.Generator(device=device).manual_seed(settings.seed)
     decay: list[torch.nn.Parameter] = []
     no_decay: list[torch.nn.Parameter] = []
+    # Weight decay on the projection matrices and the embedding only: not on norm
+    # weights (the gate's q_weight/k_weight are [hc, D] norm weights) nor on the
+    # hyper-connections' read/mix/write weights.
     for pname, param in model.named_parameters():
-        (decay if param.dim() == 2 and not pname.endswith(".mix") else no_decay).append(param)
+        matrix = param.dim() == 2 and not pname.endswith((".mix", "q_weight", "k_weight"))
+        (decay if matrix else no_decay).append(param)
     dense = torch.optim.AdamW(
         [
             {"params": decay, "weight_decay": settings.weight_decay},
