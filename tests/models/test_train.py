@@ -34,6 +34,9 @@ def test_training_writes_every_artifact(trained_dir: Path) -> None:
     assert corpus["train_files"] == 12 and corpus["heldout_files"] == 1
     assert corpus["train_tokens"] > 1000 and corpus["heldout_tokens"] > 10
     assert len(record["engram"]["loss_curve"]) == 4
+    from engramrt.config import EngramConfig, load_config
+
+    assert load_config(trained_dir) == EngramConfig.from_hf_dict(data["engram"])
     log = json.loads((trained_dir / artifacts.TRAIN_LOG).read_text())
     assert len(log["losses"]["engram"]) == 4 and log["log"]
 

@@ -611,6 +611,7 @@ def train(settings: TrainSettings) -> dict[str, Any]:
         "training": record,
     }
     artifacts.write_json(out / artifacts.MODEL_JSON, model_json)
+    artifacts.write_json(out / artifacts.CONFIG_JSON, cfg.to_hf_dict())
     shipped = {name: (out / name).stat().st_size for name in artifacts.SHIPPED_FILES}
     total_bytes = sum(shipped.values())
     say(f"shipped files: {shipped}, total {total_bytes:,} bytes (budget {SIZE_BUDGET_BYTES:,})")
