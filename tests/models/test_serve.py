@@ -35,8 +35,7 @@ def _load(trained_dir: Path, tier: str, tmp_path: Path, **options: object) -> Ti
         device="cpu",
         disk_dir=tmp_path / "rows" if tier == "disk" else None,
         load_baseline=False,
-        head_backend="reference",
-        **options,  # type: ignore[arg-type]
+        **{"head_backend": "reference", **options},  # type: ignore[arg-type]
     )
     torch.manual_seed(3)
     model.lm.reset_parameters(std=0.3)
@@ -89,28 +88,40 @@ def test_reference_generate_agrees_with_its_check(reference: dict) -> None:
     assert model.reference_generate(prompts[1], 2).tokens == reference["served"].tokens[1][:2]
 
 
-@pytest.mark.parametrize(
-    ("tier", "history", "options"),
-    [
-        ("device", "slot", {}),
-        ("disk", "slot", {}),
-        ("host", "request", {"cache_mib": 0.05}),
-        ("host", "lookback", {}),
-    ],
-)
+TIERS = {
+    "device": {},  # the device store, on the CPU (its kernels through the interpreter)
+    "host": {},
+    "disk": {},
+    "host+cache": {"cache_mib": 0.05},  # a hot-row cache in front of the host tier
+}
+
+
+@pytest.mark.parametrize("history", ["slot", "request", "lookback"])
+@pytest.mark.parametrize("tier", list(TIERS))
 def test_tiers_and_history_modes_serve_the_same_tokens(
-    trained_dir: Path, tmp_path: Path, reference: dict, tier: str, history: str, options: dict
+    trained_dir: Path, tmp_path: Path, reference: dict, tier: str, history: str
 ) -> None:
-    model = _load(trained_dir, tier, tmp_path, **options)
-    chunk = 3 if history == "request" else 5  # another chunking, too
+    model = _load(trained_dir, tier.split("+")[0], tmp_path, **TIERS[tier])
+    chunk = {"slot": 5, "request": 3, "lookback": 4}[history]  # other chunkings, too
     served = model.generate(
         reference["prompts"], MAX_NEW, history=history, chunk_size=chunk, block_size=BLOCK
     )
     assert served.tokens == reference["served"].tokens
     assert served.rejected_drafts == 2 and served.prefix_hit_tokens == [0, 2 * BLOCK]
-    if options.get("cache_mib"):
+    if TIERS[tier]:
         stats = served.cache_stats
         assert len(stats) == 2 and all(s is not None for s in stats)
+
+
+def test_the_fused_gate_kernel_serves_the_same_tokens(
+    trained_dir: Path, tmp_path: Path, reference: dict
+) -> None:
+    """The heads' Triton gate (through the interpreter on a CPU) instead of the reference."""
+    model = _load(trained_dir, "device", tmp_path, head_backend="triton")
+    served = model.generate(
+        reference["prompts"], MAX_NEW, history="slot", chunk_size=5, block_size=BLOCK
+    )
+    assert served.tokens == reference["served"].tokens
 
 
 @pytest.mark.gpu
@@ -141,7 +152,7 @@ def test_a_perturbed_fp8_row_is_caught(trained_dir: Path, tmp_path: Path, refere
 
     row_ids = hash_sequence(model.token_map.compress(prompt), model.consts)[-1, 0]  # [C]
     store = model.stores[0]
-    width = store.row_bytes if hasattr(store, "row_bytes") else model.config.row_bytes
+    width = model.config.row_bytes  # E fp8 values, then E/32 scale bytes
     rng = np.random.default_rng(0)
     for row in np.unique(row_ids):
         values = rng.integers(0x30, 0x70, size=model.config.head_dim, dtype=np.uint8)  # big fp8

@@ -34,6 +34,9 @@ def test_training_writes_every_artifact(trained_dir: Path) -> None:
     assert corpus["train_files"] == 12 and corpus["heldout_files"] == 1
     assert corpus["train_tokens"] > 1000 and corpus["heldout_tokens"] > 10
     assert len(record["engram"]["loss_curve"]) == 4
+    from engramrt.config import EngramConfig, load_config
+
+    assert load_config(trained_dir) == EngramConfig.from_hf_dict(data["engram"])
     log = json.loads((trained_dir / artifacts.TRAIN_LOG).read_text())
     assert len(log["losses"]["engram"]) == 4 and log["log"]
 
@@ -120,3 +123,61 @@ def test_eval_segments_stay_inside_documents() -> None:
     np.testing.assert_array_equal(segments.lookback[2], [103, 102, 101])
     np.testing.assert_array_equal(segments.lookback[0], [-1, -1, -1])
     np.testing.assert_array_equal(segments.tokens[5], [104, 105, 106, 107])
+
+
+def test_time_budget_fixes_the_schedule_and_the_baseline_follows(tmp_path: Path) -> None:
+    """With a wall-clock budget the step count is fixed after the probe steps and the
+    run ends near the budget; the baseline then runs exactly as many steps with the
+    same schedule length."""
+    from engramrt.models.lm import LMConfig, TinyLM
+    from engramrt.models.train import TrainSettings, train_model
+    from engramrt.training import EngramTable
+
+    settings = TrainSettings(out=tmp_path, batch_size=2, seq_len=8)
+    config = LMConfig(
+        vocab_size=50,
+        dim=32,
+        n_blocks=2,
+        n_heads=2,
+        head_dim=16,
+        mlp_dim=32,
+        engram_layer_ids=(1,),
+        engram_cols=2,
+        engram_head_dim=32,
+    )
+    tokens = torch.randint(0, 50, (400,))
+    row_ids = torch.randint(0, 64, (400, 1, 2), dtype=torch.int32)
+    torch.manual_seed(0)
+    model, tables = TinyLM(config), [EngramTable(64, 32)]
+    ticks = iter(range(10**6))
+
+    def clock() -> float:  # simulated: 5 ms per reading, whatever the machine's load
+        return next(ticks) * 5e-3
+
+    budget = 0.5
+    run = train_model(
+        "engram",
+        model,
+        tables,
+        tokens,
+        row_ids,
+        settings,
+        steps=None,
+        budget_s=budget,
+        clock=clock,
+    )
+    assert 20 < run.steps == run.schedule_steps
+    assert 0.9 * budget <= run.seconds <= 1.1 * budget + 0.05
+    assert len(run.losses) == run.steps and all(math.isfinite(v) for v in run.losses)
+    baseline = train_model(
+        "baseline",
+        TinyLM(config.baseline()),
+        [],
+        tokens,
+        None,
+        settings,
+        steps=run.steps,
+        budget_s=None,
+        schedule_steps=run.schedule_steps,
+    )
+    assert baseline.steps == run.steps and baseline.schedule_steps == run.schedule_steps

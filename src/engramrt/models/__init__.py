@@ -7,11 +7,23 @@
 - :mod:`engramrt.models.corpus`: the stdlib corpus and its row ids.
 - :mod:`engramrt.models.train`: ``python -m engramrt.models.train --out DIR``.
 - :mod:`engramrt.models.artifacts`: the files of a model directory.
+- :mod:`engramrt.models.serve`: :func:`load_model` -> :class:`TinyEngramModel`
+  (held-out loss, greedy generation through the runtime, eager reference).
 
 Importing this package imports torch but no Triton kernel.
 """
 
 from engramrt.models.lm import KVCache, LMConfig, TinyLM
+from engramrt.models.serve import GenerationResult, ReferenceResult, TinyEngramModel, load_model
 from engramrt.models.vocab import Vocab
 
-__all__ = ["KVCache", "LMConfig", "TinyLM", "Vocab"]
+__all__ = [
+    "GenerationResult",
+    "KVCache",
+    "LMConfig",
+    "ReferenceResult",
+    "TinyEngramModel",
+    "TinyLM",
+    "Vocab",
+    "load_model",
+]

@@ -4,6 +4,7 @@
 file                           content
 =============================  =====================================================
 ``model.json``                 configs (backbone, Engram), trimmed vocab, training record
+``config.json``                the Engram config as HF fields (``engramrt.load_config(DIR)``)
 ``engram.safetensors``         fp8 Engram tables, converted (``engramrt convert`` format)
 ``engram_model.safetensors``   the Engram model's backbone incl. its Engram heads, bf16
 ``baseline_model.safetensors`` the baseline's backbone, bf16
@@ -31,6 +32,7 @@ from engramrt.models.corpus import EvalSegments
 
 __all__ = [
     "BASELINE_WEIGHTS",
+    "CONFIG_JSON",
     "ENGRAM_TABLES",
     "ENGRAM_WEIGHTS",
     "HELDOUT_SAMPLE",
@@ -47,13 +49,21 @@ __all__ = [
 ]
 
 MODEL_JSON = "model.json"
+CONFIG_JSON = "config.json"
 ENGRAM_TABLES = "engram.safetensors"
 ENGRAM_WEIGHTS = "engram_model.safetensors"
 BASELINE_WEIGHTS = "baseline_model.safetensors"
 HELDOUT_SAMPLE = "heldout_sample.safetensors"
 LOSS_CURVES = "loss_curves.png"
 TRAIN_LOG = "train_log.json"
-SHIPPED_FILES = (MODEL_JSON, ENGRAM_TABLES, ENGRAM_WEIGHTS, BASELINE_WEIGHTS, HELDOUT_SAMPLE)
+SHIPPED_FILES = (
+    MODEL_JSON,
+    CONFIG_JSON,
+    ENGRAM_TABLES,
+    ENGRAM_WEIGHTS,
+    BASELINE_WEIGHTS,
+    HELDOUT_SAMPLE,
+)
 """What the demo ships (the size budget counts these)."""
 
 

@@ -179,6 +179,7 @@ class TinyEngramModel:
         self.record = record
         self.device = device
         self._trim = torch.as_tensor(np.array(vocab.trim_map), device=device)
+        self._tokenizer: Any = None
         self.load_heads()
 
     @torch.no_grad()
@@ -601,17 +602,24 @@ class TinyEngramModel:
                 f"the model's max_seq_len={self.lm_config.max_seq_len}"
             )
 
+    @property
+    def tokenizer(self) -> Any:
+        """The DeepSeek-V4 tokenizer the token map was built from (loaded once)."""
+        if self._tokenizer is None:
+            from engramrt.tokenmap import load_tokenizer
+
+            self._tokenizer = load_tokenizer(self.token_map.tokenizer_path)
+        return self._tokenizer
+
     def encode(self, text: str) -> list[int]:
         """Tokenizer ids of a text, starting with the document-start token (as in training)."""
         from engramrt.models.vocab import BOS_TOKEN_ID
-        from engramrt.tokenmap import load_tokenizer
 
-        return [BOS_TOKEN_ID, *load_tokenizer().encode(text, add_special_tokens=False).ids]
+        return [BOS_TOKEN_ID, *self.tokenizer.encode(text, add_special_tokens=False).ids]
 
     def decode(self, token_ids: Sequence[int]) -> str:
-        from engramrt.tokenmap import load_tokenizer
-
-        return str(load_tokenizer().decode([int(t) for t in token_ids], skip_special_tokens=False))
+        """The text of tokenizer ids (special tokens kept)."""
+        return str(self.tokenizer.decode([int(t) for t in token_ids], skip_special_tokens=False))
 
 
 def load_model(

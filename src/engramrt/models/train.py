@@ -240,6 +240,7 @@ def train_model(
     schedule_steps: int | None = None,
     validate: Callable[[], float] | None = None,
     heldout: Callable[[], float] | None = None,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> TrainResult:
     """Train ``model`` (and its ``tables``) on random windows of the training stream.
 
@@ -250,13 +251,20 @@ def train_model(
     back at the end (early stopping on the validation split; the held-out
     split is only evaluated, by ``heldout``, on the last step's weights
     before they are replaced, and afterwards by the caller).
+    The budget starts after the first step, which carries one-time costs
+    (kernel compilation, lazy imports, allocator warm-up). ``clock`` gives
+    seconds (tests pass a simulated one).
     """
     device = train_tokens.device
     generator = torch.Generator(device=device).manual_seed(settings.seed)
     decay: list[torch.nn.Parameter] = []
     no_decay: list[torch.nn.Parameter] = []
+    # Weight decay on the projection matrices and the embedding only: not on norm
+    # weights (the gate's q_weight/k_weight are [hc, D] norm weights) nor on the
+    # hyper-connections' read/mix/write weights.
     for pname, param in model.named_parameters():
-        (decay if param.dim() == 2 and not pname.endswith(".mix") else no_decay).append(param)
+        matrix = param.dim() == 2 and not pname.endswith((".mix", "q_weight", "k_weight"))
+        (decay if matrix else no_decay).append(param)
     dense = torch.optim.AdamW(
         [
             {"params": decay, "weight_decay": settings.weight_decay},
@@ -270,7 +278,11 @@ def train_model(
         if tables
         else None
     )
-    total = steps if steps is not None else schedule_steps
+    # The schedule's length and the step to stop at: both ``steps`` when given; with
+    # a budget, the schedule is fixed after the probe and the stop is its end (or the
+    # hard stop); the baseline gets the Engram model's schedule and stop.
+    total = schedule_steps if schedule_steps is not None else steps
+    stop = steps
     probe = 20
     batch, seq = settings.batch_size, settings.seq_len
     max_start = train_tokens.shape[0] - seq - 1
@@ -280,7 +292,8 @@ def train_model(
         )
     offsets = torch.arange(seq + 1, device=device)
     losses: list[torch.Tensor] = []
-    began = time.perf_counter()
+    began = clock()
+    budget_began = began  # reset after the first step
     probe_began = began
     log_every = 10.0
     last_log = began
@@ -301,10 +314,11 @@ def train_model(
 
     model.train()
     while True:
-        if total is not None and step >= total:
+        end = stop if stop is not None else total
+        if end is not None and step >= end:
             break
-        elapsed = time.perf_counter() - began
-        if budget_s is not None and elapsed > 1.1 * budget_s:
+        elapsed = clock() - budget_began
+        if budget_s is not None and step > 0 and elapsed > 1.1 * budget_s:
             settings.say(f"{name}: hard stop at step {step} ({elapsed:.0f} s)")
             break
         warmup = min(100, max(1, (total or 1000) // 10))
@@ -335,28 +349,31 @@ def train_model(
         step += 1
         if validate is not None and step % settings.eval_every == 0:
             check_validation()
+        if step == 1:
+            budget_began = clock()
         if step == 5:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
-            probe_began = time.perf_counter()
+            probe_began = clock()
         if total is None and step == probe:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
-            per_step = (time.perf_counter() - probe_began) / (probe - 5)
-            remaining = budget_s - (time.perf_counter() - began) if budget_s else 0.0
+            per_step = (clock() - probe_began) / (probe - 5)
+            remaining = budget_s - (clock() - budget_began) if budget_s else 0.0
             total = max(probe, probe + int(remaining / per_step))
             settings.say(f"{name}: {per_step * 1e3:.1f} ms/step -> {total} steps in the budget")
-        now = time.perf_counter()
-        if now - last_log >= log_every or step == total:
+        now = clock()
+        end = stop if stop is not None else total
+        if now - last_log >= log_every or step == end:
             last_log = now
             recent = torch.stack(losses[-20:]).float().mean().item()
             settings.say(
-                f"{name}: step {step}/{total or '?'} loss {recent:.4f} "
+                f"{name}: step {step}/{end or '?'} loss {recent:.4f} "
                 f"({step * batch * seq / (now - began):,.0f} tok/s, {now - began:.0f} s)"
             )
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    seconds = time.perf_counter() - began
+    seconds = clock() - began
     values = torch.stack(losses).float().cpu().tolist() if losses else []
     result = TrainResult(step, total or step, seconds, step * batch * seq, values)
     if validate is not None:
@@ -697,6 +714,7 @@ def train(settings: TrainSettings) -> dict[str, Any]:
         "training": record,
     }
     artifacts.write_json(out / artifacts.MODEL_JSON, model_json)
+    artifacts.write_json(out / artifacts.CONFIG_JSON, cfg.to_hf_dict())
     shipped = {name: (out / name).stat().st_size for name in artifacts.SHIPPED_FILES}
     total_bytes = sum(shipped.values())
     say(f"shipped files: {shipped}, total {total_bytes:,} bytes (budget {SIZE_BUDGET_BYTES:,})")
