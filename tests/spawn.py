@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import multiprocessing
+import os
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def spawn_world(
@@ -48,3 +53,22 @@ def spawn_world(
         codes = [process.exitcode for process in processes]
         details = "\n".join(f"--- {name}\n{text}" for name, text in errors.items())
         pytest.fail(f"{label} workers hung: {hung}, exit codes: {codes}\n{details}")
+
+
+def torchrun_bench(
+    script: str, *options: str, nproc: int = 2, timeout_s: float = 240
+) -> subprocess.CompletedProcess:
+    """``bench/<script>`` under ``torch.distributed.run`` with ``nproc`` CPU processes,
+    this checkout's sources first on the path and Triton's interpreter off."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(nproc),
+        str(ROOT / "bench" / script),
+        *options,
+    ]
+    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout_s)

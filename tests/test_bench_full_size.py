@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from tests.spawn import torchrun_bench
 
 from engramrt.distributed import SharedHostTable
 from engramrt.errors import CapacityError
@@ -35,15 +35,8 @@ def _module():
 
 
 def _torchrun(*options: str) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        "2",
-        str(ROOT / "bench" / "full_size.py"),
+    return torchrun_bench(
+        "full_size.py",
         "--cpu",
         "--scale",
         str(SCALE),
@@ -56,8 +49,7 @@ def _torchrun(*options: str) -> subprocess.CompletedProcess:
         "--fill-threads",
         "2",
         *options,
-    ]
-    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=240)
+    )
 
 
 def test_full_size_script_publishes_once_restarts_and_refuses_other_rows(tmp_path) -> None:

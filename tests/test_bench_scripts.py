@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from tests.spawn import torchrun_bench
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -82,15 +81,8 @@ def test_multi_gpu_script_on_gloo(tmp_path) -> None:
     """Two gloo processes: TP, sequence-parallel, all-to-all, a shared host table and the layer
     equal one process; the shared table is loaded once and removed afterwards."""
     out = tmp_path / "report.json"
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        "2",
-        str(ROOT / "bench" / "multi_gpu.py"),
+    done = torchrun_bench(
+        "multi_gpu.py",
         "--cpu",
         "--tokens",
         "5",
@@ -102,8 +94,7 @@ def test_multi_gpu_script_on_gloo(tmp_path) -> None:
         str(out),
         "--shared-dir",
         str(tmp_path),
-    ]
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240)
+    )
     if done.returncode != 0:
         pytest.fail(
             f"multi_gpu.py exited {done.returncode}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
