@@ -181,3 +181,19 @@ def test_time_budget_fixes_the_schedule_and_the_baseline_follows(tmp_path: Path)
         schedule_steps=run.schedule_steps,
     )
     assert baseline.steps == run.steps and baseline.schedule_steps == run.schedule_steps
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--steps", "0"], "--steps=0 must be at least 1"),
+        (["--minutes", "0"], "--minutes=0.0 must be positive"),
+        (["--eval-every", "0"], "--eval-every=0 must be at least 1"),
+    ],
+)
+def test_train_command_refuses_bad_numbers(capsys, args, needle) -> None:
+    from engramrt.models.train import parse_args
+
+    with pytest.raises(SystemExit) as info:
+        parse_args(["--out", "x", *args])
+    assert info.value.code == 2 and needle in capsys.readouterr().err
