@@ -300,15 +300,25 @@ class Engine:
         req.dead = req.dead[: start + 1] + [False] * drafts
         return start, drafts + 1
 
-    def verify(self, req: Request, start: int, accepted: int) -> None:
-        """Keep ``accepted`` drafts, then the true continuation; roll history back."""
+    def verify(self, req: Request, start: int, accepted: int) -> int:
+        """Keep ``accepted`` drafts, then the true continuation; returns the tokens the
+        request keeps (its history rolls back to them: :meth:`roll_back`)."""
         rest_tokens, rest_dead = req.spec_saved  # type: ignore[attr-defined]
         keep = start + 1 + accepted
         req.tokens = req.tokens[:keep] + rest_tokens
         req.dead = req.dead[:keep] + rest_dead
         req.computed = keep
-        if self.mode == "request":
-            self.history.rollback(req.slot, keep)
+        return keep
+
+    def roll_back(self, kept: Sequence[tuple[Request, int]]) -> None:
+        """Roll the request history back after a step's verifications: one request
+        through ``rollback``, several at once through ``rollback_many``."""
+        if self.mode != "request" or not kept:
+            return
+        if len(kept) == 1:
+            self.history.rollback(kept[0][0].slot, kept[0][1])
+        else:
+            self.history.rollback_many([r.slot for r, _ in kept], [n for _, n in kept])
 
 
 def _schedule(
@@ -369,8 +379,12 @@ def _schedule(
         yield engine.prepare(
             chunks, pad_rows=int(rng.integers(0, 3)), pad_requests=int(rng.integers(0, 2))
         )
-        for req, start, drafts in specs:
-            engine.verify(req, start, int(rng.integers(0, drafts + 1)))
+        engine.roll_back(
+            [
+                (req, engine.verify(req, start, int(rng.integers(0, drafts + 1))))
+                for req, start, drafts in specs
+            ]
+        )
     yield engine.prepare([], pad_rows=0, pad_requests=0)  # an empty batch
 
 

@@ -19,6 +19,8 @@ Codes: a compressed id (>= 0), ``EMPTY`` (-1, unknown: hashes as pad) or
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import torch
 
@@ -194,12 +196,55 @@ class RequestHistory:
             self.tags[slot] = pos
 
     def rollback(self, request_slot: int, num_tokens: int) -> None:
-        """Forget positions ``>= num_tokens`` of a request (rejected speculative tokens)."""
+        """Forget positions ``>= num_tokens`` of a request (rejected speculative tokens).
+
+        Two masked fills on the ring's device: no host synchronisation.
+        """
         self._check_slot(request_slot)
         ring = slice(request_slot * self.window, (request_slot + 1) * self.window)
         stale = self.tags[ring] >= num_tokens
-        self.slots[ring][stale] = EMPTY
-        self.tags[ring][stale] = -1
+        self.slots[ring].masked_fill_(stale, EMPTY)
+        self.tags[ring].masked_fill_(stale, -1)
+
+    def rollback_many(
+        self, request_slots: torch.Tensor | Sequence[int], num_tokens: torch.Tensor | Sequence[int]
+    ) -> None:
+        """:meth:`rollback` of several requests at once: request ``request_slots[i]`` keeps
+        its positions ``< num_tokens[i]``.
+
+        One gather, two ``where`` and two ``index_copy_`` on the ring's device,
+        whatever the number of requests, with no host synchronisation: what an
+        engine calls once per step after verifying every request's drafts.
+        Given as sequences, the slots are checked (in range, no slot twice);
+        given as tensors, they are used as they are (on the ring's device,
+        distinct, in range: a repeated slot is written in no defined order).
+        """
+        if not isinstance(request_slots, torch.Tensor):
+            slots_list = [int(s) for s in request_slots]
+            for s in slots_list:
+                self._check_slot(s)
+            if len(set(slots_list)) != len(slots_list):
+                raise ValidationError(
+                    f"request_slots={slots_list} names a slot twice; expected distinct slots"
+                )
+            request_slots = torch.tensor(slots_list, dtype=torch.int64)
+        if not isinstance(num_tokens, torch.Tensor):
+            num_tokens = torch.tensor([int(n) for n in num_tokens], dtype=torch.int64)
+        if request_slots.ndim != 1 or num_tokens.shape != request_slots.shape:
+            raise ValidationError(
+                f"request_slots has shape {list(request_slots.shape)} and num_tokens "
+                f"{list(num_tokens.shape)}; expected two 1-D tensors of one length"
+            )
+        device = self.slots.device
+        index = request_slots.to(device=device, dtype=torch.int64, non_blocking=True)
+        keep = num_tokens.to(device=device, dtype=torch.int64, non_blocking=True)
+        slots = self.slots.view(self.max_requests, self.window)
+        tags = self.tags.view(self.max_requests, self.window)
+        ring_tags = tags.index_select(0, index)
+        stale = ring_tags >= keep[:, None]
+        ring_slots = slots.index_select(0, index).masked_fill_(stale, EMPTY)
+        slots.index_copy_(0, index, ring_slots)
+        tags.index_copy_(0, index, ring_tags.masked_fill_(stale, -1))
 
     def commit_reference(self, batch: HashBatch, token_map: np.ndarray) -> None:
         """Write the last ``window`` tokens of each chunk (what the commit kernel does)."""
