@@ -43,6 +43,48 @@ tokens/s per configuration and the throughput loss of each placement
 against GPU memory and against the engine-style baseline in the same
 configuration.
 
+Method. The GPU's clock drifts by several percent within seconds under this
+load, more than the costs measured here, so no configuration is timed in one
+long run. A configuration is a placement x settings (threads, grid) x
+workload x backbone x prefetch. Each of ``--rounds`` rounds runs every
+configuration once as a short block (``--warmup-steps`` untimed steps, then
+``--block-steps`` timed decode steps or ``--prefill-chunks`` timed prefill
+chunks; prefill only in the first ``--prefill-rounds`` rounds), in an order
+shuffled per round by a numpy generator seeded with ``--seed`` (recorded in
+the report). Round r's block takes the window of the workload's batches
+starting at ``r * steps`` (wrapping; :func:`block_window`), so a hot-row
+cache sees fresh steps each round. Every comparison is paired: in each round
+the configuration's ms/step against the reference's in the same round (same
+workload, backbone and prefetch), ``100 * (1 - ms_device / ms_config)``
+(``loss_vs_gpu_pct``; likewise ``loss_vs_no_lookups_pct`` against ``none``
+and ``gain_vs_engine_uva_pct``, ``100 * (ms_engine / ms_config - 1)``), so
+drift between rounds cancels; each is reported as the median and quartiles
+over rounds (``_p25``, ``_p75``) with the per-round list (``_rounds``;
+:func:`paired_stats`), beside the median ms/step over rounds.
+
+A/A control: ``device-again``, a second runtime over the same device tables
+(no second table), is timed like any placement; its paired loss against
+``device`` is the method's resolution, printed at the end as such.
+
+Stalls: on CUDA, timing-enabled events recorded on the main stream right
+before and right after each ``handle.rows(li)`` (:class:`StallEvents`,
+preallocated per block, read after its final synchronize) give how long the
+stream waited for layer li's rows: ``stall_us`` per layer, the median over
+every timed step of every round (None on a CPU). For sources that join a
+host thread in ``rows`` (host, host-cache, disk) the join is host time: the
+stream only idles once the work queued before the join has drained, and the
+events then hold that idle time. ``stall_pct_of_step`` is the stalls' sum
+as a share of the step; ``interference_pct``, the loss against ``device``
+less the stalls beyond the device placement's (``100 * (sum(stall_us) -
+sum(device stall_us)) / 1e3 / ms_per_step``), is what the lookups cost the
+backbone beyond waiting (contention for memory bandwidth, SMs, copy engines,
+the CPU).
+
+A line per block (round, configuration, ms/step, median stalls); the JSON
+report (``--out``) is rewritten atomically after every round with
+``rounds_completed``; ``--max-seconds`` starts no new round after that many
+seconds of timing, and the report holds the rounds done.
+
 More placements and levers:
 
 - ``engine-uva``: how serving engines read host-memory tables today, the
@@ -53,9 +95,11 @@ More placements and levers:
   (:class:`engramrt.cache.CachedRowStore`, ``--cache-fraction`` of each
   table's bytes in GPU memory); the cache keeps its rows from run to run,
   as a serving engine's would, and each result holds its hit rate over the
-  timed steps (``cache_hit_rate``, per layer). The variants of a tier
+  timed steps (``cache_hit_rate``, per layer: the median over rounds, each
+  round's in ``cache_hit_rate_rounds``). The variants of a tier
   (priorities, worker modes) run over the tier's one set of stores, so the
-  ``host-cache`` variants share one cache;
+  ``host-cache`` variants share one cache; ``engine-uva`` reads the ``uva``
+  placement's stores when that runs too (each block sets its own grid);
 - ``--lookup-priority``: stream priorities of the runtime's lookups
   (``EngramRuntime(lookup_priority=)``; lower is higher in torch);
 - ``--lookup-workers``: ``per-layer`` worker threads or one ``shared`` one
@@ -936,15 +980,22 @@ def main(argv=None) -> None:
             return {key(ci): ms_rounds[ci] for ci, _ in results if match(setups[configs[ci][0]])}
 
         base = references(lambda s: s["label"] == "device")
+        base_stall = {
+            key(ci): res["stall_us"]
+            for ci, res in results
+            if setups[configs[ci][0]]["label"] == "device"
+        }
         alone = references(lambda s: s["tier"] == "none")
         engine = references(lambda s: s["tier"] == "engine-uva")
         for ci, res in results:
             k = key(ci)
             if k in base:
                 res.update(paired_stats("loss_vs_gpu_pct", ms_rounds[ci], base[k]))
-                if res["stall_pct_of_step"] is not None and res["loss_vs_gpu_pct"] is not None:
-                    # What the lookups cost the backbone beyond the main stream's waits.
-                    res["interference_pct"] = res["loss_vs_gpu_pct"] - res["stall_pct_of_step"]
+                ref_stall = base_stall[k]
+                if res["stall_us"] and ref_stall and res["loss_vs_gpu_pct"] is not None:
+                    # What the lookups cost the backbone beyond the main stream's extra waits.
+                    extra = 100 * (sum(res["stall_us"]) - sum(ref_stall)) / 1e3 / res["ms_per_step"]
+                    res["interference_pct"] = res["loss_vs_gpu_pct"] - extra
             if k in alone:
                 res.update(paired_stats("loss_vs_no_lookups_pct", ms_rounds[ci], alone[k]))
             if k in engine:
