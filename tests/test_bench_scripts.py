@@ -415,3 +415,65 @@ def test_runtime_bench_paired_stats_cancel_drift() -> None:
     assert empty["loss"] is None and empty["loss_rounds"] == [None]
     with pytest.raises(ValueError, match="config_ms has 2 rounds"):
         bench.paired_stats("loss", [1.0, 2.0], [1.0])
+
+
+def test_runtime_bench_stall_events_bracket_each_wait(monkeypatch) -> None:
+    """The eager backbone records an event pair around each layer's ``rows`` call, per step,
+    and the stalls read back are the time inside those calls only (a fake event clock: CUDA
+    events need a GPU)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    bench = _load("runtime_overhead")
+    clock = [0.0]  # ms
+
+    class ClockEvent:
+        def __init__(self, enable_timing: bool = False) -> None:
+            assert enable_timing
+            self.ms: float | None = None
+
+        def record(self) -> None:
+            self.ms = clock[0]
+
+        def elapsed_time(self, end: ClockEvent) -> float:
+            assert self.ms is not None and end.ms is not None
+            return end.ms - self.ms
+
+    class Handle:
+        def __init__(self, step: int) -> None:
+            self.step, self.slot = step, 0
+
+        def rows(self, layer_index: int):
+            clock[0] += 1e-3 * (10 * self.step + layer_index + 1)  # the wait: a few us
+            return torch.zeros(2, 1, 1, dtype=torch.bfloat16)
+
+    class Runtime:
+        def step(self, batch) -> Handle:
+            return Handle(batch.index)
+
+        prefetch = step
+
+    def head(hidden, rows):
+        clock[0] += 1.0  # the Engram layer's own work: outside the bracket
+        return hidden
+
+    monkeypatch.setattr(torch.cuda, "Event", ClockEvent)
+    monkeypatch.setattr(bench, "D", 8)
+    monkeypatch.setattr(bench, "FFN", 16)
+    g = torch.Generator().manual_seed(0)
+
+    def w(*shape):
+        return torch.randn(*shape, generator=g).bfloat16()
+
+    blocks = [(w(8, 24), w(8, 8), w(8, 32), w(16, 8)) for _ in range(16)]
+    forward = bench.eager_forward((blocks, [head, head]), "cpu")
+    batches = [SimpleNamespace(index=i, num_tokens=2, input_ids=torch.zeros(2)) for i in range(3)]
+    for prefetch in (False, True):
+        stalls = bench.StallEvents(4)  # preallocated for more steps than the block's
+        bench.run(Runtime(), batches, forward, prefetch, stalls)
+        got = stalls.stall_us(3)
+        # Each wait alone, in us; a bracket around the Engram layer would add 1,000 us.
+        want = [[10.0 * s + li + 1 for s in range(3)] for li in range(2)]
+        assert [pytest.approx(layer, abs=1e-6) for layer in want] == got
+        assert stalls.events[3][0][0].ms is None  # the spare step was never recorded
