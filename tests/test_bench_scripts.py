@@ -362,6 +362,29 @@ def test_runtime_bench_rounds_report(tmp_path) -> None:
             assert all(v in (None, 0.0) for v in r["loss_vs_gpu_pct_rounds"])
     again = [r for r in results if r["placement"] == "device-again"]
     assert len(again) == 4 and all(r["tier"] == "device-again" for r in again)
+    assert not list(tmp_path.glob("*.tmp"))  # written through a temporary file, replaced
+
+
+def test_runtime_bench_max_seconds_stops_new_rounds(tmp_path) -> None:
+    report = _runtime_smoke(
+        tmp_path,
+        "--decode-steps",
+        "2",
+        "--block-steps",
+        "1",
+        "--warmup-steps",
+        "0",
+        "--workloads",
+        "decode",
+        "--tiers",
+        "device,device-again",
+        "--rounds",
+        "3",
+        "--max-seconds",
+        "0",
+    )
+    assert report["rounds"] == 3 and report["rounds_completed"] == 1
+    assert [len(r["ms_per_step_rounds"]) for r in report["results"]] == [1] * 4
 
 
 def test_runtime_bench_block_window() -> None:
