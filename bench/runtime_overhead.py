@@ -433,6 +433,12 @@ class StallEvents:
             ]
             for _ in range(steps)
         ]
+        # torch creates an event's CUDA handle at its first record: record each once
+        # here, before the block's timing starts, so the timed steps only re-record.
+        for step in self.events:
+            for pair in step:
+                for event in pair:
+                    event.record()
         self.step_index = 0
 
     def rows(self, handle, layer_index: int):

@@ -493,10 +493,12 @@ def test_runtime_bench_stall_events_bracket_each_wait(monkeypatch) -> None:
     forward = bench.eager_forward((blocks, [head, head]), "cpu")
     batches = [SimpleNamespace(index=i, num_tokens=2, input_ids=torch.zeros(2)) for i in range(3)]
     for prefetch in (False, True):
+        clock[0] = -5.0
         stalls = bench.StallEvents(4)  # preallocated for more steps than the block's
+        assert all(e.ms == -5.0 for step in stalls.events for pair in step for e in pair)
         bench.run(Runtime(), batches, forward, prefetch, stalls)
         got = stalls.stall_us(3)
         # Each wait alone, in us; a bracket around the Engram layer would add 1,000 us.
         want = [[10.0 * s + li + 1 for s in range(3)] for li in range(2)]
         assert [pytest.approx(layer, abs=1e-6) for layer in want] == got
-        assert stalls.events[3][0][0].ms is None  # the spare step was never recorded
+        assert stalls.events[3][0][0].ms == -5.0  # the spare step was not recorded again
