@@ -43,6 +43,49 @@ tokens/s per configuration and the throughput loss of each placement
 against GPU memory and against the engine-style baseline in the same
 configuration.
 
+Method. The GPU's clock drifts by several percent within seconds under this
+load, more than the costs measured here, so no configuration is timed in one
+long run. A configuration is a placement x settings (threads, grid) x
+workload x backbone x prefetch. Each of ``--rounds`` rounds runs every
+configuration once as a short block (``--warmup-steps`` untimed steps, then
+``--block-steps`` timed decode steps or ``--prefill-chunks`` timed prefill
+chunks; prefill only in the first ``--prefill-rounds`` rounds), in an order
+shuffled per round by a numpy generator seeded with ``--seed`` (recorded in
+the report). Round r's block takes the window of the workload's batches
+starting at ``r * steps`` (wrapping; :func:`block_window`), so a hot-row
+cache sees fresh steps each round. Every comparison is paired: in each round
+the configuration's ms/step against the reference's in the same round (same
+workload, backbone and prefetch), ``100 * (1 - ms_device / ms_config)``
+(``loss_vs_gpu_pct``; likewise ``loss_vs_no_lookups_pct`` against ``none``
+and ``gain_vs_engine_uva_pct``, ``100 * (ms_engine / ms_config - 1)``), so
+drift between rounds cancels; each is reported as the median and quartiles
+over rounds (``_p25``, ``_p75``) with the per-round list (``_rounds``;
+:func:`paired_stats`), beside the median ms/step over rounds.
+
+A/A control: ``device-again``, a second runtime over the same device tables
+(no second table), is timed like any placement; its paired loss against
+``device`` is the method's resolution, printed at the end as such.
+
+Stalls: on CUDA, timing-enabled events recorded on the main stream right
+before and right after each ``handle.rows(li)`` (:class:`StallEvents`,
+preallocated per block, read after its final synchronize) give how long the
+stream waited for layer li's rows: ``stall_us`` per layer, the median over
+every timed step of every round (None on a CPU). For sources that join a
+host thread in ``rows`` (host, host-cache, disk) the join is host time: the
+stream only idles once the work queued before the join has drained, and the
+events then hold that idle time. ``stall_pct_of_step`` is the stalls' sum
+as a share of the step; ``interference_pct``, the loss against ``device``
+less the stalls beyond the device placement's (``100 * (sum(stall_us) -
+sum(device stall_us)) / 1e3 / ms_per_step``), is what the lookups cost the
+backbone beyond waiting (contention for memory bandwidth, SMs, copy engines,
+the CPU).
+
+A line per block (round, configuration, ms/step, median stalls); the JSON
+report (``--out``) is rewritten atomically after every round with
+``rounds_completed``; ``--max-seconds`` starts no new round after that many
+seconds of timing (the first always runs), and the report holds the rounds
+done.
+
 More placements and levers:
 
 - ``engine-uva``: how serving engines read host-memory tables today, the
@@ -53,9 +96,11 @@ More placements and levers:
   (:class:`engramrt.cache.CachedRowStore`, ``--cache-fraction`` of each
   table's bytes in GPU memory); the cache keeps its rows from run to run,
   as a serving engine's would, and each result holds its hit rate over the
-  timed steps (``cache_hit_rate``, per layer). The variants of a tier
+  timed steps (``cache_hit_rate``, per layer: the median over rounds, each
+  round's in ``cache_hit_rate_rounds``). The variants of a tier
   (priorities, worker modes) run over the tier's one set of stores, so the
-  ``host-cache`` variants share one cache;
+  ``host-cache`` variants share one cache; ``engine-uva`` reads the ``uva``
+  placement's stores when that runs too (each block sets its own grid);
 - ``--lookup-priority``: stream priorities of the runtime's lookups
   (``EngramRuntime(lookup_priority=)``; lower is higher in torch);
 - ``--lookup-workers``: ``per-layer`` worker threads or one ``shared`` one
@@ -67,7 +112,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
+from typing import Any
 
 import numpy as np
 import torch
@@ -338,37 +385,92 @@ def synchronize(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def run(runtime, batches, forward, prefetch):
+def run(runtime, batches, forward, prefetch, stalls=None):
     """Time ``forward(handle, batch)`` over ``batches``, the lookups started per step.
 
     With ``prefetch`` the next step's lookups start before this step's
-    forward; without, when the next step starts.
+    forward; without, when the next step starts. With ``stalls`` (a
+    :class:`StallEvents` of at least ``len(batches)`` steps) the forward is
+    called as ``forward(handle, batch, stalls)`` and marks its waits for rows.
     """
     tokens = sum(b.num_tokens for b in batches)
-    synchronize(batches[0].input_ids.device)
+    device = batches[0].input_ids.device
+    synchronize(device)
     start = time.perf_counter()
     handle = runtime.step(batches[0])
     for i, batch in enumerate(batches):
         nxt = None
         if prefetch and i + 1 < len(batches):
             nxt = runtime.prefetch(batches[i + 1])
-        forward(handle, batch)
+        if stalls is None:
+            forward(handle, batch)
+        else:
+            stalls.step_index = i
+            forward(handle, batch, stalls)
         if i + 1 < len(batches):
             handle = nxt if nxt is not None else runtime.step(batches[i + 1])
-    synchronize(batches[0].input_ids.device)
+    synchronize(device)
     return summary(batches, tokens, time.perf_counter() - start)
+
+
+class StallEvents:
+    """Timing-enabled CUDA events around each ``handle.rows(li)`` of a block's steps.
+
+    Preallocated per block (``[steps][layers]`` pairs) and recorded on the
+    current stream right before and right after the call, so the elapsed time
+    between a pair is how long the main stream stalled on that layer's rows.
+    For sources whose ``rows`` joins a host thread the join is host time: the
+    stream stalls only once the work queued before it has drained, and the
+    pair then holds that idle time. Read (:meth:`stall_us`) only after the
+    block's final synchronize: nothing here syncs the host.
+    """
+
+    def __init__(self, steps: int, layers: int = 2):
+        self.events = [
+            [
+                (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                for _ in range(layers)
+            ]
+            for _ in range(steps)
+        ]
+        # torch creates an event's CUDA handle at its first record: record each once
+        # here, before the block's timing starts, so the timed steps only re-record.
+        for step in self.events:
+            for pair in step:
+                for event in pair:
+                    event.record()
+        self.step_index = 0
+
+    def rows(self, handle, layer_index: int):
+        before, after = self.events[self.step_index][layer_index]
+        before.record()
+        rows = handle.rows(layer_index)
+        after.record()
+        return rows
+
+    def stall_us(self, steps: int) -> list[list[float]]:
+        """``[layers][steps]`` microseconds of the first ``steps`` steps (after a synchronize)."""
+        layers = len(self.events[0])
+        return [
+            [1e3 * self.events[i][li][0].elapsed_time(self.events[i][li][1]) for i in range(steps)]
+            for li in range(layers)
+        ]
+
+
+def _rows(handle, layer_index: int, stalls):
+    return handle.rows(layer_index) if stalls is None else stalls.rows(handle, layer_index)
 
 
 def eager_forward(backbone, device, engram_at=ENGRAM_AT):
     """The backbone launched kernel by kernel from Python, as ``forward(handle, batch)``."""
     blocks, engram = backbone
 
-    def forward(handle, batch) -> None:
+    def forward(handle, batch, stalls=None) -> None:
         x = torch.randn(batch.num_tokens, D, device=device, dtype=torch.bfloat16)
         for b, weights in enumerate(blocks):
             if b in engram_at:
                 li = engram_at[b]
-                x = engram_layer(x, handle.rows(li), engram[li])
+                x = engram_layer(x, _rows(handle, li, stalls), engram[li])
             x = run_block(x, weights)
 
     return forward
@@ -434,12 +536,12 @@ class GraphedBackbone:
             )
             self.tail.append(graph)
 
-    def step(self, handle, batch=None) -> None:
+    def step(self, handle, batch=None, stalls=None) -> None:
         if self.head is not None:
             self.head.replay()
-        handle.rows(0)  # the stream waits for layer 0's rows
+        _rows(handle, 0, stalls)  # the stream waits for layer 0's rows
         self.middle[handle.slot].replay()
-        handle.rows(1)
+        _rows(handle, 1, stalls)
         self.tail[handle.slot].replay()
 
 
@@ -463,10 +565,75 @@ def layer_grid(programs, layer_index: int):
     return programs[layer_index] if isinstance(programs[0], tuple) else programs
 
 
+def block_window(num_batches: int, round_index: int, steps: int, warmup: int = 0):
+    """The batch indices of round ``round_index``'s block: ``(warm-up, timed)``.
+
+    The timed window starts at ``round_index * steps`` and wraps around the
+    workload's ``num_batches`` batches, so successive rounds time fresh steps
+    (a hot-row cache sees tokens it has not seen in the previous round); the
+    ``warmup`` untimed steps are the ones just before it.
+    """
+    if num_batches < 1 or steps < 1 or warmup < 0:
+        raise ValueError(
+            f"num_batches={num_batches}, steps={steps}, warmup={warmup}; expected "
+            "num_batches >= 1, steps >= 1, warmup >= 0"
+        )
+    start = round_index * steps
+    warm = [(start - warmup + i) % num_batches for i in range(warmup)]
+    return warm, [(start + i) % num_batches for i in range(steps)]
+
+
+def quartiles(values) -> tuple[float, float, float] | tuple[None, None, None]:
+    """(p25, median, p75) of ``values`` (linear interpolation); Nones when empty."""
+    if len(values) == 0:
+        return None, None, None
+    p25, p50, p75 = np.percentile(np.asarray(values, dtype=np.float64), [25, 50, 75])
+    return float(p25), float(p50), float(p75)
+
+
+def paired_stats(name: str, config_ms, reference_ms, gain: bool = False) -> dict:
+    """Per-round paired comparison of a configuration with a reference of the same rounds.
+
+    ``config_ms`` and ``reference_ms`` are ms/step per round (None where a
+    round did not run it). Round r's loss is ``100 * (1 - ref_r / config_r)``
+    (the throughput lost against the reference), or with ``gain`` the gain
+    ``100 * (ref_r / config_r - 1)``. Both numbers of a round were timed
+    moments apart, so drift of the machine between rounds (clocks, other
+    tenants) cancels. Returns ``{name: median, name_p25, name_p75,
+    name_rounds: [per round, None where unpaired]}``.
+    """
+    if len(config_ms) != len(reference_ms):
+        raise ValueError(
+            f"config_ms has {len(config_ms)} rounds, reference_ms {len(reference_ms)}; "
+            "expected the same rounds"
+        )
+    per_round = []
+    for ms, ref in zip(config_ms, reference_ms, strict=True):
+        if ms is None or ref is None:
+            per_round.append(None)
+        else:
+            per_round.append(100 * (ref / ms - 1) if gain else 100 * (1 - ref / ms))
+    p25, p50, p75 = quartiles([v for v in per_round if v is not None])
+    return {name: p50, f"{name}_p25": p25, f"{name}_p75": p75, f"{name}_rounds": per_round}
+
+
+def write_report(path: str, report: dict) -> None:
+    """Write ``report`` as JSON atomically: a complete file or the previous one, never half."""
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(report, f, indent=1)
+    os.replace(tmp, path)
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--table-gib", type=float, default=16.0)
-    parser.add_argument("--decode-steps", type=int, default=100)
+    parser.add_argument(
+        "--decode-steps",
+        type=int,
+        default=300,
+        help="decode batches per workload; blocks take rotating windows of them",
+    )
     parser.add_argument("--out", default=None)
     parser.add_argument(
         "--host-threads",
@@ -484,13 +651,35 @@ def main(argv=None) -> None:
     )
     parser.add_argument("--workloads", default="decode,prefill", help="decode, prefill or both")
     parser.add_argument(
-        "--rounds", type=int, default=3, help="interleaved rounds; medians reported"
+        "--rounds",
+        type=int,
+        default=15,
+        help="rounds; each runs every configuration once as a block, in a shuffled order",
+    )
+    parser.add_argument("--block-steps", type=int, default=20, help="decode steps timed per block")
+    parser.add_argument(
+        "--prefill-rounds", type=int, default=5, help="the first rounds that also run prefill"
     )
     parser.add_argument(
+        "--prefill-chunks", type=int, default=6, help="8,192-token prefill chunks timed per block"
+    )
+    parser.add_argument(
+        "--warmup-steps", type=int, default=2, help="untimed steps before each block"
+    )
+    parser.add_argument(
+        "--max-seconds",
+        type=float,
+        default=None,
+        help="start no new round after this many seconds of timing (the first always runs; "
+        "the report holds the rounds done)",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="seed of the per-round block order")
+    parser.add_argument(
         "--tiers",
-        default="none,device,host,uva",
-        help="placements to compare ('none' runs the backbone without lookups; 'host-cpu' the "
-        "host tier without GPU reads)",
+        default="none,device,device-again,host,uva",
+        help="placements to compare ('none' runs the backbone without lookups; 'device-again' "
+        "a second runtime over the device tables, the A/A control; 'host-cpu' the host tier "
+        "without GPU reads)",
     )
     parser.add_argument(
         "--backbones",
@@ -531,6 +720,12 @@ def main(argv=None) -> None:
         "host-cache,engine-uva (engine-uva reads device-tier stores on a CPU)",
     )
     args = parser.parse_args(argv)
+    for option in ("rounds", "block_steps", "prefill_chunks", "decode_steps"):
+        if getattr(args, option) < 1:
+            raise SystemExit(f"--{option.replace('_', '-')}={getattr(args, option)}; expected >= 1")
+    for option in ("prefill_rounds", "warmup_steps"):
+        if getattr(args, option) < 0:
+            raise SystemExit(f"--{option.replace('_', '-')}={getattr(args, option)}; expected >= 0")
     backbones = args.backbones.split(",")
     if args.smoke:
         # A backbone small enough for a CPU: the plumbing, not the timings.
@@ -566,9 +761,9 @@ def main(argv=None) -> None:
     host_threads = [None if t == "default" else int(t) for t in args.host_threads.split(",")]
     max_programs = [parse_programs(m) for m in args.max_programs.split(",")]
     backbone = make_backbone(cfg, device)
-    # Every placement is built first and the configurations are interleaved
-    # over rounds, so drift of the machine (clocks, other tenants) spreads
-    # over all of them; the median of the rounds is reported.
+    # Every placement is built first; then each round runs every configuration
+    # once as a short block, in a freshly shuffled order, and each is compared
+    # with the reference of the same round (see the module docstring).
     # On a CPU (a smoke run) the plain torch paths: Triton's interpreter is far too slow.
     backend = {} if device.type == "cuda" else {"backend": "reference"}
     priorities = [int(p) for p in args.lookup_priority.split(",")]
@@ -576,7 +771,7 @@ def main(argv=None) -> None:
 
     def build_stores(tier):
         """Both layers' stores of a runtime tier, shared by the runtimes of its variants
-        (one table in memory per tier; the runs are sequential)."""
+        (one table in memory per tier; the blocks run one at a time)."""
         backing = "host" if tier in ("host-cpu", "host-cache") else tier
         stores = synthetic_stores(layout, backing, device=device, seed=1, **backend)
         for store in stores:
@@ -596,161 +791,232 @@ def main(argv=None) -> None:
         return stores
 
     built: dict[str, list] = {}
-    setups = []
+    grids: dict[int, tuple] = {}  # id(store) -> (max_programs, rows_per_program) as built
+
+    def stores_of(tier):
+        if tier not in built:
+            built[tier] = build_stores(tier)
+            for store in built[tier]:
+                if hasattr(store, "kernel"):
+                    grids[id(store)] = (store.kernel.max_programs, store.kernel.rows_per_program)
+        return built[tier]
+
+    def new_runtime(stores, priority, workers):
+        hasher = NgramHasher(consts, token_map, device, validate=False, **backend)
+        return EngramRuntime(
+            hasher,
+            stores,
+            max_tokens=8192,
+            max_requests=512,
+            validate=False,
+            lookup_priority=priority,
+            lookup_workers=workers,
+        )
+
+    setups: list[dict] = []
     for tier in args.tiers.split(","):
         variants = [(None, None)]
         if tier in RUNTIME_TIERS:  # only threaded lookups have workers to share
             threaded = tier in ("host", "host-cpu", "disk", "host-cache")
             modes = worker_modes if threaded else worker_modes[:1]
             variants = [(p, w) for p in priorities for w in modes]
+        elif tier == "device-again":  # as the device placement's first variant
+            variants = [(priorities[0], worker_modes[0])]
+        elif tier not in ("none", "engine-uva", "device-again"):
+            raise SystemExit(
+                f"--tiers: {tier!r}; expected none, device-again, engine-uva or one of "
+                f"{', '.join(RUNTIME_TIERS)}"
+            )
         for priority, workers in variants:
             label = tier
             if priority not in (None, priorities[0]) or workers not in (None, worker_modes[0]):
                 label = f"{tier} priority={priority} workers={workers}"
+            stores: list = []
+            runtime: Any
             if tier == "none":
-                stores, runtime = [], NoLookups(8192, cfg.n_cols, cfg.head_dim, device)
+                runtime = NoLookups(8192, cfg.n_cols, cfg.head_dim, device)
             elif tier == "engine-uva":
-                # No UVA without a GPU: a CPU smoke run reads device-tier stores instead.
-                uva = "uva" if device.type == "cuda" else "device"
-                stores = synthetic_stores(layout, uva, device=device, seed=1, **backend)
-                for store in stores:  # a full grid: one program per tile
-                    store.kernel = store.kernel.replace(max_programs=None)
+                # The uva placement's stores when it runs too (one table; each block sets
+                # its grid). No UVA without a GPU: a CPU smoke run reads device-tier stores.
+                stores = stores_of("uva" if device.type == "cuda" else "device")
                 hasher = NgramHasher(consts, token_map, device, validate=False, **backend)
                 runtime = EngineStyle(hasher, stores, max_tokens=8192)
+            elif tier == "device-again":
+                # The A/A control: a second runtime over the same device tables.
+                stores = stores_of("device")
+                runtime = new_runtime(stores, priority, workers)
             else:
-                if tier not in built:
-                    built[tier] = build_stores(tier)
-                stores = built[tier]
-                hasher = NgramHasher(consts, token_map, device, validate=False, **backend)
-                runtime = EngramRuntime(
-                    hasher,
-                    stores,
-                    max_tokens=8192,
-                    max_requests=512,
-                    validate=False,
-                    lookup_priority=priority,
-                    lookup_workers=workers,
-                )
+                stores = stores_of(tier)
+                runtime = new_runtime(stores, priority, workers)
             graphed = {}
             for name, batches in workloads.items():
                 if name.startswith("decode") and "graph" in backbones:
                     graphed[name] = GraphedBackbone(
                         runtime, backbone, batches[0].num_tokens, device, engram_at
                     )
-            kernels = [s for s in stores if tier in READS]
-            defaults = [(s.kernel.max_programs, s.kernel.rows_per_program) for s in kernels]
-            setups.append((label, tier, priority, workers, stores, runtime, graphed, defaults))
-    samples: dict[tuple, list[dict]] = {}
-    meta: dict[str, tuple] = {}
-    for round_index in range(args.rounds):
-        for label, tier, priority, workers, stores, runtime, graphed, defaults in setups:
-            gathers = tier in ("host", "host-cpu", "disk")
-            reads = tier in READS
-            settings = [(t, max_programs[0]) for t in (host_threads if gathers else [None])]
-            if reads:
-                settings += [(settings[0][0], m) for m in max_programs[1:]]
-            for threads, programs in settings:
-                for index, store in enumerate(stores):  # both read at every lookup
-                    if gathers:
-                        store.num_threads = threads
-                    if reads:
-                        grid = defaults[index] if programs is None else layer_grid(programs, index)
-                        store.kernel = store.kernel.replace(
-                            max_programs=grid[0], rows_per_program=grid[1]
-                        )
-                for name, batches in workloads.items():
-                    if (threads, programs) != settings[0] and not name.startswith("decode"):
-                        continue  # other settings are compared on decode only
-                    for kind in backbones if name.startswith("decode") else ["eager"]:
-                        for prefetch in (False, True):
-                            forward = (
-                                graphed[name].step
-                                if kind == "graph"
-                                else eager_forward(backbone, device, engram_at)
-                            )
-                            run(runtime, batches[:3], forward, prefetch)  # warm-up
-                            caches = [
-                                (li, s) for li, s in enumerate(stores) if hasattr(s, "reset_stats")
-                            ]
-                            for li, cache in caches:  # count the timed steps only
-                                runtime.in_order(li, cache.reset_stats)
-                            res = run(runtime, batches, forward, prefetch)
-                            if caches:
-                                res["cache_hit_rate"] = [
-                                    stats.hit_rate for stats in runtime.cache_stats() if stats
-                                ]
-                            config = (label, threads, programs, name, kind, prefetch)
-                            samples.setdefault(config, []).append(res)
-                            meta[label] = (tier, priority, workers)
-                            print(
-                                f"round {round_index} {label:6s} threads={threads!s:5s} "
-                                f"programs={programs} {name:26s} "
-                                f"{kind:5s} prefetch={prefetch!s:5s} {res['ms_per_step']:8.2f} ms/step",
-                                flush=True,
-                            )
-    for setup in setups:
-        setup[5].close()
-    results = []
-    for (label, threads, programs, name, kind, prefetch), runs in samples.items():
-        tier, priority, workers = meta[label]
-        runs = sorted(runs, key=lambda r: r["ms_per_step"])
-        res = dict(runs[len(runs) // 2])  # the median round
-        res.update(
-            placement=label,
-            tier=tier,
-            lookup_priority=priority,
-            lookup_workers=workers,
-            workload=name,
-            backbone=kind,
-            prefetch=prefetch,
-            host_threads=threads,
-            max_programs="default"
-            if programs is None
-            else "/".join(str(layer_grid(programs, li)[0]) for li in range(2)),
-            rows_per_program="default"
-            if programs is None
-            else "/".join(str(layer_grid(programs, li)[1]) for li in range(2)),
-            ms_per_step_rounds=[r["ms_per_step"] for r in runs],
+            setups.append(
+                dict(
+                    label=label,
+                    tier=tier,
+                    priority=priority,
+                    workers=workers,
+                    stores=stores,
+                    runtime=runtime,
+                    graphed=graphed,
+                )
+            )
+    eager = eager_forward(backbone, device, engram_at)
+    configs = []  # (setup index, threads, programs, workload, backbone, prefetch)
+    for index, setup in enumerate(setups):
+        gathers = setup["tier"] in ("host", "host-cpu", "disk")
+        settings = [(t, max_programs[0]) for t in (host_threads if gathers else [None])]
+        if setup["tier"] in READS:
+            settings += [(settings[0][0], m) for m in max_programs[1:]]
+        for threads, programs in settings:
+            for name in workloads:
+                if (threads, programs) != settings[0] and not name.startswith("decode"):
+                    continue  # other settings are compared on decode only
+                for kind in backbones if name.startswith("decode") else ["eager"]:
+                    for prefetch in (False, True):
+                        configs.append((index, threads, programs, name, kind, prefetch))
+
+    def apply_settings(setup, threads, programs) -> None:
+        """Set a configuration's kernel and thread settings on its stores (shared stores
+        carry the settings of whichever block ran last)."""
+        for li, store in enumerate(setup["stores"]):
+            if setup["tier"] in ("host", "host-cpu", "disk"):
+                store.num_threads = threads
+            if id(store) not in grids:
+                continue
+            grid = grids[id(store)]
+            if setup["tier"] == "engine-uva":  # a full grid: one program per tile
+                grid = (None, grid[1])
+            elif setup["tier"] in READS and programs is not None:
+                grid = layer_grid(programs, li)
+            store.kernel = store.kernel.replace(max_programs=grid[0], rows_per_program=grid[1])
+
+    def describe(config) -> str:
+        index, threads, programs, name, kind, prefetch = config
+        return (
+            f"{setups[index]['label']:6s} threads={threads!s:5s} programs={programs} "
+            f"{name:26s} {kind:5s} prefetch={prefetch!s:5s}"
         )
-        results.append(res)
 
-    def key(r):
-        return r["workload"], r["backbone"], r["prefetch"]
+    def time_block(config, round_index: int) -> dict:
+        index, threads, programs, name, kind, prefetch = config
+        setup = setups[index]
+        runtime, stores = setup["runtime"], setup["stores"]
+        apply_settings(setup, threads, programs)
+        batches = workloads[name]
+        steps = args.block_steps if name.startswith("decode") else args.prefill_chunks
+        warm, timed = block_window(len(batches), round_index, steps, args.warmup_steps)
+        forward = setup["graphed"][name].step if kind == "graph" else eager
+        if warm:
+            run(runtime, [batches[i] for i in warm], forward, prefetch)
+        caches = [(li, s) for li, s in enumerate(stores) if hasattr(s, "reset_stats")]
+        for li, cache in caches:  # count the timed steps only
+            runtime.in_order(li, cache.reset_stats)
+        stalls = StallEvents(steps) if device.type == "cuda" else None
+        res = run(runtime, [batches[i] for i in timed], forward, prefetch, stalls)
+        res["stall_us"] = None if stalls is None else stalls.stall_us(steps)
+        if caches:
+            res["cache_hit_rate"] = [stats.hit_rate for stats in runtime.cache_stats() if stats]
+        return res
 
-    base = {key(r): r["tokens_per_s"] for r in results if r["placement"] == "device"}
-    alone = {key(r): r["tokens_per_s"] for r in results if r["tier"] == "none"}
-    engine = {key(r): r["tokens_per_s"] for r in results if r["tier"] == "engine-uva"}
-    for r in results:
-        if key(r) in base:
-            r["loss_vs_gpu_pct"] = 100 * (1 - r["tokens_per_s"] / base[key(r)])
-        if key(r) in alone:
-            r["loss_vs_no_lookups_pct"] = 100 * (1 - r["tokens_per_s"] / alone[key(r)])
-        if key(r) in engine:
-            # Positive: faster than the engine-style baseline.
-            r["gain_vs_engine_uva_pct"] = 100 * (r["tokens_per_s"] / engine[key(r)] - 1)
-    for r in results:
-        if r["tier"] == "device" and "loss_vs_no_lookups_pct" in r:
-            print(
-                f"device tables vs no lookups, {r['workload']}, {r['backbone']} backbone, "
-                f"prefetch={r['prefetch']}: {r['loss_vs_no_lookups_pct']:.2f}% throughput loss"
+    def median_stalls(res_list) -> list[float] | None:
+        per_layer: list[list[float]] = [[], []]
+        for res in res_list:
+            if res["stall_us"] is None:
+                return None
+            for li, values in enumerate(res["stall_us"]):
+                per_layer[li].extend(values)
+        return [float(np.median(values)) for values in per_layer]
+
+    def summarize(samples: dict[int, dict[int, dict]], rounds: int) -> list[dict]:
+        """One result per configuration: medians over rounds and the paired comparisons."""
+        results, ms_rounds = [], {}
+        for ci, by_round in sorted(samples.items()):
+            index, threads, programs, name, kind, prefetch = configs[ci]
+            setup = setups[index]
+            runs = list(by_round.values())
+            ms = [by_round[r]["ms_per_step"] if r in by_round else None for r in range(rounds)]
+            ms_rounds[ci] = ms
+            p25, p50, p75 = quartiles([m for m in ms if m is not None])
+            tokens = sum(r["tokens"] for r in runs)
+            steps = sum(r["steps"] for r in runs)
+            assert p50 is not None  # every sampled configuration has a round
+            stall = median_stalls(runs)
+            res = dict(
+                placement=setup["label"],
+                tier=setup["tier"],
+                lookup_priority=setup["priority"],
+                lookup_workers=setup["workers"],
+                workload=name,
+                backbone=kind,
+                prefetch=prefetch,
+                host_threads=threads,
+                max_programs="default"
+                if programs is None
+                else "/".join(str(layer_grid(programs, li)[0]) for li in range(2)),
+                rows_per_program="default"
+                if programs is None
+                else "/".join(str(layer_grid(programs, li)[1]) for li in range(2)),
+                rounds=len(runs),
+                steps_per_block=runs[0]["steps"],
+                tokens_per_step=tokens / steps,
+                ms_per_step=p50,
+                ms_per_step_p25=p25,
+                ms_per_step_p75=p75,
+                ms_per_step_rounds=ms,
+                tokens_per_s=tokens / steps / (p50 / 1e3),
+                stall_us=stall,
+                stall_pct_of_step=None if stall is None else 100 * sum(stall) / 1e3 / p50,
             )
-        if r["placement"] not in ("device", "none") and "loss_vs_gpu_pct" in r:
-            against_engine = (
-                f", {r['gain_vs_engine_uva_pct']:+.2f}% against engine-uva"
-                if "gain_vs_engine_uva_pct" in r and r["tier"] != "engine-uva"
-                else ""
-            )
-            print(
-                f"{r['placement']} tables, {r['workload']}, {r['backbone']} backbone, "
-                f"threads={r['host_threads']}, "
-                f"programs={r['max_programs']}:{r['rows_per_program']}, "
-                f"prefetch={r['prefetch']}: "
-                f"{r['loss_vs_gpu_pct']:.2f}% throughput loss{against_engine}"
-            )
-    if args.out:
+            if "cache_hit_rate" in runs[0]:
+                rates = [r["cache_hit_rate"] for r in runs]
+                res["cache_hit_rate"] = [float(np.median(layer)) for layer in zip(*rates)]
+                res["cache_hit_rate_rounds"] = [
+                    by_round[r]["cache_hit_rate"] if r in by_round else None for r in range(rounds)
+                ]
+            results.append((ci, res))
+
+        def key(ci):
+            _, _, _, name, kind, prefetch = configs[ci]
+            return name, kind, prefetch
+
+        def references(match) -> dict:
+            return {key(ci): ms_rounds[ci] for ci, _ in results if match(setups[configs[ci][0]])}
+
+        base = references(lambda s: s["label"] == "device")
+        base_stall = {
+            key(ci): res["stall_us"]
+            for ci, res in results
+            if setups[configs[ci][0]]["label"] == "device"
+        }
+        alone = references(lambda s: s["tier"] == "none")
+        engine = references(lambda s: s["tier"] == "engine-uva")
+        for ci, res in results:
+            k = key(ci)
+            if k in base:
+                res.update(paired_stats("loss_vs_gpu_pct", ms_rounds[ci], base[k]))
+                ref_stall = base_stall[k]
+                if res["stall_us"] and ref_stall and res["loss_vs_gpu_pct"] is not None:
+                    # What the lookups cost the backbone beyond the main stream's extra waits.
+                    extra = 100 * (sum(res["stall_us"]) - sum(ref_stall)) / 1e3 / res["ms_per_step"]
+                    res["interference_pct"] = res["loss_vs_gpu_pct"] - extra
+            if k in alone:
+                res.update(paired_stats("loss_vs_no_lookups_pct", ms_rounds[ci], alone[k]))
+            if k in engine:
+                # Positive: faster than the engine-style baseline.
+                res.update(
+                    paired_stats("gain_vs_engine_uva_pct", ms_rounds[ci], engine[k], gain=True)
+                )
+        return [res for _, res in results]
+
+    def report(results: list[dict], rounds_completed: int) -> dict:
         import triton
 
-        report = {
+        return {
             "date": time.strftime("%Y-%m-%d"),
             "torch": torch.__version__,
             "triton": triton.__version__,
@@ -761,12 +1027,95 @@ def main(argv=None) -> None:
             "engram_at_blocks": sorted(engram_at),
             "ids": args.ids,
             "cache_fraction": args.cache_fraction,
+            "method": "interleaved blocks, shuffled per round; losses paired within rounds",
             "rounds": args.rounds,
+            "rounds_completed": rounds_completed,
+            "block_steps": args.block_steps,
+            "prefill_rounds": args.prefill_rounds,
+            "prefill_chunks": args.prefill_chunks,
+            "warmup_steps": args.warmup_steps,
+            "order_seed": args.seed,
+            "max_seconds": args.max_seconds,
             "config": cfg.to_hf_dict(),
             "results": results,
         }
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=1)
+
+    order_rng = np.random.default_rng(args.seed)
+    samples: dict[int, dict[int, dict]] = {}
+    results: list[dict] = []
+    rounds_completed = 0
+    timing_start = time.perf_counter()
+    for round_index in range(args.rounds):
+        elapsed = time.perf_counter() - timing_start
+        if round_index and args.max_seconds is not None and elapsed >= args.max_seconds:
+            print(f"--max-seconds={args.max_seconds}: stopping after {round_index} rounds")
+            break
+        active = [
+            ci
+            for ci, config in enumerate(configs)
+            if config[3].startswith("decode") or round_index < args.prefill_rounds
+        ]
+        for position in order_rng.permutation(len(active)):
+            ci = active[position]
+            res = time_block(configs[ci], round_index)
+            samples.setdefault(ci, {})[round_index] = res
+            stall = (
+                ""
+                if res["stall_us"] is None
+                else " stall us " + "/".join(f"{np.median(v):.0f}" for v in res["stall_us"])
+            )
+            print(
+                f"round {round_index} {describe(configs[ci])} "
+                f"{res['ms_per_step']:8.3f} ms/step{stall}",
+                flush=True,
+            )
+        rounds_completed = round_index + 1
+        results = summarize(samples, rounds_completed)
+        if args.out:
+            write_report(args.out, report(results, rounds_completed))
+    for setup in setups:
+        setup["runtime"].close()
+
+    def quart(r, name) -> str:
+        if r.get(name) is None:
+            return "n/a"
+        return f"{r[name]:.2f}% (p25 {r[name + '_p25']:.2f}, p75 {r[name + '_p75']:.2f})"
+
+    for r in results:
+        where = (
+            f"{r['workload']}, {r['backbone']} backbone, threads={r['host_threads']}, "
+            f"programs={r['max_programs']}:{r['rows_per_program']}, prefetch={r['prefetch']}"
+        )
+        if r["tier"] == "device" and "loss_vs_no_lookups_pct" in r:
+            print(
+                f"device tables vs no lookups, {where}: "
+                f"{quart(r, 'loss_vs_no_lookups_pct')} throughput loss"
+            )
+        if r["placement"] not in ("device", "none") and "loss_vs_gpu_pct" in r:
+            against_engine = (
+                f", {quart(r, 'gain_vs_engine_uva_pct')} gain against engine-uva"
+                if "gain_vs_engine_uva_pct" in r and r["tier"] != "engine-uva"
+                else ""
+            )
+            stall = ""
+            if r["stall_us"] is not None:
+                stall = (
+                    f"; stall us/step {'/'.join(f'{v:.0f}' for v in r['stall_us'])} "
+                    f"= {r['stall_pct_of_step']:.2f}% of the step"
+                )
+                if "interference_pct" in r:
+                    stall += f", interference {r['interference_pct']:.2f}%"
+            print(
+                f"{r['placement']} tables, {where}: {r['ms_per_step']:.3f} ms/step, "
+                f"{quart(r, 'loss_vs_gpu_pct')} throughput loss{against_engine}{stall}"
+            )
+    for r in results:
+        if r["tier"] == "device-again" and "loss_vs_gpu_pct" in r:
+            print(
+                f"method resolution (A/A: device-again vs device), {r['workload']}, "
+                f"{r['backbone']} backbone, prefetch={r['prefetch']}: "
+                f"{quart(r, 'loss_vs_gpu_pct')} over {rounds_completed} rounds"
+            )
 
 
 if __name__ == "__main__":

@@ -256,9 +256,7 @@ def test_runtime_bench_grid_settings_per_layer() -> None:
     assert [bench.layer_grid((16, 32), li) for li in range(2)] == [(16, 32), (16, 32)]
 
 
-def test_runtime_bench_smoke_on_cpu(tmp_path) -> None:
-    """The whole script on a CPU with a tiny backbone: every placement runs, and the report
-    gives each against GPU-memory tables and against the engine-style baseline."""
+def _runtime_smoke(tmp_path, *extra: str) -> dict:
     bench = _load("runtime_overhead")
     out = tmp_path / "runtime.json"
     bench.main(
@@ -268,33 +266,48 @@ def test_runtime_bench_smoke_on_cpu(tmp_path) -> None:
             "cpu",
             "--table-gib",
             "0.001",
-            "--decode-steps",
-            "1",
-            "--workloads",
-            "decode",
-            "--ids",
-            "zipf",
-            "--tiers",
-            "device,host-cache,engine-uva",
-            "--rounds",
-            "1",
             "--backbones",
             "eager",
-            "--lookup-workers",
-            "per-layer,shared",
             "--out",
             str(out),
+            *extra,
         ]
     )
-    report = json.loads(out.read_text())
+    return json.loads(out.read_text())
+
+
+def test_runtime_bench_smoke_on_cpu(tmp_path) -> None:
+    """The whole script on a CPU with a tiny backbone: every placement runs, and the report
+    gives each against GPU-memory tables and against the engine-style baseline."""
+    report = _runtime_smoke(
+        tmp_path,
+        "--decode-steps",
+        "3",
+        "--block-steps",
+        "2",
+        "--warmup-steps",
+        "1",
+        "--workloads",
+        "decode",
+        "--ids",
+        "zipf",
+        "--tiers",
+        "device,host-cache,engine-uva",
+        "--rounds",
+        "1",
+        "--lookup-workers",
+        "per-layer,shared",
+    )
     assert report["engram_at_blocks"] == [1, 14] and report["smoke"] is True
+    assert report["rounds_completed"] == 1
     results = report["results"]
     shared = "host-cache priority=0 workers=shared"
     placements = {"device", "host-cache", shared, "engine-uva"}
     assert {r["placement"] for r in results} == placements
     assert len(results) == 4 * 2  # each placement with and without prefetch
     for r in results:
-        assert r["workload"] == "decode 256x1 zipf" and r["tokens"] == 256
+        assert r["workload"] == "decode 256x1 zipf" and r["tokens_per_step"] == 256
+        assert r["steps_per_block"] == 2 and len(r["ms_per_step_rounds"]) == 1
         assert "loss_vs_gpu_pct" in r and "gain_vs_engine_uva_pct" in r
     for r in results:
         if r["tier"] == "host-cache":
@@ -304,3 +317,188 @@ def test_runtime_bench_smoke_on_cpu(tmp_path) -> None:
             assert all(0.0 <= rate <= 1.0 for rate in r["cache_hit_rate"])
         else:
             assert "cache_hit_rate" not in r
+
+
+def test_runtime_bench_rounds_report(tmp_path) -> None:
+    """Three rounds of decode and prefill blocks (prefill in the first two only): per-round
+    lists, quartiles of the paired losses, the A/A control, no stalls on a CPU."""
+    report = _runtime_smoke(
+        tmp_path,
+        "--decode-steps",
+        "4",
+        "--block-steps",
+        "2",
+        "--warmup-steps",
+        "0",
+        "--prefill-chunks",
+        "1",
+        "--prefill-rounds",
+        "2",
+        "--ids",
+        "random",
+        "--tiers",
+        "none,device,device-again",
+        "--rounds",
+        "3",
+        "--seed",
+        "7",
+    )
+    assert report["rounds_completed"] == 3 and report["order_seed"] == 7
+    results = report["results"]
+    assert {r["placement"] for r in results} == {"none", "device", "device-again"}
+    assert len(results) == 3 * 2 * 2  # placements x workloads x prefetch
+    for r in results:
+        decode = r["workload"].startswith("decode")
+        rounds = r["ms_per_step_rounds"]
+        assert len(rounds) == 3 and r["rounds"] == (3 if decode else 2)
+        assert (rounds[2] is None) is not decode  # prefill runs in the first two rounds only
+        assert r["stall_us"] is None and r["stall_pct_of_step"] is None
+        assert "interference_pct" not in r
+        for name in ("loss_vs_gpu_pct", "loss_vs_no_lookups_pct"):
+            assert r[f"{name}_p25"] <= r[name] <= r[f"{name}_p75"]
+            per_round = r[f"{name}_rounds"]
+            assert [v is None for v in per_round] == [v is None for v in rounds]
+        if r["placement"] == "device":  # against itself: exactly zero every round
+            assert all(v in (None, 0.0) for v in r["loss_vs_gpu_pct_rounds"])
+    again = [r for r in results if r["placement"] == "device-again"]
+    assert len(again) == 4 and all(r["tier"] == "device-again" for r in again)
+    assert not list(tmp_path.glob("*.tmp"))  # written through a temporary file, replaced
+
+
+def test_runtime_bench_max_seconds_stops_new_rounds(tmp_path) -> None:
+    report = _runtime_smoke(
+        tmp_path,
+        "--decode-steps",
+        "2",
+        "--block-steps",
+        "1",
+        "--warmup-steps",
+        "0",
+        "--workloads",
+        "decode",
+        "--tiers",
+        "device,device-again",
+        "--rounds",
+        "3",
+        "--max-seconds",
+        "0",
+    )
+    assert report["rounds"] == 3 and report["rounds_completed"] == 1
+    assert [len(r["ms_per_step_rounds"]) for r in report["results"]] == [1] * 4
+
+
+def test_runtime_bench_block_window() -> None:
+    bench = _load("runtime_overhead")
+    assert bench.block_window(10, 0, 3) == ([], [0, 1, 2])
+    assert bench.block_window(10, 1, 3, warmup=2) == ([1, 2], [3, 4, 5])
+    assert bench.block_window(10, 3, 3, warmup=1) == ([8], [9, 0, 1])  # wraps
+    assert bench.block_window(10, 0, 3, warmup=2) == ([8, 9], [0, 1, 2])
+    # Successive rounds time disjoint steps until the batches run out.
+    windows = [set(bench.block_window(300, r, 20)[1]) for r in range(15)]
+    assert len(set().union(*windows)) == 300
+    assert bench.block_window(5, 0, 7)[1] == [0, 1, 2, 3, 4, 0, 1]
+    with pytest.raises(ValueError, match="steps=0"):
+        bench.block_window(10, 0, 0)
+    with pytest.raises(ValueError, match="num_batches=0"):
+        bench.block_window(0, 0, 3)
+
+
+def test_runtime_bench_paired_stats_cancel_drift() -> None:
+    """A placement 1% slower than the device tables while the clock drifts between rounds:
+    the paired loss is 1%; a loss from each placement's own median over rounds is not."""
+    import numpy as np
+
+    bench = _load("runtime_overhead")
+    drift = [5.66, 6.08, 5.80, 5.70, 6.00]  # the device tables' ms/step, round by round
+    config = [1.01 * d for d in drift]
+    stats = bench.paired_stats("loss", config, drift)
+    want = 100 * (1 - 1 / 1.01)
+    np.testing.assert_allclose(stats["loss_rounds"], [want] * 5, rtol=1e-12)
+    assert stats["loss"] == pytest.approx(want, rel=1e-12)
+    assert stats["loss_p25"] == pytest.approx(want) and stats["loss_p75"] == pytest.approx(want)
+    # The clock drifts by 20% over the rounds and each round's ratio carries +-2% of noise
+    # whose median is the 1%: the paired median is the median of the rounds' losses; the
+    # medians of each side fall in different rounds (2 for the device, 1 for the placement).
+    drift = [5.00, 5.02, 5.04, 6.00, 6.10]
+    factors = [1.03, 1.03, 0.99, 1.01, 1.01]
+    noisy = [d * f for d, f in zip(drift, factors, strict=True)]
+    stats = bench.paired_stats("loss", noisy, drift)
+    losses = sorted(100 * (1 - 1 / f) for f in factors)
+    assert stats["loss"] == pytest.approx(want, rel=1e-12) == pytest.approx(losses[2])
+    assert stats["loss_p25"] == pytest.approx(losses[1])
+    assert stats["loss_p75"] == pytest.approx(losses[3])
+    # Negative control: the unpaired estimate is off by more than the 1% it measures.
+    unpaired = 100 * (1 - np.median(drift) / np.median(noisy))
+    assert abs(unpaired - want) > 1.0
+    # A gain, unpaired rounds (None) skipped, and rounds that must line up.
+    gain = bench.paired_stats("gain", [5.0, None, 4.0], [5.5, 6.0, None], gain=True)
+    assert gain["gain_rounds"] == [pytest.approx(10.0), None, None]
+    assert gain["gain"] == gain["gain_p25"] == gain["gain_p75"] == pytest.approx(10.0)
+    empty = bench.paired_stats("loss", [None], [1.0])
+    assert empty["loss"] is None and empty["loss_rounds"] == [None]
+    with pytest.raises(ValueError, match="config_ms has 2 rounds"):
+        bench.paired_stats("loss", [1.0, 2.0], [1.0])
+
+
+def test_runtime_bench_stall_events_bracket_each_wait(monkeypatch) -> None:
+    """The eager backbone records an event pair around each layer's ``rows`` call, per step,
+    and the stalls read back are the time inside those calls only (a fake event clock: CUDA
+    events need a GPU)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    bench = _load("runtime_overhead")
+    clock = [0.0]  # ms
+
+    class ClockEvent:
+        def __init__(self, enable_timing: bool = False) -> None:
+            assert enable_timing
+            self.ms: float | None = None
+
+        def record(self) -> None:
+            self.ms = clock[0]
+
+        def elapsed_time(self, end: ClockEvent) -> float:
+            assert self.ms is not None and end.ms is not None
+            return end.ms - self.ms
+
+    class Handle:
+        def __init__(self, step: int) -> None:
+            self.step, self.slot = step, 0
+
+        def rows(self, layer_index: int):
+            clock[0] += 1e-3 * (10 * self.step + layer_index + 1)  # the wait: a few us
+            return torch.zeros(2, 1, 1, dtype=torch.bfloat16)
+
+    class Runtime:
+        def step(self, batch) -> Handle:
+            return Handle(batch.index)
+
+        prefetch = step
+
+    def head(hidden, rows):
+        clock[0] += 1.0  # the Engram layer's own work: outside the bracket
+        return hidden
+
+    monkeypatch.setattr(torch.cuda, "Event", ClockEvent)
+    monkeypatch.setattr(bench, "D", 8)
+    monkeypatch.setattr(bench, "FFN", 16)
+    g = torch.Generator().manual_seed(0)
+
+    def w(*shape):
+        return torch.randn(*shape, generator=g).bfloat16()
+
+    blocks = [(w(8, 24), w(8, 8), w(8, 32), w(16, 8)) for _ in range(16)]
+    forward = bench.eager_forward((blocks, [head, head]), "cpu")
+    batches = [SimpleNamespace(index=i, num_tokens=2, input_ids=torch.zeros(2)) for i in range(3)]
+    for prefetch in (False, True):
+        clock[0] = -5.0
+        stalls = bench.StallEvents(4)  # preallocated for more steps than the block's
+        assert all(e.ms == -5.0 for step in stalls.events for pair in step for e in pair)
+        bench.run(Runtime(), batches, forward, prefetch, stalls)
+        got = stalls.stall_us(3)
+        # Each wait alone, in us; a bracket around the Engram layer would add 1,000 us.
+        want = [[10.0 * s + li + 1 for s in range(3)] for li in range(2)]
+        assert [pytest.approx(layer, abs=1e-6) for layer in want] == got
+        assert stalls.events[3][0][0].ms == -5.0  # the spare step was not recorded again
