@@ -545,6 +545,85 @@ class GraphedBackbone:
         self.tail[handle.slot].replay()
 
 
+WHOLE_TIERS = ("none", "device", "device-again", "uva", "engine-uva")
+"""Placements a whole step can be captured with (no source needs the host)."""
+
+
+class WholeStepGraph:
+    """A decode step as engines that capture the whole model run it (``--backbones
+    whole``): hashing, the lookups (on the runtime's side stream, or on the main
+    stream for ``engine-uva``) and every block in one CUDA graph per staging slot,
+    replayed per step after the step's ids are copied into fixed input buffers.
+
+    It stands in for both the runtime (:meth:`step` copies a batch in and picks
+    its slot's graph) and the forward (:meth:`forward` replays it). No host work
+    remains between a step's kernels, so what a placement costs here is the
+    device's alone. Only placements whose sources need no host synchronisation
+    can be captured (:data:`WHOLE_TIERS`); a prefetch cannot be expressed (the
+    next step's ids would overwrite this step's inputs before its replay), and
+    stalls cannot be timed inside a graph.
+    """
+
+    FIELDS = ("input_ids", "positions", "query_start_loc", "lookback_token_ids")
+
+    def __init__(self, runtime, backbone, batch, device, engram_at=ENGRAM_AT, check=None):
+        blocks, engram = backbone
+        self.inputs = HashBatch(**{f: getattr(batch, f).clone() for f in self.FIELDS})
+        self.x = torch.randn(batch.num_tokens, D, device=device, dtype=torch.bfloat16)
+        slots: list[int] = []
+
+        def whole():
+            handle = runtime.step(self.inputs)
+            slots.append(handle.slot)
+            x = self.x
+            for b, weights in enumerate(blocks):
+                if b in engram_at:
+                    li = engram_at[b]
+                    x = engram_layer(x, handle.rows(li), engram[li])
+                x = run_block(x, weights)
+            return x
+
+        # Each capture runs ``whole`` three times (two warm-ups, then the capture), so
+        # the runtime's slots alternate from one capture to the next.
+        self.graphs: dict[int, Any] = {}
+        for _ in range(len(runtime.staging)):
+            graph, _ = capture(whole)
+            self.graphs[slots[-1]] = graph
+        if len(self.graphs) != len(runtime.staging):
+            raise RuntimeError(f"captured slots {sorted(self.graphs)}; expected every slot")
+        self._next = 0
+        if check is not None and not isinstance(runtime, NoLookups):
+            self._check(runtime, check)
+
+    def _check(self, runtime, batch) -> None:
+        """Every slot's replay of ``batch`` (not the batch it was captured with: the
+        graph must read its inputs) writes the rows an eager step of it writes."""
+        for slot, graph in self.graphs.items():
+            self.step(batch)
+            self._next = 0
+            graph.replay()
+            torch.cuda.synchronize()
+            replayed = [runtime.staging[slot][li][: batch.num_tokens].clone() for li in range(2)]
+            eager = runtime.step(batch)
+            for li in range(2):
+                if not torch.equal(
+                    replayed[li].view(torch.int16), eager.rows(li).view(torch.int16)
+                ):
+                    raise RuntimeError(f"the whole-step graph of slot {slot} wrote other rows")
+        torch.cuda.synchronize()
+
+    def step(self, batch):
+        for name in self.FIELDS:
+            getattr(self.inputs, name).copy_(getattr(batch, name), non_blocking=True)
+        slot, self._next = self._next, (self._next + 1) % len(self.graphs)
+        return _FixedRows([], batch.num_tokens, slot)
+
+    prefetch = step
+
+    def forward(self, handle, batch=None) -> None:
+        self.graphs[handle.slot].replay()
+
+
 def parse_programs(text: str):
     """``"default"`` -> None (the store's own settings); ``"16"`` or ``"16:64"`` ->
     (max_programs, rows_per_program), ``"0"`` for an unbounded grid; ``"0/16"``:
@@ -684,7 +763,9 @@ def main(argv=None) -> None:
     parser.add_argument(
         "--backbones",
         default="graph,eager",
-        help="decode backbone: CUDA graphs (as engines run decode) and/or eager",
+        help="decode backbone: CUDA graphs of the blocks between Engram layers (graph), one "
+        "graph of the whole step with hashing and lookups (whole: placements in WHOLE_TIERS, "
+        "no prefetch), and/or eager",
     )
     parser.add_argument(
         "--engram-at",
@@ -734,7 +815,7 @@ def main(argv=None) -> None:
     engram_at = parse_engram_at(args.engram_at)
     device = torch.device(args.device)
     if device.type != "cuda":
-        backbones = [b for b in backbones if b != "graph"]  # CUDA graphs need a GPU
+        backbones = [b for b in backbones if b not in ("graph", "whole")]  # CUDA graphs need a GPU
     cfg = scaled_config(args.table_gib)
     layout = EngramLayout(cfg)
     token_map = TokenMap.from_tokenizer_file()
@@ -877,7 +958,9 @@ def main(argv=None) -> None:
                 if (threads, programs) != settings[0] and not name.startswith("decode"):
                     continue  # other settings are compared on decode only
                 for kind in backbones if name.startswith("decode") else ["eager"]:
-                    for prefetch in (False, True):
+                    if kind == "whole" and setup["tier"] not in WHOLE_TIERS:
+                        continue
+                    for prefetch in (False,) if kind == "whole" else (False, True):
                         configs.append((index, threads, programs, name, kind, prefetch))
 
     def apply_settings(setup, threads, programs) -> None:
@@ -895,6 +978,20 @@ def main(argv=None) -> None:
                 grid = layer_grid(programs, li)
             store.kernel = store.kernel.replace(max_programs=grid[0], rows_per_program=grid[1])
 
+    if "whole" in backbones:
+        for setup in setups:
+            if setup["tier"] not in WHOLE_TIERS:
+                continue
+            # The graph keeps the kernel settings it was captured with: the placement's own.
+            apply_settings(setup, None, max_programs[0])
+            setup["whole"] = {
+                name: WholeStepGraph(
+                    setup["runtime"], backbone, batches[0], device, engram_at, check=batches[1]
+                )
+                for name, batches in workloads.items()
+                if name.startswith("decode")
+            }
+
     def describe(config) -> str:
         index, threads, programs, name, kind, prefetch = config
         return (
@@ -911,12 +1008,15 @@ def main(argv=None) -> None:
         steps = args.block_steps if name.startswith("decode") else args.prefill_chunks
         warm, timed = block_window(len(batches), round_index, steps, args.warmup_steps)
         forward = setup["graphed"][name].step if kind == "graph" else eager
+        if kind == "whole":
+            runtime = setup["whole"][name]
+            forward = runtime.forward
         if warm:
             run(runtime, [batches[i] for i in warm], forward, prefetch)
         caches = [(li, s) for li, s in enumerate(stores) if hasattr(s, "reset_stats")]
         for li, cache in caches:  # count the timed steps only
             runtime.in_order(li, cache.reset_stats)
-        stalls = StallEvents(steps) if device.type == "cuda" else None
+        stalls = StallEvents(steps) if device.type == "cuda" and kind != "whole" else None
         res = run(runtime, [batches[i] for i in timed], forward, prefetch, stalls)
         res["stall_us"] = None if stalls is None else stalls.stall_us(steps)
         if caches:
