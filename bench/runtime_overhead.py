@@ -28,7 +28,10 @@ chunks. Placements (``--tiers``): no lookups at all (``none``: the
 Engram layers read fixed rows, so the device placement's cost to the
 backbone shows: hashing, side-stream lookup kernels), tables in GPU memory, in host memory
 (host-gather tier: ``host`` with its default GPU reads, ``host-cpu`` with
-the CPU gathering every row), in pinned host memory read by the kernel
+the CPU gathering every row, ``host-mixed`` with the GPU reading the first
+Engram layer's rows, which have one block to hide behind, and the CPU
+gathering the later layer's, whose bulk copy does not occupy the GPU's
+memory system while the blocks run), in pinned host memory read by the kernel
 (UVA), or on disk. Decode runs the backbone as engines do, from CUDA graphs replayed per
 step (``--backbones graph``), and for comparison launched kernel by kernel
 (``eager``); prefill runs eager.
@@ -129,8 +132,12 @@ from engramrt.tokenmap import TokenMap
 
 D, FFN, BLOCKS, HC = 4096, 11008, 30, 4
 ENGRAM_AT = {1: 0, 14: 1}  # block -> Engram layer index run at its start (V4.1-Flash: [1, 14])
-READS = ("host", "uva")  # tiers whose kernel reads host memory (settings: --max-programs)
-RUNTIME_TIERS = ("device", "host", "host-cpu", "uva", "disk", "host-cache")
+READS = (
+    "host",
+    "host-mixed",
+    "uva",
+)  # tiers whose kernel reads host memory (settings: --max-programs)
+RUNTIME_TIERS = ("device", "host", "host-cpu", "host-mixed", "uva", "disk", "host-cache")
 
 
 def parse_engram_at(text: str) -> dict[int, int]:
@@ -758,7 +765,7 @@ def main(argv=None) -> None:
         default="none,device,device-again,host,uva",
         help="placements to compare ('none' runs the backbone without lookups; 'device-again' "
         "a second runtime over the device tables, the A/A control; 'host-cpu' the host tier "
-        "without GPU reads)",
+        "without GPU reads; 'host-mixed' GPU reads for the first Engram layer only)",
     )
     parser.add_argument(
         "--backbones",
@@ -853,10 +860,10 @@ def main(argv=None) -> None:
     def build_stores(tier):
         """Both layers' stores of a runtime tier, shared by the runtimes of its variants
         (one table in memory per tier; the blocks run one at a time)."""
-        backing = "host" if tier in ("host-cpu", "host-cache") else tier
+        backing = "host" if tier in ("host-cpu", "host-mixed", "host-cache") else tier
         stores = synthetic_stores(layout, backing, device=device, seed=1, **backend)
-        for store in stores:
-            if tier == "host-cpu":
+        for li, store in enumerate(stores):
+            if tier == "host-cpu" or (tier == "host-mixed" and li > 0):
                 store.gpu_reads = False
         if tier == "host-cache":
             stores = [
@@ -898,7 +905,7 @@ def main(argv=None) -> None:
     for tier in args.tiers.split(","):
         variants = [(None, None)]
         if tier in RUNTIME_TIERS:  # only threaded lookups have workers to share
-            threaded = tier in ("host", "host-cpu", "disk", "host-cache")
+            threaded = tier in ("host", "host-cpu", "host-mixed", "disk", "host-cache")
             modes = worker_modes if threaded else worker_modes[:1]
             variants = [(p, w) for p in priorities for w in modes]
         elif tier == "device-again":  # as the device placement's first variant
@@ -949,7 +956,7 @@ def main(argv=None) -> None:
     eager = eager_forward(backbone, device, engram_at)
     configs = []  # (setup index, threads, programs, workload, backbone, prefetch)
     for index, setup in enumerate(setups):
-        gathers = setup["tier"] in ("host", "host-cpu", "disk")
+        gathers = setup["tier"] in ("host", "host-cpu", "host-mixed", "disk")
         settings = [(t, max_programs[0]) for t in (host_threads if gathers else [None])]
         if setup["tier"] in READS:
             settings += [(settings[0][0], m) for m in max_programs[1:]]
@@ -967,7 +974,7 @@ def main(argv=None) -> None:
         """Set a configuration's kernel and thread settings on its stores (shared stores
         carry the settings of whichever block ran last)."""
         for li, store in enumerate(setup["stores"]):
-            if setup["tier"] in ("host", "host-cpu", "disk"):
+            if setup["tier"] in ("host", "host-cpu", "host-mixed", "disk"):
                 store.num_threads = threads
             if id(store) not in grids:
                 continue
