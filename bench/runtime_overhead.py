@@ -899,6 +899,9 @@ def main(argv=None) -> None:
             validate=False,
             lookup_priority=priority,
             lookup_workers=workers,
+            # Each tier's stores as built: ``host`` reads with the GPU in both layers,
+            # ``host-mixed`` in the first only (the runtime's default, gpu_reads="first").
+            gpu_reads="sources",
         )
 
     setups: list[dict] = []

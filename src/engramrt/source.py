@@ -32,6 +32,9 @@ caller needs to know which class it holds:
 - :attr:`RowSource.collective`: every rank of a process group must call
   ``fetch`` in the same order (the exchanges); a scheduler must issue all
   such sources from one thread, in layer order.
+
+A scheduler may also ask a source how to read small batches from host memory
+(:meth:`RowSource.use_gpu_reads`); sources with one way ignore it.
 """
 
 from __future__ import annotations
@@ -119,6 +122,19 @@ class RowSource(ABC):
     def stats(self) -> Any:
         """The source's own counters (a cache's hits and misses), or None when it keeps none."""
         return None
+
+    def use_gpu_reads(self, on: bool) -> bool:
+        """Ask for small batches' rows to be read from host memory by the GPU itself
+        (``on``) or gathered by the CPU and copied in bulk (off); returns whether the
+        source has that choice (False: it has one way, and the request changes nothing).
+
+        GPU reads need no host synchronisation and finish sooner, but while they are
+        in flight they slow the model running beside them; the CPU's gather costs the
+        GPU only a bulk copy but must wait for the ids. A scheduler
+        (:class:`~engramrt.runtime.EngramRuntime`) asks for GPU reads where the rows
+        are needed soon (the first Engram layer) and for the CPU's gather elsewhere.
+        """
+        return False
 
     def start(
         self,

@@ -450,3 +450,43 @@ def test_updates_are_queued_after_every_lookup_of_the_step(shared) -> None:
         for job, index in mine:
             if job == "update":
                 assert mine.index(("fetch", index)) < mine.index((job, index))
+
+
+@pytest.mark.parametrize(
+    ("policy", "on_cuda"), [("first", [True, False]), ("all", [True, True]), ("sources", None)]
+)
+def test_gpu_reads_policy_per_layer(policy, on_cuda, layout, token_map, device) -> None:
+    """The first Engram layer's host rows are read by the GPU, later layers' gathered by
+    the CPU (``"first"``); rows are the same whichever way, and equal the reference."""
+    runtime = _runtime(layout, token_map, device, tier="host", gpu_reads=policy)
+    built = _runtime(layout, token_map, device, tier="host", gpu_reads="sources")
+    mapped = device.type == "cuda"
+    assert [s.use_gpu_reads(s.gpu_reads) for s in built.sources] == [mapped, mapped]
+    if not mapped:  # nothing mapped for a GPU: no choice, nothing changes
+        assert [s.gpu_reads for s in runtime.sources] == [False, False]
+    elif on_cuda is None:
+        assert [s.gpu_reads for s in runtime.sources] == [True, True]  # as built
+    else:
+        assert [s.gpu_reads for s in runtime.sources] == on_cuda
+    rng = np.random.default_rng(11)
+    for n, start in ((23, 0), (6, 23)):
+        ids = rng.integers(0, token_map.vocab_size, n)
+        got = runtime.step(HashBatch.single(ids, start=start, device=device))
+        for li, store in enumerate(runtime.sources):
+            want = lookup_rows_reference(
+                got.row_ids[:, li].cpu(), _packed(store), CFG.head_dim, row_begin=store.row_begin
+            )
+            assert torch.equal(got.rows(li).cpu().view(torch.int16), want.view(torch.int16))
+    runtime.close()
+    built.close()
+
+
+def test_gpu_reads_policy_is_checked(layout, token_map, device) -> None:
+    with pytest.raises(ValidationError, match=r"gpu_reads='none'; expected one of first, all"):
+        _runtime(layout, token_map, device, tier="host", gpu_reads="none")
+
+
+def test_sources_without_the_choice_ignore_gpu_reads(layout, token_map, device) -> None:
+    runtime = _runtime(layout, token_map, device, tier="device", gpu_reads="all")
+    assert [s.use_gpu_reads(False) for s in runtime.sources] == [False, False]
+    runtime.close()

@@ -56,13 +56,23 @@ from engramrt.hashing import HashBatch, NgramHasher, RequestHistory, SlotHashCac
 from engramrt.layer import EngramHead, EngramLayer
 from engramrt.source import PendingRows, RowSource
 
-__all__ = ["LOOKUP_WORKERS", "EngramRuntime", "StepRows", "worker_jobs", "worker_plan"]
+__all__ = [
+    "GPU_READS",
+    "LOOKUP_WORKERS",
+    "EngramRuntime",
+    "StepRows",
+    "worker_jobs",
+    "worker_plan",
+]
 
 _T = TypeVar("_T")
 _COLLECTIVE_WORKER = -1  # the worker key shared by collective sources that need a thread
 _SHARED_WORKER = -2  # the worker key of every other threaded source, with lookup_workers="shared"
 LOOKUP_WORKERS = ("per-layer", "shared")
 """How sources that need a thread are spread over worker threads (see :func:`worker_plan`)."""
+GPU_READS = ("first", "all", "sources")
+"""Which layers' small batches the GPU reads from host memory itself (see
+:class:`EngramRuntime`, ``gpu_reads``)."""
 
 
 def worker_plan(sources: Sequence[RowSource], *, shared: bool = False) -> dict[int, int]:
@@ -167,6 +177,17 @@ class EngramRuntime:
             layers' lookups run at once; ``"shared"``: one thread for all of
             them, in layer order, so the first layer's lookup runs alone (see
             :func:`worker_plan`). Collective sources keep their own rule.
+        gpu_reads: for sources that can read a small batch's rows from host
+            memory either with the GPU or by a CPU gather and a bulk copy
+            (:meth:`~engramrt.source.RowSource.use_gpu_reads`: the ``host``
+            tier): ``"first"`` (default), GPU reads for the first Engram layer
+            only, whose rows have the fewest blocks to hide behind, and the
+            CPU's gather for the later ones, which have time for it; ``"all"``:
+            GPU reads everywhere; ``"sources"``: each source as it was built.
+            GPU reads in flight slow the blocks running beside them; on one
+            H200, decode of 256 tokens with host-memory tables cost 1.1-1.9%
+            with ``"first"`` against 3.9-5.1% with ``"all"``
+            (BENCHMARKS.md, "Step cost with host-memory tables").
 
     Attributes:
         layers: the Engram layers (empty without ``heads``).
@@ -185,6 +206,7 @@ class EngramRuntime:
         num_slots: int = 2,
         lookup_priority: int = 0,
         lookup_workers: str = "per-layer",
+        gpu_reads: str = "first",
     ) -> None:
         consts = hasher.consts
         if len(sources) != consts.n_layers:
@@ -209,6 +231,10 @@ class EngramRuntime:
             raise ValidationError(
                 f"lookup_workers={lookup_workers!r}; expected one of {', '.join(LOOKUP_WORKERS)}"
             )
+        if gpu_reads not in GPU_READS:
+            raise ValidationError(
+                f"gpu_reads={gpu_reads!r}; expected one of {', '.join(GPU_READS)}"
+            )
         devices = {s.device for s in sources}
         if devices != {hasher.device}:
             raise ValidationError(
@@ -224,6 +250,10 @@ class EngramRuntime:
             )
         self.hasher = hasher
         self.sources = list(sources)
+        self.gpu_reads = gpu_reads
+        if gpu_reads != "sources":
+            for index, source in enumerate(self.sources):
+                source.use_gpu_reads(gpu_reads == "all" or index == 0)
         self.device = hasher.device
         self.max_tokens = max_tokens
         self.max_requests = max_requests

@@ -268,6 +268,14 @@ class HostGatherRowStore(KernelRowStore):
             )
         self._gpu_reads = bool(on)
 
+    def use_gpu_reads(self, on: bool) -> bool:
+        """Switch :attr:`gpu_reads` when the rows are mapped for the device (see
+        :meth:`engramrt.source.RowSource.use_gpu_reads`); returns whether they are."""
+        if self._mapped is None:
+            return False
+        self._gpu_reads = bool(on)
+        return True
+
     def _map_for_gpu(self, gpu_reads: bool | None) -> None:
         required = bool(gpu_reads)
         if gpu_reads is None:
