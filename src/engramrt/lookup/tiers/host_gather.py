@@ -33,6 +33,11 @@ UVA tier does), and the GPU reads some of them itself:
   the others (step 3), both feeding step 4 (off by default: see
   :data:`GPU_SHARE`).
 
+GPU reads in flight slow the model running beside them, so
+:class:`~engramrt.runtime.EngramRuntime` keeps them for the first Engram
+layer only and switches later layers' stores to the CPU's gather
+(:meth:`use_gpu_reads`; ``EngramRuntime(gpu_reads=)``).
+
 Why this shape: one multi-threaded ``index_select`` over integer words
 gathers faster than Python threads, per-thread pipelines, byte views or
 numpy; the stages could overlap, but the deduplication must finish before
