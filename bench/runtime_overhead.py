@@ -625,8 +625,6 @@ class WholeStepGraph:
         slot, self._next = self._next, (self._next + 1) % len(self.graphs)
         return _FixedRows([], batch.num_tokens, slot)
 
-    prefetch = step
-
     def forward(self, handle, batch=None) -> None:
         self.graphs[handle.slot].replay()
 

@@ -184,9 +184,11 @@ class EngramRuntime:
             only, whose rows have the fewest blocks to hide behind, and the
             CPU's gather for the later ones, which have time for it; ``"all"``:
             GPU reads everywhere; ``"sources"``: each source as it was built.
+            The choice is set on the sources when the runtime is built
+            (sources shared with another runtime take the later one's).
             GPU reads in flight slow the blocks running beside them; on one
-            H200, decode of 256 tokens with host-memory tables cost 1.1-1.9%
-            with ``"first"`` against 3.9-5.1% with ``"all"``
+            H200, decode of 256 tokens with host-memory tables cost 1.1-1.7%
+            with ``"first"`` against 3.7-4.4% with ``"all"``
             (BENCHMARKS.md, "Step cost with host-memory tables").
 
     Attributes:

@@ -278,7 +278,7 @@ class HostGatherRowStore(KernelRowStore):
         :meth:`engramrt.source.RowSource.use_gpu_reads`); returns whether they are."""
         if self._mapped is None:
             return False
-        self._gpu_reads = bool(on)
+        self.gpu_reads = on
         return True
 
     def _map_for_gpu(self, gpu_reads: bool | None) -> None:
