@@ -317,21 +317,26 @@ class NoLookups:
     side-stream kernels, copies, gather threads) cost the backbone.
     """
 
+    num_slots = 2
+
     def __init__(self, max_tokens: int, num_cols: int, E: int, device, layers: int = 2):
         self.staging = [
             [
                 torch.zeros(max_tokens, num_cols, E, dtype=torch.bfloat16, device=device)
                 for _ in range(layers)
             ]
-            for _ in range(2)
+            for _ in range(self.num_slots)
         ]
         self._next = 0
 
-    def step(self, batch):
+    def plan(self, batch):
         slot, self._next = self._next, 1 - self._next
         return _FixedRows(self.staging[slot], batch.num_tokens, slot)
 
-    prefetch = step
+    prefetch = plan
+
+    def rows_buffer(self, slot: int, layer_index: int):
+        return self.staging[slot][layer_index]
 
     def close(self) -> None:
         pass
@@ -369,11 +374,12 @@ class EngineStyle:
             ]
             for _ in range(num_slots)
         ]
+        self.num_slots = num_slots
         self._next = 0
 
-    def step(self, batch):
+    def plan(self, batch):
         slot = self._next
-        self._next = (slot + 1) % len(self.staging)
+        self._next = (slot + 1) % self.num_slots
         t_len = batch.num_tokens
         row_ids = self.row_ids[slot][:t_len]
         self.hasher(batch, None, out=row_ids)
@@ -381,7 +387,10 @@ class EngineStyle:
             store.fetch(row_ids[:, li], self.staging[slot][li][:t_len])
         return _FixedRows(self.staging[slot], t_len, slot)
 
-    prefetch = step
+    prefetch = plan
+
+    def rows_buffer(self, slot: int, layer_index: int):
+        return self.staging[slot][layer_index]
 
     def close(self) -> None:
         pass
@@ -530,8 +539,8 @@ class GraphedBackbone:
         # No block before the first Engram layer: nothing to replay before its wait.
         self.head, head_out = capture(lambda: piece(self.x, 0, first)) if first else (None, self.x)
         self.middle, self.tail = [], []
-        for slot in range(len(runtime.staging)):
-            rows = [runtime.staging[slot][li][:num_tokens] for li in range(2)]
+        for slot in range(runtime.num_slots):
+            rows = [runtime.rows_buffer(slot, li)[:num_tokens] for li in range(2)]
             graph, mid_out = capture(
                 lambda rows=rows: piece(engram_layer(head_out, rows[0], engram[0]), first, second)
             )
@@ -593,10 +602,10 @@ class WholeStepGraph:
         # Each capture runs ``whole`` three times (two warm-ups, then the capture), so
         # the runtime's slots alternate from one capture to the next.
         self.graphs: dict[int, Any] = {}
-        for _ in range(len(runtime.staging)):
+        for _ in range(runtime.num_slots):
             graph, _ = capture(whole)
             self.graphs[slots[-1]] = graph
-        if len(self.graphs) != len(runtime.staging):
+        if len(self.graphs) != runtime.num_slots:
             raise RuntimeError(f"captured slots {sorted(self.graphs)}; expected every slot")
         self._next = 0
         if check is not None and not isinstance(runtime, NoLookups):
@@ -606,11 +615,11 @@ class WholeStepGraph:
         """Every slot's replay of ``batch`` (not the batch it was captured with: the
         graph must read its inputs) writes the rows an eager step of it writes."""
         for slot, graph in self.graphs.items():
-            self.step(batch)
+            self.plan(batch)
             self._next = 0
             graph.replay()
             torch.cuda.synchronize()
-            replayed = [runtime.staging[slot][li][: batch.num_tokens].clone() for li in range(2)]
+            replayed = [runtime.rows_buffer(slot, li)[: batch.num_tokens].clone() for li in range(2)]
             eager = runtime.plan(batch)
             for li in range(2):
                 if not torch.equal(
@@ -619,7 +628,7 @@ class WholeStepGraph:
                     raise RuntimeError(f"the whole-step graph of slot {slot} wrote other rows")
         torch.cuda.synchronize()
 
-    def step(self, batch):
+    def plan(self, batch):
         for name in self.FIELDS:
             getattr(self.inputs, name).copy_(getattr(batch, name), non_blocking=True)
         slot, self._next = self._next, (self._next + 1) % len(self.graphs)

@@ -34,8 +34,8 @@ def _record_steps(monkeypatch) -> list:
     steps: list = []
 
     def spy(real):
-        def call(self, batch):
-            handle = real(self, batch)
+        def call(self, batch, **kwargs):
+            handle = real(self, batch, **kwargs)
             steps.append(
                 (
                     batch.input_ids.cpu().numpy().copy(),
@@ -49,7 +49,7 @@ def _record_steps(monkeypatch) -> list:
 
         return call
 
-    for name in ("step", "prefetch"):  # the first step, then one prefetch per step
+    for name in ("plan", "prefetch"):  # the first step, then one prefetch per step
         monkeypatch.setattr(EngramRuntime, name, spy(getattr(EngramRuntime, name)))
     return steps
 

@@ -534,7 +534,12 @@ class EngramRuntime:
                 f"(num_slots={self.num_slots}): run every layer once per step"
             )
 
-    def plan(self, batch: HashBatch) -> StepPlan:
+    def plan(
+        self,
+        batch: HashBatch,
+        *,
+        history: SlotHashCache | RequestHistory | None = None,
+    ) -> StepPlan:
         """Hash ``batch`` and start every layer's rows: the host half of a step.
 
         ``batch`` is what an adapter returns (:func:`~engramrt.adapters.from_vllm_step`,
@@ -542,6 +547,10 @@ class EngramRuntime:
         the hash kernel and the lookups and returns at once; nothing here waits on
         the device (a source that must learn the ids does so on its worker thread).
         Call :meth:`run` for each layer at its block, or :meth:`StepPlan.rows`.
+
+        ``history``: this step's history object instead of the runtime's, of the same
+        kind and geometry over other tensors (the custom operators pass the tensors
+        the compiler sees); None uses the runtime's.
         """
         self._check(batch)
         self._raise_failed_updates()
@@ -549,7 +558,7 @@ class EngramRuntime:
         self._next_slot = (slot + 1) % self.num_slots
         num_tokens = batch.num_tokens
         row_ids = self._row_ids[slot][:num_tokens]
-        self.hasher(batch, self.history, out=row_ids)
+        self.hasher(batch, self.history if history is None else history, out=row_ids)
         ready = None  # marks the hash ids done, for the worker threads' streams
         if self._workers:
             ready = torch.cuda.Event()
