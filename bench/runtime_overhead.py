@@ -619,7 +619,9 @@ class WholeStepGraph:
             self._next = 0
             graph.replay()
             torch.cuda.synchronize()
-            replayed = [runtime.rows_buffer(slot, li)[: batch.num_tokens].clone() for li in range(2)]
+            replayed = [
+                runtime.rows_buffer(slot, li)[: batch.num_tokens].clone() for li in range(2)
+            ]
             eager = runtime.plan(batch)
             for li in range(2):
                 if not torch.equal(
