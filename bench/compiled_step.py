@@ -168,7 +168,10 @@ def build(args, device):
 def main(argv=None) -> None:
     args = parse_args(argv)
     if not torch.cuda.is_available():
-        raise SystemExit("compiled_step: needs a CUDA device (the compiled path is Inductor's)")
+        print(
+            "compiled_step: needs a CUDA device (the compiled path is Inductor's)", file=sys.stderr
+        )
+        raise SystemExit(2)
     device = torch.device("cuda", torch.cuda.current_device())
     cfg, token_map, setups = build(args, device)
     rng = np.random.default_rng(args.seed)
