@@ -335,7 +335,7 @@ class NoLookups:
 
     prefetch = plan
 
-    def rows_buffer(self, slot: int, layer_index: int):
+    def staged_rows(self, slot: int, layer_index: int):
         return self.staging[slot][layer_index]
 
     def close(self) -> None:
@@ -389,7 +389,7 @@ class EngineStyle:
 
     prefetch = plan
 
-    def rows_buffer(self, slot: int, layer_index: int):
+    def staged_rows(self, slot: int, layer_index: int):
         return self.staging[slot][layer_index]
 
     def close(self) -> None:
@@ -540,7 +540,7 @@ class GraphedBackbone:
         self.head, head_out = capture(lambda: piece(self.x, 0, first)) if first else (None, self.x)
         self.middle, self.tail = [], []
         for slot in range(runtime.num_slots):
-            rows = [runtime.rows_buffer(slot, li)[:num_tokens] for li in range(2)]
+            rows = [runtime.staged_rows(slot, li)[:num_tokens] for li in range(2)]
             graph, mid_out = capture(
                 lambda rows=rows: piece(engram_layer(head_out, rows[0], engram[0]), first, second)
             )
@@ -620,7 +620,7 @@ class WholeStepGraph:
             graph.replay()
             torch.cuda.synchronize()
             replayed = [
-                runtime.rows_buffer(slot, li)[: batch.num_tokens].clone() for li in range(2)
+                runtime.staged_rows(slot, li)[: batch.num_tokens].clone() for li in range(2)
             ]
             eager = runtime.plan(batch)
             for li in range(2):

@@ -131,7 +131,7 @@ def test_ops_give_the_eager_bytes(layout, token_map, device) -> None:
         got.cpu().numpy(), hash_sequence(token_map.compress(ids), consts)[3:]
     )
     assert got.dtype == runtime.hasher.out_dtype
-    assert got.data_ptr() != runtime.row_ids_buffer(0).data_ptr()  # a copy, never an alias
+    assert got.data_ptr() != runtime.staged_row_ids(0).data_ptr()  # a copy, never an alias
     hidden = random_hidden(13, seed=5).to(device)
     for li, store in enumerate(runtime.sources):
         want = lookup_rows_reference(got[:, li].cpu(), _packed(store), CFG.head_dim)
@@ -326,7 +326,7 @@ def test_compiled_step_replays_in_a_cuda_graph(layout, token_map) -> None:
         assert torch.equal(captured[0], step.row_ids)
         for li in range(runtime.n_layers):
             assert torch.equal(
-                runtime.rows_buffer(0, li)[:32].view(torch.int16),
+                runtime.staged_rows(0, li)[:32].view(torch.int16),
                 step.rows(li).view(torch.int16),
             )
         _check_layers_within_tolerance(eager, step, captured[1], captured[2])

@@ -26,7 +26,7 @@ The runtime splits an engine step in two, the way attention backends do
 Fixed addresses. Row ids, rows, kv and outputs live in buffers allocated once
 for ``max_tokens`` and reused; a step writes leading slices of them, so its
 addresses depend only on the staging slot and ``T``:
-:meth:`~EngramRuntime.row_ids_buffer`, :meth:`~EngramRuntime.rows_buffer` and
+:meth:`~EngramRuntime.staged_row_ids`, :meth:`~EngramRuntime.staged_rows` and
 :meth:`~EngramRuntime.output_buffer` give them to an engine that captures
 graphs. Pieces of a model captured between Engram layers replay around
 eager ``run`` calls (piecewise); where every source can run without a host
@@ -171,7 +171,7 @@ class StepPlan:
 
     Attributes:
         row_ids: ``[T, L, C]`` row ids of every Engram layer (a view of the
-            runtime's fixed :meth:`~EngramRuntime.row_ids_buffer`).
+            runtime's fixed :meth:`~EngramRuntime.staged_row_ids`).
         num_tokens: T.
         slot: the staging slot the rows land in.
         pending: per layer, its :class:`~engramrt.source.PendingRows`.
@@ -190,7 +190,7 @@ class StepPlan:
 
         The current stream waits for this layer's lookup only; other layers'
         lookups keep running. The tensor is a view of the fixed
-        :meth:`~EngramRuntime.rows_buffer` of this slot, valid until a later
+        :meth:`~EngramRuntime.staged_rows` of this slot, valid until a later
         plan reuses the slot.
         """
         if not 0 <= layer_index < len(self.pending):
@@ -457,12 +457,12 @@ class EngramRuntime:
 
     # -- fixed addresses ---------------------------------------------------
 
-    def row_ids_buffer(self, slot: int) -> torch.Tensor:
+    def staged_row_ids(self, slot: int) -> torch.Tensor:
         """The fixed ``[max_tokens, L, C]`` row-id buffer of staging slot ``slot``; a
         step of T tokens planned into it writes its first T rows."""
         return self._row_ids[self._slot(slot)]
 
-    def rows_buffer(self, slot: int, layer_index: int) -> torch.Tensor:
+    def staged_rows(self, slot: int, layer_index: int) -> torch.Tensor:
         """The fixed ``[local_tokens(max_tokens), C, E]`` bf16 rows buffer of staging
         slot ``slot``, Engram layer ``layer_index``."""
         return self._staging[self._slot(slot)][self._layer(layer_index)]
