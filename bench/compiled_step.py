@@ -12,7 +12,12 @@ requests two ways over the same runtime:
 - ``compiled``: the whole forward under ``torch.compile(fullgraph=True)``
   (Inductor), each Engram layer the ``engramrt::run_layer`` operator
   (:mod:`engramrt.custom_ops`), so the compiled model reaches the runtime
-  through its handle.
+  through its handle;
+- ``graphs``: the same compiled model with Inductor's CUDA graphs
+  (``mode="reduce-overhead"``, ``graph_partition``): the pieces between Engram
+  layers replay from CUDA graphs and ``run_layer`` (tagged
+  ``cudagraph_unsafe``) runs eagerly between them, as engines run decode.
+  Dropped, with the error recorded, where this torch cannot build it.
 
 The engine plans each step on the host (``runtime.plan``) and, with
 ``--prefetch``, plans the next one before running the current one. Placements
@@ -60,7 +65,7 @@ from runtime_overhead import (
     write_report,
 )
 
-MODES = ("eager", "compiled")
+MODES = ("eager", "compiled", "graphs")
 TIERS = ("device", "device-again", "host")
 
 
@@ -98,6 +103,7 @@ def run_block_of_steps(runtime, forward, batches, xs, prefetch: bool) -> float:
     step = runtime.plan(batches[0])
     for i in range(len(batches)):
         nxt = runtime.prefetch(batches[i + 1]) if prefetch and i + 1 < len(batches) else None
+        torch.compiler.cudagraph_mark_step_begin()  # a new step for Inductor's CUDA graphs
         forward(xs[i % len(xs)])
         if i + 1 < len(batches):
             step = nxt if nxt is not None else runtime.plan(batches[i + 1])
@@ -106,19 +112,21 @@ def run_block_of_steps(runtime, forward, batches, xs, prefetch: bool) -> float:
     return 1e3 * (time.perf_counter() - start) / len(batches)
 
 
-def check(runtime, forwards, batch, x) -> dict:
-    """Compiled against eager on one batch: rows bit for bit, output's relative error."""
+def check(runtime, forwards, mode, batch, x) -> dict:
+    """``mode`` against eager on one batch: rows bit for bit, a finite output, and the
+    output's relative error (recorded)."""
     plan = runtime.plan(batch)
     eager_out = forwards["eager"](x).float()
     eager_rows = [plan.rows(li).clone() for li in range(runtime.n_layers)]
     plan = runtime.plan(batch)
-    compiled_out = forwards["compiled"](x).float()
+    torch.compiler.cudagraph_mark_step_begin()
+    out = forwards[mode](x).float()
     rows_equal = all(
         torch.equal(plan.rows(li).view(torch.int16), eager_rows[li].view(torch.int16))
         for li in range(runtime.n_layers)
     )
-    rel = float((compiled_out - eager_out).norm() / eager_out.norm())
-    finite = bool(torch.isfinite(compiled_out).all() and torch.isfinite(eager_out).all())
+    rel = float((out - eager_out).norm() / eager_out.norm())
+    finite = bool(torch.isfinite(out).all() and torch.isfinite(eager_out).all())
     torch.cuda.synchronize()
     return {
         "rows_equal": rows_equal,
@@ -169,9 +177,13 @@ def build(args, device):
             max_requests=256,
             validate=False,
         )
-        eager = forward_fn(runtime, blocks, compiled_ops=False)
-        compiled = torch.compile(forward_fn(runtime, blocks, compiled_ops=True), fullgraph=True)
-        setups[tier] = {"runtime": runtime, "forwards": {"eager": eager, "compiled": compiled}}
+        fn = forward_fn(runtime, blocks, compiled_ops=True)
+        forwards = {
+            "eager": forward_fn(runtime, blocks, compiled_ops=False),
+            "compiled": torch.compile(fn, fullgraph=True),
+            "graphs": torch.compile(fn, fullgraph=True, mode="reduce-overhead"),
+        }
+        setups[tier] = {"runtime": runtime, "forwards": forwards}
     return cfg, token_map, setups
 
 
@@ -183,21 +195,29 @@ def main(argv=None) -> None:
         )
         raise SystemExit(2)
     device = torch.device("cuda", torch.cuda.current_device())
+    torch._inductor.config.graph_partition = True  # split Inductor's CUDA graphs at run_layer
     cfg, token_map, setups = build(args, device)
     rng = np.random.default_rng(args.seed)
     batches = decode_batches(rng, token_map.vocab_size, 4 * args.steps, device)
     xs = [torch.randn(256, cfg.hidden_size, device=device, dtype=torch.bfloat16) for _ in range(4)]
-    checks = {}
+    checks: dict[str, dict] = {}
+    modes = list(MODES)
     for tier, setup in list(setups.items()):
-        for _ in range(2):  # compile and warm up
-            check(setup["runtime"], setup["forwards"], batches[0], xs[0])
-        checks[tier] = check(setup["runtime"], setup["forwards"], batches[1], xs[1])
-        print(f"check {tier}: {checks[tier]}")
-        if not checks[tier]["passed"]:
-            del setups[tier]
-    if "device" not in setups:
-        raise SystemExit("compiled_step: the device placement failed its check; nothing timed")
-    configs = [(tier, mode) for tier in setups for mode in MODES]
+        checks[tier] = {}
+        for mode in modes[1:]:
+            try:
+                for _ in range(3):  # compile, warm up (and record Inductor's graphs)
+                    check(setup["runtime"], setup["forwards"], mode, batches[0], xs[0])
+                result = check(setup["runtime"], setup["forwards"], mode, batches[1], xs[1])
+            except Exception as error:  # a mode this torch cannot build: say so, time the rest
+                result = {"passed": False, "error": f"{type(error).__name__}: {error}"[:500]}
+                setup["runtime"].abandon()  # the steps the failed mode planned
+            checks[tier][mode] = result
+            print(f"check {tier} {mode}: {result}")
+    for mode in modes[1:]:
+        if not all(checks[tier][mode]["passed"] for tier in setups):
+            modes.remove(mode)
+    configs = [(tier, mode) for tier in setups for mode in modes]
     ms: dict[tuple[str, str], list[float | None]] = {c: [] for c in configs}
     order_rng = np.random.default_rng(args.seed + 1)
     started = time.perf_counter()

@@ -46,7 +46,11 @@ Under CUDA-graph capture the operators' host work (the runtime's slot
 rotation, its queue of planned steps, worker threads) runs once, at
 capture: capture ``plan`` and ``run_layer`` together only where every source
 runs without a host synchronisation, one graph per staging slot (see the
-runtime's module documentation).
+runtime's module documentation). ``run_layer`` carries the
+``cudagraph_unsafe`` tag (where torch has it): with
+``torch._inductor.config.graph_partition = True``, ``mode="reduce-overhead"``
+captures the compiled model's pieces between Engram layers in CUDA graphs and
+runs each layer eagerly between them, which works with every source.
 
 Importing this module registers the operators; ``import engramrt`` does not.
 """
@@ -252,8 +256,15 @@ def plan(runtime: EngramRuntime, batch: HashBatch) -> torch.Tensor:
 
 # -- run -----------------------------------------------------------------------
 
+# run_layer waits on host work (a worker thread's lookup) and keeps the runtime's
+# queue of planned steps: it must run eagerly, never be replayed from a CUDA graph.
+# Inductor's CUDA graphs (mode="reduce-overhead" with graph partitions) split the
+# compiled model around operators tagged so, as engines' piecewise graphs split
+# around attention: the blocks replay from graphs, the layer runs between them.
+_RUN_TAGS = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
 
-@torch.library.custom_op("engramrt::run_layer", mutates_args=())
+
+@torch.library.custom_op("engramrt::run_layer", mutates_args=(), tags=_RUN_TAGS)
 def run_layer_op(
     hidden: torch.Tensor,
     token_mask: torch.Tensor | None,

@@ -663,6 +663,21 @@ class EngramRuntime:
         """Planned steps some layer has not run yet (always 0 without heads)."""
         return len(self._planned)
 
+    def abandon(self) -> int:
+        """Forget every planned step whose layers will not all run (an engine that aborts
+        a step, or drops a prefetched one); returns how many.
+
+        Joins the worker threads' lookups of those steps, so none is still being
+        issued; the device work already queued stays in order on each layer's
+        stream, ahead of any later lookup into the same staging slot.
+        """
+        abandoned, self._planned = self._planned, []
+        for step in abandoned:
+            for pending in step.pending:
+                if pending.future is not None:
+                    pending.future.exception()  # wait; the error, if any, belonged to the step
+        return len(abandoned)
+
     def _raise_failed_updates(self) -> None:
         """Raise the error of an update that failed (the layers do not join updates);
         forget the updates that finished."""
