@@ -472,10 +472,10 @@ def test_runtime_bench_stall_events_bracket_each_wait(monkeypatch) -> None:
             return torch.zeros(2, 1, 1, dtype=torch.bfloat16)
 
     class Runtime:
-        def step(self, batch) -> Handle:
+        def plan(self, batch) -> Handle:
             return Handle(batch.index)
 
-        prefetch = step
+        prefetch = plan
 
     def head(hidden, rows):
         clock[0] += 1.0  # the Engram layer's own work: outside the bracket
