@@ -318,7 +318,9 @@ def _write_staged(
                     end = min(piece.row_end, slot.row_end)
                     if begin >= end:
                         continue
-                    source = safe_slice(piece.location.file, piece.location.name)
+                    source = safe_slice(
+                        piece.location.file, piece.location.name, piece.location.open_path
+                    )
                     for block_begin in range(begin, end, rows_per_block):
                         block_end = min(block_begin + rows_per_block, end)
                         block = read_rows(piece, source, block_begin, block_end)  # [n, E] float

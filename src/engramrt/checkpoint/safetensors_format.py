@@ -113,8 +113,11 @@ class SafetensorsHeader:
     file_size: int
 
 
-def read_header(path: str | os.PathLike[str]) -> SafetensorsHeader:
-    """Parse and check the header of ``path``.
+def read_header(
+    path: str | os.PathLike[str], *, open_path: str | os.PathLike[str] | None = None
+) -> SafetensorsHeader:
+    """Parse and check the header of ``path`` (read from ``open_path`` when given:
+    a descriptor held open, ``/proc/self/fd/<n>``, named as ``path`` in messages).
 
     Raises:
         CheckpointError: the file is missing, not a safetensors file, or
@@ -122,7 +125,7 @@ def read_header(path: str | os.PathLike[str]) -> SafetensorsHeader:
     """
     file = Path(path)
     try:
-        with open(file, "rb") as handle:
+        with open(file if open_path is None else open_path, "rb") as handle:
             file_size = os.fstat(handle.fileno()).st_size
             prefix = handle.read(_LENGTH.size)
             if len(prefix) < _LENGTH.size:
