@@ -50,6 +50,7 @@ from engramrt.checkpoint.conversion_set import (
     read_manifest,
     resolve_directory,
 )
+from engramrt.checkpoint.finite import check_packed_rows_finite
 from engramrt.checkpoint.metadata import RowRange, check_token_map, tensor_row_ranges
 from engramrt.checkpoint.names import TensorNames
 from engramrt.checkpoint.safetensors_format import SafetensorsHeader, TensorEntry, read_header
@@ -651,6 +652,13 @@ def _iter_plan(plan: LayerRead, block_rows: int) -> Iterator[tuple[int, torch.Te
             end = min(begin + block_rows, segment.row_end)
             values = read_rows(segment.weight, weight, begin, end)  # [n, E] float8_e4m3fn
             scales = read_rows(segment.scale, scale, begin, end)  # [n, E/32] e8m0 or uint8
+            check_packed_rows_finite(
+                values,
+                scales,
+                weight_name=segment.weight.location.name,
+                scale_name=segment.scale.location.name,
+                row_begin=begin,
+            )
             yield begin - plan.shard.row_begin, pack_rows(values, scales)
 
 
