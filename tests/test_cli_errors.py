@@ -100,6 +100,14 @@ def test_hash_no_gpu_is_an_error(capsys, files) -> None:
         _one_line_error(code, err, "--device='cuda'", "no CUDA device")
 
 
+@pytest.mark.parametrize("tp", ["abc", "1.5", ""])
+def test_inspect_tp_not_an_integer_names_the_value(capsys, tp) -> None:
+    """Was: a usage box without the value."""
+    code, _, err = _run(capsys, "inspect", "-c", "tiny", "--tp", tp)
+    _one_line_error(code, err, f"--tp={tp!r}; expected an integer")
+    assert err.count("\n") == 1
+
+
 @pytest.mark.parametrize("tp", ["1000", "13"])
 def test_inspect_tp_past_the_columns_is_short(capsys, tp) -> None:
     code, _, err = _run(capsys, "inspect", "-c", "tiny", "--tp", tp)

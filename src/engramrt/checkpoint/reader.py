@@ -53,7 +53,13 @@ from engramrt.checkpoint.conversion_set import (
 from engramrt.checkpoint.finite import check_packed_rows_finite
 from engramrt.checkpoint.metadata import RowRange, check_token_map, tensor_row_ranges
 from engramrt.checkpoint.names import TensorNames
-from engramrt.checkpoint.safetensors_format import SafetensorsHeader, TensorEntry, read_header
+from engramrt.checkpoint.safetensors_format import (
+    META_DATA_SHA256,
+    SafetensorsHeader,
+    TensorEntry,
+    data_digest,
+    read_header,
+)
 from engramrt.config import EngramConfig, load_config
 from engramrt.errors import CheckpointError, ValidationError
 from engramrt.layout import ColumnShard, EngramLayout
@@ -209,6 +215,7 @@ class SafetensorsCheckpoint:
             raise CheckpointError(f"checkpoint {str(self.path)!r} does not exist")
         self._headers: dict[Path, SafetensorsHeader] = {}
         self._ranges: dict[Path, dict[str, RowRange]] = {}
+        self._verified: dict[Path, str | None] = {}
 
     # -- the held set --------------------------------------------------------------------
 
@@ -231,6 +238,7 @@ class SafetensorsCheckpoint:
         self._release()
         self._headers.clear()
         self._ranges.clear()
+        self._verified.clear()
 
     def __enter__(self) -> SafetensorsCheckpoint:
         return self
@@ -348,6 +356,31 @@ class SafetensorsCheckpoint:
                 f"index {str(index)!r} has no weight_map object of tensor name -> file name"
             )
         return weight_map
+
+    def verify(self, file: Path) -> str | None:
+        """Check ``file``'s content checksum (read whole, once per checkpoint); returns it.
+
+        None for a file that records none (not converted by engramrt, or by
+        an older one): there is nothing to check.
+
+        Raises:
+            CheckpointError: the bytes do not give the recorded checksum
+                (naming the file and both digests).
+        """
+        if file in self._verified:
+            return self._verified[file]
+        header = self.header(file)
+        recorded = header.metadata.get(META_DATA_SHA256)
+        if recorded is not None:
+            found = data_digest(header, open_path=self.open_path(file))
+            if found != recorded:
+                raise CheckpointError(
+                    f"{file}: its content checksum is {found} but its metadata records "
+                    f"{META_DATA_SHA256}={recorded}: the file changed after it was written "
+                    f"(corrupted or edited); convert again"
+                )
+        self._verified[file] = recorded
+        return recorded
 
     def header(self, file: Path) -> SafetensorsHeader:
         """The parsed header of ``file`` (cached)."""
@@ -767,6 +800,7 @@ def load_table(
     block_rows: int | None = None,
     layout: EngramLayout | None = None,
     token_map: TokenMap | None = None,
+    verify_checksums: bool = False,
     **store_options: Any,
 ) -> RowStore:
     """Load one rank's rows of one layer's table into a :class:`RowStore`.
@@ -784,6 +818,9 @@ def load_table(
             must match the shard).
         device: the store's compute device.
         disk_path: the packed-row file tier ``"disk"`` creates.
+        verify_checksums: first check the content checksum of every file the
+            rows come from (:meth:`SafetensorsCheckpoint.verify`: each file
+            read whole once per checkpoint, so off by default).
         store_options: further :func:`make_store` settings (``backend``,
             ``validate``, ``chunk_rows``, ...).
 
@@ -807,6 +844,7 @@ def load_table(
             block_rows=block_rows,
             layout=layout,
             token_map=token_map,
+            verify_checksums=verify_checksums,
             store_options=store_options,
         )
 
@@ -826,12 +864,16 @@ def _load_table(
     block_rows: int | None,
     layout: EngramLayout | None,
     token_map: TokenMap | None,
+    verify_checksums: bool,
     store_options: Mapping[str, Any],
 ) -> RowStore:
     cfg, layout = _resolve(config, layout)
     shard = layout.column_shard(layer_index, tp, rank)
     plan = plan_layer_read(ckpt, cfg, layout, layer_index, shard, TensorNames.from_spec(names))
     check_plan_token_map(ckpt, plan, cfg, token_map)
+    if verify_checksums:
+        for file in sorted({p.location.file for s in plan.segments for p in (s.weight, s.scale)}):
+            ckpt.verify(file)
     rows_per_block = check_block_rows(block_rows, row_bytes_for(cfg.head_dim))
     if store is None:
         store = _new_store(
@@ -862,6 +904,7 @@ def load_tables(
     disk_dir: str | os.PathLike[str] | None = None,
     block_rows: int | None = None,
     token_map: TokenMap | None = None,
+    verify_checksums: bool = False,
     **store_options: Any,
 ) -> list[RowStore]:
     """:func:`load_table` for every Engram layer, in ``config.layer_ids`` order.
@@ -870,6 +913,7 @@ def load_tables(
     ``engram-layer<id>-rank<r>-of-<tp>.rows`` files under ``disk_dir``.
     Every layer is checked against ``token_map`` (default: the DeepSeek-V4
     map, built once per process); see :func:`iter_packed_rows`.
+    ``verify_checksums``: see :func:`load_table`.
     """
     with _opened(checkpoint) as ckpt:
         return _load_tables(
@@ -883,6 +927,7 @@ def load_tables(
             disk_dir=disk_dir,
             block_rows=block_rows,
             token_map=token_map,
+            verify_checksums=verify_checksums,
             store_options=store_options,
         )
 
@@ -899,6 +944,7 @@ def _load_tables(
     disk_dir: str | os.PathLike[str] | None,
     block_rows: int | None,
     token_map: TokenMap | None,
+    verify_checksums: bool,
     store_options: Mapping[str, Any],
 ) -> list[RowStore]:
     cfg, layout = _resolve(config, None)
@@ -923,6 +969,7 @@ def _load_tables(
                 block_rows=block_rows,
                 layout=layout,
                 token_map=token_map,
+                verify_checksums=verify_checksums,
                 **store_options,
             )
         )
