@@ -150,3 +150,17 @@ def test_a_broken_directory_is_refused_without_retrying_for_ever(tmp_path, small
     (dst / "engram-rank1-of-2.safetensors").unlink()
     with pytest.raises(CheckpointError, match=r"engram-rank1-of-2\.safetensors is missing"):
         SafetensorsCheckpoint(dst)
+
+
+def test_a_pickled_checkpoint_reopens_by_path(tmp_path, small) -> None:
+    """Held descriptors do not travel: a copy (another process's) opens the files itself."""
+    import pickle
+
+    src, packed = _source(tmp_path / "a.safetensors", small, 1)
+    convert_checkpoint(src, tmp_path / "dst", small)
+    held = SafetensorsCheckpoint(tmp_path / "dst")
+    copy = pickle.loads(pickle.dumps(held))
+    held.close()
+    assert copy._held == {}
+    assert torch.equal(read_table(copy, small, 1), packed[1])
+    copy.close()

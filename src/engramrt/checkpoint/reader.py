@@ -246,6 +246,10 @@ class SafetensorsCheckpoint:
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
+    def __getstate__(self) -> dict[str, Any]:
+        # Descriptor numbers mean nothing in another process: a copy reopens by path.
+        return {**self.__dict__, "_held": {}}
+
     def __del__(self) -> None:
         with contextlib.suppress(Exception):  # interpreter shutdown
             self._release()
