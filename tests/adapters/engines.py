@@ -502,7 +502,7 @@ class SglangRunner(_Engine):
             "input_ids": input_ids.to(dev),
             "req_pool_indices": torch.tensor(rows, dtype=torch.int64, device=dev),
             "req_to_token": self.req_to_token.to(dev),
-            "max_ngram_size": self.consts.max_ngram_size,
+            "hasher": self.consts,
             "num_reqs": num_reqs,
             "num_actual_tokens": num_tokens,
             "dead_mask": dead_mask.to(dev),
