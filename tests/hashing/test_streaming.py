@@ -1,8 +1,10 @@
 """Property tests: any schedule hashes exactly like one-shot hashing (SPEC §5).
 
-Schedules are generated from a seed: random prefill chunkings, requests
-interleaved in one batch, decode steps, speculative drafts with rejections,
-prefix-cache hits that borrow blocks, requests prefilled elsewhere that
+Schedules are drawn from a seed by the engine simulator
+(:mod:`engramrt.testing`), as vLLM runner steps through the adapter: random
+prefill chunkings, requests interleaved in one batch, decode steps,
+speculative drafts with rejections, prefix-cache hits on live and finished
+requests, preemption and block reuse, requests prefilled elsewhere that
 arrive with lookback ids only, dead spans, padding rows and padded requests,
 and empty batches. Each history mode runs on the reference and the Triton
 kernel (through the interpreter on CPU). Negative controls show that the
@@ -17,7 +19,7 @@ from hypothesis import strategies as st
 
 from engramrt.config import PRESETS
 from engramrt.hashing import HashConstants
-from engramrt.hashing.engine_sim import MODES, run_schedule
+from engramrt.testing import MODES, run_schedule
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +57,7 @@ def test_kernel_schedules_match_one_shot(seed: int, mode: str, consts, token_map
 def test_control_dropping_lookback_changes_ids(backend: str, consts, token_map, device) -> None:
     dev = device if backend == "triton" else "cpu"
     engine = _run_schedule(
-        7, "lookback", backend, consts, token_map, max_steps=4, drop_lookback=True, device=dev
+        7, "lookback", backend, consts, token_map, max_steps=4, sabotage="drop_lookback", device=dev
     )
     assert engine.mismatches
 
