@@ -404,7 +404,7 @@ def run(runtime, batches, forward, prefetch, stalls=None):
     device = batches[0].input_ids.device
     synchronize(device)
     start = time.perf_counter()
-    handle = runtime.step(batches[0])
+    handle = runtime.plan(batches[0])
     for i, batch in enumerate(batches):
         nxt = None
         if prefetch and i + 1 < len(batches):
@@ -415,7 +415,7 @@ def run(runtime, batches, forward, prefetch, stalls=None):
             stalls.step_index = i
             forward(handle, batch, stalls)
         if i + 1 < len(batches):
-            handle = nxt if nxt is not None else runtime.step(batches[i + 1])
+            handle = nxt if nxt is not None else runtime.plan(batches[i + 1])
     synchronize(device)
     return summary(batches, tokens, time.perf_counter() - start)
 
@@ -580,7 +580,7 @@ class WholeStepGraph:
         slots: list[int] = []
 
         def whole():
-            handle = runtime.step(self.inputs)
+            handle = runtime.plan(self.inputs)
             slots.append(handle.slot)
             x = self.x
             for b, weights in enumerate(blocks):
@@ -611,7 +611,7 @@ class WholeStepGraph:
             graph.replay()
             torch.cuda.synchronize()
             replayed = [runtime.staging[slot][li][: batch.num_tokens].clone() for li in range(2)]
-            eager = runtime.step(batch)
+            eager = runtime.plan(batch)
             for li in range(2):
                 if not torch.equal(
                     replayed[li].view(torch.int16), eager.rows(li).view(torch.int16)

@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
 
     checked = mismatches = 0
     plan = schedule()
-    handle = runtime.step(build(plan)) if plan else None
+    handle = runtime.plan(build(plan)) if plan else None
     for _ in range(args.steps):
         if handle is None:
             break

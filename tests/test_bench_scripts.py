@@ -233,7 +233,7 @@ def test_runtime_bench_engine_style_rows(token_map) -> None:
     rng = np.random.default_rng(5)
     for length, start in ((23, 0), (9, 23)):
         batch = HashBatch.single(rng.integers(0, token_map.vocab_size, length), start=start)
-        got, want = engine.step(batch), runtime.step(batch)
+        got, want = engine.step(batch), runtime.plan(batch)
         assert got.num_tokens == length
         for li, store in enumerate(stores):
             rows = got.rows(li)

@@ -38,7 +38,7 @@ def test_step_rows_equal_reference_lookups(tier, layout, token_map, device, tmp_
     ids = rng.integers(0, token_map.vocab_size, 40)
     batch = HashBatch.single(ids[10:], start=10, device=device)
     batch.lookback_token_ids = torch.from_numpy(ids[9:6:-1].copy()).view(1, 3).to(device)
-    handle = runtime.step(batch)
+    handle = runtime.plan(batch)
     want_ids = hash_sequence(
         token_map.compress(ids), HashConstants.from_layout(layout, token_map.pad_id(CFG))
     )[10:]
@@ -74,7 +74,7 @@ def test_streaming_through_runtime_matches_one_shot(layout, token_map, device) -
         batch = HashBatch.single(ids[start : start + size], start=start, device=device)
         batch.slot_mapping = torch.arange(start, start + size, device=device)
         batch.block_table = torch.arange(32, dtype=torch.int32, device=device)[None]
-        handle = runtime.step(batch)
+        handle = runtime.plan(batch)
         np.testing.assert_array_equal(handle.row_ids.cpu().numpy(), want[start : start + size])
         handles.append(handle)
         start += size
@@ -83,7 +83,7 @@ def test_streaming_through_runtime_matches_one_shot(layout, token_map, device) -
 
 def test_prefetch_uses_the_other_slot(layout, token_map, device) -> None:
     runtime = _runtime(layout, token_map, device)
-    first = runtime.step(HashBatch.single([5, 6, 7], device=device))
+    first = runtime.plan(HashBatch.single([5, 6, 7], device=device))
     before = first.rows(0).clone()
     second = runtime.prefetch(HashBatch.single([8, 9], start=3, device=device))
     assert first.slot != second.slot
@@ -94,16 +94,16 @@ def test_prefetch_uses_the_other_slot(layout, token_map, device) -> None:
 def test_sizes_are_enforced(layout, token_map, device) -> None:
     runtime = _runtime(layout, token_map, device, max_tokens=4, max_requests=1)
     with pytest.raises(ValidationError, match=r"5 tokens.*max_tokens=4"):
-        runtime.step(HashBatch.single([1, 2, 3, 4, 5], device=device))
+        runtime.plan(HashBatch.single([1, 2, 3, 4, 5], device=device))
     two = HashBatch(
         input_ids=torch.tensor([1, 2], device=device),
         positions=torch.tensor([0, 0], device=device),
         query_start_loc=torch.tensor([0, 1, 2], dtype=torch.int32, device=device),
     )
     with pytest.raises(ValidationError, match=r"2 requests.*max_requests=1"):
-        runtime.step(two)
+        runtime.plan(two)
     with pytest.raises(ValidationError, match="layer_index=5"):
-        runtime.step(HashBatch.single([1], device=device)).rows(5)
+        runtime.plan(HashBatch.single([1], device=device)).rows(5)
     consts = HashConstants.from_layout(layout, token_map.pad_id(CFG))
     with pytest.raises(ValidationError, match="sources has 1 entries"):
         EngramRuntime(
@@ -137,10 +137,10 @@ def test_sizes_are_enforced(layout, token_map, device) -> None:
 def test_tensor_parallel_shards_hold_their_columns(layout, token_map, device) -> None:
     full = _runtime(layout, token_map, device)
     ids = np.random.default_rng(4).integers(0, token_map.vocab_size, 12)
-    want = [full.step(HashBatch.single(ids, device=device)).rows(li).clone() for li in range(2)]
+    want = [full.plan(HashBatch.single(ids, device=device)).rows(li).clone() for li in range(2)]
     for rank in range(3):
         part = _runtime(layout, token_map, device, tp=3, rank=rank)
-        handle = part.step(HashBatch.single(ids, device=device))
+        handle = part.plan(HashBatch.single(ids, device=device))
         for li in range(2):
             shard = layout.column_shard(li, 3, rank)
             got = handle.rows(li).view(torch.int16)
@@ -186,7 +186,7 @@ def test_graph_capture_replays_like_eager(layout, token_map) -> None:
     ]
 
     def step() -> None:
-        handle = captured.step(static)
+        handle = captured.plan(static)
         for li in range(2):
             outs[li].copy_(handle.rows(li))
 
@@ -197,7 +197,7 @@ def test_graph_capture_replays_like_eager(layout, token_map) -> None:
         static.input_ids.copy_(ids)
         static.lookback_token_ids.copy_(lookback)
         graph.replay()
-        want = eager.step(
+        want = eager.plan(
             HashBatch(ids, static.positions, static.query_start_loc, lookback_token_ids=lookback)
         )
         for li in range(2):
@@ -220,7 +220,7 @@ def test_cached_layers_are_updated_and_report_stats(layout, token_map, device) -
     ids = np.random.default_rng(4).integers(0, token_map.vocab_size, 24)
     for _ in range(3):  # the same text three times: the later steps hit
         batch = HashBatch.single(ids, device=device)
-        handle, want = runtime.step(batch), reference.step(batch)
+        handle, want = runtime.plan(batch), reference.plan(batch)
         for li in range(2):
             assert torch.equal(handle.rows(li).view(torch.int16), want.rows(li).view(torch.int16))
     stats = runtime.cache_stats()
@@ -258,7 +258,7 @@ def _heads(device, seeds=(11, 12)):
 
 @pytest.mark.parametrize("tier", ["device", "host"])
 def test_runtime_layers_compute_the_model_step(tier, layout, token_map, device) -> None:
-    """One engine step: runtime.step(batch), then each layer called with hidden alone.
+    """One engine step: runtime.plan(batch), then each layer called with hidden alone.
     Rows are checked bit for bit against hashing + the lookup reference computed here,
     kv and out against the float reference."""
     from tests.layer.common import check_head_step, random_hidden
@@ -268,7 +268,7 @@ def test_runtime_layers_compute_the_model_step(tier, layout, token_map, device) 
     consts = HashConstants.from_layout(layout, token_map.pad_id(CFG))
     ids = np.random.default_rng(5).integers(0, token_map.vocab_size, 21)
     want_ids = hash_sequence(token_map.compress(ids), consts)
-    runtime.step(HashBatch.single(ids, device=device))
+    runtime.plan(HashBatch.single(ids, device=device))
     for li, layer in enumerate(runtime.layers):
         hidden = random_hidden(21, seed=30 + li, config=CFG).to(device)
         out, kv = layer(hidden, return_kv=True)
@@ -284,8 +284,8 @@ def test_runtime_layers_compute_the_model_step(tier, layout, token_map, device) 
 
 
 def test_runtime_layers_consume_prefetched_steps_in_order(layout, token_map, device) -> None:
-    """step(A), prefetch(B): the layers get A's rows, then B's; a third step before
-    the layers consumed two is refused (its slot would overwrite A's rows)."""
+    """plan(A), prefetch(B): the layers get A's rows, then B's; a third plan before
+    the layers ran both is refused (its slot would overwrite A's rows)."""
     from tests.layer.common import random_hidden
 
     heads, _ = _heads(device)
@@ -295,22 +295,23 @@ def test_runtime_layers_consume_prefetched_steps_in_order(layout, token_map, dev
         HashBatch.single([5, 6, 7, 8], device=device),
         HashBatch.single([9, 10, 11], start=4, device=device),
     ]
-    runtime.step(batches[0])
+    runtime.plan(batches[0])
     runtime.prefetch(batches[1])
-    with pytest.raises(ValidationError, match=r"layer 0 has not consumed the rows of 2 started"):
-        runtime.step(batches[0])
+    with pytest.raises(ValidationError, match=r"2 planned steps have layers whose rows were not"):
+        runtime.plan(batches[0])
     for batch in batches:
-        want = plain.step(batch)
+        want = plain.plan(batch)
         for li, layer in enumerate(runtime.layers):
             hidden = random_hidden(batch.num_tokens, seed=li, config=CFG).to(device)
             out = layer(hidden).clone()
             # the same head on the rows computed without the runtime
             expected = heads[li](hidden, want.rows(li))
             assert torch.equal(out.view(torch.int16), expected.view(torch.int16)), f"layer {li}"
-    with pytest.raises(ValidationError, match="no rows were started"):
+    with pytest.raises(ValidationError, match=r"run\(0\) but no planned step"):
         runtime.layers[0](random_hidden(3, seed=1, config=CFG).to(device))
-    with pytest.raises(ValidationError, match="rows_buffer=False"):
-        runtime.layers[0].prepare(torch.zeros(3, CFG.n_cols, dtype=torch.int64, device=device))
+    with pytest.raises(ValidationError, match=r"hidden has shape \[2, "):
+        runtime.plan(batches[1])
+        runtime.run(0, random_hidden(2, seed=1, config=CFG).to(device))
     runtime.close()
     plain.close()
 
@@ -322,8 +323,8 @@ def test_negative_control_layers_fed_the_wrong_step_differ(layout, token_map, de
 
     heads, _ = _heads(device)
     plain = _runtime(layout, token_map, device)
-    first = plain.step(HashBatch.single([5, 6, 7], device=device)).rows(0).clone()
-    second = plain.step(HashBatch.single([9, 10, 11], start=3, device=device)).rows(0).clone()
+    first = plain.plan(HashBatch.single([5, 6, 7], device=device)).rows(0).clone()
+    second = plain.plan(HashBatch.single([9, 10, 11], start=3, device=device)).rows(0).clone()
     hidden = random_hidden(3, seed=0, config=CFG).to(device)
     a = heads[0](hidden, first).clone()
     b = heads[0](hidden, second)
@@ -352,7 +353,7 @@ def test_graph_capture_of_a_model_step(layout, token_map) -> None:
     outs = [torch.empty_like(h) for h in hidden]
 
     def step() -> None:
-        captured.step(static)
+        captured.plan(static)
         for li, layer in enumerate(captured.layers):
             outs[li].copy_(layer(hidden[li]))
 
@@ -363,7 +364,7 @@ def test_graph_capture_of_a_model_step(layout, token_map) -> None:
         static.input_ids.copy_(ids)
         static.lookback_token_ids.copy_(lookback)
         graph.replay()
-        eager.step(
+        eager.plan(
             HashBatch(ids, static.positions, static.query_start_loc, lookback_token_ids=lookback)
         )
         for li, layer in enumerate(eager.layers):
@@ -406,15 +407,14 @@ def test_shared_lookup_worker_rows_equal_per_layer(layout, token_map, device) ->
     shared = _runtime(layout, token_map, device, tier="host", lookup_workers="shared")
     assert shared.lookup_workers == "shared"
     if device.type == "cuda":
-        assert set(shared._worker_of.values()) == {-2}
-        assert len(shared._workers) == 1
+        assert set(shared.worker_assignment.values()) == {-2}
     rng = np.random.default_rng(7)
     batches = [
         HashBatch.single(rng.integers(0, token_map.vocab_size, n), start=s, device=device)
         for n, s in ((17, 0), (5, 17), (1, 22))
     ]
-    want = [per_layer.step(b) for b in batches[:1]]
-    got = [shared.step(b) for b in batches[:1]]
+    want = [per_layer.plan(b) for b in batches[:1]]
+    got = [shared.plan(b) for b in batches[:1]]
     for batch in batches[1:]:  # each next step prefetched before the current one is read
         want.append(per_layer.prefetch(batch))
         got.append(shared.prefetch(batch))
@@ -471,7 +471,7 @@ def test_gpu_reads_policy_per_layer(policy, on_cuda, layout, token_map, device) 
     rng = np.random.default_rng(11)
     for n, start in ((23, 0), (6, 23)):
         ids = rng.integers(0, token_map.vocab_size, n)
-        got = runtime.step(HashBatch.single(ids, start=start, device=device))
+        got = runtime.plan(HashBatch.single(ids, start=start, device=device))
         for li, store in enumerate(runtime.sources):
             want = lookup_rows_reference(
                 got.row_ids[:, li].cpu(), _packed(store), CFG.head_dim, row_begin=store.row_begin

@@ -64,7 +64,7 @@ def _stream_checked(
             [blocks[p // block] * block + p % block for p in range(start, end)], device=device
         )
         batch.block_table = torch.tensor([blocks], dtype=torch.int32, device=device)
-        handle = runtime.step(batch)
+        handle = runtime.plan(batch)
         got = handle.row_ids.to(torch.int64).cpu()
         want = hash_sequence(token_map.compress(seq[:end]), consts)[start:end]
         ok = bool(np.array_equal(got.numpy(), want))

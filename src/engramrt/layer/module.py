@@ -6,10 +6,9 @@ One step of a layer::
     ...                                    # backbone layers run meanwhile
     out = layer(hidden)                    # wait for the rows, wkv, gate
 
-or simply ``out = layer(hidden, row_ids)``. Under an
-:class:`~engramrt.runtime.EngramRuntime` the runtime starts every layer's
-rows at once (:meth:`EngramLayer.receive`) and each block calls
-``layer(hidden)`` with the hidden states alone.
+or simply ``out = layer(hidden, row_ids)``. This is one layer on its own;
+a model's Engram layers under one hash launch and one set of staging slots
+are :class:`~engramrt.runtime.EngramRuntime`'s (``plan`` / ``run``).
 
 The rows come from a :class:`~engramrt.source.RowSource`: a storage tier,
 a cache, or an exchange over this rank's column shard (sequence
@@ -48,7 +47,6 @@ Memory at V4.1-Flash shapes (D = 5120, hc = 4, C = 24, E = 256), per
 
 from __future__ import annotations
 
-from collections import deque
 from typing import Any
 
 import torch
@@ -77,9 +75,6 @@ class EngramLayer(nn.Module):
         backend: the gate's backend when ``head`` is a config.
         validate: check shapes, dtypes, devices and token counts on the host
             every step (no device reads). Off only for known-good callers.
-        rows_buffer: allocate the rows buffer that :meth:`prepare` stages
-            into. The runtime's layers receive rows staged by the runtime
-            (:meth:`receive`) and have none.
 
     Attributes:
         head, source: the two halves.
@@ -94,7 +89,6 @@ class EngramLayer(nn.Module):
         max_tokens: int,
         backend: str = "auto",
         validate: bool = True,
-        rows_buffer: bool = True,
     ) -> None:
         super().__init__()
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
@@ -144,19 +138,16 @@ class EngramLayer(nn.Module):
         def staging(*shape: int) -> torch.Tensor:
             return torch.full(shape, float("nan"), dtype=torch.bfloat16, device=self.device)
 
-        self.rows_buffer = (
-            staging(local, self.num_cols, head.head_dim) if rows_buffer else None
-        )  # [Tl, C, E]
+        self.rows_buffer = staging(local, self.num_cols, head.head_dim)  # [Tl, C, E]
         self.kv_buffer = staging(local, (hc + 1) * dim)  # [Tl, (hc+1)*D]
         self.out_buffer = staging(local, hc, dim)  # [Tl, hc, D]
-        # Rows started and not yet consumed, oldest first; True marks rows
-        # staged in this layer's own rows buffer (at most one at a time).
-        self._pending: deque[tuple[PendingRows, bool]] = deque()
+        # Rows started by prepare() and not yet consumed by forward().
+        self._pending: PendingRows | None = None
 
     @property
     def pending_steps(self) -> int:
-        """Steps whose rows were started and not yet consumed by :meth:`forward`."""
-        return len(self._pending)
+        """1 when :meth:`prepare` started rows that :meth:`forward` has not consumed, else 0."""
+        return int(self._pending is not None)
 
     def local_tokens(self, num_tokens: int) -> int:
         """Tokens of ``hidden`` for a step of ``num_tokens`` row-id tokens."""
@@ -182,8 +173,8 @@ class EngramLayer(nn.Module):
         before it is an error (the rows buffer would be overwritten).
         """
         num_tokens = self._check_row_ids(row_ids)
-        if any(own for _, own in self._pending):
-            staged = next(p.num_tokens for p, own in self._pending if own)
+        if self._pending is not None:
+            staged = self._pending.num_tokens
             raise ValidationError(
                 f"prepare() was already called for a batch of {staged} tokens that forward() "
                 f"has not consumed"
@@ -197,22 +188,8 @@ class EngramLayer(nn.Module):
     def _start(
         self, row_ids: torch.Tensor, num_tokens: int, stream: torch.cuda.Stream | None
     ) -> None:
-        if self.rows_buffer is None:
-            raise ValidationError(
-                "prepare() on a layer built with rows_buffer=False (a runtime's layer: its rows "
-                "come from the runtime's step)"
-            )
         local = self.source.local_tokens(num_tokens)
-        pending = self.source.start(row_ids, self.rows_buffer[:local], stream=stream)
-        self._pending.append((pending, True))
-
-    def receive(self, pending: PendingRows) -> None:
-        """Queue rows someone else started (the runtime's staged rows of a step).
-
-        ``pending.rows`` is ``[local_tokens(T), C, E]``; :meth:`forward`
-        consumes queued rows oldest first.
-        """
-        self._pending.append((pending, False))
+        self._pending = self.source.start(row_ids, self.rows_buffer[:local], stream=stream)
 
     def forward(
         self,
@@ -231,8 +208,8 @@ class EngramLayer(nn.Module):
                 under sequence parallelism ``ceil(T / tp)`` (this rank's
                 tokens, the last rank padded: padding tokens get zero rows,
                 so they pass through unchanged).
-            row_ids: ``[T, C]`` to fetch now; None consumes the oldest rows
-                started by :meth:`prepare` or :meth:`receive`.
+            row_ids: ``[T, C]`` to fetch now; None consumes the rows started
+                by :meth:`prepare`.
             token_mask: optional bool ``[Tl]``; False passes the token's
                 hidden state through unchanged.
             out: optional contiguous bf16 ``[Tl, hc, D]`` to write instead of
@@ -245,26 +222,27 @@ class EngramLayer(nn.Module):
             given (overwritten by the next step), or ``(out, kv)``.
         """
         if row_ids is not None:
-            if self._pending:
+            if self._pending is not None:
                 raise ValidationError(
                     f"forward() got row_ids for {row_ids.shape[0]} tokens but rows of "
-                    f"{self._pending[0][0].num_tokens} tokens were already started; pass the "
+                    f"{self._pending.num_tokens} tokens were already started; pass the "
                     f"ids to one of them"
                 )
             num_tokens = self._check_row_ids(row_ids)
-        elif self._pending:
-            num_tokens = self._pending[0][0].num_tokens
+        elif self._pending is not None:
+            num_tokens = self._pending.num_tokens
         else:
             raise ValidationError(
                 "forward() got row_ids=None but no rows were started; call prepare(row_ids) "
-                "first (a runtime's layer: the runtime's step), or pass row_ids"
+                "first, or pass row_ids"
             )
         local = self.source.local_tokens(num_tokens)
         if self.validate:
             self._check_hidden(hidden, local, num_tokens)
         if row_ids is not None:
             self._start(row_ids, num_tokens, None)
-        pending, _ = self._pending.popleft()
+        pending, self._pending = self._pending, None
+        assert pending is not None
         rows = pending.wait()
         return self.head.compute(
             hidden,

@@ -537,7 +537,7 @@ class TinyEngramModel:
                 request.tokens[start - 1 - j] if start - 1 - j >= 0 else -1 for j in range(n - 1)
             ]
             batch.lookback_token_ids = torch.tensor([lookback], device=self.device)
-        runtime.step(batch)
+        runtime.plan(batch)
         gates: list[torch.Tensor] = []
         fns = {}
         for index, block in enumerate(self.lm_config.engram_layer_ids):

@@ -1,66 +1,93 @@
 """``EngramRuntime``: what an engine integrates, one object per model.
 
-Each engine step makes one call, :meth:`EngramRuntime.step`, with its
-batch. The runtime computes the row ids of every Engram layer in one launch
-and starts every layer's rows at once; each of the model's Engram layers
-(:attr:`EngramRuntime.layers`, when the runtime was given heads) is then
-called at its block with ``hidden`` alone and waits only for its own rows::
+The runtime splits an engine step in two, the way attention backends do
+(flashinfer's ``plan()`` / ``run()``):
 
-    runtime.step(batch)                 # hash, start every layer's rows
-    ...                                 # blocks before the first Engram layer
-    hidden = runtime.layers[0](hidden)  # wait for layer 0's rows, wkv, gate
+- :meth:`EngramRuntime.plan` ``(batch)``, once per step on the host, with
+  the batch an adapter returns (:mod:`engramrt.adapters`): the checks, the
+  staging slot, the one hash launch of every Engram layer's row ids, and
+  every layer's lookup started (on a side stream or a CPU worker). It never
+  waits on the device.
+- :meth:`EngramRuntime.run` ``(layer, hidden)``, at the layer's block: device
+  work only. It waits for that layer's rows through events (and, for a
+  source that needs a CPU worker, by joining the worker's host work, which
+  issued the copies), then runs ``wkv`` and the fused gate into the layer's
+  fixed output buffer. :attr:`EngramRuntime.layers` are ``nn.Module`` skins
+  over it for a model's block list::
+
+    plan = runtime.plan(batch)           # hash, start every layer's rows
+    ...                                  # blocks before the first Engram layer
+    hidden = runtime.run(0, hidden)      # or runtime.layers[0](hidden)
     ...
-    hidden = runtime.layers[1](hidden)
+    hidden = runtime.run(1, hidden)
+    ...                                  # sample, then at once:
+    runtime.prefetch(next_batch)         # plan the next step into the other slot
+
+Fixed addresses. Row ids, rows, kv and outputs live in buffers allocated once
+for ``max_tokens`` and reused; a step writes leading slices of them, so its
+addresses depend only on the staging slot and ``T``:
+:meth:`~EngramRuntime.row_ids_buffer`, :meth:`~EngramRuntime.rows_buffer` and
+:meth:`~EngramRuntime.output_buffer` give them to an engine that captures
+graphs. Pieces of a model captured between Engram layers replay around
+eager ``run`` calls (piecewise); where every source can run without a host
+synchronisation, ``plan`` and ``run`` can be captured in one graph with the
+whole step, one graph per staging slot (the slots alternate).
 
 How a layer's rows are started depends on its source's capability flags
 (:mod:`engramrt.source`), never on which class it is:
 
 - no :attr:`~engramrt.source.RowSource.host_sync` (device and UVA tiers,
   exchanges over them): the source runs on a side stream of the runtime's
-  ``lookup_priority``, after an event that marks the hash ids ready; the
-  layer's wait is a stream wait on the source's event (no host
-  synchronisation, capturable in a CUDA graph);
+  ``lookup_priority``, after the hashing; ``run`` waits on the source's
+  event (no host synchronisation, capturable in a CUDA graph);
 - :attr:`~engramrt.source.RowSource.host_sync` (host and disk tiers, a
-  cache, which plans its admissions on the host): a worker thread per layer
-  runs it on a stream of its own; the layer's wait joins the thread's
-  lookup, then waits on its event. A source's
-  :meth:`~engramrt.source.RowSource.update` runs on the same thread and
-  stream after every threaded lookup of the step (:func:`worker_jobs`), as
-  a job of its own that the layer does not join: the layer's wait never
-  includes an update's host synchronisation;
+  cache, which plans its admissions on the host): a worker thread runs it on
+  a stream of its own; ``run`` joins the thread's lookup, then waits on its
+  event. A source's :meth:`~engramrt.source.RowSource.update` runs on the
+  same thread and stream after every threaded lookup of the step
+  (:func:`worker_jobs`), as a job of its own that ``run`` does not join;
 - :attr:`~engramrt.source.RowSource.collective` (exchanges): every rank
   must issue the collectives in the same order, so all collective sources
   run in layer order on one side stream, or, when any of them needs a host
   synchronisation, on one worker thread shared by them.
 
-:meth:`EngramRuntime.prefetch` starts the next step's rows as soon as its
-tokens exist (right after sampling), into the other of two staging slots,
-so they overlap the rest of the current step; layers consume started steps
-oldest first. Staging buffers are allocated once for ``max_tokens`` and
-reused, so the addresses are fixed: a captured graph replays into the same
-memory.
+Ownership. A :class:`StepPlan` owns its layers' pending rows.
+:meth:`EngramRuntime.run` runs each layer of each plan once, oldest plan
+first; :meth:`StepPlan.rows` waits for and returns a layer's rows (an engine
+that runs its own head builds the runtime without heads). With heads, at most
+``num_slots`` planned steps may have layers not yet run: a further ``plan``
+would overwrite their rows, and is refused.
+
+Custom operators (:mod:`engramrt.custom_ops`) reach the same object through
+:attr:`EngramRuntime.handle`: a compiled model calls the same ``plan`` and
+``run``.
 """
 
 from __future__ import annotations
 
+import itertools
+import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import torch
+from torch import nn
 
 from engramrt.config import EngramConfig
-from engramrt.errors import ValidationError
+from engramrt.errors import ShardingError, ValidationError
 from engramrt.hashing import HashBatch, NgramHasher, RequestHistory, SlotHashCache
-from engramrt.layer import EngramHead, EngramLayer
+from engramrt.layer import EngramHead
 from engramrt.source import PendingRows, RowSource
 
 __all__ = [
     "GPU_READS",
     "LOOKUP_WORKERS",
     "EngramRuntime",
-    "StepRows",
+    "RuntimeLayer",
+    "StepPlan",
+    "runtime_from_handle",
     "worker_jobs",
     "worker_plan",
 ]
@@ -118,13 +145,33 @@ def worker_jobs(sources: Sequence[RowSource], plan: dict[int, int]) -> list[tupl
     return fetches + updates
 
 
+_HANDLES: weakref.WeakValueDictionary[int, EngramRuntime] = weakref.WeakValueDictionary()
+_NEXT_HANDLE = itertools.count(1)
+
+
+def runtime_from_handle(handle: int) -> EngramRuntime:
+    """The live runtime whose :attr:`EngramRuntime.handle` is ``handle``.
+
+    Custom operators take the handle (an int the compiler can bake into a
+    graph) instead of the object; the table holds runtimes weakly, so a
+    handle never keeps a runtime alive.
+    """
+    try:
+        return _HANDLES[handle]
+    except (KeyError, TypeError):
+        raise ValidationError(
+            f"handle={handle!r} names no live EngramRuntime; expected runtime.handle of a "
+            f"runtime that still exists"
+        ) from None
+
+
 @dataclass
-class StepRows:
-    """The lookups of one step: row ids and, per layer, rows once ready.
+class StepPlan:
+    """One planned step: its row ids and, per layer, rows once ready.
 
     Attributes:
         row_ids: ``[T, L, C]`` row ids of every Engram layer (a view of the
-            runtime's fixed buffer).
+            runtime's fixed :meth:`~EngramRuntime.row_ids_buffer`).
         num_tokens: T.
         slot: the staging slot the rows land in.
         pending: per layer, its :class:`~engramrt.source.PendingRows`.
@@ -134,19 +181,75 @@ class StepRows:
     num_tokens: int
     slot: int
     pending: list[PendingRows]
+    _ran: list[bool] = field(default_factory=list, repr=False)
 
     def rows(self, layer_index: int) -> torch.Tensor:
         """``[T_local, C, E]`` bf16 rows of Engram layer ``layer_index`` (its position in
-        the config), for an engine that runs its own head.
+        the config), for an engine that runs its own head (a runtime built without
+        heads) or a check.
 
         The current stream waits for this layer's lookup only; other layers'
-        lookups keep running.
+        lookups keep running. The tensor is a view of the fixed
+        :meth:`~EngramRuntime.rows_buffer` of this slot, valid until a later
+        plan reuses the slot.
         """
         if not 0 <= layer_index < len(self.pending):
             raise ValidationError(
                 f"layer_index={layer_index} must be in [0, {len(self.pending)}) (Engram layers)"
             )
         return self.pending[layer_index].wait()
+
+    @property
+    def done(self) -> bool:
+        """Whether :meth:`EngramRuntime.run` has run every layer of this step."""
+        return all(self._ran)
+
+
+class RuntimeLayer(nn.Module):
+    """Engram layer ``index`` of a runtime, as a module for a model's block list:
+    ``layer(hidden)`` is ``runtime.run(index, hidden)``.
+
+    Attributes:
+        head: the layer's :class:`~engramrt.layer.EngramHead` (its weights).
+        index: the layer's position among the model's Engram layers.
+    """
+
+    def __init__(self, runtime: EngramRuntime, index: int, head: EngramHead) -> None:
+        super().__init__()
+        self.head = head
+        self.index = index
+        self._runtime = weakref.ref(runtime)  # the runtime owns its layers, not the reverse
+
+    @property
+    def source(self) -> RowSource:
+        """Where this layer's rows come from."""
+        return self._runtime_or_raise().sources[self.index]
+
+    def load_weights(self, **weights: Any) -> None:
+        """The head's :meth:`~engramrt.layer.EngramHead.load_weights`."""
+        self.head.load_weights(**weights)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        token_mask: torch.Tensor | None = None,
+        *,
+        out: torch.Tensor | None = None,
+        return_kv: bool = False,
+    ) -> Any:
+        """:meth:`EngramRuntime.run` of this layer."""
+        return self._runtime_or_raise().run(
+            self.index, hidden, token_mask, out=out, return_kv=return_kv
+        )
+
+    def _runtime_or_raise(self) -> EngramRuntime:
+        runtime = self._runtime()
+        if runtime is None:
+            raise ValidationError(f"Engram layer {self.index}: its EngramRuntime no longer exists")
+        return runtime
+
+    def extra_repr(self) -> str:
+        return f"index={self.index}"
 
 
 class EngramRuntime:
@@ -162,10 +265,13 @@ class EngramRuntime:
             None when batches carry ``lookback_token_ids``.
         heads: optional, one :class:`~engramrt.layer.EngramHead` (or an
             :class:`EngramConfig` to build an unloaded one) per layer; then
-            :attr:`layers` holds the model's Engram layers, fed by the
-            runtime.
-        validate: the layers' host-side shape checks (never synchronise).
-            The hasher's own checks are the hasher's settings.
+            :meth:`run` and :attr:`layers` compute the model's Engram layers.
+        validate: host-side checks of ``hidden`` in :meth:`run` and of the
+            heads' and gate's arguments (shapes, dtypes, devices; they never
+            synchronise). The checks that keep the fixed buffers in bounds
+            (``max_tokens``, ``max_requests``, unconsumed steps) read host
+            ints only and always run. The hasher's own checks are the
+            hasher's settings.
         num_slots: staging slots; 2 lets a prefetch overlap the current step.
         lookup_priority: CUDA stream priority of the side streams the
             lookups run on (lower numbers are higher priority in torch). The
@@ -185,14 +291,15 @@ class EngramRuntime:
             CPU's gather for the later ones, which have time for it; ``"all"``:
             GPU reads everywhere; ``"sources"``: each source as it was built.
             The choice is set on the sources when the runtime is built
-            (sources shared with another runtime take the later one's).
-            GPU reads in flight slow the blocks running beside them; on one
-            H200, decode of 256 tokens with host-memory tables cost 1.1-1.7%
-            with ``"first"`` against 3.7-4.4% with ``"all"``
-            (BENCHMARKS.md, "Step cost with host-memory tables").
+            (sources shared with another runtime take the later one's). GPU
+            reads in flight slow the blocks running beside them, so the
+            default keeps them where waiting would cost most (measured in
+            BENCHMARKS.md, "Step cost with host-memory tables").
 
     Attributes:
-        layers: the Engram layers (empty without ``heads``).
+        layers: the Engram layers as modules (empty without ``heads``).
+        heads: the layers' heads (empty without ``heads``).
+        handle: an int naming this runtime to the custom operators.
     """
 
     def __init__(
@@ -264,27 +371,37 @@ class EngramRuntime:
         self.n_cols = consts.n_cols
         self.head_dim = head_dims.pop()
         self.num_slots = num_slots
-        self.layers: list[EngramLayer] = [
-            EngramLayer(head, source, max_tokens=max_tokens, validate=validate, rows_buffer=False)
-            for head, source in zip(heads or [], self.sources, strict=False)
+        self.validate = validate
+        self.heads: list[EngramHead] = [
+            self._head(index, head, validate) for index, head in enumerate(heads or [])
         ]
-        self.row_ids = [
+        self.layers: list[RuntimeLayer] = [
+            RuntimeLayer(self, index, head) for index, head in enumerate(self.heads)
+        ]
+
+        # Fixed buffers, NaN-poisoned so a slice that was never written shows.
+        def staging(*shape: int) -> torch.Tensor:
+            return torch.full(shape, float("nan"), dtype=torch.bfloat16, device=self.device)
+
+        self._row_ids = [
             torch.empty(
                 (max_tokens, self.n_layers, self.n_cols), dtype=hasher.out_dtype, device=self.device
             )
             for _ in range(num_slots)
         ]
-        self.staging = [
-            [
-                torch.empty(
-                    (s.local_tokens(max_tokens), self.n_cols, self.head_dim),
-                    dtype=torch.bfloat16,
-                    device=self.device,
-                )
-                for s in self.sources
-            ]
+        self._staging = [
+            [staging(s.local_tokens(max_tokens), self.n_cols, self.head_dim) for s in self.sources]
             for _ in range(num_slots)
         ]
+        self._kv = [
+            staging(s.local_tokens(max_tokens), (h.hc_mult + 1) * h.hidden_size)
+            for s, h in zip(self.sources, self.heads, strict=False)
+        ]
+        self._out = [
+            staging(s.local_tokens(max_tokens), h.hc_mult, h.hidden_size)
+            for s, h in zip(self.sources, self.heads, strict=False)
+        ]
+        self._planned: list[StepPlan] = []  # plans with unconsumed layers, oldest first
         self._next_slot = 0
         cuda = self.device.type == "cuda"
         self._lookup_stream = (
@@ -303,10 +420,102 @@ class EngramRuntime:
         }
         self._jobs = worker_jobs(self.sources, self._worker_of)
         self._updates: list[Future[None]] = []
+        self.handle = next(_NEXT_HANDLE)
+        _HANDLES[self.handle] = self
 
-    # -- steps -------------------------------------------------------------
+    def _head(self, index: int, head: EngramHead | EngramConfig, validate: bool) -> EngramHead:
+        source = self.sources[index]
+        if isinstance(head, EngramConfig):
+            head = EngramHead(head, device=source.device, validate=validate)
+        if not isinstance(head, EngramHead):
+            raise ValidationError(
+                f"heads[{index}] is a {type(head).__name__}; expected an EngramHead or an "
+                f"EngramConfig"
+            )
+        if head.head_dim != source.E:
+            raise ValidationError(
+                f"sources[{index}] holds rows of E={source.E} values; heads[{index}] has "
+                f"head_dim E={head.head_dim}"
+            )
+        if head.num_cols != self.n_cols:
+            raise ValidationError(
+                f"heads[{index}] has C={head.num_cols} hash columns; the hasher makes {self.n_cols}"
+            )
+        if head.device != source.device:
+            raise ValidationError(
+                f"heads[{index}] is on {head.device} but sources[{index}] writes rows on "
+                f"{source.device}; expected one device"
+            )
+        served = source.served_columns(self.n_cols)
+        if served != (0, self.n_cols):
+            raise ShardingError(
+                f"sources[{index}] serves hash columns [{served[0]}, {served[1]}) of "
+                f"C={self.n_cols}; a layer needs the rows of every column: give it an exchange "
+                f"over this rank's column shard (engramrt.exchange) instead of the shard's store"
+            )
+        return head
+
+    # -- fixed addresses ---------------------------------------------------
+
+    def row_ids_buffer(self, slot: int) -> torch.Tensor:
+        """The fixed ``[max_tokens, L, C]`` row-id buffer of staging slot ``slot``; a
+        step of T tokens planned into it writes its first T rows."""
+        return self._row_ids[self._slot(slot)]
+
+    def rows_buffer(self, slot: int, layer_index: int) -> torch.Tensor:
+        """The fixed ``[local_tokens(max_tokens), C, E]`` bf16 rows buffer of staging
+        slot ``slot``, Engram layer ``layer_index``."""
+        return self._staging[self._slot(slot)][self._layer(layer_index)]
+
+    def output_buffer(self, layer_index: int) -> torch.Tensor:
+        """The fixed ``[local_tokens(max_tokens), hc, D]`` bf16 buffer :meth:`run` writes
+        layer ``layer_index``'s output into (unless given ``out``)."""
+        self._need_heads("output_buffer")
+        return self._out[self._layer(layer_index)]
+
+    @property
+    def worker_assignment(self) -> dict[int, int]:
+        """``{layer: worker key}`` for the layers whose source runs on a CPU worker thread
+        (see :func:`worker_plan`); the other layers run on the side stream."""
+        return dict(self._worker_of)
+
+    @property
+    def next_slot(self) -> int:
+        """The staging slot the next :meth:`plan` writes (the slots alternate)."""
+        return self._next_slot
+
+    def _slot(self, slot: int) -> int:
+        if isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < self.num_slots:
+            raise ValidationError(f"slot={slot!r} must be an int in [0, {self.num_slots})")
+        return slot
+
+    def _layer(self, layer_index: int) -> int:
+        if (
+            isinstance(layer_index, bool)
+            or not isinstance(layer_index, int)
+            or not 0 <= layer_index < self.n_layers
+        ):
+            raise ValidationError(
+                f"layer_index={layer_index!r} must be an int in [0, {self.n_layers}) "
+                f"(Engram layers)"
+            )
+        return layer_index
+
+    def _need_heads(self, what: str) -> None:
+        if not self.heads:
+            raise ValidationError(
+                f"{what}() needs the layers' heads: build the runtime with heads=[...] (or use "
+                f"StepPlan.rows to run your own head)"
+            )
+
+    # -- plan ----------------------------------------------------------------
 
     def _check(self, batch: HashBatch) -> None:
+        if not isinstance(batch, HashBatch):
+            raise ValidationError(
+                f"batch is a {type(batch).__name__}; expected a HashBatch (what the adapters in "
+                f"engramrt.adapters return)"
+            )
         if batch.num_tokens > self.max_tokens:
             raise ValidationError(
                 f"the batch has {batch.num_tokens} tokens; this runtime was sized for "
@@ -317,40 +526,38 @@ class EngramRuntime:
                 f"the batch has {batch.num_requests} requests; this runtime was sized for "
                 f"max_requests={self.max_requests}"
             )
-        for index, layer in enumerate(self.layers):
-            if layer.pending_steps >= self.num_slots:
-                raise ValidationError(
-                    f"Engram layer {index} has not consumed the rows of {layer.pending_steps} "
-                    f"started steps; a new step would overwrite them (num_slots={self.num_slots}): "
-                    f"call every layer once per step"
-                )
+        if self.heads and len(self._planned) >= self.num_slots:
+            waiting = [index for index, p in enumerate(self._planned[0].pending) if p is not None]
+            raise ValidationError(
+                f"{len(self._planned)} planned steps have layers whose rows were not consumed "
+                f"(oldest: Engram layers {waiting}); a new plan would overwrite them "
+                f"(num_slots={self.num_slots}): run every layer once per step"
+            )
 
-    def step(self, batch: HashBatch) -> StepRows:
-        """Hash ``batch`` and start every layer's rows; returns handles to them.
+    def plan(self, batch: HashBatch) -> StepPlan:
+        """Hash ``batch`` and start every layer's rows: the host half of a step.
 
-        With :attr:`layers`, each layer also receives its rows: call
-        ``runtime.layers[i](hidden)`` at its block. The checks against
-        ``max_tokens`` / ``max_requests`` read only tensor shapes (no device
-        synchronisation), so they always run.
+        ``batch`` is what an adapter returns (:func:`~engramrt.adapters.from_vllm_step`,
+        :func:`~engramrt.adapters.from_sglang_batch`) or a :class:`HashBatch`. Launches
+        the hash kernel and the lookups and returns at once; nothing here waits on
+        the device (a source that must learn the ids does so on its worker thread).
+        Call :meth:`run` for each layer at its block, or :meth:`StepPlan.rows`.
         """
         self._check(batch)
         self._raise_failed_updates()
         slot = self._next_slot
         self._next_slot = (slot + 1) % self.num_slots
         num_tokens = batch.num_tokens
-        row_ids = self.row_ids[slot][:num_tokens]
+        row_ids = self._row_ids[slot][:num_tokens]
         self.hasher(batch, self.history, out=row_ids)
         ready = None  # marks the hash ids done, for the worker threads' streams
         if self._workers:
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(self.device))
-        pending = []
+        pending: list[PendingRows] = []
         for index, source in enumerate(self.sources):
-            out = self.staging[slot][index][: source.local_tokens(num_tokens)]
-            rows = self._start(index, source, row_ids[:, index], out, ready)
-            pending.append(rows)
-            if self.layers:
-                self.layers[index].receive(rows)
+            out = self._staging[slot][index][: source.local_tokens(num_tokens)]
+            pending.append(self._start(index, source, row_ids[:, index], out, ready))
         for job, index in self._jobs:
             if job == "update":  # after every threaded lookup of the step; nobody joins it
                 key = self._worker_of[index]
@@ -359,7 +566,93 @@ class EngramRuntime:
                         self._update_on_worker, self.sources[index], self._worker_streams[key]
                     )
                 )
-        return StepRows(row_ids=row_ids, num_tokens=num_tokens, slot=slot, pending=pending)
+        step = StepPlan(row_ids=row_ids, num_tokens=num_tokens, slot=slot, pending=pending)
+        step._ran = [False] * self.n_layers
+        if self.heads:
+            self._planned.append(step)
+        return step
+
+    prefetch = plan
+    """Plan the next step now, right after sampling (an alias of :meth:`plan`: the
+    staging slots alternate, so the current step's rows stay valid until the step
+    after the prefetched one, and :meth:`run` consumes planned steps in order)."""
+
+    # -- run -----------------------------------------------------------------
+
+    def run(
+        self,
+        layer_index: int,
+        hidden: torch.Tensor,
+        token_mask: torch.Tensor | None = None,
+        *,
+        out: torch.Tensor | None = None,
+        return_kv: bool = False,
+    ) -> Any:
+        """Engram layer ``layer_index`` of the oldest planned step that has not run it:
+        ``out [Tl, hc, D]`` bf16 = gate(hidden, wkv(rows)). Device work only.
+
+        Args:
+            layer_index: the layer's position among the model's Engram layers.
+            hidden: ``[Tl, hc, D]`` hidden streams (bf16; fp16/fp32 accepted),
+                contiguous, ``Tl = source.local_tokens(T)``: ``T``, or this
+                rank's ``ceil(T / tp)`` tokens under sequence parallelism.
+            token_mask: optional bool ``[Tl]``; False passes the token through.
+            out: optional contiguous bf16 ``[Tl, hc, D]`` to write instead of
+                the fixed :meth:`output_buffer`.
+            return_kv: also return kv ``[Tl, (hc+1)*D]`` (a view of a fixed buffer).
+
+        Returns:
+            ``out`` (by default a view of :meth:`output_buffer`, overwritten by
+            the next step), or ``(out, kv)``.
+        """
+        self._need_heads("run")
+        index = self._layer(layer_index)
+        step = next((s for s in self._planned if not s._ran[index]), None)
+        if step is None:
+            raise ValidationError(
+                f"run({index}) but no planned step has Engram layer {index}'s rows waiting; "
+                f"call plan(batch) first, once per step"
+            )
+        local = self.sources[index].local_tokens(step.num_tokens)
+        if self.validate:
+            self._check_hidden(index, hidden, local, step.num_tokens)
+        step._ran[index] = True
+        rows = step.pending[index].wait()
+        while self._planned and self._planned[0].done:
+            self._planned.pop(0)
+        return self.heads[index].compute(
+            hidden,
+            rows,
+            token_mask,
+            out=self._out[index][:local] if out is None else out,
+            kv_out=self._kv[index][:local],
+            return_kv=return_kv,
+        )
+
+    def _check_hidden(self, index: int, hidden: torch.Tensor, local: int, num_tokens: int) -> None:
+        head = self.heads[index]
+        if not isinstance(hidden, torch.Tensor):
+            raise ValidationError(f"hidden is a {type(hidden).__name__}; expected a tensor")
+        expected = [local, head.hc_mult, head.hidden_size]
+        if list(hidden.shape) != expected:
+            tokens = (
+                f"T = {num_tokens} tokens of the planned step"
+                if local == num_tokens
+                else f"local_tokens({num_tokens}) = {local} tokens of this rank"
+            )
+            raise ValidationError(
+                f"hidden has shape {list(hidden.shape)}; expected {expected} ({tokens}, hc, D) "
+                f"for Engram layer {index}"
+            )
+        if hidden.device != self.device:
+            raise ValidationError(
+                f"hidden is on {hidden.device}; expected the runtime's device {self.device}"
+            )
+
+    @property
+    def pending_steps(self) -> int:
+        """Planned steps some layer has not run yet (always 0 without heads)."""
+        return len(self._planned)
 
     def _raise_failed_updates(self) -> None:
         """Raise the error of an update that failed (the layers do not join updates);
@@ -373,11 +666,6 @@ class EngramRuntime:
             error = future.exception()
             if error is not None:
                 raise error
-
-    prefetch = step
-    """Start the next step's rows now (an alias of :meth:`step`: the staging
-    slots alternate, so the current step's rows stay valid until the step
-    after the prefetched one, and layers consume started steps in order)."""
 
     def _start(
         self,
