@@ -353,14 +353,13 @@ class Replay:
             return self.hasher(batch, self.history).cpu().numpy().astype(np.int64), None
         runtime = self.runtime
         plan = runtime.plan(batch)
-        cfg = runtime.layers[0].head.config if runtime.layers else None
         rows = [plan.rows(layer).cpu().clone() for layer in range(len(runtime.sources))]
-        if cfg is not None:
-            hidden = torch.randn(
-                plan.num_tokens, cfg.hc_mult, cfg.hidden_size, device=runtime.device
-            ).bfloat16()
-            for layer in range(len(runtime.layers)):
-                hidden = runtime.run(layer, hidden)
+        if runtime.heads:  # the blocks' side: every layer runs once per step
+            head = runtime.heads[0]
+            hidden = torch.randn(plan.num_tokens, head.hc_mult, head.hidden_size)
+            hidden = hidden.bfloat16().to(runtime.device)
+            for layer in range(len(runtime.heads)):
+                hidden = runtime.run(layer, hidden).clone()
         return plan.row_ids.to(torch.int64).cpu().numpy(), rows
 
     def _compare(
