@@ -520,10 +520,10 @@ class TinyEngramModel:
         sim, runtime, store = request.sim, serving.runtime, serving.store
         for started in serving.scheduler.started:  # a ring per request, seeded past a hit
             if isinstance(store, RequestHistory):
-                lookback, dead = lookback_of(
+                before, dead = lookback_of(
                     started, started.computed, self.config.max_ngram_size - 1
                 )
-                known = [t for t in lookback if t >= 0]
+                known = [t for t in before if t >= 0]
                 store.seed(
                     started.row,
                     started.computed,
@@ -532,10 +532,10 @@ class TinyEngramModel:
                 )
         serving.scheduler.started = []
         step = Step(len(serving.result.steps), [chunk])
-        lookback = None
+        lookback: tuple[np.ndarray, np.ndarray] | None = None
         if store is None:  # lookback ids only: the N-1 tokens before the chunk
-            ids, dead = lookback_of(sim, chunk.start, self.config.max_ngram_size - 1)
-            lookback = (np.array([ids], dtype=np.int64), np.array([dead], dtype=bool))
+            ids, dead_ids = lookback_of(sim, chunk.start, self.config.max_ngram_size - 1)
+            lookback = (np.array([ids], dtype=np.int64), np.array([dead_ids], dtype=bool))
         engine_step = serving.runner.express([step], lookback, self.device)
         batch = from_vllm_step(
             **engine_step, cache=store if isinstance(store, SlotHashCache) else None
