@@ -206,12 +206,13 @@ class Scheduler:
         request.prefix_hit = 0
         if not hit:
             return
+        finished = False  # some block is held by no live request
         for block in hit:
             if self.refs.get(block, 0) == 0:
                 self.free_blocks.remove(block)
-                self.events["prefix hit on a finished request"] += 1
+                finished = True
             self.refs[block] = self.refs.get(block, 0) + 1
-        self.events["prefix hit"] += 1
+        self.events["prefix hit on a finished request" if finished else "prefix hit"] += 1
         request.blocks = hit
         n_tok = len(hit) * self.block_size
         # A hit on the whole prompt recomputes its last token (into a shared block).
