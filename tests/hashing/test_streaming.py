@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from engramrt.config import PRESETS
 from engramrt.hashing import HashConstants
-from engramrt.testing import MODES, run_schedule
+from engramrt.testing import MODES, run_schedule, run_schedules
 
 
 @pytest.fixture(scope="module")
@@ -56,10 +56,17 @@ def test_kernel_schedules_match_one_shot(seed: int, mode: str, consts, token_map
 @pytest.mark.parametrize("backend", ["reference", "triton"])
 def test_control_dropping_lookback_changes_ids(backend: str, consts, token_map, device) -> None:
     dev = device if backend == "triton" else "cpu"
-    engine = _run_schedule(
-        7, "lookback", backend, consts, token_map, max_steps=4, sabotage="drop_lookback", device=dev
+    engines = run_schedules(  # four schedules in one batch: some step reads the lost history
+        range(7, 11),
+        "lookback",
+        backend,
+        consts,
+        token_map,
+        max_steps=4,
+        sabotage="drop_lookback",
+        device=dev,
     )
-    assert engine.mismatches
+    assert any(engine.mismatches for engine in engines)
 
 
 @pytest.mark.parametrize("backend", ["reference", "triton"])
@@ -67,10 +74,17 @@ def test_control_rebinding_slot_cache_loses_history(
     backend: str, consts, token_map, device
 ) -> None:
     dev = device if backend == "triton" else "cpu"
-    engine = _run_schedule(
-        11, "slot", backend, consts, token_map, max_steps=5, sabotage="rebind", device=dev
+    engines = run_schedules(  # four schedules in one batch: some step reads the lost history
+        range(11, 15),
+        "slot",
+        backend,
+        consts,
+        token_map,
+        max_steps=5,
+        sabotage="rebind",
+        device=dev,
     )
-    assert engine.mismatches
+    assert any(engine.mismatches for engine in engines)
 
 
 @pytest.mark.parametrize("backend", ["reference", "triton"])
@@ -78,7 +92,14 @@ def test_control_resetting_request_history_loses_history(
     backend: str, consts, token_map, device
 ) -> None:
     dev = device if backend == "triton" else "cpu"
-    engine = _run_schedule(
-        5, "request", backend, consts, token_map, max_steps=5, sabotage="reset", device=dev
+    engines = run_schedules(  # four schedules in one batch: some step reads the lost history
+        range(5, 9),
+        "request",
+        backend,
+        consts,
+        token_map,
+        max_steps=5,
+        sabotage="reset",
+        device=dev,
     )
-    assert engine.mismatches
+    assert any(engine.mismatches for engine in engines)

@@ -85,8 +85,9 @@ class RandomSchedule:
 
     def random_tokens(self, count: int) -> tuple[list[int], list[bool]]:
         tokens = self.rng.integers(0, self.vocab, size=count).tolist()
-        dead = (self.rng.random(count) < self.dead_rate).tolist()
-        return tokens, dead
+        if not self.dead_rate:
+            return tokens, [False] * count
+        return tokens, (self.rng.random(count) < self.dead_rate).tolist()
 
     def add_request(self) -> Request | None:
         sched, rng, bs = self.scheduler, self.rng, self.scheduler.block_size
