@@ -29,6 +29,20 @@ def test_import_is_lean() -> None:
     assert _run(code) == "", "import engramrt pulled in: " + _run(code)
 
 
+def test_import_leaves_the_engine_simulator_out() -> None:
+    """``engramrt.testing`` (the simulated engine) loads only when asked for; the control
+    imports it and sees it."""
+    code = (
+        "import sys, engramrt\n"
+        "for name in engramrt._LAZY:\n"
+        "    getattr(engramrt, name)\n"
+        "print('engramrt.testing' in sys.modules)\n"
+        "import engramrt.testing\n"
+        "print('engramrt.testing' in sys.modules)\n"
+    )
+    assert _run(code).splitlines() == ["False", "True"]
+
+
 def test_lazy_names_import_no_triton_until_a_kernel_runs() -> None:
     """Every lazy name imports torch but not Triton; running a kernel then does (the control)."""
     code = (

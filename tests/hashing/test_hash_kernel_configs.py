@@ -27,9 +27,9 @@ from engramrt.hashing import (
     RequestHistory,
     hash_batch_reference,
 )
-from engramrt.hashing.engine_sim import MODES, run_schedule
 from engramrt.hashing.kernel import _mod_prime
 from engramrt.hashing.ops import HASH_KERNEL_CONFIGS, HashKernelConfig, kernel_config_for
+from engramrt.testing import MODES, run_schedule
 
 CONFIGS = {
     "bt8w1-scan": HashKernelConfig(block_t=8, num_warps=1),

@@ -12,8 +12,8 @@ import pytest
 
 from engramrt.config import PRESETS
 from engramrt.hashing import HashConstants, SlotHashCache, hash_sequence
-from engramrt.hashing.engine_sim import MODES, one_shot_rows, run_schedule, run_schedules
 from engramrt.hashing.soak import main, soak
+from engramrt.testing import MODES, one_shot_rows, run_schedule, run_schedules
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -118,15 +118,6 @@ def test_control_soak_reports_a_planted_history_bug(monkeypatch, capsys) -> None
     out = capsys.readouterr().out.strip().splitlines()
     assert out[-1].endswith("mismatches") and not out[-1].endswith(" 0 mismatches")
     assert f"seed {first.seed}, mode slot" in out[0]
-
-
-@pytest.mark.parametrize("mode", MODES)
-def test_prefix_request_after_long_accepted_drafts(mode: str, token_map) -> None:
-    """Seed 2001185 takes the first request past 29 tokens before a prefix hit (a bounded draw once raised)."""
-    consts = HashConstants.from_config(PRESETS["tiny"], token_map)
-    engine = run_schedule(2001185, mode, "reference", consts, token_map)
-    assert not engine.mismatches, engine.mismatches
-    assert engine.steps > 2
 
 
 def test_schedule_draws_stay_in_range(token_map) -> None:

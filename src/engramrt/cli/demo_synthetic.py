@@ -30,71 +30,87 @@ def _stream_checked(
     token_map: Any,
     consts: Any,
 ) -> tuple[list[dict[str, Any]], Any]:
-    """Stream ``token_ids`` through an :class:`EngramRuntime` and its layers as two requests.
+    """Stream ``token_ids`` through an :class:`EngramRuntime` as two requests of an engine.
 
-    Request A: chunked prefill, decode steps, one speculative step whose
-    drafts are rejected. Request B: shares A's first blocks (a prefix-cache
-    hit) and prefills the rest. Each step is one engine step: ``runtime.step``
-    then every Engram layer called with the step's hidden states
-    (``hidden [T, hc, D]``, by position). Every step's row ids are checked
-    against one-shot hashing, its rows against the reference lookup of the
-    same table, and each layer's kv and output against the float reference.
-    Returns the checks and the runtime (closed; for its cache stats).
+    The engine is the simulator's (:mod:`engramrt.testing`): its scheduler over
+    paged KV blocks of 8 with a prefix cache, each step a vLLM runner step through
+    :func:`~engramrt.adapters.from_vllm_step` into ``runtime.plan``, then
+    ``runtime.run`` of every Engram layer with the step's hidden states
+    (``hidden [T, hc, D]``, by position). Request A: chunked prefill, one
+    speculative step whose drafts are rejected, decode steps. Request B: the
+    same text, found in the prefix cache (A's full blocks), the rest prefilled.
+    Every step's row ids are checked against one-shot hashing, its rows against
+    the reference lookup of the same table, and each layer's kv and output
+    against the float reference. Returns the checks and the runtime (closed;
+    for its cache stats).
     """
     import numpy as np
     import torch
 
-    from engramrt.hashing import HashBatch, SlotHashCache, hash_sequence
+    from engramrt.adapters import from_vllm_step, vllm_slot_cache
+    from engramrt.hashing import hash_sequence
     from engramrt.runtime import EngramRuntime
+    from engramrt.testing import Scheduler, Step, VllmView
 
     device = hasher.device
-    block = 8
-    t_len = len(token_ids)
-    cache = SlotHashCache(block * (2 * (t_len // block + 2)), block, device)
+    block, t_len = 8, len(token_ids)
+    max_blocks = t_len // block + 2
+    rng = np.random.default_rng(0)
+    scheduler = Scheduler(
+        block_size=block, num_blocks=2 * max_blocks + 1, max_requests=2, max_len=t_len, rng=rng
+    )
+    runner = VllmView(
+        rng,
+        token_map.vocab_size,
+        max_tokens=t_len,
+        max_requests=1,
+        max_blocks=max_blocks,
+        num_slots=scheduler.num_blocks * block,
+        block_size=block,
+    )
+    cache = vllm_slot_cache(scheduler.num_blocks, block, device)
     runtime = EngramRuntime(
         hasher, stores, heads=heads, max_tokens=t_len, max_requests=1, history=cache
     )
-    blocks_a = list(range(t_len // block + 2))
-    blocks_b = blocks_a[:2] + [len(blocks_a) + i for i in range(t_len // block + 2)]
     steps: list[dict[str, Any]] = []
 
-    def run(label: str, seq: Any, start: int, end: int, blocks: list[int]) -> None:
-        batch = HashBatch.single(seq[start:end], start=start, device=device)
-        batch.slot_mapping = torch.tensor(
-            [blocks[p // block] * block + p % block for p in range(start, end)], device=device
-        )
-        batch.block_table = torch.tensor([blocks], dtype=torch.int32, device=device)
-        handle = runtime.plan(batch)
-        got = handle.row_ids.to(torch.int64).cpu()
-        want = hash_sequence(token_map.compress(seq[:end]), consts)[start:end]
+    def run(label: str, chunk: Any, accepted: int | None = None) -> None:
+        engine_step = runner.express([Step(len(steps), [chunk])], None, device)
+        plan = runtime.plan(from_vllm_step(**engine_step, cache=cache))
+        start, end = chunk.start, chunk.end
+        seq = np.asarray(chunk.request.tokens[:end], dtype=np.int64)
+        got = plan.row_ids.to(torch.int64).cpu()
+        want = hash_sequence(token_map.compress(seq), consts)[start:end]
         ok = bool(np.array_equal(got.numpy(), want))
-        for li, (store, layer) in enumerate(zip(stores, runtime.layers, strict=True)):
+        step_hidden = hidden[start:end].contiguous()
+        for li, store in enumerate(stores):
             rows = _reference_rows(store, got[:, li])
-            ok &= torch.equal(handle.rows(li).cpu().view(torch.int16), rows.view(torch.int16))
-            step_hidden = hidden[start:end].contiguous()
-            out, kv = layer(step_hidden, return_kv=True)
-            ok &= _layer_within_tolerance(layer.head, step_hidden, rows.to(device), kv, out)
+            ok &= torch.equal(plan.rows(li).cpu().view(torch.int16), rows.view(torch.int16))
+            out, kv = runtime.run(li, step_hidden, return_kv=True)
+            ok &= _layer_within_tolerance(runtime.heads[li], step_hidden, rows.to(device), kv, out)
+        scheduler.advance(chunk, accepted)
         steps.append({"step": label, "tokens": end - start, "ok": ok})
 
-    ids = np.asarray(token_ids, dtype=np.int64)
+    ids = [int(t) for t in token_ids]
+    a = scheduler.admit(ids)
+    assert a is not None
     prefill_end = max(1, t_len - 6)
-    for start in range(0, prefill_end, 11):
-        run(
-            f"A prefill {start}:{min(start + 11, prefill_end)}",
-            ids,
-            start,
-            min(start + 11, prefill_end),
-            blocks_a,
-        )
-    pos = prefill_end
+    while a.computed < prefill_end:
+        start = a.computed
+        chunk = scheduler.chunk(a, min(11, prefill_end - start))
+        run(f"A prefill {start}:{chunk.end}", chunk)
+    pos = a.computed
     # A speculative step: the real next token plus two wrong drafts, then rejected.
-    drafted = np.concatenate([ids[: pos + 1], [(ids[pos] + 1) % len(token_map.map), 7]])
-    run(f"A verify {pos}:{pos + 3} (2 drafts, rejected)", drafted, pos, pos + 3, blocks_a)
-    pos += 1
-    while pos < t_len:
-        run(f"A decode {pos}", ids, pos, pos + 1, blocks_a)
-        pos += 1
-    run(f"B prefix hit, prefill {2 * block}:{t_len}", ids, 2 * block, t_len, blocks_b)
+    chunk = scheduler.chunk(a, 0, [(ids[pos] + 1) % len(token_map.map), 7])
+    run(f"A verify {pos}:{pos + 3} (2 drafts, rejected)", chunk, accepted=0)
+    while a.computed < t_len:
+        chunk = scheduler.chunk(a, 1)
+        run(f"A decode {chunk.start}", chunk)
+    b = scheduler.admit(ids)  # the same prompt: A's full blocks are in the prefix cache
+    assert b is not None
+    hit = b.computed
+    chunk = scheduler.chunk(b, t_len - hit)
+    run(f"B prefix hit ({hit} tokens), prefill {hit}:{t_len}", chunk)
     runtime.close()
     return steps, runtime
 

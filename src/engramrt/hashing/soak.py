@@ -1,8 +1,8 @@
 """Soak the streaming invariant (SPEC §5): many random engine schedules, every history mode.
 
-Each schedule (drawn from its seed by
-:mod:`engramrt.hashing.engine_sim`) runs through every history mode — lookback ids, the slot-keyed
-cache, request history — on the reference, and the first ``--kernel``
+Each schedule (drawn from its seed by the engine simulator,
+:mod:`engramrt.testing`: vLLM runner steps through the adapter) runs through every
+history mode — lookback ids, the slot-keyed cache, request history — on the reference, and the first ``--kernel``
 schedules also through the Triton kernel (CUDA when available, else the
 CPU interpreter, which needs ``TRITON_INTERPRET=1`` before the kernel is
 imported: :func:`main` sets it). ``--width`` schedules run at once, each
@@ -75,7 +75,7 @@ def soak(
         seed: the first schedule's seed.
         kernel: how many of the schedules (the first ones) also run through
             the Triton kernel.
-        modes: history modes (default all of :data:`~engramrt.hashing.engine_sim.MODES`).
+        modes: history modes (default all of :data:`~engramrt.testing.MODES`).
         max_steps: batches per schedule after the first.
         device: where the kernel runs (default CUDA when available, else CPU).
         config: preset whose hash layout is used.
@@ -84,7 +84,7 @@ def soak(
             schedules (0: never), so a run stopped early still says how far
             it got.
         width: schedules run at once, as the requests of one batch per step
-            (:func:`~engramrt.hashing.engine_sim.run_schedules`): one hasher
+            (:func:`~engramrt.testing.run_schedules`): one hasher
             call serves a step of ``width`` schedules. A schedule draws the
             same steps whatever ``width``, so ``scripts/soak 1 --seed S``
             (``count=1, seed=S``) replays schedule S alone.
@@ -94,7 +94,7 @@ def soak(
     from engramrt.config import load_config
     from engramrt.errors import ValidationError
     from engramrt.hashing import HashConstants, NgramHasher
-    from engramrt.hashing.engine_sim import MODES, run_schedules
+    from engramrt.testing import MODES, run_schedules
     from engramrt.tokenmap import TokenMap
 
     if isinstance(count, bool) or not isinstance(count, int) or count < 0:

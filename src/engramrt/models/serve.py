@@ -7,22 +7,28 @@
     result = model.generate([prompt_a, prompt_b], max_new_tokens=16)
     assert result.tokens == [model.reference_generate(p, 16).tokens for p in (prompt_a, prompt_b)]
 
-:meth:`TinyEngramModel.generate` runs requests the way an engine does,
-one :meth:`EngramRuntime.step <engramrt.runtime.EngramRuntime.step>` per
-engine step, the backbone keeping a KV cache per request:
+:meth:`TinyEngramModel.generate` runs requests the way an engine does: the
+scheduler of the engine simulator (:class:`engramrt.testing.Scheduler`: paged
+KV blocks, a content-keyed prefix cache) decides blocks, slots and prefix
+hits; each step is a vLLM-v1 runner step (:class:`engramrt.testing.VllmView`)
+that goes through :func:`~engramrt.adapters.from_vllm_step` into
+:meth:`EngramRuntime.plan <engramrt.runtime.EngramRuntime.plan>`, and the
+backbone (keeping a KV cache per request) calls
+:meth:`~engramrt.runtime.EngramRuntime.run` at each Engram block:
 
 - the first request: its prompt prefilled in chunks of ``chunk_size``, then
   greedy decode steps, one of which is a speculative step: the pending
   token plus ``drafts`` draft tokens are verified in one step; drafts that
   greedy decoding would not produce are rejected and rolled back in the
-  backbone's KV cache and in the runtime's hash history;
-- every later request: its longest common prefix with the first request,
-  in whole KV blocks of ``block_size`` (at least one token left to compute),
-  is a prefix-cache hit: its keys/values are copied from the first
-  request's cache, and its hash history comes from the first request's KV
-  slots (``history="slot"``), from lookback ids (``"lookback"``) or from a
-  seeded :class:`~engramrt.hashing.RequestHistory` (``"request"``); the rest
-  is prefilled in chunks, then greedy decode.
+  scheduler (its blocks past the kept tokens given back), in the backbone's
+  KV cache and in the runtime's hash history;
+- every later request: the prefix cache's longest chain of whole KV blocks of
+  ``block_size`` equal to its prompt's (at least one token left to compute)
+  is a prefix-cache hit: its keys/values are copied from the earlier request
+  that computed them, and its hash history comes from those KV slots
+  (``history="slot"``), from lookback ids (``"lookback"``) or from a seeded
+  :class:`~engramrt.hashing.RequestHistory` (``"request"``); the rest is
+  prefilled in chunks, then greedy decode.
 
 Greedy means argmax over the K kept ids (``<other>`` has no text: it is
 never emitted). :meth:`TinyEngramModel.reference_generate` is the eager
@@ -48,6 +54,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from engramrt.adapters import from_vllm_step, vllm_slot_cache
 from engramrt.config import EngramConfig
 from engramrt.errors import ValidationError
 from engramrt.gate import gate_values_reference
@@ -65,6 +72,7 @@ from engramrt.models import artifacts
 from engramrt.models.corpus import EvalSegments
 from engramrt.models.lm import KVCache, LMConfig, TinyLM, next_token_loss_sum
 from engramrt.models.vocab import Vocab
+from engramrt.testing import Chunk, Request, Scheduler, Step, VllmView, lookback_of
 from engramrt.tokenmap import TokenMap
 
 __all__ = [
@@ -123,11 +131,20 @@ class GenerationResult:
 @dataclass
 class _Request:
     index: int
-    tokens: list[int]  # every token known: prompt, then generated
+    sim: Request  # the scheduler's request: tokens (prompt, then generated), blocks
     kv: KVCache
-    blocks: list[int]
     gates: np.ndarray
-    fed: int = 0  # tokens in the KV cache
+
+
+@dataclass
+class _Serving:
+    """What one :meth:`TinyEngramModel.generate` call serves with."""
+
+    scheduler: Scheduler
+    runner: VllmView
+    runtime: Any
+    store: SlotHashCache | RequestHistory | None
+    result: GenerationResult
 
 
 class TinyEngramModel:
@@ -380,11 +397,26 @@ class TinyEngramModel:
         max_len = max(len(p) for p in prompts) + max_new_tokens + len(drafts) + 1
         blocks_per_request = -(-max_len // block_size)
         n = self.config.max_ngram_size
+        rng = np.random.default_rng(0)  # block choice and the runner's stale buffers
+        scheduler = Scheduler(
+            block_size=block_size,
+            num_blocks=blocks_per_request * len(prompts) + 1,
+            max_requests=len(prompts),
+            max_len=max_len,
+            rng=rng,
+        )
+        runner = VllmView(
+            rng,
+            self.token_map.vocab_size,
+            max_tokens=max(chunk_size, len(drafts) + 1),
+            max_requests=1,
+            max_blocks=blocks_per_request,
+            num_slots=scheduler.num_blocks * block_size,
+            block_size=block_size,
+        )
         store: SlotHashCache | RequestHistory | None = None
         if history == "slot":
-            store = SlotHashCache(
-                blocks_per_request * len(prompts) * block_size, block_size, self.device
-            )
+            store = vllm_slot_cache(scheduler.num_blocks, block_size, self.device)
         elif history == "request":
             store = RequestHistory(
                 len(prompts), n, window=n - 1 + len(drafts) + 1, device=self.device
@@ -398,45 +430,38 @@ class TinyEngramModel:
             history=store,
         )
         result = GenerationResult()
+        serving = _Serving(scheduler, runner, runtime, store, result)
         requests: list[_Request] = []
         try:
             for index, prompt in enumerate(prompts):
+                sim = scheduler.admit([int(t) for t in prompt])
+                assert sim is not None  # a row per prompt
                 request = _Request(
-                    index,
-                    [int(t) for t in prompt],
-                    self._cache(max_len),
-                    [index * blocks_per_request + b for b in range(blocks_per_request)],
-                    np.full((max_len, len(self.heads)), np.nan),
+                    index, sim, self._cache(max_len), np.full((max_len, len(self.heads)), np.nan)
                 )
-                hit = 0
-                if index > 0:
-                    hit = self._prefix_hit(requests[0], request, block_size)
-                    request.kv.copy_prefix(requests[0].kv, hit)
-                    request.blocks[: hit // block_size] = requests[0].blocks[: hit // block_size]
-                    request.gates[:hit] = requests[0].gates[:hit]
-                    request.fed = hit
-                    if isinstance(store, RequestHistory):
-                        store.reset(index)
-                        lookback = [request.tokens[hit - 1 - j] for j in range(min(n - 1, hit))]
-                        store.seed(index, hit, self.token_map.compress(lookback))
-                elif isinstance(store, RequestHistory):
-                    store.reset(index)
+                hit = sim.computed
+                if hit:  # the keys/values of an earlier request with the same prefix
+                    donor = next(
+                        r
+                        for r in requests
+                        if r.kv.length >= hit and r.sim.tokens[:hit] == sim.tokens[:hit]
+                    )
+                    request.kv.copy_prefix(donor.kv, hit)
+                    request.gates[:hit] = donor.gates[:hit]
                 result.prefix_hit_tokens.append(hit)
                 requests.append(request)
                 self._serve(
-                    runtime,
-                    store,
+                    serving,
                     request,
                     len(prompt),
                     max_new_tokens,
                     chunk_size,
-                    block_size,
                     speculative_step if index == 0 else None,
                     drafts,
-                    result,
                 )
-                result.tokens.append(request.tokens[len(prompt) :])
-                result.gates.append(request.gates[: len(request.tokens) - 1].copy())
+                scheduler.finish(sim)
+                result.tokens.append(sim.tokens[len(prompt) :])
+                result.gates.append(request.gates[: len(sim.tokens) - 1].copy())
             if any(s.stats() is not None for s in self.stores):
                 result.cache_stats = runtime.cache_stats()
         finally:
@@ -445,98 +470,78 @@ class TinyEngramModel:
 
     def _serve(
         self,
-        runtime: Any,
-        store: SlotHashCache | RequestHistory | None,
+        serving: _Serving,
         request: _Request,
         prompt_len: int,
         max_new_tokens: int,
         chunk_size: int,
-        block_size: int,
         speculative_step: int | None,
         drafts: list[int],
-        result: GenerationResult,
     ) -> None:
+        sim, scheduler, result = request.sim, serving.scheduler, serving.result
         # Prefill: the prompt's tokens not in the cache yet, in chunks.
         logits = None
-        while request.fed < prompt_len:
-            end = min(request.fed + chunk_size, prompt_len)
-            logits = self._step(
-                runtime, store, request, request.fed, end, "prefill", block_size, result
-            )
+        while sim.computed < prompt_len:
+            chunk = scheduler.chunk(sim, min(chunk_size, prompt_len - sim.computed))
+            logits = self._step(serving, request, chunk, "prefill")
+            scheduler.advance(chunk)
         assert logits is not None
-        request.tokens.append(self._greedy(logits[-1:])[0])
+        sim.tokens.append(self._greedy(logits[-1:])[0])
+        sim.dead.append(False)
         decode_index = 0
-        while len(request.tokens) - prompt_len < max_new_tokens:
-            start = request.fed  # the pending token's position
+        while len(sim.tokens) - prompt_len < max_new_tokens:
             if decode_index == speculative_step:
-                request.tokens.extend(drafts)
-                logits = self._step(
-                    runtime,
-                    store,
-                    request,
-                    start,
-                    start + 1 + len(drafts),
-                    "verify",
-                    block_size,
-                    result,
-                )
-                greedy = self._greedy(logits)
+                chunk = scheduler.chunk(sim, 0, drafts)  # the pending token, then the drafts
+                greedy = self._greedy(self._step(serving, request, chunk, "verify"))
                 accepted = 0
                 while accepted < len(drafts) and greedy[accepted] == drafts[accepted]:
                     accepted += 1
                 result.accepted_drafts += accepted
                 result.rejected_drafts += len(drafts) - accepted
                 # Keep the pending token and the accepted drafts; roll back the rest.
-                keep = start + 1 + accepted
-                del request.tokens[keep:]
-                request.fed = keep
+                keep = scheduler.advance(chunk, accepted)
                 request.kv.length = keep
-                if isinstance(store, RequestHistory):
-                    store.rollback(request.index, keep)
-                request.tokens.append(greedy[accepted])
+                if isinstance(serving.store, RequestHistory):
+                    serving.store.rollback(sim.row, keep)
+                sim.tokens.append(greedy[accepted])
             else:
-                logits = self._step(
-                    runtime, store, request, start, start + 1, "decode", block_size, result
-                )
-                request.tokens.append(self._greedy(logits[-1:])[0])
+                chunk = scheduler.chunk(sim, 1)
+                logits = self._step(serving, request, chunk, "decode")
+                scheduler.advance(chunk)
+                sim.tokens.append(self._greedy(logits[-1:])[0])
+            sim.dead.append(False)
             decode_index += 1
-        del request.tokens[prompt_len + max_new_tokens :]
+        del sim.tokens[prompt_len + max_new_tokens :]
+        del sim.dead[prompt_len + max_new_tokens :]
 
-    def _step(
-        self,
-        runtime: Any,
-        store: SlotHashCache | RequestHistory | None,
-        request: _Request,
-        start: int,
-        end: int,
-        kind: str,
-        block_size: int,
-        result: GenerationResult,
-    ) -> torch.Tensor:
-        """One engine step: tokens ``[start, end)`` of ``request``; returns their logits."""
-        chunk = request.tokens[start:end]
-        batch = HashBatch.single(chunk, start=start, device=self.device)
-        if isinstance(store, SlotHashCache):
-            batch.slot_mapping = torch.tensor(
-                [
-                    request.blocks[p // block_size] * block_size + p % block_size
-                    for p in range(start, end)
-                ],
-                device=self.device,
-            )
-            batch.block_table = torch.tensor(
-                [request.blocks], dtype=torch.int32, device=self.device
-            )
-        elif isinstance(store, RequestHistory):
-            batch.request_slots = torch.tensor(
-                [request.index], dtype=torch.int32, device=self.device
-            )
-        else:
-            n = self.config.max_ngram_size
-            lookback = [
-                request.tokens[start - 1 - j] if start - 1 - j >= 0 else -1 for j in range(n - 1)
-            ]
-            batch.lookback_token_ids = torch.tensor([lookback], device=self.device)
+    def _step(self, serving: _Serving, request: _Request, chunk: Chunk, kind: str) -> torch.Tensor:
+        """One engine step: ``chunk`` of ``request`` as a runner step, through the adapter
+        into the runtime's plan, then the backbone; returns the chunk's logits."""
+        sim, runtime, store = request.sim, serving.runtime, serving.store
+        for started in serving.scheduler.started:  # a ring per request, seeded past a hit
+            if isinstance(store, RequestHistory):
+                before, dead = lookback_of(
+                    started, started.computed, self.config.max_ngram_size - 1
+                )
+                known = [t for t in before if t >= 0]
+                store.seed(
+                    started.row,
+                    started.computed,
+                    self.token_map.compress(known),
+                    dead[: len(known)],
+                )
+        serving.scheduler.started = []
+        step = Step(len(serving.result.steps), [chunk])
+        lookback: tuple[np.ndarray, np.ndarray] | None = None
+        if store is None:  # lookback ids only: the N-1 tokens before the chunk
+            ids, dead_ids = lookback_of(sim, chunk.start, self.config.max_ngram_size - 1)
+            lookback = (np.array([ids], dtype=np.int64), np.array([dead_ids], dtype=bool))
+        engine_step = serving.runner.express([step], lookback, self.device)
+        batch = from_vllm_step(
+            **engine_step, cache=store if isinstance(store, SlotHashCache) else None
+        )
+        if isinstance(store, RequestHistory):
+            batch.request_slots = torch.tensor([sim.row], dtype=torch.int32, device=self.device)
         runtime.plan(batch)
         gates: list[torch.Tensor] = []
         fns = {}
@@ -545,31 +550,20 @@ class TinyEngramModel:
             def apply(streams: torch.Tensor, index: int = index) -> torch.Tensor:
                 shape = streams.shape
                 hidden = streams.reshape(-1, shape[-2], shape[-1]).contiguous()
-                layer = runtime.layers[index]
-                out, kv = layer(hidden, return_kv=True)
-                gates.append(self._gate(layer.head, hidden, kv))
+                out, kv = runtime.run(index, hidden, return_kv=True)
+                gates.append(self._gate(runtime.heads[index], hidden, kv))
                 return out.float().view(shape)
 
             fns[block] = apply
-        tokens = self._trim[torch.as_tensor(chunk, device=self.device)][None, :]
-        logits = self.lm(tokens, engram=fns, cache=request.kv, start=start)
-        request.fed = end
+        chunk_ids = sim.tokens[chunk.start : chunk.end]
+        tokens = self._trim[torch.as_tensor(chunk_ids, device=self.device)][None, :]
+        logits = self.lm(tokens, engram=fns, cache=request.kv, start=chunk.start)
         if gates:
-            request.gates[start:end] = torch.stack(gates, dim=-1).cpu().numpy()
-        result.steps.append(
-            {"request": request.index, "kind": kind, "start": start, "tokens": end - start}
+            request.gates[chunk.start : chunk.end] = torch.stack(gates, dim=-1).cpu().numpy()
+        serving.result.steps.append(
+            {"request": request.index, "kind": kind, "start": chunk.start, "tokens": chunk.count}
         )
         return logits[0]
-
-    @staticmethod
-    def _prefix_hit(first: _Request, request: _Request, block_size: int) -> int:
-        """Tokens of ``request``'s prompt found in ``first``'s cache: the longest common
-        prefix with ``first``'s cached tokens, in whole blocks, leaving one token to compute."""
-        common = 0
-        limit = min(first.fed, len(request.tokens) - 1)
-        while common < limit and first.tokens[common] == request.tokens[common]:
-            common += 1
-        return common // block_size * block_size
 
     # -- helpers ------------------------------------------------------------------
 
