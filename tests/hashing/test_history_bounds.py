@@ -254,7 +254,9 @@ print("ok", int(a.sum()), int(b.sum()))
 
 def test_ten_million_past_the_history_is_neither_read_nor_written() -> None:
     """The audit's SIGSEGV: a real process hashes entries 10**7 past every store and exits 0."""
-    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT}"}
+    inherited = os.environ.get("PYTHONPATH")
+    path = os.pathsep.join([str(ROOT / "src"), str(ROOT), *([inherited] if inherited else [])])
+    env = {**os.environ, "PYTHONPATH": path}
     if not torch.cuda.is_available():
         env["TRITON_INTERPRET"] = "1"
     done = subprocess.run(
