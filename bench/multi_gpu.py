@@ -135,7 +135,7 @@ def layer_steps(layout, shard_store, full_store, args, device, record) -> None:
             layer = EngramLayer(config, exchange, max_tokens=num_tokens, validate=False)
             layer.load_weights(**weights)
             out, kv = layer(hidden, ids, return_kv=True)
-            rows = layer.rows_buffer[:part]
+            rows = layer.staged_rows[:part]
             ok = same_bits(rows[: end - begin], expected_rows[begin:end])
             try:
                 assert_layer_within_tolerance(

@@ -117,7 +117,8 @@ import argparse
 import json
 import os
 import time
-from typing import Any
+from functools import partial
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -317,21 +318,26 @@ class NoLookups:
     side-stream kernels, copies, gather threads) cost the backbone.
     """
 
+    num_slots = 2
+
     def __init__(self, max_tokens: int, num_cols: int, E: int, device, layers: int = 2):
         self.staging = [
             [
                 torch.zeros(max_tokens, num_cols, E, dtype=torch.bfloat16, device=device)
                 for _ in range(layers)
             ]
-            for _ in range(2)
+            for _ in range(self.num_slots)
         ]
         self._next = 0
 
-    def step(self, batch):
+    def plan(self, batch):
         slot, self._next = self._next, 1 - self._next
         return _FixedRows(self.staging[slot], batch.num_tokens, slot)
 
-    prefetch = step
+    prefetch = plan
+
+    def staged_rows(self, slot: int, layer_index: int):
+        return self.staging[slot][layer_index]
 
     def close(self) -> None:
         pass
@@ -369,11 +375,12 @@ class EngineStyle:
             ]
             for _ in range(num_slots)
         ]
+        self.num_slots = num_slots
         self._next = 0
 
-    def step(self, batch):
+    def plan(self, batch):
         slot = self._next
-        self._next = (slot + 1) % len(self.staging)
+        self._next = (slot + 1) % self.num_slots
         t_len = batch.num_tokens
         row_ids = self.row_ids[slot][:t_len]
         self.hasher(batch, None, out=row_ids)
@@ -381,7 +388,10 @@ class EngineStyle:
             store.fetch(row_ids[:, li], self.staging[slot][li][:t_len])
         return _FixedRows(self.staging[slot], t_len, slot)
 
-    prefetch = step
+    prefetch = plan
+
+    def staged_rows(self, slot: int, layer_index: int):
+        return self.staging[slot][layer_index]
 
     def close(self) -> None:
         pass
@@ -530,8 +540,8 @@ class GraphedBackbone:
         # No block before the first Engram layer: nothing to replay before its wait.
         self.head, head_out = capture(lambda: piece(self.x, 0, first)) if first else (None, self.x)
         self.middle, self.tail = [], []
-        for slot in range(len(runtime.staging)):
-            rows = [runtime.staging[slot][li][:num_tokens] for li in range(2)]
+        for slot in range(runtime.num_slots):
+            rows = [runtime.staged_rows(slot, li)[:num_tokens] for li in range(2)]
             graph, mid_out = capture(
                 lambda rows=rows: piece(engram_layer(head_out, rows[0], engram[0]), first, second)
             )
@@ -593,10 +603,10 @@ class WholeStepGraph:
         # Each capture runs ``whole`` three times (two warm-ups, then the capture), so
         # the runtime's slots alternate from one capture to the next.
         self.graphs: dict[int, Any] = {}
-        for _ in range(len(runtime.staging)):
+        for _ in range(runtime.num_slots):
             graph, _ = capture(whole)
             self.graphs[slots[-1]] = graph
-        if len(self.graphs) != len(runtime.staging):
+        if len(self.graphs) != runtime.num_slots:
             raise RuntimeError(f"captured slots {sorted(self.graphs)}; expected every slot")
         self._next = 0
         if check is not None and not isinstance(runtime, NoLookups):
@@ -606,11 +616,13 @@ class WholeStepGraph:
         """Every slot's replay of ``batch`` (not the batch it was captured with: the
         graph must read its inputs) writes the rows an eager step of it writes."""
         for slot, graph in self.graphs.items():
-            self.step(batch)
+            self.plan(batch)
             self._next = 0
             graph.replay()
             torch.cuda.synchronize()
-            replayed = [runtime.staging[slot][li][: batch.num_tokens].clone() for li in range(2)]
+            replayed = [
+                runtime.staged_rows(slot, li)[: batch.num_tokens].clone() for li in range(2)
+            ]
             eager = runtime.plan(batch)
             for li in range(2):
                 if not torch.equal(
@@ -619,7 +631,7 @@ class WholeStepGraph:
                     raise RuntimeError(f"the whole-step graph of slot {slot} wrote other rows")
         torch.cuda.synchronize()
 
-    def step(self, batch):
+    def plan(self, batch):
         for name in self.FIELDS:
             getattr(self.inputs, name).copy_(getattr(batch, name), non_blocking=True)
         slot, self._next = self._next, (self._next + 1) % len(self.graphs)
@@ -709,7 +721,7 @@ def write_report(path: str, report: dict) -> None:
     os.replace(tmp, path)
 
 
-def main(argv=None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser()
     parser.add_argument("--table-gib", type=float, default=16.0)
     parser.add_argument(
@@ -805,18 +817,289 @@ def main(argv=None) -> None:
         "use with a small --table-gib, --decode-steps and --tiers none,device,host,"
         "host-cache,engine-uva (engine-uva reads device-tier stores on a CPU)",
     )
-    args = parser.parse_args(argv)
+    return parser
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """The command line, its counts checked (an error names the option and its value)."""
+    args = build_parser().parse_args(argv)
     for option in ("rounds", "block_steps", "prefill_chunks", "decode_steps"):
         if getattr(args, option) < 1:
             raise SystemExit(f"--{option.replace('_', '-')}={getattr(args, option)}; expected >= 1")
     for option in ("prefill_rounds", "warmup_steps"):
         if getattr(args, option) < 0:
             raise SystemExit(f"--{option.replace('_', '-')}={getattr(args, option)}; expected >= 0")
+    return args
+
+
+def use_smoke_backbone() -> None:
+    """A backbone small enough for a CPU (``--smoke``): the plumbing, not the timings."""
+    global D, FFN, BLOCKS
+    D, FFN, BLOCKS = 64, 128, 16
+
+
+def build_workloads(args, vocab_size: int, device) -> dict[str, list[HashBatch]]:
+    """The workloads by name: a decode workload per ``--ids`` kind, then prefill."""
+    rng = np.random.default_rng(0)
+    workloads = {}
+    if "decode" in args.workloads:
+        for ids in args.ids.split(","):
+            if ids == "random":
+                batches = decode_batches(rng, vocab_size, args.decode_steps, device)
+            elif ids == "text":
+                streams = text_streams(stdlib_docs(), 256, args.decode_steps + 3)
+                batches = decode_batches_from(streams, device)
+            elif ids == "zipf":
+                streams = zipf_streams(
+                    np.random.default_rng(1), vocab_size, 256, args.decode_steps + 3
+                )
+                batches = decode_batches_from(streams, device)
+            else:
+                raise SystemExit(f"--ids: {ids!r}; expected random, text or zipf")
+            workloads["decode 256x1" + ("" if ids == "random" else f" {ids}")] = batches
+    if "prefill" in args.workloads:
+        workloads["prefill 512 seqs 100-1024"] = prefill_batches(rng, vocab_size, device)
+    return workloads
+
+
+GATHER_TIERS = ("host", "host-cpu", "host-mixed", "disk")
+"""Tiers whose stores gather rows on host threads (settings: --host-threads)."""
+
+
+def build_stores(tier: str, cfg, layout, device, cache_fraction: float, backend: dict) -> list:
+    """Both layers' stores of a runtime tier."""
+    backing = "host" if tier in ("host-cpu", "host-mixed", "host-cache") else tier
+    stores = synthetic_stores(layout, backing, device=device, seed=1, **backend)
+    for li, store in enumerate(stores):
+        if tier == "host-cpu" or (tier == "host-mixed" and li > 0):
+            store.gpu_reads = False
+    if tier == "host-cache":
+        stores = [
+            CachedRowStore(
+                store,
+                int(cache_fraction * store.nbytes),
+                n_heads=cfg.n_heads,
+                layer_id=cfg.layer_ids[li],
+                **backend,
+            )
+            for li, store in enumerate(stores)
+        ]
+    return stores
+
+
+class StorePool:
+    """Each tier's stores, built on first use and shared by the runtimes of its variants
+    (one table in memory per tier; the blocks run one at a time), and the grid each
+    store's kernel was built with."""
+
+    def __init__(self, cfg, layout, device, cache_fraction: float, backend: dict):
+        self.cfg, self.layout, self.device = cfg, layout, device
+        self.cache_fraction, self.backend = cache_fraction, backend
+        self.built: dict[str, list] = {}
+        self.grids: dict[int, tuple] = {}  # id(store) -> (max_programs, rows_per_program) as built
+
+    def stores_of(self, tier: str) -> list:
+        if tier not in self.built:
+            self.built[tier] = build_stores(
+                tier, self.cfg, self.layout, self.device, self.cache_fraction, self.backend
+            )
+            for store in self.built[tier]:
+                if hasattr(store, "kernel"):
+                    grids = (store.kernel.max_programs, store.kernel.rows_per_program)
+                    self.grids[id(store)] = grids
+        return self.built[tier]
+
+
+def new_runtime(hasher, stores, priority, workers) -> EngramRuntime:
+    return EngramRuntime(
+        hasher,
+        stores,
+        max_tokens=8192,
+        max_requests=512,
+        validate=False,
+        lookup_priority=priority,
+        lookup_workers=workers,
+        # Each tier's stores as built: ``host`` reads with the GPU in both layers,
+        # ``host-mixed`` in the first only (the runtime's default, gpu_reads="first").
+        gpu_reads="sources",
+    )
+
+
+def tier_variants(tier: str, priorities: list[int], worker_modes: list[str]) -> list[tuple]:
+    """The (lookup priority, lookup workers) variants of a ``--tiers`` entry."""
+    if tier in RUNTIME_TIERS:  # only threaded lookups have workers to share
+        threaded = tier in ("host", "host-cpu", "host-mixed", "disk", "host-cache")
+        modes = worker_modes if threaded else worker_modes[:1]
+        return [(p, w) for p in priorities for w in modes]
+    if tier == "device-again":  # as the device placement's first variant
+        return [(priorities[0], worker_modes[0])]
+    if tier not in ("none", "engine-uva", "device-again"):
+        raise SystemExit(
+            f"--tiers: {tier!r}; expected none, device-again, engine-uva or one of "
+            f"{', '.join(RUNTIME_TIERS)}"
+        )
+    return [(None, None)]
+
+
+class Setup:
+    """One placement: a tier's variant, its stores and the runtime (or baseline) over them,
+    with its graphed backbones by decode workload (``graphed``; ``whole``, filled by
+    :func:`build_whole_graphs`, for ``--backbones whole``)."""
+
+    def __init__(self, label: str, tier: str, priority, workers, stores: list, runtime, graphed):
+        self.label, self.tier, self.priority, self.workers = label, tier, priority, workers
+        self.stores, self.runtime = stores, runtime
+        self.graphed: dict[str, GraphedBackbone] = graphed
+        self.whole: dict[str, WholeStepGraph] = {}
+
+
+def build_placement(tier: str, priority, workers, pool: StorePool, make_hasher) -> tuple:
+    """(stores, runtime) of one placement: a baseline or an :class:`EngramRuntime`."""
+    stores: list = []
+    runtime: Any
+    if tier == "none":
+        runtime = NoLookups(8192, pool.cfg.n_cols, pool.cfg.head_dim, pool.device)
+    elif tier == "engine-uva":
+        # The uva placement's stores when it runs too (one table; each block sets
+        # its grid). No UVA without a GPU: a CPU smoke run reads device-tier stores.
+        stores = pool.stores_of("uva" if pool.device.type == "cuda" else "device")
+        runtime = EngineStyle(make_hasher(), stores, max_tokens=8192)
+    elif tier == "device-again":
+        # The A/A control: a second runtime over the same device tables.
+        stores = pool.stores_of("device")
+        runtime = new_runtime(make_hasher(), stores, priority, workers)
+    else:
+        stores = pool.stores_of(tier)
+        runtime = new_runtime(make_hasher(), stores, priority, workers)
+    return stores, runtime
+
+
+def build_setups(
+    tiers: list[str],
+    priorities: list[int],
+    worker_modes: list[str],
+    pool: StorePool,
+    make_hasher,
+    backbone,
+    workloads: dict[str, list[HashBatch]],
+    backbones: list[str],
+    engram_at: dict[int, int],
+) -> list[Setup]:
+    """Every placement of ``--tiers`` in order, each variant with its graphed backbones."""
+    setups = []
+    for tier in tiers:
+        variants = tier_variants(tier, priorities, worker_modes)
+        for priority, workers in variants:
+            label = tier
+            if priority not in (None, priorities[0]) or workers not in (None, worker_modes[0]):
+                label = f"{tier} priority={priority} workers={workers}"
+            stores, runtime = build_placement(tier, priority, workers, pool, make_hasher)
+            graphed = {}
+            for name, batches in workloads.items():
+                if name.startswith("decode") and "graph" in backbones:
+                    graphed[name] = GraphedBackbone(
+                        runtime, backbone, batches[0].num_tokens, pool.device, engram_at
+                    )
+            setups.append(Setup(label, tier, priority, workers, stores, runtime, graphed))
+    return setups
+
+
+class Config(NamedTuple):
+    """One timed configuration: a placement x settings x workload x backbone x prefetch."""
+
+    setup: int  # index into the setups
+    threads: int | None
+    programs: Any  # a parse_programs value
+    workload: str
+    backbone: str
+    prefetch: bool
+
+
+def enumerate_configs(
+    setups: list[Setup],
+    workloads: dict[str, list[HashBatch]],
+    backbones: list[str],
+    host_threads: list,
+    max_programs: list,
+) -> list[Config]:
+    """Every configuration, in a fixed order (the rounds shuffle it)."""
+    configs = []
+    for index, setup in enumerate(setups):
+        gathers = setup.tier in GATHER_TIERS
+        settings = [(t, max_programs[0]) for t in (host_threads if gathers else [None])]
+        if setup.tier in READS:
+            settings += [(settings[0][0], m) for m in max_programs[1:]]
+        for threads, programs in settings:
+            for name in workloads:
+                if (threads, programs) != settings[0] and not name.startswith("decode"):
+                    continue  # other settings are compared on decode only
+                for kind in backbones if name.startswith("decode") else ["eager"]:
+                    if kind == "whole" and setup.tier not in WHOLE_TIERS:
+                        continue
+                    for prefetch in (False,) if kind == "whole" else (False, True):
+                        configs.append(Config(index, threads, programs, name, kind, prefetch))
+    return configs
+
+
+def apply_settings(setup: Setup, threads, programs, grids: dict[int, tuple]) -> None:
+    """Set a configuration's kernel and thread settings on its stores (shared stores
+    carry the settings of whichever block ran last)."""
+    for li, store in enumerate(setup.stores):
+        if setup.tier in GATHER_TIERS:
+            store.num_threads = threads
+        if id(store) not in grids:
+            continue
+        grid = grids[id(store)]
+        if setup.tier == "engine-uva":  # a full grid: one program per tile
+            grid = (None, grid[1])
+        elif setup.tier in READS and programs is not None:
+            grid = layer_grid(programs, li)
+        store.kernel = store.kernel.replace(max_programs=grid[0], rows_per_program=grid[1])
+
+
+def build_whole_graphs(
+    setups: list[Setup],
+    backbone,
+    workloads: dict[str, list[HashBatch]],
+    device,
+    engram_at: dict[int, int],
+    max_programs: list,
+    grids: dict[int, tuple],
+) -> None:
+    """Capture each whole-step placement's decode graphs into its ``whole``."""
+    for setup in setups:
+        if setup.tier not in WHOLE_TIERS:
+            continue
+        # The graph keeps the kernel settings it was captured with: the placement's own.
+        apply_settings(setup, None, max_programs[0], grids)
+        setup.whole = {
+            name: WholeStepGraph(
+                setup.runtime, backbone, batches[0], device, engram_at, check=batches[1]
+            )
+            for name, batches in workloads.items()
+            if name.startswith("decode")
+        }
+
+
+class Bench(NamedTuple):
+    """Everything the rounds time, built once before the first (:func:`build`)."""
+
+    args: argparse.Namespace
+    device: torch.device
+    cfg: Any
+    engram_at: dict[int, int]
+    workloads: dict[str, list[HashBatch]]
+    setups: list[Setup]
+    configs: list[Config]
+    grids: dict[int, tuple]
+    eager: Any  # the eager backbone, as forward(handle, batch[, stalls])
+
+
+def build(args: argparse.Namespace) -> Bench:
+    """The workloads, the backbone and every placement (see the module docstring)."""
     backbones = args.backbones.split(",")
     if args.smoke:
-        # A backbone small enough for a CPU: the plumbing, not the timings.
-        global D, FFN, BLOCKS
-        D, FFN, BLOCKS = 64, 128, 16
+        use_smoke_backbone()
     engram_at = parse_engram_at(args.engram_at)
     device = torch.device(args.device)
     if device.type != "cuda":
@@ -825,329 +1108,202 @@ def main(argv=None) -> None:
     layout = EngramLayout(cfg)
     token_map = TokenMap.from_tokenizer_file()
     consts = HashConstants.from_layout(layout, token_map.pad_id(cfg))
-    rng = np.random.default_rng(0)
-    workloads = {}
-    if "decode" in args.workloads:
-        for ids in args.ids.split(","):
-            if ids == "random":
-                batches = decode_batches(rng, token_map.vocab_size, args.decode_steps, device)
-            elif ids == "text":
-                streams = text_streams(stdlib_docs(), 256, args.decode_steps + 3)
-                batches = decode_batches_from(streams, device)
-            elif ids == "zipf":
-                streams = zipf_streams(
-                    np.random.default_rng(1), token_map.vocab_size, 256, args.decode_steps + 3
-                )
-                batches = decode_batches_from(streams, device)
-            else:
-                raise SystemExit(f"--ids: {ids!r}; expected random, text or zipf")
-            workloads["decode 256x1" + ("" if ids == "random" else f" {ids}")] = batches
-    if "prefill" in args.workloads:
-        workloads["prefill 512 seqs 100-1024"] = prefill_batches(rng, token_map.vocab_size, device)
+    workloads = build_workloads(args, token_map.vocab_size, device)
     host_threads = [None if t == "default" else int(t) for t in args.host_threads.split(",")]
     max_programs = [parse_programs(m) for m in args.max_programs.split(",")]
     backbone = make_backbone(cfg, device)
-    # Every placement is built first; then each round runs every configuration
-    # once as a short block, in a freshly shuffled order, and each is compared
-    # with the reference of the same round (see the module docstring).
     # On a CPU (a smoke run) the plain torch paths: Triton's interpreter is far too slow.
     backend = {} if device.type == "cuda" else {"backend": "reference"}
     priorities = [int(p) for p in args.lookup_priority.split(",")]
     worker_modes = args.lookup_workers.split(",")
-
-    def build_stores(tier):
-        """Both layers' stores of a runtime tier, shared by the runtimes of its variants
-        (one table in memory per tier; the blocks run one at a time)."""
-        backing = "host" if tier in ("host-cpu", "host-mixed", "host-cache") else tier
-        stores = synthetic_stores(layout, backing, device=device, seed=1, **backend)
-        for li, store in enumerate(stores):
-            if tier == "host-cpu" or (tier == "host-mixed" and li > 0):
-                store.gpu_reads = False
-        if tier == "host-cache":
-            stores = [
-                CachedRowStore(
-                    store,
-                    int(args.cache_fraction * store.nbytes),
-                    n_heads=cfg.n_heads,
-                    layer_id=cfg.layer_ids[li],
-                    **backend,
-                )
-                for li, store in enumerate(stores)
-            ]
-        return stores
-
-    built: dict[str, list] = {}
-    grids: dict[int, tuple] = {}  # id(store) -> (max_programs, rows_per_program) as built
-
-    def stores_of(tier):
-        if tier not in built:
-            built[tier] = build_stores(tier)
-            for store in built[tier]:
-                if hasattr(store, "kernel"):
-                    grids[id(store)] = (store.kernel.max_programs, store.kernel.rows_per_program)
-        return built[tier]
-
-    def new_runtime(stores, priority, workers):
-        hasher = NgramHasher(consts, token_map, device, validate=False, **backend)
-        return EngramRuntime(
-            hasher,
-            stores,
-            max_tokens=8192,
-            max_requests=512,
-            validate=False,
-            lookup_priority=priority,
-            lookup_workers=workers,
-            # Each tier's stores as built: ``host`` reads with the GPU in both layers,
-            # ``host-mixed`` in the first only (the runtime's default, gpu_reads="first").
-            gpu_reads="sources",
-        )
-
-    setups: list[dict] = []
-    for tier in args.tiers.split(","):
-        variants = [(None, None)]
-        if tier in RUNTIME_TIERS:  # only threaded lookups have workers to share
-            threaded = tier in ("host", "host-cpu", "host-mixed", "disk", "host-cache")
-            modes = worker_modes if threaded else worker_modes[:1]
-            variants = [(p, w) for p in priorities for w in modes]
-        elif tier == "device-again":  # as the device placement's first variant
-            variants = [(priorities[0], worker_modes[0])]
-        elif tier not in ("none", "engine-uva", "device-again"):
-            raise SystemExit(
-                f"--tiers: {tier!r}; expected none, device-again, engine-uva or one of "
-                f"{', '.join(RUNTIME_TIERS)}"
-            )
-        for priority, workers in variants:
-            label = tier
-            if priority not in (None, priorities[0]) or workers not in (None, worker_modes[0]):
-                label = f"{tier} priority={priority} workers={workers}"
-            stores: list = []
-            runtime: Any
-            if tier == "none":
-                runtime = NoLookups(8192, cfg.n_cols, cfg.head_dim, device)
-            elif tier == "engine-uva":
-                # The uva placement's stores when it runs too (one table; each block sets
-                # its grid). No UVA without a GPU: a CPU smoke run reads device-tier stores.
-                stores = stores_of("uva" if device.type == "cuda" else "device")
-                hasher = NgramHasher(consts, token_map, device, validate=False, **backend)
-                runtime = EngineStyle(hasher, stores, max_tokens=8192)
-            elif tier == "device-again":
-                # The A/A control: a second runtime over the same device tables.
-                stores = stores_of("device")
-                runtime = new_runtime(stores, priority, workers)
-            else:
-                stores = stores_of(tier)
-                runtime = new_runtime(stores, priority, workers)
-            graphed = {}
-            for name, batches in workloads.items():
-                if name.startswith("decode") and "graph" in backbones:
-                    graphed[name] = GraphedBackbone(
-                        runtime, backbone, batches[0].num_tokens, device, engram_at
-                    )
-            setups.append(
-                dict(
-                    label=label,
-                    tier=tier,
-                    priority=priority,
-                    workers=workers,
-                    stores=stores,
-                    runtime=runtime,
-                    graphed=graphed,
-                )
-            )
+    pool = StorePool(cfg, layout, device, args.cache_fraction, backend)
+    make_hasher = partial(NgramHasher, consts, token_map, device, validate=False, **backend)
+    setups = build_setups(
+        args.tiers.split(","),
+        priorities,
+        worker_modes,
+        pool,
+        make_hasher,
+        backbone,
+        workloads,
+        backbones,
+        engram_at,
+    )
     eager = eager_forward(backbone, device, engram_at)
-    configs = []  # (setup index, threads, programs, workload, backbone, prefetch)
-    for index, setup in enumerate(setups):
-        gathers = setup["tier"] in ("host", "host-cpu", "host-mixed", "disk")
-        settings = [(t, max_programs[0]) for t in (host_threads if gathers else [None])]
-        if setup["tier"] in READS:
-            settings += [(settings[0][0], m) for m in max_programs[1:]]
-        for threads, programs in settings:
-            for name in workloads:
-                if (threads, programs) != settings[0] and not name.startswith("decode"):
-                    continue  # other settings are compared on decode only
-                for kind in backbones if name.startswith("decode") else ["eager"]:
-                    if kind == "whole" and setup["tier"] not in WHOLE_TIERS:
-                        continue
-                    for prefetch in (False,) if kind == "whole" else (False, True):
-                        configs.append((index, threads, programs, name, kind, prefetch))
-
-    def apply_settings(setup, threads, programs) -> None:
-        """Set a configuration's kernel and thread settings on its stores (shared stores
-        carry the settings of whichever block ran last)."""
-        for li, store in enumerate(setup["stores"]):
-            if setup["tier"] in ("host", "host-cpu", "host-mixed", "disk"):
-                store.num_threads = threads
-            if id(store) not in grids:
-                continue
-            grid = grids[id(store)]
-            if setup["tier"] == "engine-uva":  # a full grid: one program per tile
-                grid = (None, grid[1])
-            elif setup["tier"] in READS and programs is not None:
-                grid = layer_grid(programs, li)
-            store.kernel = store.kernel.replace(max_programs=grid[0], rows_per_program=grid[1])
-
+    configs = enumerate_configs(setups, workloads, backbones, host_threads, max_programs)
     if "whole" in backbones:
-        for setup in setups:
-            if setup["tier"] not in WHOLE_TIERS:
-                continue
-            # The graph keeps the kernel settings it was captured with: the placement's own.
-            apply_settings(setup, None, max_programs[0])
-            setup["whole"] = {
-                name: WholeStepGraph(
-                    setup["runtime"], backbone, batches[0], device, engram_at, check=batches[1]
-                )
-                for name, batches in workloads.items()
-                if name.startswith("decode")
-            }
+        build_whole_graphs(setups, backbone, workloads, device, engram_at, max_programs, pool.grids)
+    return Bench(args, device, cfg, engram_at, workloads, setups, configs, pool.grids, eager)
 
-    def describe(config) -> str:
-        index, threads, programs, name, kind, prefetch = config
-        return (
-            f"{setups[index]['label']:6s} threads={threads!s:5s} programs={programs} "
-            f"{name:26s} {kind:5s} prefetch={prefetch!s:5s}"
-        )
 
-    def time_block(config, round_index: int) -> dict:
-        index, threads, programs, name, kind, prefetch = config
-        setup = setups[index]
-        runtime, stores = setup["runtime"], setup["stores"]
-        apply_settings(setup, threads, programs)
-        batches = workloads[name]
-        steps = args.block_steps if name.startswith("decode") else args.prefill_chunks
-        warm, timed = block_window(len(batches), round_index, steps, args.warmup_steps)
-        forward = setup["graphed"][name].step if kind == "graph" else eager
-        if kind == "whole":
-            runtime = setup["whole"][name]
-            forward = runtime.forward
-        if warm:
-            run(runtime, [batches[i] for i in warm], forward, prefetch)
-        caches = [(li, s) for li, s in enumerate(stores) if hasattr(s, "reset_stats")]
-        for li, cache in caches:  # count the timed steps only
-            runtime.in_order(li, cache.reset_stats)
-        stalls = StallEvents(steps) if device.type == "cuda" and kind != "whole" else None
-        res = run(runtime, [batches[i] for i in timed], forward, prefetch, stalls)
-        res["stall_us"] = None if stalls is None else stalls.stall_us(steps)
-        if caches:
-            res["cache_hit_rate"] = [stats.hit_rate for stats in runtime.cache_stats() if stats]
-        return res
+def describe(config: Config, setups: list[Setup]) -> str:
+    return (
+        f"{setups[config.setup].label:6s} threads={config.threads!s:5s} "
+        f"programs={config.programs} {config.workload:26s} {config.backbone:5s} "
+        f"prefetch={config.prefetch!s:5s}"
+    )
 
-    def median_stalls(res_list) -> list[float] | None:
-        per_layer: list[list[float]] = [[], []]
-        for res in res_list:
-            if res["stall_us"] is None:
-                return None
-            for li, values in enumerate(res["stall_us"]):
-                per_layer[li].extend(values)
-        return [float(np.median(values)) for values in per_layer]
 
-    def summarize(samples: dict[int, dict[int, dict]], rounds: int) -> list[dict]:
-        """One result per configuration: medians over rounds and the paired comparisons."""
-        results, ms_rounds = [], {}
-        for ci, by_round in sorted(samples.items()):
-            index, threads, programs, name, kind, prefetch = configs[ci]
-            setup = setups[index]
-            runs = list(by_round.values())
-            ms = [by_round[r]["ms_per_step"] if r in by_round else None for r in range(rounds)]
-            ms_rounds[ci] = ms
-            p25, p50, p75 = quartiles([m for m in ms if m is not None])
-            tokens = sum(r["tokens"] for r in runs)
-            steps = sum(r["steps"] for r in runs)
-            assert p50 is not None  # every sampled configuration has a round
-            stall = median_stalls(runs)
-            res = dict(
-                placement=setup["label"],
-                tier=setup["tier"],
-                lookup_priority=setup["priority"],
-                lookup_workers=setup["workers"],
-                workload=name,
-                backbone=kind,
-                prefetch=prefetch,
-                host_threads=threads,
-                max_programs="default"
-                if programs is None
-                else "/".join(str(layer_grid(programs, li)[0]) for li in range(2)),
-                rows_per_program="default"
-                if programs is None
-                else "/".join(str(layer_grid(programs, li)[1]) for li in range(2)),
-                rounds=len(runs),
-                steps_per_block=runs[0]["steps"],
-                tokens_per_step=tokens / steps,
-                ms_per_step=p50,
-                ms_per_step_p25=p25,
-                ms_per_step_p75=p75,
-                ms_per_step_rounds=ms,
-                tokens_per_s=tokens / steps / (p50 / 1e3),
-                stall_us=stall,
-                stall_pct_of_step=None if stall is None else 100 * sum(stall) / 1e3 / p50,
-            )
-            if "cache_hit_rate" in runs[0]:
-                rates = [r["cache_hit_rate"] for r in runs]
-                res["cache_hit_rate"] = [float(np.median(layer)) for layer in zip(*rates)]
-                res["cache_hit_rate_rounds"] = [
-                    by_round[r]["cache_hit_rate"] if r in by_round else None for r in range(rounds)
-                ]
-            results.append((ci, res))
+def time_block(bench: Bench, config: Config, round_index: int) -> dict:
+    """Round ``round_index``'s block of one configuration: warm-up steps, then the timed
+    ones (:func:`run`), with their stalls and cache hit rates."""
+    args = bench.args
+    setup = bench.setups[config.setup]
+    runtime, stores = setup.runtime, setup.stores
+    apply_settings(setup, config.threads, config.programs, bench.grids)
+    name, kind = config.workload, config.backbone
+    batches = bench.workloads[name]
+    steps = args.block_steps if name.startswith("decode") else args.prefill_chunks
+    warm, timed = block_window(len(batches), round_index, steps, args.warmup_steps)
+    forward = setup.graphed[name].step if kind == "graph" else bench.eager
+    if kind == "whole":
+        runtime = setup.whole[name]
+        forward = runtime.forward
+    if warm:
+        run(runtime, [batches[i] for i in warm], forward, config.prefetch)
+    caches = [(li, s) for li, s in enumerate(stores) if hasattr(s, "reset_stats")]
+    for li, cache in caches:  # count the timed steps only
+        runtime.in_order(li, cache.reset_stats)
+    stalls = StallEvents(steps) if bench.device.type == "cuda" and kind != "whole" else None
+    res = run(runtime, [batches[i] for i in timed], forward, config.prefetch, stalls)
+    res["stall_us"] = None if stalls is None else stalls.stall_us(steps)
+    if caches:
+        res["cache_hit_rate"] = [stats.hit_rate for stats in runtime.cache_stats() if stats]
+    return res
 
-        def key(ci):
-            _, _, _, name, kind, prefetch = configs[ci]
-            return name, kind, prefetch
 
-        def references(match) -> dict:
-            return {key(ci): ms_rounds[ci] for ci, _ in results if match(setups[configs[ci][0]])}
+def median_stalls(res_list) -> list[float] | None:
+    per_layer: list[list[float]] = [[], []]
+    for res in res_list:
+        if res["stall_us"] is None:
+            return None
+        for li, values in enumerate(res["stall_us"]):
+            per_layer[li].extend(values)
+    return [float(np.median(values)) for values in per_layer]
 
-        base = references(lambda s: s["label"] == "device")
-        base_stall = {
-            key(ci): res["stall_us"]
-            for ci, res in results
-            if setups[configs[ci][0]]["label"] == "device"
-        }
-        alone = references(lambda s: s["tier"] == "none")
-        engine = references(lambda s: s["tier"] == "engine-uva")
-        for ci, res in results:
-            k = key(ci)
-            if k in base:
-                res.update(paired_stats("loss_vs_gpu_pct", ms_rounds[ci], base[k]))
-                ref_stall = base_stall[k]
-                if res["stall_us"] and ref_stall and res["loss_vs_gpu_pct"] is not None:
-                    # What the lookups cost the backbone beyond the main stream's extra waits.
-                    extra = 100 * (sum(res["stall_us"]) - sum(ref_stall)) / 1e3 / res["ms_per_step"]
-                    res["interference_pct"] = res["loss_vs_gpu_pct"] - extra
-            if k in alone:
-                res.update(paired_stats("loss_vs_no_lookups_pct", ms_rounds[ci], alone[k]))
-            if k in engine:
-                # Positive: faster than the engine-style baseline.
-                res.update(
-                    paired_stats("gain_vs_engine_uva_pct", ms_rounds[ci], engine[k], gain=True)
-                )
-        return [res for _, res in results]
 
-    def report(results: list[dict], rounds_completed: int) -> dict:
-        import triton
+def config_result(config: Config, setup: Setup, by_round: dict[int, dict], rounds: int) -> dict:
+    """One configuration's result: medians over its rounds, each round's ms/step
+    (``ms_per_step_rounds``, None where a round did not run it)."""
+    threads, programs = config.threads, config.programs
+    runs = list(by_round.values())
+    ms = [by_round[r]["ms_per_step"] if r in by_round else None for r in range(rounds)]
+    p25, p50, p75 = quartiles([m for m in ms if m is not None])
+    tokens = sum(r["tokens"] for r in runs)
+    steps = sum(r["steps"] for r in runs)
+    assert p50 is not None  # every sampled configuration has a round
+    stall = median_stalls(runs)
+    res = dict(
+        placement=setup.label,
+        tier=setup.tier,
+        lookup_priority=setup.priority,
+        lookup_workers=setup.workers,
+        workload=config.workload,
+        backbone=config.backbone,
+        prefetch=config.prefetch,
+        host_threads=threads,
+        max_programs="default"
+        if programs is None
+        else "/".join(str(layer_grid(programs, li)[0]) for li in range(2)),
+        rows_per_program="default"
+        if programs is None
+        else "/".join(str(layer_grid(programs, li)[1]) for li in range(2)),
+        rounds=len(runs),
+        steps_per_block=runs[0]["steps"],
+        tokens_per_step=tokens / steps,
+        ms_per_step=p50,
+        ms_per_step_p25=p25,
+        ms_per_step_p75=p75,
+        ms_per_step_rounds=ms,
+        tokens_per_s=tokens / steps / (p50 / 1e3),
+        stall_us=stall,
+        stall_pct_of_step=None if stall is None else 100 * sum(stall) / 1e3 / p50,
+    )
+    if "cache_hit_rate" in runs[0]:
+        rates = [r["cache_hit_rate"] for r in runs]
+        res["cache_hit_rate"] = [float(np.median(layer)) for layer in zip(*rates)]
+        res["cache_hit_rate_rounds"] = [
+            by_round[r]["cache_hit_rate"] if r in by_round else None for r in range(rounds)
+        ]
+    return res
 
-        return {
-            "date": time.strftime("%Y-%m-%d"),
-            "torch": torch.__version__,
-            "triton": triton.__version__,
-            "gpu": torch.cuda.get_device_name() if device.type == "cuda" else "none",
-            "device": str(device),
-            "smoke": args.smoke,
-            "table_gib_per_layer": args.table_gib,
-            "engram_at_blocks": sorted(engram_at),
-            "ids": args.ids,
-            "cache_fraction": args.cache_fraction,
-            "method": "interleaved blocks, shuffled per round; losses paired within rounds",
-            "rounds": args.rounds,
-            "rounds_completed": rounds_completed,
-            "block_steps": args.block_steps,
-            "prefill_rounds": args.prefill_rounds,
-            "prefill_chunks": args.prefill_chunks,
-            "warmup_steps": args.warmup_steps,
-            "order_seed": args.seed,
-            "max_seconds": args.max_seconds,
-            "config": cfg.to_hf_dict(),
-            "results": results,
-        }
 
+def add_comparisons(results: list[dict]) -> None:
+    """Each result's paired comparisons with the references of its workload, backbone and
+    prefetch: the ``device`` placement, ``none`` and ``engine-uva`` (:func:`paired_stats`)."""
+
+    def key(res):
+        return res["workload"], res["backbone"], res["prefetch"]
+
+    def references(match) -> dict:
+        return {key(res): res["ms_per_step_rounds"] for res in results if match(res)}
+
+    base = references(lambda res: res["placement"] == "device")
+    base_stall = {key(res): res["stall_us"] for res in results if res["placement"] == "device"}
+    alone = references(lambda res: res["tier"] == "none")
+    engine = references(lambda res: res["tier"] == "engine-uva")
+    for res in results:
+        k, ms = key(res), res["ms_per_step_rounds"]
+        if k in base:
+            res.update(paired_stats("loss_vs_gpu_pct", ms, base[k]))
+            ref_stall = base_stall[k]
+            if res["stall_us"] and ref_stall and res["loss_vs_gpu_pct"] is not None:
+                # What the lookups cost the backbone beyond the main stream's extra waits.
+                extra = 100 * (sum(res["stall_us"]) - sum(ref_stall)) / 1e3 / res["ms_per_step"]
+                res["interference_pct"] = res["loss_vs_gpu_pct"] - extra
+        if k in alone:
+            res.update(paired_stats("loss_vs_no_lookups_pct", ms, alone[k]))
+        if k in engine:
+            # Positive: faster than the engine-style baseline.
+            res.update(paired_stats("gain_vs_engine_uva_pct", ms, engine[k], gain=True))
+
+
+def summarize(
+    configs: list[Config], setups: list[Setup], samples: dict[int, dict[int, dict]], rounds: int
+) -> list[dict]:
+    """One result per sampled configuration, in configuration order: medians over rounds
+    and the paired comparisons."""
+    results = [
+        config_result(configs[ci], setups[configs[ci].setup], by_round, rounds)
+        for ci, by_round in sorted(samples.items())
+    ]
+    add_comparisons(results)
+    return results
+
+
+def report(args, cfg, device, engram_at, results: list[dict], rounds_completed: int) -> dict:
+    import triton
+
+    return {
+        "date": time.strftime("%Y-%m-%d"),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "gpu": torch.cuda.get_device_name() if device.type == "cuda" else "none",
+        "device": str(device),
+        "smoke": args.smoke,
+        "table_gib_per_layer": args.table_gib,
+        "engram_at_blocks": sorted(engram_at),
+        "ids": args.ids,
+        "cache_fraction": args.cache_fraction,
+        "method": "interleaved blocks, shuffled per round; losses paired within rounds",
+        "rounds": args.rounds,
+        "rounds_completed": rounds_completed,
+        "block_steps": args.block_steps,
+        "prefill_rounds": args.prefill_rounds,
+        "prefill_chunks": args.prefill_chunks,
+        "warmup_steps": args.warmup_steps,
+        "order_seed": args.seed,
+        "max_seconds": args.max_seconds,
+        "config": cfg.to_hf_dict(),
+        "results": results,
+    }
+
+
+def run_rounds(bench: Bench) -> tuple[list[dict], int]:
+    """Every round: each active configuration once as a block, in an order shuffled by a
+    generator seeded with ``--seed``; a line per block, the report rewritten per round.
+    Returns the results and the rounds completed."""
+    args, configs = bench.args, bench.configs
     order_rng = np.random.default_rng(args.seed)
     samples: dict[int, dict[int, dict]] = {}
     results: list[dict] = []
@@ -1161,11 +1317,11 @@ def main(argv=None) -> None:
         active = [
             ci
             for ci, config in enumerate(configs)
-            if config[3].startswith("decode") or round_index < args.prefill_rounds
+            if config.workload.startswith("decode") or round_index < args.prefill_rounds
         ]
         for position in order_rng.permutation(len(active)):
             ci = active[position]
-            res = time_block(configs[ci], round_index)
+            res = time_block(bench, configs[ci], round_index)
             samples.setdefault(ci, {})[round_index] = res
             stall = (
                 ""
@@ -1173,22 +1329,28 @@ def main(argv=None) -> None:
                 else " stall us " + "/".join(f"{np.median(v):.0f}" for v in res["stall_us"])
             )
             print(
-                f"round {round_index} {describe(configs[ci])} "
+                f"round {round_index} {describe(configs[ci], bench.setups)} "
                 f"{res['ms_per_step']:8.3f} ms/step{stall}",
                 flush=True,
             )
         rounds_completed = round_index + 1
-        results = summarize(samples, rounds_completed)
+        results = summarize(configs, bench.setups, samples, rounds_completed)
         if args.out:
-            write_report(args.out, report(results, rounds_completed))
-    for setup in setups:
-        setup["runtime"].close()
+            write_report(
+                args.out,
+                report(args, bench.cfg, bench.device, bench.engram_at, results, rounds_completed),
+            )
+    return results, rounds_completed
 
-    def quart(r, name) -> str:
-        if r.get(name) is None:
-            return "n/a"
-        return f"{r[name]:.2f}% (p25 {r[name + '_p25']:.2f}, p75 {r[name + '_p75']:.2f})"
 
+def quart(r: dict, name: str) -> str:
+    if r.get(name) is None:
+        return "n/a"
+    return f"{r[name]:.2f}% (p25 {r[name + '_p25']:.2f}, p75 {r[name + '_p75']:.2f})"
+
+
+def print_losses(results: list[dict], rounds_completed: int) -> None:
+    """The paired losses and gains of each placement, then the A/A control's resolution."""
     for r in results:
         where = (
             f"{r['workload']}, {r['backbone']} backbone, threads={r['host_threads']}, "
@@ -1224,6 +1386,17 @@ def main(argv=None) -> None:
                 f"{r['backbone']} backbone, prefetch={r['prefetch']}: "
                 f"{quart(r, 'loss_vs_gpu_pct')} over {rounds_completed} rounds"
             )
+
+
+def main(argv=None) -> None:
+    # Every placement is built first; then each round runs every configuration
+    # once as a short block, in a freshly shuffled order, and each is compared
+    # with the reference of the same round (see the module docstring).
+    bench = build(parse_args(argv))
+    results, rounds_completed = run_rounds(bench)
+    for setup in bench.setups:
+        setup.runtime.close()
+    print_losses(results, rounds_completed)
 
 
 if __name__ == "__main__":

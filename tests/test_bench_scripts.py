@@ -233,7 +233,7 @@ def test_runtime_bench_engine_style_rows(token_map) -> None:
     rng = np.random.default_rng(5)
     for length, start in ((23, 0), (9, 23)):
         batch = HashBatch.single(rng.integers(0, token_map.vocab_size, length), start=start)
-        got, want = engine.step(batch), runtime.plan(batch)
+        got, want = engine.plan(batch), runtime.plan(batch)
         assert got.num_tokens == length
         for li, store in enumerate(stores):
             rows = got.rows(li)
@@ -241,7 +241,7 @@ def test_runtime_bench_engine_style_rows(token_map) -> None:
             assert torch.equal(rows.view(torch.int16), want.rows(li).view(torch.int16))
             ref = lookup_rows_reference(want.row_ids[:, li], store.table, cfg.head_dim)
             assert torch.equal(rows.view(torch.int16), ref.view(torch.int16))
-    assert engine.step(batch).slot != got.slot  # two staging slots, alternating
+    assert engine.plan(batch).slot != got.slot  # two staging slots, alternating
     runtime.close()
 
 
@@ -472,10 +472,10 @@ def test_runtime_bench_stall_events_bracket_each_wait(monkeypatch) -> None:
             return torch.zeros(2, 1, 1, dtype=torch.bfloat16)
 
     class Runtime:
-        def step(self, batch) -> Handle:
+        def plan(self, batch) -> Handle:
             return Handle(batch.index)
 
-        prefetch = step
+        prefetch = plan
 
     def head(hidden, rows):
         clock[0] += 1.0  # the Engram layer's own work: outside the bracket

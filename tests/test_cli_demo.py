@@ -86,7 +86,13 @@ def test_control_a_wrong_token_map_fails_the_independent_check(capsys, tmp_path,
     assert len(parsed) == 12 and parsed != _independent_first_tokens(text)
 
 
-def test_demo_without_a_cache(capsys, tmp_path) -> None:
+def test_demo_without_a_cache(capsys, tmp_path, monkeypatch) -> None:
+    import engramrt.cache
+
+    def no_cache(*args, **kwargs):
+        raise AssertionError("a CachedRowStore was built with --cache-mib 0")
+
+    monkeypatch.setattr(engramrt.cache, "CachedRowStore", no_cache)
     code, out, _ = _run(
         capsys,
         "demo",
@@ -101,6 +107,10 @@ def test_demo_without_a_cache(capsys, tmp_path) -> None:
         str(tmp_path / "c.png"),
     )
     assert code == 0 and "checks passed" in out and "hot-row cache" not in out
+    from engramrt.cli.demo_synthetic import DEFAULT_TEXT
+
+    # Independent of the demo's verdict: its token table from the tokenizer and the map here.
+    assert _first_tokens_rows(capsys.raw) == _independent_first_tokens(DEFAULT_TEXT)
 
 
 @pytest.mark.parametrize(
@@ -116,8 +126,18 @@ def test_demo_bad_input(capsys, args, needle) -> None:
     assert code == 2 and needle in err
 
 
-def test_demo_serves_rows_from_a_checkpoint(capsys, tmp_path) -> None:
+def test_demo_serves_rows_from_a_checkpoint(capsys, tmp_path, monkeypatch) -> None:
+    import engramrt.checkpoint
     from engramrt.checkpoint import save_tables
+
+    real_load_table = engramrt.checkpoint.load_table
+    served = []
+
+    def recording_load_table(*args, **kwargs):
+        served.append(real_load_table(*args, **kwargs))
+        return served[-1]
+
+    monkeypatch.setattr(engramrt.checkpoint, "load_table", recording_load_table)
     from engramrt.config import PRESETS
     from engramrt.lookup.synthetic import random_packed_rows
 
@@ -144,6 +164,11 @@ def test_demo_serves_rows_from_a_checkpoint(capsys, tmp_path) -> None:
         str(tmp_path / "c.png"),
     )
     assert code == 0 and "checks passed" in out
+    # Independent of that verdict: the stores served hold exactly the tables saved here.
+    assert len(served) == len(tables)
+    for store, table in zip(served, tables, strict=True):
+        got = store.gather_packed(torch.arange(table.shape[0]))
+        assert torch.equal(got.cpu(), table.cpu())
     code, _, err = _run(
         capsys,
         "demo",

@@ -100,6 +100,35 @@ def test_hash_no_gpu_is_an_error(capsys, files) -> None:
         _one_line_error(code, err, "--device='cuda'", "no CUDA device")
 
 
+def test_demo_unknown_tier_with_a_checkpoint(capsys, tmp_path) -> None:
+    """The message docs/reliability.md quotes (it had drifted from the code)."""
+    import torch
+
+    from engramrt.checkpoint import save_tables
+    from engramrt.config import PRESETS
+    from engramrt.lookup.synthetic import random_packed_rows
+
+    cfg = PRESETS["tiny"]
+    gen = torch.Generator().manual_seed(0)
+    tables = [random_packed_rows(n, cfg.head_dim, "cpu", gen) for n in cfg.num_embeddings]
+    ckpt = save_tables(tmp_path / "engram.safetensors", tables, cfg)
+    args = ["demo", "--synthetic", "-c", "tiny", "--device", "cpu", "--tier", "bogus"]
+    code, _, err = _run(capsys, *args, "--checkpoint", ckpt, "--plot", tmp_path / "c.png")
+    _one_line_error(
+        code, err, "tier = 'bogus'; expected 'auto' or one of device, disk, host, synthetic, uva"
+    )
+    docs = (ROOT / "docs" / "reliability.md").read_text()
+    assert "tier = 'bogus'; expected 'auto' or one of device, disk, host, synthetic, uva" in docs
+
+
+@pytest.mark.parametrize("tp", ["abc", "1.5", ""])
+def test_inspect_tp_not_an_integer_names_the_value(capsys, tp) -> None:
+    """Was: a usage box without the value."""
+    code, _, err = _run(capsys, "inspect", "-c", "tiny", "--tp", tp)
+    _one_line_error(code, err, f"--tp={tp!r}; expected an integer")
+    assert err.count("\n") == 1
+
+
 @pytest.mark.parametrize("tp", ["1000", "13"])
 def test_inspect_tp_past_the_columns_is_short(capsys, tp) -> None:
     code, _, err = _run(capsys, "inspect", "-c", "tiny", "--tp", tp)

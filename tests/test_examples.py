@@ -35,8 +35,8 @@ def _record_steps(monkeypatch) -> list:
     steps: list = []
 
     def spy(real):
-        def call(self, batch):
-            plan = real(self, batch)
+        def call(self, batch, **kwargs):
+            plan = real(self, batch, **kwargs)
             host = {
                 k: (v.cpu().numpy().copy() if v is not None else None)
                 for k, v in vars(batch).items()

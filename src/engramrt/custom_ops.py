@@ -1,31 +1,56 @@
 """engramrt's steps as PyTorch custom operators, for ``torch.compile`` and CUDA graphs.
 
 Serving engines compile their model with ``torch.compile(fullgraph=True)``;
-a plain Python launch of a Triton kernel inside it breaks the graph. The
-operators here (namespace ``engramrt``) are opaque to the compiler, carry
-fake implementations that give output shapes and dtypes without running
-anything, and call the same launchers as the eager API, so a compiled
-model computes the eager bytes:
+a plain Python launch of a Triton kernel, a side stream or a worker thread
+inside it breaks the graph. The operators here (namespace ``engramrt``) are
+opaque to the compiler, carry fake implementations that give output shapes
+and dtypes without running anything, and are thin skins over the objects
+the eager API uses: a compiled model runs the same
+:meth:`EngramRuntime.plan <engramrt.runtime.EngramRuntime.plan>` and
+:meth:`EngramRuntime.run <engramrt.runtime.EngramRuntime.run>`, so it keeps
+the runtime's side-stream lookups, its CPU workers for host tiers and its
+prefetch, and computes the eager bytes.
 
-=====================================  =======================================  ==========
-operator                               what                                     mutates
-=====================================  =======================================  ==========
-``engramrt::hash_ids``                 row ids ``[T, L, C]`` (SPEC §4-5)         nothing
-``engramrt::hash_ids_slot_cache``      the same, history in a SlotHashCache     its slots
-``engramrt::hash_ids_request_history`` the same, history in a RequestHistory    its ring
-``engramrt::lookup_rows``              rows ``[T, C, E]`` of a packed table     nothing
-``engramrt::fetch_rows``               rows of any registered row source        nothing
-``engramrt::engram_gate``              the fused gate (SPEC §8)                 nothing
-=====================================  =======================================  ==========
+========================================  ======================================  ============
+operator                                  what                                    mutates
+========================================  ======================================  ============
+``engramrt::plan_step``                   ``runtime.plan``; history from lookback  nothing
+``engramrt::plan_step_slot_cache``        the same, history in a SlotHashCache    its slots
+``engramrt::plan_step_request_history``   the same, history in a RequestHistory   its ring
+``engramrt::run_layer``                   ``runtime.run(layer, hidden)``          nothing
+``engramrt::lookup_rows``                 rows ``[T, C, E]`` of a packed table    nothing
+``engramrt::engram_gate``                 the fused gate (SPEC §8)                nothing
+========================================  ======================================  ============
 
-Objects the operators cannot take as arguments (a hasher with its
-constants and history, a row source with its memory and threads) are
-registered once under a name (:func:`register_hasher`,
-:func:`register_source`) and named in the call, as engines name their
-attention layers. The hasher's history tensors are passed explicitly as
-well, so the compiler sees the mutation. Host-side checks are the
-registered objects' own settings: build them with their synchronising
-checks off (the default) to capture a step.
+A runtime reaches the operators through its explicit handle,
+:attr:`EngramRuntime.handle <engramrt.runtime.EngramRuntime.handle>` (an int,
+so a compiled graph holds it as a constant; the runtime is looked up weakly,
+by :func:`~engramrt.runtime.runtime_from_handle`). The history's tensors are
+passed explicitly as well, so the compiler sees the mutation. Use
+:func:`plan` and :func:`run_layer` from model code: they pick the operator
+for the runtime's history and pass its tensors::
+
+    row_ids = custom_ops.plan(runtime, batch)                 # the step's plan
+    hidden = custom_ops.run_layer(runtime, 0, hidden, row_ids)
+    ...
+    hidden = custom_ops.run_layer(runtime, 1, hidden, row_ids)
+
+Passing the plan's ``row_ids`` to ``run_layer`` orders the two for the
+compiler (the operator reads nothing of it). An engine that plans on the
+host outside its compiled model calls ``runtime.plan(batch)`` there and
+``run_layer(runtime, i, hidden)`` inside. ``plan_step`` returns a copy of the
+row ids (an operator's output never aliases the runtime's buffers), and
+``run_layer`` writes a fresh output tensor.
+
+Under CUDA-graph capture the operators' host work (the runtime's slot
+rotation, its queue of planned steps, worker threads) runs once, at
+capture: capture ``plan`` and ``run_layer`` together only where every source
+runs without a host synchronisation, one graph per staging slot (see the
+runtime's module documentation). ``run_layer`` carries the
+``cudagraph_unsafe`` tag (where torch has it): with
+``torch._inductor.config.graph_partition = True``, ``mode="reduce-overhead"``
+captures the compiled model's pieces between Engram layers in CUDA graphs and
+runs each layer eagerly between them, which works with every source.
 
 Importing this module registers the operators; ``import engramrt`` does not.
 """
@@ -33,118 +58,78 @@ Importing this module registers the operators; ``import engramrt`` does not.
 from __future__ import annotations
 
 import copy
-from typing import Any
 
 import torch
 
 from engramrt.errors import ValidationError
-from engramrt.hashing import HashBatch, NgramHasher, RequestHistory, SlotHashCache
-from engramrt.source import RowSource
+from engramrt.hashing import HashBatch, RequestHistory, SlotHashCache
+from engramrt.runtime import EngramRuntime, runtime_from_handle
 
 __all__ = [
     "engram_gate",
-    "fetch_rows",
-    "hash_batch",
-    "hash_ids",
-    "hash_ids_request_history",
-    "hash_ids_slot_cache",
-    "head_step",
     "lookup_rows",
-    "register_hasher",
-    "register_source",
+    "plan",
+    "plan_step",
+    "plan_step_request_history",
+    "plan_step_slot_cache",
+    "run_layer",
+    "run_layer_op",
 ]
 
-_HASHERS: dict[str, tuple[NgramHasher, SlotHashCache | RequestHistory | None]] = {}
-_SOURCES: dict[str, RowSource] = {}
 
-
-def register_hasher(
-    name: str, hasher: NgramHasher, history: SlotHashCache | RequestHistory | None = None
-) -> None:
-    """Make ``hasher`` (and the history it updates) callable as ``hash_ids(..., name)``."""
-    if not isinstance(hasher, NgramHasher):
-        raise ValidationError(f"hasher is a {type(hasher).__name__}; expected an NgramHasher")
-    _HASHERS[name] = (hasher, history)
-
-
-def register_source(name: str, source: RowSource) -> None:
-    """Make ``source`` callable as ``fetch_rows(row_ids, name)``."""
-    if not isinstance(source, RowSource):
-        raise ValidationError(f"source is a {type(source).__name__}; expected a RowSource")
-    _SOURCES[name] = source
-
-
-def _hasher(name: str) -> tuple[NgramHasher, SlotHashCache | RequestHistory | None]:
-    try:
-        return _HASHERS[name]
-    except KeyError:
-        raise ValidationError(
-            f"hasher name {name!r} is not registered; expected one of {sorted(_HASHERS)} "
-            f"(engramrt.custom_ops.register_hasher)"
-        ) from None
-
-
-def _source(name: str) -> RowSource:
-    try:
-        return _SOURCES[name]
-    except KeyError:
-        raise ValidationError(
-            f"source name {name!r} is not registered; expected one of {sorted(_SOURCES)} "
-            f"(engramrt.custom_ops.register_source)"
-        ) from None
-
-
-# -- hashing -------------------------------------------------------------------
+# -- plan ----------------------------------------------------------------------
 #
 # Three operators, one per kind of history, so that each declares exactly the
 # tensors it mutates (an optional mutated argument does not survive Inductor's
 # lowering of functionalised operators).
 
 
-def _hash(
-    hasher: str,
+def _plan(
+    handle: int,
     history_slots: torch.Tensor | None,
     history_tags: torch.Tensor | None,
     **fields: torch.Tensor | None,
 ) -> torch.Tensor:
-    owner, registered = _hasher(hasher)
-    history = None
+    runtime = runtime_from_handle(handle)
+    history = runtime.history
     if history_slots is not None:
-        if registered is None:
+        if history is None:
             raise ValidationError(
-                f"hash ops: history tensors given but hasher {hasher!r} was registered "
-                f"without a history (register_hasher(name, hasher, history))"
+                f"plan ops: history tensors given but runtime {handle} has no history "
+                f"(EngramRuntime(history=...))"
             )
         # The history's memory is the tensors passed in (under opcheck or
-        # functionalisation they may be copies of the registered ones): a
-        # shallow copy of the registered object over them.
-        history = copy.copy(registered)
+        # functionalisation they may be copies of the runtime's): a shallow copy
+        # of the runtime's history object over them.
+        history = copy.copy(history)
         history.slots = history_slots
         if isinstance(history, RequestHistory) and history_tags is not None:
             history.tags = history_tags
-    return owner(HashBatch(**fields), history)  # type: ignore[arg-type]
+    step = runtime.plan(HashBatch(**fields), history=history)  # type: ignore[arg-type]
+    return step.row_ids.clone()
 
 
-def _hash_fake(hasher: str, input_ids: torch.Tensor) -> torch.Tensor:
-    owner, _history = _hasher(hasher)
-    shape = (input_ids.shape[0], owner.consts.n_layers, owner.consts.n_cols)
-    return input_ids.new_empty(shape, dtype=owner.out_dtype)
+def _plan_fake(handle: int, input_ids: torch.Tensor) -> torch.Tensor:
+    runtime = runtime_from_handle(handle)
+    shape = (input_ids.shape[0], runtime.n_layers, runtime.n_cols)
+    return input_ids.new_empty(shape, dtype=runtime.hasher.out_dtype)
 
 
-@torch.library.custom_op("engramrt::hash_ids", mutates_args=())
-def hash_ids(
+@torch.library.custom_op("engramrt::plan_step", mutates_args=())
+def plan_step(
     input_ids: torch.Tensor,
     positions: torch.Tensor,
     query_start_loc: torch.Tensor,
     dead_mask: torch.Tensor | None,
     lookback_token_ids: torch.Tensor | None,
     lookback_dead: torch.Tensor | None,
-    hasher: str,
+    handle: int,
 ) -> torch.Tensor:
-    """Row ids ``[T, L, C]`` of a batch whose history comes from lookback ids (or none),
-    by the hasher registered as ``hasher``; the fields are :class:`HashBatch`'s."""
-    return _hash(
-        hasher,
+    """``runtime.plan`` of a batch whose history comes from lookback ids (or none), by
+    the runtime with ``handle``; returns a copy of the row ids ``[T, L, C]``. The
+    fields are :class:`HashBatch`'s."""
+    return _plan(
+        handle,
         None,
         None,
         input_ids=input_ids,
@@ -156,14 +141,14 @@ def hash_ids(
     )
 
 
-@hash_ids.register_fake
+@plan_step.register_fake
 def _(input_ids, positions, query_start_loc, dead_mask, lookback_token_ids, lookback_dead,
-      hasher):  # fmt: skip
-    return _hash_fake(hasher, input_ids)
+      handle):  # fmt: skip
+    return _plan_fake(handle, input_ids)
 
 
-@torch.library.custom_op("engramrt::hash_ids_slot_cache", mutates_args=("history_slots",))
-def hash_ids_slot_cache(
+@torch.library.custom_op("engramrt::plan_step_slot_cache", mutates_args=("history_slots",))
+def plan_step_slot_cache(
     input_ids: torch.Tensor,
     positions: torch.Tensor,
     query_start_loc: torch.Tensor,
@@ -173,13 +158,12 @@ def hash_ids_slot_cache(
     slot_mapping: torch.Tensor,
     block_table: torch.Tensor,
     history_slots: torch.Tensor,
-    hasher: str,
+    handle: int,
 ) -> torch.Tensor:
-    """:func:`hash_ids` with a :class:`SlotHashCache`: ``history_slots`` is the cache's
-    ``slots`` (the one registered with the hasher gives the block size), updated in
-    place with the batch's tokens."""
-    return _hash(
-        hasher,
+    """:func:`plan_step` with a :class:`SlotHashCache`: ``history_slots`` is the cache's
+    ``slots`` (the runtime's cache gives the block size), updated in place."""
+    return _plan(
+        handle,
         history_slots,
         None,
         input_ids=input_ids,
@@ -193,16 +177,16 @@ def hash_ids_slot_cache(
     )
 
 
-@hash_ids_slot_cache.register_fake
+@plan_step_slot_cache.register_fake
 def _(input_ids, positions, query_start_loc, dead_mask, lookback_token_ids, lookback_dead,
-      slot_mapping, block_table, history_slots, hasher):  # fmt: skip
-    return _hash_fake(hasher, input_ids)
+      slot_mapping, block_table, history_slots, handle):  # fmt: skip
+    return _plan_fake(handle, input_ids)
 
 
 @torch.library.custom_op(
-    "engramrt::hash_ids_request_history", mutates_args=("history_slots", "history_tags")
+    "engramrt::plan_step_request_history", mutates_args=("history_slots", "history_tags")
 )
-def hash_ids_request_history(
+def plan_step_request_history(
     input_ids: torch.Tensor,
     positions: torch.Tensor,
     query_start_loc: torch.Tensor,
@@ -212,12 +196,12 @@ def hash_ids_request_history(
     request_slots: torch.Tensor,
     history_slots: torch.Tensor,
     history_tags: torch.Tensor,
-    hasher: str,
+    handle: int,
 ) -> torch.Tensor:
-    """:func:`hash_ids` with a :class:`RequestHistory`: ``history_slots`` and
+    """:func:`plan_step` with a :class:`RequestHistory`: ``history_slots`` and
     ``history_tags`` are its ``slots`` and ``tags``, updated in place."""
-    return _hash(
-        hasher,
+    return _plan(
+        handle,
         history_slots,
         history_tags,
         input_ids=input_ids,
@@ -230,15 +214,18 @@ def hash_ids_request_history(
     )
 
 
-@hash_ids_request_history.register_fake
+@plan_step_request_history.register_fake
 def _(input_ids, positions, query_start_loc, dead_mask, lookback_token_ids, lookback_dead,
-      request_slots, history_slots, history_tags, hasher):  # fmt: skip
-    return _hash_fake(hasher, input_ids)
+      request_slots, history_slots, history_tags, handle):  # fmt: skip
+    return _plan_fake(handle, input_ids)
 
 
-def hash_batch(batch: HashBatch, hasher: str) -> torch.Tensor:
-    """The hash operator for ``batch`` and the history registered with ``hasher``."""
-    _owner, history = _hasher(hasher)
+def plan(runtime: EngramRuntime, batch: HashBatch) -> torch.Tensor:
+    """The plan operator for ``batch`` and ``runtime``'s history; returns row ids
+    ``[T, L, C]`` (a copy: pass it to :func:`run_layer` to order the layers after it)."""
+    if not isinstance(runtime, EngramRuntime):
+        raise ValidationError(f"runtime is a {type(runtime).__name__}; expected an EngramRuntime")
+    history = runtime.history
     common = (
         batch.input_ids,
         batch.positions,
@@ -250,24 +237,70 @@ def hash_batch(batch: HashBatch, hasher: str) -> torch.Tensor:
     if isinstance(history, SlotHashCache):
         if batch.slot_mapping is None or batch.block_table is None:
             raise ValidationError(
-                f"hasher {hasher!r} has a SlotHashCache; expected the batch's slot_mapping "
-                f"and block_table"
+                "the runtime's history is a SlotHashCache; expected the batch's slot_mapping "
+                "and block_table"
             )
-        return hash_ids_slot_cache(
-            *common, batch.slot_mapping, batch.block_table, history.slots, hasher
+        return plan_step_slot_cache(
+            *common, batch.slot_mapping, batch.block_table, history.slots, runtime.handle
         )
     if isinstance(history, RequestHistory):
         if batch.request_slots is None:
             raise ValidationError(
-                f"hasher {hasher!r} has a RequestHistory; expected the batch's request_slots"
+                "the runtime's history is a RequestHistory; expected the batch's request_slots"
             )
-        return hash_ids_request_history(
-            *common, batch.request_slots, history.slots, history.tags, hasher
+        return plan_step_request_history(
+            *common, batch.request_slots, history.slots, history.tags, runtime.handle
         )
-    return hash_ids(*common, hasher)
+    return plan_step(*common, runtime.handle)
 
 
-# -- rows ----------------------------------------------------------------------
+# -- run -----------------------------------------------------------------------
+
+# run_layer waits on host work (a worker thread's lookup) and keeps the runtime's
+# queue of planned steps: it must run eagerly, never be replayed from a CUDA graph.
+# Inductor's CUDA graphs (mode="reduce-overhead" with graph partitions) split the
+# compiled model around operators tagged so, as engines' piecewise graphs split
+# around attention: the blocks replay from graphs, the layer runs between them.
+_RUN_TAGS = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
+
+
+@torch.library.custom_op("engramrt::run_layer", mutates_args=(), tags=_RUN_TAGS)
+def run_layer_op(
+    hidden: torch.Tensor,
+    token_mask: torch.Tensor | None,
+    after: torch.Tensor | None,
+    handle: int,
+    layer: int,
+) -> torch.Tensor:
+    """``runtime.run(layer, hidden, token_mask)`` of the runtime with ``handle``, into a
+    fresh ``[Tl, hc, D]`` bf16 tensor. ``after`` (the plan's row ids, or None) is not
+    read: it orders this operator after the plan for the compiler."""
+    runtime = runtime_from_handle(handle)
+    out = torch.empty(hidden.shape, dtype=torch.bfloat16, device=hidden.device)
+    runtime.run(layer, hidden, token_mask, out=out)
+    return out
+
+
+@run_layer_op.register_fake
+def _(hidden, token_mask, after, handle, layer):  # fmt: skip
+    return hidden.new_empty(hidden.shape, dtype=torch.bfloat16)
+
+
+def run_layer(
+    runtime: EngramRuntime,
+    layer: int,
+    hidden: torch.Tensor,
+    after: torch.Tensor | None = None,
+    token_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``engramrt::run_layer`` for ``runtime``: Engram layer ``layer`` of the oldest
+    planned step that has not run it (:meth:`EngramRuntime.run`)."""
+    if not isinstance(runtime, EngramRuntime):
+        raise ValidationError(f"runtime is a {type(runtime).__name__}; expected an EngramRuntime")
+    return run_layer_op(hidden, token_mask, after, runtime.handle, layer)
+
+
+# -- pure kernels ----------------------------------------------------------------
 
 
 @torch.library.custom_op("engramrt::lookup_rows", mutates_args=())
@@ -293,30 +326,6 @@ def _(row_ids, packed_table, col_begin, col_end, row_begin):  # fmt: skip
     return row_ids.new_empty((*row_ids.shape, E), dtype=torch.bfloat16)
 
 
-@torch.library.custom_op("engramrt::fetch_rows", mutates_args=())
-def fetch_rows(row_ids: torch.Tensor, source: str) -> torch.Tensor:
-    """Rows ``[local_tokens(T), C, E]`` bf16 from the row source registered as ``source``.
-
-    Capturable in a CUDA graph when the source has no
-    :attr:`~engramrt.source.RowSource.host_sync`.
-    """
-    owner = _source(source)
-    rows = owner.fetch(row_ids)
-    if owner.has_update:
-        owner.update()
-    return rows
-
-
-@fetch_rows.register_fake
-def _(row_ids, source):  # fmt: skip
-    owner = _source(source)
-    shape = (owner.local_tokens(row_ids.shape[0]), row_ids.shape[1], owner.E)
-    return row_ids.new_empty(shape, dtype=torch.bfloat16)
-
-
-# -- gate ----------------------------------------------------------------------
-
-
 @torch.library.custom_op("engramrt::engram_gate", mutates_args=())
 def engram_gate(
     hidden: torch.Tensor,
@@ -335,11 +344,3 @@ def engram_gate(
 @engram_gate.register_fake
 def _(hidden, kv, q_weight, k_weight, eps, token_mask):  # fmt: skip
     return hidden.new_empty(hidden.shape, dtype=torch.bfloat16)
-
-
-def head_step(head: Any, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """An :class:`~engramrt.layer.EngramHead`'s output through the operators: ``wkv`` as a
-    plain linear (the compiler sees it) and the gate as ``engramrt::engram_gate``."""
-    num_tokens = rows.shape[0]
-    kv = head.wkv(rows.view(num_tokens, -1))
-    return engram_gate(hidden, kv, head.q_weight, head.k_weight, head.eps, None)

@@ -14,6 +14,7 @@ __all__ = [
     "ConfigError",
     "EngramError",
     "LayoutError",
+    "LockTimeoutError",
     "ShardingError",
     "TokenizerError",
     "UntrustedFileError",
@@ -51,6 +52,10 @@ class CheckpointError(EngramError):
 
 class CapacityError(EngramError):
     """Not enough memory or disk for the placement that was asked for."""
+
+
+class LockTimeoutError(EngramError, TimeoutError):
+    """A lock another process holds was not released within the wait allowed for it."""
 
 
 class UntrustedFileError(EngramError):

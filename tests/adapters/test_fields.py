@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 
 import numpy as np
 import pytest
@@ -29,6 +30,14 @@ from engramrt.hashing import (
 )
 
 N = 4  # max_ngram_size of the tiny preset
+
+
+@functools.cache
+def tiny_consts() -> HashConstants:
+    """The tiny preset's constants: the adapters take these (or the hasher), not a bare N."""
+    from engramrt.tokenmap import TokenMap
+
+    return HashConstants.from_config(PRESETS["tiny"], TokenMap.from_tokenizer_file())
 
 
 @pytest.fixture(scope="module")
@@ -137,9 +146,51 @@ def test_vllm_invalid_steps_name_the_field(change, message) -> None:
 def test_vllm_cache_geometry_is_checked() -> None:
     with pytest.raises(ValidationError, match="block_size=4 but the SlotHashCache"):
         validate_vllm_step(**_vllm_step(), cache=vllm_slot_cache(16, 8))
-    with pytest.raises(ValidationError, match="the SlotHashCache has 16 slots"):
+    with pytest.raises(ValidationError, match=r"block_table\[0, 0\]=7: .* has 4 blocks"):
         validate_vllm_step(**_vllm_step(), cache=vllm_slot_cache(4, 4))
-    validate_vllm_step(**_vllm_step(), cache=vllm_slot_cache(16, 4))
+    validate_vllm_step(**_vllm_step(), cache=vllm_slot_cache(8, 4))
+
+
+def test_vllm_history_window_is_checked_against_the_cache() -> None:
+    """Request 0 (positions 5..7, N-1 = 3) reads positions 2..4: blocks 0 and 1 of its row.
+
+    A block id outside the cache there (not only in the chunk's own blocks)
+    is refused, naming the table entry; with the hasher given, blocks before
+    the window are not checked, without it every position from 0 is.
+    """
+    cache = vllm_slot_cache(8, 4)
+    step = _vllm_step()
+    step["block_table"] = step["block_table"].clone()
+    step["block_table"][0, 0] = 8  # position 2..3: history of the chunk at 5
+    with pytest.raises(
+        ValidationError, match=r"block_table\[0, 0\]=8: request 0 reads positions 2\.\.7"
+    ):
+        validate_vllm_step(**step, cache=cache, hasher=tiny_consts())
+    step["block_table"][0, 0] = -2
+    with pytest.raises(ValidationError, match=r"block_table\[0, 0\]=-2"):
+        validate_vllm_step(**step, cache=cache)
+    # A chunk at positions 9..10 with N-1 = 3 reads from position 6 (block 1) on.
+    late = _vllm_step()
+    late["positions"] = torch.tensor([9, 10, 11, 0, 1, 0, 0, 0])
+    late["block_table"] = torch.tensor([[-5, 3, 6], [5, 0, 0]], dtype=torch.int32)
+    late["slot_mapping"] = torch.tensor([25, 26, 27, 20, 21])
+    validate_vllm_step(**late, cache=cache, hasher=tiny_consts())
+    with pytest.raises(
+        ValidationError, match=r"block_table\[0, 0\]=-5: request 0 reads positions 0\.\.11"
+    ):
+        validate_vllm_step(**late, cache=cache)
+
+
+def test_vllm_negative_slots_other_than_minus_one_are_refused() -> None:
+    step = _vllm_step()
+    step["slot_mapping"] = step["slot_mapping"].clone()
+    step["slot_mapping"][1] = -3
+    with pytest.raises(
+        ValidationError, match=r"slot_mapping\[1\]=-3; expected -1 \(or pad_slot_id=0\)"
+    ):
+        validate_vllm_step(**step)
+    step["slot_mapping"][1] = -1  # not written: allowed
+    validate_vllm_step(**step, cache=vllm_slot_cache(8, 4))
 
 
 def test_vllm_validate_false_skips_the_checks() -> None:
@@ -165,7 +216,7 @@ def _sglang_extend() -> dict:
         "input_ids": torch.tensor([11, 12, 21, 22, 23, 31, 0, 0]),
         "req_pool_indices": torch.tensor([2, 0, 1]),
         "req_to_token": _pool(),
-        "max_ngram_size": N,
+        "hasher": tiny_consts(),
         "extend_prefix_lens": torch.tensor([6, 0, 2], dtype=torch.int32),
         "extend_seq_lens": torch.tensor([2, 3, 1], dtype=torch.int32),
         "num_actual_tokens": 6,
@@ -196,7 +247,7 @@ def test_sglang_padded_decode_fields() -> None:
         input_ids=torch.tensor([5, 6, 0, 0]),
         req_pool_indices=torch.tensor([3, 1, 0, 0]),
         req_to_token=pool,
-        max_ngram_size=N,
+        hasher=tiny_consts(),
         seq_lens=torch.tensor([9, 2, 1, 1]),
         num_reqs=2,
         num_actual_tokens=2,
@@ -221,7 +272,7 @@ def test_sglang_rebased_window_hashes_like_whole_pool_rows(seed, consts, token_m
         "input_ids": torch.from_numpy(rng.integers(0, token_map.vocab_size, t_len)),
         "req_pool_indices": torch.from_numpy(rng.permutation(4)[:n_req]),
         "req_to_token": pool,
-        "max_ngram_size": N,
+        "hasher": tiny_consts(),
         "extend_prefix_lens": torch.from_numpy(prefix),
         "extend_seq_lens": torch.from_numpy(extend),
         "dead_mask": torch.from_numpy(rng.random(t_len) < 0.1),
@@ -274,7 +325,7 @@ _SGLANG_INVALID = [
         r"extend_prefix_lens\[1\]=-1; expected >= 0",
     ),
     ({"req_to_token": torch.zeros(4, 12)}, "req_to_token has dtype torch.float32"),
-    ({"max_ngram_size": 0}, r"max_ngram_size=0 must be in \[1, 64\]"),
+    ({"hasher": 4}, r"hasher=4 \(int\); expected the NgramHasher the batch will be hashed with"),
     (
         {"lookback_token_ids": torch.zeros(3, 2, dtype=torch.int64)},
         r"lookback_token_ids has shape \[3, 2\]; expected \[\d+, 3\]",
@@ -295,7 +346,7 @@ def test_sglang_decode_checks() -> None:
         "input_ids": torch.tensor([5, 6]),
         "req_pool_indices": torch.tensor([3, 1]),
         "req_to_token": _pool(),
-        "max_ngram_size": N,
+        "hasher": tiny_consts(),
         "seq_lens": torch.tensor([9, 0]),
     }
     with pytest.raises(ValidationError, match=r"seq_lens\[1\]=0 in a decode step; expected >= 1"):
@@ -304,6 +355,40 @@ def test_sglang_decode_checks() -> None:
         from_sglang_batch(**{**step, "seq_lens": torch.tensor([9, 2]), "num_actual_tokens": 1})
     with pytest.raises(ValidationError, match="input_ids has 1 rows in a decode step"):
         from_sglang_batch(**{**step, "input_ids": torch.tensor([5])})
+
+
+def test_sglang_duplicate_pool_rows_are_refused() -> None:
+    """Two real requests in one pool row would read and write each other's history."""
+    step = {**_sglang_extend(), "req_pool_indices": torch.tensor([2, 0, 2])}
+    with pytest.raises(
+        ValidationError, match=r"req_pool_indices\[2\]=2 is also req_pool_indices\[0\]"
+    ):
+        from_sglang_batch(**step)
+    # Padded requests (past num_reqs) may share row 0, as CUDA-graph runners pad them.
+    decode = {
+        "input_ids": torch.tensor([5, 6, 0, 0]),
+        "req_pool_indices": torch.tensor([3, 1, 0, 0]),
+        "req_to_token": _pool(),
+        "hasher": tiny_consts(),
+        "seq_lens": torch.tensor([9, 2, 1, 1]),
+        "num_reqs": 2,
+        "num_actual_tokens": 2,
+    }
+    from_sglang_batch(**decode)
+
+
+def test_sglang_takes_n_from_the_hasher(consts, token_map) -> None:
+    """The window is the hasher's N-1: a hasher and its constants give the same batch."""
+    hasher = NgramHasher(consts, token_map, backend="reference")
+    by_hasher = from_sglang_batch(**{**_sglang_extend(), "hasher": hasher})
+    by_consts = from_sglang_batch(**_sglang_extend())
+    assert by_hasher.block_table is not None and by_consts.block_table is not None
+    assert list(by_hasher.block_table.shape) == [3, consts.max_ngram_size]
+    assert torch.equal(by_hasher.block_table, by_consts.block_table)
+    assert torch.equal(by_hasher.positions, by_consts.positions)
+    for bad in (N, None, "tiny"):
+        with pytest.raises(ValidationError, match=r"hasher=.*expected the NgramHasher"):
+            from_sglang_batch(**{**_sglang_extend(), "hasher": bad})
 
 
 def test_sglang_cache_is_checked() -> None:
@@ -393,7 +478,7 @@ def _remote_prefill_steps(engine: str, tokens: np.ndarray, lookback: list[int] |
             input_ids=torch.from_numpy(tokens[start:end]),
             req_pool_indices=torch.tensor([1]),
             req_to_token=pool,
-            max_ngram_size=N,
+            hasher=tiny_consts(),
             extend_prefix_lens=torch.tensor([start]),
             extend_seq_lens=torch.tensor([end - start]),
             lookback_token_ids=lookback_ids,

@@ -340,9 +340,22 @@ def test_read_misses_setting(tmp_path: Path, device: torch.device) -> None:
         CachedRowStore(disk, 2**16, read_misses=True)
 
 
-def test_stats_type(device: torch.device) -> None:
+def test_stats_count_what_the_test_looked_up(device: torch.device) -> None:
+    """Counts checked against the lookups made here: a cold cache misses every one, and
+    every later lookup is a hit or a miss of its column (was: an isinstance check only)."""
     backing = make_store("device", packed=random_packed_table(10, 32, seed=15), device=device)
-    assert isinstance(CachedRowStore(backing, 2**16).stats(), CacheStats)
+    cache = CachedRowStore(backing, 2**16, n_heads=2)
+    fresh = cache.stats()
+    assert isinstance(fresh, CacheStats) and fresh.lookups == 0
+    row_ids = torch.tensor([[0, 3, 7, 9], [3, 3, 1, 0], [9, 8, 7, 6]], device=device)
+    assert_same_bits(cache.lookup(row_ids), backing.lookup(row_ids))
+    cold = cache.stats()
+    assert cold.hits == (0, 0, 0, 0) and cold.misses == (3, 3, 3, 3)
+    cache.update()
+    assert_same_bits(cache.lookup(row_ids), backing.lookup(row_ids))
+    warm = cache.stats()
+    assert tuple(h + m for h, m in zip(warm.hits, warm.misses, strict=True)) == (6, 6, 6, 6)
+    assert warm.lookups == 24 and sum(warm.hits) > 0  # 2**16 bytes hold all 10 rows
 
 
 def test_import_does_not_pull_in_triton() -> None:

@@ -263,7 +263,9 @@ def test_loading_reads_only_shard_rows_in_bounded_blocks(tmp_path, tiny, tiny_ta
 
     real = reader_module.safe_slice
     monkeypatch.setattr(
-        reader_module, "safe_slice", lambda file, name: RecordingSlice(name, real(file, name))
+        reader_module,
+        "safe_slice",
+        lambda file, name, open_path="": RecordingSlice(name, real(file, name, open_path)),
     )
     writes: list[tuple[int, int]] = []
     store = make_store(

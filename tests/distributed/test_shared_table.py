@@ -205,7 +205,7 @@ def test_a_failing_loader_leaves_nothing_behind(tmp_path: Path, rows, loader) ->
 def test_waiters_time_out_naming_the_lock_holder(tmp_path: Path, loader) -> None:
     with shared_table_module._try_lock(TablePaths(tmp_path, NAME).lock) as locked:
         assert locked
-        with pytest.raises(TimeoutError, match=rf"held by {os.getpid()} "):
+        with pytest.raises(TimeoutError, match=rf"held by pid {os.getpid()} "):
             SharedHostTable.create_or_attach(
                 NAME, NUM_ROWS, ROW_BYTES, loader, directory=tmp_path, timeout_s=0.2
             )

@@ -86,6 +86,22 @@ def test_hash_ids_file_and_human_output(capsys, tmp_path) -> None:
         capsys, "hash", "--config", "tiny", "--ids-file", str(ids), "--chunks", "1,1"
     )
     assert code == 0 and "matches one-shot hashing" in " ".join(out.split())
+    # Independent of that verdict: the same file through --json against one-shot hashing here.
+    code, out, _ = _run(
+        capsys, "hash", "--config", "tiny", "--ids-file", str(ids), "--chunks", "1,1", "--json"
+    )
+    assert code == 0 and json.loads(out)["row_ids"] == _independent_ids_row_ids([5, 6, 7, 8, 9])
+
+
+def _independent_ids_row_ids(ids: list[int]) -> list:
+    """Row ids of token ids ``ids`` hashed in one shot by the reference."""
+    from engramrt.config import PRESETS
+    from engramrt.hashing import HashConstants, hash_sequence
+    from engramrt.tokenmap import TokenMap
+
+    token_map = TokenMap.from_tokenizer_file()
+    consts = HashConstants.from_config(PRESETS["tiny"], token_map)
+    return hash_sequence(token_map.map[np.array(ids)], consts).tolist()
 
 
 @pytest.mark.parametrize(

@@ -88,3 +88,35 @@ def test_rollbacks_never_synchronise() -> None:
         history.rollback_many(slots, counts)
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+BAD_COUNTS = [-1, -(2**40), True, False, 2**63, 2**70, 3.0, float("nan"), "3", None]
+
+
+@pytest.mark.parametrize("count", BAD_COUNTS, ids=repr)
+def test_rollback_refuses_counts_that_are_not_token_counts(device, count) -> None:
+    """A negative or boolean count would erase history silently; huge or non-int ones raised raw."""
+    history = _filled(device)
+    before = history.tags.cpu().numpy().copy(), history.slots.cpu().numpy().copy()
+    with pytest.raises(ValidationError, match=r"num_tokens=.*expected a token count"):
+        history.rollback(1, count)
+    with pytest.raises(ValidationError, match=r"num_tokens\[1\]=.*expected a token count"):
+        history.rollback_many([0, 1], [3, count])
+    np.testing.assert_array_equal(history.tags.cpu().numpy(), before[0])  # nothing forgotten
+    np.testing.assert_array_equal(history.slots.cpu().numpy(), before[1])
+
+
+@pytest.mark.parametrize("slot", [True, 1.0, -1, 5], ids=repr)
+def test_rollback_refuses_slots_that_are_not_slots(device, slot) -> None:
+    history = _filled(device)
+    with pytest.raises(ValidationError, match=r"request_slot=.* must be in \[0, 5\)"):
+        history.rollback(slot, 3)
+
+
+def test_rollback_accepts_numpy_and_the_largest_count(device) -> None:
+    history = _filled(device)
+    history.rollback(np.int64(1), np.int32(12))  # slot 1 keeps positions 10, 11
+    history.rollback(2, 2**63 - 1)  # keeps everything
+    tags = history.tags.view(5, 7).cpu().numpy()
+    assert sorted(tags[1][tags[1] >= 0].tolist()) == [10, 11]
+    assert (tags[2] >= 0).all()

@@ -101,7 +101,7 @@ def run(rank: int, world_size: int, init_file: str, out_dir: str, backend: str =
                         out, kv = layer(hidden, row_ids, return_kv=True)
                     torch.save(
                         {
-                            "rows": layer.rows_buffer[:part].cpu(),
+                            "rows": layer.staged_rows[:part].cpu(),
                             "kv": kv.cpu(),
                             "out": out.cpu(),
                             "hidden": hidden.cpu(),

@@ -66,7 +66,7 @@ def make_layer(store, *, max_tokens: int = 32, fp8: bool = False, seed: int = 1,
 def check_step(layer, weights, table, hidden, row_ids, out, kv, token_mask=None) -> None:
     """Rows bit for bit, then kv and out within their derived tolerances."""
     rows = lookup_rows_reference(row_ids.cpu(), table, E).to(DEVICE)
-    assert_same_bits(layer.rows_buffer[: row_ids.shape[0]], rows)
+    assert_same_bits(layer.staged_rows[: row_ids.shape[0]], rows)
     check_head_step(layer.head, weights, hidden, rows, kv, out, token_mask)
     if token_mask is not None:  # masked tokens pass through bit for bit
         assert_same_bits(out[~token_mask], hidden[~token_mask], label="masked tokens")
@@ -145,7 +145,7 @@ def test_auto_backend_without_interpreter_is_the_reference(table, monkeypatch) -
         layer.head.k_weight,
         layer.head.eps,
     )
-    assert_same_bits(layer.rows_buffer[:9], rows)
+    assert_same_bits(layer.staged_rows[:9], rows)
     assert_same_bits(kv, expected_kv, label="kv")
     assert_same_bits(out, expected_out, label="out")
 

@@ -336,6 +336,14 @@ def test_dequantize_accepts_e8m0_scales_and_fp8_values() -> None:
     values = torch.randint(0, 256, (6, 3, 64), generator=g, dtype=torch.uint8)
     scales = torch.randint(110, 136, (6, 3, 2), generator=g, dtype=torch.uint8)
     expected = dequantize_rows(values.to(DEVICE), scales.to(DEVICE), backend="reference")
+    # Independently of the reference: torch's own fp8 -> fp32 conversion times 2**(b - 127),
+    # exact in fp32 and in bf16 (4 significant bits times a power of two, no overflow here).
+    by_torch = values.view(torch.float8_e4m3fn).float() * torch.exp2(
+        scales.float() - 127
+    ).repeat_interleave(32, dim=-1)
+    nan = torch.isnan(by_torch)
+    assert nan.any() and torch.equal(torch.isnan(expected.float().cpu()), nan)
+    assert_same_bytes(expected.cpu()[~nan], by_torch.bfloat16()[~nan], "reference vs torch")
     for backend in ("reference", "triton"):
         got = dequantize_rows(
             values.view(torch.float8_e4m3fn).to(DEVICE),

@@ -490,3 +490,27 @@ def test_sources_without_the_choice_ignore_gpu_reads(layout, token_map, device) 
     runtime = _runtime(layout, token_map, device, tier="device", gpu_reads="all")
     assert [s.use_gpu_reads(False) for s in runtime.sources] == [False, False]
     runtime.close()
+
+
+def test_abandon_forgets_planned_steps(layout, token_map, device) -> None:
+    """An aborted step: abandon() drops the planned steps (the next plan is accepted and
+    run gets its rows, not the abandoned ones); without it the third plan is refused."""
+    from tests.layer.common import random_hidden
+
+    heads, _ = _heads(device)
+    runtime = _runtime(layout, token_map, device, heads=heads)
+    plain = _runtime(layout, token_map, device)
+    runtime.plan(HashBatch.single([5, 6, 7, 8], device=device))
+    runtime.plan(HashBatch.single([9, 10, 11], start=4, device=device))
+    with pytest.raises(ValidationError, match="planned steps have layers"):
+        runtime.plan(HashBatch.single([1, 2], device=device))
+    assert runtime.abandon() == 2 and runtime.pending_steps == 0
+    batch = HashBatch.single([21, 22, 23], device=device)
+    runtime.plan(batch)
+    want = plain.plan(batch)
+    hidden = random_hidden(3, seed=2, config=CFG).to(device)
+    out = runtime.run(0, hidden)
+    expected = heads[0](hidden, want.rows(0))
+    assert torch.equal(out.view(torch.int16), expected.view(torch.int16))
+    runtime.close()
+    plain.close()

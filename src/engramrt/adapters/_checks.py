@@ -12,8 +12,15 @@ import numpy as np
 import torch
 
 from engramrt.errors import ValidationError
+from engramrt.hashing.types import HashConstants
 
-__all__ = ["check_count", "check_dead_and_lookback", "check_tensor", "host_values"]
+__all__ = [
+    "check_count",
+    "check_dead_and_lookback",
+    "check_tensor",
+    "hash_constants_of",
+    "host_values",
+]
 
 INT_DTYPES = (torch.int32, torch.int64)
 
@@ -46,6 +53,24 @@ def check_count(name: str, value: object, low: int, high: int) -> int:
     if not low <= value <= high:
         raise ValidationError(f"{name}={value} must be in [{low}, {high}]")
     return value
+
+
+def hash_constants_of(hasher: object) -> HashConstants:
+    """The :class:`HashConstants` of an ``NgramHasher`` (or the constants themselves).
+
+    Adapters take the hasher the batch will be hashed with, not a bare N, so
+    their history window is the model's N-1 and cannot drift from it.
+    """
+    from engramrt.hashing.ops import NgramHasher
+
+    if isinstance(hasher, NgramHasher):
+        return hasher.consts
+    if isinstance(hasher, HashConstants):
+        return hasher
+    raise ValidationError(
+        f"hasher={hasher!r} ({type(hasher).__name__}); expected the NgramHasher the batch "
+        f"will be hashed with, or its HashConstants"
+    )
 
 
 def host_values(x: torch.Tensor | None) -> np.ndarray | None:

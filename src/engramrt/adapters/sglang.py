@@ -23,17 +23,23 @@ unchanged.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from engramrt.adapters._checks import (
     check_count,
     check_dead_and_lookback,
     check_tensor,
+    hash_constants_of,
     host_values,
 )
 from engramrt.errors import ValidationError
 from engramrt.hashing.history import SlotHashCache
-from engramrt.hashing.types import HashBatch
+from engramrt.hashing.types import HashBatch, HashConstants
+
+if TYPE_CHECKING:
+    from engramrt.hashing.ops import NgramHasher
 
 __all__ = ["from_sglang_batch", "sglang_slot_cache", "validate_sglang_batch"]
 
@@ -53,7 +59,7 @@ def from_sglang_batch(
     input_ids: torch.Tensor,
     req_pool_indices: torch.Tensor,
     req_to_token: torch.Tensor,
-    max_ngram_size: int,
+    hasher: NgramHasher | HashConstants,
     seq_lens: torch.Tensor | None = None,
     extend_prefix_lens: torch.Tensor | None = None,
     extend_seq_lens: torch.Tensor | None = None,
@@ -83,7 +89,9 @@ def from_sglang_batch(
         input_ids: ``[T]`` token ids; rows past ``num_actual_tokens`` are padding.
         req_pool_indices: ``[R]`` pool row of each request.
         req_to_token: ``[max_reqs, max_context]`` KV slot of each (pool row, position).
-        max_ngram_size: N of the model's Engram config (the history window is N-1).
+        hasher: the :class:`~engramrt.hashing.NgramHasher` the batch will be
+            hashed with (or its :class:`~engramrt.hashing.HashConstants`):
+            its N sets the history window, N-1 positions before each chunk.
         seq_lens: ``[R]`` lengths after this step; used by decode steps only.
         extend_prefix_lens, extend_seq_lens: ``[R]`` each (extend steps).
         num_reqs: real requests (CUDA-graph padding adds requests after them,
@@ -114,7 +122,7 @@ def from_sglang_batch(
             input_ids=input_ids,
             req_pool_indices=req_pool_indices,
             req_to_token=req_to_token,
-            max_ngram_size=max_ngram_size,
+            hasher=hasher,
             seq_lens=seq_lens,
             extend_prefix_lens=extend_prefix_lens,
             extend_seq_lens=extend_seq_lens,
@@ -125,6 +133,7 @@ def from_sglang_batch(
             lookback_dead=lookback_dead,
             cache=cache,
         )
+    max_ngram_size = hash_constants_of(hasher).max_ngram_size
     device = input_ids.device
     t_len = int(input_ids.shape[0])
     n_req = int(req_pool_indices.shape[0])
@@ -183,7 +192,7 @@ def validate_sglang_batch(
     input_ids: torch.Tensor,
     req_pool_indices: torch.Tensor,
     req_to_token: torch.Tensor,
-    max_ngram_size: int,
+    hasher: NgramHasher | HashConstants,
     seq_lens: torch.Tensor | None = None,
     extend_prefix_lens: torch.Tensor | None = None,
     extend_seq_lens: torch.Tensor | None = None,
@@ -198,8 +207,10 @@ def validate_sglang_batch(
 
     Shapes, dtypes, devices and host ints are always checked. Values are
     checked only for tensors on the CPU (never read back from a device):
-    lengths, pool rows, a pool row wide enough for every position, the
-    token count, and slots inside the cache.
+    lengths, pool rows (distinct among the real requests: two requests
+    sharing a row would read and write each other's history), a pool row
+    wide enough for every position, the token count, and slots inside the
+    cache.
     """
     if not isinstance(input_ids, torch.Tensor):
         raise ValidationError(f"input_ids must be a torch.Tensor; got {type(input_ids).__name__}")
@@ -213,7 +224,7 @@ def validate_sglang_batch(
         raise ValidationError(
             f"req_to_token has shape {list(req_to_token.shape)}; expected [max_reqs, max_context >= 1]"
         )
-    check_count("max_ngram_size", max_ngram_size, 1, 64)
+    max_ngram_size = hash_constants_of(hasher).max_ngram_size
     n_real = n_req if num_reqs is None else check_count("num_reqs", num_reqs, 0, n_req)
     if num_actual_tokens is not None:
         check_count("num_actual_tokens", num_actual_tokens, 0, t_len)
@@ -309,11 +320,18 @@ def validate_sglang_batch(
     if rows is None:
         return
     n_rows = int(req_to_token.shape[0])
+    first_request: dict[int, int] = {}
     for r in range(n_real):
         if not 0 <= int(rows[r]) < n_rows:
             raise ValidationError(
                 f"req_pool_indices[{r}]={int(rows[r])}; expected a row of req_to_token in "
                 f"[0, {n_rows})"
+            )
+        other = first_request.setdefault(int(rows[r]), r)
+        if other != r:
+            raise ValidationError(
+                f"req_pool_indices[{r}]={int(rows[r])} is also req_pool_indices[{other}]; "
+                f"expected a distinct pool row per real request (num_reqs={n_real})"
             )
     table = host_values(req_to_token)
     if cache is None or table is None:

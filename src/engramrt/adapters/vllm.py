@@ -21,6 +21,8 @@ then need nothing from the engine (see docs/adapters.md).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 import torch
 
@@ -28,11 +30,15 @@ from engramrt.adapters._checks import (
     check_count,
     check_dead_and_lookback,
     check_tensor,
+    hash_constants_of,
     host_values,
 )
 from engramrt.errors import ValidationError
 from engramrt.hashing.history import SlotHashCache
-from engramrt.hashing.types import HashBatch
+from engramrt.hashing.types import HashBatch, HashConstants
+
+if TYPE_CHECKING:
+    from engramrt.hashing.ops import NgramHasher
 
 __all__ = ["from_vllm_step", "validate_vllm_step", "vllm_slot_cache"]
 
@@ -63,6 +69,7 @@ def from_vllm_step(
     lookback_token_ids: torch.Tensor | None = None,
     lookback_dead: torch.Tensor | None = None,
     cache: SlotHashCache | None = None,
+    hasher: NgramHasher | HashConstants | None = None,
     validate: bool = True,
 ) -> HashBatch:
     """The :class:`HashBatch` of one V1 runner step, for a :class:`SlotHashCache`.
@@ -94,7 +101,12 @@ def from_vllm_step(
             unchanged (``[T_pad]``, ``[R_pad, N-1]``); lookback ids are needed
             only in the first step of a request whose KV came from elsewhere.
         cache: the :class:`SlotHashCache` the batch will be hashed with; only
-            used by validation (geometry and device).
+            used by validation (geometry, device, and that every block the
+            step's history window reads lies inside it).
+        hasher: the :class:`~engramrt.hashing.NgramHasher` (or its
+            :class:`~engramrt.hashing.HashConstants`) the batch will be hashed
+            with; only used by validation: its N-1 sets the history window
+            checked against ``cache`` (None: every position from 0).
         validate: run :func:`validate_vllm_step` first.
 
     Returns:
@@ -116,6 +128,7 @@ def from_vllm_step(
             lookback_token_ids=lookback_token_ids,
             lookback_dead=lookback_dead,
             cache=cache,
+            hasher=hasher,
         )
     device = input_ids.device
     t_len = int(input_ids.shape[0])
@@ -172,14 +185,19 @@ def validate_vllm_step(
     lookback_token_ids: torch.Tensor | None = None,
     lookback_dead: torch.Tensor | None = None,
     cache: SlotHashCache | None = None,
+    hasher: NgramHasher | HashConstants | None = None,
 ) -> None:
     """Raise :class:`ValidationError` naming the first field of a runner step that is wrong.
 
     Shapes, dtypes, devices and host ints are always checked. Values are
     checked only for tensors on the CPU (never read back from a device):
-    boundaries, a block table wide enough for every position, and slot
-    mapping entries that agree with the block table and ``block_size``.
-    The hasher's own validation checks the rest of the batch contract.
+    boundaries, a block table wide enough for every position, slot mapping
+    entries that agree with the block table and ``block_size`` (-1 or
+    ``pad_slot_id`` for a token not written; no other negative slot), and,
+    with ``cache``, slots and the blocks of the history window (the N-1
+    positions before each chunk, N from ``hasher``; every position from 0
+    without it) inside the cache. The hasher's own validation checks the
+    rest of the batch contract.
     """
     if not isinstance(input_ids, torch.Tensor):
         raise ValidationError(f"input_ids must be a torch.Tensor; got {type(input_ids).__name__}")
@@ -222,6 +240,7 @@ def validate_vllm_step(
         width=None,
         device=device,
     )
+    history_window = None if hasher is None else hash_constants_of(hasher).max_ngram_size - 1
     if cache is not None:
         if cache.block_size != block_size:
             raise ValidationError(
@@ -270,12 +289,31 @@ def validate_vllm_step(
                 f"block_table row {r} has {width} blocks of {block_size}; position {last} "
                 f"needs block {last // block_size}"
             )
+        if cache is not None:
+            first = 0 if history_window is None else max(0, int(pos[a]) - history_window)
+            blocks = table[r, first // block_size : last // block_size + 1]
+            outside = (blocks < 0) | (blocks >= cache.num_slots // block_size)
+            if outside.any():
+                j = first // block_size + int(outside.argmax())
+                raise ValidationError(
+                    f"block_table[{r}, {j}]={int(table[r, j])}: request {r} reads positions "
+                    f"{first}..{last} (its history window and chunk), and the SlotHashCache has "
+                    f"{cache.num_slots // block_size} blocks; expected block ids in "
+                    f"[0, {cache.num_slots // block_size})"
+                )
         if slots is None:
             continue
         want = table[r, pos[a:b] // block_size] * block_size + pos[a:b] % block_size
         got = np.full(b - a, -1, dtype=np.int64)  # the adapter extends a short buffer with -1
         got[: max(0, min(b, slots.shape[0]) - a)] = slots[a:b]
-        wrong = (got != want) & (got != -1) & (got != pad_slot_id)
+        unwritten = (got == -1) | (got == pad_slot_id)
+        if (got[~unwritten] < 0).any():
+            i = a + int(np.flatnonzero(~unwritten & (got < 0))[0])
+            raise ValidationError(
+                f"slot_mapping[{i}]={int(slots[i])}; expected -1 (or pad_slot_id="
+                f"{pad_slot_id}) for a token not written, or a slot >= 0"
+            )
+        wrong = (got != want) & ~unwritten
         if wrong.any():
             i = a + int(wrong.argmax())
             raise ValidationError(

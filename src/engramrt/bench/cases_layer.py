@@ -147,7 +147,7 @@ def _engramrt(inputs: Inputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]
     """(out, kv, rows): views of the layer's staging buffers."""
     layer = inputs["layer"]
     out, kv = layer(inputs["hidden"], inputs["row_ids"], return_kv=True)
-    return out, kv, layer.rows_buffer[: out.shape[0]]
+    return out, kv, layer.staged_rows[: out.shape[0]]
 
 
 def _torch_eager(inputs: Inputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

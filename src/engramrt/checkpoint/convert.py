@@ -57,7 +57,11 @@ from engramrt.checkpoint.reader import (
     read_rows,
     safe_slice,
 )
-from engramrt.checkpoint.safetensors_format import SafetensorsStreamWriter
+from engramrt.checkpoint.safetensors_format import (
+    DIGEST_PLACEHOLDER,
+    META_DATA_SHA256,
+    SafetensorsStreamWriter,
+)
 from engramrt.checkpoint.writer import (
     FileLayout,
     check_disk_space,
@@ -169,7 +173,12 @@ def plan_conversion(
         # A placeholder of the id's length, so that nbytes is already exact.
         files.append(
             dataclasses.replace(
-                planned, metadata={**planned.metadata, META_CONVERSION_ID: "0" * _ID_LENGTH}
+                planned,
+                metadata={
+                    **planned.metadata,
+                    META_CONVERSION_ID: "0" * _ID_LENGTH,
+                    META_DATA_SHA256: DIGEST_PLACEHOLDER,  # the writer fills in the digest
+                },
             )
         )
     source_names = tensor_names.per_layer("source", cfg)
@@ -318,7 +327,9 @@ def _write_staged(
                     end = min(piece.row_end, slot.row_end)
                     if begin >= end:
                         continue
-                    source = safe_slice(piece.location.file, piece.location.name)
+                    source = safe_slice(
+                        piece.location.file, piece.location.name, piece.location.open_path
+                    )
                     for block_begin in range(begin, end, rows_per_block):
                         block_end = min(block_begin + rows_per_block, end)
                         block = read_rows(piece, source, block_begin, block_end)  # [n, E] float

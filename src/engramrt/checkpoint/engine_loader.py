@@ -55,6 +55,7 @@ from typing import Any, Protocol
 
 import torch
 
+from engramrt.checkpoint.finite import check_head_weight, check_packed_rows_finite
 from engramrt.checkpoint.names import DEFAULT_HEAD_NAMES, TensorNames, head_name_templates
 from engramrt.checkpoint.reader import (
     ConfigSource,
@@ -96,6 +97,13 @@ class HeadWeightsTarget(Protocol):
         q_weight: torch.Tensor,
         k_weight: torch.Tensor,
     ) -> None: ...
+
+
+def _describe_item(item: Any) -> str:
+    if isinstance(item, tuple):
+        kinds = ", ".join(type(part).__name__ for part in item)
+        return f"a tuple of {len(item)} ({kinds})"
+    return f"a {type(item).__name__}"
 
 
 def _describe(tensor: Any) -> str:
@@ -262,20 +270,33 @@ class EngramWeightLoader:
 
     # --- loading -------------------------------------------------------------------------
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+    def load_weights(
+        self, weights: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]
+    ) -> set[str]:
         """Take the Engram tensors out of ``weights`` (any order); returns the names used.
 
-        May be called several times (e.g. once per checkpoint file). Tensors
-        outside Engram are skipped without being read.
+        ``weights`` yields ``(name, tensor)`` pairs (a mapping of name ->
+        tensor is read through its items). May be called several times (e.g.
+        once per checkpoint file). Tensors outside Engram are skipped without
+        being read.
 
         Raises:
             CheckpointError: an unknown Engram name, a tensor of the wrong
-                shape or dtype, a tensor given twice (naming it).
+                shape or dtype, one holding NaN or inf (a table row, naming
+                it), a meta tensor, a tensor given twice (naming it), an item
+                that is not a ``(str, tensor)`` pair.
         """
         if self._finished:
             raise CheckpointError("load_weights called after finish(); expected a new loader")
+        items = weights.items() if isinstance(weights, Mapping) else weights
         used: set[str] = set()
-        for name, tensor in weights:
+        for position, item in enumerate(items):
+            if not isinstance(item, tuple) or len(item) != 2 or not isinstance(item[0], str):
+                raise CheckpointError(
+                    f"weights item {position} is {_describe_item(item)}; expected a (name: str, "
+                    f"tensor) pair, as engines' weight iterators yield"
+                )
+            name, tensor = item
             found = self.role_of(name)
             if found is None:
                 continue
@@ -307,6 +328,11 @@ class EngramWeightLoader:
                 f"expected {wanted} of shape {expected} (engram_num_embeddings[{index}] rows of "
                 f"{width} {'fp8 values' if role == 'weight' else 'ue8m0 scale bytes'})"
             )
+        if tensor.device.type == "meta":
+            raise CheckpointError(
+                f"tensor {name!r} (layer {layer_id} {_WHAT[role]}) is on the meta device: it "
+                f"holds no data; expected a tensor with its values"
+            )
 
     def _table_tensor(self, index: int, role: str, name: str, tensor: torch.Tensor) -> None:
         layer = self._tables[index]
@@ -333,6 +359,13 @@ class EngramWeightLoader:
             end = min(begin + step, shard.num_rows)
             block_values = values[begin:end]
             block_scales = scales[begin:end].to(block_values.device)
+            check_packed_rows_finite(
+                block_values,
+                block_scales,
+                weight_name=layer.names["weight"],
+                scale_name=layer.names["scale"],
+                row_begin=shard.row_begin + begin,
+            )
             layer.store.write_rows(begin, pack_rows(block_values, block_scales))
         layer.written = True
 
@@ -352,6 +385,7 @@ class EngramWeightLoader:
                 f"tensor {name!r} (layer {layer_id} {_WHAT[role]}) is {_describe(tensor)}; "
                 f"expected a tensor"
             )
+        check_head_weight(tensor, name=name, positive=role == "wkv_scale")
         received[role] = name
         self._head_weights[index][role] = tensor
         self._load_head_if_complete(index)
@@ -421,7 +455,17 @@ class EngramWeightLoader:
 
     @property
     def stores(self) -> list[RowStore]:
-        """One store per owned Engram layer, in ``config.layer_ids`` order."""
+        """One store per owned Engram layer, in ``config.layer_ids`` order, once
+        :meth:`finish` has checked that every table is complete.
+
+        Raises:
+            CheckpointError: before :meth:`finish` (a store may still miss rows).
+        """
+        if not self._finished:
+            raise CheckpointError(
+                "stores read before finish(); expected finish() first, which checks that every "
+                "Engram tensor arrived and flushes the stores"
+            )
         return [self._tables[index].store for index in self.layer_indices]
 
     @property

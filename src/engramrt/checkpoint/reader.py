@@ -15,25 +15,51 @@ DeepSeek checkpoint) or be stitched from several partial ones (the
 per-rank files of ``engramrt convert --tp N``, which record the global
 rows they hold in their metadata), so a tp=2 rank can load from a tp=4
 conversion.
+
+A checkpoint holds the files it resolved: each is opened once, when the
+:class:`SafetensorsCheckpoint` is made, and every later read (headers,
+tensors) goes through that open descriptor (``/proc/self/fd/<n>``), not
+the path. A conversion committing into the directory meanwhile renames new
+files over the old names; the descriptors keep the old inodes, so one load
+reads one set, never layer 1 of one conversion and layer 3 of the next. The
+set is checked once its files are open (every file of the manifest carries
+the manifest's conversion id, read through the descriptor); a set that
+changed between the manifest and the opens is resolved again, and one that
+keeps changing is a :class:`CheckpointError`. Where ``/proc/self/fd`` is
+missing, each read first checks that the path still names the held file.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import json
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeAlias
 
 import torch
 
-from engramrt.checkpoint.conversion_set import resolve_directory
+from engramrt.checkpoint.conversion_set import (
+    META_CONVERSION_ID,
+    ConversionManifest,
+    is_output_name,
+    read_manifest,
+    resolve_directory,
+)
+from engramrt.checkpoint.finite import check_packed_rows_finite
 from engramrt.checkpoint.metadata import RowRange, check_token_map, tensor_row_ranges
 from engramrt.checkpoint.names import TensorNames
-from engramrt.checkpoint.safetensors_format import SafetensorsHeader, TensorEntry, read_header
+from engramrt.checkpoint.safetensors_format import (
+    META_DATA_SHA256,
+    SafetensorsHeader,
+    TensorEntry,
+    data_digest,
+    read_header,
+)
 from engramrt.config import EngramConfig, load_config
 from engramrt.errors import CheckpointError, ValidationError
 from engramrt.layout import ColumnShard, EngramLayout
@@ -84,6 +110,8 @@ _TORCH_NAMES = {
 
 INDEX_SUFFIX = ".safetensors.index.json"
 _LISTED_FILES = 6
+_RESOLVE_ATTEMPTS = 5
+"""Times a directory's set is resolved again when a conversion changed it meanwhile."""
 
 
 def default_block_rows(row_bytes: int, block_bytes: int = DEFAULT_BLOCK_BYTES) -> int:
@@ -113,6 +141,15 @@ class TensorLocation:
     file: Path
     entry: TensorEntry
     row_range: RowRange | None
+    checkpoint: SafetensorsCheckpoint | None = field(default=None, compare=False, repr=False)
+    """The checkpoint holding ``file`` open (kept alive by this reference), or None."""
+
+    @property
+    def open_path(self) -> str:
+        """Where ``file``'s bytes are read from now: the checkpoint's held descriptor
+        (see the module doc), or ``file`` itself. Use it at once, never store it: a
+        descriptor number means another file after the checkpoint is closed."""
+        return str(self.file) if self.checkpoint is None else self.checkpoint.open_path(self.file)
 
     @property
     def row_begin(self) -> int:
@@ -161,12 +198,12 @@ class SafetensorsCheckpoint:
         self.path = Path(path)
         self.weight_map: dict[str, str] = {}
         self.index_files: list[Path] = []
+        self._held: dict[Path, int] = {}  # file -> descriptor held open (see the module doc)
         if self.path.is_file():
             self.files = [self.path]
+            self._hold(self.path)
         elif self.path.is_dir():
-            self.files = resolve_directory(
-                self.path, sorted(p for p in self.path.glob("*.safetensors") if p.is_file())
-            )
+            self.files = self._hold_set()
             self.index_files = sorted(p for p in self.path.glob(f"*{INDEX_SUFFIX}") if p.is_file())
             for index in self.index_files:
                 self.weight_map.update(self._read_index(index))
@@ -178,6 +215,136 @@ class SafetensorsCheckpoint:
             raise CheckpointError(f"checkpoint {str(self.path)!r} does not exist")
         self._headers: dict[Path, SafetensorsHeader] = {}
         self._ranges: dict[Path, dict[str, RowRange]] = {}
+        self._verified: dict[Path, str | None] = {}
+
+    # -- the held set --------------------------------------------------------------------
+
+    def _hold(self, file: Path) -> int:
+        """Open ``file`` once (read-only) and keep the descriptor; returns it."""
+        if file not in self._held:
+            try:
+                self._held[file] = os.open(file, os.O_RDONLY | os.O_CLOEXEC)
+            except OSError as exc:
+                raise CheckpointError(f"{file} cannot be opened: {exc}") from exc
+        return self._held[file]
+
+    def _release(self) -> None:
+        for fd in self._held.values():
+            os.close(fd)
+        self._held.clear()
+
+    def close(self) -> None:
+        """Close the files this checkpoint holds (reads after this reopen them by path)."""
+        self._release()
+        self._headers.clear()
+        self._ranges.clear()
+        self._verified.clear()
+
+    def __enter__(self) -> SafetensorsCheckpoint:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Descriptor numbers mean nothing in another process: a copy reopens by path.
+        return {**self.__dict__, "_held": {}}
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):  # interpreter shutdown
+            self._release()
+
+    def open_path(self, file: Path) -> str:
+        """The path through which ``file``'s bytes are read: its held descriptor.
+
+        ``/proc/self/fd/<n>`` opens the very inode held, whatever was renamed
+        over ``file`` since. Without ``/proc`` the path itself, once checked
+        to still name the held inode.
+        """
+        fd = self._hold(file)
+        proc = f"/proc/self/fd/{fd}"
+        if os.path.exists(proc):
+            return proc
+        held, now = os.fstat(fd), _stat_or_none(file)
+        if now is None or (now.st_dev, now.st_ino) != (held.st_dev, held.st_ino):
+            raise CheckpointError(
+                f"{file} was replaced while this checkpoint was being read (a conversion "
+                f"committed into {file.parent}); load again"
+            )
+        return str(file)
+
+    def _hold_set(self) -> list[Path]:
+        """Resolve the directory's set and open its files, again while a conversion changes it.
+
+        An attempt that fails (a file renamed away between the manifest and
+        its open) or finds the held files mixed is repeated when the
+        directory changed meanwhile (its manifest or any entry's inode);
+        a failure in a directory that did not change is the directory's own.
+        """
+        changes = []
+        for _attempt in range(_RESOLVE_ATTEMPTS):
+            before = self._snapshot()
+            manifest = before[0]
+            try:
+                files = resolve_directory(
+                    self.path, sorted(p for p in self.path.glob("*.safetensors") if p.is_file())
+                )
+                for file in files:
+                    self._hold(file)
+                mixed = self._held_ids(files, manifest)
+            except CheckpointError as exc:
+                self._release()
+                if self._snapshot() == before:
+                    raise  # not a conversion committing meanwhile: the directory is wrong
+                changes.append(str(exc))
+                continue
+            if mixed is None:
+                return files
+            self._release()
+            changes.append(mixed)
+        raise CheckpointError(
+            f"{self.path}: its conversion set changed {_RESOLVE_ATTEMPTS} times while it was "
+            f"being opened (a conversion is committing into it; last: {changes[-1]}); load "
+            f"again when the conversion has finished"
+        )
+
+    def _snapshot(self) -> tuple[ConversionManifest | None, list[tuple[str, int]]]:
+        """The manifest and every entry's (name, inode): what a committing conversion changes."""
+        try:
+            entries = sorted((e.name, e.inode()) for e in os.scandir(self.path))
+        except OSError:
+            entries = []
+        try:
+            manifest = read_manifest(self.path)
+        except CheckpointError:
+            manifest = None
+        return manifest, entries
+
+    def _held_ids(self, files: Sequence[Path], manifest: ConversionManifest | None) -> str | None:
+        """None when the held files are one set, else what is mixed.
+
+        The ids are read through the descriptors, so they are those of the
+        bytes every later read sees. With a manifest, the first
+        ``len(manifest.files)`` of ``files`` are its set (see
+        :func:`resolve_directory`); without one, the engramrt outputs.
+        """
+        if manifest is not None:
+            in_set = files[: len(manifest.files)]
+        else:
+            in_set = [f for f in files if is_output_name(f.name)]
+        ids = {
+            f: read_header(f, open_path=self.open_path(f)).metadata.get(META_CONVERSION_ID)
+            for f in in_set
+        }
+        if manifest is not None:
+            wrong = sorted((f.name, cid) for f, cid in ids.items() if cid != manifest.conversion_id)
+            if wrong:
+                found = ", ".join(f"{name} is conversion {cid}" for name, cid in wrong)
+                return f"{found} but the manifest names {manifest.conversion_id}"
+            return None
+        if len({cid for cid in ids.values() if cid is not None}) > 1:
+            return ", ".join(f"{f.name} is conversion {cid}" for f, cid in sorted(ids.items()))
+        return None
 
     @staticmethod
     def _read_index(index: Path) -> dict[str, str]:
@@ -194,10 +361,35 @@ class SafetensorsCheckpoint:
             )
         return weight_map
 
+    def verify(self, file: Path) -> str | None:
+        """Check ``file``'s content checksum (read whole, once per checkpoint); returns it.
+
+        None for a file that records none (not converted by engramrt, or by
+        an older one): there is nothing to check.
+
+        Raises:
+            CheckpointError: the bytes do not give the recorded checksum
+                (naming the file and both digests).
+        """
+        if file in self._verified:
+            return self._verified[file]
+        header = self.header(file)
+        recorded = header.metadata.get(META_DATA_SHA256)
+        if recorded is not None:
+            found = data_digest(header, open_path=self.open_path(file))
+            if found != recorded:
+                raise CheckpointError(
+                    f"{file}: its content checksum is {found} but its metadata records "
+                    f"{META_DATA_SHA256}={recorded}: the file changed after it was written "
+                    f"(corrupted or edited); convert again"
+                )
+        self._verified[file] = recorded
+        return recorded
+
     def header(self, file: Path) -> SafetensorsHeader:
         """The parsed header of ``file`` (cached)."""
         if file not in self._headers:
-            header = read_header(file)
+            header = read_header(file, open_path=self.open_path(file))
             self._headers[file] = header
             self._ranges[file] = tensor_row_ranges(header.metadata, file)
         return self._headers[file]
@@ -231,7 +423,13 @@ class SafetensorsCheckpoint:
         else:
             files = [f for f in self.files if name in self.header(f).tensors]
         found = [
-            TensorLocation(name, f, self.header(f).tensors[name], self._ranges[f].get(name))
+            TensorLocation(
+                name,
+                f,
+                self.header(f).tensors[name],
+                self._ranges[f].get(name),
+                self,
+            )
             for f in files
         ]
         for first, second in itertools.combinations(found, 2):
@@ -284,6 +482,18 @@ def open_checkpoint(
         if isinstance(checkpoint, SafetensorsCheckpoint)
         else SafetensorsCheckpoint(checkpoint)
     )
+
+
+@contextlib.contextmanager
+def _opened(
+    checkpoint: SafetensorsCheckpoint | str | os.PathLike[str],
+) -> Iterator[SafetensorsCheckpoint]:
+    """The checkpoint, closed afterwards when it was opened here (a caller's is left open)."""
+    if isinstance(checkpoint, SafetensorsCheckpoint):
+        yield checkpoint
+        return
+    with SafetensorsCheckpoint(checkpoint) as ckpt:
+        yield ckpt
 
 
 def _cover(
@@ -435,12 +645,22 @@ def check_plan_token_map(
     check_token_map({f: checkpoint.header(f).metadata for f in sorted(files)}, config, token_map)
 
 
-def safe_slice(file: Path, name: str) -> Any:
-    """``safe_open(file).get_slice(name)``, with the file's errors as :class:`CheckpointError`."""
+def _stat_or_none(path: Path) -> os.stat_result | None:
+    try:
+        return os.stat(path)
+    except OSError:
+        return None
+
+
+def safe_slice(file: Path, name: str, open_path: str = "") -> Any:
+    """``safe_open(file).get_slice(name)``, with the file's errors as :class:`CheckpointError`.
+
+    ``open_path``: where to open the bytes (a held descriptor, see the module doc).
+    """
     from safetensors import SafetensorError, safe_open
 
     try:
-        return safe_open(str(file), framework="pt").get_slice(name)
+        return safe_open(open_path or str(file), framework="pt").get_slice(name)
     except (OSError, SafetensorError) as exc:
         raise CheckpointError(f"{file}: cannot read tensor {name!r}: {exc}") from exc
 
@@ -457,14 +677,25 @@ def read_rows(piece: TensorPiece, tensor_slice: Any, row_begin: int, row_end: in
         ) from exc
 
 
+def _where(location: TensorLocation) -> tuple[Path, str, str]:
+    return location.file, location.name, location.open_path
+
+
 def _iter_plan(plan: LayerRead, block_rows: int) -> Iterator[tuple[int, torch.Tensor]]:
     for segment in plan.segments:
-        weight = safe_slice(segment.weight.location.file, segment.weight.location.name)
-        scale = safe_slice(segment.scale.location.file, segment.scale.location.name)
+        weight = safe_slice(*_where(segment.weight.location))
+        scale = safe_slice(*_where(segment.scale.location))
         for begin in range(segment.row_begin, segment.row_end, block_rows):
             end = min(begin + block_rows, segment.row_end)
             values = read_rows(segment.weight, weight, begin, end)  # [n, E] float8_e4m3fn
             scales = read_rows(segment.scale, scale, begin, end)  # [n, E/32] e8m0 or uint8
+            check_packed_rows_finite(
+                values,
+                scales,
+                weight_name=segment.weight.location.name,
+                scale_name=segment.scale.location.name,
+                row_begin=begin,
+            )
             yield begin - plan.shard.row_begin, pack_rows(values, scales)
 
 
@@ -573,6 +804,7 @@ def load_table(
     block_rows: int | None = None,
     layout: EngramLayout | None = None,
     token_map: TokenMap | None = None,
+    verify_checksums: bool = False,
     **store_options: Any,
 ) -> RowStore:
     """Load one rank's rows of one layer's table into a :class:`RowStore`.
@@ -590,6 +822,9 @@ def load_table(
             must match the shard).
         device: the store's compute device.
         disk_path: the packed-row file tier ``"disk"`` creates.
+        verify_checksums: first check the content checksum of every file the
+            rows come from (:meth:`SafetensorsCheckpoint.verify`: each file
+            read whole once per checkpoint, so off by default).
         store_options: further :func:`make_store` settings (``backend``,
             ``validate``, ``chunk_rows``, ...).
 
@@ -598,11 +833,51 @@ def load_table(
         CapacityError: the chosen memory or disk is too small.
         TokenizerError: the checkpoint was hashed with another token map.
     """
-    ckpt = open_checkpoint(checkpoint)
+    with _opened(checkpoint) as ckpt:
+        return _load_table(
+            ckpt,
+            config,
+            layer_index,
+            tp=tp,
+            rank=rank,
+            names=names,
+            tier=tier,
+            store=store,
+            device=device,
+            disk_path=disk_path,
+            block_rows=block_rows,
+            layout=layout,
+            token_map=token_map,
+            verify_checksums=verify_checksums,
+            store_options=store_options,
+        )
+
+
+def _load_table(
+    ckpt: SafetensorsCheckpoint,
+    config: ConfigSource,
+    layer_index: int,
+    *,
+    tp: int,
+    rank: int,
+    names: NamesSpec,
+    tier: str,
+    store: RowStore | None,
+    device: torch.device | str | None,
+    disk_path: str | os.PathLike[str] | None,
+    block_rows: int | None,
+    layout: EngramLayout | None,
+    token_map: TokenMap | None,
+    verify_checksums: bool,
+    store_options: Mapping[str, Any],
+) -> RowStore:
     cfg, layout = _resolve(config, layout)
     shard = layout.column_shard(layer_index, tp, rank)
     plan = plan_layer_read(ckpt, cfg, layout, layer_index, shard, TensorNames.from_spec(names))
     check_plan_token_map(ckpt, plan, cfg, token_map)
+    if verify_checksums:
+        for file in sorted({p.location.file for s in plan.segments for p in (s.weight, s.scale)}):
+            ckpt.verify(file)
     rows_per_block = check_block_rows(block_rows, row_bytes_for(cfg.head_dim))
     if store is None:
         store = _new_store(
@@ -633,6 +908,7 @@ def load_tables(
     disk_dir: str | os.PathLike[str] | None = None,
     block_rows: int | None = None,
     token_map: TokenMap | None = None,
+    verify_checksums: bool = False,
     **store_options: Any,
 ) -> list[RowStore]:
     """:func:`load_table` for every Engram layer, in ``config.layer_ids`` order.
@@ -641,8 +917,40 @@ def load_tables(
     ``engram-layer<id>-rank<r>-of-<tp>.rows`` files under ``disk_dir``.
     Every layer is checked against ``token_map`` (default: the DeepSeek-V4
     map, built once per process); see :func:`iter_packed_rows`.
+    ``verify_checksums``: see :func:`load_table`.
     """
-    ckpt = open_checkpoint(checkpoint)
+    with _opened(checkpoint) as ckpt:
+        return _load_tables(
+            ckpt,
+            config,
+            tp=tp,
+            rank=rank,
+            names=names,
+            tier=tier,
+            device=device,
+            disk_dir=disk_dir,
+            block_rows=block_rows,
+            token_map=token_map,
+            verify_checksums=verify_checksums,
+            store_options=store_options,
+        )
+
+
+def _load_tables(
+    ckpt: SafetensorsCheckpoint,
+    config: ConfigSource,
+    *,
+    tp: int,
+    rank: int,
+    names: NamesSpec,
+    tier: str,
+    device: torch.device | str | None,
+    disk_dir: str | os.PathLike[str] | None,
+    block_rows: int | None,
+    token_map: TokenMap | None,
+    verify_checksums: bool,
+    store_options: Mapping[str, Any],
+) -> list[RowStore]:
     cfg, layout = _resolve(config, None)
     stores = []
     for layer_index, layer_id in enumerate(cfg.layer_ids):
@@ -665,6 +973,7 @@ def load_tables(
                 block_rows=block_rows,
                 layout=layout,
                 token_map=token_map,
+                verify_checksums=verify_checksums,
                 **store_options,
             )
         )
@@ -690,16 +999,17 @@ def read_table(
     cfg, layout = _resolve(config, None)
     shard = layout.column_shard(layer_index, tp, rank)
     packed = torch.empty((shard.num_rows, row_bytes_for(cfg.head_dim)), dtype=torch.uint8)
-    for local_row, block in iter_packed_rows(
-        checkpoint,
-        cfg,
-        layer_index,
-        tp=tp,
-        rank=rank,
-        names=names,
-        block_rows=block_rows,
-        layout=layout,
-        token_map=token_map,
-    ):
-        packed[local_row : local_row + block.shape[0]] = block
+    with _opened(checkpoint) as ckpt:
+        for local_row, block in iter_packed_rows(
+            ckpt,
+            cfg,
+            layer_index,
+            tp=tp,
+            rank=rank,
+            names=names,
+            block_rows=block_rows,
+            layout=layout,
+            token_map=token_map,
+        ):
+            packed[local_row : local_row + block.shape[0]] = block
     return packed

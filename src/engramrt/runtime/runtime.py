@@ -26,7 +26,7 @@ The runtime splits an engine step in two, the way attention backends do
 Fixed addresses. Row ids, rows, kv and outputs live in buffers allocated once
 for ``max_tokens`` and reused; a step writes leading slices of them, so its
 addresses depend only on the staging slot and ``T``:
-:meth:`~EngramRuntime.row_ids_buffer`, :meth:`~EngramRuntime.rows_buffer` and
+:meth:`~EngramRuntime.staged_row_ids`, :meth:`~EngramRuntime.staged_rows` and
 :meth:`~EngramRuntime.output_buffer` give them to an engine that captures
 graphs. Pieces of a model captured between Engram layers replay around
 eager ``run`` calls (piecewise); where every source can run without a host
@@ -171,7 +171,7 @@ class StepPlan:
 
     Attributes:
         row_ids: ``[T, L, C]`` row ids of every Engram layer (a view of the
-            runtime's fixed :meth:`~EngramRuntime.row_ids_buffer`).
+            runtime's fixed :meth:`~EngramRuntime.staged_row_ids`).
         num_tokens: T.
         slot: the staging slot the rows land in.
         pending: per layer, its :class:`~engramrt.source.PendingRows`.
@@ -190,7 +190,7 @@ class StepPlan:
 
         The current stream waits for this layer's lookup only; other layers'
         lookups keep running. The tensor is a view of the fixed
-        :meth:`~EngramRuntime.rows_buffer` of this slot, valid until a later
+        :meth:`~EngramRuntime.staged_rows` of this slot, valid until a later
         plan reuses the slot.
         """
         if not 0 <= layer_index < len(self.pending):
@@ -457,12 +457,12 @@ class EngramRuntime:
 
     # -- fixed addresses ---------------------------------------------------
 
-    def row_ids_buffer(self, slot: int) -> torch.Tensor:
+    def staged_row_ids(self, slot: int) -> torch.Tensor:
         """The fixed ``[max_tokens, L, C]`` row-id buffer of staging slot ``slot``; a
         step of T tokens planned into it writes its first T rows."""
         return self._row_ids[self._slot(slot)]
 
-    def rows_buffer(self, slot: int, layer_index: int) -> torch.Tensor:
+    def staged_rows(self, slot: int, layer_index: int) -> torch.Tensor:
         """The fixed ``[local_tokens(max_tokens), C, E]`` bf16 rows buffer of staging
         slot ``slot``, Engram layer ``layer_index``."""
         return self._staging[self._slot(slot)][self._layer(layer_index)]
@@ -534,7 +534,12 @@ class EngramRuntime:
                 f"(num_slots={self.num_slots}): run every layer once per step"
             )
 
-    def plan(self, batch: HashBatch) -> StepPlan:
+    def plan(
+        self,
+        batch: HashBatch,
+        *,
+        history: SlotHashCache | RequestHistory | None = None,
+    ) -> StepPlan:
         """Hash ``batch`` and start every layer's rows: the host half of a step.
 
         ``batch`` is what an adapter returns (:func:`~engramrt.adapters.from_vllm_step`,
@@ -542,6 +547,10 @@ class EngramRuntime:
         the hash kernel and the lookups and returns at once; nothing here waits on
         the device (a source that must learn the ids does so on its worker thread).
         Call :meth:`run` for each layer at its block, or :meth:`StepPlan.rows`.
+
+        ``history``: this step's history object instead of the runtime's, of the same
+        kind and geometry over other tensors (the custom operators pass the tensors
+        the compiler sees); None uses the runtime's.
         """
         self._check(batch)
         self._raise_failed_updates()
@@ -549,7 +558,7 @@ class EngramRuntime:
         self._next_slot = (slot + 1) % self.num_slots
         num_tokens = batch.num_tokens
         row_ids = self._row_ids[slot][:num_tokens]
-        self.hasher(batch, self.history, out=row_ids)
+        self.hasher(batch, self.history if history is None else history, out=row_ids)
         ready = None  # marks the hash ids done, for the worker threads' streams
         if self._workers:
             ready = torch.cuda.Event()
@@ -653,6 +662,21 @@ class EngramRuntime:
     def pending_steps(self) -> int:
         """Planned steps some layer has not run yet (always 0 without heads)."""
         return len(self._planned)
+
+    def abandon(self) -> int:
+        """Forget every planned step whose layers will not all run (an engine that aborts
+        a step, or drops a prefetched one); returns how many.
+
+        Joins the worker threads' lookups of those steps, so none is still being
+        issued; the device work already queued stays in order on each layer's
+        stream, ahead of any later lookup into the same staging slot.
+        """
+        abandoned, self._planned = self._planned, []
+        for step in abandoned:
+            for pending in step.pending:
+                if pending.future is not None:
+                    pending.future.exception()  # wait; the error, if any, belonged to the step
+        return len(abandoned)
 
     def _raise_failed_updates(self) -> None:
         """Raise the error of an update that failed (the layers do not join updates);

@@ -32,7 +32,7 @@ def sglang_adapter(consts: HashConstants) -> Callable[..., HashBatch]:
     place the simulator binds the adapter's model settings."""
 
     def adapter(**step: Any) -> HashBatch:
-        return from_sglang_batch(max_ngram_size=consts.max_ngram_size, **step)
+        return from_sglang_batch(hasher=consts, **step)
 
     return adapter
 
