@@ -147,7 +147,10 @@ BENCH_CASES = [
     (["--group", "nosuch", "--device", "cuda:7"], ["--group 'nosuch'", "no such benchmark group"]),
     # Every case times a CUDA kernel: a CPU run does nothing, so it says so and fails.
     (["--device", "cpu"], ["--device='cpu'", "time CUDA kernels", "nothing was run"]),
-    (["--group", "hash", "--device", "cpu"], ["selected benchmark cases time CUDA kernels", "nothing was run"]),
+    (
+        ["--group", "hash", "--device", "cpu"],
+        ["selected benchmark cases time CUDA kernels", "nothing was run"],
+    ),
     (["--device", "tpu"], ["--device='tpu'"]),
     (["--device", "bogus"], ["--device='bogus'"]),
     (["--device", "cpu", "--out", "{d}/adir"], ["--out=", "is a directory"]),
