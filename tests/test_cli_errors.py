@@ -129,7 +129,8 @@ DEMO_CASES = [
     (["--cache-mib", "inf"], ["--cache-mib=inf", "finite"]),
     (["--cache-mib", "nan"], ["--cache-mib=nan"]),
     (["--cache-mib", "-1"], ["--cache-mib=-1"]),
-    (["--tier", "disk"], ["--tier='disk'", "auto, device, uva or host"]),
+    (["--tier", "disk"], ["--tier='disk'", "give --checkpoint too"]),
+    (["--tier", "disk", "--checkpoint", "{d}/regular"], ["--tier='disk'", "auto, device, uva"]),
 ]
 
 
