@@ -31,8 +31,6 @@ QUICK_MODULES = (
     "tests/test_source.py",
     "tests/test_lean_import.py",
     "tests/test_cli_errors.py",
-    "tests/test_cli_inspect.py",
-    "tests/test_tokenmap.py",
     "tests/quant/",
     "tests/checkpoint/test_names.py",
     "tests/checkpoint/test_format.py",
@@ -40,8 +38,10 @@ QUICK_MODULES = (
     "tests/lookup/test_registry.py",
     "tests/lookup/test_masking.py",
 )
-"""The modules of ``scripts/test --quick`` (``-m quick``): unit tests of every layer that
-run in seconds each, chosen by their ``--durations`` on a 2-core CPU (BENCHMARKS.md)."""
+"""The modules of ``scripts/test --quick`` (``-m quick``): unit tests that run in seconds
+each, chosen by their ``--durations`` on a 2-core CPU (BENCHMARKS.md, "The demo and the
+tests on a 2-core CPU"); the token map's and ``inspect``'s tests, which rebuild maps and
+start processes, are left to the full run."""
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
