@@ -24,6 +24,33 @@ def _has_cuda() -> bool:
 if not _has_cuda():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+QUICK_MODULES = (
+    "tests/test_config.py",
+    "tests/test_layout.py",
+    "tests/test_io.py",
+    "tests/test_source.py",
+    "tests/test_lean_import.py",
+    "tests/test_cli_errors.py",
+    "tests/quant/",
+    "tests/checkpoint/test_names.py",
+    "tests/checkpoint/test_format.py",
+    "tests/cache/test_policy.py",
+    "tests/lookup/test_registry.py",
+    "tests/lookup/test_masking.py",
+)
+"""The modules of ``scripts/test --quick`` (``-m quick``): unit tests that run in seconds
+each, chosen by their ``--durations`` on a 2-core CPU (BENCHMARKS.md, "The demo and the
+tests on a 2-core CPU"); the token map's and ``inspect``'s tests, which rebuild maps and
+start processes, are left to the full run."""
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    root = config.rootpath
+    for item in items:
+        path = item.path.relative_to(root).as_posix() if item.path.is_relative_to(root) else ""
+        if path.startswith(QUICK_MODULES):
+            item.add_marker(pytest.mark.quick)
+
 
 @pytest.fixture(scope="session")
 def token_map(tmp_path_factory: pytest.TempPathFactory):

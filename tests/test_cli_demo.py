@@ -6,6 +6,14 @@ import torch
 from engramrt.cli import main
 
 
+@pytest.fixture(autouse=True)
+def _cpu_path(monkeypatch):
+    """The demo as a CPU user runs it: the torch references, not the Triton interpreter
+    (the kernels behind the same calls are checked in tests/hashing, tests/lookup and
+    tests/layer; under the interpreter one run of this demo takes minutes)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+
+
 def _run(capsys, *args: str) -> tuple[int, str, str]:
     with pytest.raises(SystemExit) as info:
         main(list(args))
@@ -23,6 +31,10 @@ def test_demo_runs_and_checks_every_step(capsys, tmp_path) -> None:
     assert "hot-row cache (16 MiB per layer)" in out  # on by default, stats shown
     assert "NO" not in out
     assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f"chart: {chart.resolve()}" in out
+    # It says what is synthetic: the rows, the weights and the hidden states.
+    assert "synthetic: rows computed from their row ids" in out
+    assert "the wkv, q and k weights and the hidden states (random" in out
     from engramrt.cli.demo_synthetic import DEFAULT_TEXT
 
     assert _first_tokens_rows(capsys.raw) == _independent_first_tokens(DEFAULT_TEXT)
@@ -103,10 +115,9 @@ def test_demo_without_a_cache(capsys, tmp_path, monkeypatch) -> None:
         "cpu",
         "--cache-mib",
         "0",
-        "--plot",
-        str(tmp_path / "c.png"),
     )
-    assert code == 0 and "checks passed" in out and "hot-row cache" not in out
+    assert code == 0 and "checks passed" in out and "hot-row cache (" not in out
+    assert "chart:" not in out  # no --plot, no chart
     from engramrt.cli.demo_synthetic import DEFAULT_TEXT
 
     # Independent of the demo's verdict: its token table from the tokenizer and the map here.
@@ -124,6 +135,22 @@ def test_demo_without_a_cache(capsys, tmp_path, monkeypatch) -> None:
 def test_demo_bad_input(capsys, args, needle) -> None:
     code, _, err = _run(capsys, "demo", "--synthetic", "--device", "cpu", *args)
     assert code == 2 and needle in err
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--history", "bogus"], "--history is for the model demo"),
+        (["--model", "/nonexistent"], "--model is for the model demo"),
+        (["--max-new-tokens", "8"], "--max-new-tokens is for the model demo"),
+        (["--full-eval"], "--full-eval is for the model demo"),
+        (["--json", "--history", "slot"], "--history, --json are for the model demo"),
+        (["--tier", "uva"], "--tier='uva' places a checkpoint's tables"),
+    ],
+)
+def test_synthetic_refuses_options_it_does_not_use(capsys, args, needle) -> None:
+    code, out, err = _run(capsys, "demo", "--synthetic", *args)
+    assert code == 2 and needle in err and out == ""  # refused before any work
 
 
 def test_demo_serves_rows_from_a_checkpoint(capsys, tmp_path, monkeypatch) -> None:

@@ -1,7 +1,14 @@
-"""``engramrt demo`` (the shipped tiny Engram LM): its JSON, checked independently, and controls."""
+"""``engramrt demo`` (the shipped tiny Engram LM): its JSON, checked independently, and controls.
+
+One run with ``--full-eval`` (the module's ``full_run``) serves every test
+that only reads its result; the quick default and a one-token prompt get a
+second run, and the controls monkeypatch the expensive parts away.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 
 import pytest
@@ -9,52 +16,64 @@ import pytest
 from engramrt.cli import main
 
 
-@pytest.fixture(autouse=True)
-def _cpu_path(monkeypatch):
-    """The demo as a CPU user runs it: the torch references, not the Triton interpreter
-    (the kernels behind the same serving path are checked in tests/models)."""
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
-
-
-def _run_json(capsys, *args: str) -> tuple[int, dict]:
-    with pytest.raises(SystemExit) as info:
+def _demo(*args: str) -> tuple[int, dict, str]:
+    """Run ``engramrt demo --json --device cpu ARGS`` in this process: (exit code, JSON, stderr)."""
+    out, err = io.StringIO(), io.StringIO()
+    with (
+        pytest.MonkeyPatch.context() as patch,
+        contextlib.redirect_stdout(out),
+        contextlib.redirect_stderr(err),
+        pytest.raises(SystemExit) as info,
+    ):
+        # The demo as a CPU user runs it: the torch references, not the Triton
+        # interpreter (the kernels behind the same serving path are checked in tests/models).
+        patch.setenv("TRITON_INTERPRET", "0")
         main(["demo", "--json", "--device", "cpu", *args])
-    out = capsys.readouterr().out
-    return int(info.value.code or 0), json.loads(out)
+    return int(info.value.code or 0), json.loads(out.getvalue()), err.getvalue()
 
 
-def test_model_demo_json_matches_an_independent_reading(capsys, tmp_path) -> None:
-    chart = tmp_path / "gates.png"
-    code, result = _run_json(capsys, "--max-new-tokens", "6", "--plot", str(chart))
+def _record() -> dict:
+    from engramrt.models.packaged import packaged_model_dir
+
+    return json.loads((packaged_model_dir() / "model.json").read_text())["training"]
+
+
+@pytest.fixture(scope="module")
+def full_run(tmp_path_factory) -> tuple[int, dict, str, object]:
+    chart = tmp_path_factory.mktemp("demo") / "gates.png"
+    return (*_demo("--max-new-tokens", "6", "--full-eval", "--plot", str(chart)), chart)
+
+
+def test_model_demo_json_matches_an_independent_reading(full_run) -> None:
+    code, result, _, chart = full_run
+    record = _record()
+    served = [name for name in record["heldout"]["sample_losses"] if name != "engram"]
     assert code == 0
     assert [c["name"] for c in result["checks"]] == [
         "runtime_matches_eager_reference",
         "second_placement_matches",
         "engine_schedule_exercised",
-        "heldout_loss_engram_fp8_reproduced",
-        "heldout_loss_baseline_reproduced",
+        *[f"heldout_loss_{name}_reproduced" for name in served],
         "fp8_tables_within_half_percent",
     ]
     assert all(c["passed"] for c in result["checks"])
     assert result["generated_text"].strip()
     assert result["data"]["synthetic"] == "nothing"
     assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert result["plot"] == str(chart.resolve())
 
-    # The recorded losses, read straight from the shipped model.json.
-    from engramrt.models.packaged import packaged_model_dir
-
-    record = json.loads((packaged_model_dir() / "model.json").read_text())["training"]
-    assert result["heldout_loss"] == {
-        k: record["heldout"]["losses"][k] for k in ("engram", "baseline", "engram_fp8")
-    }
-    fp8, float_loss = (
-        record["heldout"]["losses"]["engram_fp8"],
-        record["heldout"]["losses"]["engram"],
-    )
+    # The recorded losses, read straight from the shipped model.json: every model it holds.
+    losses = record["heldout"]["losses"]
+    assert result["heldout_loss"] == losses
+    assert result["heldout_lowest"] == min(losses, key=losses.get)
+    assert set(result["heldout_loss_here"]) == set(served)
+    assert result["heldout_here"]["sequences"] == 32 and result["heldout_here"]["predictions"] > 0
+    fp8, float_loss = losses["engram_fp8"], losses["engram"]
     assert abs(fp8 - float_loss) / float_loss <= 0.005
 
     # The continuation, recomputed here by the eager reference (no runtime, no demo code).
     from engramrt.cli.demo_model import DEFAULT_PROMPT
+    from engramrt.models.packaged import packaged_model_dir
     from engramrt.models.serve import load_model
 
     model = load_model(packaged_model_dir(), tier="device", device="cpu", load_baseline=False)
@@ -68,12 +87,51 @@ def test_model_demo_json_matches_an_independent_reading(capsys, tmp_path) -> Non
     assert all(0.0 <= g <= 1.0 for row in gates for g in row)
 
 
-def test_model_demo_checks_fail_on_wrong_tokens_and_losses(capsys, monkeypatch) -> None:
+def test_model_demo_says_what_it_does_first_and_reports_each_stage(full_run) -> None:
+    _, _, err, _ = full_run
+    lines = err.splitlines()
+    assert lines[0].startswith("engramrt demo: serving the tiny Engram LM")
+    assert any(line.strip().startswith("loading torch:") for line in lines)
+    evaluated = [line for line in lines if line.strip().startswith("held-out loss of")]
+    assert len(evaluated) == len(_record()["heldout"]["sample_losses"]) - 1  # not "engram"
+
+
+def test_the_loss_table_names_every_model_and_the_lowest(full_run, capsys) -> None:
+    """The text output of the same result: each recorded model and, in words, the lowest."""
+    from engramrt.cli.demo_model import print_losses
+
+    result = full_run[1]
+    print_losses(result)
+    text = " ".join(capsys.readouterr().out.split())
+    losses = _record()["heldout"]["losses"]
+    lowest = min(losses, key=losses.get)
+    for name, value in losses.items():
+        assert name in text and f"{value:.4f}" in text
+    assert f"lowest held-out loss: {lowest} ({losses[lowest]:.4f}" in text
+
+
+def test_quick_default_with_a_one_token_prompt(tmp_path, monkeypatch) -> None:
+    """The default evaluates part of the sample and says so (no check against the record);
+    a prompt of one token still gets chunked prefill and a prefix-cache hit; no chart is
+    written unless asked."""
+    monkeypatch.chdir(tmp_path)
+    code, result, _ = _demo("--text", "x", "--max-new-tokens", "4")
+    assert code == 0 and all(c["passed"] for c in result["checks"])
+    names = [c["name"] for c in result["checks"]]
+    assert not any(name.endswith("_reproduced") for name in names)
+    assert result["heldout_here"]["checked_against_record"] is False
+    assert 0 < result["heldout_here"]["sequences"] < result["heldout_here"]["sample_sequences"]
+    assert result["requests"][0]["prompt_tokens"] == 2  # document start + "x"
+    assert result["requests"][1]["prefix_hit_tokens"] >= 1
+    assert "plot" not in result and list(tmp_path.iterdir()) == []
+
+
+def test_model_demo_checks_fail_on_wrong_tokens_and_losses(monkeypatch) -> None:
     """Controls: a corrupted served token and a held-out loss off by 5% are both reported."""
     from engramrt.models import serve
 
     real_generate = serve.TinyEngramModel.generate
-    real_evaluate = serve.TinyEngramModel.evaluate
+    sample = _record()["heldout"]["sample_losses"]
 
     def corrupted_generate(self, prompts, max_new_tokens, **kwargs):
         result = real_generate(self, prompts, max_new_tokens, **kwargs)
@@ -81,11 +139,12 @@ def test_model_demo_checks_fail_on_wrong_tokens_and_losses(capsys, monkeypatch) 
         result.tokens[0][-1] = next(t for t in kept if t != result.tokens[0][-1])
         return result
 
+    def evaluate_off_by_5_percent(self, segments=None, *, model="engram", batch_size=8):
+        return 1.05 * sample["engram_fp8" if model == "engram" else model]
+
     monkeypatch.setattr(serve.TinyEngramModel, "generate", corrupted_generate)
-    monkeypatch.setattr(
-        serve.TinyEngramModel, "evaluate", lambda self, *a, **k: 1.05 * real_evaluate(self, *a, **k)
-    )
-    code, result = _run_json(capsys, "--max-new-tokens", "4", "--plot", "/dev/null")
+    monkeypatch.setattr(serve.TinyEngramModel, "evaluate", evaluate_off_by_5_percent)
+    code, result, _ = _demo("--max-new-tokens", "4", "--full-eval")
     assert code == 1
     verdicts = {c["name"]: c["passed"] for c in result["checks"]}
     assert verdicts["runtime_matches_eager_reference"] is False
@@ -101,9 +160,11 @@ def test_model_demo_checks_fail_on_wrong_tokens_and_losses(capsys, monkeypatch) 
         (["--history", "bogus"], "--history='bogus'; expected one of slot, request, lookback"),
         (["--tier", "synthetic"], "--tier='synthetic'; expected one of auto,"),
         (["--synthetic"], "--json is for the model demo"),
-        (["--checkpoint", "x.safetensors"], "--checkpoint and --config are for --synthetic"),
+        (["--checkpoint", "x.safetensors"], "--checkpoint is for --synthetic"),
+        (["--config", "tiny"], "--config is for --synthetic"),
         (["--model", "/nonexistent"], "does not exist"),
-        (["--text", "x"], "the demo needs at least 16"),
+        (["--max-new-tokens", "600"], "expected 4 to 512"),
+        (["--plot", "/"], "--plot='/' is a directory"),
     ],
 )
 def test_model_demo_bad_input(capsys, args, needle) -> None:
@@ -111,4 +172,5 @@ def test_model_demo_bad_input(capsys, args, needle) -> None:
         main(["demo", "--json", "--device", "cpu", *args])
     err = capsys.readouterr().err
     assert info.value.code == 2 and needle in err and "Traceback" not in err
-    assert len(err.strip().splitlines()) == 1
+    lines = err.strip().splitlines()  # at most the line saying what the demo does, then the error
+    assert len(lines) <= 2 and lines[-1].startswith("error:")

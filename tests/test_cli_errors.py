@@ -158,7 +158,8 @@ DEMO_CASES = [
     (["--cache-mib", "inf"], ["--cache-mib=inf", "finite"]),
     (["--cache-mib", "nan"], ["--cache-mib=nan"]),
     (["--cache-mib", "-1"], ["--cache-mib=-1"]),
-    (["--tier", "disk"], ["--tier='disk'", "auto, device, uva or host"]),
+    (["--tier", "disk"], ["--tier='disk'", "give --checkpoint too"]),
+    (["--tier", "disk", "--checkpoint", "{d}/regular"], ["--tier='disk'", "auto, device, uva"]),
 ]
 
 
@@ -172,6 +173,14 @@ def test_demo_errors(capsys, files, args, needles) -> None:
 
 BENCH_CASES = [
     (["--group", "nosuch", "--device", "cpu"], ["--group 'nosuch'", "hash", "lookup"]),
+    # Unknown groups are named before any device check, on every machine.
+    (["--group", "nosuch", "--device", "cuda:7"], ["--group 'nosuch'", "no such benchmark group"]),
+    # Every case times a CUDA kernel: a CPU run does nothing, so it says so and fails.
+    (["--device", "cpu"], ["--device='cpu'", "time CUDA kernels", "nothing was run"]),
+    (
+        ["--group", "hash", "--device", "cpu"],
+        ["selected benchmark cases time CUDA kernels", "nothing was run"],
+    ),
     (["--device", "tpu"], ["--device='tpu'"]),
     (["--device", "bogus"], ["--device='bogus'"]),
     (["--device", "cpu", "--out", "{d}/adir"], ["--out=", "is a directory"]),
@@ -181,8 +190,33 @@ BENCH_CASES = [
 
 @pytest.mark.parametrize(("args", "needles"), BENCH_CASES)
 def test_bench_errors(capsys, files, args, needles) -> None:
+    if "cuda:7" in args and __import__("torch").cuda.device_count() > 7:
+        pytest.skip("needs a machine without an eighth GPU")
     code, _, err = _run(capsys, "bench", "--quick", *(a.format(d=files) for a in args))
     _one_line_error(code, err, *needles)
+
+
+def _subcommands() -> list[str]:
+    from engramrt.cli import app
+
+    return sorted(c.name or c.callback.__name__.replace("_", "-") for c in app.registered_commands)
+
+
+def test_the_sweep_covers_every_subcommand() -> None:
+    assert set(_subcommands()) == {"bench", "convert", "demo", "hash", "inspect"}
+
+
+@pytest.mark.parametrize("command", _subcommands())
+def test_no_subcommand_exits_0_having_done_nothing(capsys, command) -> None:
+    """Each subcommand, as cheaply as it can be called (no arguments, or on a CPU): it either
+    fails with one line or prints what it did. ``demo`` with no arguments is the full demo,
+    covered by tests/test_cli_demo_model.py; here it is called with an option it refuses."""
+    args = {"bench": ["--device", "cpu"], "demo": ["--synthetic", "--json"]}.get(command, [])
+    code, out, err = _run(capsys, command, *args)
+    if code == 0:
+        assert out.strip(), f"engramrt {command} {' '.join(args)} exited 0 and printed nothing"
+    else:
+        assert code == 2 and err.strip() and "Traceback" not in err, (command, code, err)
 
 
 @pytest.fixture

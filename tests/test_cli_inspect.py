@@ -106,3 +106,78 @@ def test_inspect_prints_the_token_map_fingerprint(capsys, token_map) -> None:
     assert code == 0
     assert f"map sha256 {fingerprint['map_sha256']}" in out
     assert f"row ids sha256 {report['probe_row_ids_sha256']}" in out
+
+
+# -- inspect PATH: a checkpoint's headers ---------------------------------------
+
+
+def _inspect_json(capsys, *args: str) -> dict:
+    import json
+
+    from engramrt.cli import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["inspect", *args, "--json"])
+    assert info.value.code in (0, None)
+    return json.loads(capsys.readouterr().out)
+
+
+def test_inspect_path_reads_a_sharded_checkpoint(capsys, tmp_path) -> None:
+    """Names by Engram layer, dtypes, shapes and bytes, against the tensors written here."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    written = {
+        "model.layers.1.engram.embedding.weight": torch.zeros(300, 32, dtype=torch.float8_e4m3fn),
+        "model.layers.1.engram.wkv.weight": torch.zeros(64, 96, dtype=torch.bfloat16),
+        "model.layers.2.self_attn.q_proj.weight": torch.zeros(8, 8),
+        "model.layers.3.engram.embedding.scale": torch.zeros(300, 1, dtype=torch.uint8),
+    }
+    shards = {"a.safetensors": list(written)[:2], "b.safetensors": list(written)[2:]}
+    for file, names in shards.items():
+        save_file({n: written[n] for n in names}, str(tmp_path / file))
+    index = {"weight_map": {n: f for f, names in shards.items() for n in names}}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+
+    report = _inspect_json(capsys, str(tmp_path))
+    assert report["kind"] == "sharded checkpoint" and report["files"] == list(shards)
+    assert report["engram_layers"] == [1, 3]
+    found = {t["name"]: t for t in report["engram_tensors"]}
+    engram = {n: t for n, t in written.items() if ".engram." in n}
+    assert set(found) == set(engram)
+    for name, tensor in engram.items():
+        assert found[name]["shape"] == list(tensor.shape)
+        assert found[name]["bytes"] == tensor.numel() * tensor.element_size()
+    assert report["engram_bytes"] == sum(t.numel() * t.element_size() for t in engram.values())
+    assert report["bytes"] == sum(t.numel() * t.element_size() for t in written.values())
+    assert set(report["token_map"]["files"].values()) == {"no fingerprint recorded"}
+    assert report["tiers_that_fit"]["host"]["fits"] is True
+
+
+def test_inspect_path_checks_a_converted_directory_against_the_tokenizer(capsys) -> None:
+    from engramrt.models.packaged import packaged_model_dir
+
+    report = _inspect_json(capsys, str(packaged_model_dir()))
+    assert report["kind"] == "converted engramrt directory"
+    assert report["token_map"]["files"]["engram.safetensors"] == "matches the tokenizer in use"
+    single = _inspect_json(capsys, str(packaged_model_dir() / "engram.safetensors"))
+    assert single["kind"] == "safetensors file" and single["engram_layers"] == [1, 3]
+    assert single["token_map"]["files"] == {"engram.safetensors": "matches the tokenizer in use"}
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["/nonexistent"], "PATH='/nonexistent' does not exist"),
+        (["--config", "x.safetensors"], "--config='x.safetensors' is a checkpoint"),
+    ],
+)
+def test_inspect_path_bad_input(capsys, args, needle) -> None:
+    from engramrt.cli import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["inspect", *args])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and needle in " ".join(err.split()) and "Traceback" not in err

@@ -196,14 +196,25 @@ def test_sigkill_during_convert_leaves_old_or_new_set(tmp_path, small, kill_at, 
     loaded = _loaded(dst, small, 2)
     assert _equals(loaded, small, want, 2)
     assert not _equals(loaded, small, other, 2)
-    # The next conversion completes and removes every temporary of the killed one.
-    assert _convert_process(src_b, dst, config_file, None) == 0
+    # The next conversion completes and removes every temporary of the killed one. It runs in
+    # this process (the same code as `engramrt convert`, one torch import fewer per kill
+    # point); test_a_conversion_process_completes runs the command itself to the end.
+    convert_checkpoint(src_b, dst, small, tp=2, block_rows=40)
     assert _equals(_loaded(dst, small, 2), small, packed_b, 2)
     assert sorted(p.name for p in dst.iterdir()) == [
         "engram-rank0-of-2.safetensors",
         "engram-rank1-of-2.safetensors",
         MANIFEST_NAME,
     ]
+
+
+def test_a_conversion_process_completes(tmp_path, small) -> None:
+    """The command the kill tests start, not killed: exit 0 and the new set loads."""
+    config_file = tmp_path / "config.json"
+    config_file.write_text(json.dumps(small.to_hf_dict()))
+    src, packed = _source(tmp_path / "a.safetensors", small, 1)
+    assert _convert_process(src, tmp_path / "dst", config_file, None) == 0
+    assert _equals(_loaded(tmp_path / "dst", small, 2), small, packed, 2)
 
 
 def test_sigterm_removes_the_conversions_temporaries(tmp_path, small) -> None:

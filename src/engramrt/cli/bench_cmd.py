@@ -39,13 +39,19 @@ def register(app: typer.Typer) -> None:
         markdown: Annotated[Path | None, typer.Option(help="Write a markdown table here.")] = None,
         device: Annotated[str, typer.Option(help="cuda or cpu.")] = "cuda",
     ) -> None:
-        """Run the benchmark suite; a case whose check fails is reported as failed."""
+        """Run the benchmark suite; a case whose check fails is reported as failed.
+
+        Every case times a CUDA kernel: without a CUDA device the command
+        runs nothing and says so (exit code 2), instead of skipping every case.
+        """
+        import torch
+
+        from engramrt.bench.registry import all_cases
         from engramrt.bench.runner import markdown_table, run_cases
         from engramrt.cli._checks import check_output_path, parse_device, write_output
         from engramrt.errors import ValidationError
 
-        dev = parse_device("--device", device)
-        if group:
+        if group:  # before any device check: a typo is named as such on every machine
             known = _groups()
             unknown = [g for g in group if g not in known]
             if unknown:
@@ -56,6 +62,18 @@ def register(app: typer.Typer) -> None:
         for option, path in (("--out", out), ("--markdown", markdown)):
             if path is not None:
                 check_output_path(option, path)
+        if device == "cpu" or (device.startswith("cuda") and not torch.cuda.is_available()):
+            selected = all_cases(quick, group)
+            runnable = [c for c in selected if not c.requires_cuda]
+            if not runnable:
+                raise ValidationError(
+                    f"--device={device!r}: all {len(selected)} selected benchmark cases time "
+                    f"CUDA kernels and "
+                    + ("no CUDA device is visible" if device != "cpu" else "--device is cpu")
+                    + "; nothing was run (on a CPU, scripts/test checks the same kernels "
+                    "through Triton's interpreter)"
+                )
+        dev = parse_device("--device", device)
         report = run_cases(group, quick=quick, device=str(dev), out=out, names=case)
         table = markdown_table(report)
         if markdown is not None:

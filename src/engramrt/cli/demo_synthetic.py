@@ -201,43 +201,80 @@ def run_synthetic(
     config: str,
     text: str | None,
     device: str,
-    plot: Path,
+    plot: Path | None,
     checkpoint: Path | None,
     tier: str,
     cache_mib: float,
 ) -> None:
     """Stream a text (``None``: :data:`DEFAULT_TEXT`) through Engram like an engine would
-    and check every step."""
-    import numpy as np
-    import torch
-    from rich.table import Table
-
+    and check every step; write the chart to ``plot`` when given."""
     from engramrt.cli import console
-    from engramrt.cli._checks import check_output_path, parse_device
-    from engramrt.config import load_config
+    from engramrt.cli._stages import Stages
+
+    if plot is not None:
+        from engramrt.cli._checks import check_output_path
+
+        check_output_path("--plot", plot)
+    stages = Stages(console)
+    stages.say(
+        f"[bold]engramrt demo --synthetic[/]: streaming a text through the {config} layout "
+        f"with {'rows from ' + str(checkpoint) if checkpoint else 'synthetic rows'}, random "
+        f"weights and random hidden states, each step checked against its reference"
+    )
+    _run_synthetic(
+        stages=stages,
+        config=config,
+        text=text,
+        device=device,
+        plot=plot,
+        checkpoint=checkpoint,
+        tier=tier,
+        cache_mib=cache_mib,
+    )
+
+
+def _run_synthetic(
+    *,
+    stages: Any,
+    config: str,
+    text: str | None,
+    device: str,
+    plot: Path | None,
+    checkpoint: Path | None,
+    tier: str,
+    cache_mib: float,
+) -> None:
+    from engramrt.cli import console
     from engramrt.errors import EngramError
-    from engramrt.gate import gate_values_reference
-    from engramrt.hashing import HashBatch, HashConstants, NgramHasher
-    from engramrt.layer import EngramHead, EngramLayer
-    from engramrt.layout import EngramLayout
-    from engramrt.lookup.tiers import SyntheticRowStore
-    from engramrt.plan import memory_plan
-    from engramrt.tokenmap import TokenMap, load_tokenizer
 
     if not 0 <= cache_mib < 2**40:
         raise EngramError(f"--cache-mib={cache_mib}; expected a finite size in MiB >= 0")
-    text = DEFAULT_TEXT if text is None else text
-    dev = parse_device("--device", device, allow_auto=True)
     if tier == "disk":
         raise EngramError(
             "--tier='disk' needs a file for the packed rows and the demo takes no path for "
             "it; expected auto, device, uva or host"
         )
-    check_output_path("--plot", plot)
-    cfg = load_config(config)
-    layout = EngramLayout(cfg)
-    token_map = TokenMap.from_tokenizer_file()
-    tokenizer = load_tokenizer()
+    text = DEFAULT_TEXT if text is None else text
+    with stages.stage("loading torch, the tokenizer and its token map"):
+        import numpy as np
+        import torch
+        from rich.table import Table
+
+        from engramrt.cli._checks import parse_device
+        from engramrt.config import load_config
+        from engramrt.gate import gate_values_reference
+        from engramrt.hashing import HashBatch, HashConstants, NgramHasher
+        from engramrt.layer import EngramHead, EngramLayer
+        from engramrt.layout import EngramLayout
+        from engramrt.lookup.tiers import SyntheticRowStore
+        from engramrt.plan import memory_plan
+        from engramrt.tokenmap import TokenMap, load_tokenizer
+
+        dev = parse_device("--device", device, allow_auto=True)
+        cfg = load_config(config)
+        layout = EngramLayout(cfg)
+        token_map = TokenMap.from_tokenizer_file()
+        tokenizer = load_tokenizer()
     consts = HashConstants.from_layout(layout, token_map.pad_id(cfg))
     token_ids = np.array(tokenizer.encode(text, add_special_tokens=False).ids, dtype=np.int64)
     if token_ids.size < 24:
@@ -247,6 +284,16 @@ def run_synthetic(
         f"[bold]engramrt demo[/]: {cfg.name} layout ({cfg.n_layers} layers, C={cfg.n_cols}, "
         f"{sum(layout.num_embeddings):,} rows), {token_ids.size} tokens, device {dev}, "
         f"hash backend {hasher.backend}"
+    )
+    rows_from = (
+        f"rows read from {checkpoint} (tier {tier})"
+        if checkpoint is not None
+        else "rows computed from their row ids (a synthetic table: no trained rows)"
+    )
+    console.print(
+        f"[bold]synthetic[/]: {rows_from}; the wkv, q and k weights and the hidden states "
+        f"(random, seed 0; D capped at 1024); no trained model. [bold]real[/]: the DeepSeek-V4 "
+        f"tokenizer, its token map, the hashing and the {cfg.name} layout"
     )
 
     comp = token_map.compress(token_ids)
@@ -421,8 +468,9 @@ def run_synthetic(
             f"{disk.disk_bytes_per_node / 2**30:.1f} GiB",
         )
     console.print(plan)
-    _write_chart(plot, tokenizer, token_ids, row_ids[:, 0], cfg, gates)
-    console.print(f"chart: {plot}")
+    if plot is not None:
+        _write_chart(plot, tokenizer, token_ids, row_ids[:, 0], cfg, gates)
+        console.print(f"chart: {plot.resolve()}")
     failed = [s["step"] for s in steps if not s["ok"]]
     if failed or not all(same for *_, same in repeats):
         console.print(f"[bold red]FAILED[/]: {failed}")

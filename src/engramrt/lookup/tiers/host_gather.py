@@ -47,12 +47,13 @@ gather start-up. The measurements, and the designs tried and dropped
 (sort-based deduplication, token groups), are in
 BENCHMARKS.md#the-host-tier-where-the-time-goes.
 
-Out-of-range ids are caught nearly for free wherever the ids come to the
-host (sorted unique ids need only their first and last checked, a plain
-batch its minimum and maximum), before the GPU reads any of them; the
-GPU's direct reads of a small batch check ids only with ``check_ids``, as
-the device and UVA tiers do (unchecked, an id outside the shard reads as a
-row of zeros).
+Ids outside the shard follow the rule of every tier: refused with
+``check_ids``, read as rows of zeros without it. Where the ids come to the
+host they are bounded nearly for free (sorted unique ids need only their
+first and last checked, a plain batch its minimum and maximum) before the
+GPU reads any of them, and only a batch that holds such an id pays for
+masking it; the GPU's direct reads of a small batch mask them in the
+kernel, as on the device and UVA tiers.
 
 A store is meant to be used from one thread at a time (it owns the
 staging buffer).
@@ -70,7 +71,7 @@ import torch
 
 from engramrt import memory
 from engramrt.errors import CapacityError, ValidationError
-from engramrt.lookup import check_row_ids_in_shard, lookup_rows
+from engramrt.lookup import lookup_rows
 from engramrt.lookup.mapped import MappedHostRows, gather_mapped_rows
 from engramrt.lookup.settings import LookupKernelSettings
 from engramrt.lookup.tiers.base import KernelRowStore, register_tier
@@ -459,12 +460,25 @@ class HostGatherRowStore(KernelRowStore):
             ids = owned.reshape(-1).cpu()
             inverse = self._positions(ids.shape[0]).view(owned.shape)
             lowest, highest = int(ids.min()), int(ids.max())
+        outside = None
         if lowest < self.row_begin or highest >= self.row_end:
-            check_row_ids_in_shard(row_ids, self.col_begin, col_end, self.row_begin, self.row_end)
+            # Unchecked (lookup() refused them with check_ids): ids outside the
+            # shard read as rows of zeros, as on every tier. Their slots gather
+            # row 0 and are zeroed after; packed zeros dequantise to 0.
+            outside = (ids < self.row_begin) | (ids >= self.row_end)
+            ids = torch.where(outside, self.row_begin, ids)
+            device_ids = None
         local_ids = ids - self.row_begin if self.row_begin else ids
-        # [U, row_bytes] on the compute device; the ids were checked before
+        # [U, row_bytes] on the compute device; the ids were bounded before
         # the GPU reads any of them.
-        rows = self._gather_to_device(local_ids, device_ids)
+        if self.num_rows == 0:
+            rows = torch.zeros(
+                (ids.shape[0], self.row_bytes), dtype=torch.uint8, device=self.device
+            )
+        else:
+            rows = self._gather_to_device(local_ids, device_ids)
+        if outside is not None:
+            rows[outside.nonzero().view(-1).to(self.device)] = 0
         if self.col_begin == 0 and col_end == num_cols:
             compact_ids = inverse
         else:
