@@ -61,3 +61,28 @@ def test_keys_mark_missing_tokens() -> None:
     keys = ngram_keys(np.array([[1, 2, -1, 3, 4]]), 2)
     assert keys[0, 1] == 0 and keys[0, 2] == 0 and keys[0, 0] != 0 and keys[0, 3] != 0
     assert ngram_keys(np.array([[1, 2]]), 2)[0, 0] != ngram_keys(np.array([[2, 1]]), 2)[0, 0]
+
+
+def test_where_it_wins_script_on_a_trained_directory(trained_dir, tmp_path) -> None:
+    """bench/where_it_wins.py rebuilds the run's corpus (the manifest matches), its
+    per-model means equal the recorded held-out losses (exit 0), and the two-half mode
+    (masks saved, then read) gives the same table."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "bench" / "where_it_wins.py"
+    spec = importlib.util.spec_from_file_location("where_it_wins", path)
+    assert spec is not None and spec.loader is not None
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    whole, half = tmp_path / "whole.json", tmp_path / "half.json"
+    args = ["--model", str(trained_dir), "--device", "cpu"]
+    assert script.main([*args, "--out", str(whole)]) == 0
+    assert script.main([*args, "--save-masks", str(tmp_path / "m.npz")]) == 0
+    assert script.main([*args, "--masks", str(tmp_path / "m.npz"), "--out", str(half)]) == 0
+    a, b = json.loads(whole.read_text()), json.loads(half.read_text())
+    assert a["categories"] == b["categories"] and a["corpus_differences"] == []
+    assert a["trained_windows"] == 4 * 2  # 4 steps of 2 windows
+    rows = a["categories"]["longest_seen"].values()
+    assert sum(r["predictions"] for r in rows) == a["heldout_predictions"]
