@@ -216,3 +216,26 @@ def test_train_command_refuses_bad_numbers(capsys, args, needle) -> None:
     with pytest.raises(SystemExit) as info:
         parse_args(["--out", "x", *args])
     assert info.value.code == 2 and needle in capsys.readouterr().err
+
+
+def test_engram_layers_start_as_the_identity() -> None:
+    """The value part of wkv starts at zero: each Engram layer returns its input streams
+    exactly, whatever the rows; the key part (so the gate) is random. Control: with
+    engram_identity=False the same layer changes the streams."""
+    from engramrt.models.lm import LMConfig, TinyLM
+
+    config = LMConfig(
+        vocab_size=50, dim=32, n_blocks=2, n_heads=2, head_dim=16, mlp_dim=32,
+        engram_layer_ids=(1,), engram_cols=2, engram_head_dim=32,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = TinyLM(config)
+    head = model.engram_head(1)
+    hc, dim = config.hc_mult, config.dim
+    assert torch.count_nonzero(head.wkv.weight[hc * dim :]) == 0
+    assert torch.count_nonzero(head.wkv.weight[: hc * dim]) == hc * dim * 64
+    streams = torch.randn(2, 3, hc, dim)
+    rows = torch.randn(6, 2, 32)
+    assert torch.equal(head(streams, rows), streams)
+    model.reset_parameters(engram_identity=False)
+    assert not torch.allclose(model.engram_head(1)(streams, rows), streams)

@@ -409,10 +409,11 @@ class TinyLM(nn.Module):
         self.reset_parameters()
 
     @torch.no_grad()
-    def reset_parameters(self, std: float = 0.02) -> None:
+    def reset_parameters(self, std: float = 0.02, *, engram_identity: bool = True) -> None:
         """Normal(0, std) matrices; output projections scaled by ``1/sqrt(2 n_blocks)``;
-        the value part of every Engram ``wkv`` (its last ``D`` output rows) zero, so each
-        Engram layer starts as the identity (its keys, and so its gates, still learn)."""
+        with ``engram_identity``, the value part of every Engram ``wkv`` (its last ``D``
+        output rows) zero, so each Engram layer starts as the identity (its keys, and so
+        its gates, still learn)."""
         for name, param in self.named_parameters():
             if param.dim() != 2 or name.endswith(("q_weight", "k_weight", ".mix")):
                 continue
@@ -422,7 +423,7 @@ class TinyLM(nn.Module):
                 else std
             )
             nn.init.normal_(param, 0.0, scale)
-        for block in self.config.engram_layer_ids:
+        for block in self.config.engram_layer_ids if engram_identity else ():
             wkv = self.engram_head(block).wkv.weight  # [(hc+1) D, C E]
             wkv[self.config.hc_mult * self.config.dim :].zero_()
 
