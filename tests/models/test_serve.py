@@ -3,7 +3,8 @@ schedules, identical to the eager reference, and controls that show the checks c
 
 The model: the directory the ``trained_dir`` fixture trains for 4 steps on the CPU
 (real corpus, real conversion to fp8, real loader), with the backbone then
-re-initialised at a larger scale (``std=0.3``, the same seed for every load): four
+re-initialised at a larger scale (``std=0.3``, the same seed for every load, the
+Engram value weights random too rather than the training's zero start): four
 training steps leave a model that repeats one token, which would make "identical
 tokens" hold trivially. Rows, hashing and the Engram heads' shapes are the trained
 ones; the heads' weights follow the re-initialised backbone.
@@ -44,7 +45,7 @@ def _load(
         **{"head_backend": "reference", **options},  # type: ignore[arg-type]
     )
     torch.manual_seed(3)
-    model.lm.reset_parameters(std=0.3)
+    model.lm.reset_parameters(std=0.3, engram_identity=False)  # the memory must matter
     model.load_heads()
     return model
 

@@ -21,10 +21,14 @@ def test_training_writes_every_artifact(trained_dir: Path) -> None:
     assert not (trained_dir / "_work").exists()  # the float source checkpoint is removed
     data = json.loads((trained_dir / artifacts.MODEL_JSON).read_text())
     record = data["training"]
+    # Three models, the same steps and windows.
     assert record["engram"]["steps"] == record["baseline"]["steps"] == 4
+    assert record["baseline_wide"]["steps"] == 4
     assert record["engram"]["tokens_seen"] == 4 * 2 * 64
     losses = record["heldout"]["losses"]
-    assert set(losses) == {"engram", "baseline", "engram_fp8"}
+    assert set(losses) == {"engram", "baseline", "baseline_wide", "engram_fp8"}
+    assert set(record["package_heldout"]["losses"]) == set(losses)
+    assert record["package_heldout"]["packages"] == ["click"]
     sample = record["heldout"]["sample_losses"]
     assert abs(sample["engram_fp8_served"] - sample["engram_fp8"]) / sample["engram_fp8"] < 2e-3
     assert all(math.isfinite(v) and 0 < v < 20 for v in losses.values())
@@ -32,29 +36,43 @@ def test_training_writes_every_artifact(trained_dir: Path) -> None:
     assert abs(record["heldout"]["fp8_vs_float_relative"]) < 0.01
     corpus = record["corpus"]
     assert corpus["train_files"] == 12 and corpus["heldout_files"] == 1
+    assert corpus["package_heldout_files"] == 1 and corpus["validation_files"] == 1
+    assert corpus["dropped_exact_duplicates"] == 2  # copy.py and the reindented near.py
     assert corpus["train_tokens"] > 1000 and corpus["heldout_tokens"] > 10
     assert len(record["engram"]["loss_curve"]) == 4
+    # The FLOP-matched baseline: dense parameters within one MLP unit of the Engram model's.
+    wide, engram = record["baseline_wide"], record["engram"]
+    unit = 3 * data["lm"]["dim"] * data["lm"]["n_blocks"]
+    assert abs(wide["dense_parameters"] - engram["dense_parameters"]) <= unit
+    assert engram["table_parameters"] > 0 == wide["table_parameters"]
+    assert set(data["checksums"]) == set(data["files"].values())
     from engramrt.config import EngramConfig, load_config
 
     assert load_config(trained_dir) == EngramConfig.from_hf_dict(data["engram"])
     log = json.loads((trained_dir / artifacts.TRAIN_LOG).read_text())
     assert len(log["losses"]["engram"]) == 4 and log["log"]
+    results = json.loads((trained_dir / "results.json").read_text())
+    assert set(results["models"]) == {"engram", "baseline", "baseline_wide", "engram_x1"}
+    sweep = results["memory_sweep"]
+    assert [p["name"] for p in sweep] == ["engram", "engram_x1"]
+    assert sweep[1]["buckets_per_head"] == [6144, 4096, 2048]
+    assert results["models"]["engram_x1"]["steps"] == 4
 
 
-def test_shipped_files_fit_the_size_budget(trained_dir: Path) -> None:
-    """The sizes of the full run: these files plus, for the full vocabulary (K = 4096
-    rather than the distinct tokens of 12 files), its embedding rows in both models
-    (bf16), plus a held-out sample of 32 full sequences and a longer model.json."""
-    data = json.loads((trained_dir / artifacts.MODEL_JSON).read_text())
-    sizes = {name: (trained_dir / name).stat().st_size for name in artifacts.SHIPPED_FILES}
-    missing_rows = 4096 - len(data["vocab"]["token_ids"])
-    embedding_bytes = missing_rows * data["lm"]["dim"] * 2
-    sizes[artifacts.ENGRAM_WEIGHTS] += embedding_bytes
-    sizes[artifacts.BASELINE_WEIGHTS] += embedding_bytes
-    sizes[artifacts.HELDOUT_SAMPLE] = 32 * 512 * 4 * 2  # tokens + slack
-    sizes[artifacts.MODEL_JSON] += 100_000
-    assert sum(sizes.values()) <= 24_000_000, sizes
-    assert max(sizes.values()) <= 15 * 2**20, sizes
+def test_packaged_model_fits_the_size_budget() -> None:
+    """The shipped directory: at most 50 MB in all, no file over 40 MiB, and every file
+    model.json names carries the SHA-256 recorded there."""
+    import hashlib
+
+    from engramrt.models.packaged import packaged_model_dir
+
+    directory = packaged_model_dir()
+    sizes = {name: (directory / name).stat().st_size for name in artifacts.SHIPPED_FILES}
+    assert sum(sizes.values()) <= 50_000_000, sizes
+    assert max(sizes.values()) <= 40 * 2**20, sizes
+    data = json.loads((directory / artifacts.MODEL_JSON).read_text())
+    for name, digest in data["checksums"].items():
+        assert hashlib.sha256((directory / name).read_bytes()).hexdigest() == digest, name
 
 
 def test_heldout_rule_is_the_documented_hash() -> None:
@@ -145,8 +163,8 @@ def test_time_budget_fixes_the_schedule_and_the_baseline_follows(tmp_path: Path)
         engram_cols=2,
         engram_head_dim=32,
     )
-    tokens = torch.randint(0, 50, (400,))
-    row_ids = torch.randint(0, 64, (400, 1, 2), dtype=torch.int32)
+    tokens = torch.randint(0, 50, (4000,))
+    row_ids = torch.randint(0, 64, (4000, 1, 2), dtype=torch.int32)
     torch.manual_seed(0)
     model, tables = TinyLM(config), [EngramTable(64, 32)]
     ticks = iter(range(10**6))
@@ -188,6 +206,7 @@ def test_time_budget_fixes_the_schedule_and_the_baseline_follows(tmp_path: Path)
     [
         (["--steps", "0"], "--steps=0 must be at least 1"),
         (["--minutes", "0"], "--minutes=0.0 must be positive"),
+        (["--minutes", "nan"], "--minutes=nan must be positive"),
         (["--eval-every", "0"], "--eval-every=0 must be at least 1"),
     ],
 )
@@ -197,3 +216,26 @@ def test_train_command_refuses_bad_numbers(capsys, args, needle) -> None:
     with pytest.raises(SystemExit) as info:
         parse_args(["--out", "x", *args])
     assert info.value.code == 2 and needle in capsys.readouterr().err
+
+
+def test_engram_layers_start_as_the_identity() -> None:
+    """The value part of wkv starts at zero: each Engram layer returns its input streams
+    exactly, whatever the rows; the key part (so the gate) is random. Control: with
+    engram_identity=False the same layer changes the streams."""
+    from engramrt.models.lm import LMConfig, TinyLM
+
+    config = LMConfig(
+        vocab_size=50, dim=32, n_blocks=2, n_heads=2, head_dim=16, mlp_dim=32,
+        engram_layer_ids=(1,), engram_cols=2, engram_head_dim=32,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = TinyLM(config)
+    head = model.engram_head(1)
+    hc, dim = config.hc_mult, config.dim
+    assert torch.count_nonzero(head.wkv.weight[hc * dim :]) == 0
+    assert torch.count_nonzero(head.wkv.weight[: hc * dim]) == hc * dim * 64
+    streams = torch.randn(2, 3, hc, dim)
+    rows = torch.randn(6, 2, 32)
+    assert torch.equal(head(streams, rows), streams)
+    model.reset_parameters(engram_identity=False)
+    assert not torch.allclose(model.engram_head(1)(streams, rows), streams)

@@ -8,17 +8,25 @@ file                           content
 ``engram.safetensors``         fp8 Engram tables, converted (``engramrt convert`` format)
 ``engram_model.safetensors``   the Engram model's backbone incl. its Engram heads, bf16
 ``baseline_model.safetensors`` the baseline's backbone, bf16
+``baseline_wide_model.safetensors`` the FLOP-matched baseline (wider MLP), bf16
 ``heldout_sample.safetensors`` held-out sequences (:class:`~engramrt.models.corpus.EvalSegments`)
 ``loss_curves.png``            training loss of both models
 ``train_log.json``             the full per-step losses and the printed log
 =============================  =====================================================
 
-Every file is written atomically (:mod:`engramrt._io`).
+Every file is written atomically (:mod:`engramrt._io`). ``model.json``
+records a SHA-256 of every other file it names (``checksums``), checked
+when the directory is loaded; its file names must be plain names inside
+the directory. Every way a directory can be damaged is refused with a
+:class:`~engramrt.errors.CheckpointError` naming the file and the field.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import math
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +40,7 @@ from engramrt.models.corpus import EvalSegments
 
 __all__ = [
     "BASELINE_WEIGHTS",
+    "BASELINE_WIDE_WEIGHTS",
     "CONFIG_JSON",
     "ENGRAM_TABLES",
     "ENGRAM_WEIGHTS",
@@ -40,11 +49,15 @@ __all__ = [
     "MODEL_JSON",
     "SHIPPED_FILES",
     "TRAIN_LOG",
+    "file_checksums",
     "load_sample",
     "load_weights",
+    "model_file",
+    "parse_field",
     "read_model_json",
     "save_sample",
     "save_weights",
+    "verify_checksum",
     "write_json",
 ]
 
@@ -53,6 +66,7 @@ CONFIG_JSON = "config.json"
 ENGRAM_TABLES = "engram.safetensors"
 ENGRAM_WEIGHTS = "engram_model.safetensors"
 BASELINE_WEIGHTS = "baseline_model.safetensors"
+BASELINE_WIDE_WEIGHTS = "baseline_wide_model.safetensors"
 HELDOUT_SAMPLE = "heldout_sample.safetensors"
 LOSS_CURVES = "loss_curves.png"
 TRAIN_LOG = "train_log.json"
@@ -62,6 +76,7 @@ SHIPPED_FILES = (
     ENGRAM_TABLES,
     ENGRAM_WEIGHTS,
     BASELINE_WEIGHTS,
+    BASELINE_WIDE_WEIGHTS,
     HELDOUT_SAMPLE,
 )
 """What the demo ships (the size budget counts these)."""
@@ -80,13 +95,25 @@ def save_weights(path: Path, model: nn.Module, dtype: torch.dtype = torch.bfloat
     return len(data)
 
 
-def load_weights(path: Path, model: nn.Module) -> None:
-    """Load a file of :func:`save_weights` into ``model`` (every tensor, cast to the model's dtype)."""
+def _safetensors(path: Path, what: str) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     if not Path(path).is_file():
-        raise CheckpointError(f"weights file {str(path)!r} does not exist")
-    tensors = load_file(str(path))
+        raise CheckpointError(f"{what} {str(path)!r} does not exist")
+    try:
+        return dict(load_file(str(path)))
+    except Exception as exc:  # safetensors raises its own errors for damaged files
+        raise CheckpointError(
+            f"{what} {str(path)!r} is not a readable safetensors file "
+            f"({type(exc).__name__}: {str(exc)[:120]})"
+        ) from exc
+
+
+def load_weights(path: Path, model: nn.Module) -> None:
+    """Load a file of :func:`save_weights` into ``model`` (every tensor, cast to the
+    model's dtype); refused when a tensor is missing, extra, of another shape or
+    holds a non-finite value."""
+    tensors = _safetensors(path, "weights file")
     expected = model.state_dict()
     missing = sorted(set(expected) - set(tensors))
     unexpected = sorted(set(tensors) - set(expected))
@@ -100,6 +127,12 @@ def load_weights(path: Path, model: nn.Module) -> None:
             raise CheckpointError(
                 f"{str(path)!r}: tensor {name!r} has shape {list(tensor.shape)}; expected "
                 f"{list(expected[name].shape)}"
+            )
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            bad = int((~torch.isfinite(tensor)).sum())
+            raise CheckpointError(
+                f"{str(path)!r}: tensor {name!r} holds {bad} non-finite value(s); expected "
+                f"finite weights"
             )
     model.load_state_dict({k: v.to(expected[k].dtype) for k, v in tensors.items()})
 
@@ -121,31 +154,166 @@ def save_sample(path: Path, segments: EvalSegments) -> int:
     return len(data)
 
 
-def load_sample(path: Path) -> EvalSegments:
-    from safetensors.torch import load_file
+_SAMPLE_KEYS = ("tokens", "lengths", "lookback", "starts", "positions")
 
-    if not Path(path).is_file():
-        raise CheckpointError(f"held-out sample {str(path)!r} does not exist")
-    t = load_file(str(path))
+
+def load_sample(path: Path) -> EvalSegments:
+    """Read a file of :func:`save_sample`; refused unless its tensors agree in shape
+    and its lengths fit the sequences."""
+    t = _safetensors(path, "held-out sample")
+    missing = [k for k in _SAMPLE_KEYS if k not in t]
+    if missing:
+        raise CheckpointError(f"held-out sample {str(path)!r} lacks tensor(s) {missing}")
+    tokens, lengths = t["tokens"], t["lengths"]
+    count = tokens.shape[0] if tokens.dim() == 2 else -1
+    if (
+        count < 1
+        or any(
+            t[k].dim() != 1 or t[k].shape[0] != count for k in ("lengths", "starts", "positions")
+        )
+        or t["lookback"].dim() != 2
+        or t["lookback"].shape[0] != count
+        or int(lengths.min()) < 2
+        or int(lengths.max()) > tokens.shape[1]
+        or int(tokens.min()) < 0
+    ):
+        raise CheckpointError(
+            f"held-out sample {str(path)!r}: tensors of inconsistent shapes or values "
+            f"(tokens {list(tokens.shape)}, lengths {list(lengths.shape)}); expected [M, S] "
+            f"tokens with M lengths in [2, S]"
+        )
     return EvalSegments(
-        t["tokens"].numpy().astype(np.int64),
-        t["lengths"].numpy().astype(np.int64),
+        tokens.numpy().astype(np.int64),
+        lengths.numpy().astype(np.int64),
         t["lookback"].numpy().astype(np.int64),
         t["starts"].numpy().astype(np.int64),
         t["positions"].numpy().astype(np.int64),
     )
 
 
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def file_checksums(directory: Path, files: Mapping[str, str]) -> dict[str, str]:
+    """SHA-256 of each named file of a model directory (by file name)."""
+    return {name: _sha256(Path(directory) / name) for name in sorted(set(files.values()))}
+
+
+def model_file(directory: Path, data: Mapping[str, Any], key: str) -> Path:
+    """The path of ``files[key]`` of a model.json, refused unless it is a plain file
+    name of a file inside ``directory``."""
+    where = str(Path(directory) / MODEL_JSON)
+    files = data.get("files")
+    if not isinstance(files, Mapping) or key not in files:
+        raise CheckpointError(f"{where!r}: field files.{key} is missing")
+    name = files[key]
+    if (
+        not isinstance(name, str)
+        or not name
+        or name in (".", "..")
+        or "/" in name
+        or "\\" in name
+        or "\0" in name
+    ):
+        raise CheckpointError(
+            f"{where!r}: files.{key}={name!r}; expected a file name inside the model directory"
+        )
+    path = Path(directory) / name
+    if path.is_symlink() or (path.exists() and not path.is_file()):
+        raise CheckpointError(f"{where!r}: files.{key}={name!r} is not a regular file")
+    if not path.is_file():
+        raise CheckpointError(f"{where!r}: files.{key}={name!r} does not exist")
+    return path
+
+
+def parse_field(directory: Path, data: Mapping[str, Any], key: str, parse: Any) -> Any:
+    """``parse(data[key])``, any error in it refused as a :class:`CheckpointError` naming
+    the file and the field."""
+    try:
+        return parse(data[key])
+    except CheckpointError:
+        raise
+    except Exception as exc:
+        raise CheckpointError(
+            f"{str(Path(directory) / MODEL_JSON)!r}: field {key!r} is not valid: "
+            f"{type(exc).__name__}: {str(exc)[:160]}"
+        ) from exc
+
+
+def verify_checksum(directory: Path, data: Mapping[str, Any], path: Path) -> None:
+    """Refuse a file whose SHA-256 is not the one ``model.json`` records (directories
+    written before checksums were recorded have none: nothing to check)."""
+    sums = data.get("checksums")
+    if sums is None:
+        return
+    where = str(Path(directory) / MODEL_JSON)
+    if not isinstance(sums, Mapping) or not isinstance(sums.get(path.name), str):
+        raise CheckpointError(f"{where!r}: field checksums.{path.name} is missing")
+    if _sha256(path) != sums[path.name]:
+        raise CheckpointError(
+            f"{str(path)!r}: SHA-256 differs from checksums.{path.name} in {where!r} (the file "
+            f"changed after training)"
+        )
+
+
 def write_json(path: Path, data: Any) -> None:
     atomic_write_bytes(path, (json.dumps(data, indent=1) + "\n").encode("utf-8"))
 
 
+_REQUIRED = {
+    "format": str,
+    "lm": dict,
+    "baseline_lm": dict,
+    "engram": dict,
+    "vocab": dict,
+    "files": dict,
+    "training": dict,
+}
+
+
 def read_model_json(directory: Path) -> dict[str, Any]:
+    """``model.json`` of a model directory, refused (naming the field) unless it is a
+    UTF-8 JSON object with every section the loader reads."""
     path = Path(directory) / MODEL_JSON
     if not path.is_file():
         raise CheckpointError(
             f"{str(path)!r} does not exist; expected a directory written by "
             f"python -m engramrt.models.train"
         )
-    data: dict[str, Any] = json.loads(path.read_text(encoding="utf-8"))
+    try:
+        data = json.loads(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise CheckpointError(f"{str(path)!r} is not UTF-8 text ({exc.reason})") from exc
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{str(path)!r} is not valid JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise CheckpointError(
+            f"{str(path)!r} holds a JSON {type(data).__name__}; expected an object"
+        )
+    for key, kind in _REQUIRED.items():
+        if key not in data:
+            raise CheckpointError(f"{str(path)!r}: field {key!r} is missing")
+        if not isinstance(data[key], kind):
+            raise CheckpointError(
+                f"{str(path)!r}: field {key!r} is a {type(data[key]).__name__}; expected a "
+                f"{'JSON object' if kind is dict else 'string'}"
+            )
+    _check_numbers(path, data["training"], "training")
     return data
+
+
+def _check_numbers(path: Path, value: Any, where: str) -> None:
+    """Refuse non-finite numbers in the record (the loss checks compare with them)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise CheckpointError(f"{str(path)!r}: field {where}={value}; expected a finite number")
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if key in ("heldout", "package_heldout", "losses", "sample_losses") or isinstance(
+                item, float
+            ):
+                _check_numbers(path, item, f"{where}.{key}")

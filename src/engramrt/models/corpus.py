@@ -1,14 +1,40 @@
-"""The training corpus: the running interpreter's standard library sources.
+"""The training corpus: the standard library plus the installed packages' Python sources.
 
-- Files: every ``*.py`` under ``sysconfig.get_paths()["stdlib"]`` except
-  those under a ``site-packages`` directory, sorted by relative path (POSIX
-  form). A file is **held out** when ``int(sha256(relative_path)) % 20 ==
-  0`` (about 5%) and a **validation** file when it is ``1`` (another 5%,
-  used only to choose the training step to keep: held-out files are never
-  looked at during training); the rule reads only the path, so the split
-  is the same on every machine with the same Python version. ``max_files``
-  (tests) keeps the first ``max_files`` training files and the first
-  ``max(1, max_files // 10)`` held-out and validation files.
+- Sources: every ``*.py`` under ``sysconfig.get_paths()["stdlib"]`` (none
+  under a ``site-packages`` or ``dist-packages`` directory), then every
+  ``*.py`` under each site directory (``site.getsitepackages()``, then the
+  ``purelib`` and ``platlib`` paths; the first directory holding a path
+  wins), files over :data:`MAX_FILE_BYTES` skipped (generated tables).
+  Stdlib files are named by their path relative to the stdlib
+  (``json/decoder.py``), package files ``pkg:<path relative to the site
+  directory>``; names are sorted (POSIX form) within each source.
+- Split, from the name alone (the same on every machine): a stdlib file is
+  **held out** when ``int(sha256(name)) % 20 == 0`` and a **validation**
+  file when it is ``1`` (the held-out set and the sample shipped before, so
+  results stay comparable; validation only chooses the step each model
+  keeps); a package file whose top-level name is in
+  :data:`HELDOUT_PACKAGES` is **package held-out** (whole packages never
+  trained on: the stricter held-out set); every other file trains.
+- Near-duplicates are removed before training sees anything, in this
+  priority: the held-out and validation files (all kept), then the package
+  held-out files, then the training files (stdlib first). A file is
+  dropped when its normalised text (lines stripped, blank lines removed)
+  equals an earlier kept file's, or when it has at least
+  :data:`NEAR_DUP_MIN_LINES` distinct long lines (:data:`LONG_LINE_CHARS`
+  characters or more, stripped) and at least :data:`NEAR_DUP_FRACTION` of
+  them already occur in earlier kept files. So no training file repeats a
+  held-out file, and code trees' copies of one file train once.
+- Manifest (:meth:`Corpus.record`): the roots, the distributions found in
+  the site directories (name and version), the file counts and a SHA-256
+  of the kept names and contents: :func:`manifest_differences` says
+  whether another machine's corpus is the same.
+- ``max_train_chars`` bounds the training text: every stdlib training file,
+  then package training files in the order of ``sha256(name)`` while their
+  characters fit (one pass over a larger corpus would not be used anyway;
+  tokenising it costs minutes).
+- ``max_files`` (tests) keeps the first ``max_files`` training files and
+  the first ``max(1, max_files // 10)`` held-out, validation and package
+  held-out files.
 - Documents: a file's text (UTF-8, undecodable bytes replaced) tokenised
   with the DeepSeek-V4 tokenizer (``encode_batch``, no special tokens
   added), preceded by the document-start token (id 0). Documents are
@@ -23,9 +49,11 @@
 from __future__ import annotations
 
 import hashlib
+import site
 import sys
 import sysconfig
-from collections.abc import Sequence
+import time
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,19 +61,26 @@ from typing import Any
 import numpy as np
 import torch
 
+from engramrt.errors import ValidationError
 from engramrt.hashing import HashBatch, HashConstants, NgramHasher, hash_sequence
 from engramrt.hashing.vectorized import hash_batch_torch
 from engramrt.models.vocab import BOS_TOKEN_ID
 
 __all__ = [
     "HELDOUT_MODULUS",
+    "HELDOUT_PACKAGES",
     "Corpus",
     "EvalSegments",
+    "SourceFile",
     "Split",
     "build_corpus",
     "corpus_row_ids",
+    "deduplicate",
     "eval_segments",
     "is_heldout",
+    "manifest_differences",
+    "site_dirs",
+    "source_files",
     "split_of",
     "stdlib_files",
 ]
@@ -54,11 +89,25 @@ HELDOUT_MODULUS = 20
 _HELDOUT_RESIDUE = 0
 _VALIDATION_RESIDUE = 1
 _MAX_TOKENS_PER_HASH_BATCH = 1 << 20  # bounds the hasher's temporaries, whole documents per batch
+PACKAGE_PREFIX = "pkg:"
+HELDOUT_PACKAGES = ("click", "rich", "typer")
+"""Top-level packages never trained on (present with the demo's dependencies)."""
+MAX_FILE_BYTES = 1_000_000
+LONG_LINE_CHARS = 32
+NEAR_DUP_MIN_LINES = 8
+NEAR_DUP_FRACTION = 0.6
+_TOKENIZE_CHUNK = 512  # files per encode_batch call
+_SPLITS = ("train", "heldout", "validation", "package_heldout")
 
 
-def split_of(relative_path: str) -> str:
-    """``"heldout"``, ``"validation"`` or ``"train"`` for a file (POSIX path under the stdlib)."""
-    digest = hashlib.sha256(relative_path.encode("utf-8")).digest()
+def split_of(name: str) -> str:
+    """The split of a corpus file by its name: ``"heldout"``, ``"validation"``,
+    ``"package_heldout"`` or ``"train"`` (see the module docstring)."""
+    if name.startswith(PACKAGE_PREFIX):
+        top = name[len(PACKAGE_PREFIX) :].split("/", 1)[0]
+        top = top[:-3] if top.endswith(".py") else top
+        return "package_heldout" if top in HELDOUT_PACKAGES else "train"
+    digest = hashlib.sha256(name.encode("utf-8")).digest()
     residue = int.from_bytes(digest, "big") % HELDOUT_MODULUS
     if residue == _HELDOUT_RESIDUE:
         return "heldout"
@@ -66,19 +115,118 @@ def split_of(relative_path: str) -> str:
 
 
 def is_heldout(relative_path: str) -> bool:
-    """Whether a file (its POSIX path relative to the stdlib root) is held out."""
+    """Whether a stdlib file (its POSIX path relative to the stdlib root) is held out."""
     return split_of(relative_path) == "heldout"
+
+
+def _skip(parts: Sequence[str]) -> bool:
+    return "site-packages" in parts or "dist-packages" in parts or "__pycache__" in parts
+
+
+def _py_files(base: Path) -> list[str]:
+    names = []
+    for path in base.rglob("*.py"):
+        rel = path.relative_to(base)
+        if _skip(rel.parts) or not path.is_file():
+            continue
+        if path.stat().st_size > MAX_FILE_BYTES:
+            continue
+        names.append(rel.as_posix())
+    return sorted(names)
 
 
 def stdlib_files(root: Path | None = None) -> tuple[Path, list[str]]:
     """The stdlib root and its ``*.py`` files (relative POSIX paths, sorted), no site-packages."""
     base = Path(root) if root is not None else Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(
-        path.relative_to(base).as_posix()
-        for path in base.rglob("*.py")
-        if "site-packages" not in path.relative_to(base).parts and path.is_file()
-    )
-    return base, files
+    return base, _py_files(base)
+
+
+def site_dirs() -> list[Path]:
+    """The interpreter's site directories that exist, in lookup order, each once."""
+    candidates = [*site.getsitepackages()]
+    paths = sysconfig.get_paths()
+    candidates += [paths["purelib"], paths["platlib"]]
+    seen: list[Path] = []
+    for name in candidates:
+        path = Path(name)
+        if path.is_dir() and path.resolve() not in [p.resolve() for p in seen]:
+            seen.append(path)
+    return seen
+
+
+@dataclass(frozen=True)
+class SourceFile:
+    """One file of the corpus: its name (see the module docstring) and where it is read."""
+
+    name: str
+    path: Path
+
+
+def source_files(
+    stdlib_root: Path | None = None, sites: Iterable[Path] | None = None
+) -> tuple[Path, list[Path], list[SourceFile]]:
+    """The stdlib root, the site directories and every source file, stdlib first."""
+    base, names = stdlib_files(stdlib_root)
+    dirs = site_dirs() if sites is None else [Path(p) for p in sites]
+    files = [SourceFile(name, base / name) for name in names]
+    taken: set[str] = set()
+    packaged: list[SourceFile] = []
+    for directory in dirs:
+        for rel in _py_files(directory):
+            name = PACKAGE_PREFIX + rel
+            if name not in taken:
+                taken.add(name)
+                packaged.append(SourceFile(name, directory / rel))
+    files += sorted(packaged, key=lambda f: f.name)
+    return base, dirs, files
+
+
+def _normalised_lines(text: str) -> list[str]:
+    return [line.strip() for line in text.splitlines() if line.strip()]
+
+
+def deduplicate(
+    texts: Sequence[str], order: Sequence[int], keep_all: Sequence[bool] | None = None
+) -> tuple[list[bool], dict[str, int]]:
+    """Which of ``texts`` to keep, visiting them in ``order`` (see the module docstring).
+
+    ``keep_all[i]`` keeps text ``i`` whatever it repeats (its lines still count as
+    seen). Returns the keep flags (by index) and the counts dropped as exact
+    and near duplicates.
+    """
+    keep = [False] * len(texts)
+    whole: set[str] = set()
+    long_lines: set[str] = set()
+    exact = near = 0
+    for index in order:
+        lines = _normalised_lines(texts[index])
+        key = hashlib.blake2b("\n".join(lines).encode("utf-8"), digest_size=16).hexdigest()
+        distinct = {line for line in lines if len(line) >= LONG_LINE_CHARS}
+        forced = keep_all is not None and keep_all[index]
+        if not forced:
+            if key in whole:
+                exact += 1
+                continue
+            if len(distinct) >= NEAR_DUP_MIN_LINES:
+                repeated = sum(1 for line in distinct if line in long_lines)
+                if repeated >= NEAR_DUP_FRACTION * len(distinct):
+                    near += 1
+                    continue
+        keep[index] = True
+        whole.add(key)
+        long_lines.update(distinct)
+    return keep, {"dropped_exact_duplicates": exact, "dropped_near_duplicates": near}
+
+
+def _distributions(dirs: Sequence[Path]) -> list[list[str]]:
+    from importlib import metadata
+
+    found: dict[str, str] = {}
+    for dist in metadata.distributions(path=[str(d) for d in dirs]):
+        name = dist.metadata["Name"] if dist.metadata is not None else None
+        if name:
+            found.setdefault(str(name).lower(), str(dist.version))
+    return [[name, found[name]] for name in sorted(found)]
 
 
 @dataclass
@@ -86,7 +234,7 @@ class Split:
     """One split: its files and their documents as one token stream.
 
     Attributes:
-        files: relative paths, in order.
+        files: file names, in order.
         tokens: ``[T]`` int64 tokenizer ids, every document starting with id 0.
         doc_starts: ``[D+1]`` int64 offsets of the documents in ``tokens``.
     """
@@ -112,32 +260,75 @@ class Corpus:
     train: Split
     heldout: Split
     validation: Split
+    package_heldout: Split = field(
+        default_factory=lambda: Split([], np.zeros(0, np.int64), np.zeros(1, np.int64))
+    )
     seconds: float = 0.0
     stats: dict[str, Any] = field(default_factory=dict)
 
     def record(self) -> dict[str, Any]:
-        """What the training record keeps about the corpus."""
+        """What the training record keeps about the corpus (its manifest included)."""
         return {
-            "source": "python stdlib *.py (no site-packages)",
+            "source": "python stdlib *.py plus the site directories' *.py, near-duplicates "
+            "removed before the split",
             "python_version": self.python_version,
             "stdlib_root": self.root,
-            "heldout_rule": f"int(sha256(relative_path)) % {HELDOUT_MODULUS} == {_HELDOUT_RESIDUE}",
-            "validation_rule": f"int(sha256(relative_path)) % {HELDOUT_MODULUS} == "
+            "heldout_rule": f"stdlib: int(sha256(relative_path)) % {HELDOUT_MODULUS} == "
+            f"{_HELDOUT_RESIDUE}",
+            "validation_rule": f"stdlib: int(sha256(relative_path)) % {HELDOUT_MODULUS} == "
             f"{_VALIDATION_RESIDUE}",
+            "package_heldout_rule": f"top-level package in {list(HELDOUT_PACKAGES)}",
+            "dedup_rule": f"normalised text equal, or >= {NEAR_DUP_FRACTION:.0%} of >= "
+            f"{NEAR_DUP_MIN_LINES} distinct lines of >= {LONG_LINE_CHARS} chars seen before "
+            f"(held-out and validation first, then package held-out, then train)",
             "train_files": len(self.train.files),
             "heldout_files": len(self.heldout.files),
             "validation_files": len(self.validation.files),
+            "package_heldout_files": len(self.package_heldout.files),
             "train_tokens": self.train.num_tokens,
             "heldout_tokens": self.heldout.num_tokens,
             "validation_tokens": self.validation.num_tokens,
+            "package_heldout_tokens": self.package_heldout.num_tokens,
             "seconds": round(self.seconds, 2),
             **self.stats,
         }
 
 
+_MANIFEST_KEYS = (
+    "python_version",
+    "distributions",
+    "files_found",
+    "file_list_sha256",
+    "kept_sha256",
+    "train_files",
+    "train_tokens",
+)
+
+
+def manifest_differences(recorded: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
+    """What differs between two corpus records (empty: the same corpus)."""
+    out = []
+    for key in _MANIFEST_KEYS:
+        if recorded.get(key) != current.get(key):
+            if key == "distributions":
+                was = {tuple(d) for d in recorded.get(key) or []}
+                now = {tuple(d) for d in current.get(key) or []}
+                out.append(
+                    f"distributions: {len(was - now)} recorded ones absent or of another "
+                    f"version (e.g. {sorted(was - now)[:3]}), {len(now - was)} new"
+                )
+            else:
+                out.append(f"{key}: recorded {recorded.get(key)!r}, here {current.get(key)!r}")
+    return out
+
+
 def _tokenize(tokenizer: Any, texts: Sequence[str]) -> list[np.ndarray]:
-    encodings = tokenizer.encode_batch(list(texts), add_special_tokens=False)
-    return [np.asarray(e.ids, dtype=np.int64) for e in encodings]
+    out: list[np.ndarray] = []
+    for begin in range(0, len(texts), _TOKENIZE_CHUNK):
+        chunk = list(texts[begin : begin + _TOKENIZE_CHUNK])
+        encodings = tokenizer.encode_batch(chunk, add_special_tokens=False)
+        out.extend(np.asarray(e.ids, dtype=np.int64) for e in encodings)
+    return out
 
 
 def _split(files: list[str], docs: list[np.ndarray]) -> Split:
@@ -149,27 +340,112 @@ def _split(files: list[str], docs: list[np.ndarray]) -> Split:
 
 
 def build_corpus(
-    tokenizer: Any, *, max_files: int | None = None, root: Path | None = None
+    tokenizer: Any,
+    *,
+    max_files: int | None = None,
+    root: Path | None = None,
+    sites: Iterable[Path] | None = None,
+    max_train_chars: int | None = None,
+    say: Any = None,
 ) -> Corpus:
-    """Read, split and tokenise the stdlib sources (see the module docstring)."""
-    import time
+    """Read, deduplicate, split and tokenise the sources (see the module docstring).
 
+    ``root`` and ``sites`` replace the stdlib root and the site directories
+    (tests); ``max_train_chars`` bounds the training text (see the module
+    docstring); ``say`` prints progress lines.
+    """
     began = time.perf_counter()
-    base, files = stdlib_files(root)
-    split = {f: split_of(f) for f in files}
-    train_files = [f for f in files if split[f] == "train"]
-    heldout_files = [f for f in files if split[f] == "heldout"]
-    validation_files = [f for f in files if split[f] == "validation"]
+    base, dirs, files = source_files(root, sites)
+    if max_files is not None and (
+        isinstance(max_files, bool) or not isinstance(max_files, int) or max_files < 1
+    ):
+        raise ValidationError(f"max_files={max_files!r} must be a positive integer")
+    raw = [f.path.read_bytes() for f in files]
+    texts = [b.decode("utf-8", errors="replace") for b in raw]
+    list_digest = hashlib.sha256("\n".join(f.name for f in files).encode("utf-8")).hexdigest()
+    split = [split_of(f.name) for f in files]
+    rank = {"heldout": 0, "validation": 0, "package_heldout": 1, "train": 2}
+    order = sorted(range(len(files)), key=lambda i: (rank[split[i]], i))
+    forced = [split[i] in ("heldout", "validation") for i in range(len(files))]
+    keep, dedup = deduplicate(texts, order, forced)
+    if say is not None:
+        say(
+            f"corpus sources: {len(files):,} files ({sum(map(len, raw)) / 1e6:,.1f} MB), "
+            f"{dedup}, {time.perf_counter() - began:.1f} s"
+        )
+    chosen: dict[str, list[int]] = {name: [] for name in _SPLITS}
+    for index in range(len(files)):
+        if keep[index]:
+            chosen[split[index]].append(index)
+    available = len(chosen["train"])
+    if max_train_chars is not None:
+        # The stdlib's training files all; then package files in the order of the
+        # SHA-256 of their names while the characters fit (a sample that reads the
+        # same on every machine with the same files); the kept ones in name order.
+        budget = max_train_chars
+        taken = []
+        packaged = []
+        for index in chosen["train"]:
+            if files[index].name.startswith(PACKAGE_PREFIX):
+                packaged.append(index)
+            else:
+                taken.append(index)
+                budget -= len(texts[index])
+        packaged.sort(key=lambda i: hashlib.sha256(files[i].name.encode("utf-8")).digest())
+        for index in packaged:
+            if len(texts[index]) <= budget:
+                taken.append(index)
+                budget -= len(texts[index])
+        chosen["train"] = sorted(taken)
     if max_files is not None:
-        train_files = train_files[:max_files]
-        heldout_files = heldout_files[: max(1, max_files // 10)]
-        validation_files = validation_files[: max(1, max_files // 10)]
-    splits = []
-    for names in (train_files, heldout_files, validation_files):
-        texts = [(base / name).read_text(encoding="utf-8", errors="replace") for name in names]
-        splits.append(_split(names, _tokenize(tokenizer, texts)))
+        chosen["train"] = chosen["train"][:max_files]
+        for name in ("heldout", "validation", "package_heldout"):
+            chosen[name] = chosen[name][: max(1, max_files // 10)]
+    kept_digest = hashlib.sha256()
+    for name in _SPLITS:
+        for index in chosen[name]:
+            kept_digest.update(files[index].name.encode("utf-8") + b"\0")
+            kept_digest.update(hashlib.sha256(raw[index]).digest())
+    splits = {}
+    for name in _SPLITS:
+        names = [files[i].name for i in chosen[name]]
+        splits[name] = _split(names, _tokenize(tokenizer, [texts[i] for i in chosen[name]]))
+    tops: dict[str, int] = {}
+    for index in chosen["train"] + chosen["package_heldout"]:
+        name = files[index].name
+        if name.startswith(PACKAGE_PREFIX):
+            top = name[len(PACKAGE_PREFIX) :].split("/", 1)[0]
+            tops[top] = tops.get(top, 0) + 1
     version = ".".join(str(v) for v in sys.version_info[:3])
-    return Corpus(str(base), version, splits[0], splits[1], splits[2], time.perf_counter() - began)
+    stats = {
+        "site_dirs": [str(d) for d in dirs],
+        "distributions": _distributions(dirs),
+        "files_found": len(files),
+        "file_list_sha256": list_digest,
+        "kept_sha256": kept_digest.hexdigest(),
+        **dedup,
+        "package_files": dict(sorted(tops.items())),
+        "package_heldout_found": sorted(
+            {
+                files[i].name[len(PACKAGE_PREFIX) :].split("/", 1)[0].removesuffix(".py")
+                for i in chosen["package_heldout"]
+            }
+        ),
+        "max_file_bytes": MAX_FILE_BYTES,
+        "max_train_chars": max_train_chars,
+        "train_files_after_dedup": available,
+        "train_chars": sum(len(texts[i]) for i in chosen["train"]),
+    }
+    return Corpus(
+        str(base),
+        version,
+        splits["train"],
+        splits["heldout"],
+        splits["validation"],
+        splits["package_heldout"],
+        time.perf_counter() - began,
+        stats,
+    )
 
 
 def corpus_row_ids(

@@ -60,6 +60,8 @@ __all__ = [
     "LMConfig",
     "TinyLM",
     "TrainEngramHead",
+    "dense_parameters",
+    "flops_per_token",
     "next_token_loss_sum",
 ]
 
@@ -407,8 +409,11 @@ class TinyLM(nn.Module):
         self.reset_parameters()
 
     @torch.no_grad()
-    def reset_parameters(self, std: float = 0.02) -> None:
-        """Normal(0, std) matrices; output projections scaled by ``1/sqrt(2 n_blocks)``."""
+    def reset_parameters(self, std: float = 0.02, *, engram_identity: bool = True) -> None:
+        """Normal(0, std) matrices; output projections scaled by ``1/sqrt(2 n_blocks)``;
+        with ``engram_identity``, the value part of every Engram ``wkv`` (its last ``D``
+        output rows) zero, so each Engram layer starts as the identity (its keys, and so
+        its gates, still learn)."""
         for name, param in self.named_parameters():
             if param.dim() != 2 or name.endswith(("q_weight", "k_weight", ".mix")):
                 continue
@@ -418,6 +423,9 @@ class TinyLM(nn.Module):
                 else std
             )
             nn.init.normal_(param, 0.0, scale)
+        for block in self.config.engram_layer_ids if engram_identity else ():
+            wkv = self.engram_head(block).wkv.weight  # [(hc+1) D, C E]
+            wkv[self.config.hc_mult * self.config.dim :].zero_()
 
     def engram_head(self, block: int) -> TrainEngramHead:
         """The Engram weights of block ``block`` (one of ``engram_layer_ids``)."""
@@ -505,3 +513,37 @@ def next_token_loss_sum(
         reduction="none",
     ).view(valid.shape)
     return (losses * valid).sum(), int(valid.sum())
+
+
+def dense_parameters(config: LMConfig) -> int:
+    """Parameters of the backbone (Engram heads included, tables not)."""
+    with torch.device("meta"):
+        model = TinyLM(config)
+    return sum(p.numel() for p in model.parameters())
+
+
+def flops_per_token(config: LMConfig, seq_len: int | None = None) -> dict[str, int]:
+    """Forward FLOPs per token of the matrix products (2 per multiply-add).
+
+    ``linear``: every projection (attention, SwiGLU, Engram ``wkv``) and the tied
+    output; ``attention``: scores and weighted values at the mean causal context
+    of a ``seq_len`` window (``(S+1)/2`` keys); ``engram_wkv``: the part of
+    ``linear`` that is Engram's. Elementwise work (norms, gates, the
+    hyper-connections' mixing) is left out; the Engram gate adds about
+    ``6 hc D`` of it per layer.
+    """
+    seq = config.max_seq_len if seq_len is None else seq_len
+    with torch.device("meta"):
+        model = TinyLM(config)
+    linear = sum(
+        module.weight.numel() for module in model.modules() if isinstance(module, nn.Linear)
+    )
+    wkv = sum(model.engram_head(b).wkv.weight.numel() for b in config.engram_layer_ids)
+    linear += config.vocab_size * config.dim  # the tied output projection
+    attention = config.n_blocks * 2 * 2 * config.n_heads * config.head_dim * (seq + 1) // 2
+    return {
+        "linear": 2 * linear,
+        "attention": attention,
+        "total": 2 * linear + attention,
+        "engram_wkv": 2 * wkv,
+    }

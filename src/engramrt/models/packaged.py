@@ -1,11 +1,13 @@
-"""The model shipped with the package: the tiny Engram LM trained on CPython's stdlib.
+"""The model shipped with the package: the tiny Engram LM trained on Python sources.
 
 ``engramrt demo`` serves it by default. It was written by
-``python -m engramrt.models.train --out DIR --minutes 1.0 --device cuda`` on
-one H200 (the record is in its ``model.json`` and in BENCHMARKS.md, "The
-tiny Engram LM") and copied into ``engramrt/data/tiny-lm`` whole: the fp8
-Engram tables in the converted checkpoint format, both backbones (bf16),
-the trimmed vocabulary and the held-out sample, 23 MB in all.
+``python -m engramrt.models.train --out DIR --minutes 0.75 --device cuda
+--memory-sweep 1,4,12 --compare-layers 1,3`` on one H200 (the record is in
+its ``model.json`` and in BENCHMARKS.md, "The tiny Engram LM") and copied
+into ``engramrt/data/tiny-lm``: the fp8 Engram tables in the converted
+checkpoint format, the three backbones (bf16: the Engram model, the
+baseline and the FLOP-matched wide baseline), the trimmed vocabulary and
+the held-out sample, 48.6 MB in all.
 """
 
 from __future__ import annotations

@@ -56,7 +56,7 @@ import torch
 
 from engramrt.adapters import from_vllm_step, vllm_slot_cache
 from engramrt.config import EngramConfig
-from engramrt.errors import ValidationError
+from engramrt.errors import CheckpointError, ValidationError
 from engramrt.gate import gate_values_reference
 from engramrt.hashing import (
     HashBatch,
@@ -664,19 +664,32 @@ def load_model(
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
     token_map = token_map or default_token_map()
-    config = EngramConfig.from_hf_dict(data["engram"], name="tiny-lm")
-    lm_config = LMConfig.from_dict(data["lm"])
-    vocab = Vocab.from_dict(data["vocab"])
-    files = data["files"]
+    config = artifacts.parse_field(
+        directory, data, "engram", lambda d: EngramConfig.from_hf_dict(d, name="tiny-lm")
+    )
+    lm_config = artifacts.parse_field(directory, data, "lm", LMConfig.from_dict)
+    vocab = artifacts.parse_field(directory, data, "vocab", Vocab.from_dict)
+    if vocab.size != lm_config.vocab_size:
+        raise CheckpointError(
+            f"{str(directory / artifacts.MODEL_JSON)!r}: field vocab.token_ids holds "
+            f"{vocab.num_kept} ids; lm.vocab_size={lm_config.vocab_size} expects "
+            f"{lm_config.vocab_size - 1}"
+        )
+
+    def checked(key: str) -> Path:
+        file = artifacts.model_file(directory, data, key)
+        artifacts.verify_checksum(directory, data, file)
+        return file
+
     lm = TinyLM(lm_config)
-    artifacts.load_weights(directory / files["engram_weights"], lm)
+    artifacts.load_weights(checked("engram_weights"), lm)
     lm = lm.to(dev).float().eval()
     baseline = None
     if load_baseline:
-        baseline = TinyLM(LMConfig.from_dict(data["baseline_lm"]))
-        artifacts.load_weights(directory / files["baseline_weights"], baseline)
+        baseline = TinyLM(artifacts.parse_field(directory, data, "baseline_lm", LMConfig.from_dict))
+        artifacts.load_weights(checked("baseline_weights"), baseline)
         baseline = baseline.to(dev).float().eval()
-    tables = directory / files["engram_tables"]
+    tables = checked("engram_tables")
     stores: list[Any] = load_tables(
         tables,
         config,
@@ -697,7 +710,7 @@ def load_model(
         ]
     heads = [EngramHead(config, device=dev, backend=head_backend) for _ in config.layer_ids]
     packed = [read_table(tables, config, i, token_map=token_map) for i in range(config.n_layers)]
-    sample = artifacts.load_sample(directory / files["heldout_sample"])
+    sample = artifacts.load_sample(checked("heldout_sample"))
     return TinyEngramModel(
         lm, baseline, config, vocab, token_map, stores, heads, packed, sample, data["training"], dev
     )

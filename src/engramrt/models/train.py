@@ -1,51 +1,62 @@
-"""Train the tiny Engram LM and its baseline on the stdlib sources; write the model directory.
+"""Train the tiny Engram LM and its two baselines on Python sources; write the model directory.
 
-One command (on one H200 it runs in well under 10 minutes, both models)::
+One command (on one H200, about 3.5 minutes for the three models; the sweep
+and the placement comparison add about a minute per model)::
 
-    python -m engramrt.models.train --out DIR --minutes 1.5 --device cuda
+    python -m engramrt.models.train --out DIR --minutes 0.75 --device cuda \
+        --memory-sweep 1,4,12 --compare-layers 1,3 --results DIR.json
 
-A small end-to-end run on a CPU (what the tests do)::
+A small end-to-end run on a CPU (what the tests do, on a tiny source tree)::
 
-    python -m engramrt.models.train --out DIR --device cpu --max-files 20 --steps 5 \\
-        --batch-size 2 --seq-len 64 --eval-sequences 8
+    python -m engramrt.models.train --out DIR --device cpu --max-files 20 --steps 5 \
+        --batch-size 2 --seq-len 64 --eval-sequences 8 --site-dirs ""
 
 What it does, in order (every stage prints a line, flushed):
 
-1. corpus (:mod:`engramrt.models.corpus`): stdlib ``*.py`` files, the held-out
-   split by ``sha256(path) % 20 == 0``, DeepSeek-V4 tokenizer batch
-   encoding, one document per file;
+1. corpus (:mod:`engramrt.models.corpus`): the stdlib and the site
+   directories' ``*.py`` files, near-duplicates removed before the split,
+   the stdlib held-out and validation files by ``sha256(path) % 20``, whole
+   held-out packages, DeepSeek-V4 tokenizer batch encoding, one document
+   per file; the manifest is compared with the packaged model's;
 2. trimmed vocabulary (:mod:`engramrt.models.vocab`) from the training split;
-3. row ids of every position of both splits, once, with the exact hasher
-   (the Triton kernel on CUDA, checked against the torch hashing);
-4. the Engram model (``tiny`` Engram config: layers 1 and 3, N = 4, 4 heads,
-   E = 64, ~50k rows per layer; backbone D = 256, 4 blocks, hc = 4):
-   AdamW for the dense weights, :class:`~engramrt.training.SparseRowAdam`
-   for the fp32 tables, linear warmup then cosine to 10%, bf16 autocast on
-   CUDA; for ``--minutes`` of wall clock (the step count is fixed after 20
-   timed steps) or ``--steps``;
-5. the baseline (the same backbone without Engram) for exactly as many
-   steps, with the same schedule; both are evaluated on the validation
-   files every ``--eval-every`` steps and each keeps the weights of its
-   lowest validation loss (early stopping: the corpus is small, a few
-   million tokens, so a minute of training is many epochs and both models,
-   the Engram tables most, go on to memorise it; the held-out loss of the
-   last step's weights is recorded too);
-6. held-out loss of both on the same fixed held-out sequences; then the
-   float tables are written as a source checkpoint with the V4.1 tensor
-   names, converted to fp8 by the conversion the ``engramrt convert``
-   command runs (:func:`~engramrt.checkpoint.plan_conversion` +
+3. per Engram configuration, the row ids of every position, once, with the
+   exact hasher (the Triton kernel on CUDA, checked against the torch hashing);
+4. the Engram model (E = 32, 49,152 / 32,768 / 16,384 buckets per head for
+   2/3/4-grams, Engram at blocks 1 and 2, the value part of ``wkv`` zero at
+   start; backbone D = 256, 4 blocks, hc = 4): AdamW for the dense weights,
+   :class:`~engramrt.training.SparseRowAdam` for the fp32 tables, linear
+   warmup then cosine to 10%, bf16 autocast on CUDA; one pass at most over
+   shuffled non-overlapping windows (:class:`OnePassWindows`), for
+   ``--minutes`` of wall clock (the step count is fixed after 20 timed
+   steps) or ``--steps``;
+5. ``baseline`` (the same backbone without Engram) and ``baseline_wide``
+   (the MLP widened to the Engram model's dense parameters and FLOPs per
+   token) for exactly as many steps on the same windows with the same
+   schedule; every model is evaluated on the validation files every
+   ``--eval-every`` steps and keeps the weights of its lowest validation
+   loss (a guard; the last step's held-out loss is recorded too);
+6. held-out losses of all three on both held-out sets; then the float
+   tables are written as a source checkpoint with the V4.1 tensor names,
+   converted to fp8 by the conversion the ``engramrt convert`` command runs
+   (:func:`~engramrt.checkpoint.plan_conversion` +
    :func:`~engramrt.checkpoint.run_conversion`), loaded back with
    :func:`~engramrt.checkpoint.load_tables`, and the Engram model evaluated
    again on those fp8 rows (the relative change is reported);
-7. the model directory (:mod:`engramrt.models.artifacts`).
+7. the model directory (:mod:`engramrt.models.artifacts`), with a SHA-256 of
+   every file in ``model.json``;
+8. ``--memory-sweep`` and ``--compare-layers``: more Engram models, the same
+   steps and windows, their results in ``--results`` (tables not kept).
 
-Nothing is cached outside DIR (the token map is built in memory).
+Every flag is checked before any work (a bad one: one line, exit status 2);
+a non-finite training loss stops the run (exit status 1) and no model is
+written. Nothing is cached outside DIR (the token map is built in memory).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import io
 import itertools
 import math
@@ -62,6 +73,7 @@ import torch
 import torch.nn.functional as F
 
 from engramrt.config import PRESETS, EngramConfig
+from engramrt.errors import ValidationError
 from engramrt.hashing import HashBatch, HashConstants
 from engramrt.hashing.vectorized import hash_batch_torch
 from engramrt.models import artifacts
@@ -72,8 +84,10 @@ from engramrt.training import EngramTable, SparseRowAdam
 
 __all__ = ["TrainSettings", "main", "segment_row_ids", "train"]
 
-SIZE_BUDGET_BYTES = 24_000_000
-FILE_LIMIT_BYTES = 15 * 2**20
+SIZE_BUDGET_BYTES = 50_000_000
+FILE_LIMIT_BYTES = 40 * 2**20
+TODAY_BUCKETS = 4096
+"""Buckets per head and order of the ``tiny`` preset: the memory sweep's unit."""
 
 RowsOf = Callable[[int, torch.Tensor], torch.Tensor]
 """``(engram layer index, row ids [T, C]) -> rows [T, C, E]`` float."""
@@ -88,6 +102,7 @@ class TrainSettings:
     minutes: float = 1.5
     steps: int | None = None
     max_files: int | None = None
+    max_train_chars: int | None = 160_000_000
     batch_size: int = 64
     seq_len: int = 512
     vocab_k: int = 4096
@@ -102,6 +117,14 @@ class TrainSettings:
     eval_every: int = 25
     sample_sequences: int = 32
     seed: int = 0
+    engram_layers: tuple[int, ...] = (1, 2)
+    buckets: tuple[int, ...] = (49_152, 32_768, 16_384)
+    head_dim: int = 32
+    memory_sweep: tuple[float, ...] = ()
+    compare_layers: tuple[int, ...] | None = None
+    results: Path | None = None
+    stdlib_root: Path | None = None
+    site_dirs: tuple[Path, ...] | None = None
     log: list[str] = field(default_factory=list)
 
     def say(self, message: str) -> None:
@@ -110,9 +133,47 @@ class TrainSettings:
         print(line, flush=True)
 
 
-def engram_config(dim: int) -> EngramConfig:
-    """The ``tiny`` preset with the backbone's width (same hashing structure)."""
-    return PRESETS["tiny"].replace(hidden_size=dim, name="tiny-lm")
+def engram_config(
+    dim: int,
+    buckets: Sequence[int] = TrainSettings.buckets,
+    layers: Sequence[int] = TrainSettings.engram_layers,
+    head_dim: int = TrainSettings.head_dim,
+) -> EngramConfig:
+    """The ``tiny`` preset's hashing (tokenizer, token map, N = 4, 4 heads) with the
+    backbone's width, ``buckets`` per head for each order 2..4, Engram at ``layers``
+    and rows of ``head_dim`` values; ``num_embeddings`` is exactly the rows the
+    layout's primes need."""
+    from engramrt.layout import EngramLayout
+
+    draft = PRESETS["tiny"].replace(
+        hidden_size=dim,
+        vocab_size=tuple(int(b) for b in buckets),
+        layer_ids=tuple(int(x) for x in layers),
+        num_embeddings=(1,) * len(layers),
+        head_dim=head_dim,
+        name="tiny-lm",
+    )
+    layout = EngramLayout(draft, check_num_embeddings=False)
+    rows = tuple(int(r) for r in layout.rows_needed)
+    return draft.replace(num_embeddings=rows)
+
+
+def sweep_buckets(buckets: Sequence[int], multiple: float) -> tuple[int, ...]:
+    """Per-order buckets in the proportions of ``buckets`` summing to ``multiple`` times
+    the ``tiny`` preset's (``TODAY_BUCKETS`` per order), each at least 2."""
+    total = multiple * TODAY_BUCKETS * len(buckets)
+    scale = total / sum(buckets)
+    return tuple(max(2, round(b * scale)) for b in buckets)
+
+
+def wide_mlp_dim(lm_cfg: LMConfig) -> int:
+    """The MLP width at which the baseline's dense parameters (and matmul FLOPs per
+    token) match the Engram model's: the Engram heads' parameters spread over the
+    blocks' SwiGLU (3 D parameters per unit of width per block)."""
+    from engramrt.models.lm import dense_parameters
+
+    extra = dense_parameters(lm_cfg) - dense_parameters(lm_cfg.baseline())
+    return lm_cfg.mlp_dim + round(extra / (3 * lm_cfg.dim * lm_cfg.n_blocks))
 
 
 def lm_configs(settings: TrainSettings, vocab_size: int, cfg: EngramConfig) -> LMConfig:
@@ -206,6 +267,51 @@ def _lr_factor(step: int, warmup: int, total: int) -> float:
     return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
 
 
+class TrainingDiverged(ValidationError):
+    """A training loss that is not finite: the run stops and writes no model."""
+
+
+class OnePassWindows:
+    """Non-overlapping training windows in a seeded shuffled order: one pass at most.
+
+    Window ``w`` is tokens ``[w S, w S + S]`` (``S + 1`` tokens: inputs and
+    targets shifted by one), so consecutive windows share only a boundary
+    token and every token is a target of exactly one window. The order is
+    ``torch.randperm(num_windows)`` of a CPU generator seeded with ``seed``
+    (the same on every device); batch ``i`` is windows ``order[i B:(i+1) B]``.
+    """
+
+    def __init__(
+        self, num_tokens: int, seq_len: int, batch_size: int, seed: int, device: torch.device
+    ) -> None:
+        self.seq_len, self.batch_size = seq_len, batch_size
+        self.num_windows = max(0, (num_tokens - 1) // seq_len)
+        if self.num_windows < batch_size:
+            raise ValidationError(
+                f"the training split has {num_tokens} tokens: {self.num_windows} windows of "
+                f"--seq-len={seq_len}, fewer than --batch-size={batch_size}"
+            )
+        generator = torch.Generator().manual_seed(seed)
+        self.order = torch.randperm(self.num_windows, generator=generator).to(device)
+        self._offsets = torch.arange(seq_len + 1, device=device)
+
+    @property
+    def steps(self) -> int:
+        """Full batches in one pass."""
+        return self.num_windows // self.batch_size
+
+    def starts(self, step: int) -> torch.Tensor:
+        """``[B]`` first token of each window of batch ``step``."""
+        if not 0 <= step < self.steps:
+            raise ValidationError(f"step={step}; one pass has steps [0, {self.steps})")
+        chosen = self.order[step * self.batch_size : (step + 1) * self.batch_size]
+        return chosen * self.seq_len
+
+    def batch(self, step: int) -> torch.Tensor:
+        """``[B, S+1]`` token indices of batch ``step``."""
+        return self.starts(step)[:, None] + self._offsets[None, :]
+
+
 @dataclass
 class TrainResult:
     """One model's run; ``val_curve`` is ``[[step, validation loss], ...]``.
@@ -242,21 +348,28 @@ def train_model(
     heldout: Callable[[], float] | None = None,
     clock: Callable[[], float] = time.perf_counter,
 ) -> TrainResult:
-    """Train ``model`` (and its ``tables``) on random windows of the training stream.
+    """Train ``model`` (and its ``tables``) on one pass of the training stream.
 
-    Exactly ``steps`` steps, or as many as fit ``budget_s`` seconds (the
-    count is fixed after 20 timed steps; a hard stop at 110% of the budget).
-    ``validate`` (the validation loss) runs every ``settings.eval_every``
-    steps and after the last; the weights of the best step are kept and put
-    back at the end (early stopping on the validation split; the held-out
-    split is only evaluated, by ``heldout``, on the last step's weights
-    before they are replaced, and afterwards by the caller).
+    The stream is cut into non-overlapping windows (:class:`OnePassWindows`:
+    every token is a target at most once) in a seeded shuffled order; step
+    ``i`` takes the ``i``-th batch of that order, so models trained with the
+    same settings see the same windows in the same order. Exactly ``steps``
+    steps, or as many as fit ``budget_s`` seconds (the count is fixed after
+    20 timed steps; a hard stop at 110% of the budget), never more than one
+    pass holds. ``validate`` (the validation loss) runs every
+    ``settings.eval_every`` steps and after the last; the weights of the
+    best step are kept and put back at the end (early stopping as a guard;
+    the held-out split is only evaluated, by ``heldout``, on the last
+    step's weights before they are replaced, and afterwards by the caller).
     The budget starts after the first step, which carries one-time costs
     (kernel compilation, lazy imports, allocator warm-up). ``clock`` gives
-    seconds (tests pass a simulated one).
+    seconds (tests pass a simulated one). A non-finite loss stops the run
+    with a :class:`TrainingDiverged` error.
     """
     device = train_tokens.device
-    generator = torch.Generator(device=device).manual_seed(settings.seed)
+    windows = OnePassWindows(
+        int(train_tokens.shape[0]), settings.seq_len, settings.batch_size, settings.seed, device
+    )
     decay: list[torch.nn.Parameter] = []
     no_decay: list[torch.nn.Parameter] = []
     # Weight decay on the projection matrices and the embedding only: not on norm
@@ -285,12 +398,12 @@ def train_model(
     stop = steps
     probe = 20
     batch, seq = settings.batch_size, settings.seq_len
-    max_start = train_tokens.shape[0] - seq - 1
-    if max_start < 1:
-        raise ValueError(
-            f"the training split has {train_tokens.shape[0]} tokens; --seq-len={seq} needs more"
+    if total is not None and total > windows.steps:
+        settings.say(
+            f"{name}: {total} steps asked, one pass holds {windows.steps}: {windows.steps} steps"
         )
-    offsets = torch.arange(seq + 1, device=device)
+        total = windows.steps
+        stop = None if stop is None else min(stop, windows.steps)
     losses: list[torch.Tensor] = []
     began = clock()
     budget_began = began  # reset after the first step
@@ -328,8 +441,7 @@ def train_model(
         if sparse is not None:
             for group in sparse.param_groups:
                 group["lr"] = settings.table_lr * factor
-        starts = torch.randint(0, max_start, (batch,), generator=generator, device=device)
-        index = starts[:, None] + offsets[None, :]  # [B, S+1]
+        index = windows.batch(step)  # [B, S+1]
         window = train_tokens[index]
         inputs, targets = window[:, :-1], window[:, 1:]
         fns = {}
@@ -360,13 +472,17 @@ def train_model(
                 torch.cuda.synchronize(device)
             per_step = (clock() - probe_began) / (probe - 5)
             remaining = budget_s - (clock() - budget_began) if budget_s else 0.0
-            total = max(probe, probe + int(remaining / per_step))
+            total = min(windows.steps, max(probe, probe + int(remaining / per_step)))
             settings.say(f"{name}: {per_step * 1e3:.1f} ms/step -> {total} steps in the budget")
         now = clock()
         end = stop if stop is not None else total
         if now - last_log >= log_every or step == end:
             last_log = now
             recent = torch.stack(losses[-20:]).float().mean().item()
+            if not math.isfinite(recent):
+                raise TrainingDiverged(
+                    f"{name}: the training loss is {recent} at step {step}; no model is written"
+                )
             settings.say(
                 f"{name}: step {step}/{end or '?'} loss {recent:.4f} "
                 f"({step * batch * seq / (now - began):,.0f} tok/s, {now - began:.0f} s)"
@@ -375,6 +491,12 @@ def train_model(
         torch.cuda.synchronize(device)
     seconds = clock() - began
     values = torch.stack(losses).float().cpu().tolist() if losses else []
+    bad = [i for i, v in enumerate(values) if not math.isfinite(v)]
+    if bad:
+        raise TrainingDiverged(
+            f"{name}: the training loss is {values[bad[0]]} at step {bad[0] + 1} "
+            f"({len(bad)} non-finite steps); no model is written"
+        )
     result = TrainResult(step, total or step, seconds, step * batch * seq, values)
     if validate is not None:
         check_validation()
@@ -471,6 +593,82 @@ def _resolve_device(name: str) -> torch.device:
     return device
 
 
+@torch.no_grad()
+def token_losses(
+    model: TinyLM,
+    rows_of: RowsOf | None,
+    tokens: torch.Tensor,
+    lengths: torch.Tensor,
+    row_ids: torch.Tensor | None,
+    *,
+    batch_size: int = 16,
+) -> np.ndarray:
+    """``[M, S-1]`` float64 next-token loss of every prediction (NaN where invalid)."""
+    model.eval()
+    out = []
+    seq = tokens.shape[1]
+    for begin in range(0, tokens.shape[0], batch_size):
+        chunk = slice(begin, begin + batch_size)
+        fns = (
+            {} if rows_of is None or row_ids is None else engram_fns(model, rows_of, row_ids[chunk])
+        )
+        with _autocast(tokens.device):
+            logits = model(tokens[chunk], engram=fns)
+        losses = F.cross_entropy(
+            logits[:, :-1].reshape(-1, logits.shape[-1]).float(),
+            tokens[chunk, 1:].reshape(-1),
+            reduction="none",
+        ).view(-1, seq - 1)
+        valid = torch.arange(1, seq, device=tokens.device)[None, :] < lengths[chunk, None]
+        out.append(torch.where(valid, losses.double(), torch.nan).cpu().numpy())
+    model.train()
+    return np.concatenate(out) if out else np.zeros((0, seq - 1))
+
+
+@dataclass
+class _EvalSet:
+    """Fixed sequences of one split, on the device (tokens trimmed)."""
+
+    segments: EvalSegments
+    tokens: torch.Tensor
+    lengths: torch.Tensor
+
+
+@dataclass
+class _Outcome:
+    """One trained model of a run."""
+
+    name: str
+    lm_cfg: LMConfig
+    cfg: EngramConfig | None
+    model: TinyLM
+    tables: list[EngramTable]
+    run: TrainResult
+    losses: dict[str, float] = field(default_factory=dict)
+    per_token: np.ndarray | None = None
+
+    def record(self, settings: TrainSettings) -> dict[str, Any]:
+        from engramrt.models.lm import flops_per_token
+
+        data = _run_record(self.run, settings)
+        data["dense_parameters"] = sum(p.numel() for p in self.model.parameters())
+        data["table_parameters"] = sum(t.weight.numel() for t in self.tables)
+        data["table_bytes_fp8"] = sum(
+            t.weight.shape[0] * (t.weight.shape[1] + t.weight.shape[1] // 32) for t in self.tables
+        )
+        data["flops_per_token"] = flops_per_token(self.lm_cfg)
+        data["tokens_per_dense_parameter"] = round(
+            self.run.tokens_seen / data["dense_parameters"], 2
+        )
+        data["mlp_dim"] = self.lm_cfg.mlp_dim
+        if self.cfg is not None:
+            data["engram_layers"] = list(self.cfg.layer_ids)
+            data["buckets_per_head"] = list(self.cfg.vocab_size)
+            data["head_dim"] = self.cfg.head_dim
+        data["losses"] = dict(self.losses)
+        return data
+
+
 def train(settings: TrainSettings) -> dict[str, Any]:
     """Run every stage (see the module docstring); returns the training record."""
     from engramrt.checkpoint import (
@@ -480,142 +678,243 @@ def train(settings: TrainSettings) -> dict[str, Any]:
         read_table,
         run_conversion,
     )
+    from engramrt.models.corpus import manifest_differences
+    from engramrt.models.wins import category_losses, category_masks, training_ngrams
     from engramrt.tokenmap import TokenMap, load_tokenizer
 
     began = time.perf_counter()
     out = Path(settings.out)
-    out.mkdir(parents=True, exist_ok=True)
     device = _resolve_device(settings.device)
+    out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(settings.seed)
     say = settings.say
     say(f"engramrt.models.train: out {out}, device {device}, torch {torch.__version__}")
+    results: dict[str, Any] = {"command": " ".join(sys.argv) if sys.argv else "", "models": {}}
+
+    def save_results() -> None:
+        if settings.results is not None:
+            results["seconds_so_far"] = round(time.perf_counter() - began, 1)
+            artifacts.write_json(Path(settings.results), results)
 
     tokenizer = load_tokenizer()
     token_map = TokenMap.from_tokenizer_file(use_cache=False)
-    cfg = engram_config(settings.dim)
-    consts = HashConstants.from_config(cfg, token_map)
-    corpus: Corpus = build_corpus(tokenizer, max_files=settings.max_files)
+    cfg = engram_config(settings.dim, settings.buckets, settings.engram_layers, settings.head_dim)
+    corpus: Corpus = build_corpus(
+        tokenizer,
+        max_files=settings.max_files,
+        max_train_chars=settings.max_train_chars,
+        root=settings.stdlib_root,
+        sites=settings.site_dirs,
+        say=say,
+    )
+    corpus_record = corpus.record()
     say(
-        f"corpus: python {corpus.python_version}, {len(corpus.train.files)} train files "
+        f"corpus: python {corpus.python_version}, {len(corpus.train.files):,} train files "
         f"({corpus.train.num_tokens:,} tokens), {len(corpus.heldout.files)} held-out files "
         f"({corpus.heldout.num_tokens:,} tokens), {len(corpus.validation.files)} validation "
-        f"files ({corpus.validation.num_tokens:,} tokens), {corpus.seconds:.1f} s"
+        f"files ({corpus.validation.num_tokens:,} tokens), {len(corpus.package_heldout.files)} "
+        f"package held-out files {corpus_record['package_heldout_found']} "
+        f"({corpus.package_heldout.num_tokens:,} tokens), digest "
+        f"{corpus_record['kept_sha256'][:16]}, {corpus.seconds:.1f} s"
     )
+    try:
+        from engramrt.models.packaged import packaged_model_dir
+
+        shipped = artifacts.read_model_json(packaged_model_dir())["training"]["corpus"]
+        if "kept_sha256" in shipped:
+            diffs = manifest_differences(shipped, corpus_record)
+            say(
+                "corpus: the packaged model's corpus exactly"
+                if not diffs
+                else "corpus differs from the packaged model's: " + "; ".join(diffs)
+            )
+    except Exception as exc:  # informative only: no packaged record to compare with
+        say(f"corpus: no packaged record to compare with ({type(exc).__name__})")
+    results["corpus"] = corpus_record
     counts = np.bincount(corpus.train.tokens, minlength=token_map.vocab_size)
     vocab = Vocab.from_counts(counts, settings.vocab_k)
     covered = counts[list(vocab.token_ids)].sum() / max(1, counts.sum())
     say(f"vocab: K = {vocab.num_kept} kept ids + <other>, covering {covered:.2%} of train tokens")
 
-    t0 = time.perf_counter()
-    train_ids, train_report = corpus_row_ids(corpus.train, consts, token_map.map, device)
-    heldout_ids, _ = corpus_row_ids(corpus.heldout, consts, token_map.map, device)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    say(f"row ids: {train_report}, {time.perf_counter() - t0:.1f} s")
-
     trim = torch.as_tensor(np.array(vocab.trim_map), device=device)
     train_tokens = trim[torch.as_tensor(corpus.train.tokens, device=device)]
-    segments = eval_segments(
-        corpus.heldout, settings.seq_len, settings.eval_sequences, cfg.max_ngram_size
-    )
+    map_cpu = torch.as_tensor(np.array(token_map.map))
+    n_max = cfg.max_ngram_size
+
+    def eval_set(split: Any, count: int) -> _EvalSet:
+        segments = eval_segments(split, settings.seq_len, count, n_max)
+        return _EvalSet(
+            segments,
+            trim[torch.as_tensor(segments.tokens, device=device)],
+            torch.as_tensor(segments.lengths, device=device),
+        )
+
+    heldout = eval_set(corpus.heldout, settings.eval_sequences)
+    segments = heldout.segments
     sample_index = np.arange(
         0,
         segments.num_sequences,
         max(1, math.ceil(segments.num_sequences / settings.sample_sequences)),
     )[: settings.sample_sequences]
     sample = segments.subset(sample_index)
-    eval_tokens = trim[torch.as_tensor(segments.tokens, device=device)]
-    eval_lengths = torch.as_tensor(segments.lengths, device=device)
-    eval_ids = segment_row_ids(segments, consts, torch.as_tensor(np.array(token_map.map)), device)
-    # The sequences' own hashing (lookback ids) must give their in-document ids.
-    valid = torch.arange(settings.seq_len, device=device)[None, :] < eval_lengths[:, None]
-    in_doc = heldout_ids[
-        (
-            torch.as_tensor(segments.starts, device=device)[:, None]
-            + torch.arange(settings.seq_len, device=device)[None, :]
-        ).clamp(max=heldout_ids.shape[0] - 1)
-    ]
-    if not bool((eval_ids == in_doc)[valid].all()):
-        raise AssertionError(
-            "held-out sequences hashed with lookback ids differ from their documents"
-        )
-    say(
-        f"held-out: {segments.num_sequences} sequences ({segments.num_predictions:,} predictions), "
-        f"sample {sample.num_sequences} sequences ({int(sample.lengths.sum()):,} tokens)"
+    sample_set = _EvalSet(
+        sample,
+        heldout.tokens[torch.as_tensor(sample_index, device=device)],
+        heldout.lengths[torch.as_tensor(sample_index, device=device)],
     )
-    # Validation (its own files) chooses the step each model keeps; held-out stays unseen.
-    val_segments = eval_segments(
-        corpus.validation, settings.seq_len, settings.val_sequences, cfg.max_ngram_size
-    )
-    val_tokens = trim[torch.as_tensor(val_segments.tokens, device=device)]
-    val_lengths = torch.as_tensor(val_segments.lengths, device=device)
-    val_ids = segment_row_ids(
-        val_segments, consts, torch.as_tensor(np.array(token_map.map)), device
+    validation = eval_set(corpus.validation, settings.val_sequences)
+    package = (
+        eval_set(corpus.package_heldout, settings.eval_sequences)
+        if corpus.package_heldout.num_tokens
+        else None
     )
     say(
-        f"validation: {val_segments.num_sequences} sequences "
-        f"({val_segments.num_predictions:,} predictions), every {settings.eval_every} steps"
+        f"held-out: {segments.num_sequences} sequences ({segments.num_predictions:,} "
+        f"predictions), sample {sample.num_sequences}; package held-out: "
+        f"{package.segments.num_predictions if package else 0:,} predictions; validation: "
+        f"{validation.segments.num_predictions:,} predictions, every {settings.eval_every} steps"
     )
+    eval_sets = {"heldout": heldout, "sample": sample_set}
+    if package is not None:
+        eval_sets["package_heldout"] = package
 
     lm_cfg = lm_configs(settings, vocab.size, cfg)
-    engram_model = TinyLM(lm_cfg).to(device)
-    tables = [EngramTable(rows, cfg.head_dim, device=device) for rows in cfg.num_embeddings]
     budget = None if settings.steps is not None else settings.minutes * 60
-    say(
-        f"Engram model: {sum(p.numel() for p in engram_model.parameters()):,} backbone "
-        f"parameters, tables {[tuple(t.weight.shape) for t in tables]}"
-    )
-    table_rows: RowsOf = lambda index, ids: tables[index](ids)  # noqa: E731
-    engram_run = train_model(
-        "engram",
-        engram_model,
-        tables,
-        train_tokens,
-        train_ids,
-        settings,
-        steps=settings.steps,
-        budget_s=budget,
-        validate=lambda: evaluate(engram_model, table_rows, val_tokens, val_lengths, val_ids),
-        heldout=lambda: evaluate(engram_model, table_rows, eval_tokens, eval_lengths, eval_ids),
-    )
-    torch.manual_seed(settings.seed)
-    baseline = TinyLM(lm_cfg.baseline()).to(device)
-    say(f"baseline: {sum(p.numel() for p in baseline.parameters()):,} parameters")
-    baseline_run = train_model(
-        "baseline",
-        baseline,
-        [],
-        train_tokens,
-        None,
-        settings,
-        steps=engram_run.steps,
-        budget_s=None,
-        schedule_steps=engram_run.schedule_steps,
-        validate=lambda: evaluate(baseline, None, val_tokens, val_lengths, None),
-        heldout=lambda: evaluate(baseline, None, eval_tokens, eval_lengths, None),
-    )
-    del train_ids
+    outcomes: dict[str, _Outcome] = {}
+    schedule: dict[str, int] = {}
 
+    def run_engram(name: str, engram_cfg: EngramConfig) -> _Outcome:
+        t0 = time.perf_counter()
+        consts = HashConstants.from_config(engram_cfg, token_map)
+        train_ids, report = corpus_row_ids(corpus.train, consts, token_map.map, device)
+        held_ids, _ = corpus_row_ids(corpus.heldout, consts, token_map.map, device)
+        ids = {
+            k: segment_row_ids(v.segments, consts, map_cpu, device) for k, v in eval_sets.items()
+        }
+        val_ids = segment_row_ids(validation.segments, consts, map_cpu, device)
+        # The sequences' own hashing (lookback ids) must give their in-document ids.
+        segs = heldout.segments
+        valid = torch.arange(settings.seq_len, device=device)[None, :] < heldout.lengths[:, None]
+        in_doc = held_ids[
+            (
+                torch.as_tensor(segs.starts, device=device)[:, None]
+                + torch.arange(settings.seq_len, device=device)[None, :]
+            ).clamp(max=held_ids.shape[0] - 1)
+        ]
+        if not bool((ids["heldout"] == in_doc)[valid].all()):
+            raise AssertionError(
+                "held-out sequences hashed with lookback ids differ from their documents"
+            )
+        del held_ids, in_doc
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        say(f"{name}: row ids {report}, {time.perf_counter() - t0:.1f} s")
+        model_cfg = lm_configs(settings, vocab.size, engram_cfg)
+        torch.manual_seed(settings.seed)
+        model = TinyLM(model_cfg).to(device)
+        tables = [
+            EngramTable(rows, engram_cfg.head_dim, device=device)
+            for rows in engram_cfg.num_embeddings
+        ]
+        say(
+            f"{name}: {sum(p.numel() for p in model.parameters()):,} dense parameters, "
+            f"Engram at blocks {list(engram_cfg.layer_ids)}, buckets per head "
+            f"{list(engram_cfg.vocab_size)}, tables {[tuple(t.weight.shape) for t in tables]}"
+        )
+        rows: RowsOf = lambda index, ids_: tables[index](ids_)  # noqa: E731
+        first = not schedule
+        run = train_model(
+            name,
+            model,
+            tables,
+            train_tokens,
+            train_ids,
+            settings,
+            steps=settings.steps if first else schedule["steps"],
+            budget_s=budget if first else None,
+            schedule_steps=None if first else schedule["schedule_steps"],
+            validate=lambda: evaluate(model, rows, validation.tokens, validation.lengths, val_ids),
+            heldout=lambda: evaluate(model, rows, heldout.tokens, heldout.lengths, ids["heldout"]),
+        )
+        del train_ids
+        if first:
+            schedule.update(steps=run.steps, schedule_steps=run.schedule_steps)
+        outcome = _Outcome(name, model_cfg, engram_cfg, model, tables, run)
+        for key, data in eval_sets.items():
+            outcome.losses[key] = evaluate(model, rows, data.tokens, data.lengths, ids[key])
+        outcome.per_token = token_losses(
+            model, rows, heldout.tokens, heldout.lengths, ids["heldout"]
+        )
+        outcome.losses["last_step_heldout"] = run.last_heldout  # type: ignore[assignment]
+        say(f"{name}: held-out losses {_rounded(outcome.losses)}")
+        outcome.ids = ids  # type: ignore[attr-defined]
+        return outcome
+
+    def run_dense(name: str, model_cfg: LMConfig) -> _Outcome:
+        torch.manual_seed(settings.seed)
+        model = TinyLM(model_cfg).to(device)
+        say(
+            f"{name}: {sum(p.numel() for p in model.parameters()):,} parameters, "
+            f"MLP width {model_cfg.mlp_dim}"
+        )
+        run = train_model(
+            name,
+            model,
+            [],
+            train_tokens,
+            None,
+            settings,
+            steps=schedule["steps"],
+            budget_s=None,
+            schedule_steps=schedule["schedule_steps"],
+            validate=lambda: evaluate(model, None, validation.tokens, validation.lengths, None),
+            heldout=lambda: evaluate(model, None, heldout.tokens, heldout.lengths, None),
+        )
+        outcome = _Outcome(name, model_cfg, None, model, [], run)
+        for key, data in eval_sets.items():
+            outcome.losses[key] = evaluate(model, None, data.tokens, data.lengths, None)
+        outcome.per_token = token_losses(model, None, heldout.tokens, heldout.lengths, None)
+        outcome.losses["last_step_heldout"] = run.last_heldout  # type: ignore[assignment]
+        say(f"{name}: held-out losses {_rounded(outcome.losses)}")
+        return outcome
+
+    def keep(outcome: _Outcome) -> None:
+        outcomes[outcome.name] = outcome
+        results["models"][outcome.name] = outcome.record(settings)
+        results["steps"] = schedule
+        save_results()
+
+    keep(run_engram("engram", cfg))
+    keep(run_dense("baseline", lm_cfg.baseline()))
+    wide_cfg = dataclasses.replace(lm_cfg.baseline(), mlp_dim=wide_mlp_dim(lm_cfg))
+    keep(run_dense("baseline_wide", wide_cfg))
+    engram_model, tables = outcomes["engram"].model, outcomes["engram"].tables
+    engram_ids = outcomes["engram"].ids  # type: ignore[attr-defined]
+
+    # Where it wins: the held-out predictions by what the trained windows held.
     t0 = time.perf_counter()
-    sample_rows = torch.as_tensor(sample_index, device=device)
-    float_rows: RowsOf = lambda index, ids: tables[index](ids)  # noqa: E731
-    losses = {
-        "engram": evaluate(engram_model, float_rows, eval_tokens, eval_lengths, eval_ids),
-        "baseline": evaluate(baseline, None, eval_tokens, eval_lengths, None),
-    }
-    sample_losses = {
-        "engram": evaluate(
-            engram_model,
-            float_rows,
-            eval_tokens[sample_rows],
-            eval_lengths[sample_rows],
-            eval_ids[sample_rows],
-        ),
-        "baseline": evaluate(
-            baseline, None, eval_tokens[sample_rows], eval_lengths[sample_rows], None
-        ),
-    }
-    say(f"held-out loss (float tables): {losses}, {time.perf_counter() - t0:.1f} s")
+    windows = OnePassWindows(
+        corpus.train.num_tokens,
+        settings.seq_len,
+        settings.batch_size,
+        settings.seed,
+        torch.device("cpu"),
+    )
+    used = windows.order[: schedule["steps"] * settings.batch_size].numpy() * settings.seq_len
+    seen = training_ngrams(corpus.train.tokens[used[:, None] + np.arange(settings.seq_len + 1)])
+    masks = category_masks(segments.tokens, segments.lengths, segments.lookback, seen)
+
+    def wins() -> dict[str, Any]:
+        return category_losses(
+            masks, {k: v.per_token for k, v in outcomes.items() if v.per_token is not None}
+        )
+
+    results["where_it_wins"] = wins()
+    save_results()
+    say(
+        f"where it wins: {results['where_it_wins']['longest_seen']}, "
+        f"{time.perf_counter() - t0:.1f} s"
+    )
 
     # fp8: float tables -> source checkpoint (V4.1 names) -> the convert command's
     # conversion -> the normal loader -> evaluate again.
@@ -652,67 +951,75 @@ def train(settings: TrainSettings) -> dict[str, Any]:
         backend=backend,
     )
     fp8_rows: RowsOf = lambda index, ids: stores[index].lookup(ids).float()  # noqa: E731
-    losses["engram_fp8"] = evaluate(engram_model, fp8_rows, eval_tokens, eval_lengths, eval_ids)
-    sample_losses["engram_fp8"] = evaluate(
-        engram_model,
-        fp8_rows,
-        eval_tokens[sample_rows],
-        eval_lengths[sample_rows],
-        eval_ids[sample_rows],
-    )
+    fp8 = {
+        key: evaluate(engram_model, fp8_rows, data.tokens, data.lengths, engram_ids[key])
+        for key, data in eval_sets.items()
+    }
     shutil.rmtree(work, ignore_errors=True)
-    fp8_rel = (losses["engram_fp8"] - losses["engram"]) / losses["engram"]
+    float_loss = outcomes["engram"].losses["heldout"]
+    fp8_rel = (fp8["heldout"] - float_loss) / float_loss
     say(
-        f"fp8 tables: held-out loss {losses['engram_fp8']:.5f} vs float {losses['engram']:.5f} "
+        f"fp8 tables: held-out loss {fp8['heldout']:.5f} vs float {float_loss:.5f} "
         f"(relative {fp8_rel:+.4%}), {time.perf_counter() - t0:.1f} s"
     )
+    names = ("engram", "baseline", "baseline_wide")
+
+    def losses_of(key: str) -> dict[str, float]:
+        values = {name: outcomes[name].losses[key] for name in names}
+        values["engram_fp8"] = fp8[key]
+        return values
 
     artifacts.save_weights(out / artifacts.ENGRAM_WEIGHTS, engram_model)
-    artifacts.save_weights(out / artifacts.BASELINE_WEIGHTS, baseline)
+    artifacts.save_weights(out / artifacts.BASELINE_WEIGHTS, outcomes["baseline"].model)
+    artifacts.save_weights(out / artifacts.BASELINE_WIDE_WEIGHTS, outcomes["baseline_wide"].model)
     artifacts.save_sample(out / artifacts.HELDOUT_SAMPLE, sample)
     record: dict[str, Any] = {
-        "command": " ".join(sys.argv) if sys.argv else "",
+        "command": results["command"],
         "device": str(device),
         "torch": torch.__version__,
-        "corpus": corpus.record(),
-        "row_ids": train_report,
-        "settings": {
-            k: (str(v) if isinstance(v, Path) else v)
-            for k, v in vars(settings).items()
-            if k != "log"
-        },
-        "engram": _run_record(engram_run, settings),
-        "baseline": _run_record(baseline_run, settings),
+        "corpus": corpus_record,
+        "settings": {k: _jsonable(v) for k, v in vars(settings).items() if k != "log"},
+        **{name: outcomes[name].record(settings) for name in names},
         "heldout": {
             "sequences": segments.num_sequences,
             "predictions": segments.num_predictions,
-            "losses": losses,
+            "losses": losses_of("heldout"),
             "fp8_vs_float_relative": fp8_rel,
-            "weights": "each model at its step of lowest validation loss (early stopping)",
-            "last_step_losses": {
-                "engram": engram_run.last_heldout,
-                "baseline": baseline_run.last_heldout,
-            },
+            "weights": "each model at its step of lowest validation loss (early stopping "
+            "as a guard; one pass)",
+            "last_step_losses": {name: outcomes[name].run.last_heldout for name in names},
             "sample_sequences": sample.num_sequences,
             "sample_predictions": sample.num_predictions,
-            "sample_losses": sample_losses,
+            "sample_losses": losses_of("sample"),
         },
+        "where_it_wins": results["where_it_wins"],
         "vocab_coverage_train": float(covered),
     }
-    model_json = {
+    if package is not None:
+        record["package_heldout"] = {
+            "packages": corpus_record["package_heldout_found"],
+            "sequences": package.segments.num_sequences,
+            "predictions": package.segments.num_predictions,
+            "losses": losses_of("package_heldout"),
+        }
+    files = {
+        "engram_tables": artifacts.ENGRAM_TABLES,
+        "engram_weights": artifacts.ENGRAM_WEIGHTS,
+        "baseline_weights": artifacts.BASELINE_WEIGHTS,
+        "baseline_wide_weights": artifacts.BASELINE_WIDE_WEIGHTS,
+        "heldout_sample": artifacts.HELDOUT_SAMPLE,
+    }
+    model_json: dict[str, Any] = {
         "format": "engramrt-tiny-lm/1",
         "lm": lm_cfg.to_dict(),
         "baseline_lm": lm_cfg.baseline().to_dict(),
+        "baseline_wide_lm": wide_cfg.to_dict(),
         "engram": cfg.to_hf_dict(),
         "vocab": vocab.to_dict(),
-        "files": {
-            "engram_tables": artifacts.ENGRAM_TABLES,
-            "engram_weights": artifacts.ENGRAM_WEIGHTS,
-            "baseline_weights": artifacts.BASELINE_WEIGHTS,
-            "heldout_sample": artifacts.HELDOUT_SAMPLE,
-        },
+        "files": files,
         "training": record,
     }
+    model_json["checksums"] = artifacts.file_checksums(out, files)
     artifacts.write_json(out / artifacts.MODEL_JSON, model_json)
     artifacts.write_json(out / artifacts.CONFIG_JSON, cfg.to_hf_dict())
     shipped = {name: (out / name).stat().st_size for name in artifacts.SHIPPED_FILES}
@@ -724,22 +1031,92 @@ def train(settings: TrainSettings) -> dict[str, Any]:
     record["heldout"]["sample_losses"]["engram_fp8_served"] = _served_sample_loss(out, device, say)
     record["seconds_total"] = round(time.perf_counter() - began, 1)
     artifacts.write_json(out / artifacts.MODEL_JSON, model_json)
+    results["heldout"] = record["heldout"]
+    results["package_heldout"] = record.get("package_heldout")
+    save_results()
     _plot(
         out / artifacts.LOSS_CURVES,
-        {"engram": engram_run.losses, "baseline": baseline_run.losses},
-        {k: v for k, v in losses.items()},
-        {"engram": engram_run.val_curve, "baseline": baseline_run.val_curve},
+        {name: outcomes[name].run.losses for name in names},
+        record["heldout"]["losses"],
+        {name: outcomes[name].run.val_curve for name in names},
     )
-    say(f"done in {record['seconds_total']} s: {out}")
+    say(f"model directory written in {record['seconds_total']} s: {out}")
     artifacts.write_json(
         out / artifacts.TRAIN_LOG,
         {
             "log": settings.log,
-            "losses": {"engram": engram_run.losses, "baseline": baseline_run.losses},
+            "losses": {name: outcomes[name].run.losses for name in names},
             "record": record,
         },
     )
+
+    # The memory curve and the placement comparison: more Engram models, the same
+    # steps, windows and schedule; their tables are not kept.
+    extras: list[tuple[str, EngramConfig]] = []
+    for multiple in settings.memory_sweep:
+        buckets = sweep_buckets(settings.buckets, multiple)
+        extras.append(
+            (
+                f"engram_x{multiple:g}",
+                engram_config(settings.dim, buckets, settings.engram_layers, settings.head_dim),
+            )
+        )
+    if settings.compare_layers is not None:
+        extras.append(
+            (
+                "engram_blocks_" + "_".join(str(b) for b in settings.compare_layers),
+                engram_config(
+                    settings.dim, settings.buckets, settings.compare_layers, settings.head_dim
+                ),
+            )
+        )
+    main_total = sum(settings.buckets)
+    results["memory_sweep"] = [
+        {
+            "name": "engram",
+            "multiple_of_tiny_buckets": main_total / (TODAY_BUCKETS * len(settings.buckets)),
+            "buckets_per_head": list(cfg.vocab_size),
+            "table_bytes_fp8": results["models"]["engram"]["table_bytes_fp8"],
+            "losses": results["models"]["engram"]["losses"],
+        }
+    ]
+    for name, extra_cfg in extras:
+        outcome = run_engram(name, extra_cfg)
+        outcome.model.cpu()
+        keep(outcome)
+        if name.startswith("engram_x"):
+            results["memory_sweep"].append(
+                {
+                    "name": name,
+                    "multiple_of_tiny_buckets": sum(extra_cfg.vocab_size)
+                    / (TODAY_BUCKETS * len(settings.buckets)),
+                    "buckets_per_head": list(extra_cfg.vocab_size),
+                    "table_bytes_fp8": results["models"][name]["table_bytes_fp8"],
+                    "losses": results["models"][name]["losses"],
+                }
+            )
+        results["where_it_wins"] = wins()
+        outcomes[name].tables = []
+        outcomes[name].model = outcome.model
+        save_results()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    results["seconds_total"] = round(time.perf_counter() - began, 1)
+    save_results()
+    say(f"done in {results['seconds_total']} s")
     return record
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, Path):
+        return str(value)
+    if isinstance(value, (tuple, list)):
+        return [_jsonable(v) for v in value]
+    return value
+
+
+def _rounded(values: dict[str, Any]) -> dict[str, Any]:
+    return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in values.items()}
 
 
 def _served_sample_loss(
@@ -786,19 +1163,131 @@ def _run_record(run: TrainResult, settings: TrainSettings) -> dict[str, Any]:
     }
 
 
+class _Parser(argparse.ArgumentParser):
+    """Errors as one line on stderr and exit status 2 (no usage block)."""
+
+    def error(self, message: str) -> Any:  # type: ignore[override]
+        sys.stderr.write(f"{self.prog}: error: {message}\n")
+        raise SystemExit(2)
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in text.split(","))
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    return tuple(float(part) for part in text.split(",")) if text else ()
+
+
+_POSITIVE_INTS = (
+    "batch_size",
+    "seq_len",
+    "val_sequences",
+    "eval_every",
+    "vocab_k",
+    "dim",
+    "n_blocks",
+    "mlp_dim",
+    "eval_sequences",
+    "sample_sequences",
+    "head_dim",
+)
+
+
+def _settings_problem(args: argparse.Namespace) -> str | None:
+    """The first flag that cannot work, as one sentence naming it and its value."""
+
+    def flag(name: str) -> str:
+        return "--" + name.replace("_", "-")
+
+    if args.steps is not None and args.steps < 1:
+        return f"--steps={args.steps} must be at least 1"
+    if args.eval_every < 1:
+        return f"--eval-every={args.eval_every} must be at least 1"
+    if not math.isfinite(args.minutes) or args.minutes <= 0:
+        return f"--minutes={args.minutes} must be positive (a finite number of minutes)"
+    for name in _POSITIVE_INTS:
+        if getattr(args, name) < 1:
+            return f"{flag(name)}={getattr(args, name)} must be at least 1"
+    if args.seq_len < 8:
+        return f"--seq-len={args.seq_len} must be at least 8 (a window of n-grams to predict)"
+    if args.max_files is not None and args.max_files < 1:
+        return f"--max-files={args.max_files} must be at least 1"
+    if args.max_train_chars is not None and args.max_train_chars < 1:
+        return f"--max-train-chars={args.max_train_chars} must be at least 1"
+    if args.seed < 0:
+        return f"--seed={args.seed} must be >= 0"
+    for name in ("lr", "table_lr"):
+        value = getattr(args, name)
+        if not math.isfinite(value) or value <= 0:
+            return f"{flag(name)}={value} must be a finite positive number"
+    if not math.isfinite(args.weight_decay) or args.weight_decay < 0:
+        return f"--weight-decay={args.weight_decay} must be a finite number >= 0"
+    if args.head_dim % 32:
+        return f"--head-dim={args.head_dim} must be a multiple of 32 (one fp8 scale per 32)"
+    layer_sets = [("--engram-layers", args.engram_layers)]
+    if args.compare_layers is not None:
+        layer_sets.append(("--compare-layers", args.compare_layers))
+    for name, layers in layer_sets:
+        if not layers or len(set(layers)) != len(layers) or min(layers) < 0:
+            return f"{name}={','.join(map(str, layers))} must be distinct block indices >= 0"
+        if max(layers) >= args.n_blocks:
+            return (
+                f"{name}={','.join(map(str, layers))} names a block >= --n-blocks={args.n_blocks}"
+            )
+    if len(args.buckets) != 3 or min(args.buckets) < 2:
+        return f"--buckets={','.join(map(str, args.buckets))} must be 3 counts >= 2 (orders 2-4)"
+    for multiple in args.memory_sweep:
+        if not math.isfinite(multiple) or multiple <= 0:
+            return f"--memory-sweep holds {multiple}; expected finite positive multiples"
+    for name, root in [
+        ("--stdlib-root", args.stdlib_root),
+        *(("--site-dirs", d) for d in (args.site_dirs or ())),
+    ]:
+        if root is not None and not Path(root).is_dir():
+            return f"{name} names {str(root)!r}, which is not a directory"
+    device = args.device
+    if device not in ("auto", "cpu") and not (
+        device == "cuda" or (device.startswith("cuda:") and device[5:].isdigit())
+    ):
+        return f"--device={device!r}; expected auto, cpu, cuda or cuda:N"
+    if device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            return f"--device={device!r} but CUDA is not available; use --device cpu"
+        index = int(device[5:]) if ":" in device else 0
+        if index >= torch.cuda.device_count():
+            return f"--device={device!r} but there are {torch.cuda.device_count()} CUDA devices"
+    for name, path in (("--out", args.out), ("--results", args.results)):
+        if path is None:
+            continue
+        target = Path(path)
+        if name == "--out" and target.exists() and not target.is_dir():
+            return f"--out={str(target)!r} exists and is not a directory"
+        if name == "--results" and target.is_dir():
+            return f"--results={str(target)!r} is a directory; expected a file path"
+        for parent in target.parents:
+            if parent.exists():
+                if not parent.is_dir():
+                    return f"{name}={str(target)!r} lies under {str(parent)!r}, which is a file"
+                break
+    return None
+
+
 def parse_args(argv: Sequence[str] | None = None) -> TrainSettings:
-    parser = argparse.ArgumentParser(
+    """The settings of a command line; every flag is checked here, before any work (a
+    bad one: one line on stderr, exit status 2)."""
+    parser = _Parser(
         prog="python -m engramrt.models.train",
-        description="Train the tiny Engram LM and its baseline; write the model directory.",
+        description="Train the tiny Engram LM and its baselines; write the model directory.",
     )
+    defaults = TrainSettings(out=Path("."))
     parser.add_argument("--out", type=Path, required=True, help="the model directory to write")
     parser.add_argument("--device", default="auto", help="auto, cpu or cuda[:i]")
-    defaults_minutes = TrainSettings(out=Path(".")).minutes
     parser.add_argument(
         "--minutes",
         type=float,
-        default=defaults_minutes,
-        help=f"wall-clock training budget of the Engram model (default {defaults_minutes})",
+        default=defaults.minutes,
+        help=f"wall-clock training budget of the Engram model (default {defaults.minutes})",
     )
     parser.add_argument(
         "--steps", type=int, default=None, help="train exactly this many steps instead of --minutes"
@@ -806,20 +1295,7 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainSettings:
     parser.add_argument(
         "--max-files", type=int, default=None, help="only the first N training files (tests)"
     )
-    defaults = TrainSettings(out=Path("."))
-    for name in (
-        "batch_size",
-        "seq_len",
-        "val_sequences",
-        "eval_every",
-        "vocab_k",
-        "dim",
-        "n_blocks",
-        "mlp_dim",
-        "eval_sequences",
-        "sample_sequences",
-        "seed",
-    ):
+    for name in (*_POSITIVE_INTS, "seed"):
         parser.add_argument(
             f"--{name.replace('_', '-')}", type=int, default=getattr(defaults, name)
         )
@@ -827,18 +1303,71 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainSettings:
         parser.add_argument(
             f"--{name.replace('_', '-')}", type=float, default=getattr(defaults, name)
         )
+    parser.add_argument(
+        "--engram-layers",
+        type=_ints,
+        default=defaults.engram_layers,
+        help="blocks of the Engram layers (default 1,2)",
+    )
+    parser.add_argument(
+        "--buckets",
+        type=_ints,
+        default=defaults.buckets,
+        help="buckets per hash head for n-gram orders 2,3,4 (default 49152,32768,16384)",
+    )
+    parser.add_argument(
+        "--memory-sweep",
+        type=_floats,
+        default=(),
+        help="after the three models, Engram models with tables of these multiples of the "
+        "tiny preset's buckets (e.g. 1,4,12; same steps and windows)",
+    )
+    parser.add_argument(
+        "--compare-layers",
+        type=_ints,
+        default=None,
+        help="after the sweep, an Engram model at these blocks instead (e.g. 1,3)",
+    )
+    parser.add_argument(
+        "--results",
+        type=Path,
+        default=None,
+        help="a JSON of every model's results, rewritten after each model",
+    )
+    parser.add_argument(
+        "--max-train-chars",
+        type=int,
+        default=defaults.max_train_chars,
+        help="characters of training text read (default 160,000,000: ~40 M tokens; the "
+        "stdlib's training files always, then package files by sha256 of their names)",
+    )
+    parser.add_argument(
+        "--stdlib-root",
+        type=Path,
+        default=None,
+        help="read this directory as the stdlib (tests; default: the interpreter's)",
+    )
+    parser.add_argument(
+        "--site-dirs",
+        type=lambda text: tuple(Path(p) for p in text.split(",") if p),
+        default=None,
+        help="comma-separated directories read as the site directories (tests; default: "
+        "the interpreter's; empty for none)",
+    )
     args = parser.parse_args(argv)
-    if args.steps is not None and args.steps < 1:
-        parser.error(f"--steps={args.steps} must be at least 1")
-    if args.eval_every < 1:
-        parser.error(f"--eval-every={args.eval_every} must be at least 1")
-    if args.minutes <= 0:
-        parser.error(f"--minutes={args.minutes} must be positive")
+    problem = _settings_problem(args)
+    if problem is not None:
+        parser.error(problem)
     return TrainSettings(**vars(args))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    train(parse_args(argv))
+    settings = parse_args(argv)
+    try:
+        train(settings)
+    except TrainingDiverged as exc:
+        sys.stderr.write(f"python -m engramrt.models.train: error: {exc}\n")
+        return 1
     return 0
 
 

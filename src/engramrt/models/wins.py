@@ -1,0 +1,133 @@
+"""Where the memory wins: held-out predictions split by what training saw.
+
+A prediction is the next token at position ``t + 1`` of a held-out
+sequence, from the context ending at ``t`` (tokenizer ids, the document's
+tokens before the sequence included through its lookback ids). Training
+"saw" an n-gram when those n tokens occur consecutively inside one of the
+windows the models trained on (every model of a run trains on the same
+windows).
+
+Two views, each a partition of the predictions:
+
+- ``longest_seen``: the longest ``n`` in 4, 3, 2 such that the n-gram
+  ending at the target (``n - 1`` context tokens and the continuation) was
+  seen: ``"4-gram seen"``, ``"3-gram seen, 4-gram not"``, ``"2-gram seen,
+  3-gram not"``, ``"bigram unseen"`` (n-grams reaching before the document's
+  start count as unseen).
+- ``context``: the 3-token context (the n-gram Engram's 4-gram head hashes at
+  ``t``): ``"context seen, continuation seen"`` (its 4-gram was seen),
+  ``"context seen, continuation new"``, ``"context unseen"``.
+
+:func:`category_masks` gives the masks; :func:`category_losses` the count,
+share and each model's mean loss per category.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+
+__all__ = ["category_losses", "category_masks", "ngram_keys", "training_ngrams"]
+
+_MULT = np.uint64(0x9E3779B97F4A7C15)
+
+
+def ngram_keys(tokens: np.ndarray, n: int) -> np.ndarray:
+    """64-bit keys of every n-gram along the last axis of ``tokens [..., L]`` (int64,
+    negative = no token): ``[..., L - n + 1]`` uint64; an n-gram holding a negative
+    id gets key 0. Keys are a polynomial in ``id + 1`` with an odd 64-bit multiplier
+    (distinct n-grams collide, or reach 0, with probability about 2^-64 per pair)."""
+    tokens = np.asarray(tokens, dtype=np.int64)
+    length = tokens.shape[-1]
+    if length < n:
+        return np.zeros((*tokens.shape[:-1], 0), dtype=np.uint64)
+    key = np.zeros((*tokens.shape[:-1], length - n + 1), dtype=np.uint64)
+    missing = np.zeros(key.shape, dtype=bool)
+    with np.errstate(over="ignore"):
+        for i in range(n):
+            part = tokens[..., i : length - n + 1 + i]
+            missing |= part < 0
+            key = key * _MULT + (part.astype(np.uint64) + np.uint64(1))
+        key = key * _MULT
+    key[missing] = 0
+    return key
+
+
+def training_ngrams(
+    windows: np.ndarray, orders: tuple[int, ...] = (2, 3, 4)
+) -> dict[int, np.ndarray]:
+    """Sorted distinct keys of every n-gram inside the training windows ``[W, S+1]``."""
+    return {n: np.unique(ngram_keys(windows, n).reshape(-1)) for n in orders}
+
+
+def _member(keys: np.ndarray, table: np.ndarray) -> np.ndarray:
+    if table.size == 0:
+        return np.zeros(keys.shape, dtype=bool)
+    at = np.searchsorted(table, keys).clip(max=table.size - 1)
+    return (table[at] == keys) & (keys != 0)
+
+
+def category_masks(
+    tokens: np.ndarray,
+    lengths: np.ndarray,
+    lookback: np.ndarray,
+    seen: Mapping[int, np.ndarray],
+) -> dict[str, dict[str, np.ndarray]]:
+    """Masks ``[M, S-1]`` (prediction ``j`` targets token ``j + 1``) per view and category.
+
+    ``tokens [M, S]``, ``lengths [M]`` and ``lookback [M, 3]`` as in
+    :class:`~engramrt.models.corpus.EvalSegments` (tokenizer ids); ``seen``
+    from :func:`training_ngrams`. Invalid predictions are in no category.
+    """
+    seq = tokens.shape[1]
+    back = lookback.shape[1]
+    ext = np.concatenate([lookback[:, ::-1], tokens], axis=1)  # oldest first
+    valid = np.arange(1, seq)[None, :] < lengths[:, None]
+    hits = {}
+    for n in (2, 3, 4):
+        # the n-gram ending at the target j + 1 (ext index j + 1 + back) starts at
+        # ext index j + 1 + back - (n - 1)
+        keys = ngram_keys(ext, n)  # key at ext start index i
+        first = 1 + back - (n - 1)
+        hits[n] = _member(keys[:, first : first + seq - 1], seen[n])
+    context_keys = ngram_keys(ext, 3)  # the 3 tokens ending at j: ext start j + back - 2
+    context = _member(context_keys[:, back - 2 : back - 2 + seq - 1], seen[3])
+    longest = {
+        "4-gram seen": hits[4],
+        "3-gram seen, 4-gram not": hits[3] & ~hits[4],
+        "2-gram seen, 3-gram not": hits[2] & ~hits[3] & ~hits[4],
+        "bigram unseen": ~hits[2] & ~hits[3] & ~hits[4],
+    }
+    views = {
+        "longest_seen": longest,
+        "context": {
+            "context seen, continuation seen": context & hits[4],
+            "context seen, continuation new": context & ~hits[4],
+            "context unseen": ~context,
+        },
+    }
+    return {
+        view: {name: mask & valid for name, mask in cats.items()} for view, cats in views.items()
+    }
+
+
+def category_losses(
+    masks: Mapping[str, Mapping[str, np.ndarray]], losses: Mapping[str, np.ndarray]
+) -> dict[str, dict[str, dict[str, float | int | None]]]:
+    """Per view and category: ``predictions``, ``share`` and each model's mean loss
+    (``losses[name]`` is ``[M, S-1]`` per prediction, NaN where invalid)."""
+    out: dict[str, dict[str, dict[str, float | int | None]]] = {}
+    for view, cats in masks.items():
+        total = sum(int(m.sum()) for m in cats.values())
+        out[view] = {}
+        for name, mask in cats.items():
+            n = int(mask.sum())
+            row: dict[str, float | int | None] = {
+                "predictions": n,
+                "share": round(n / total, 4) if total else 0.0,
+            }
+            for model, values in losses.items():
+                row[model] = round(float(values[mask].mean()), 4) if n else None
+            out[view][name] = row
+    return out

@@ -1,0 +1,160 @@
+"""``load_model`` refuses every damaged model directory with a CheckpointError naming
+the file and the field (and never reads outside the directory)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from engramrt.errors import CheckpointError
+from engramrt.models import artifacts
+
+
+def _json(directory: Path) -> dict:
+    return json.loads((directory / artifacts.MODEL_JSON).read_text())
+
+
+def _write_json(directory: Path, data: dict) -> None:
+    (directory / artifacts.MODEL_JSON).write_text(json.dumps(data))
+
+
+def _resum(directory: Path, name: str) -> None:
+    """Record the file's current SHA-256 (so only the content check can catch it)."""
+    data = _json(directory)
+    data["checksums"][name] = hashlib.sha256((directory / name).read_bytes()).hexdigest()
+    _write_json(directory, data)
+
+
+def _truncate(name: str, keep: float = 0.5) -> Callable[[Path], None]:
+    def apply(directory: Path) -> None:
+        data = (directory / name).read_bytes()
+        (directory / name).write_bytes(data[: int(len(data) * keep)])
+
+    return apply
+
+
+def _edit(change: Callable[[dict], None]) -> Callable[[Path], None]:
+    def apply(directory: Path) -> None:
+        data = _json(directory)
+        change(data)
+        _write_json(directory, data)
+
+    return apply
+
+
+def _nan_weight(directory: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    path = directory / artifacts.ENGRAM_WEIGHTS
+    tensors = load_file(str(path))
+    name = next(k for k in tensors if k.endswith("wkv.weight"))
+    tensors[name][0, 0] = float("nan")
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    _resum(directory, artifacts.ENGRAM_WEIGHTS)
+
+
+def _flip(name: str, offset: int = -100) -> Callable[[Path], None]:
+    def apply(directory: Path) -> None:
+        data = bytearray((directory / name).read_bytes())
+        data[offset] ^= 0xFF
+        (directory / name).write_bytes(bytes(data))
+
+    return apply
+
+
+def _symlink_weights(directory: Path) -> None:
+    target = directory / "elsewhere.safetensors"
+    shutil.move(directory / artifacts.ENGRAM_WEIGHTS, target)
+    (directory / artifacts.ENGRAM_WEIGHTS).symlink_to(target)
+
+
+def _truncated_vocab(data: dict) -> None:
+    data["vocab"]["token_ids"] = data["vocab"]["token_ids"][:-5]
+
+
+CASES = [
+    ("truncated model.json", _truncate(artifacts.MODEL_JSON), "not valid JSON"),
+    (
+        "non-UTF-8 model.json",
+        lambda d: (d / artifacts.MODEL_JSON).write_bytes(b'{"format": "\xff\xfe"}'),
+        "not UTF-8",
+    ),
+    ("a list", lambda d: (d / artifacts.MODEL_JSON).write_text("[1, 2]"), "JSON list"),
+    ("missing lm", _edit(lambda data: data.pop("lm")), "field 'lm' is missing"),
+    ("lm not an object", _edit(lambda data: data.update(lm=3)), "field 'lm' is a int"),
+    (
+        "missing files key",
+        _edit(lambda data: data["files"].pop("heldout_sample")),
+        "files.heldout_sample",
+    ),
+    ("bad lm field", _edit(lambda data: data["lm"].update(dim="x")), "field 'lm' is not valid"),
+    (
+        "bad engram field",
+        _edit(lambda data: data["engram"].pop("engram_layer_ids")),
+        "field 'engram'",
+    ),
+    (
+        "path outside",
+        _edit(lambda data: data["files"].update(engram_weights="../../../../etc/hostname")),
+        "files.engram_weights='../../../../etc/hostname'",
+    ),
+    (
+        "absolute path",
+        _edit(lambda data: data["files"].update(engram_tables="/etc/hostname")),
+        "files.engram_tables='/etc/hostname'",
+    ),
+    (
+        "symlinked file",
+        _symlink_weights,
+        "files.engram_weights='engram_model.safetensors' is not a regular",
+    ),
+    ("truncated weights", _truncate(artifacts.ENGRAM_WEIGHTS), "engram_model.safetensors"),
+    ("truncated sample", _truncate(artifacts.HELDOUT_SAMPLE), "heldout_sample.safetensors"),
+    ("one NaN weight", _nan_weight, "non-finite"),
+    ("truncated vocab", _edit(_truncated_vocab), "field vocab.token_ids"),
+    ("flipped table bytes", _flip(artifacts.ENGRAM_TABLES), "checksums.engram.safetensors"),
+    ("flipped sample byte", _flip(artifacts.HELDOUT_SAMPLE, -3), "checksums.heldout_sample"),
+    (
+        "missing checksum",
+        _edit(lambda data: data["checksums"].pop(artifacts.ENGRAM_WEIGHTS)),
+        "checksums.engram_model.safetensors is missing",
+    ),
+    (
+        "a NaN recorded loss",
+        _edit(lambda data: data["training"]["heldout"]["losses"].update(engram=float("nan"))),
+        "training.heldout.losses.engram=nan",
+    ),
+]
+
+
+@pytest.mark.parametrize(("label", "damage", "needle"), CASES, ids=[c[0] for c in CASES])
+def test_damaged_directory_is_refused(
+    trained_dir: Path, tmp_path: Path, label, damage, needle
+) -> None:
+    from engramrt.models.serve import load_model
+
+    directory = tmp_path / "model"
+    shutil.copytree(trained_dir, directory)
+    damage(directory)
+    with pytest.raises(CheckpointError) as info:
+        load_model(
+            directory, tier="device", device="cpu", load_baseline=True, head_backend="reference"
+        )
+    assert needle in str(info.value), str(info.value)
+    assert str(directory) in str(info.value)  # the file is named
+
+
+def test_the_undamaged_copy_loads(trained_dir: Path, tmp_path: Path) -> None:
+    """Control: the same copy, undamaged, loads (so each case above fails for its damage)."""
+    from engramrt.models.serve import load_model
+
+    directory = tmp_path / "model"
+    shutil.copytree(trained_dir, directory)
+    model = load_model(directory, tier="device", device="cpu", head_backend="reference")
+    assert torch.isfinite(next(model.lm.parameters())).all()
