@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 
+from engramrt.errors import EngramError
 from engramrt.models.serve import TinyEngramModel, load_model
 
 MAX_NEW = 5
@@ -217,3 +218,19 @@ def test_evaluate_the_sample(trained_dir: Path) -> None:
     assert abs(baseline - recorded["baseline"]) / recorded["baseline"] < 2e-3
     with pytest.raises(ValueError, match="model="):
         model.evaluate(model="other")
+
+
+def test_the_shipped_model_loads_by_name(tmp_path, monkeypatch) -> None:
+    """load_model("tiny-lm") is the package data's model (its training record, read here
+    from the file); a directory of that name in the working directory still wins."""
+    import json
+
+    from engramrt.models.packaged import PACKAGED_MODEL, packaged_model_dir
+
+    monkeypatch.chdir(tmp_path)
+    model = load_model(PACKAGED_MODEL, tier="device", device="cpu", load_baseline=False)
+    on_disk = json.loads((packaged_model_dir() / "model.json").read_text(encoding="utf-8"))
+    assert model.record == on_disk["training"]
+    (tmp_path / PACKAGED_MODEL).mkdir()
+    with pytest.raises(EngramError, match=r"model\.json"):
+        load_model(PACKAGED_MODEL, tier="device", device="cpu", load_baseline=False)

@@ -628,10 +628,12 @@ def load_model(
     head_backend: str = "auto",
     **store_options: Any,
 ) -> TinyEngramModel:
-    """Load a directory written by ``python -m engramrt.models.train``.
+    """Load a directory written by ``python -m engramrt.models.train``, or the shipped
+    model by its name.
 
     Args:
-        path: the model directory.
+        path: the model directory, or ``"tiny-lm"`` (:data:`~engramrt.models.packaged.PACKAGED_MODEL`):
+            the model ``engramrt demo`` serves, from the package data of any install.
         tier: where the fp8 tables live (:func:`~engramrt.lookup.tiers.make_store`
             names: ``auto``, ``device``, ``uva``, ``host``, ``disk``).
         device: the compute device (default: CUDA when available, else CPU).
@@ -645,9 +647,12 @@ def load_model(
     """
     from engramrt.checkpoint import load_tables, read_table
     from engramrt.layer import EngramHead
+    from engramrt.models.packaged import PACKAGED_MODEL, packaged_model_dir
     from engramrt.tokenmap import default_token_map
 
     directory = Path(path)
+    if str(path) == PACKAGED_MODEL and not directory.exists():
+        directory = packaged_model_dir()
     data = artifacts.read_model_json(directory)
     if data.get("format") != "engramrt-tiny-lm/1":
         raise ValidationError(
