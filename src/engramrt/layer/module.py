@@ -57,9 +57,47 @@ from engramrt.errors import ShardingError, ValidationError
 from engramrt.layer.head import EngramHead
 from engramrt.source import PendingRows, RowSource
 
-__all__ = ["EngramLayer"]
+__all__ = ["EngramLayer", "pair_head_with_source"]
 
 _ID_DTYPES = (torch.int32, torch.int64)
+
+
+def pair_head_with_source(
+    head: EngramHead | EngramConfig,
+    source: RowSource,
+    *,
+    backend: str = "auto",
+    validate: bool = True,
+    head_name: str = "head",
+    source_name: str = "source",
+) -> EngramHead:
+    """``head`` (an :class:`EngramConfig` builds an unloaded one on the source's device),
+    checked to compute on what ``source`` writes: the same E, the same device, the
+    rows of every hash column. The names go into the errors (``heads[1]``, ...)."""
+    if isinstance(head, EngramConfig):
+        head = EngramHead(head, device=source.device, backend=backend, validate=validate)
+    if not isinstance(head, EngramHead):
+        raise ValidationError(
+            f"{head_name} is a {type(head).__name__}; expected an EngramHead or an EngramConfig"
+        )
+    if head.head_dim != source.E:
+        raise ValidationError(
+            f"{source_name} holds rows of E={source.E} values; config {head.config.name!r} of "
+            f"{head_name} has head_dim E={head.head_dim}"
+        )
+    if head.device != source.device:
+        raise ValidationError(
+            f"{head_name} is on {head.device} but {source_name} writes rows on "
+            f"{source.device}; expected one device"
+        )
+    served = source.served_columns(head.num_cols)
+    if served != (0, head.num_cols):
+        raise ShardingError(
+            f"{source_name} serves hash columns [{served[0]}, {served[1]}) of C={head.num_cols}; "
+            f"the layer needs the rows of every column: give it an exchange over this "
+            f"rank's column shard (engramrt.exchange) instead of the shard's store"
+        )
+    return head
 
 
 class EngramLayer(nn.Module):
@@ -98,29 +136,7 @@ class EngramLayer(nn.Module):
                 f"source is a {type(source).__name__}; expected a RowSource (a store from "
                 f"make_store, a CachedRowStore or an exchange)"
             )
-        if isinstance(head, EngramConfig):
-            head = EngramHead(head, device=source.device, backend=backend, validate=validate)
-        if not isinstance(head, EngramHead):
-            raise ValidationError(
-                f"head is a {type(head).__name__}; expected an EngramHead or an EngramConfig"
-            )
-        if head.head_dim != source.E:
-            raise ValidationError(
-                f"source holds rows of E={source.E} values; config {head.config.name!r} has "
-                f"head_dim E={head.head_dim}"
-            )
-        if head.device != source.device:
-            raise ValidationError(
-                f"head is on {head.device} but source writes rows on {source.device}; expected "
-                f"one device"
-            )
-        served = source.served_columns(head.num_cols)
-        if served != (0, head.num_cols):
-            raise ShardingError(
-                f"source serves hash columns [{served[0]}, {served[1]}) of C={head.num_cols}; "
-                f"the layer needs the rows of every column: give it an exchange over this "
-                f"rank's column shard (engramrt.exchange) instead of the shard's store"
-            )
+        head = pair_head_with_source(head, source, backend=backend, validate=validate)
         self.head = head
         self.source = source
         self.config = head.config

@@ -76,9 +76,10 @@ import torch
 from torch import nn
 
 from engramrt.config import EngramConfig
-from engramrt.errors import ShardingError, ValidationError
+from engramrt.errors import ValidationError
 from engramrt.hashing import HashBatch, NgramHasher, RequestHistory, SlotHashCache
 from engramrt.layer import EngramHead
+from engramrt.layer.module import pair_head_with_source
 from engramrt.source import PendingRows, RowSource
 
 __all__ = [
@@ -424,34 +425,16 @@ class EngramRuntime:
         _HANDLES[self.handle] = self
 
     def _head(self, index: int, head: EngramHead | EngramConfig, validate: bool) -> EngramHead:
-        source = self.sources[index]
-        if isinstance(head, EngramConfig):
-            head = EngramHead(head, device=source.device, validate=validate)
-        if not isinstance(head, EngramHead):
-            raise ValidationError(
-                f"heads[{index}] is a {type(head).__name__}; expected an EngramHead or an "
-                f"EngramConfig"
-            )
-        if head.head_dim != source.E:
-            raise ValidationError(
-                f"sources[{index}] holds rows of E={source.E} values; heads[{index}] has "
-                f"head_dim E={head.head_dim}"
-            )
+        head = pair_head_with_source(
+            head,
+            self.sources[index],
+            validate=validate,
+            head_name=f"heads[{index}]",
+            source_name=f"sources[{index}]",
+        )
         if head.num_cols != self.n_cols:
             raise ValidationError(
                 f"heads[{index}] has C={head.num_cols} hash columns; the hasher makes {self.n_cols}"
-            )
-        if head.device != source.device:
-            raise ValidationError(
-                f"heads[{index}] is on {head.device} but sources[{index}] writes rows on "
-                f"{source.device}; expected one device"
-            )
-        served = source.served_columns(self.n_cols)
-        if served != (0, self.n_cols):
-            raise ShardingError(
-                f"sources[{index}] serves hash columns [{served[0]}, {served[1]}) of "
-                f"C={self.n_cols}; a layer needs the rows of every column: give it an exchange "
-                f"over this rank's column shard (engramrt.exchange) instead of the shard's store"
             )
         return head
 
