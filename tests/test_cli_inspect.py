@@ -163,7 +163,8 @@ def test_inspect_path_checks_a_converted_directory_against_the_tokenizer(capsys)
     assert report["kind"] == "converted engramrt directory"
     assert report["token_map"]["files"]["engram.safetensors"] == "matches the tokenizer in use"
     single = _inspect_json(capsys, str(packaged_model_dir() / "engram.safetensors"))
-    assert single["kind"] == "safetensors file" and single["engram_layers"] == [1, 3]
+    layers = json.loads((packaged_model_dir() / "config.json").read_text())["engram_layer_ids"]
+    assert single["kind"] == "safetensors file" and single["engram_layers"] == layers
     assert single["token_map"]["files"] == {"engram.safetensors": "matches the tokenizer in use"}
 
 

@@ -183,6 +183,7 @@ class TinyEngramModel:
     ) -> None:
         self.lm = lm
         self.baseline = baseline
+        self.baselines: dict[str, TinyLM] = {} if baseline is None else {"baseline": baseline}
         self.lm_config: LMConfig = lm.config
         self.config = config
         self.vocab = vocab
@@ -227,21 +228,22 @@ class TinyEngramModel:
         ``model="engram"``: the fp8 model, eager, whole sequences: each
         sequence hashed as one request with its lookback ids by
         :attr:`hasher`, rows from :attr:`stores`, :attr:`heads`, the backbone
-        without KV cache. ``model="baseline"``: the baseline backbone.
+        without KV cache. ``model="baseline"`` / ``"baseline_wide"``: the
+        baseline backbones (the same backbone without Engram; the FLOP-matched one).
         """
-        if model not in ("engram", "baseline"):
-            raise ValidationError(f"model={model!r}; expected 'engram' or 'baseline'")
-        if model == "baseline" and self.baseline is None:
-            raise ValidationError("model='baseline' but the baseline was not loaded")
+        known = ("engram", *self.baselines)
+        if model not in ("engram", "baseline", "baseline_wide"):
+            raise ValidationError(f"model={model!r}; expected one of {', '.join(known)}")
+        if model != "engram" and model not in self.baselines:
+            raise ValidationError(f"model={model!r} but it was not loaded; loaded: {known}")
         segments = self.sample if segments is None else segments
         total, count = 0.0, 0
         for begin in range(0, segments.num_sequences, batch_size):
             part = segments.subset(range(begin, min(begin + batch_size, segments.num_sequences)))
             tokens = self._trim[torch.as_tensor(part.tokens, device=self.device)]
             lengths = torch.as_tensor(part.lengths, device=self.device)
-            if model == "baseline":
-                assert self.baseline is not None
-                logits = self.baseline(tokens)
+            if model != "engram":
+                logits = self.baselines[model](tokens)
             else:
                 fns = self._eager_engram(self._segment_row_ids(part), tokens.shape, None)
                 logits = self.lm(tokens, engram=fns)
@@ -689,11 +691,17 @@ def load_model(
     lm = TinyLM(lm_config)
     artifacts.load_weights(checked("engram_weights"), lm)
     lm = lm.to(dev).float().eval()
-    baseline = None
+    baseline = baseline_wide = None
     if load_baseline:
         baseline = TinyLM(artifacts.parse_field(directory, data, "baseline_lm", LMConfig.from_dict))
         artifacts.load_weights(checked("baseline_weights"), baseline)
         baseline = baseline.to(dev).float().eval()
+        if "baseline_wide_lm" in data:  # models trained before the FLOP-matched baseline lack it
+            baseline_wide = TinyLM(
+                artifacts.parse_field(directory, data, "baseline_wide_lm", LMConfig.from_dict)
+            )
+            artifacts.load_weights(checked("baseline_wide_weights"), baseline_wide)
+            baseline_wide = baseline_wide.to(dev).float().eval()
     tables = checked("engram_tables")
     stores: list[Any] = load_tables(
         tables,
@@ -716,6 +724,9 @@ def load_model(
     heads = [EngramHead(config, device=dev, backend=head_backend) for _ in config.layer_ids]
     packed = [read_table(tables, config, i, token_map=token_map) for i in range(config.n_layers)]
     sample = artifacts.load_sample(checked("heldout_sample"))
-    return TinyEngramModel(
+    model = TinyEngramModel(
         lm, baseline, config, vocab, token_map, stores, heads, packed, sample, data["training"], dev
     )
+    if baseline_wide is not None:
+        model.baselines["baseline_wide"] = baseline_wide
+    return model
