@@ -129,6 +129,22 @@ def test_inspect_tp_not_an_integer_names_the_value(capsys, tp) -> None:
     assert err.count("\n") == 1
 
 
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["convert", "--tp", "abc", "a", "b"], "--tp='abc'; expected an integer"),
+        (["convert", "--block-rows", "1e3", "a", "b"], "--block-rows='1e3'; expected an integer"),
+        (["demo", "--max-new-tokens", "many"], "--max-new-tokens='many'; expected an integer"),
+        (["demo", "--cache-mib", "x"], "--cache-mib='x'; expected a number"),
+    ],
+)
+def test_numeric_options_name_the_value(capsys, args, needle) -> None:
+    """Was: a usage box without the value (every numeric option is parsed from text)."""
+    code, _, err = _run(capsys, *args)
+    _one_line_error(code, err, needle)
+    assert err.count("\n") == 1
+
+
 @pytest.mark.parametrize("tp", ["1000", "13"])
 def test_inspect_tp_past_the_columns_is_short(capsys, tp) -> None:
     code, _, err = _run(capsys, "inspect", "-c", "tiny", "--tp", tp)

@@ -20,8 +20,10 @@ __all__ = [
     "check_tp",
     "os_error",
     "parse_device",
+    "parse_float",
     "parse_int",
     "parse_int_list",
+    "parse_optional_int",
     "read_text",
     "write_output",
 ]
@@ -37,6 +39,20 @@ def parse_int(option: str, text: str) -> int:
         return int(text.strip())
     except ValueError as exc:
         raise ValidationError(f"{option}={text!r}; expected an integer") from exc
+
+
+def parse_optional_int(option: str, text: str | None) -> int | None:
+    """:func:`parse_int` for an option that may be left out (None)."""
+    return None if text is None else parse_int(option, text)
+
+
+def parse_float(option: str, text: str) -> float:
+    """One number given as text, so a bad value is one line naming it (not a usage box); the
+    caller checks its range (finite, positive, ...)."""
+    try:
+        return float(text.strip())
+    except ValueError as exc:
+        raise ValidationError(f"{option}={text!r}; expected a number") from exc
 
 
 def parse_int_list(option: str, text: str, *, allow_empty: bool = False) -> list[int]:

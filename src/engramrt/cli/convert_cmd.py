@@ -159,12 +159,12 @@ def register(app: typer.Typer) -> None:
                 "dsv41-flash).",
             ),
         ] = None,
-        tp: Annotated[int, typer.Option(help="Write one file per tensor-parallel rank.")] = 1,
+        tp: Annotated[str, typer.Option(help="Write one file per tensor-parallel rank.")] = "1",
         names: Annotated[
             Path | None, typer.Option(help="JSON file overriding tensor names (see above).")
         ] = None,
         block_rows: Annotated[
-            int | None,
+            str | None,
             typer.Option(help="Rows read and quantised per block (default: ~64 MiB of fp32)."),
         ] = None,
         scales: Annotated[
@@ -184,6 +184,18 @@ def register(app: typer.Typer) -> None:
 
         previous = signal.signal(signal.SIGTERM, _terminate)
         try:
-            _run(src, dst, config, tp, names, block_rows, scales, device, quiet)
+            from engramrt.cli._checks import parse_int, parse_optional_int
+
+            _run(
+                src,
+                dst,
+                config,
+                parse_int("--tp", tp),
+                names,
+                parse_optional_int("--block-rows", block_rows),
+                scales,
+                device,
+                quiet,
+            )
         finally:
             signal.signal(signal.SIGTERM, previous)

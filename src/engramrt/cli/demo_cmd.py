@@ -78,7 +78,7 @@ def register(app: typer.Typer) -> None:
             ),
         ] = None,
         max_new_tokens: Annotated[
-            int | None,
+            str | None,
             typer.Option("--max-new-tokens", help="Tokens generated per request (default 32)."),
         ] = None,
         model: Annotated[
@@ -110,7 +110,7 @@ def register(app: typer.Typer) -> None:
             typer.Option(help="--synthetic: serve rows from this checkpoint instead."),
         ] = None,
         cache_mib: Annotated[
-            float | None,
+            str | None,
             typer.Option(
                 "--cache-mib",
                 help="A hot-row cache of this many MiB per layer (0: none; default 0, "
@@ -126,6 +126,10 @@ def register(app: typer.Typer) -> None:
         against an eager reference and a second placement, compares the
         held-out loss of each model and shows where the gate opens.
         """
+        from engramrt.cli._checks import parse_float, parse_optional_int
+
+        new_tokens = parse_optional_int("--max-new-tokens", max_new_tokens)
+        cache = None if cache_mib is None else parse_float("--cache-mib", cache_mib)
         given = {
             "--history": history is not None,
             "--max-new-tokens": max_new_tokens is not None,
@@ -154,7 +158,7 @@ def register(app: typer.Typer) -> None:
                 plot=plot,
                 checkpoint=checkpoint,
                 tier="auto" if tier is None else tier,
-                cache_mib=16.0 if cache_mib is None else cache_mib,
+                cache_mib=16.0 if cache is None else cache,
             )
             return
         _refuse(given, SYNTHETIC_ONLY, "for --synthetic; the model demo takes --model")
@@ -166,8 +170,8 @@ def register(app: typer.Typer) -> None:
             device=device,
             tier="auto" if tier is None else tier,
             history="slot" if history is None else history,
-            max_new_tokens=32 if max_new_tokens is None else max_new_tokens,
-            cache_mib=0.0 if cache_mib is None else cache_mib,
+            max_new_tokens=32 if new_tokens is None else new_tokens,
+            cache_mib=0.0 if cache is None else cache,
             plot=plot,
             model_dir=model,
             as_json=as_json,
