@@ -44,19 +44,25 @@ def clamp_token_ids(ids: np.ndarray | int, vocab_size: int) -> np.ndarray:
 
 
 def _hash_values(values: np.ndarray, consts: HashConstants) -> np.ndarray:
-    """Row ids ``[L, C]`` of one token from its N (already padded) values.
+    """Row ids ``[T, L, C]`` of T tokens from their N (already padded) values ``[T, N]``.
 
-    ``values[k]`` is the compressed id at shift k, or the pad id.
+    ``values[t, k]`` is token t's compressed id at shift k, or the pad id. The
+    n-gram of size k + 1 is the xor of ``values[t, j] * multipliers[l, j]`` for
+    j <= k (int64, wrapping); head h of it is that hash modulo its prime plus
+    the column's offset (SPEC §4).
     """
-    out = np.empty((consts.n_layers, consts.n_cols), dtype=np.int64)
+    values = np.asarray(values, dtype=np.int64).reshape(-1, consts.max_ngram_size)
+    heads = consts.n_heads
+    out = np.empty((values.shape[0], consts.n_layers, consts.n_cols), dtype=np.int64)
     with np.errstate(over="ignore"):
         for li in range(consts.n_layers):
-            rolling = np.int64(values[0]) * consts.multipliers[li, 0]
+            rolling = values[:, 0] * consts.multipliers[li, 0]  # [T]
             for k in range(1, consts.max_ngram_size):
-                rolling = np.bitwise_xor(rolling, np.int64(values[k]) * consts.multipliers[li, k])
-                for h in range(consts.n_heads):
-                    col = (k - 1) * consts.n_heads + h
-                    out[li, col] = rolling % consts.col_primes[li, col] + consts.offsets[li, col]
+                rolling = np.bitwise_xor(rolling, values[:, k] * consts.multipliers[li, k])
+                cols = slice((k - 1) * heads, k * heads)  # the heads of the (k+1)-gram
+                out[:, li, cols] = (
+                    rolling[:, None] % consts.col_primes[li, cols] + consts.offsets[li, cols]
+                )
     return out
 
 
@@ -74,15 +80,13 @@ def hash_sequence(
     ids = np.asarray(compressed_ids, dtype=np.int64)
     t_len = ids.shape[0]
     dead_mask = np.zeros(t_len, dtype=bool) if dead is None else np.asarray(dead, dtype=bool)
-    out = np.empty((t_len, consts.n_layers, consts.n_cols), dtype=np.int64)
-    values = np.empty(consts.max_ngram_size, dtype=np.int64)
+    values = np.empty((t_len, consts.max_ngram_size), dtype=np.int64)
     for p in range(t_len):
         blocked = False
         for k in range(consts.max_ngram_size):
             blocked = blocked or p - k < 0 or bool(dead_mask[p - k])
-            values[k] = consts.pad_id if blocked else ids[p - k]
-        out[p] = _hash_values(values, consts)
-    return out
+            values[p, k] = consts.pad_id if blocked else ids[p - k]
+    return _hash_values(values, consts)
 
 
 def hash_batch_reference(
@@ -127,7 +131,7 @@ def hash_batch_reference(
     vocab = int(token_map.shape[0])
 
     def compressed(token_id: int) -> int:
-        return int(token_map[clamp_token_ids(token_id, vocab)])
+        return int(token_map[min(max(token_id, 0), vocab - 1)])  # clamp_token_ids, one id
 
     def lookup_history(r: int, pos: int) -> tuple[bool, int, bool]:
         """(known, compressed id, dead) of position ``pos`` of request r from the store.
@@ -156,8 +160,7 @@ def hash_batch_reference(
             return False, 0, False
         return True, max(code, 0), code == DEAD
 
-    out = np.empty((t_len, consts.n_layers, consts.n_cols), dtype=np.int64)
-    values = np.empty(n, dtype=np.int64)
+    values = np.empty((t_len, n), dtype=np.int64)  # [T, N] padded compressed ids
     for i in range(t_len):
         r = int(np.searchsorted(qsl[1:], i, side="right"))  # request owning token i
         padding_row = r >= n_req
@@ -184,8 +187,8 @@ def hash_batch_reference(
                     else:  # 3. the history store
                         known, value, is_dead = lookup_history(r, pos)
             blocked = blocked or pos < 0 or (padding_row and k > 0) or (known and is_dead)
-            values[k] = consts.pad_id if blocked or not known else value
-        out[i] = _hash_values(values, consts)
+            values[i, k] = consts.pad_id if blocked or not known else value
+    out = _hash_values(values, consts)
 
     if history is not None:
         history.commit_reference(batch, token_map)
