@@ -48,11 +48,14 @@ class Mismatch:
 
 @dataclass(frozen=True)
 class SoakResult:
-    """``schedules`` run; ``mismatches`` lists every failing (schedule, mode, backend)."""
+    """``schedules`` run; ``mismatches`` lists every failing (schedule, mode, backend);
+    ``backend_seconds`` the time spent replaying through each backend (the simulator,
+    the hashing and the checks of its runs)."""
 
     schedules: int
     mismatches: tuple[Mismatch, ...]
     seconds: float
+    backend_seconds: tuple[tuple[str, float], ...] = ()
 
 
 def soak(
@@ -117,6 +120,7 @@ def soak(
     }
     start = time.perf_counter()
     found: list[Mismatch] = []
+    spent: dict[str, float] = {}
     done = 0
     while done < count:
         # Groups do not straddle the last kernel schedule, so each runs one set of backends.
@@ -126,6 +130,7 @@ def soak(
         group: list[tuple[int, int, Mismatch]] = []
         for order, mode in enumerate(chosen):
             for backend, where in runs:
+                began = time.perf_counter()
                 engines = run_schedules(
                     seeds,
                     mode,
@@ -136,6 +141,7 @@ def soak(
                     device=where,
                     hasher=hashers[(backend, where)],
                 )
+                spent[backend] = spent.get(backend, 0.0) + time.perf_counter() - began
                 group += [
                     (schedule_seed, order, Mismatch(schedule_seed, mode, backend, e.mismatches[0]))
                     for schedule_seed, e in zip(seeds, engines, strict=True)
@@ -144,10 +150,10 @@ def soak(
         found += [m for _, _, m in sorted(group, key=lambda g: g[:2])]
         before, done = done, done + size
         if found and stop_at_first:
-            return SoakResult(done, tuple(found), time.perf_counter() - start)
+            return SoakResult(done, tuple(found), time.perf_counter() - start, tuple(spent.items()))
         if progress and done // progress > before // progress:
             print(f"{done} schedules, {len(found)} mismatches so far", flush=True)
-    return SoakResult(count, tuple(found), time.perf_counter() - start)
+    return SoakResult(count, tuple(found), time.perf_counter() - start, tuple(spent.items()))
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -217,7 +223,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"first mismatch: {result.mismatches[0]}")
         print(f"{result.schedules} schedules, {len(result.mismatches)} mismatches")
         return 1
-    print(f"ran in {result.seconds:.1f} s")
+    split = ", ".join(f"{backend} {seconds:.1f} s" for backend, seconds in result.backend_seconds)
+    print(f"ran in {result.seconds:.1f} s ({split})")
     print(f"{result.schedules} schedules, 0 mismatches")
     return 0
 
