@@ -31,7 +31,9 @@ backbone shows: hashing, side-stream lookup kernels), tables in GPU memory, in h
 the CPU gathering every row, ``host-mixed`` with the GPU reading the first
 Engram layer's rows, which have one block to hide behind, and the CPU
 gathering the later layer's, whose bulk copy does not occupy the GPU's
-memory system while the blocks run), in pinned host memory read by the kernel
+memory system while the blocks run; ``host-inline``: host-mixed's tables with
+the GPU's reads on the step's stream before the blocks, ``lookup_overlap="none"``,
+so no read runs beside a block), in pinned host memory read by the kernel
 (UVA), or on disk. Decode runs the backbone as engines do, from CUDA graphs replayed per
 step (``--backbones graph``), and for comparison launched kernel by kernel
 (``eager``); prefill runs eager.
@@ -136,9 +138,19 @@ ENGRAM_AT = {1: 0, 14: 1}  # block -> Engram layer index run at its start (V4.1-
 READS = (
     "host",
     "host-mixed",
+    "host-inline",
     "uva",
 )  # tiers whose kernel reads host memory (settings: --max-programs)
-RUNTIME_TIERS = ("device", "host", "host-cpu", "host-mixed", "uva", "disk", "host-cache")
+RUNTIME_TIERS = (
+    "device",
+    "host",
+    "host-cpu",
+    "host-mixed",
+    "host-inline",
+    "uva",
+    "disk",
+    "host-cache",
+)
 
 
 def parse_engram_at(text: str) -> dict[int, int]:
@@ -862,7 +874,7 @@ def build_workloads(args, vocab_size: int, device) -> dict[str, list[HashBatch]]
     return workloads
 
 
-GATHER_TIERS = ("host", "host-cpu", "host-mixed", "disk")
+GATHER_TIERS = ("host", "host-cpu", "host-mixed", "host-inline", "disk")
 """Tiers whose stores gather rows on host threads (settings: --host-threads)."""
 
 
@@ -910,7 +922,7 @@ class StorePool:
         return self.built[tier]
 
 
-def new_runtime(hasher, stores, priority, workers) -> EngramRuntime:
+def new_runtime(hasher, stores, priority, workers, overlap: str = "side") -> EngramRuntime:
     return EngramRuntime(
         hasher,
         stores,
@@ -922,13 +934,14 @@ def new_runtime(hasher, stores, priority, workers) -> EngramRuntime:
         # Each tier's stores as built: ``host`` reads with the GPU in both layers,
         # ``host-mixed`` in the first only (the runtime's default, gpu_reads="first").
         gpu_reads="sources",
+        lookup_overlap=overlap,
     )
 
 
 def tier_variants(tier: str, priorities: list[int], worker_modes: list[str]) -> list[tuple]:
     """The (lookup priority, lookup workers) variants of a ``--tiers`` entry."""
     if tier in RUNTIME_TIERS:  # only threaded lookups have workers to share
-        threaded = tier in ("host", "host-cpu", "host-mixed", "disk", "host-cache")
+        threaded = tier in GATHER_TIERS or tier == "host-cache"
         modes = worker_modes if threaded else worker_modes[:1]
         return [(p, w) for p in priorities for w in modes]
     if tier == "device-again":  # as the device placement's first variant
@@ -968,6 +981,9 @@ def build_placement(tier: str, priority, workers, pool: StorePool, make_hasher) 
         # The A/A control: a second runtime over the same device tables.
         stores = pool.stores_of("device")
         runtime = new_runtime(make_hasher(), stores, priority, workers)
+    elif tier == "host-inline":  # host-mixed's tables, the GPU's reads before the blocks
+        stores = pool.stores_of("host-mixed")
+        runtime = new_runtime(make_hasher(), stores, priority, workers, overlap="none")
     else:
         stores = pool.stores_of(tier)
         runtime = new_runtime(make_hasher(), stores, priority, workers)
@@ -1198,6 +1214,7 @@ def config_result(config: Config, setup: Setup, by_round: dict[int, dict], round
         tier=setup.tier,
         lookup_priority=setup.priority,
         lookup_workers=setup.workers,
+        lookup_overlap=getattr(setup.runtime, "lookup_overlap", None),
         workload=config.workload,
         backbone=config.backbone,
         prefetch=config.prefetch,

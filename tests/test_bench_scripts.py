@@ -365,6 +365,27 @@ def test_runtime_bench_rounds_report(tmp_path) -> None:
     assert not list(tmp_path.glob("*.tmp"))  # written through a temporary file, replaced
 
 
+def test_runtime_bench_host_inline_reads_on_the_step_stream(tmp_path) -> None:
+    """``host-inline`` shares host-mixed's tables and runs its lookups inside plan."""
+    report = _runtime_smoke(
+        tmp_path,
+        "--decode-steps",
+        "2",
+        "--block-steps",
+        "1",
+        "--warmup-steps",
+        "0",
+        "--workloads",
+        "decode",
+        "--tiers",
+        "device,host-mixed,host-inline",
+        "--rounds",
+        "1",
+    )
+    overlap = {r["placement"]: r["lookup_overlap"] for r in report["results"]}
+    assert overlap == {"device": "side", "host-mixed": "side", "host-inline": "none"}
+
+
 def test_runtime_bench_max_seconds_stops_new_rounds(tmp_path) -> None:
     report = _runtime_smoke(
         tmp_path,

@@ -486,6 +486,37 @@ def test_gpu_reads_policy_is_checked(layout, token_map, device) -> None:
         _runtime(layout, token_map, device, tier="host", gpu_reads="none")
 
 
+@pytest.mark.parametrize("tier", ["device", "host"])
+def test_lookups_on_the_step_stream_give_the_same_rows(tier, layout, token_map, device) -> None:
+    """``lookup_overlap="none"``: the lookups run inside plan on the step's stream; the rows
+    are the reference's, as on the side stream."""
+    runtime = _runtime(layout, token_map, device, tier=tier, lookup_overlap="none")
+    assert runtime.lookup_overlap == "none"
+    rng = np.random.default_rng(12)
+    ids = rng.integers(0, token_map.vocab_size, 19)
+    got = runtime.plan(HashBatch.single(ids, device=device))
+    want_ids = hash_sequence(
+        token_map.compress(ids), HashConstants.from_layout(layout, token_map.pad_id(CFG))
+    )
+    np.testing.assert_array_equal(got.row_ids.cpu().numpy(), want_ids)
+    for li, store in enumerate(runtime.sources):
+        want = lookup_rows_reference(
+            torch.from_numpy(want_ids[:, li]),
+            _packed(store),
+            CFG.head_dim,
+            row_begin=store.row_begin,
+        )
+        assert torch.equal(got.rows(li).cpu().view(torch.int16), want.view(torch.int16))
+    runtime.close()
+
+
+def test_lookup_overlap_is_checked(layout, token_map, device) -> None:
+    with pytest.raises(
+        ValidationError, match=r"lookup_overlap='after'; expected one of side, none"
+    ):
+        _runtime(layout, token_map, device, lookup_overlap="after")
+
+
 def test_sources_without_the_choice_ignore_gpu_reads(layout, token_map, device) -> None:
     runtime = _runtime(layout, token_map, device, tier="device", gpu_reads="all")
     assert [s.use_gpu_reads(False) for s in runtime.sources] == [False, False]

@@ -101,6 +101,9 @@ LOOKUP_WORKERS = ("per-layer", "shared")
 GPU_READS = ("first", "all", "sources")
 """Which layers' small batches the GPU reads from host memory itself (see
 :class:`EngramRuntime`, ``gpu_reads``)."""
+LOOKUP_OVERLAP = ("side", "none")
+"""Where the lookups of sources without a worker thread run (see :class:`EngramRuntime`,
+``lookup_overlap``)."""
 
 
 def worker_plan(sources: Sequence[RowSource], *, shared: bool = False) -> dict[int, int]:
@@ -296,6 +299,13 @@ class EngramRuntime:
             reads in flight slow the blocks running beside them, so the
             default keeps them where waiting would cost most (measured in
             BENCHMARKS.md, "Step cost with host-memory tables").
+        lookup_overlap: where the lookups of sources with no worker thread (GPU
+            memory, GPU reads of host memory) run: ``"side"`` (default) on a side
+            stream, beside the blocks before each Engram layer; ``"none"`` on the
+            step's stream inside :meth:`plan`, so they finish before the blocks
+            queued after it start. ``"none"`` adds the lookups' time to the step
+            but keeps GPU reads of host memory from running beside the blocks,
+            whose kernels those reads slow.
 
     Attributes:
         layers: the Engram layers as modules (empty without ``heads``).
@@ -317,6 +327,7 @@ class EngramRuntime:
         lookup_priority: int = 0,
         lookup_workers: str = "per-layer",
         gpu_reads: str = "first",
+        lookup_overlap: str = "side",
     ) -> None:
         consts = hasher.consts
         if len(sources) != consts.n_layers:
@@ -345,6 +356,10 @@ class EngramRuntime:
             raise ValidationError(
                 f"gpu_reads={gpu_reads!r}; expected one of {', '.join(GPU_READS)}"
             )
+        if lookup_overlap not in LOOKUP_OVERLAP:
+            raise ValidationError(
+                f"lookup_overlap={lookup_overlap!r}; expected one of {', '.join(LOOKUP_OVERLAP)}"
+            )
         devices = {s.device for s in sources}
         if devices != {hasher.device}:
             raise ValidationError(
@@ -361,6 +376,7 @@ class EngramRuntime:
         self.hasher = hasher
         self.sources = list(sources)
         self.gpu_reads = gpu_reads
+        self.lookup_overlap = lookup_overlap
         if gpu_reads != "sources":
             for index, source in enumerate(self.sources):
                 source.use_gpu_reads(gpu_reads == "all" or index == 0)
@@ -406,7 +422,9 @@ class EngramRuntime:
         self._next_slot = 0
         cuda = self.device.type == "cuda"
         self._lookup_stream = (
-            torch.cuda.Stream(self.device, priority=lookup_priority) if cuda else None
+            torch.cuda.Stream(self.device, priority=lookup_priority)
+            if cuda and lookup_overlap == "side"
+            else None  # lookups on the step's stream, in order
         )
         self.lookup_workers = lookup_workers
         self._worker_of = (
@@ -685,7 +703,7 @@ class EngramRuntime:
         key = self._worker_of.get(index)
         if key is None:
             # A side-stream source, ordered after the hashing queued so far (on a
-            # CPU device there is no stream: in order, now).
+            # CPU device, or with lookup_overlap="none", no side stream: in order, now).
             return source.start(ids, out, stream=self._lookup_stream)
         assert ready is not None
         done = torch.cuda.Event()
