@@ -136,6 +136,15 @@ class RowSource(ABC):
         """
         return False
 
+    def waits_on_host(self, row_ids: torch.Tensor) -> bool:
+        """Whether a lookup of ``row_ids [T, C]`` makes the host wait for the device
+        (:attr:`host_sync` for this batch); reads shapes and settings only. A source whose
+        small batches are read by the GPU itself (the ``host`` tier with
+        :meth:`use_gpu_reads`) waits for large batches only; a scheduler may run a
+        lookup that does not wait where it likes (``EngramRuntime(lookup_overlap="none")``
+        runs it on the step's stream)."""
+        return self.host_sync
+
     def start(
         self,
         row_ids: torch.Tensor,

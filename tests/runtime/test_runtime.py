@@ -499,6 +499,11 @@ def test_lookups_on_the_step_stream_give_the_same_rows(tier, layout, token_map, 
         token_map.compress(ids), HashConstants.from_layout(layout, token_map.pad_id(CFG))
     )
     np.testing.assert_array_equal(got.row_ids.cpu().numpy(), want_ids)
+    if tier == "host":  # on a GPU the first layer's small batch is read by it: no host wait
+        waits = [s.waits_on_host(got.row_ids[:, li]) for li, s in enumerate(runtime.sources)]
+        assert waits == ([False, True] if device.type == "cuda" else [True, True])
+        large = torch.zeros((40_000, CFG.n_cols), dtype=torch.int64, device=device)
+        assert runtime.sources[0].waits_on_host(large)  # gathered by the CPU
     for li, store in enumerate(runtime.sources):
         want = lookup_rows_reference(
             torch.from_numpy(want_ids[:, li]),

@@ -299,13 +299,15 @@ class EngramRuntime:
             reads in flight slow the blocks running beside them, so the
             default keeps them where waiting would cost most (measured in
             BENCHMARKS.md, "Step cost with host-memory tables").
-        lookup_overlap: where the lookups of sources with no worker thread (GPU
-            memory, GPU reads of host memory) run: ``"side"`` (default) on a side
-            stream, beside the blocks before each Engram layer; ``"none"`` on the
-            step's stream inside :meth:`plan`, so they finish before the blocks
-            queued after it start. ``"none"`` adds the lookups' time to the step
-            but keeps GPU reads of host memory from running beside the blocks,
-            whose kernels those reads slow.
+        lookup_overlap: where lookups that make the host wait for nothing (GPU
+            memory; a batch the GPU reads from host memory itself, see
+            :meth:`~engramrt.source.RowSource.waits_on_host`) run: ``"side"``
+            (default) on a side stream or the source's worker, beside the blocks
+            before each Engram layer; ``"none"`` on the step's stream inside
+            :meth:`plan` (after the jobs the source's worker has queued), so they
+            finish before the blocks queued after it start. ``"none"`` adds the
+            lookups' time to the step but keeps GPU reads of host memory from
+            running beside the blocks, whose kernels those reads slow.
 
     Attributes:
         layers: the Engram layers as modules (empty without ``heads``).
@@ -701,6 +703,11 @@ class EngramRuntime:
         ready: torch.cuda.Event | None,
     ) -> PendingRows:
         key = self._worker_of.get(index)
+        if key is not None and self.lookup_overlap == "none" and not source.waits_on_host(ids):
+            # A lookup that needs no host wait (GPU reads of a small batch) runs on the
+            # step's stream, after the jobs its worker has queued for the source.
+            self._workers[key].submit(lambda: None).result()
+            return source.start(ids, out, stream=None)
         if key is None:
             # A side-stream source, ordered after the hashing queued so far (on a
             # CPU device, or with lookup_overlap="none", no side stream: in order, now).

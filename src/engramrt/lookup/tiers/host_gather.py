@@ -282,6 +282,13 @@ class HostGatherRowStore(KernelRowStore):
         self.gpu_reads = on
         return True
 
+    def waits_on_host(self, row_ids: torch.Tensor) -> bool:
+        """No wait for a batch the GPU reads itself (below :attr:`dedup_min_rows` owned ids,
+        with :attr:`gpu_reads`); the CPU's gather waits for the ids."""
+        col_end = row_ids.shape[1] if self.col_end is None else self.col_end
+        owned = row_ids.shape[0] * max(0, col_end - self.col_begin)
+        return not (self._gpu_reads and 0 < owned < self.dedup_min_rows)
+
     def _map_for_gpu(self, gpu_reads: bool | None) -> None:
         required = bool(gpu_reads)
         if gpu_reads is None:
