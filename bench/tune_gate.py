@@ -18,20 +18,20 @@ from triton.testing import do_bench
 from engramrt.bench.cases_gate import GATE_SWEEP
 from engramrt.bench.runner import measure_ceilings
 from engramrt.gate import engram_gate_reference
-from engramrt.gate.config import GateConfig, default_gate_config
+from engramrt.gate.config import GateKernelConfig, default_gate_config
 from engramrt.gate.kernel import engram_gate_triton
 from engramrt.gate.reference import assert_within_tolerance, gate_tolerance
 
 CONFIGS = [
-    GateConfig(2048, 8, 2, 1),
-    GateConfig(1024, 4, 4, 1),
-    GateConfig(1024, 8, 2, 1),
-    GateConfig(2048, 8, 2, 2),
-    GateConfig(1024, 4, 4, 2),
-    GateConfig(512, 4, 8, 1),
-    GateConfig(2048, 16, 1, 1),
-    GateConfig(1024, 4, None, 1),
-    GateConfig(2048, 8, None, 1),
+    GateKernelConfig(2048, 8, 2, 1),
+    GateKernelConfig(1024, 4, 4, 1),
+    GateKernelConfig(1024, 8, 2, 1),
+    GateKernelConfig(2048, 8, 2, 2),
+    GateKernelConfig(1024, 4, 4, 2),
+    GateKernelConfig(512, 4, 8, 1),
+    GateKernelConfig(2048, 16, 1, 1),
+    GateKernelConfig(1024, 4, None, 1),
+    GateKernelConfig(2048, 8, None, 1),
 ]
 CONFIGS += [config for config in GATE_SWEEP if config not in CONFIGS]
 

@@ -49,7 +49,7 @@ import torch
 
 from engramrt.bench.registry import Case, Inputs, register
 from engramrt.lookup import lookup_rows_reference
-from engramrt.lookup.settings import LookupKernelSettings
+from engramrt.lookup.settings import LookupKernelConfig
 from engramrt.lookup.synthetic import random_packed_rows
 from engramrt.packed import row_bytes_for, unpack_rows
 from engramrt.quant import dequantize_rows_reference
@@ -60,9 +60,9 @@ ROW_BYTES = row_bytes_for(E)  # 264
 _FILL_ROWS = 1 << 22  # rows generated per piece when filling host and disk tables
 _GPU_SHARES = (0.15, 0.3, 0.45)  # host tier: shares of the GPU's reads besides the default
 
-_K = LookupKernelSettings
+_K = LookupKernelConfig
 
-DECODE_READ_SWEEP: tuple[LookupKernelSettings, ...] = (
+DECODE_READ_SWEEP: tuple[LookupKernelConfig, ...] = (
     # full grids (one tile per program): bytes in flight per program
     _K(8, 4),
     _K(16, 4),  # DEFAULT_KERNEL's tile (the uva tier's default before this sweep)
@@ -89,7 +89,7 @@ on the uva tier and the host tier's GPU reads; the winners go to
 :data:`engramrt.lookup.tiers.uva.UVA_KERNEL` and
 :data:`engramrt.lookup.tiers.host_gather.HOST_READ_KERNEL`."""
 
-DEVICE_RATE_SWEEP: tuple[LookupKernelSettings, ...] = (
+DEVICE_RATE_SWEEP: tuple[LookupKernelConfig, ...] = (
     _K(8, 2),
     _K(8, 4),
     _K(32, 4),
@@ -123,12 +123,12 @@ the store's rule) and whether the batch is deduplicated (sorted and made unique
 on the GPU first). The winners go to
 :data:`engramrt.lookup.tiers.host_gather.DEFAULT_CHUNK_ROWS`,
 :data:`~engramrt.lookup.tiers.host_gather.ROWS_PER_GATHER_THREAD` and
-:data:`~engramrt.lookup.tiers.host_gather.DEDUP_MIN_ROWS`. In one H200 run (16
-CPUs) none beat the defaults (2.13 ms, 93 M rows/s): the others took 2.11-2.51 ms,
-8 threads 2.7-2.9 ms; the time is in the stages, not in these settings."""
+:data:`~engramrt.lookup.tiers.host_gather.DEDUP_MIN_ROWS`; none beat the defaults
+(BENCHMARKS.md#decode-against-the-targets-2026-12-01): the time is in the stages,
+not in these settings."""
 
 
-def kernel_label(kernel: LookupKernelSettings) -> str:
+def kernel_label(kernel: LookupKernelConfig) -> str:
     """``rows=32,warps=8,programs=16,stages=4,cg,hw``: the settings that differ from
     the defaults, for an implementation's name."""
     parts = [f"rows={kernel.rows_per_program}", f"warps={kernel.num_warps}"]
@@ -231,7 +231,7 @@ def _tier_lookup(inputs: Inputs) -> torch.Tensor:
     return inputs["store"].lookup(inputs["row_ids"], out=inputs["out"])
 
 
-def _variant(kernel: LookupKernelSettings) -> Callable[[Inputs], torch.Tensor]:
+def _variant(kernel: LookupKernelConfig) -> Callable[[Inputs], torch.Tensor]:
     """The device-tier kernel with other settings, on the same table."""
 
     def run(inputs: Inputs) -> torch.Tensor:
@@ -318,7 +318,7 @@ def lookup_cases(quick: bool) -> list[Case]:
             if tier == "device":
                 impls = {
                     "triton": _tier_lookup,
-                    "triton[int convert]": _variant(LookupKernelSettings(hw_convert=False)),
+                    "triton[int convert]": _variant(LookupKernelConfig(hw_convert=False)),
                     "torch-eager": _device_torch_eager,
                 }
                 if num_tokens == 8192:
