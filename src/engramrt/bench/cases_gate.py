@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from engramrt.bench.registry import Case, Inputs, register
+from engramrt.bench.registry import Case, Inputs, Tuning, register
 from engramrt.gate import (
     assert_within_tolerance,
     engram_gate,
@@ -121,8 +121,20 @@ def gate_cases(quick: bool) -> list[Case]:
             "triton": _triton,
             "torch-eager": _torch_eager,
         }
-        for config in GATE_SWEEP:
-            impls[f"triton[{config_label(config)}]"] = _triton_config(config)
+        configs = {f"triton[{config_label(config)}]": config for config in GATE_SWEEP}
+        for name, config in configs.items():
+            impls[name] = _triton_config(config)
+        # the prefill size picks the shape's entry: bandwidth-bound, and at T=256 no
+        # configuration has beaten it (BENCHMARKS.md#gate-launch-configurations)
+        tuning = None
+        if num_tokens == 8192:
+            tuning = Tuning(
+                kernel="engram_gate",
+                key_fields=("hc", "dim", "element_bytes", "num_tokens"),
+                match={"hc": HC, "dim": DIM, "element_bytes": _BF16_BYTES},
+                configs=configs,
+                measured="BENCHMARKS.md#gate-launch-configurations",
+            )
         cases.append(
             Case(
                 name=f"gate/T={num_tokens}",
@@ -138,6 +150,7 @@ def gate_cases(quick: bool) -> list[Case]:
                 ceiling="d2d",
                 graph=True,
                 graph_impls=tuple(name for name in impls if name != "torch-eager"),
+                tuning=tuning,
             )
         )
     return cases

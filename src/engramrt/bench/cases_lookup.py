@@ -47,7 +47,7 @@ from typing import Any, Literal
 
 import torch
 
-from engramrt.bench.registry import Case, Inputs, register
+from engramrt.bench.registry import Case, Inputs, Tuning, register
 from engramrt.lookup import lookup_rows_reference
 from engramrt.lookup.settings import LookupKernelConfig
 from engramrt.lookup.synthetic import random_packed_rows
@@ -85,9 +85,11 @@ DECODE_READ_SWEEP: tuple[LookupKernelConfig, ...] = (
     _K(8, 2, max_programs=264),
 )
 """Lookup-kernel settings timed for the reads of host memory at T=256 (6,144 rows),
-on the uva tier and the host tier's GPU reads; the winners go to
-:data:`engramrt.lookup.tiers.uva.UVA_KERNEL` and
-:data:`engramrt.lookup.tiers.host_gather.HOST_READ_KERNEL`."""
+on the uva tier and the host tier's GPU reads. With ``engramrt bench
+--write-config DIR`` the uva tier's fastest (graph replay) becomes its entry in
+``DIR/lookup_rows.<device>.json``; the host tier's entry is chosen with its cost
+to a model beside it (BENCHMARKS.md#what-keeping-the-tables-off-the-gpu-costs,
+run E) and kept."""
 
 DEVICE_RATE_SWEEP: tuple[LookupKernelConfig, ...] = (
     _K(8, 2),
@@ -313,6 +315,7 @@ def lookup_cases(quick: bool) -> list[Case]:
     for tier in ("device", "uva", "host", "disk"):
         for num_tokens in (256, 8192):
             rows = num_tokens * COLS
+            tuning: Tuning | None = None
             impls: dict[str, Callable[[Inputs], Any]]
             ceiling: Literal["d2d", "h2d"]
             if tier == "device":
@@ -345,8 +348,19 @@ def lookup_cases(quick: bool) -> list[Case]:
                                 dedup_min_rows=0 if dedup else 1 << 62,
                             )
                 if tier in ("uva", "host") and num_tokens == 256:
-                    for kernel in DECODE_READ_SWEEP:
-                        impls[f"{tier}[{kernel_label(kernel)}]"] = _store_variant(kernel=kernel)
+                    sweep = {f"{tier}[{kernel_label(k)}]": k for k in DECODE_READ_SWEEP}
+                    for name, kernel in sweep.items():
+                        impls[name] = _store_variant(kernel=kernel)
+                    if tier == "uva":
+                        # The host tier's entry is chosen by its cost to a model running
+                        # beside it (bench/runtime_overhead.py), not by this case alone.
+                        tuning = Tuning(
+                            kernel="lookup_rows",
+                            key_fields=("tier",),
+                            match={"tier": "uva"},
+                            configs=sweep,
+                            measured="BENCHMARKS.md#decode-against-the-targets-2026-12-01",
+                        )
                 bytes_moved, ceiling = rows * ROW_BYTES, "h2d"
             # The host tier's GPU reads of a decode batch need no host synchronisation.
             capturable = tier in ("device", "uva") or (tier == "host" and num_tokens == 256)
@@ -375,6 +389,7 @@ def lookup_cases(quick: bool) -> list[Case]:
                     ceiling=ceiling,
                     graph=capturable,
                     graph_impls=graph_impls if capturable else (),
+                    tuning=tuning,
                 )
             )
     rows = 8192 * COLS
