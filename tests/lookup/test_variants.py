@@ -214,5 +214,5 @@ def test_uva_tier_defaults_to_its_bounded_grid() -> None:
     from engramrt.lookup.settings import tuned_lookup_config
     from engramrt.lookup.tiers.uva import UVA_KERNEL
 
-    assert tuned_lookup_config("uva") is UVA_KERNEL
+    assert tuned_lookup_config("uva") == UVA_KERNEL
     assert UVA_KERNEL.max_programs is not None and UVA_KERNEL.max_programs >= 1
