@@ -44,7 +44,7 @@ import json
 import re
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from engramrt.errors import EngramError, ValidationError
 
@@ -53,6 +53,7 @@ __all__ = [
     "TUNED_DIR",
     "TunedConfigError",
     "TunedEntry",
+    "cached_choice",
     "clear_cache",
     "device_name",
     "normalize_device_name",
@@ -77,6 +78,8 @@ _HOMES = {
 _TYPES: dict[str, type] = {}
 
 C = TypeVar("C", bound=type)
+F = TypeVar("F", bound=Callable[..., Any])
+_CHOICE_CACHES: list[Any] = []
 
 
 class TunedConfigError(EngramError):
@@ -252,7 +255,7 @@ def tuned_config(kernel: str, device: Any, key: Mapping[str, Any]) -> Any:
         TunedConfigError: the file is malformed (the message names the file
             and the field).
     """
-    return _lookup(kernel, device_name(device), tuple(sorted(key.items())))
+    return _lookup(kernel, device_name(device), tuple(key.items()))
 
 
 def _config_fields(config: Any) -> dict[str, Any]:
@@ -330,7 +333,18 @@ def _covers(wide: Mapping[str, Any], narrow: Mapping[str, Any]) -> bool:
     return True
 
 
+def cached_choice(function: F) -> F:
+    """Memoise a launch path's choice (hashable arguments: shapes, a device), so a
+    step pays one dictionary lookup; :func:`clear_cache` forgets it with the files."""
+    memoised = functools.lru_cache(maxsize=4096)(function)
+    _CHOICE_CACHES.append(memoised)
+    return cast(F, memoised)
+
+
 def clear_cache() -> None:
-    """Forget every file read so far (after a file changed on disk)."""
+    """Forget every file read so far, and every choice made from them (after a file
+    changed on disk)."""
     _load.cache_clear()
     _lookup.cache_clear()
+    for memoised in _CHOICE_CACHES:
+        memoised.cache_clear()

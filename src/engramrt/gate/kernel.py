@@ -46,6 +46,7 @@ import triton.language as tl
 
 from engramrt._launch import CachedLauncher
 from engramrt.gate.config import VEC, GateKernelConfig, default_gate_config
+from engramrt.tuning import cached_choice
 
 # GateKernelConfig and default_gate_config live in engramrt.gate.config (no Triton
 # import); they are re-exported here, where the launcher's callers look.
@@ -288,7 +289,7 @@ def engram_gate_triton(
     return out
 
 
-@functools.lru_cache(maxsize=4096)
+@cached_choice
 def _default_config(
     hc: int, dim: int, element_bytes: int, num_tokens: int, device: torch.device
 ) -> GateKernelConfig:

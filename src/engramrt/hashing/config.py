@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engramrt.errors import ValidationError
-from engramrt.tuning import register_tuned, tuned_config
+from engramrt.tuning import cached_choice, register_tuned, tuned_config
 
 __all__ = ["HashKernelConfig", "kernel_config_for"]
 
@@ -83,6 +83,7 @@ class HashKernelConfig:
         return width if self.block_t * width <= self.scan_tile else 0
 
 
+@cached_choice
 def kernel_config_for(num_tokens: int, device: Any = None) -> HashKernelConfig:
     """The tuned :class:`HashKernelConfig` for a batch of ``num_tokens`` on ``device``
     (host ints only; see :func:`engramrt.tuning.tuned_config`).
