@@ -115,11 +115,9 @@ def normalize_device_name(name: str) -> str:
 
 
 @functools.lru_cache(maxsize=64)
-def _cuda_device_name(index: int | None) -> str:
+def _cuda_device_name(index: int) -> str:
     import torch
 
-    if index is None:
-        index = torch.cuda.current_device()
     return str(torch.cuda.get_device_name(index))
 
 
@@ -132,6 +130,10 @@ def device_name(device: Any) -> str:
     if isinstance(device, str):
         return device
     if getattr(device, "type", None) == "cuda":
+        if device.index is None:
+            import torch
+
+            return _cuda_device_name(torch.cuda.current_device())
         return _cuda_device_name(device.index)
     return DEFAULT_DEVICE
 
