@@ -17,7 +17,7 @@ A file::
       "kernel": "ngram_hash",
       "device": "NVIDIA H200",
       "key": ["num_tokens"],
-      "measured": "BENCHMARKS.md#decode-hashing",
+      "measured": "BENCHMARKS.md#hash",
       "entries": [
         {"match": {"num_tokens": {"max": 1024}}, "config": {"block_t": 16, "num_warps": 4}},
         {"match": {}, "config": {"block_t": 64, "num_warps": 4}}

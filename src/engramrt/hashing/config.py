@@ -92,7 +92,7 @@ def kernel_config_for(num_tokens: int, device: Any = None) -> HashKernelConfig:
     bucket holds the batch: decode sizes are a chain of dependent loads, so
     few tokens per program spread it over more SMs; large batches are
     throughput-bound and take more tokens per program. Chosen by the
-    ``hash/sweep ...`` bench cases: BENCHMARKS.md#decode-hashing.
+    ``hash/sweep ...`` bench cases: BENCHMARKS.md#hash.
     """
     config = tuned_config("ngram_hash", device, {"num_tokens": num_tokens})
     return HashKernelConfig() if config is None else config
