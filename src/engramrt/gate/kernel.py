@@ -6,7 +6,8 @@ Design (SPEC §8; the definition is :mod:`engramrt.gate.reference`):
   One token is ``hc`` hidden rows, ``hc`` keys and one value; the value is
   shared by all streams, so handling a whole token in one program reads it
   once instead of ``hc`` times (the one-program-per-(token, stream) kernel
-  re-read it, and lost bandwidth: docs/SPEC.md §9).
+  re-read it, and lost bandwidth:
+  BENCHMARKS.md#straightforward-implementations-of-the-design).
 - Pass 1 walks D in chunks of ``BLOCK_D`` and accumulates, per stream,
   ``sum x^2``, ``sum k^2`` and ``sum x * q_w * k_w * k``. The RMS factors are
   scalars per (token, stream), so they factor out of the dot:
