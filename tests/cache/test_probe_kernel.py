@@ -12,7 +12,7 @@ from tests.cache.helpers import assert_same_bits, random_packed_table
 
 from engramrt.cache import MISS, NOT_OWNED, SetAssociativeLfu, probe_gather_reference, set_index
 from engramrt.cache.kernel import probe_gather_triton
-from engramrt.lookup import LookupKernelSettings, lookup_rows_reference
+from engramrt.lookup import LookupKernelConfig, lookup_rows_reference
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:(overflow|invalid value) encountered:RuntimeWarning"
@@ -91,7 +91,7 @@ def test_kernel_matches_reference(
         ways=ways,
         col_begin=col_begin,
         col_end=col_end,
-        kernel=LookupKernelSettings(rows_per_program=4),
+        kernel=LookupKernelConfig(rows_per_program=4),
         **read,
     )
     assert torch.equal(slots_kernel.cpu(), slots_ref.cpu())

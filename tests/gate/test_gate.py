@@ -29,7 +29,7 @@ from engramrt.gate import (
     engram_gate_reference,
     gate_tolerance,
 )
-from engramrt.gate.kernel import GateConfig, default_gate_config, engram_gate_triton
+from engramrt.gate.kernel import GateKernelConfig, default_gate_config, engram_gate_triton
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 EPS = 1e-6
@@ -117,17 +117,17 @@ def test_kernel_matches_reference(num_tokens: int, hc: int, dim: int, masked: bo
     [
         # several chunks with a partial last one (D=100 in chunks of 32, 16): the
         # reverse second pass and the D tail mask
-        (17, 4, 100, GateConfig(block_d=32, num_warps=1)),
-        (5, 3, 33, GateConfig(block_d=16, num_warps=2)),
+        (17, 4, 100, GateKernelConfig(block_d=32, num_warps=1)),
+        (5, 3, 33, GateKernelConfig(block_d=16, num_warps=2)),
         # one program per token instead of the persistent loop
-        (5, 2, 64, GateConfig(block_d=64, num_warps=1, programs_per_sm=None)),
+        (5, 2, 64, GateKernelConfig(block_d=64, num_warps=1, programs_per_sm=None)),
         # chunk wider than D, hc not a power of two
-        (5, 3, 100, GateConfig(block_d=256, num_warps=4, programs_per_sm=3)),
+        (5, 3, 100, GateKernelConfig(block_d=256, num_warps=4, programs_per_sm=3)),
     ],
 )
 @pytest.mark.parametrize("masked", [False, True], ids=["nomask", "mask"])
 def test_kernel_configs(
-    num_tokens: int, hc: int, dim: int, config: GateConfig, masked: bool
+    num_tokens: int, hc: int, dim: int, config: GateKernelConfig, masked: bool
 ) -> None:
     inputs = make_inputs(num_tokens, hc, dim, seed=7 + dim, masked=masked)
     out = poisoned_out(inputs["hidden"])

@@ -14,15 +14,18 @@ if not torch.cuda.is_available():
 
 import dataclasses
 import re
+from pathlib import Path
+from unittest.mock import patch
 
 import pytest
 from tests.gate.test_gate import check_against_reference, make_inputs, poisoned_out
 
+from engramrt import tuning
 from engramrt.bench.cases_gate import GATE_SWEEP, config_label
 from engramrt.errors import ValidationError
-from engramrt.gate import config as gate_config
-from engramrt.gate.config import GateConfig, default_gate_config
+from engramrt.gate.config import GateKernelConfig, default_gate_config
 from engramrt.gate.kernel import engram_gate_triton
+from engramrt.tuning import write_tuned_config
 
 SWEEP = [pytest.param(config, id=config_label(config)) for config in GATE_SWEEP]
 
@@ -39,7 +42,7 @@ SWEEP = [pytest.param(config, id=config_label(config)) for config in GATE_SWEEP]
 )
 @pytest.mark.parametrize("masked", [False, True], ids=["nomask", "mask"])
 def test_sweep_config_within_tolerance(
-    config: GateConfig,
+    config: GateKernelConfig,
     num_tokens: int,
     hc: int,
     dim: int,
@@ -61,7 +64,9 @@ def test_stream_groups_cover_every_stream() -> None:
     the test above really are all written."""
     inputs = make_inputs(4, 3, 40, seed=3)
     out = poisoned_out(inputs["hidden"])
-    engram_gate_triton(**inputs, out=out, config=GateConfig(16, 1, None, streams_per_program=2))
+    engram_gate_triton(
+        **inputs, out=out, config=GateKernelConfig(16, 1, None, streams_per_program=2)
+    )
     check_against_reference(out, inputs)
     out[:, 2, 5] = float("nan")
     with pytest.raises(AssertionError):
@@ -72,30 +77,34 @@ def test_programs_per_sm_caps_the_grid_of_stream_groups() -> None:
     """A persistent grid walks (token, group) items: one program for all of them."""
     inputs = make_inputs(7, 4, 48, seed=4, masked=True)
     out = poisoned_out(inputs["hidden"])
-    config = GateConfig(16, 1, programs_per_sm=1, streams_per_program=1, unroll=True)
+    config = GateKernelConfig(16, 1, programs_per_sm=1, streams_per_program=1, unroll=True)
     engram_gate_triton(**inputs, out=out, config=config)
     check_against_reference(out, inputs)
 
 
-def test_decode_table_is_used_below_the_threshold(monkeypatch: pytest.MonkeyPatch) -> None:
-    decode = GateConfig(1024, 8, None, streams_per_program=2, unroll=True)
-    monkeypatch.setattr(gate_config, "DECODE_MAX_TOKENS", 256)
-    monkeypatch.setattr(gate_config, "DECODE_CONFIGS", {(4, 5120): decode})
-    assert default_gate_config(4, 5120, 2, num_tokens=256) is decode
-    assert default_gate_config(4, 5120, 2, num_tokens=257) != decode
-    assert default_gate_config(4, 5120, 2) != decode  # no token count: the general rule
-    assert default_gate_config(4, 5120, 4, num_tokens=1) != decode  # fp32 operands
-    assert default_gate_config(2, 5120, 2, num_tokens=1) != decode  # no entry
+def test_a_decode_bucket_in_a_tuned_file_holds_below_its_bound(tmp_path: Path) -> None:
+    decode = GateKernelConfig(1024, 8, None, streams_per_program=2, unroll=True)
+    name = "Test GPU decode"
+    write_tuned_config(
+        "engram_gate", name, ("hc", "dim", "element_bytes", "num_tokens"),
+        [({"hc": 4, "dim": 5120, "element_bytes": 2, "num_tokens": {"max": 256}}, decode)],
+        tmp_path,
+    )  # fmt: skip
+    with patch.object(tuning, "TUNED_DIR", tmp_path):
+        tuning.clear_cache()
+        assert default_gate_config(4, 5120, 2, num_tokens=256, device=name) == decode
+        assert default_gate_config(4, 5120, 2, num_tokens=257, device=name) != decode
+        assert default_gate_config(4, 5120, 2, device=name) != decode  # no token count
+        assert default_gate_config(4, 5120, 4, num_tokens=1, device=name) != decode  # fp32
+        assert default_gate_config(2, 5120, 2, num_tokens=1, device=name) != decode  # no entry
+    tuning.clear_cache()
+    assert default_gate_config(4, 5120, 2, num_tokens=1, device="Other GPU") != decode
 
 
-def test_measured_shape_takes_its_table_entry(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_measured_shape_takes_its_file_entry() -> None:
     assert default_gate_config(4, 5120).streams_per_program == 1  # the measured entry
-    tuned = GateConfig(512, 2, None, streams_per_program=1)
-    monkeypatch.setattr(gate_config, "SHAPE_CONFIGS", {(3, 100): tuned})
-    assert default_gate_config(3, 100, 2) is tuned
-    assert default_gate_config(3, 100, 2, num_tokens=8192) is tuned
-    assert default_gate_config(3, 100, 4) != tuned  # fp32 operands: the rule
-    assert default_gate_config(3, 128, 2) != tuned
+    assert default_gate_config(4, 5120, 4).streams_per_program is None  # fp32 operands: the rule
+    assert default_gate_config(4, 4096, 2).streams_per_program is None  # no entry: the rule
 
 
 @pytest.mark.parametrize(
@@ -108,4 +117,4 @@ def test_measured_shape_takes_its_table_entry(monkeypatch: pytest.MonkeyPatch) -
 )
 def test_config_names_the_bad_field(field: str, bad: object, expected: str) -> None:
     with pytest.raises(ValidationError, match=rf"^{field} = {re.escape(repr(bad))}; {expected}"):
-        GateConfig(1024, 4, **{field: bad})  # type: ignore[arg-type]
+        GateKernelConfig(1024, 4, **{field: bad})  # type: ignore[arg-type]

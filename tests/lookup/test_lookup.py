@@ -16,7 +16,7 @@ import pytest
 
 from engramrt.errors import ValidationError
 from engramrt.lookup import (
-    LookupKernelSettings,
+    LookupKernelConfig,
     gather_packed_rows_reference,
     lookup_rows,
     lookup_rows_reference,
@@ -185,7 +185,7 @@ def test_kernel_variants_match_reference(hw_convert: bool | None) -> None:
         col_begin=1,
         col_end=8,
         backend="triton",
-        kernel=LookupKernelSettings(hw_convert=hw_convert),
+        kernel=LookupKernelConfig(hw_convert=hw_convert),
     )
     assert_same_bits(got, expected)
 
@@ -206,7 +206,7 @@ def test_hw_convert_in_interpreter() -> None:
             col_begin=1,
             col_end=4,
             backend="triton",
-            kernel=LookupKernelSettings(hw_convert=True),
+            kernel=LookupKernelConfig(hw_convert=True),
         ),
         expected,
     )
@@ -261,7 +261,7 @@ def test_kernel_with_strided_ids_duplicates_and_extremes() -> None:
             row_ids,
             table,
             backend="triton",
-            kernel=LookupKernelSettings(rows_per_program=rows_per_program, num_warps=num_warps),
+            kernel=LookupKernelConfig(rows_per_program=rows_per_program, num_warps=num_warps),
         )
         assert_same_bits(got, expected)
 
@@ -283,7 +283,7 @@ def test_kernel_with_few_programs_serving_several_tiles(max_programs: int) -> No
         out=out,
         backend="triton",
         # 115 lookups in tiles of 4 rows: 29 tiles, the last one of 3
-        kernel=LookupKernelSettings(rows_per_program=4, max_programs=max_programs),
+        kernel=LookupKernelConfig(rows_per_program=4, max_programs=max_programs),
     )
     assert_same_bits(got, expected)
 
@@ -317,23 +317,21 @@ def test_tiles_per_program_bounds_the_grid() -> None:
 )
 def test_kernel_settings_name_the_bad_field(field: str, bad: object, expected: str) -> None:
     with pytest.raises(ValidationError, match=rf"^{field} = {re.escape(repr(bad))}; {expected}"):
-        LookupKernelSettings(**{field: bad})  # type: ignore[arg-type]
+        LookupKernelConfig(**{field: bad})  # type: ignore[arg-type]
 
 
 def test_kernel_settings_are_frozen_and_hashable() -> None:
-    settings = LookupKernelSettings(rows_per_program=8, num_warps=2)
+    settings = LookupKernelConfig(rows_per_program=8, num_warps=2)
     with pytest.raises(AttributeError):
         settings.num_warps = 4  # type: ignore[misc]
-    assert settings == LookupKernelSettings(8, 2) and hash(settings) == hash(
-        LookupKernelSettings(8, 2)
-    )
-    assert settings.replace(num_warps=4) == LookupKernelSettings(8, 4)
+    assert settings == LookupKernelConfig(8, 2) and hash(settings) == hash(LookupKernelConfig(8, 2))
+    assert settings.replace(num_warps=4) == LookupKernelConfig(8, 4)
 
 
 def test_lookup_rows_refuses_loose_settings() -> None:
     table = random_packed_table(4, 32, seed=7).to(DEVICE)
     row_ids = torch.zeros((2, 2), dtype=torch.int64, device=DEVICE)
-    with pytest.raises(ValidationError, match=r"kernel = 16; expected a LookupKernelSettings"):
+    with pytest.raises(ValidationError, match=r"kernel = 16; expected a LookupKernelConfig"):
         lookup_rows(row_ids, table, backend="triton", kernel=16)  # type: ignore[arg-type]
 
 

@@ -27,7 +27,7 @@ from engramrt.bench.cases_lookup import (
     kernel_label,
 )
 from engramrt.errors import ValidationError
-from engramrt.lookup import LookupKernelSettings, lookup_rows, lookup_rows_reference
+from engramrt.lookup import LookupKernelConfig, lookup_rows, lookup_rows_reference
 from engramrt.lookup.tiers import make_store
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -63,7 +63,7 @@ def table() -> torch.Tensor:
 
 @pytest.mark.parametrize("kernel", SWEEP)
 def test_sweep_variant_writes_the_reference_bytes(
-    kernel: LookupKernelSettings, table: torch.Tensor
+    kernel: LookupKernelConfig, table: torch.Tensor
 ) -> None:
     """19 tokens x 7 columns (133 lookups: a partial tile for every tile size), columns
     [1, 6) owned, out a slice of a NaN buffer with a padding row past the batch."""
@@ -105,9 +105,7 @@ def test_sweep_variant_writes_the_reference_bytes(
 
 
 @pytest.mark.parametrize("kernel", SWEEP[:3] + SWEEP[8:10])
-def test_sweep_variant_with_an_empty_batch(
-    kernel: LookupKernelSettings, table: torch.Tensor
-) -> None:
+def test_sweep_variant_with_an_empty_batch(kernel: LookupKernelConfig, table: torch.Tensor) -> None:
     row_ids = torch.empty((0, 24), dtype=torch.int32, device=DEVICE)
     got = lookup_rows(row_ids, table, row_begin=ROW_BEGIN, backend="triton", kernel=kernel)
     assert got.shape == (0, 24, E)
@@ -143,14 +141,14 @@ def test_launch_path_is_switchable(
         table,
         row_begin=ROW_BEGIN,
         backend="triton",
-        kernel=LookupKernelSettings(rows_per_program=4, cached_launch=cached_launch),
+        kernel=LookupKernelConfig(rows_per_program=4, cached_launch=cached_launch),
     )
     assert_same_bits(got, lookup_rows_reference(row_ids, table, E, 0, 6, ROW_BEGIN))
     assert calls == ([(14,)] if cached_launch else [])  # 54 lookups in tiles of 4
 
 
 @pytest.mark.parametrize("kernel", [SWEEP[1], SWEEP[9]])
-def test_store_kernel_variant(kernel: LookupKernelSettings, table: torch.Tensor) -> None:
+def test_store_kernel_variant(kernel: LookupKernelConfig, table: torch.Tensor) -> None:
     """A store's ``kernel`` attribute, as the bench sets it, changes no byte."""
     store = make_store("device", packed=table.cpu(), device=DEVICE, backend="triton")
     store.kernel = kernel  # read at every lookup
@@ -190,13 +188,13 @@ def test_host_gather_settings_change_no_byte(
 )
 def test_new_settings_name_the_bad_field(field: str, bad: object, expected: str) -> None:
     with pytest.raises(ValidationError, match=rf"^{field} = {re.escape(repr(bad))}; {expected}"):
-        LookupKernelSettings(**{field: bad})  # type: ignore[arg-type]
+        LookupKernelConfig(**{field: bad})  # type: ignore[arg-type]
 
 
 def test_labels_tell_the_variants_apart() -> None:
     labels = [kernel_label(k) for k in (*DECODE_READ_SWEEP, *DEVICE_RATE_SWEEP)]
     assert len(set(labels)) == len(dict.fromkeys((*DECODE_READ_SWEEP, *DEVICE_RATE_SWEEP)))
-    assert kernel_label(LookupKernelSettings(32, 8, max_programs=16, num_stages=4)) == (
+    assert kernel_label(LookupKernelConfig(32, 8, max_programs=16, num_stages=4)) == (
         "rows=32,warps=8,programs=16,stages=4"
     )
 
@@ -204,16 +202,17 @@ def test_labels_tell_the_variants_apart() -> None:
 def test_hw_convert_resolves_by_platform() -> None:
     """None: the conversion instructions on a GPU, integer operations in the
     interpreter (whose casts are not the GPU's); True and False force one."""
-    assert LookupKernelSettings().resolved_hw_convert(interpreted=False) is True
-    assert LookupKernelSettings().resolved_hw_convert(interpreted=True) is False
+    assert LookupKernelConfig().resolved_hw_convert(interpreted=False) is True
+    assert LookupKernelConfig().resolved_hw_convert(interpreted=True) is False
     for forced in (True, False):
-        settings = LookupKernelSettings(hw_convert=forced)
+        settings = LookupKernelConfig(hw_convert=forced)
         assert settings.resolved_hw_convert(interpreted=False) is forced
         assert settings.resolved_hw_convert(interpreted=True) is forced
 
 
 def test_uva_tier_defaults_to_its_bounded_grid() -> None:
-    from engramrt.lookup.tiers.uva import UVA_KERNEL, UvaRowStore
+    from engramrt.lookup.settings import tuned_lookup_config
+    from engramrt.lookup.tiers.uva import UVA_KERNEL
 
-    assert UvaRowStore.default_kernel is UVA_KERNEL
+    assert tuned_lookup_config("uva") == UVA_KERNEL
     assert UVA_KERNEL.max_programs is not None and UVA_KERNEL.max_programs >= 1

@@ -1,12 +1,13 @@
 """Benchmark cases of the fused Engram gate (SPEC §8) at V4.1 shapes.
 
 The Triton kernel against the reference run eagerly on the same GPU, at a
-decode-sized batch (T=256, where launch latency matters; target <= 12 µs)
-and a prefill-sized one (T=8192, bandwidth-bound; target >= 85% of the
-device copy ceiling). Beside the default configuration each case times the
-launch configurations of :data:`GATE_SWEEP`, so one H200 run shows which to
-put in :func:`engramrt.gate.config.default_gate_config` (and its decode table
-:data:`engramrt.gate.config.DECODE_CONFIGS`).
+decode-sized batch (T=256, where launch latency matters) and a
+prefill-sized one (T=8192, bandwidth-bound); the targets are in
+BENCHMARKS.md#against-the-targets. Beside the default configuration each
+case times the launch configurations of :data:`GATE_SWEEP`; with
+``engramrt bench --write-config DIR`` the fastest at T=8192 becomes the
+entry for its shape in ``DIR/engram_gate.<device>.json`` (read by
+:func:`engramrt.gate.config.default_gate_config`).
 """
 
 from __future__ import annotations
@@ -16,39 +17,39 @@ from typing import Any
 
 import torch
 
-from engramrt.bench.registry import Case, Inputs, register
+from engramrt.bench.registry import Case, Inputs, Tuning, register
 from engramrt.gate import (
     assert_within_tolerance,
     engram_gate,
     engram_gate_reference,
     gate_tolerance,
 )
-from engramrt.gate.config import GateConfig
+from engramrt.gate.config import GateKernelConfig
 
 HC = 4  # hidden streams
 DIM = 5120  # model width D
 EPS = 1e-6
 _BF16_BYTES = 2
 
-GATE_SWEEP: tuple[GateConfig, ...] = (
-    GateConfig(1024, 4, None, 1),  # the default at hc=4, D=5120 before this sweep
-    GateConfig(1024, 4, 4, 1),
-    GateConfig(2048, 8, 2, 1),
+GATE_SWEEP: tuple[GateKernelConfig, ...] = (
+    GateKernelConfig(1024, 4, None, 1),  # the default at hc=4, D=5120 before this sweep
+    GateKernelConfig(1024, 4, 4, 1),
+    GateKernelConfig(2048, 8, 2, 1),
     # decode: several programs per token, and/or all chunks' loads issued at once
-    GateConfig(1024, 4, None, 1, streams_per_program=1),
-    GateConfig(1024, 4, None, 1, streams_per_program=2),
-    GateConfig(1024, 8, None, 1, unroll=True),
-    GateConfig(1024, 16, None, 1, unroll=True),
-    GateConfig(1024, 8, None, 1, streams_per_program=2, unroll=True),
-    GateConfig(1024, 4, None, 1, streams_per_program=1, unroll=True),
-    GateConfig(2048, 8, None, 1, streams_per_program=2, unroll=True),
-    GateConfig(512, 4, None, 1, streams_per_program=1, unroll=True),
-    GateConfig(2048, 16, None, 1, unroll=True),
+    GateKernelConfig(1024, 4, None, 1, streams_per_program=1),
+    GateKernelConfig(1024, 4, None, 1, streams_per_program=2),
+    GateKernelConfig(1024, 8, None, 1, unroll=True),
+    GateKernelConfig(1024, 16, None, 1, unroll=True),
+    GateKernelConfig(1024, 8, None, 1, streams_per_program=2, unroll=True),
+    GateKernelConfig(1024, 4, None, 1, streams_per_program=1, unroll=True),
+    GateKernelConfig(2048, 8, None, 1, streams_per_program=2, unroll=True),
+    GateKernelConfig(512, 4, None, 1, streams_per_program=1, unroll=True),
+    GateKernelConfig(2048, 16, None, 1, unroll=True),
 )
 """Launch configurations timed beside the default at every gate case."""
 
 
-def config_label(config: GateConfig) -> str:
+def config_label(config: GateKernelConfig) -> str:
     """``block=1024,warps=8,per_sm=None,stages=1,streams=2,unroll`` for an implementation's name."""
     label = (
         f"block={config.block_d},warps={config.num_warps},per_sm={config.programs_per_sm},"
@@ -87,7 +88,7 @@ def _triton(inputs: Inputs) -> torch.Tensor:
     return engram_gate(*_operands(inputs), backend="triton", out=inputs["out"], validate=False)
 
 
-def _triton_config(config: GateConfig) -> Callable[[Inputs], torch.Tensor]:
+def _triton_config(config: GateKernelConfig) -> Callable[[Inputs], torch.Tensor]:
     def run(inputs: Inputs) -> torch.Tensor:
         from engramrt.gate.kernel import engram_gate_triton
 
@@ -120,8 +121,20 @@ def gate_cases(quick: bool) -> list[Case]:
             "triton": _triton,
             "torch-eager": _torch_eager,
         }
-        for config in GATE_SWEEP:
-            impls[f"triton[{config_label(config)}]"] = _triton_config(config)
+        configs = {f"triton[{config_label(config)}]": config for config in GATE_SWEEP}
+        for name, config in configs.items():
+            impls[name] = _triton_config(config)
+        # the prefill size picks the shape's entry: bandwidth-bound, and at T=256 no
+        # configuration has beaten it (BENCHMARKS.md#gate-launch-configurations)
+        tuning = None
+        if num_tokens == 8192:
+            tuning = Tuning(
+                kernel="engram_gate",
+                key_fields=("hc", "dim", "element_bytes", "num_tokens"),
+                match={"hc": HC, "dim": DIM, "element_bytes": _BF16_BYTES},
+                configs=configs,
+                measured="BENCHMARKS.md#gate-launch-configurations",
+            )
         cases.append(
             Case(
                 name=f"gate/T={num_tokens}",
@@ -137,6 +150,7 @@ def gate_cases(quick: bool) -> list[Case]:
                 ceiling="d2d",
                 graph=True,
                 graph_impls=tuple(name for name in impls if name != "torch-eager"),
+                tuning=tuning,
             )
         )
     return cases

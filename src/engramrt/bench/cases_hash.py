@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
-from engramrt.bench.registry import Case, register
+from engramrt.bench.registry import Case, Tuning, register
+
+if TYPE_CHECKING:
+    from engramrt.hashing.config import HashKernelConfig
 
 
 def _setup(device: torch.device, n_req: int, tokens_per_req: int, seed: int) -> dict[str, Any]:
@@ -82,8 +85,9 @@ def _check(inputs: dict[str, Any], outputs: dict[str, Any]) -> None:
 # scan_tile, fast_mod, speculate_decode) of HashKernelConfig; scan_tile=0 is
 # the binary request search. One GPU run of `engramrt bench --group hash`
 # compares them by the graph cold time (one call per CUDA graph, L2 flushed)
-# and the eager wall time; the winners go into
-# engramrt.hashing.ops.HASH_KERNEL_CONFIGS.
+# and the eager wall time; with --write-config DIR the fastest by graph cold
+# time at each shape becomes the entry for its token-count bucket
+# (SWEEP_BUCKETS) in DIR/ngram_hash.<device>.json.
 SWEEP: tuple[tuple[int, int, int, bool, bool], ...] = (
     (8, 1, 8192, True, True),
     (16, 1, 8192, True, True),
@@ -108,6 +112,29 @@ SWEEP: tuple[tuple[int, int, int, bool, bool], ...] = (
 )
 
 
+SWEEP_BUCKETS: dict[int, dict[str, Any]] = {
+    256: {"num_tokens": {"max": 1024}},
+    8192: {"num_tokens": {"max": 16384}},
+    65536: {},
+}
+"""The token-count bucket each swept batch size stands for in the tuned file: decode
+sizes, one long prefill chunk, and every larger batch."""
+
+
+def _sweep_config(
+    block_t: int, num_warps: int, scan_tile: int, fast_mod: bool, speculate: bool
+) -> HashKernelConfig:
+    from engramrt.hashing.config import HashKernelConfig
+
+    return HashKernelConfig(
+        block_t=block_t,
+        num_warps=num_warps,
+        scan_tile=scan_tile,
+        fast_mod=fast_mod,
+        speculate_decode=speculate,
+    )
+
+
 def _sweep_name(
     block_t: int, num_warps: int, scan_tile: int, fast_mod: bool, speculate: bool
 ) -> str:
@@ -119,18 +146,10 @@ def _sweep_name(
 
 def _with_sweep(device: torch.device, **kwargs: Any) -> dict[str, Any]:
     from engramrt.hashing import NgramHasher
-    from engramrt.hashing.ops import HashKernelConfig
 
     inputs = _setup(device, **kwargs)
     for settings in SWEEP:
-        block_t, num_warps, scan_tile, fast_mod, speculate = settings
-        config = HashKernelConfig(
-            block_t=block_t,
-            num_warps=num_warps,
-            scan_tile=scan_tile,
-            fast_mod=fast_mod,
-            speculate_decode=speculate,
-        )
+        config = _sweep_config(*settings)
         inputs[_sweep_name(*settings)] = NgramHasher(
             inputs["consts"],
             inputs["token_map"],
@@ -163,6 +182,7 @@ def hash_cases(quick: bool) -> list[Case]:
         shape: tuple[str, int, int],
         setup: Callable[..., dict[str, Any]],
         case_impls: dict[str, Callable[[dict[str, Any]], Any]],
+        tuning: Tuning | None = None,
         **extra: str,
     ) -> Case:
         kind, n_req, per = shape
@@ -187,6 +207,7 @@ def hash_cases(quick: bool) -> list[Case]:
             item_name="tokens",
             graph=True,
             graph_impls=tuple(k for k in case_impls if k != "torch-eager"),
+            tuning=tuning,
         )
 
     cases = [case("hash/", shape, _setup, impls) for shape in shapes]
@@ -199,5 +220,15 @@ def hash_cases(quick: bool) -> list[Case]:
         "HashKernelConfig: bt<block_t>w<num_warps>, -scan<scan_tile> or -bsearch, -intmod: "
         "fast_mod off, -nospec: speculate_decode off"
     )
-    cases += [case("hash/sweep ", shape, _with_sweep, sweep_impls, sweep=sweep) for shape in shapes]
+    configs = {_sweep_name(*settings): _sweep_config(*settings) for settings in SWEEP}
+    for shape in shapes:
+        tuning = Tuning(
+            kernel="ngram_hash",
+            key_fields=("num_tokens",),
+            match=SWEEP_BUCKETS[shape[1] * shape[2]],
+            configs=configs,
+            metric="graph_cold_us",
+            measured="BENCHMARKS.md#hash",
+        )
+        cases.append(case("hash/sweep ", shape, _with_sweep, sweep_impls, tuning, sweep=sweep))
     return cases

@@ -30,16 +30,8 @@ brief's rows + hidden + kv, plus the weight, without which the T = 256
 number would be meaningless: 315 MB of weight against 33 MB of the rest).
 The step is bound by the GEMM's arithmetic, not by memory, so its percent of
 the copy ceiling is low by nature; ``gemm_tflop`` in the params gives the
-figure to set the time against (790 TFLOP/s measured for a large bf16 GEMM).
-
-Measured on one H200 (torch 2.11, Triton 3.6, CUDA-graph replay, µs per step):
-
-=======  ======  =========  ====  ======  ====================
-T        lookup  wkv GEMM   gate  layer   torch-eager (eager)
-=======  ======  =========  ====  ======  ====================
-256      3.4     130        11.7  148     809
-8192     54      3658       291   4020    10090
-=======  ======  =========  ====  ======  ====================
+work to set the time against a large bf16 GEMM's measured rate. The step,
+part by part: BENCHMARKS.md#the-layer-step-part-by-part.
 
 The checks passed at both sizes with torch's default
 ``allow_bf16_reduced_precision_reduction=True`` (the kv bits were the same

@@ -47,9 +47,9 @@ from typing import Any, Literal
 
 import torch
 
-from engramrt.bench.registry import Case, Inputs, register
+from engramrt.bench.registry import Case, Inputs, Tuning, register
 from engramrt.lookup import lookup_rows_reference
-from engramrt.lookup.settings import LookupKernelSettings
+from engramrt.lookup.settings import LookupKernelConfig
 from engramrt.lookup.synthetic import random_packed_rows
 from engramrt.packed import row_bytes_for, unpack_rows
 from engramrt.quant import dequantize_rows_reference
@@ -60,9 +60,9 @@ ROW_BYTES = row_bytes_for(E)  # 264
 _FILL_ROWS = 1 << 22  # rows generated per piece when filling host and disk tables
 _GPU_SHARES = (0.15, 0.3, 0.45)  # host tier: shares of the GPU's reads besides the default
 
-_K = LookupKernelSettings
+_K = LookupKernelConfig
 
-DECODE_READ_SWEEP: tuple[LookupKernelSettings, ...] = (
+DECODE_READ_SWEEP: tuple[LookupKernelConfig, ...] = (
     # full grids (one tile per program): bytes in flight per program
     _K(8, 4),
     _K(16, 4),  # DEFAULT_KERNEL's tile (the uva tier's default before this sweep)
@@ -85,11 +85,13 @@ DECODE_READ_SWEEP: tuple[LookupKernelSettings, ...] = (
     _K(8, 2, max_programs=264),
 )
 """Lookup-kernel settings timed for the reads of host memory at T=256 (6,144 rows),
-on the uva tier and the host tier's GPU reads; the winners go to
-:data:`engramrt.lookup.tiers.uva.UVA_KERNEL` and
-:data:`engramrt.lookup.tiers.host_gather.HOST_READ_KERNEL`."""
+on the uva tier and the host tier's GPU reads. With ``engramrt bench
+--write-config DIR`` the uva tier's fastest (graph replay) becomes its entry in
+``DIR/lookup_rows.<device>.json``; the host tier's entry is chosen with its cost
+to a model beside it (BENCHMARKS.md#what-keeping-the-tables-off-the-gpu-costs,
+run E) and kept."""
 
-DEVICE_RATE_SWEEP: tuple[LookupKernelSettings, ...] = (
+DEVICE_RATE_SWEEP: tuple[LookupKernelConfig, ...] = (
     _K(8, 2),
     _K(8, 4),
     _K(32, 4),
@@ -123,12 +125,12 @@ the store's rule) and whether the batch is deduplicated (sorted and made unique
 on the GPU first). The winners go to
 :data:`engramrt.lookup.tiers.host_gather.DEFAULT_CHUNK_ROWS`,
 :data:`~engramrt.lookup.tiers.host_gather.ROWS_PER_GATHER_THREAD` and
-:data:`~engramrt.lookup.tiers.host_gather.DEDUP_MIN_ROWS`. In one H200 run (16
-CPUs) none beat the defaults (2.13 ms, 93 M rows/s): the others took 2.11-2.51 ms,
-8 threads 2.7-2.9 ms; the time is in the stages, not in these settings."""
+:data:`~engramrt.lookup.tiers.host_gather.DEDUP_MIN_ROWS`; none beat the defaults
+(BENCHMARKS.md#decode-against-the-targets-2026-12-01): the time is in the stages,
+not in these settings."""
 
 
-def kernel_label(kernel: LookupKernelSettings) -> str:
+def kernel_label(kernel: LookupKernelConfig) -> str:
     """``rows=32,warps=8,programs=16,stages=4,cg,hw``: the settings that differ from
     the defaults, for an implementation's name."""
     parts = [f"rows={kernel.rows_per_program}", f"warps={kernel.num_warps}"]
@@ -231,7 +233,7 @@ def _tier_lookup(inputs: Inputs) -> torch.Tensor:
     return inputs["store"].lookup(inputs["row_ids"], out=inputs["out"])
 
 
-def _variant(kernel: LookupKernelSettings) -> Callable[[Inputs], torch.Tensor]:
+def _variant(kernel: LookupKernelConfig) -> Callable[[Inputs], torch.Tensor]:
     """The device-tier kernel with other settings, on the same table."""
 
     def run(inputs: Inputs) -> torch.Tensor:
@@ -313,12 +315,13 @@ def lookup_cases(quick: bool) -> list[Case]:
     for tier in ("device", "uva", "host", "disk"):
         for num_tokens in (256, 8192):
             rows = num_tokens * COLS
+            tuning: Tuning | None = None
             impls: dict[str, Callable[[Inputs], Any]]
             ceiling: Literal["d2d", "h2d"]
             if tier == "device":
                 impls = {
                     "triton": _tier_lookup,
-                    "triton[int convert]": _variant(LookupKernelSettings(hw_convert=False)),
+                    "triton[int convert]": _variant(LookupKernelConfig(hw_convert=False)),
                     "torch-eager": _device_torch_eager,
                 }
                 if num_tokens == 8192:
@@ -345,8 +348,19 @@ def lookup_cases(quick: bool) -> list[Case]:
                                 dedup_min_rows=0 if dedup else 1 << 62,
                             )
                 if tier in ("uva", "host") and num_tokens == 256:
-                    for kernel in DECODE_READ_SWEEP:
-                        impls[f"{tier}[{kernel_label(kernel)}]"] = _store_variant(kernel=kernel)
+                    sweep = {f"{tier}[{kernel_label(k)}]": k for k in DECODE_READ_SWEEP}
+                    for name, kernel in sweep.items():
+                        impls[name] = _store_variant(kernel=kernel)
+                    if tier == "uva":
+                        # The host tier's entry is chosen by its cost to a model running
+                        # beside it (bench/runtime_overhead.py), not by this case alone.
+                        tuning = Tuning(
+                            kernel="lookup_rows",
+                            key_fields=("tier",),
+                            match={"tier": "uva"},
+                            configs=sweep,
+                            measured="BENCHMARKS.md#decode-against-the-targets-2026-12-01",
+                        )
                 bytes_moved, ceiling = rows * ROW_BYTES, "h2d"
             # The host tier's GPU reads of a decode batch need no host synchronisation.
             capturable = tier in ("device", "uva") or (tier == "host" and num_tokens == 256)
@@ -375,6 +389,7 @@ def lookup_cases(quick: bool) -> list[Case]:
                     ceiling=ceiling,
                     graph=capturable,
                     graph_impls=graph_impls if capturable else (),
+                    tuning=tuning,
                 )
             )
     rows = 8192 * COLS

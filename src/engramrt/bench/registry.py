@@ -43,6 +43,9 @@ class Case:
             memory, counting read + write) or ``"h2d"`` (host to device).
         graph: also time under CUDA-graph replay (for capturable impls).
         requires_cuda: skip on machines without a GPU.
+        tuning: the kernel settings this case chooses between, when
+            ``engramrt bench --write-config`` should write its winner (see
+            :class:`Tuning`).
     """
 
     name: str
@@ -59,6 +62,30 @@ class Case:
     graph: bool = False
     graph_impls: tuple[str, ...] = field(default_factory=tuple)
     requires_cuda: bool = True
+    tuning: Tuning | None = None
+
+
+@dataclass(frozen=True)
+class Tuning:
+    """What a case's timings choose: the fastest of ``configs`` becomes the entry for
+    ``match`` in the kernel's file (:func:`engramrt.tuning.write_tuned_config`).
+
+    Attributes:
+        kernel: the tuned kernel (``"ngram_hash"``, ``"lookup_rows"``, ``"engram_gate"``).
+        key_fields: the fields of that kernel's lookup key.
+        match: the entry's key fields (``{"num_tokens": {"max": 1024}}``).
+        configs: implementation name -> the config it launches with.
+        metric: the timing that ranks them (``"graph_us"``, ``"graph_cold_us"``,
+            ``"median_us"``; an implementation without it is ranked by ``median_us``).
+        measured: where BENCHMARKS.md shows such runs.
+    """
+
+    kernel: str
+    key_fields: tuple[str, ...]
+    match: dict[str, Any]
+    configs: dict[str, Any]
+    metric: str = "graph_us"
+    measured: str = "BENCHMARKS.md"
 
 
 CaseFactory = Callable[[bool], Iterable[Case]]

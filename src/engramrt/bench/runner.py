@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from engramrt.bench.registry import Case, all_cases
+from engramrt.bench.registry import Case, Tuning, all_cases
 from engramrt.errors import ValidationError
 
 __all__ = ["measure_ceilings", "run_cases"]
@@ -167,7 +167,23 @@ def run_case(case: Case, device: torch.device, ceilings: dict[str, float]) -> di
     for res in results.values():
         res["speedup_vs_baseline"] = base / res["median_us"]
     record["results"] = results
+    if case.tuning is not None:
+        record["tuning"] = tuning_record(case.tuning)
     return record
+
+
+def tuning_record(tuning: Tuning) -> dict[str, Any]:
+    """A case's :class:`Tuning` as JSON: the configs by their fields."""
+    import dataclasses
+
+    return {
+        "kernel": tuning.kernel,
+        "key": list(tuning.key_fields),
+        "match": tuning.match,
+        "metric": tuning.metric,
+        "measured": tuning.measured,
+        "configs": {name: dataclasses.asdict(c) for name, c in tuning.configs.items()},
+    }
 
 
 def environment(device: torch.device) -> dict[str, Any]:

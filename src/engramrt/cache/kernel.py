@@ -40,7 +40,7 @@ from engramrt._jit import flat_lookups, store_dequantized_rows
 from engramrt._launch import CachedLauncher
 from engramrt.cache.policy import MIX_MULTIPLIER
 from engramrt.lookup.kernel import DEFAULT_NUM_WARPS, tile_shape
-from engramrt.lookup.settings import DEFAULT_KERNEL, LookupKernelSettings
+from engramrt.lookup.settings import DEFAULT_KERNEL, LookupKernelConfig
 
 __all__ = ["probe_gather_triton"]
 
@@ -122,8 +122,8 @@ def _cache_probe_gather_kernel(
     store_dequantized_rows(out_ptr, lookup, row_ptrs, read, written, E, NB, NB_PAD, HW_CONVERT, "")
 
 
-# A plain kernel[grid](...) binds ~20 arguments in Python on every call
-# (tens of µs, as much as a decode step's kernel): launch through the cache.
+# A plain kernel[grid](...) binds ~20 arguments in Python on every call (host
+# time of the order of a decode step's kernel): launch through the cache.
 _launch_probe_gather = CachedLauncher(_cache_probe_gather_kernel)
 
 
@@ -138,7 +138,7 @@ def probe_gather_triton(
     ways: int,
     col_begin: int,
     col_end: int,
-    kernel: LookupKernelSettings = DEFAULT_KERNEL,
+    kernel: LookupKernelConfig = DEFAULT_KERNEL,
     backing: Any = None,
     backing_row_begin: int = 0,
 ) -> torch.Tensor:

@@ -71,15 +71,15 @@ from engramrt.cache.reference import probe_gather_reference
 from engramrt.cache.stats import CacheStats
 from engramrt.errors import CapacityError, ValidationError
 from engramrt.lookup import check_row_ids_in_shard, lookup_rows
-from engramrt.lookup.settings import DEFAULT_KERNEL, LookupKernelSettings, check_kernel_settings
+from engramrt.lookup.settings import DEFAULT_KERNEL, LookupKernelConfig, check_kernel_config
 from engramrt.lookup.tiers import RowStore
 
 __all__ = ["PHASES", "CacheUpdate", "CachedRowStore"]
 
 FOLD_BATCH = 32
 """Lookups dropped past ``max_pending`` (a cache nobody updates) whose counts are
-folded together: folding one at a time cost ~170 µs of launches per lookup
-(H200, T = 256), more than the probe itself."""
+folded together: folding one at a time costs more launches per lookup than the
+probe itself (BENCHMARKS.md#the-hot-row-cache-on-the-h200)."""
 
 PHASES: tuple[str, ...] = ("invalidate", "write", "publish")
 """The phases of installing rows, in the only order :meth:`CachedRowStore.update` uses."""
@@ -147,7 +147,7 @@ class CachedRowStore(RowStore):
         max_pending: lookups remembered for the next update; older ones are
             dropped (they only inform admission).
         kernel: the probe's and the miss lookup's kernel settings (see
-            :class:`~engramrt.lookup.settings.LookupKernelSettings`).
+            :class:`~engramrt.lookup.settings.LookupKernelConfig`).
         read_misses: let the probe read misses from the backing's rows
             (:attr:`probe_reads_misses`). None (default): when the backing
             offers rows the device reads in place and the probe runs the
@@ -177,7 +177,7 @@ class CachedRowStore(RowStore):
         sketch_depth: int = 4,
         decay_period: int | None = None,
         max_pending: int = 4,
-        kernel: LookupKernelSettings = DEFAULT_KERNEL,
+        kernel: LookupKernelConfig = DEFAULT_KERNEL,
         read_misses: bool | None = None,
     ) -> None:
         if not isinstance(backing, RowStore):
@@ -222,7 +222,7 @@ class CachedRowStore(RowStore):
         self.layer_id = layer_id
         self.backend = backend
         self.max_pending = max_pending
-        self.kernel = check_kernel_settings(kernel)
+        self.kernel = check_kernel_config(kernel)
         self._read_packed = packed_row_reader(backing)
         # The backing's rows as the probe kernel can read them (misses read
         # in the probe), or None (the miss path gathers them).

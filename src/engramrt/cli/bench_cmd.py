@@ -38,6 +38,14 @@ def register(app: typer.Typer) -> None:
         out: Annotated[Path | None, typer.Option(help="Write the JSON report here.")] = None,
         markdown: Annotated[Path | None, typer.Option(help="Write a markdown table here.")] = None,
         device: Annotated[str, typer.Option(help="cuda or cpu.")] = "cuda",
+        write_config: Annotated[
+            Path | None,
+            typer.Option(
+                "--write-config",
+                help="Write each tuning case's fastest kernel settings to "
+                "DIR/<kernel>.<gpu>.json (src/engramrt/tuned to update the shipped files).",
+            ),
+        ] = None,
     ) -> None:
         """Run the benchmark suite; a case whose check fails is reported as failed.
 
@@ -79,6 +87,11 @@ def register(app: typer.Typer) -> None:
         if markdown is not None:
             write_output("--markdown", markdown, (table + "\n").encode())
         print(table)
+        if write_config is not None:
+            from engramrt.bench.tuned import write_configs
+
+            for path in write_configs(report, write_config):
+                print(f"wrote {path}")
         failed = [c["name"] for c in report["cases"] if c.get("status") == "failed"]
         if failed:
             raise typer.Exit(code=1)

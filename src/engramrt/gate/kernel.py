@@ -6,7 +6,8 @@ Design (SPEC §8; the definition is :mod:`engramrt.gate.reference`):
   One token is ``hc`` hidden rows, ``hc`` keys and one value; the value is
   shared by all streams, so handling a whole token in one program reads it
   once instead of ``hc`` times (the one-program-per-(token, stream) kernel
-  re-read it and reached 73% of copy bandwidth).
+  re-read it, and lost bandwidth:
+  BENCHMARKS.md#straightforward-implementations-of-the-design).
 - Pass 1 walks D in chunks of ``BLOCK_D`` and accumulates, per stream,
   ``sum x^2``, ``sum k^2`` and ``sum x * q_w * k_w * k``. The RMS factors are
   scalars per (token, stream), so they factor out of the dot:
@@ -29,7 +30,7 @@ accumulators with in-thread adds (``tl.sum(axis=2)``), so the three fp32
 accumulators take 1/8 of the registers of the tile, leaving the rest for
 loads in flight.
 
-The launch configuration (:class:`engramrt.gate.config.GateConfig`) also
+The launch configuration (:class:`engramrt.gate.config.GateKernelConfig`) also
 splits a token's streams over several programs and unrolls the D loops, for
 decode-sized batches where latency rather than bandwidth bounds the gate.
 """
@@ -45,12 +46,12 @@ import triton
 import triton.language as tl
 
 from engramrt._launch import CachedLauncher
-from engramrt.gate import config as gate_config
-from engramrt.gate.config import VEC, GateConfig, default_gate_config
+from engramrt.gate.config import VEC, GateKernelConfig, default_gate_config
+from engramrt.tuning import cached_choice
 
-# GateConfig and default_gate_config live in engramrt.gate.config (no Triton
+# GateKernelConfig and default_gate_config live in engramrt.gate.config (no Triton
 # import); they are re-exported here, where the launcher's callers look.
-__all__ = ["GateConfig", "default_gate_config", "engram_gate_triton"]
+__all__ = ["GateKernelConfig", "default_gate_config", "engram_gate_triton"]
 
 
 @triton.jit
@@ -210,8 +211,8 @@ def _engram_gate_kernel(
 
 
 # Binds the arguments through kernel[grid] once per specialisation, then calls
-# the compiled kernel directly: a plain kernel[grid](...) costs tens of µs of
-# host time, as much as the whole T=256 decode step.
+# the compiled kernel directly: a plain kernel[grid](...) binds every argument in
+# Python on each call, host time of the order of the whole T=256 decode step.
 _launch_gate_kernel = CachedLauncher(_engram_gate_kernel)
 
 
@@ -220,7 +221,7 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def _grid_size(num_items: int, device: torch.device, config: GateConfig) -> int:
+def _grid_size(num_items: int, device: torch.device, config: GateKernelConfig) -> int:
     """Programs to launch: one per work item (a token or a group of its streams),
     capped at ``programs_per_sm`` per SM.
 
@@ -246,7 +247,7 @@ def engram_gate_triton(
     eps: float,
     token_mask: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
-    config: GateConfig | None = None,
+    config: GateKernelConfig | None = None,
 ) -> torch.Tensor:
     """Launch :func:`_engram_gate_kernel`; shapes as in :func:`engramrt.gate.engram_gate`.
 
@@ -261,8 +262,7 @@ def engram_gate_triton(
         return out
     if config is None:
         widest = max(t.element_size() for t in (hidden, kv, q_weight, k_weight))
-        decode = num_tokens <= gate_config.DECODE_MAX_TOKENS
-        config = _default_config(hc, dim, widest, decode)
+        config = _default_config(hc, dim, widest, num_tokens, hidden.device)
     has_mask = token_mask is not None
     # bool storage is one byte; uint8 makes the pointer type explicit for Triton.
     mask_arg = token_mask.view(torch.uint8) if token_mask is not None else hidden
@@ -290,15 +290,17 @@ def engram_gate_triton(
     return out
 
 
-@functools.cache
-def _default_config(hc: int, dim: int, element_bytes: int, decode: bool) -> GateConfig:
-    """:func:`default_gate_config` once per shape (the launch path runs every step)."""
-    return default_gate_config(hc, dim, element_bytes, 1 if decode else None)
+@cached_choice
+def _default_config(
+    hc: int, dim: int, element_bytes: int, num_tokens: int, device: torch.device
+) -> GateKernelConfig:
+    """:func:`default_gate_config` once per shape and device (the launch path runs every step)."""
+    return default_gate_config(hc, dim, element_bytes, num_tokens, device)
 
 
 @functools.cache
 def _launch_plan(
-    hc: int, dim: int, config: GateConfig, has_mask: bool
+    hc: int, dim: int, config: GateKernelConfig, has_mask: bool
 ) -> tuple[int, dict[str, Any]]:
     """Stream groups per token and the kernel's constexprs, once per shape and config
     (read only by the launcher, never changed)."""

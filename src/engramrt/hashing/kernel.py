@@ -9,8 +9,8 @@ is int64. Nothing here reads a value back to the host, so a step can be
 captured in a CUDA graph.
 
 Why it is shaped this way (a decode step runs after a backbone step has
-evicted L2, so every dependent global load costs a DRAM round trip, ~0.5-1
-µs, and a small batch is a chain of them, not a bandwidth problem):
+evicted L2, so every dependent global load costs a DRAM round trip, and a
+small batch is a chain of them, not a bandwidth problem):
 
 - Requests are found by ONE vector load of ``query_start_loc`` and a
   compare in registers (``SCAN_R``), not by a binary search whose
@@ -33,7 +33,7 @@ evicted L2, so every dependent global load costs a DRAM round trip, ~0.5-1
   (``RING_COMMIT``) happen in the same launch: inside a CUDA graph each
   kernel node adds its own launch latency.
 - Tokens per program and warps are launch parameters (see
-  ``engramrt.hashing.ops.HashKernelConfig``): few tokens per program spread
+  ``engramrt.hashing.config.HashKernelConfig``): few tokens per program spread
   a decode batch over more SMs, more tokens per program amortise the
   constant loads at prefill sizes.
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -10,6 +9,7 @@ import torch
 
 from engramrt._backend import resolve_backend
 from engramrt.errors import ValidationError
+from engramrt.hashing.config import HashKernelConfig, kernel_config_for
 from engramrt.hashing.history import RequestHistory, SlotHashCache
 from engramrt.hashing.reference import hash_batch_reference
 from engramrt.hashing.types import HashBatch, HashConstants
@@ -19,98 +19,13 @@ if TYPE_CHECKING:
     from engramrt.config import EngramConfig
     from engramrt.tokenmap import TokenMap
 
-__all__ = ["HASH_KERNEL_CONFIGS", "HashKernelConfig", "NgramHasher", "kernel_config_for"]
+__all__ = ["HashKernelConfig", "NgramHasher", "kernel_config_for"]
 
 History = SlotHashCache | RequestHistory
 
 
 def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
-
-
-@dataclass(frozen=True)
-class HashKernelConfig:
-    """Launch settings of ``_ngram_hash_kernel``; every choice gives the same row ids.
-
-    Attributes:
-        block_t: tokens per program (a power of two). Fewer spread a decode
-            batch over more SMs, so more dependent-load chains and more of
-            the hash arithmetic run in parallel and fewer lanes idle; more
-            amortise each program's constant loads and request search over
-            more tokens at prefill sizes.
-        num_warps: warps per program (a power of two); more share one
-            program's remainders and compare tile, at small ``block_t``
-            they idle.
-        scan_tile: find requests with ONE vector load of ``query_start_loc``
-            and a ``block_t x max(16, next_pow2(R))`` int32 compare in
-            registers when that tile has at most this many elements; beyond
-            it (or at 0) a binary search, ``ceil(log2(R + 1))`` dependent
-            loads (each a DRAM round trip when L2 is cold).
-        ring_commit: with a :class:`RequestHistory`, write the ring inside
-            the hash launch (no second kernel node) when
-            ``T <= window - (N-1)``: no chunk is then long enough for a
-            written slot to alias one read before it.
-        fast_mod: remainders by the column primes through a float64
-            reciprocal with an exact correction instead of a 64-bit integer
-            division (used only when every prime is >= 4096, which the
-            correction's error bound needs).
-        speculate_decode: load lookback row ``i``, columns ``k-1``, for token
-            ``i`` before the request search, as if every token were a
-            decode token of its own request; right guesses (a decode batch)
-            save one dependent load, wrong ones load after the search.
-    """
-
-    block_t: int = 64
-    num_warps: int = 4
-    scan_tile: int = 8192
-    ring_commit: bool = True
-    fast_mod: bool = True
-    speculate_decode: bool = True
-
-    def __post_init__(self) -> None:
-        for name in ("block_t", "num_warps"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValidationError(f"{name}={value!r} must be a positive power of two")
-            if value & (value - 1):
-                raise ValidationError(f"{name}={value} must be a power of two")
-        if isinstance(self.scan_tile, bool) or not isinstance(self.scan_tile, int):
-            raise ValidationError(f"scan_tile={self.scan_tile!r} must be an integer")
-        if self.scan_tile < 0:
-            raise ValidationError(f"scan_tile={self.scan_tile} must be >= 0 (0: binary search)")
-
-    def scan_width(self, num_requests: int) -> int:
-        """``SCAN_R`` for a batch of ``num_requests``: the qsl tile width, 0 for a binary search.
-
-        Powers of two from 16 up, so only a few variants ever compile.
-        """
-        width = max(16, _next_pow2(num_requests))
-        return width if self.block_t * width <= self.scan_tile else 0
-
-
-# Default settings by batch size: the first entry whose bound is >= T, chosen
-# by the "hash/sweep ..." cases of `engramrt bench --group hash` on an H200
-# (torch 2.11, Triton 3.6; one call per CUDA graph replayed with L2 flushed,
-# medians; BENCHMARKS.md, "Decode hashing"). Decode sizes are a chain of
-# dependent loads: 16 tokens and 4 warps per program give 16 programs at
-# T = 256 (6.8 us; 8 tokens and 1 warp 7.2, 32/4 7.8, the earlier kernel's
-# search, remainder and load order 14.2). At 1 x 8,192, 16 tokens and 1 warp
-# per program (512 programs) measured 7.5 us against 7.7-8.0 for 16/4 and
-# 32/4 and 11.7 for the earlier choices; larger batches are throughput-bound
-# and take 64 per program.
-HASH_KERNEL_CONFIGS: tuple[tuple[int, HashKernelConfig], ...] = (
-    (1024, HashKernelConfig(block_t=16, num_warps=4)),
-    (16384, HashKernelConfig(block_t=16, num_warps=1)),
-    (2**62, HashKernelConfig(block_t=64, num_warps=4)),
-)
-
-
-def kernel_config_for(num_tokens: int) -> HashKernelConfig:
-    """The default :class:`HashKernelConfig` for a batch of ``num_tokens`` (host ints only)."""
-    for bound, config in HASH_KERNEL_CONFIGS:
-        if num_tokens <= bound:
-            return config
-    return HASH_KERNEL_CONFIGS[-1][1]
 
 
 class NgramHasher:
@@ -134,7 +49,7 @@ class NgramHasher:
             first; synchronises, so off on the hot path.
         out_dtype: ``torch.int32`` (default when every row id fits) or ``torch.int64``.
         kernel_config: launch settings for every call; None (default)
-            picks one by token count from :data:`HASH_KERNEL_CONFIGS`.
+            picks one by token count and device (:func:`kernel_config_for`).
     """
 
     def __init__(
@@ -304,7 +219,7 @@ class NgramHasher:
             mode, slots, tags = 2, history.slots, history.tags
             table, block_size = batch.request_slots, history.window
             history_rows = history.max_requests
-        config = self.kernel_config or kernel_config_for(t_len)
+        config = self.kernel_config or kernel_config_for(t_len, self.device)
         # Both rounded so only a few variants ever compile: the binary search
         # to a multiple of 4 steps, the scanned qsl tile to a power of two >= 16.
         search_steps = -(-max(1, n_req.bit_length()) // 4) * 4

@@ -11,11 +11,10 @@ is a plain bf16 GEMM with fp32 accumulation (cuBLAS on a GPU). The trade-off:
   At V4.1-Flash shapes (``[25600, 6144]``) that is 315 MB instead of 157 MB
   per Engram layer, +157 MB per layer and rank (the projection is
   replicated across sequence-parallel ranks), next to a 94 GiB table;
-- speed: one bf16 GEMM per step. Measured on an H200 (torch 2.11, cuBLAS,
-  graph replay): 130 µs at T = 256 (80 GFLOP, 315 MB of weight) and
-  3.66 ms at T = 8192 (2.6 TFLOP, ~705 TFLOP/s), 88% and 91% of the whole
-  layer step. An fp8 GEMM would halve the weight bytes and double the peak
-  rate, so it is the next lever, but it needs the activations quantised to
+- speed: one bf16 GEMM per step, most of the whole layer step at decode
+  and prefill sizes alike (BENCHMARKS.md#the-layer-step-part-by-part). An
+  fp8 GEMM would halve the weight bytes and double the peak rate, so it is
+  the next lever, but it needs the activations quantised to
   fp8 as well (another rounding of the rows: a different result, and a
   looser tolerance) and a block-scaled GEMM kernel;
 - numerics: the bf16 weight is ``bf16(fp32(fp8 * scale))``, within

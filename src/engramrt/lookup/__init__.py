@@ -14,12 +14,12 @@ import torch
 from engramrt._backend import resolve_backend
 from engramrt.errors import ValidationError
 from engramrt.lookup.reference import gather_packed_rows_reference, lookup_rows_reference
-from engramrt.lookup.settings import DEFAULT_KERNEL, LookupKernelSettings, check_kernel_settings
+from engramrt.lookup.settings import DEFAULT_KERNEL, LookupKernelConfig, check_kernel_config
 from engramrt.packed import check_packed_rows, pack_rows, row_bytes_for, row_width_for, unpack_rows
 
 __all__ = [
     "DEFAULT_KERNEL",
-    "LookupKernelSettings",
+    "LookupKernelConfig",
     "check_lookup_args",
     "check_row_ids_in_shard",
     "gather_packed_rows_reference",
@@ -104,7 +104,7 @@ def lookup_rows(
     backend: str = "auto",
     validate: bool = True,
     check_ids: bool = False,
-    kernel: LookupKernelSettings = DEFAULT_KERNEL,
+    kernel: LookupKernelConfig = DEFAULT_KERNEL,
 ) -> torch.Tensor:
     """Gather and dequantise packed rows: ``[T, C]`` ids -> ``[T, C, E]`` bf16.
 
@@ -125,7 +125,7 @@ def lookup_rows(
             Off on the hot path, where such an id reads as a row of zeros
             (see :mod:`engramrt.lookup.reference`), never out of bounds.
         kernel: the kernel's tuning settings (see
-            :class:`~engramrt.lookup.settings.LookupKernelSettings`); the same
+            :class:`~engramrt.lookup.settings.LookupKernelConfig`); the same
             bytes for every setting (``hw_convert``: on a GPU).
 
     Returns:
@@ -133,7 +133,7 @@ def lookup_rows(
     """
     if validate:
         check_packed_rows("packed_table", packed_table)
-        check_kernel_settings(kernel)
+        check_kernel_config(kernel)
     row_width = row_width_for(packed_table.shape[1])
     device = packed_table.device
     num_rows = packed_table.shape[0]

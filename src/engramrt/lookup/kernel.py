@@ -33,7 +33,7 @@ Design (one launch, no host synchronisation, capturable in a CUDA graph):
 uses those), e.g. a pointer to pinned host memory mapped into the device's
 address space (the UVA tier).
 
-Levers (:class:`~engramrt.lookup.settings.LookupKernelSettings`; every one
+Levers (:class:`~engramrt.lookup.settings.LookupKernelConfig`; every one
 writes the same bytes) and why each should help:
 
 - ``rows_per_program`` and ``num_warps``: bytes in flight per program. A
@@ -53,8 +53,9 @@ writes the same bytes) and why each should help:
 - ``num_stages``: pipelining of that loop over tiles, so the loads of the
   next tile may be issued before the current one is stored.
 - ``cache_modifier``: ``.cg`` keeps rows (read once) out of L1.
-- ``cached_launch``: the launch itself costs a few µs instead of tens; at a
-  decode step that is a large part of the lookup's time.
+- ``cached_launch``: the compiled kernel is called directly instead of
+  binding ~20 arguments in Python on every call; at a decode step that
+  binding is a large part of the lookup's time.
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ import triton.language as tl
 from engramrt._backend import interpreter_enabled
 from engramrt._jit import flat_lookups, store_dequantized_rows
 from engramrt._launch import CachedLauncher
-from engramrt.lookup.settings import DEFAULT_KERNEL, LookupKernelSettings
+from engramrt.lookup.settings import DEFAULT_KERNEL, LookupKernelConfig
 from engramrt.packed import word_dtype_for
 
 __all__ = [
@@ -85,8 +86,9 @@ DEFAULT_TILE_ELEMENTS = 4096
 DEFAULT_NUM_WARPS = 4
 
 GATHER_ROWS_PER_PROGRAM = 8
-"""Rows per program of :func:`gather_packed_rows_triton` (8 measured best for reads of
-scattered rows from host memory, against 4, 16 and 32)."""
+"""Rows per program of :func:`gather_packed_rows_triton`: a small tile, as for every
+read of scattered rows from host memory (chosen by measurement against 4, 16 and
+32 rows)."""
 
 
 @triton.jit(do_not_specialize=["num_rows"])
@@ -148,7 +150,7 @@ def lookup_rows_triton(
     col_end: int,
     row_begin: int,
     num_rows: int,
-    kernel: LookupKernelSettings = DEFAULT_KERNEL,
+    kernel: LookupKernelConfig = DEFAULT_KERNEL,
 ) -> torch.Tensor:
     """Launch :func:`_lookup_rows_kernel` (inputs validated by the caller).
 
@@ -160,7 +162,7 @@ def lookup_rows_triton(
         num_rows: rows of ``table``; an owned id outside
             ``[row_begin, row_begin + num_rows)`` reads a row of zeros.
         kernel: tile, warps, conversion variant and grid limit (see
-            :class:`LookupKernelSettings`). With ``max_programs``, each
+            :class:`LookupKernelConfig`). With ``max_programs``, each
             program serves a power of two of consecutive tiles in turn:
             fewer programs hold fewer of the GPU's multiprocessors while a
             model runs beside reads of host memory.

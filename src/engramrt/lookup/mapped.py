@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from engramrt.lookup.settings import DEFAULT_KERNEL, LookupKernelSettings
+from engramrt.lookup.settings import DEFAULT_KERNEL, LookupKernelConfig
 
 __all__ = ["MappedHostRows", "gather_mapped_rows", "lookup_mapped_rows"]
 
@@ -54,7 +54,7 @@ def lookup_mapped_rows(
     col_begin: int,
     col_end: int,
     row_begin: int,
-    kernel: LookupKernelSettings = DEFAULT_KERNEL,
+    kernel: LookupKernelConfig = DEFAULT_KERNEL,
 ) -> torch.Tensor:
     """The lookup kernel over rows in registered host memory (``mapped``, bytes)."""
     from engramrt.lookup.kernel import lookup_rows_triton  # imports Triton

@@ -1,10 +1,12 @@
-"""Tuning settings of the row-lookup kernels, as one frozen value.
+"""Launch settings of the row-lookup kernels, as one frozen value, and the tuned choice.
 
-:class:`LookupKernelSettings` travels whole from the public calls
+:class:`LookupKernelConfig` travels whole from the public calls
 (:func:`engramrt.lookup.lookup_rows`, every store, ``make_store``, the
 cache) down to the launchers, and is hashable, so two lookups with equal
-settings compile and launch the same kernel. It imports neither Triton nor
-CUDA.
+settings compile and launch the same kernel. :func:`tuned_lookup_config`
+gives a tier's tuned settings on a device
+(``engramrt/tuned/lookup_rows.<device>.json``, read by
+:func:`engramrt.tuning.tuned_config`). It imports neither Triton nor CUDA.
 """
 
 from __future__ import annotations
@@ -13,8 +15,9 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from engramrt.errors import ValidationError
+from engramrt.tuning import register_tuned, tuned_config
 
-__all__ = ["DEFAULT_KERNEL", "LookupKernelSettings", "check_kernel_settings"]
+__all__ = ["DEFAULT_KERNEL", "LookupKernelConfig", "check_kernel_config", "tuned_lookup_config"]
 
 _NUM_WARPS = (1, 2, 4, 8, 16, 32)
 _CACHE_MODIFIERS = ("", ".ca", ".cg", ".cv")
@@ -25,8 +28,9 @@ def _optional_positive_int(name: str, value: Any) -> None:
         raise ValidationError(f"{name} = {value!r}; expected None or an int >= 1")
 
 
+@register_tuned("lookup_rows")
 @dataclass(frozen=True)
-class LookupKernelSettings:
+class LookupKernelConfig:
     """How the gather + dequantise kernels are launched; the bytes they write never change.
 
     Attributes:
@@ -38,11 +42,11 @@ class LookupKernelSettings:
             (True) or with integer operations (False); see
             :func:`engramrt._jit.dequantize_to_bf16_bits`. None (default): the
             conversion instructions on a GPU, where they write the same bytes
-            with fewer instructions per value and the lookup from device
-            memory is bound by the integer pipe (an H200 run: 196,608 rows
-            from HBM in 45 µs against 54 µs, the bytes checked equal for
-            every value byte and scale byte), and integer operations under
-            Triton's interpreter, whose casts are not the GPU's.
+            (checked for every value byte and scale byte) with fewer
+            instructions per value, and the lookup from device memory is
+            bound by the integer pipe (BENCHMARKS.md#lookup, ``hw_convert``);
+            integer operations under Triton's interpreter, whose casts are
+            not the GPU's.
         max_programs: launch at most this many programs, each serving
             consecutive tiles in turn; None: one tile per program. Meant for
             reads of host memory, whose programs mostly wait on the bus.
@@ -54,14 +58,14 @@ class LookupKernelSettings:
         cache_modifier: the cache operator of the table loads: ``""``
             (default, cached in L1 and L2), ``".cg"`` (L2 only: rows are
             read once, so L1 lines only hold space another load could
-            use), ``".ca"``, ``".cv"`` (no caching, fetched again). In one
-            H200 run ``.cg`` was slower everywhere (reads of host memory by
-            more than 2x), so the default stays.
+            use), ``".ca"``, ``".cv"`` (no caching, fetched again). The
+            default stays where ``.cg`` measured slower (BENCHMARKS.md#lookup).
         cached_launch: launch through :class:`engramrt._launch.CachedLauncher`
-            (the compiled kernel called directly, a few µs of host time)
-            instead of ``kernel[grid](...)`` (tens of µs, as binding and
-            specialising ~20 arguments in Python costs that much). False is
-            for debugging: the same kernel, the same bytes.
+            (the compiled kernel called directly) instead of
+            ``kernel[grid](...)``, which binds and specialises ~20 arguments
+            in Python on every call, a host cost of the order of a decode
+            step's kernel. False is for debugging: the same kernel, the same
+            bytes.
     """
 
     rows_per_program: int | None = None
@@ -98,21 +102,35 @@ class LookupKernelSettings:
         when None, whether it runs on a GPU (not ``interpreted``)."""
         return (not interpreted) if self.hw_convert is None else self.hw_convert
 
-    def replace(self, **changes: Any) -> LookupKernelSettings:
+    def replace(self, **changes: Any) -> LookupKernelConfig:
         """A copy with ``changes`` applied (and checked)."""
         return replace(self, **changes)
 
 
-DEFAULT_KERNEL = LookupKernelSettings()
-"""One tile of 4096 values per program, 4 warps, the GPU's conversion instructions
-(integer ones in the interpreter), one tile per program, launched through the
-cached launcher."""
+DEFAULT_KERNEL = LookupKernelConfig()
+"""Every field left to the kernel's rule: one tile of
+:data:`engramrt.lookup.kernel.DEFAULT_TILE_ELEMENTS` values per program, 4 warps,
+the GPU's conversion instructions (integer ones in the interpreter), one tile
+per program, launched through the cached launcher."""
 
 
-def check_kernel_settings(kernel: Any) -> LookupKernelSettings:
-    """``kernel`` itself when it is a :class:`LookupKernelSettings`; else a ValidationError."""
-    if not isinstance(kernel, LookupKernelSettings):
+def tuned_lookup_config(tier: str, device: Any = None) -> LookupKernelConfig:
+    """The lookup kernel's settings for a storage tier on ``device``: the entry for
+    ``tier`` in the device's ``lookup_rows`` file (reads of host memory want a
+    bounded grid: programs mostly wait on the bus; chosen by measurement,
+    BENCHMARKS.md#what-keeping-the-tables-off-the-gpu-costs), else
+    :data:`DEFAULT_KERNEL`.
+
+    ``device``: a ``torch.device``, a device name or None (the default file).
+    """
+    tuned = tuned_config("lookup_rows", device, {"tier": tier})
+    return DEFAULT_KERNEL if tuned is None else tuned
+
+
+def check_kernel_config(kernel: Any) -> LookupKernelConfig:
+    """``kernel`` itself when it is a :class:`LookupKernelConfig`; else a ValidationError."""
+    if not isinstance(kernel, LookupKernelConfig):
         raise ValidationError(
-            f"kernel = {kernel!r}; expected a LookupKernelSettings (engramrt.lookup.settings)"
+            f"kernel = {kernel!r}; expected a LookupKernelConfig (engramrt.lookup.settings)"
         )
     return kernel

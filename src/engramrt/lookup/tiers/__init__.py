@@ -120,7 +120,7 @@ def make_store(
             :meth:`RowStore.options`: the shard and checks (``row_begin``,
             ``col_begin``, ``col_end``, ``validate``, ``check_ids``) for every
             tier; ``backend``, ``kernel`` (a
-            :class:`~engramrt.lookup.settings.LookupKernelSettings`) and the
+            :class:`~engramrt.lookup.settings.LookupKernelConfig`) and the
             host-gather settings (``chunk_rows``, ``num_threads``,
             ``gpu_reads``, ``gpu_share``) where the tier takes them.
 

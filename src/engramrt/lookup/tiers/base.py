@@ -23,7 +23,7 @@ import torch
 from engramrt.errors import ValidationError
 from engramrt.lookup import check_lookup_args, check_row_ids_in_shard
 from engramrt.lookup.mapped import MappedHostRows, lookup_mapped_rows
-from engramrt.lookup.settings import DEFAULT_KERNEL, LookupKernelSettings, check_kernel_settings
+from engramrt.lookup.settings import LookupKernelConfig, check_kernel_config, tuned_lookup_config
 from engramrt.packed import row_bytes_for
 from engramrt.quant import check_row_width
 from engramrt.source import RowSource
@@ -304,14 +304,13 @@ class KernelRowStore(RowStore):
     Args:
         num_rows, E: see :class:`RowStore`.
         backend: ``"auto"``, ``"triton"`` or ``"reference"``.
-        kernel: the lookup kernel's settings (see :class:`LookupKernelSettings`);
-            None: the tier's :attr:`default_kernel`. The attribute
+        kernel: the lookup kernel's settings (see :class:`LookupKernelConfig`);
+            None: the tier's tuned settings on the store's device
+            (:func:`~engramrt.lookup.settings.tuned_lookup_config`). The attribute
             :attr:`kernel` is read at every lookup.
         common: ``device``, ``row_begin``, ``col_begin``, ``col_end``,
             ``validate``, ``check_ids`` (see :class:`RowStore`).
     """
-
-    default_kernel: ClassVar[LookupKernelSettings] = DEFAULT_KERNEL
 
     def __init__(
         self,
@@ -319,12 +318,14 @@ class KernelRowStore(RowStore):
         E: int,
         *,
         backend: str = "auto",
-        kernel: LookupKernelSettings | None = None,
+        kernel: LookupKernelConfig | None = None,
         **common: Any,
     ) -> None:
         super().__init__(num_rows, E, **common)
         self.backend = backend
-        self.kernel = check_kernel_settings(self.default_kernel if kernel is None else kernel)
+        if kernel is None:
+            kernel = tuned_lookup_config(self.tier, self.device)
+        self.kernel = check_kernel_config(kernel)
 
     def _read_mapped(
         self, mapped: MappedHostRows, row_ids: torch.Tensor, col_end: int, out: Any

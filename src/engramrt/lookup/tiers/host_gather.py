@@ -73,7 +73,7 @@ from engramrt import memory
 from engramrt.errors import CapacityError, ValidationError
 from engramrt.lookup import lookup_rows
 from engramrt.lookup.mapped import MappedHostRows, gather_mapped_rows
-from engramrt.lookup.settings import LookupKernelSettings
+from engramrt.lookup.settings import tuned_lookup_config
 from engramrt.lookup.tiers.base import KernelRowStore, register_tier
 from engramrt.lookup.tiers.host_rows import HostRows, PrivateHostRows
 from engramrt.packed import word_dtype_for
@@ -82,8 +82,6 @@ __all__ = [
     "DEFAULT_CHUNK_ROWS",
     "GPU_SHARE",
     "HOST_READ_KERNEL",
-    "READ_MAX_PROGRAMS",
-    "READ_ROWS_PER_PROGRAM",
     "HostGatherRowStore",
 ]
 
@@ -107,27 +105,16 @@ model and competes with it, so decode batches get one thread and prefill
 chunks many. Chosen by measurement:
 BENCHMARKS.md#what-keeping-the-tables-off-the-gpu-costs (runs B, C)."""
 
-READ_MAX_PROGRAMS = 16
-READ_ROWS_PER_PROGRAM = 32
-"""The lookup kernel's grid limit and tile when it reads a small batch's rows from
-host memory. Its programs mostly wait on the bus, and while they wait they hold
-multiprocessors a model running beside them would use: a bounded grid, each
-program serving its tiles in turn, reads as fast alone and takes less from the
-model. Chosen by measurement: BENCHMARKS.md#what-keeping-the-tables-off-the-gpu-costs
-(run E)."""
-
-HOST_READ_KERNEL = LookupKernelSettings(
-    rows_per_program=READ_ROWS_PER_PROGRAM, max_programs=READ_MAX_PROGRAMS
-)
-"""The lookup kernel's settings for the host tier's GPU reads of a small batch.
-
-The bench's ``lookup/host/T=256`` case times
-:data:`engramrt.bench.cases_lookup.DECODE_READ_SWEEP` beside it. Alone, a grid
-of 132 programs of 8-row tiles and 2 warps (the uva tier's
-:data:`~engramrt.lookup.tiers.uva.UVA_KERNEL`) read 6,144 rows of a uva table
-faster in two H200 runs (50-58 µs against 63-72 µs for these settings, which
-took 64 µs on this tier); these stay until the cost to a model running beside it
-(BENCHMARKS.md, run E) is measured too."""
+HOST_READ_KERNEL = tuned_lookup_config("host")
+"""The lookup kernel's settings for the host tier's GPU reads of a small batch, from
+the default ``lookup_rows`` file (a store on a GPU with a file of its own takes
+that file's entry). Its programs mostly wait on the bus, and while they wait
+they hold multiprocessors a model running beside them would use: a bounded
+grid, each program serving its tiles in turn, reads as fast alone and takes
+less from the model. Chosen by measurement:
+BENCHMARKS.md#what-keeping-the-tables-off-the-gpu-costs (run E); the bench's
+``lookup/host/T=256`` case times
+:data:`engramrt.bench.cases_lookup.DECODE_READ_SWEEP` beside it."""
 
 GPU_SHARE = 0.0
 """Default share of a deduplicated batch's unique rows that the GPU reads from
@@ -208,7 +195,6 @@ class HostGatherRowStore(KernelRowStore):
 
     tier = "host"
     host_sync = True  # the CPU gathers large batches: it must learn their ids
-    default_kernel = HOST_READ_KERNEL
 
     def __init__(
         self,

@@ -24,21 +24,21 @@ import torch
 from engramrt import memory
 from engramrt.errors import ValidationError
 from engramrt.lookup.mapped import MappedHostRows, gather_mapped_rows
-from engramrt.lookup.settings import DEFAULT_KERNEL
+from engramrt.lookup.settings import tuned_lookup_config
 from engramrt.lookup.tiers.base import KernelRowStore, register_tier
 from engramrt.lookup.tiers.host_rows import HostRows, PrivateHostRows
 from engramrt.packed import word_dtype_for
 
 __all__ = ["UVA_KERNEL", "UvaRowStore"]
 
-UVA_KERNEL = DEFAULT_KERNEL.replace(rows_per_program=8, num_warps=2, max_programs=132)
-"""The lookup kernel's settings on this tier: a grid bounded at 132 programs (one
-per H200 SM) of 2 warps, each serving 8-row tiles in turn. Reads of scattered
-rows over PCIe gain nothing from more requests in flight: on an H200 (graph
-replay, 6,144 rows of an 8 GiB table) the full grid of 16-row tiles took
-71-88 µs in three runs, bigger tiles or more warps up to 108 µs, this grid
-50-58 µs in two (``.cg`` loads: 129 µs). The bench's ``lookup/uva/T=256`` case
-times :data:`engramrt.bench.cases_lookup.DECODE_READ_SWEEP` beside it."""
+UVA_KERNEL = tuned_lookup_config("uva")
+"""The lookup kernel's settings on this tier, from the default ``lookup_rows`` file
+(a store on a GPU with a file of its own takes that file's entry): a grid
+bounded at about one program per SM, each serving small tiles in turn. Reads of
+scattered rows over PCIe gain nothing from more requests in flight, only
+queue longer. Chosen by measurement: BENCHMARKS.md#decode-against-the-targets-2026-12-01;
+the bench's ``lookup/uva/T=256`` case times
+:data:`engramrt.bench.cases_lookup.DECODE_READ_SWEEP` beside it."""
 
 
 @register_tier
@@ -59,7 +59,6 @@ class UvaRowStore(KernelRowStore):
     """
 
     tier = "uva"
-    default_kernel = UVA_KERNEL
 
     def __init__(
         self, num_rows: int, E: int, *, host_rows: HostRows | None = None, **options: Any
