@@ -306,8 +306,10 @@ class EngramRuntime:
             before each Engram layer; ``"none"`` on the step's stream inside
             :meth:`plan` (after the jobs the source's worker has queued), so they
             finish before the blocks queued after it start. ``"none"`` adds the
-            lookups' time to the step but keeps GPU reads of host memory from
-            running beside the blocks, whose kernels those reads slow.
+            lookups' time and their host work to the step but keeps GPU reads of
+            host memory from running beside the blocks, whose kernels those reads
+            slow; at decode the first costs more than the second saves
+            (BENCHMARKS.md#step-cost-with-host-memory-tables).
 
     Attributes:
         layers: the Engram layers as modules (empty without ``heads``).
