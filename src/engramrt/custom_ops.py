@@ -62,7 +62,8 @@ import copy
 import torch
 
 from engramrt.errors import ValidationError
-from engramrt.hashing import HashBatch, RequestHistory, SlotHashCache
+from engramrt.hashing.history import RequestHistory, SlotHashCache
+from engramrt.hashing.types import HashBatch
 from engramrt.runtime import EngramRuntime, runtime_from_handle
 
 __all__ = [

@@ -118,8 +118,8 @@ def run_model_demo(
     ``training`` (the record), ``plot`` (the chart's absolute path, with
     ``--plot``) and ``seconds``.
     """
-    from engramrt.cli import console, err_console
     from engramrt.cli._checks import check_output_path
+    from engramrt.cli._console import console, err_console
     from engramrt.cli._stages import Stages
     from engramrt.errors import EngramError, ValidationError
 
@@ -392,7 +392,7 @@ def _print_tables(out: dict[str, Any], gates: Any, pieces: list[str], prompt_len
     from rich.table import Table
     from rich.text import Text
 
-    from engramrt.cli import console
+    from engramrt.cli._console import console
 
     training = out["training"]
     console.print(
@@ -457,7 +457,7 @@ def print_losses(out: dict[str, Any]) -> None:
     which is lowest, in words."""
     from rich.table import Table
 
-    from engramrt.cli import console
+    from engramrt.cli._console import console
 
     recorded = out["heldout_loss"]
     sample = out["heldout_sample_recorded"]

@@ -208,7 +208,7 @@ def run_synthetic(
 ) -> None:
     """Stream a text (``None``: :data:`DEFAULT_TEXT`) through Engram like an engine would
     and check every step; write the chart to ``plot`` when given."""
-    from engramrt.cli import console
+    from engramrt.cli._console import console
     from engramrt.cli._stages import Stages
 
     if plot is not None:
@@ -244,7 +244,7 @@ def _run_synthetic(
     tier: str,
     cache_mib: float,
 ) -> None:
-    from engramrt.cli import console
+    from engramrt.cli._console import console
     from engramrt.errors import EngramError
 
     if not 0 <= cache_mib < 2**40:

@@ -134,6 +134,7 @@ def _token_map_check(
 ) -> dict[str, Any]:
     """Per file: whether it records a fingerprint and whether it matches the tokenizer in use."""
     from engramrt.config import load_config
+    from engramrt.hashing.fingerprint import check_fingerprint
     from engramrt.tokenmap import default_token_map
 
     directory = path if path.is_dir() else path.parent
@@ -152,7 +153,7 @@ def _token_map_check(
             result["files"][file.name] = "fingerprint recorded; not checked: no config (--config)"
         else:
             try:
-                default_token_map().check_fingerprint(recorded, cfg, where=file.name)
+                check_fingerprint(default_token_map(), recorded, cfg, where=file.name)
                 result["files"][file.name] = "matches the tokenizer in use"
             except EngramError as exc:
                 result["files"][file.name] = f"does not match: {exc}"
@@ -162,7 +163,7 @@ def _token_map_check(
 def print_path_report(report: dict[str, Any]) -> None:
     from rich.table import Table
 
-    from engramrt.cli import console
+    from engramrt.cli._console import console
     from engramrt.memory import format_bytes
 
     console.print(

@@ -210,7 +210,13 @@ class NgramHasher:
 
     @property
     def num_cols(self) -> int:
+        """``C``, hash columns per layer."""
         return self.consts.n_cols
+
+    @property
+    def n_layers(self) -> int:
+        """``L``, the Engram layers hashed in one launch."""
+        return self.consts.n_layers
 
     def __call__(
         self,
