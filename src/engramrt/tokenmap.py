@@ -54,7 +54,6 @@ __all__ = [
     "default_tokenizer_path",
     "load_tokenizer",
     "make_normalizer",
-    "token_key",
 ]
 
 # Bump when the map's definition changes, so old cache files are not used.
@@ -134,12 +133,6 @@ def make_normalizer() -> Any:
             normalizers.Replace(_SENTINEL, " "),
         ]
     )
-
-
-def token_key(tokenizer: Tokenizer, token_id: int, normalizer: Any | None = None) -> str:
-    """The string that decides the compressed id of ``token_id``."""
-    text = tokenizer.decode([token_id], skip_special_tokens=False)
-    return _key_of(tokenizer, token_id, text, normalizer or make_normalizer())
 
 
 def _key_of(tokenizer: Tokenizer, token_id: int, text: str, normalizer: Any) -> str:

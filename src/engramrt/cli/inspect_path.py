@@ -117,12 +117,14 @@ def inspect_path(path: Path, config: str | None) -> dict[str, Any]:
     }
     import torch
 
+    from engramrt._device import default_compute_device
+
     room = {
         "host": memory.host_available_bytes(),
         "disk": memory.disk_free_bytes(files[0].parent),
     }
     if torch.cuda.is_available():
-        room["device"] = memory.device_free_bytes(torch.device("cuda", torch.cuda.current_device()))
+        room["device"] = memory.device_free_bytes(default_compute_device())
     report["tiers_that_fit"] = {
         tier: {"free_bytes": free, "fits": engram_bytes <= free} for tier, free in room.items()
     }

@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from engramrt._backend import resolve_backend
+from engramrt._device import resolve_device
 from engramrt.errors import ValidationError
 from engramrt.hashing.history import RequestHistory, SlotHashCache
 from engramrt.hashing.reference import hash_batch_reference
@@ -151,9 +152,7 @@ class NgramHasher:
     ) -> None:
         mapping = token_map if isinstance(token_map, np.ndarray) else token_map.map
         self.consts = consts
-        self.device = torch.device(device)
-        if self.device.type == "cuda" and self.device.index is None:
-            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.device = resolve_device(device)
         self.backend = resolve_backend(backend, self.device)
         self.validate = validate
         self.check_ids = check_ids

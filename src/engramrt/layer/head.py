@@ -14,11 +14,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from engramrt._device import resolve_device
 from engramrt.config import EngramConfig
 from engramrt.errors import CheckpointError, ValidationError
 from engramrt.gate import engram_gate
 from engramrt.layer.linear import EngramLinear
-from engramrt.lookup.tiers.base import default_compute_device
 
 __all__ = ["EngramHead"]
 
@@ -60,11 +60,7 @@ class EngramHead(nn.Module):
             raise ValidationError(
                 f"config is a {type(config).__name__}; expected an EngramConfig (load_config)"
             )
-        if device is None:
-            device = default_compute_device()
-        device = torch.device(device)
-        if device.type == "cuda" and device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
+        device = resolve_device(device)
         self.config = config
         self.device = device
         self.hidden_size = config.hidden_size

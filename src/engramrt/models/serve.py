@@ -54,6 +54,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from engramrt._device import resolve_device
 from engramrt.adapters import from_vllm_step, vllm_slot_cache
 from engramrt.config import EngramConfig
 from engramrt.errors import CheckpointError, ValidationError
@@ -665,11 +666,7 @@ def load_model(
         raise ValidationError("tier='disk' needs disk_dir= (where the packed-row files go)")
     if not 0 <= cache_mib < 2**40:
         raise ValidationError(f"cache_mib={cache_mib}; expected a size in MiB >= 0")
-    dev = torch.device(
-        device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu")
-    )
-    if dev.type == "cuda" and dev.index is None:
-        dev = torch.device("cuda", torch.cuda.current_device())
+    dev = resolve_device(device)
     token_map = token_map or default_token_map()
     config = artifacts.parse_field(
         directory, data, "engram", lambda d: EngramConfig.from_hf_dict(d, name="tiny-lm")

@@ -72,6 +72,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from engramrt._device import resolve_device
 from engramrt.config import PRESETS, EngramConfig
 from engramrt.errors import ValidationError
 from engramrt.hashing import HashBatch, HashConstants
@@ -585,12 +586,9 @@ def _plot(
 
 
 def _resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
+    if name != "auto" and torch.device(name).type == "cuda" and not torch.cuda.is_available():
         raise SystemExit(f"--device={name!r} but CUDA is not available; use --device cpu")
-    return device
+    return resolve_device(name)
 
 
 @torch.no_grad()
