@@ -238,8 +238,56 @@ def run_model_demo(
                 except ValidationError:  # a model of the record this loader does not load
                     continue
 
+    checks = _served_checks(
+        result,
+        again=again,
+        references=references,
+        placements=((tier, history), (other_tier, other_history)),
+        chunk=chunk,
+        block=block,
+    )
+    checks += _loss_checks(recorded, recorded_sample, here, count=count, full_eval=full_eval)
+
+    sequence = prompt_a + result.tokens[0]
+    gates = np.asarray(result.gates[0])  # [positions, L]
+    layer_ids = list(model.lm_config.engram_layer_ids)
+    pieces = [model.decode([t]) for t in sequence[: gates.shape[0]]]
+    out = _report(
+        model,
+        directory=directory,
+        placement=(tier, history, str(dev)),
+        prompts=(prompt_text, prompt_a, prompt_b),
+        result=result,
+        checks=checks,
+        heldout=(here, count, part.num_predictions, full_eval),
+        gates=(layer_ids, pieces, gates),
+    )
+    if plot is not None:
+        with stages.stage("writing the gate chart"):
+            _write_gate_chart(plot, pieces, gates, layer_ids, len(prompt_a))
+        out["plot"] = str(plot.resolve())
+    out["seconds"] = round(time.perf_counter() - began, 1)
+    if as_json:
+        print(json.dumps(out, ensure_ascii=False))
+    else:
+        _print_tables(out, gates, pieces, len(prompt_a))
+    return out
+
+
+def _served_checks(
+    result: Any,
+    *,
+    again: Any,
+    references: list[Any],
+    placements: tuple[tuple[str, str], tuple[str, str]],
+    chunk: int,
+    block: int,
+) -> list[dict[str, Any]]:
+    """The checks of the served tokens: against the eager reference, a second placement,
+    and that the schedule did what an engine does."""
+    (tier, history), (other_tier, other_history) = placements
     kinds = [s["kind"] for s in result.steps]
-    checks = [
+    return [
         _check(
             "runtime_matches_eager_reference",
             result.tokens == [r.tokens for r in references],
@@ -266,6 +314,18 @@ def run_model_demo(
             f"{kinds.count('decode')} decode steps",
         ),
     ]
+
+
+def _loss_checks(
+    recorded: dict[str, Any],
+    recorded_sample: dict[str, Any],
+    here: dict[str, float],
+    *,
+    count: int,
+    full_eval: bool,
+) -> list[dict[str, Any]]:
+    """The held-out losses reproduced (``full_eval``) and the fp8 tables' recorded cost."""
+    checks: list[dict[str, Any]] = []
     if full_eval:
         for name, got in here.items():
             want = float(recorded_sample[name])
@@ -288,16 +348,34 @@ def run_model_demo(
             f"{recorded['predictions']:,} predictions)",
         )
     )
+    return checks
 
-    sequence = prompt_a + result.tokens[0]
-    gates = np.asarray(result.gates[0])  # [positions, L]
-    layer_ids = list(model.lm_config.engram_layer_ids)
-    pieces = [model.decode([t]) for t in sequence[: gates.shape[0]]]
-    generated_text = model.decode(result.tokens[0])
+
+def _report(
+    model: Any,
+    *,
+    directory: Path,
+    placement: tuple[str, str, str],
+    prompts: tuple[str, list[int], list[int]],
+    result: Any,
+    checks: list[dict[str, Any]],
+    heldout: tuple[dict[str, float], int, int, bool],
+    gates: tuple[list[int], list[str], Any],
+) -> dict[str, Any]:
+    """The demo's JSON object (see :func:`run_model_demo`), less ``plot`` and ``seconds``."""
+    import numpy as np
+
+    tier, history, device = placement
+    prompt_text, prompt_a, prompt_b = prompts
+    here, count, predictions, full_eval = heldout
+    layer_ids, pieces, gate_values = gates
+    record = model.record
+    recorded = record["heldout"]
+    recorded_sample = recorded.get("sample_losses", {})
     corpus = record["corpus"]
     losses = {name: float(value) for name, value in recorded["losses"].items()}
     trained = [name for name in losses if isinstance(record.get(name), dict)]  # per-model records
-    out: dict[str, Any] = {
+    return {
         "model": str(directory),
         "data": {
             "real": "tokenizer (DeepSeek-V4), token map, hashing, the trained weights and fp8 "
@@ -307,9 +385,9 @@ def run_model_demo(
         },
         "tier": tier,
         "history": history,
-        "device": str(dev),
+        "device": device,
         "prompt": prompt_text,
-        "generated_text": generated_text,
+        "generated_text": model.decode(result.tokens[0]),
         "requests": [
             {
                 "prompt_tokens": len(p),
@@ -327,14 +405,14 @@ def run_model_demo(
         "heldout_here": {
             "sequences": count,
             "sample_sequences": model.sample.num_sequences,
-            "predictions": part.num_predictions,
+            "predictions": predictions,
             "checked_against_record": full_eval,
         },
         "heldout_sample_recorded": {k: float(v) for k, v in recorded_sample.items()},
         "gates": {
             "layers": layer_ids,
             "tokens": pieces,
-            "values": np.round(gates, 4).tolist(),
+            "values": np.round(gate_values, 4).tolist(),
         },
         "training": {
             "corpus": corpus,
@@ -346,16 +424,6 @@ def run_model_demo(
             "heldout_predictions": recorded["predictions"],
         },
     }
-    if plot is not None:
-        with stages.stage("writing the gate chart"):
-            _write_gate_chart(plot, pieces, gates, layer_ids, len(prompt_a))
-        out["plot"] = str(plot.resolve())
-    out["seconds"] = round(time.perf_counter() - began, 1)
-    if as_json:
-        print(json.dumps(out, ensure_ascii=False))
-    else:
-        _print_tables(out, gates, pieces, len(prompt_a))
-    return out
 
 
 @contextlib.contextmanager
