@@ -118,26 +118,12 @@ def run_model_demo(
     ``training`` (the record), ``plot`` (the chart's absolute path, with
     ``--plot``) and ``seconds``.
     """
-    from engramrt.cli._checks import check_output_path
     from engramrt.cli._console import console, err_console
     from engramrt.cli._stages import Stages
-    from engramrt.errors import EngramError, ValidationError
+    from engramrt.errors import EngramError
 
     began = time.perf_counter()
-    if not 4 <= max_new_tokens <= 512:
-        raise EngramError(
-            f"--max-new-tokens={max_new_tokens}; expected 4 to 512 (a speculative step with "
-            f"two drafts runs among the decode steps)"
-        )
-    if not 0 <= cache_mib < 2**40:
-        raise EngramError(f"--cache-mib={cache_mib}; expected a finite size in MiB >= 0")
-    if plot is not None:
-        check_output_path("--plot", plot)
-    if model_dir is not None and not (Path(model_dir) / "model.json").is_file():
-        raise EngramError(
-            f"--model={str(model_dir)!r} holds no model.json (or does not exist); expected a "
-            f"directory written by python -m engramrt.models.train"
-        )
+    _check_options(max_new_tokens, cache_mib, plot, model_dir)
     stages = Stages(err_console if as_json else console)
     sequences = "the whole shipped held-out sample" if full_eval else "a held-out sample"
     stages.say(
@@ -216,27 +202,10 @@ def run_model_demo(
                 block_size=block,
             )
 
-        record = model.record
-        recorded = record["heldout"]
+        recorded = model.record["heldout"]
         recorded_sample = recorded.get("sample_losses", {})
-        count = (
-            model.sample.num_sequences
-            if full_eval
-            else min(QUICK_SEQUENCES, model.sample.num_sequences)
-        )
-        part = model.sample.subset(range(count))
-        here: dict[str, float] = {}
-        for name in recorded_sample:
-            if name in NOT_SERVED:
-                continue
-            with stages.stage(
-                f"held-out loss of {name} on {count} of {model.sample.num_sequences} sample "
-                f"sequences ({part.num_predictions:,} predictions)"
-            ):
-                try:
-                    here[name] = model.evaluate(part, model=SERVED_AS.get(name, name))
-                except ValidationError:  # a model of the record this loader does not load
-                    continue
+        here, part = _heldout_here(model, stages, recorded_sample, full_eval)
+        count = part.num_sequences
 
     checks = _served_checks(
         result,
@@ -272,6 +241,55 @@ def run_model_demo(
     else:
         _print_tables(out, gates, pieces, len(prompt_a))
     return out
+
+
+def _check_options(
+    max_new_tokens: int, cache_mib: float, plot: Path | None, model_dir: Path | None
+) -> None:
+    """Refuse the demo's options that cannot run, naming the flag."""
+    from engramrt.cli._checks import check_output_path
+    from engramrt.errors import EngramError
+
+    if not 4 <= max_new_tokens <= 512:
+        raise EngramError(
+            f"--max-new-tokens={max_new_tokens}; expected 4 to 512 (a speculative step with "
+            f"two drafts runs among the decode steps)"
+        )
+    if not 0 <= cache_mib < 2**40:
+        raise EngramError(f"--cache-mib={cache_mib}; expected a finite size in MiB >= 0")
+    if plot is not None:
+        check_output_path("--plot", plot)
+    if model_dir is not None and not (Path(model_dir) / "model.json").is_file():
+        raise EngramError(
+            f"--model={str(model_dir)!r} holds no model.json (or does not exist); expected a "
+            f"directory written by python -m engramrt.models.train"
+        )
+
+
+def _heldout_here(
+    model: Any, stages: Any, recorded_sample: dict[str, Any], full_eval: bool
+) -> tuple[dict[str, float], Any]:
+    """The held-out loss, on this machine, of every served model the record holds a sample
+    loss for, on the whole shipped sample (``full_eval``) or its first sequences; returns
+    ``({name: loss}, the sequences evaluated)``."""
+    from engramrt.errors import ValidationError
+
+    sample = model.sample
+    count = sample.num_sequences if full_eval else min(QUICK_SEQUENCES, sample.num_sequences)
+    part = sample.subset(range(count))
+    here: dict[str, float] = {}
+    for name in recorded_sample:
+        if name in NOT_SERVED:
+            continue
+        with stages.stage(
+            f"held-out loss of {name} on {count} of {sample.num_sequences} sample "
+            f"sequences ({part.num_predictions:,} predictions)"
+        ):
+            try:
+                here[name] = model.evaluate(part, model=SERVED_AS.get(name, name))
+            except ValidationError:  # a model of the record this loader does not load
+                continue
+    return here, part
 
 
 def _served_checks(

@@ -206,4 +206,3 @@ def check_batch_contents(
                 f"request_slots holds {int(rs.min())}..{int(rs.max())}; expected slots in "
                 f"[0, {history.max_requests})"
             )
-

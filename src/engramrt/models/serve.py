@@ -55,7 +55,6 @@ import numpy as np
 import torch
 
 from engramrt._device import resolve_device
-from engramrt.adapters import from_vllm_step, vllm_slot_cache
 from engramrt.config import EngramConfig
 from engramrt.errors import CheckpointError, ValidationError
 from engramrt.gate import gate_values_reference
@@ -63,8 +62,6 @@ from engramrt.hashing import (
     HashBatch,
     HashConstants,
     NgramHasher,
-    RequestHistory,
-    SlotHashCache,
     hash_sequence,
 )
 from engramrt.layer import EngramHead
@@ -73,7 +70,7 @@ from engramrt.models import artifacts
 from engramrt.models.corpus import EvalSegments
 from engramrt.models.lm import KVCache, LMConfig, TinyLM, next_token_loss_sum
 from engramrt.models.vocab import Vocab
-from engramrt.testing import Chunk, Request, Scheduler, Step, VllmView, lookback_of
+from engramrt.testing import Chunk, Request, VllmEngine
 from engramrt.tokenmap import TokenMap
 
 __all__ = [
@@ -141,10 +138,8 @@ class _Request:
 class _Serving:
     """What one :meth:`TinyEngramModel.generate` call serves with."""
 
-    scheduler: Scheduler
-    runner: VllmView
+    engine: VllmEngine
     runtime: Any
-    store: SlotHashCache | RequestHistory | None
     result: GenerationResult
 
 
@@ -170,6 +165,7 @@ class TinyEngramModel:
 
     def __init__(
         self,
+        *,
         lm: TinyLM,
         baseline: TinyLM | None,
         config: EngramConfig,
@@ -398,42 +394,29 @@ class TinyEngramModel:
         if any(self.vocab.trim([t])[0] == self.vocab.other_id for t in drafts):
             raise ValidationError(f"drafts={drafts} must be kept tokenizer ids (not <other>)")
         max_len = max(len(p) for p in prompts) + max_new_tokens + len(drafts) + 1
-        blocks_per_request = -(-max_len // block_size)
-        n = self.config.max_ngram_size
-        rng = np.random.default_rng(0)  # block choice and the runner's stale buffers
-        scheduler = Scheduler(
-            block_size=block_size,
-            num_blocks=blocks_per_request * len(prompts) + 1,
+        max_tokens = max(chunk_size, len(drafts) + 1)
+        engine = VllmEngine(
+            history=history,
+            max_ngram_size=self.config.max_ngram_size,
+            token_map=self.token_map.map,
             max_requests=len(prompts),
             max_len=max_len,
-            rng=rng,
-        )
-        runner = VllmView(
-            rng,
-            self.token_map.vocab_size,
-            max_tokens=max(chunk_size, len(drafts) + 1),
-            max_requests=1,
-            max_blocks=blocks_per_request,
-            num_slots=scheduler.num_blocks * block_size,
+            max_tokens=max_tokens,
+            max_drafts=len(drafts),
             block_size=block_size,
+            device=self.device,
         )
-        store: SlotHashCache | RequestHistory | None = None
-        if history == "slot":
-            store = vllm_slot_cache(scheduler.num_blocks, block_size, self.device)
-        elif history == "request":
-            store = RequestHistory(
-                len(prompts), n, window=n - 1 + len(drafts) + 1, device=self.device
-            )
+        scheduler = engine.scheduler
         runtime = EngramRuntime(
             self.hasher,
             self.stores,
             heads=self.heads,
-            max_tokens=max(chunk_size, len(drafts) + 1),
+            max_tokens=max_tokens,
             max_requests=1,
-            history=store,
+            history=engine.history,
         )
         result = GenerationResult()
-        serving = _Serving(scheduler, runner, runtime, store, result)
+        serving = _Serving(engine, runtime, result)
         requests: list[_Request] = []
         try:
             for index, prompt in enumerate(prompts):
@@ -481,7 +464,7 @@ class TinyEngramModel:
         speculative_step: int | None,
         drafts: list[int],
     ) -> None:
-        sim, scheduler, result = request.sim, serving.scheduler, serving.result
+        sim, scheduler, result = request.sim, serving.engine.scheduler, serving.result
         # Prefill: the prompt's tokens not in the cache yet, in chunks.
         logits = None
         while sim.computed < prompt_len:
@@ -504,8 +487,7 @@ class TinyEngramModel:
                 # Keep the pending token and the accepted drafts; roll back the rest.
                 keep = scheduler.advance(chunk, accepted)
                 request.kv.length = keep
-                if isinstance(serving.store, RequestHistory):
-                    serving.store.rollback(sim.row, keep)
+                serving.engine.rollback(sim, keep)
                 sim.tokens.append(greedy[accepted])
             else:
                 chunk = scheduler.chunk(sim, 1)
@@ -520,32 +502,8 @@ class TinyEngramModel:
     def _step(self, serving: _Serving, request: _Request, chunk: Chunk, kind: str) -> torch.Tensor:
         """One engine step: ``chunk`` of ``request`` as a runner step, through the adapter
         into the runtime's plan, then the backbone; returns the chunk's logits."""
-        sim, runtime, store = request.sim, serving.runtime, serving.store
-        for started in serving.scheduler.started:  # a ring per request, seeded past a hit
-            if isinstance(store, RequestHistory):
-                before, dead = lookback_of(
-                    started, started.computed, self.config.max_ngram_size - 1
-                )
-                known = [t for t in before if t >= 0]
-                store.seed(
-                    started.row,
-                    started.computed,
-                    self.token_map.compress(known),
-                    dead[: len(known)],
-                )
-        serving.scheduler.started = []
-        step = Step(len(serving.result.steps), [chunk])
-        lookback: tuple[np.ndarray, np.ndarray] | None = None
-        if store is None:  # lookback ids only: the N-1 tokens before the chunk
-            ids, dead_ids = lookback_of(sim, chunk.start, self.config.max_ngram_size - 1)
-            lookback = (np.array([ids], dtype=np.int64), np.array([dead_ids], dtype=bool))
-        engine_step = serving.runner.express([step], lookback, self.device)
-        batch = from_vllm_step(
-            **engine_step, cache=store if isinstance(store, SlotHashCache) else None
-        )
-        if isinstance(store, RequestHistory):
-            batch.request_slots = torch.tensor([sim.row], dtype=torch.int32, device=self.device)
-        runtime.plan(batch)
+        sim, runtime = request.sim, serving.runtime
+        runtime.plan(serving.engine.batch(chunk))
         gates: list[torch.Tensor] = []
         fns = {}
         for index, block in enumerate(self.lm_config.engram_layer_ids):
@@ -722,7 +680,17 @@ def load_model(
     packed = [read_table(tables, config, i, token_map=token_map) for i in range(config.n_layers)]
     sample = artifacts.load_sample(checked("heldout_sample"))
     model = TinyEngramModel(
-        lm, baseline, config, vocab, token_map, stores, heads, packed, sample, data["training"], dev
+        lm=lm,
+        baseline=baseline,
+        config=config,
+        vocab=vocab,
+        token_map=token_map,
+        stores=stores,
+        heads=heads,
+        packed_tables=packed,
+        sample=sample,
+        record=data["training"],
+        device=dev,
     )
     if baseline_wide is not None:
         model.baselines["baseline_wide"] = baseline_wide

@@ -334,6 +334,71 @@ class TrainResult:
     last_heldout: float | None = None
 
 
+def _optimizers(
+    model: TinyLM, tables: Sequence[EngramTable], settings: TrainSettings
+) -> tuple[torch.optim.Optimizer, SparseRowAdam | None]:
+    """AdamW for the dense weights, :class:`SparseRowAdam` for the tables (None without)."""
+    decay: list[torch.nn.Parameter] = []
+    no_decay: list[torch.nn.Parameter] = []
+    # Weight decay on the projection matrices and the embedding only: not on norm
+    # weights (the gate's q_weight/k_weight are [hc, D] norm weights) nor on the
+    # hyper-connections' read/mix/write weights.
+    for pname, param in model.named_parameters():
+        matrix = param.dim() == 2 and not pname.endswith((".mix", "q_weight", "k_weight"))
+        (decay if matrix else no_decay).append(param)
+    dense = torch.optim.AdamW(
+        [
+            {"params": decay, "weight_decay": settings.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ],
+        lr=settings.lr,
+        betas=(0.9, 0.95),
+    )
+    sparse = (
+        SparseRowAdam([t.weight for t in tables], lr=settings.table_lr, betas=(0.9, 0.99))
+        if tables
+        else None
+    )
+    return dense, sparse
+
+
+def _train_step(
+    model: TinyLM,
+    rows_of: RowsOf,
+    optimizers: tuple[torch.optim.Optimizer, SparseRowAdam | None],
+    train_tokens: torch.Tensor,
+    train_row_ids: torch.Tensor | None,
+    index: torch.Tensor,
+    *,
+    lr_factor: float,
+    settings: TrainSettings,
+) -> torch.Tensor:
+    """One optimiser step on the windows ``index`` ``[B, S+1]``; returns the loss (on the
+    device, not read)."""
+    dense, sparse = optimizers
+    for group in dense.param_groups:
+        group["lr"] = settings.lr * lr_factor
+    if sparse is not None:
+        for group in sparse.param_groups:
+            group["lr"] = settings.table_lr * lr_factor
+    window = train_tokens[index]
+    inputs, targets = window[:, :-1], window[:, 1:]
+    fns = {}
+    if train_row_ids is not None:
+        fns = engram_fns(model, rows_of, train_row_ids[index[:, :-1]])
+    with _autocast(train_tokens.device):
+        logits = model(inputs, engram=fns)
+    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_([p for g in dense.param_groups for p in g["params"]], 1.0)
+    dense.step()
+    if sparse is not None:
+        sparse.step()
+        sparse.zero_grad(set_to_none=True)
+    dense.zero_grad(set_to_none=True)
+    return loss
+
+
 def train_model(
     name: str,
     model: TinyLM,
@@ -371,27 +436,7 @@ def train_model(
     windows = OnePassWindows(
         int(train_tokens.shape[0]), settings.seq_len, settings.batch_size, settings.seed, device
     )
-    decay: list[torch.nn.Parameter] = []
-    no_decay: list[torch.nn.Parameter] = []
-    # Weight decay on the projection matrices and the embedding only: not on norm
-    # weights (the gate's q_weight/k_weight are [hc, D] norm weights) nor on the
-    # hyper-connections' read/mix/write weights.
-    for pname, param in model.named_parameters():
-        matrix = param.dim() == 2 and not pname.endswith((".mix", "q_weight", "k_weight"))
-        (decay if matrix else no_decay).append(param)
-    dense = torch.optim.AdamW(
-        [
-            {"params": decay, "weight_decay": settings.weight_decay},
-            {"params": no_decay, "weight_decay": 0.0},
-        ],
-        lr=settings.lr,
-        betas=(0.9, 0.95),
-    )
-    sparse = (
-        SparseRowAdam([t.weight for t in tables], lr=settings.table_lr, betas=(0.9, 0.99))
-        if tables
-        else None
-    )
+    dense, sparse = _optimizers(model, tables, settings)
     # The schedule's length and the step to stop at: both ``steps`` when given; with
     # a budget, the schedule is fixed after the probe and the stop is its end (or the
     # hard stop); the baseline gets the Engram model's schedule and stop.
@@ -435,29 +480,16 @@ def train_model(
         if budget_s is not None and step > 0 and elapsed > 1.1 * budget_s:
             settings.say(f"{name}: hard stop at step {step} ({elapsed:.0f} s)")
             break
-        warmup = min(100, max(1, (total or 1000) // 10))
-        factor = _lr_factor(step, warmup, total or 10**9)
-        for group in dense.param_groups:
-            group["lr"] = settings.lr * factor
-        if sparse is not None:
-            for group in sparse.param_groups:
-                group["lr"] = settings.table_lr * factor
-        index = windows.batch(step)  # [B, S+1]
-        window = train_tokens[index]
-        inputs, targets = window[:, :-1], window[:, 1:]
-        fns = {}
-        if train_row_ids is not None:
-            fns = engram_fns(model, rows_of, train_row_ids[index[:, :-1]])
-        with _autocast(device):
-            logits = model(inputs, engram=fns)
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_([p for g in dense.param_groups for p in g["params"]], 1.0)
-        dense.step()
-        if sparse is not None:
-            sparse.step()
-            sparse.zero_grad(set_to_none=True)
-        dense.zero_grad(set_to_none=True)
+        loss = _train_step(
+            model,
+            rows_of,
+            (dense, sparse),
+            train_tokens,
+            train_row_ids,
+            windows.batch(step),
+            lr_factor=_lr_factor(step, min(100, max(1, (total or 1000) // 10)), total or 10**9),
+            settings=settings,
+        )
         losses.append(loss.detach())
         step += 1
         if validate is not None and step % settings.eval_every == 0:
