@@ -41,14 +41,10 @@ class RowIdMaker(Protocol):
         out_dtype: the ids' dtype, ``torch.int32`` or ``torch.int64``.
     """
 
-    @property
-    def n_layers(self) -> int: ...
-    @property
-    def num_cols(self) -> int: ...
-    @property
-    def device(self) -> torch.device: ...
-    @property
-    def out_dtype(self) -> torch.dtype: ...
+    n_layers: int
+    num_cols: int
+    device: torch.device
+    out_dtype: torch.dtype
 
     def __call__(
         self,
@@ -75,16 +71,11 @@ class LayerHead(Protocol):
         device: where it computes (the source's device).
     """
 
-    @property
-    def hidden_size(self) -> int: ...
-    @property
-    def hc_mult(self) -> int: ...
-    @property
-    def head_dim(self) -> int: ...
-    @property
-    def num_cols(self) -> int: ...
-    @property
-    def device(self) -> torch.device: ...
+    hidden_size: int
+    hc_mult: int
+    head_dim: int
+    num_cols: int
+    device: torch.device
 
     def compute(
         self,

@@ -152,6 +152,8 @@ class NgramHasher:
     ) -> None:
         mapping = token_map if isinstance(token_map, np.ndarray) else token_map.map
         self.consts = consts
+        self.n_layers = consts.n_layers  # L, the Engram layers hashed in one launch
+        self.num_cols = consts.n_cols  # C, hash columns per layer
         self.device = resolve_device(device)
         self.backend = resolve_backend(backend, self.device)
         self.validate = validate
@@ -206,16 +208,6 @@ class NgramHasher:
         token_map = token_map or TokenMap.from_tokenizer_file()
         consts = HashConstants.from_config(config, token_map, seed)
         return cls(consts, token_map, device, **kwargs)  # type: ignore[arg-type]
-
-    @property
-    def num_cols(self) -> int:
-        """``C``, hash columns per layer."""
-        return self.consts.n_cols
-
-    @property
-    def n_layers(self) -> int:
-        """``L``, the Engram layers hashed in one launch."""
-        return self.consts.n_layers
 
     def __call__(
         self,

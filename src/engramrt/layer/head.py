@@ -124,7 +124,14 @@ class EngramHead(nn.Module):
                 fresh = weight.to(self.device).contiguous()
                 setattr(self, name, nn.Parameter(fresh, requires_grad=False))
 
-    def forward(
+    def forward(self, hidden: torch.Tensor, rows: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        """:meth:`compute` after checking ``hidden`` ``[T, hc, D]`` and ``rows`` ``[T, C, E]``
+        (contiguous bf16) on the host when :attr:`validate`."""
+        if self.validate:
+            self._check(hidden, rows)
+        return self.compute(hidden, rows, *args, **kwargs)
+
+    def compute(
         self,
         hidden: torch.Tensor,
         rows: torch.Tensor,
@@ -134,7 +141,9 @@ class EngramHead(nn.Module):
         kv_out: torch.Tensor | None = None,
         return_kv: bool = False,
     ) -> Any:
-        """``out [T, hc, D]`` bf16 = gate(hidden, wkv(rows)).
+        """``out [T, hc, D]`` bf16 = gate(hidden, wkv(rows)), for callers that checked
+        ``hidden`` and ``rows`` already (the layer; :meth:`forward` checks them); the gate
+        still checks its own arguments when :attr:`validate`.
 
         Args:
             hidden: ``[T, hc, D]`` hidden streams (bf16; fp16/fp32 accepted), contiguous.
@@ -149,22 +158,6 @@ class EngramHead(nn.Module):
         Returns:
             ``out`` (or a new tensor), or ``(out, kv)``.
         """
-        if self.validate:
-            self._check(hidden, rows)
-        return self.compute(hidden, rows, token_mask, out=out, kv_out=kv_out, return_kv=return_kv)
-
-    def compute(
-        self,
-        hidden: torch.Tensor,
-        rows: torch.Tensor,
-        token_mask: torch.Tensor | None = None,
-        *,
-        out: torch.Tensor | None = None,
-        kv_out: torch.Tensor | None = None,
-        return_kv: bool = False,
-    ) -> Any:
-        """:meth:`forward` for callers that checked ``hidden`` and ``rows`` already
-        (the layer); the gate still checks its own arguments when :attr:`validate`."""
         num_tokens = rows.shape[0]
         kv = self.wkv(rows.view(num_tokens, self.num_cols * self.head_dim), out=kv_out)
         result = engram_gate(

@@ -58,7 +58,7 @@ from engramrt.layer.head import EngramHead
 from engramrt.protocols import LayerHead
 from engramrt.source import PendingRows, RowSource
 
-__all__ = ["EngramLayer", "pair_head_with_source"]
+__all__ = ["EngramLayer", "check_hidden", "pair_head_with_source"]
 
 _ID_DTYPES = (torch.int32, torch.int64)
 
@@ -101,6 +101,31 @@ def pair_head_with_source(
             f"rank's column shard (engramrt.exchange) instead of the shard's store"
         )
     return head
+
+
+def check_hidden(
+    hidden: torch.Tensor, head: LayerHead, local: int, num_tokens: int, *, where: str
+) -> None:
+    """``hidden`` is ``[local, hc, D]`` on the head's device, for a step of ``num_tokens``
+    row-id tokens of which this rank holds ``local``; ``where`` names the caller in
+    the errors (``"the layer"``, ``"Engram layer 1"``)."""
+    if not isinstance(hidden, torch.Tensor):
+        raise ValidationError(f"hidden is a {type(hidden).__name__}; expected a tensor")
+    expected = [local, head.hc_mult, head.hidden_size]
+    if list(hidden.shape) != expected:
+        tokens = (
+            f"T = {num_tokens} row-id tokens"
+            if local == num_tokens
+            else f"local_tokens({num_tokens}) = {local} tokens of this rank"
+        )
+        raise ValidationError(
+            f"hidden has shape {list(hidden.shape)}; expected {expected} ({tokens}, hc, D) "
+            f"for {where}"
+        )
+    if hidden.device != head.device:
+        raise ValidationError(
+            f"hidden is on {hidden.device}; expected {where}'s device {head.device}"
+        )
 
 
 class EngramLayer(nn.Module):
@@ -262,7 +287,7 @@ class EngramLayer(nn.Module):
             )
         local = self.source.local_tokens(num_tokens)
         if self.validate:
-            self._check_hidden(hidden, local, num_tokens)
+            check_hidden(hidden, self.head, local, num_tokens, where="the layer")
         if row_ids is not None:
             self._start(row_ids, num_tokens, None)
         pending, self._pending = self._pending, None
@@ -296,24 +321,6 @@ class EngramLayer(nn.Module):
                 f"{self.max_tokens} (the size its staging buffers were built for)"
             )
         return num_tokens
-
-    def _check_hidden(self, hidden: torch.Tensor, local: int, num_tokens: int) -> None:
-        if not isinstance(hidden, torch.Tensor):
-            raise ValidationError(f"hidden is a {type(hidden).__name__}; expected a tensor")
-        expected = [local, self.head.hc_mult, self.head.hidden_size]
-        if list(hidden.shape) != expected:
-            tokens = (
-                f"T = {num_tokens} row-id tokens"
-                if local == num_tokens
-                else f"source.local_tokens({num_tokens}) = {local} tokens of this rank"
-            )
-            raise ValidationError(
-                f"hidden has shape {list(hidden.shape)}; expected {expected} ({tokens}, hc, D)"
-            )
-        if hidden.device != self.device:
-            raise ValidationError(
-                f"hidden is on {hidden.device}; expected the layer's device {self.device}"
-            )
 
     def extra_repr(self) -> str:
         return f"max_tokens={self.max_tokens}, source={self.source!r}"

@@ -63,7 +63,7 @@ import math
 import shutil
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -238,9 +238,26 @@ def evaluate(
     batch_size: int = 16,
 ) -> float:
     """Mean next-token loss (nats) of ``tokens [M, S]`` (trimmed) over the valid predictions."""
-    model.eval()
     total = torch.zeros((), dtype=torch.float64, device=tokens.device)
     count = 0
+    for chunk, logits in _batched_logits(model, rows_of, tokens, row_ids, batch_size):
+        loss, n = next_token_loss_sum(logits, tokens[chunk], lengths[chunk])
+        total += loss.double()
+        count += n
+    return float(total) / max(count, 1)
+
+
+def _batched_logits(
+    model: TinyLM,
+    rows_of: RowsOf | None,
+    tokens: torch.Tensor,
+    row_ids: torch.Tensor | None,
+    batch_size: int,
+) -> Iterator[tuple[slice, torch.Tensor]]:
+    """``(rows of tokens, logits)`` of ``tokens [M, S]`` in batches of ``batch_size``
+    sequences, the model in eval mode meanwhile (Engram rows from ``rows_of`` and
+    ``row_ids`` unless either is None)."""
+    model.eval()
     for begin in range(0, tokens.shape[0], batch_size):
         chunk = slice(begin, begin + batch_size)
         fns = (
@@ -248,11 +265,8 @@ def evaluate(
         )
         with _autocast(tokens.device):
             logits = model(tokens[chunk], engram=fns)
-        loss, n = next_token_loss_sum(logits, tokens[chunk], lengths[chunk])
-        total += loss.double()
-        count += n
+        yield chunk, logits
     model.train()
-    return float(total) / max(count, 1)
 
 
 def _autocast(device: torch.device) -> Any:
@@ -634,16 +648,9 @@ def token_losses(
     batch_size: int = 16,
 ) -> np.ndarray:
     """``[M, S-1]`` float64 next-token loss of every prediction (NaN where invalid)."""
-    model.eval()
     out = []
     seq = tokens.shape[1]
-    for begin in range(0, tokens.shape[0], batch_size):
-        chunk = slice(begin, begin + batch_size)
-        fns = (
-            {} if rows_of is None or row_ids is None else engram_fns(model, rows_of, row_ids[chunk])
-        )
-        with _autocast(tokens.device):
-            logits = model(tokens[chunk], engram=fns)
+    for chunk, logits in _batched_logits(model, rows_of, tokens, row_ids, batch_size):
         losses = F.cross_entropy(
             logits[:, :-1].reshape(-1, logits.shape[-1]).float(),
             tokens[chunk, 1:].reshape(-1),
@@ -651,7 +658,6 @@ def token_losses(
         ).view(-1, seq - 1)
         valid = torch.arange(1, seq, device=tokens.device)[None, :] < lengths[chunk, None]
         out.append(torch.where(valid, losses.double(), torch.nan).cpu().numpy())
-    model.train()
     return np.concatenate(out) if out else np.zeros((0, seq - 1))
 
 

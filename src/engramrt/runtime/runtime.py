@@ -78,7 +78,7 @@ from torch import nn
 from engramrt.config import EngramConfig
 from engramrt.errors import ValidationError
 from engramrt.hashing.types import HashBatch
-from engramrt.layer.module import pair_head_with_source
+from engramrt.layer.module import check_hidden, pair_head_with_source
 from engramrt.protocols import LayerHead, RowIdMaker
 from engramrt.source import PendingRows, RowSource
 
@@ -615,7 +615,9 @@ class EngramRuntime:
             )
         local = self.sources[index].local_tokens(step.num_tokens)
         if self.validate:
-            self._check_hidden(index, hidden, local, step.num_tokens)
+            check_hidden(
+                hidden, self.heads[index], local, step.num_tokens, where=f"Engram layer {index}"
+            )
         step._ran[index] = True
         rows = step.pending[index].wait()
         while self._planned and self._planned[0].done:
@@ -628,26 +630,6 @@ class EngramRuntime:
             kv_out=self._kv[index][:local],
             return_kv=return_kv,
         )
-
-    def _check_hidden(self, index: int, hidden: torch.Tensor, local: int, num_tokens: int) -> None:
-        head = self.heads[index]
-        if not isinstance(hidden, torch.Tensor):
-            raise ValidationError(f"hidden is a {type(hidden).__name__}; expected a tensor")
-        expected = [local, head.hc_mult, head.hidden_size]
-        if list(hidden.shape) != expected:
-            tokens = (
-                f"T = {num_tokens} tokens of the planned step"
-                if local == num_tokens
-                else f"local_tokens({num_tokens}) = {local} tokens of this rank"
-            )
-            raise ValidationError(
-                f"hidden has shape {list(hidden.shape)}; expected {expected} ({tokens}, hc, D) "
-                f"for Engram layer {index}"
-            )
-        if hidden.device != self.device:
-            raise ValidationError(
-                f"hidden is on {hidden.device}; expected the runtime's device {self.device}"
-            )
 
     @property
     def pending_steps(self) -> int:
