@@ -163,17 +163,21 @@ def run_model_demo(
         chunk, block = _schedule(len(prompt_a))
         cut = (len(prompt_a) // 2) // block * block
         prompt_b = prompt_a[:cut] + model.encode(SECOND_REQUEST_SUFFIX)[1:]
+
+        def serve(served_model: Any, history_mode: str) -> Any:  # both requests, one schedule
+            return served_model.generate(
+                [prompt_a, prompt_b],
+                max_new_tokens,
+                history=history_mode,
+                chunk_size=chunk,
+                block_size=block,
+            )
+
         with stages.stage(
             f"generating {max_new_tokens} tokens for each of 2 requests through EngramRuntime "
             f"(tier {tier}, history {history})"
         ):
-            result = model.generate(
-                [prompt_a, prompt_b],
-                max_new_tokens,
-                history=history,
-                chunk_size=chunk,
-                block_size=block,
-            )
+            result = serve(model, history)
         with stages.stage("the eager reference: one full forward per request"):
             references = [
                 model.reference_check(p, tokens)
@@ -194,13 +198,7 @@ def run_model_demo(
                 token_map=model.token_map,
                 disk_dir=Path(scratch) / "b" if other_tier == "disk" else None,
             )
-            again = other.generate(
-                [prompt_a, prompt_b],
-                max_new_tokens,
-                history=other_history,
-                chunk_size=chunk,
-                block_size=block,
-            )
+            again = serve(other, other_history)
 
         recorded = model.record["heldout"]
         recorded_sample = recorded.get("sample_losses", {})
