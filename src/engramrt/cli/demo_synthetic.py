@@ -208,12 +208,12 @@ def run_synthetic(
 ) -> None:
     """Stream a text (``None``: :data:`DEFAULT_TEXT`) through Engram like an engine would
     and check every step; write the chart to ``plot`` when given."""
+    from engramrt.cli._checks import check_output_path
     from engramrt.cli._console import console
     from engramrt.cli._stages import Stages
+    from engramrt.errors import EngramError
 
     if plot is not None:
-        from engramrt.cli._checks import check_output_path
-
         check_output_path("--plot", plot)
     stages = Stages(console)
     stages.say(
@@ -221,32 +221,6 @@ def run_synthetic(
         f"with {'rows from ' + str(checkpoint) if checkpoint else 'synthetic rows'}, random "
         f"weights and random hidden states, each step checked against its reference"
     )
-    _run_synthetic(
-        stages=stages,
-        config=config,
-        text=text,
-        device=device,
-        plot=plot,
-        checkpoint=checkpoint,
-        tier=tier,
-        cache_mib=cache_mib,
-    )
-
-
-def _run_synthetic(
-    *,
-    stages: Any,
-    config: str,
-    text: str | None,
-    device: str,
-    plot: Path | None,
-    checkpoint: Path | None,
-    tier: str,
-    cache_mib: float,
-) -> None:
-    from engramrt.cli._console import console
-    from engramrt.errors import EngramError
-
     if not 0 <= cache_mib < 2**40:
         raise EngramError(f"--cache-mib={cache_mib}; expected a finite size in MiB >= 0")
     if tier == "disk":
@@ -426,6 +400,7 @@ def _stores(cfg: Any, checkpoint: Path | None, tier: str, dev: Any, cache_mib: f
     cache when ``cache_mib`` > 0."""
     from engramrt.lookup.tiers import SyntheticRowStore
 
+    stores: list[Any]
     if checkpoint is not None:
         from engramrt.checkpoint import load_table
 
@@ -438,14 +413,9 @@ def _stores(cfg: Any, checkpoint: Path | None, tier: str, dev: Any, cache_mib: f
             for li, n in enumerate(cfg.num_embeddings)
         ]
     if cache_mib > 0:
-        from engramrt.cache import CachedRowStore
+        from engramrt.cache import cached_stores
 
-        stores = [
-            CachedRowStore(
-                store, int(cache_mib * 2**20), n_heads=cfg.n_heads, layer_id=cfg.layer_ids[li]
-            )
-            for li, store in enumerate(stores)
-        ]
+        stores = cached_stores(stores, cfg, int(cache_mib * 2**20))
     return stores
 
 

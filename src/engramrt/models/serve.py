@@ -668,14 +668,9 @@ def load_model(
         **store_options,
     )
     if cache_mib > 0:
-        from engramrt.cache import CachedRowStore
+        from engramrt.cache import cached_stores
 
-        stores = [
-            CachedRowStore(
-                store, int(cache_mib * 2**20), n_heads=config.n_heads, layer_id=config.layer_ids[i]
-            )
-            for i, store in enumerate(stores)
-        ]
+        stores = cached_stores(stores, config, int(cache_mib * 2**20))
     heads = [EngramHead(config, device=dev, backend=head_backend) for _ in config.layer_ids]
     packed = [read_table(tables, config, i, token_map=token_map) for i in range(config.n_layers)]
     sample = artifacts.load_sample(checked("heldout_sample"))
