@@ -436,15 +436,25 @@ class TinyEngramModel:
                     request.gates[:hit] = donor.gates[:hit]
                 result.prefix_hit_tokens.append(hit)
                 requests.append(request)
-                self._serve(
-                    serving,
-                    request,
+
+                def next_tokens(chunk: Chunk, kind: str, r: _Request = request) -> list[int]:
+                    return self._greedy(self._step(serving, r, chunk, kind))
+
+                def truncate(keep: int, r: _Request = request) -> None:
+                    r.kv.length = keep  # the rejected drafts' keys and values are stale
+
+                accepted, rejected = serving.engine.serve(
+                    sim,
                     len(prompt),
                     max_new_tokens,
-                    chunk_size,
-                    speculative_step if index == 0 else None,
-                    drafts,
+                    next_tokens,
+                    chunk_size=chunk_size,
+                    speculative_step=speculative_step if index == 0 else None,
+                    drafts=drafts,
+                    truncate=truncate,
                 )
+                result.accepted_drafts += accepted
+                result.rejected_drafts += rejected
                 scheduler.finish(sim)
                 result.tokens.append(sim.tokens[len(prompt) :])
                 result.gates.append(request.gates[: len(sim.tokens) - 1].copy())
@@ -453,51 +463,6 @@ class TinyEngramModel:
         finally:
             runtime.close()
         return result
-
-    def _serve(
-        self,
-        serving: _Serving,
-        request: _Request,
-        prompt_len: int,
-        max_new_tokens: int,
-        chunk_size: int,
-        speculative_step: int | None,
-        drafts: list[int],
-    ) -> None:
-        sim, scheduler, result = request.sim, serving.engine.scheduler, serving.result
-        # Prefill: the prompt's tokens not in the cache yet, in chunks.
-        logits = None
-        while sim.computed < prompt_len:
-            chunk = scheduler.chunk(sim, min(chunk_size, prompt_len - sim.computed))
-            logits = self._step(serving, request, chunk, "prefill")
-            scheduler.advance(chunk)
-        assert logits is not None
-        sim.tokens.append(self._greedy(logits[-1:])[0])
-        sim.dead.append(False)
-        decode_index = 0
-        while len(sim.tokens) - prompt_len < max_new_tokens:
-            if decode_index == speculative_step:
-                chunk = scheduler.chunk(sim, 0, drafts)  # the pending token, then the drafts
-                greedy = self._greedy(self._step(serving, request, chunk, "verify"))
-                accepted = 0
-                while accepted < len(drafts) and greedy[accepted] == drafts[accepted]:
-                    accepted += 1
-                result.accepted_drafts += accepted
-                result.rejected_drafts += len(drafts) - accepted
-                # Keep the pending token and the accepted drafts; roll back the rest.
-                keep = scheduler.advance(chunk, accepted)
-                request.kv.length = keep
-                serving.engine.rollback(sim, keep)
-                sim.tokens.append(greedy[accepted])
-            else:
-                chunk = scheduler.chunk(sim, 1)
-                logits = self._step(serving, request, chunk, "decode")
-                scheduler.advance(chunk)
-                sim.tokens.append(self._greedy(logits[-1:])[0])
-            sim.dead.append(False)
-            decode_index += 1
-        del sim.tokens[prompt_len + max_new_tokens :]
-        del sim.dead[prompt_len + max_new_tokens :]
 
     def _step(self, serving: _Serving, request: _Request, chunk: Chunk, kind: str) -> torch.Tensor:
         """One engine step: ``chunk`` of ``request`` as a runner step, through the adapter

@@ -359,6 +359,65 @@ class VllmEngine:
         rows = [request.row] if isinstance(self.history, RequestHistory) else None
         return adapt(from_vllm_step, engine_step, request_slots=rows)
 
+    def serve(
+        self,
+        request: Request,
+        prompt_len: int,
+        max_new_tokens: int,
+        next_tokens: Callable[[Chunk, str], list[int]],
+        *,
+        chunk_size: int,
+        speculative_step: int | None = None,
+        drafts: Sequence[int] = (),
+        truncate: Callable[[int], None] | None = None,
+    ) -> tuple[int, int]:
+        """Serve an admitted ``request`` until it holds ``max_new_tokens`` generated tokens.
+
+        Its prompt's tokens not in the prefix cache are prefilled in chunks of
+        ``chunk_size``, then one token per decode step; decode step
+        ``speculative_step`` (0-based; None: none) verifies the pending token and
+        ``drafts`` in one step, keeps the drafts greedy decoding agrees with and rolls
+        the rest back: in the scheduler (blocks past the kept tokens given back), in
+        the hash history (:meth:`rollback`) and through ``truncate(kept tokens)`` in
+        the model's own state (its KV cache).
+
+        ``next_tokens(chunk, kind)`` runs one step holding ``chunk`` (``kind``:
+        ``"prefill"``, ``"decode"`` or ``"verify"``) and returns the greedy token
+        after each of the chunk's positions. Returns ``(accepted, rejected)`` drafts.
+        """
+        scheduler, drafts = self.scheduler, list(drafts)
+        after: list[int] = []
+        while request.computed < prompt_len:
+            chunk = scheduler.chunk(request, min(chunk_size, prompt_len - request.computed))
+            after = next_tokens(chunk, "prefill")
+            scheduler.advance(chunk)
+        request.tokens.append(after[-1])
+        request.dead.append(False)
+        accepted = rejected = decode_index = 0
+        while len(request.tokens) - prompt_len < max_new_tokens:
+            if decode_index == speculative_step:
+                chunk = scheduler.chunk(request, 0, drafts)  # the pending token, then the drafts
+                greedy = next_tokens(chunk, "verify")
+                agreed = 0
+                while agreed < len(drafts) and greedy[agreed] == drafts[agreed]:
+                    agreed += 1
+                accepted, rejected = accepted + agreed, rejected + len(drafts) - agreed
+                keep = scheduler.advance(chunk, agreed)  # the pending token and the agreed
+                if truncate is not None:
+                    truncate(keep)
+                self.rollback(request, keep)
+                request.tokens.append(greedy[agreed])
+            else:
+                chunk = scheduler.chunk(request, 1)
+                after = next_tokens(chunk, "decode")
+                scheduler.advance(chunk)
+                request.tokens.append(after[-1])
+            request.dead.append(False)
+            decode_index += 1
+        del request.tokens[prompt_len + max_new_tokens :]
+        del request.dead[prompt_len + max_new_tokens :]
+        return accepted, rejected
+
     def rollback(self, request: Request, keep: int) -> None:
         """Forget request ``request``'s positions from ``keep`` on in a ring (rejected
         drafts); the other histories need nothing (the slots are rewritten)."""
