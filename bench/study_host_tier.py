@@ -142,6 +142,15 @@ def main() -> None:
         finish(args, report, records)
         return
 
+    study_hugepages(src, ids, pinned, dev_rows, line)
+    finish(args, report, records)
+
+
+def study_hugepages(src, ids, pinned, dev_rows, line) -> None:
+    """The gather from the same table in transparent huge pages, and the gather pipelined
+    with the copy to the device, from either table."""
+    rows, u = src.shape[0], ids.shape[0]
+    src_i64, pinned_i64 = src.view(torch.int64), pinned.view(torch.int64)
     # The same table in transparent huge pages (anonymous mmap + MADV_HUGEPAGE).
     import mmap
 
@@ -197,8 +206,6 @@ def main() -> None:
                 u,
             )
         pool.shutdown()
-
-    finish(args, report, records)
 
 
 def study_store(src, rows, ids_dev, line) -> None:

@@ -10,6 +10,7 @@ import pytest
 
 from engramrt.config import PRESETS
 from engramrt.errors import TokenizerError
+from engramrt.hashing.fingerprint import check_fingerprint, fingerprint
 from engramrt.tokenmap import TokenMap, default_tokenizer_path, load_tokenizer
 
 # Characters Rust's char::is_whitespace accepts (the Unicode White_Space
@@ -162,16 +163,17 @@ def test_fingerprint_is_stable_and_computed_from_the_map(token_map: TokenMap, tm
     from engramrt.tokenmap import PROBE_TEXT
 
     cfg = PRESETS["tiny"]
-    first = token_map.fingerprint(cfg)
-    again = TokenMap(
+    first = fingerprint(token_map, cfg)
+    copy = TokenMap(
         token_map.map.copy(),
         token_map.num_compressed,
         token_map.tokenizer_path,
         token_map.tokenizer_sha256,
-    ).fingerprint(cfg)  # computed afresh, not from the per-map memo
+    )
+    again = fingerprint(copy, cfg)  # computed afresh, not from the per-map memo
     built = TokenMap.from_tokenizer_file(cache_dir=tmp_path)
     cached = TokenMap.from_tokenizer_file(cache_dir=tmp_path)  # served from the cache file
-    assert first == again == built.fingerprint(cfg) == cached.fingerprint(cfg)
+    assert first == again == fingerprint(built, cfg) == fingerprint(cached, cfg)
     assert (
         first.tokenizer_sha256 == hashlib.sha256(default_tokenizer_path().read_bytes()).hexdigest()
     )
@@ -179,7 +181,7 @@ def test_fingerprint_is_stable_and_computed_from_the_map(token_map: TokenMap, tm
     assert (first.vocab_size, first.compressed_vocab_size) == (129_280, 99_092)
     assert first.probe_text == PROBE_TEXT
     # Another config keeps the map fields and changes only the probe's row ids.
-    flash = token_map.fingerprint(PRESETS["dsv41-flash"])
+    flash = fingerprint(token_map, PRESETS["dsv41-flash"])
     assert flash.map_sha256 == first.map_sha256 and flash.probe_row_ids != first.probe_row_ids
 
 
@@ -190,60 +192,60 @@ def test_probe_row_ids_match_independent_hashing(token_map: TokenMap, preset: st
     from engramrt.tokenmap import PROBE_TEXT
 
     cfg = PRESETS[preset]
-    fingerprint = token_map.fingerprint(cfg)
+    recorded = fingerprint(token_map, cfg)
     token_ids = load_tokenizer().encode(PROBE_TEXT, add_special_tokens=False).ids
-    assert list(fingerprint.probe_token_ids) == token_ids and len(token_ids) >= cfg.max_ngram_size
+    assert list(recorded.probe_token_ids) == token_ids and len(token_ids) >= cfg.max_ngram_size
     compressed = token_map.map[token_ids]
     by_reference = hash_sequence(compressed, HashConstants.from_config(cfg, token_map))
-    np.testing.assert_array_equal(np.array(fingerprint.probe_row_ids), by_reference)
+    np.testing.assert_array_equal(np.array(recorded.probe_row_ids), by_reference)
     layout = EngramLayout(cfg)
     by_spec = _spec_row_ids(
         [int(c) for c in compressed], layout, int(token_map.map[cfg.pad_token_id])
     )
-    assert np.array(fingerprint.probe_row_ids).tolist() == by_spec
-    assert np.array(fingerprint.probe_row_ids).shape == (len(token_ids), cfg.n_layers, cfg.n_cols)
+    assert np.array(recorded.probe_row_ids).tolist() == by_spec
+    assert np.array(recorded.probe_row_ids).shape == (len(token_ids), cfg.n_layers, cfg.n_cols)
 
 
 def test_swapped_pair_of_compressed_ids_changes_the_fingerprint(token_map: TokenMap) -> None:
     cfg = PRESETS["tiny"]
-    recorded = token_map.fingerprint(cfg)
+    recorded = fingerprint(token_map, cfg)
     probe = recorded.probe_token_ids
     # Two ids the probe uses: the map hash and the probe's row ids both see it.
     a, b = (int(token_map.map[t]) for t in (probe[0], probe[3]))
     swapped = _swapped(token_map, a, b)
     assert swapped.num_compressed == token_map.num_compressed
     assert not np.array_equal(swapped.map, token_map.map)
-    in_use = swapped.fingerprint(cfg)
+    in_use = fingerprint(swapped, cfg)
     assert in_use.tokenizer_sha256 == recorded.tokenizer_sha256
     assert in_use.compressed_vocab_size == recorded.compressed_vocab_size
     differences = recorded.differences(in_use)
     assert [line.split(":")[0] for line in differences] == ["map_sha256", "probe_row_ids"]
     assert recorded.map_sha256 in differences[0] and in_use.map_sha256 in differences[0]
     with pytest.raises(TokenizerError) as info:
-        swapped.check_fingerprint(recorded, cfg, where="rows.safetensors")
+        check_fingerprint(swapped, recorded, cfg, where="rows.safetensors")
     message = str(info.value)
     assert "rows.safetensors" in message and "map_sha256" in message and "probe_row_ids" in message
     assert "compressed_vocab_size" not in message  # the size agrees: not named as differing
 
     # Two ids the probe does not use: only the map hash catches it.
     unused = sorted(set(range(token_map.num_compressed)) - {int(token_map.map[t]) for t in probe})
-    far = _swapped(token_map, unused[0], unused[-1]).fingerprint(cfg)
+    far = fingerprint(_swapped(token_map, unused[0], unused[-1]), cfg)
     assert far.probe_row_ids == recorded.probe_row_ids
     assert [line.split(":")[0] for line in recorded.differences(far)] == ["map_sha256"]
 
     # The control: the same map passes, whatever its file hash says.
-    token_map.check_fingerprint(recorded, cfg, where="rows.safetensors")
+    check_fingerprint(token_map, recorded, cfg, where="rows.safetensors")
     renamed = TokenMap(
         token_map.map.copy(), token_map.num_compressed, token_map.tokenizer_path, "0" * 64
     )
-    renamed.check_fingerprint(recorded, cfg, where="rows.safetensors")
+    check_fingerprint(renamed, recorded, cfg, where="rows.safetensors")
 
 
 def test_fingerprint_round_trips_and_refuses_malformed_records(token_map: TokenMap) -> None:
     from engramrt.tokenmap import TokenMapFingerprint
 
-    fingerprint = token_map.fingerprint(PRESETS["tiny"])
-    assert TokenMapFingerprint.from_dict(fingerprint.to_dict()) == fingerprint
+    recorded = fingerprint(token_map, PRESETS["tiny"])
+    assert TokenMapFingerprint.from_dict(recorded.to_dict()) == recorded
     for field, value, needle in [
         ("map_sha256", 5, "map_sha256 = 5; expected a str"),
         ("vocab_size", True, "vocab_size = True; expected a int"),
@@ -251,7 +253,7 @@ def test_fingerprint_round_trips_and_refuses_malformed_records(token_map: TokenM
         ("probe_row_ids", [[1, 2]], "expected [19, L, C]"),
         ("probe_token_ids", ["a"], "probe_token_ids = ['a']"),
     ]:
-        record = fingerprint.to_dict()
+        record = recorded.to_dict()
         record[field] = value
         with pytest.raises(TokenizerError, match=re.escape(needle)):
             TokenMapFingerprint.from_dict(record)

@@ -48,6 +48,7 @@ if TYPE_CHECKING:
     )
     from engramrt.lookup import lookup_rows
     from engramrt.lookup.tiers import RowStore, make_store
+    from engramrt.protocols import LayerHead, RowIdMaker
     from engramrt.quant import dequantize_rows, quantize_rows
     from engramrt.runtime import EngramRuntime
     from engramrt.source import PendingRows, RowSource
@@ -58,6 +59,7 @@ _LAZY: dict[str, str] = {
     # hashing (SPEC §4-5)
     "HashBatch": "engramrt.hashing:HashBatch",
     "NgramHasher": "engramrt.hashing:NgramHasher",
+    "RowIdMaker": "engramrt.protocols:RowIdMaker",
     "RequestHistory": "engramrt.hashing:RequestHistory",
     "SlotHashCache": "engramrt.hashing:SlotHashCache",
     # rows (SPEC §6-7): row sources, storage tiers, the hot-row cache, exchanges
@@ -78,6 +80,7 @@ _LAZY: dict[str, str] = {
     "engram_gate": "engramrt.gate:engram_gate",
     # modules and the engine-facing runtime (SPEC §8)
     "EngramHead": "engramrt.layer:EngramHead",
+    "LayerHead": "engramrt.protocols:LayerHead",
     "EngramLayer": "engramrt.layer:EngramLayer",
     "EngramRuntime": "engramrt.runtime:EngramRuntime",
 }
@@ -99,10 +102,12 @@ __all__ = [
     "EngramLayout",
     "EngramRuntime",
     "HashBatch",
+    "LayerHead",
     "LayoutError",
     "NgramHasher",
     "PendingRows",
     "RequestHistory",
+    "RowIdMaker",
     "RowSource",
     "RowStore",
     "SequenceParallelExchange",

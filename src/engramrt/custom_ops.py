@@ -62,7 +62,8 @@ import copy
 import torch
 
 from engramrt.errors import ValidationError
-from engramrt.hashing import HashBatch, RequestHistory, SlotHashCache
+from engramrt.hashing.history import RequestHistory, SlotHashCache
+from engramrt.hashing.types import HashBatch
 from engramrt.runtime import EngramRuntime, runtime_from_handle
 
 __all__ = [
@@ -84,12 +85,27 @@ __all__ = [
 # lowering of functionalised operators).
 
 
+_COMMON_FIELDS = (
+    "input_ids",
+    "positions",
+    "query_start_loc",
+    "dead_mask",
+    "lookback_token_ids",
+    "lookback_dead",
+)
+"""The :class:`HashBatch` fields every plan operator takes first, in this order."""
+
+
 def _plan(
     handle: int,
-    history_slots: torch.Tensor | None,
-    history_tags: torch.Tensor | None,
+    common: tuple[torch.Tensor | None, ...],
+    history_slots: torch.Tensor | None = None,
+    history_tags: torch.Tensor | None = None,
     **fields: torch.Tensor | None,
 ) -> torch.Tensor:
+    """``runtime.plan`` of the batch of ``common`` (:data:`_COMMON_FIELDS`) and ``fields``,
+    over the history tensors given (None: the runtime's history as it is)."""
+    fields.update(zip(_COMMON_FIELDS, common, strict=True))
     runtime = runtime_from_handle(handle)
     history = runtime.history
     if history_slots is not None:
@@ -128,17 +144,8 @@ def plan_step(
     """``runtime.plan`` of a batch whose history comes from lookback ids (or none), by
     the runtime with ``handle``; returns a copy of the row ids ``[T, L, C]``. The
     fields are :class:`HashBatch`'s."""
-    return _plan(
-        handle,
-        None,
-        None,
-        input_ids=input_ids,
-        positions=positions,
-        query_start_loc=query_start_loc,
-        dead_mask=dead_mask,
-        lookback_token_ids=lookback_token_ids,
-        lookback_dead=lookback_dead,
-    )
+    common = (input_ids, positions, query_start_loc, dead_mask, lookback_token_ids, lookback_dead)
+    return _plan(handle, common)
 
 
 @plan_step.register_fake
@@ -162,19 +169,8 @@ def plan_step_slot_cache(
 ) -> torch.Tensor:
     """:func:`plan_step` with a :class:`SlotHashCache`: ``history_slots`` is the cache's
     ``slots`` (the runtime's cache gives the block size), updated in place."""
-    return _plan(
-        handle,
-        history_slots,
-        None,
-        input_ids=input_ids,
-        positions=positions,
-        query_start_loc=query_start_loc,
-        dead_mask=dead_mask,
-        lookback_token_ids=lookback_token_ids,
-        lookback_dead=lookback_dead,
-        slot_mapping=slot_mapping,
-        block_table=block_table,
-    )
+    common = (input_ids, positions, query_start_loc, dead_mask, lookback_token_ids, lookback_dead)
+    return _plan(handle, common, history_slots, slot_mapping=slot_mapping, block_table=block_table)
 
 
 @plan_step_slot_cache.register_fake
@@ -200,18 +196,8 @@ def plan_step_request_history(
 ) -> torch.Tensor:
     """:func:`plan_step` with a :class:`RequestHistory`: ``history_slots`` and
     ``history_tags`` are its ``slots`` and ``tags``, updated in place."""
-    return _plan(
-        handle,
-        history_slots,
-        history_tags,
-        input_ids=input_ids,
-        positions=positions,
-        query_start_loc=query_start_loc,
-        dead_mask=dead_mask,
-        lookback_token_ids=lookback_token_ids,
-        lookback_dead=lookback_dead,
-        request_slots=request_slots,
-    )
+    common = (input_ids, positions, query_start_loc, dead_mask, lookback_token_ids, lookback_dead)
+    return _plan(handle, common, history_slots, history_tags, request_slots=request_slots)
 
 
 @plan_step_request_history.register_fake
@@ -226,14 +212,7 @@ def plan(runtime: EngramRuntime, batch: HashBatch) -> torch.Tensor:
     if not isinstance(runtime, EngramRuntime):
         raise ValidationError(f"runtime is a {type(runtime).__name__}; expected an EngramRuntime")
     history = runtime.history
-    common = (
-        batch.input_ids,
-        batch.positions,
-        batch.query_start_loc,
-        batch.dead_mask,
-        batch.lookback_token_ids,
-        batch.lookback_dead,
-    )
+    common = tuple(getattr(batch, name) for name in _COMMON_FIELDS)
     if isinstance(history, SlotHashCache):
         if batch.slot_mapping is None or batch.block_table is None:
             raise ValidationError(

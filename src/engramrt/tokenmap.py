@@ -14,7 +14,9 @@ A tokenizer revision can keep the number of compressed ids and still change
 the map, which changes every hash silently. :class:`TokenMapFingerprint`
 pins what the rows of a table were hashed with (the hash contract):
 converted checkpoints record it and loading compares it with the map in use
-(see :mod:`engramrt.checkpoint.metadata`).
+(see :mod:`engramrt.checkpoint.metadata`). Computing one hashes a probe, so
+it lives above both the map and the hash, in
+:mod:`engramrt.hashing.fingerprint`; this module imports no hashing.
 """
 
 from __future__ import annotations
@@ -52,7 +54,6 @@ __all__ = [
     "default_tokenizer_path",
     "load_tokenizer",
     "make_normalizer",
-    "token_key",
 ]
 
 # Bump when the map's definition changes, so old cache files are not used.
@@ -132,12 +133,6 @@ def make_normalizer() -> Any:
             normalizers.Replace(_SENTINEL, " "),
         ]
     )
-
-
-def token_key(tokenizer: Tokenizer, token_id: int, normalizer: Any | None = None) -> str:
-    """The string that decides the compressed id of ``token_id``."""
-    text = tokenizer.decode([token_id], skip_special_tokens=False)
-    return _key_of(tokenizer, token_id, text, normalizer or make_normalizer())
 
 
 def _key_of(tokenizer: Tokenizer, token_id: int, text: str, normalizer: Any) -> str:
@@ -357,7 +352,6 @@ class TokenMap:
         self.num_compressed = int(num_compressed)
         self.tokenizer_path = tokenizer_path
         self.tokenizer_sha256 = tokenizer_sha256
-        self._fingerprints: dict[tuple[EngramConfig, str], TokenMapFingerprint] = {}
 
     @property
     def vocab_size(self) -> int:
@@ -419,94 +413,6 @@ class TokenMap:
     def map_sha256(self) -> str:
         """SHA-256 of :attr:`map` as little-endian int64 bytes."""
         return _sha256_array(self.map)
-
-    def fingerprint(
-        self, config: EngramConfig, *, probe_text: str = PROBE_TEXT
-    ) -> TokenMapFingerprint:
-        """The fingerprint of this map and ``config``'s layout (cached per config and probe).
-
-        Encodes ``probe_text`` with the tokenizer at :attr:`tokenizer_path`
-        and hashes it with :func:`engramrt.hashing.hash_sequence`, the
-        reference that defines the row ids.
-
-        Raises:
-            TokenizerError: the map does not fit ``config`` (see :meth:`check_config`).
-        """
-        key = (config, probe_text)
-        cached = self._fingerprints.get(key)
-        if cached is not None:
-            return cached
-        # The probe pins the hash end to end, so the map reaches up to the
-        # hashing reference here; imported on use, so the map stays lean.
-        from engramrt.hashing.reference import hash_sequence
-        from engramrt.hashing.types import HashConstants
-        from engramrt.layout import EngramLayout
-
-        consts = HashConstants.from_layout(EngramLayout(config), self.pad_id(config))
-        token_ids = load_tokenizer(self.tokenizer_path).encode(probe_text, add_special_tokens=False)
-        probe_ids = tuple(int(t) for t in token_ids.ids)
-        row_ids = hash_sequence(self.compress(probe_ids), consts)  # [T, L, C] int64
-        result = TokenMapFingerprint(
-            tokenizer_sha256=self.tokenizer_sha256,
-            vocab_size=self.vocab_size,
-            compressed_vocab_size=self.num_compressed,
-            map_sha256=self.map_sha256,
-            probe_text=probe_text,
-            probe_token_ids=probe_ids,
-            probe_row_ids=_nested_tuple(row_ids),
-        )
-        self._fingerprints[key] = result
-        return result
-
-    def check_fingerprint(
-        self, recorded: TokenMapFingerprint, config: EngramConfig, *, where: str
-    ) -> None:
-        """Refuse rows ``recorded`` says were hashed with another map or hash than this one.
-
-        Args:
-            recorded: the fingerprint the rows were written with.
-            config: the config the rows are served with.
-            where: what holds the rows, for the message (a file name).
-
-        Raises:
-            TokenizerError: a field of :attr:`TokenMapFingerprint.COMPARED`
-                differs; the message names each such field with both values.
-        """
-        try:
-            self.check_config(config)
-        except TokenizerError as exc:
-            in_use_map = (self.vocab_size, self.num_compressed, self.map_sha256)
-            if in_use_map == (
-                recorded.vocab_size,
-                recorded.compressed_vocab_size,
-                recorded.map_sha256,
-            ):
-                raise  # the map is the recorded one; the config is what disagrees
-            differences = [
-                f"{name}: {mine:,} vs {theirs:,}"
-                if isinstance(mine, int)
-                else f"{name}: {mine} vs {theirs}"
-                for name, mine, theirs in zip(
-                    ("vocab_size", "compressed_vocab_size", "map_sha256"),
-                    (recorded.vocab_size, recorded.compressed_vocab_size, recorded.map_sha256),
-                    in_use_map,
-                    strict=True,
-                )
-                if mine != theirs
-            ]
-            differences.append(f"probe_row_ids: not computed ({exc})")
-        else:
-            differences = recorded.differences(
-                self.fingerprint(config, probe_text=recorded.probe_text)
-            )
-        if differences:
-            raise TokenizerError(
-                f"{where} was hashed with another token map than the one in use; differing "
-                f"(recorded vs in use): {'; '.join(differences)}. Recorded tokenizer sha256 "
-                f"{recorded.tokenizer_sha256}; in use {self.tokenizer_path} (sha256 "
-                f"{self.tokenizer_sha256}). Load it with the tokenizer it was converted with "
-                f"(token_map=TokenMap.from_tokenizer_file(path)), or convert it again with this one"
-            )
 
     def compress(self, ids: Sequence[int] | np.ndarray) -> np.ndarray:
         """Compressed ids of tokenizer ids (int64); refuses ids outside the tokenizer."""

@@ -20,6 +20,7 @@ from safetensors.torch import save_file
 from engramrt.checkpoint import convert_checkpoint, load_table, load_tables, read_header, read_table
 from engramrt.checkpoint.metadata import META_TOKEN_MAP
 from engramrt.errors import CheckpointError, TokenizerError
+from engramrt.hashing.fingerprint import fingerprint
 from engramrt.layout import EngramLayout
 from engramrt.tokenmap import PROBE_TEXT, TokenMap, TokenMapWarning, load_tokenizer
 
@@ -71,7 +72,7 @@ def converted(tmp_path_factory, tiny, tiny_tables):
 def test_conversion_records_the_fingerprint_of_the_map(converted, tiny, token_map) -> None:
     _src, path, _packed = converted
     recorded = json.loads(read_header(path).metadata[META_TOKEN_MAP])
-    assert recorded == token_map.fingerprint(tiny).to_dict()
+    assert recorded == fingerprint(token_map, tiny).to_dict()
     assert recorded["compressed_vocab_size"] == 99_092
     map_bytes = token_map.map.astype("<i8").tobytes()
     assert recorded["map_sha256"] == hashlib.sha256(map_bytes).hexdigest()

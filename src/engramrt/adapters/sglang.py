@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from engramrt.adapters._checks import (
@@ -279,7 +280,6 @@ def validate_sglang_batch(
         if cache.device != device:
             raise ValidationError(f"the SlotHashCache is on {cache.device}; expected {device}")
 
-    rows = host_values(req_pool_indices)
     if decode:
         seq = host_values(seq_lens)
         if seq is None:
@@ -309,6 +309,30 @@ def validate_sglang_batch(
                 f"extend_seq_lens of the {n_real} real requests add up to {total}; "
                 f"expected num_actual_tokens={num_actual_tokens}"
             )
+    _check_sglang_rows(
+        req_pool_indices,
+        req_to_token,
+        starts,
+        counts,
+        n_real=n_real,
+        max_ngram_size=max_ngram_size,
+        cache=cache,
+    )
+
+
+def _check_sglang_rows(
+    req_pool_indices: torch.Tensor,
+    req_to_token: torch.Tensor,
+    starts: np.ndarray,
+    counts: list[int],
+    *,
+    n_real: int,
+    max_ngram_size: int,
+    cache: SlotHashCache | None,
+) -> None:
+    """The pool-row checks of :func:`validate_sglang_batch`: each real request's chunk fits
+    its row, rows are distinct and inside ``req_to_token``, slots inside the cache."""
+    rows = host_values(req_pool_indices)
     max_context = int(req_to_token.shape[1])
     for r in range(n_real):
         end = int(starts[r]) + int(counts[r])

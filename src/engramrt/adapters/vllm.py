@@ -249,7 +249,36 @@ def validate_vllm_step(
             )
         if cache.device != device:
             raise ValidationError(f"the SlotHashCache is on {cache.device}; expected {device}")
+    _check_vllm_values(
+        query_start_loc,
+        positions,
+        slot_mapping,
+        block_table,
+        t_len=t_len,
+        n_real=n_real,
+        block_size=block_size,
+        num_actual_tokens=num_actual_tokens,
+        pad_slot_id=pad_slot_id,
+        cache=cache,
+        history_window=history_window,
+    )
 
+
+def _check_vllm_values(
+    query_start_loc: torch.Tensor,
+    positions: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_table: torch.Tensor,
+    *,
+    t_len: int,
+    n_real: int,
+    block_size: int,
+    num_actual_tokens: int | None,
+    pad_slot_id: int,
+    cache: SlotHashCache | None,
+    history_window: int | None,
+) -> None:
+    """The value checks of :func:`validate_vllm_step`, on the tensors that live on the CPU."""
     qsl = host_values(query_start_loc)
     if qsl is None:
         return
@@ -301,29 +330,43 @@ def validate_vllm_step(
                     f"{cache.num_slots // block_size} blocks; expected block ids in "
                     f"[0, {cache.num_slots // block_size})"
                 )
-        if slots is None:
-            continue
-        want = table[r, pos[a:b] // block_size] * block_size + pos[a:b] % block_size
-        got = np.full(b - a, -1, dtype=np.int64)  # the adapter extends a short buffer with -1
-        got[: max(0, min(b, slots.shape[0]) - a)] = slots[a:b]
-        unwritten = (got == -1) | (got == pad_slot_id)
-        if (got[~unwritten] < 0).any():
-            i = a + int(np.flatnonzero(~unwritten & (got < 0))[0])
-            raise ValidationError(
-                f"slot_mapping[{i}]={int(slots[i])}; expected -1 (or pad_slot_id="
-                f"{pad_slot_id}) for a token not written, or a slot >= 0"
-            )
-        wrong = (got != want) & ~unwritten
-        if wrong.any():
-            i = a + int(wrong.argmax())
-            raise ValidationError(
-                f"slot_mapping[{i}]={int(slots[i])} but block_table[{r}] with "
-                f"block_size={block_size} puts position {int(pos[i])} at slot "
-                f"{int(want[i - a])}; the table, slot mapping and block size must "
-                f"come from one KV-cache group"
-            )
-        if cache is not None and int(got.max()) >= cache.num_slots:
-            raise ValidationError(
-                f"slot_mapping holds slot {int(got.max())} in request {r}; the SlotHashCache "
-                f"has {cache.num_slots} slots"
-            )
+        if slots is not None:
+            _check_request_slots(r, a, b, pos, table, slots, block_size, pad_slot_id, cache)
+
+
+def _check_request_slots(
+    r: int,
+    a: int,
+    b: int,
+    pos: np.ndarray,
+    table: np.ndarray,
+    slots: np.ndarray,
+    block_size: int,
+    pad_slot_id: int,
+    cache: SlotHashCache | None,
+) -> None:
+    """Request ``r``'s slot mapping (tokens ``a..b-1``) agrees with its block table."""
+    want = table[r, pos[a:b] // block_size] * block_size + pos[a:b] % block_size
+    got = np.full(b - a, -1, dtype=np.int64)  # the adapter extends a short buffer with -1
+    got[: max(0, min(b, slots.shape[0]) - a)] = slots[a:b]
+    unwritten = (got == -1) | (got == pad_slot_id)
+    if (got[~unwritten] < 0).any():
+        i = a + int(np.flatnonzero(~unwritten & (got < 0))[0])
+        raise ValidationError(
+            f"slot_mapping[{i}]={int(slots[i])}; expected -1 (or pad_slot_id="
+            f"{pad_slot_id}) for a token not written, or a slot >= 0"
+        )
+    wrong = (got != want) & ~unwritten
+    if wrong.any():
+        i = a + int(wrong.argmax())
+        raise ValidationError(
+            f"slot_mapping[{i}]={int(slots[i])} but block_table[{r}] with "
+            f"block_size={block_size} puts position {int(pos[i])} at slot "
+            f"{int(want[i - a])}; the table, slot mapping and block size must "
+            f"come from one KV-cache group"
+        )
+    if cache is not None and int(got.max()) >= cache.num_slots:
+        raise ValidationError(
+            f"slot_mapping holds slot {int(got.max())} in request {r}; the SlotHashCache "
+            f"has {cache.num_slots} slots"
+        )

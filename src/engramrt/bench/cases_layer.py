@@ -49,6 +49,7 @@ from engramrt.bench.registry import Case, Inputs, register
 from engramrt.config import PRESETS
 from engramrt.gate import assert_within_tolerance, engram_gate_reference, gate_tolerance
 from engramrt.layer.reference import linear_exact, linear_tolerance
+from engramrt.lookup.synthetic import random_packed_rows
 from engramrt.packed import row_bytes_for, unpack_rows
 from engramrt.quant import dequantize_rows_reference
 
@@ -66,21 +67,6 @@ _BF16 = 2
 _SHARED: dict[str, Any] = {}
 
 
-def _random_packed_rows(
-    num_rows: int, device: torch.device, generator: torch.Generator
-) -> torch.Tensor:
-    """``[num_rows, 264]`` uint8: finite random fp8 values, scale bytes 110..135."""
-    rows = torch.randint(
-        0, 256, (num_rows, ROW_BYTES), dtype=torch.uint8, device=device, generator=generator
-    )
-    values = rows[:, :E]
-    values ^= ((values & 0x7F) == 0x7F).to(torch.uint8)  # NaN codes 0x7F/0xFF -> +-448
-    rows[:, E:] = torch.randint(
-        110, 136, (num_rows, E // 32), dtype=torch.uint8, device=device, generator=generator
-    )
-    return rows
-
-
 def _shared(device: torch.device) -> dict[str, Any]:
     if _SHARED.get("device") == str(device):
         return _SHARED
@@ -93,7 +79,7 @@ def _shared(device: torch.device) -> dict[str, Any]:
     store = make_store("device", num_rows=num_rows, E=E, device=device, backend="triton")
     for start in range(0, num_rows, _FILL_ROWS):
         count = min(_FILL_ROWS, num_rows - start)
-        store.write_rows(start, _random_packed_rows(count, device, generator))
+        store.write_rows(start, random_packed_rows(count, E, device, generator))
     wkv = torch.randn(KV_WIDTH, IN_WIDTH, device=device, generator=generator)
     _SHARED.update(
         device=str(device),

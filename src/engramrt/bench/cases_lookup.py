@@ -147,13 +147,6 @@ def kernel_label(kernel: LookupKernelConfig) -> str:
     return ",".join(parts)
 
 
-def _random_packed_rows(
-    num_rows: int, device: torch.device, generator: torch.Generator
-) -> torch.Tensor:
-    """``[num_rows, 264]`` uint8 on ``device``: finite random rows, scales 110..135."""
-    return random_packed_rows(num_rows, E, device, generator)
-
-
 # One store per tier, kept across the cases of a run (building 8 GiB tables
 # is the slow part); a case with another table size replaces it.
 _STORES: dict[str, tuple[tuple[int, str], Any]] = {}
@@ -191,7 +184,7 @@ def _store(tier: str, num_rows: int, device: torch.device) -> Any:
         store = make_store(tier, num_rows=num_rows, E=E, device=device, backend="triton")
     for start in range(0, num_rows, _FILL_ROWS):  # generated on the GPU, in pieces
         count = min(_FILL_ROWS, num_rows - start)
-        store.write_rows(start, _random_packed_rows(count, device, generator))
+        store.write_rows(start, random_packed_rows(count, E, device, generator))
     if tier == "disk":
         assert isinstance(store, DiskRowStore)
         store.flush()

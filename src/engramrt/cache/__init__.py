@@ -33,7 +33,7 @@ from engramrt.cache.policy import (
 )
 from engramrt.cache.reference import probe_gather_reference
 from engramrt.cache.stats import CacheStats, order_of_column
-from engramrt.cache.store import PHASES, CachedRowStore, CacheUpdate
+from engramrt.cache.store import PHASES, CachedRowStore, CacheUpdate, cached_stores
 
 __all__ = [
     "EMPTY_TAG",
@@ -45,6 +45,7 @@ __all__ = [
     "CacheUpdate",
     "CachedRowStore",
     "SetAssociativeLfu",
+    "cached_stores",
     "mix32",
     "order_of_column",
     "packed_row_reader",

@@ -53,8 +53,9 @@ cache's probes. Tags, bytes and counters change nowhere else, except
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -74,7 +75,10 @@ from engramrt.lookup import check_row_ids_in_shard, lookup_rows
 from engramrt.lookup.settings import DEFAULT_KERNEL, LookupKernelConfig, check_kernel_config
 from engramrt.lookup.tiers import RowStore
 
-__all__ = ["PHASES", "CacheUpdate", "CachedRowStore"]
+if TYPE_CHECKING:
+    from engramrt.config import EngramConfig
+
+__all__ = ["PHASES", "CacheUpdate", "CachedRowStore", "cached_stores"]
 
 FOLD_BATCH = 32
 """Lookups dropped past ``max_pending`` (a cache nobody updates) whose counts are
@@ -622,3 +626,21 @@ class CachedRowStore(RowStore):
             self.row_begin + start, self.row_begin + start + packed.shape[0]
         )
         self._pending.clear()  # their packed rows may be the old bytes
+
+
+def cached_stores(
+    stores: Sequence[RowStore], config: EngramConfig, capacity_bytes: int, **options: Any
+) -> list[CachedRowStore]:
+    """A :class:`CachedRowStore` of ``capacity_bytes`` in front of each Engram layer's store
+    (``stores[i]`` is layer ``config.layer_ids[i]``), with the config's heads per n-gram
+    order; ``options`` go to every cache (``ways``, ``backend``, ...)."""
+    return [
+        CachedRowStore(
+            store,
+            capacity_bytes,
+            n_heads=config.n_heads,
+            layer_id=config.layer_ids[index],
+            **options,
+        )
+        for index, store in enumerate(stores)
+    ]

@@ -56,6 +56,8 @@ from typing import Any
 
 from engramrt.config import EngramConfig
 from engramrt.errors import CheckpointError, TokenizerError
+from engramrt.hashing.fingerprint import check_fingerprint
+from engramrt.hashing.fingerprint import fingerprint as token_map_fingerprint
 from engramrt.tokenmap import TokenMap, TokenMapFingerprint, TokenMapWarning, default_token_map
 
 __all__ = [
@@ -212,7 +214,7 @@ def token_map_metadata(config: EngramConfig, token_map: TokenMap | None) -> dict
             )
             return {}
         token_map = default
-    fingerprint = token_map.fingerprint(config)
+    fingerprint = token_map_fingerprint(token_map, config)
     return {META_TOKEN_MAP: json.dumps(fingerprint.to_dict(), separators=(",", ":"))}
 
 
@@ -265,4 +267,4 @@ def check_token_map(
             continue
         if token_map is None:
             token_map = default_token_map()
-        token_map.check_fingerprint(recorded, config, where=str(file))
+        check_fingerprint(token_map, recorded, config, where=str(file))

@@ -43,6 +43,7 @@ from typing import Any, TypeAlias
 
 import torch
 
+from engramrt._device import resolve_device
 from engramrt.checkpoint.conversion_set import (
     META_CONVERSION_ID,
     ConversionManifest,
@@ -64,7 +65,6 @@ from engramrt.config import EngramConfig, load_config
 from engramrt.errors import CheckpointError, ValidationError
 from engramrt.layout import ColumnShard, EngramLayout
 from engramrt.lookup.tiers import RowStore, choose_tier, tier_class
-from engramrt.lookup.tiers.base import default_compute_device
 from engramrt.packed import pack_rows, row_bytes_for
 from engramrt.tokenmap import TokenMap
 
@@ -773,7 +773,7 @@ def _new_store(
     store_options: Mapping[str, Any],
 ) -> RowStore:
     """An empty store of ``tier`` for ``shard`` (a file-backed tier creates ``disk_path``)."""
-    compute_device = torch.device(device) if device is not None else default_compute_device()
+    compute_device = resolve_device(device)
     if tier == "auto":
         tier = choose_tier(shard.num_rows * row_bytes_for(E), compute_device, disk_path)
     return tier_class(tier).build(

@@ -9,8 +9,9 @@ from __future__ import annotations
 import sys
 
 import typer
-from rich.console import Console
 
+from engramrt.cli._console import console as console
+from engramrt.cli._console import err_console
 from engramrt.errors import EngramError
 
 app = typer.Typer(
@@ -20,9 +21,6 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-
-console = Console()
-err_console = Console(stderr=True)
 
 
 @app.callback()

@@ -78,7 +78,9 @@ def parse_device(option: str, value: str, *, allow_auto: bool = False) -> Any:
 
     choices = "auto, cpu, cuda or cuda:N" if allow_auto else "cpu, cuda or cuda:N"
     if allow_auto and value == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        from engramrt._device import default_compute_device
+
+        return default_compute_device()
     try:
         device = torch.device(value)
     except (RuntimeError, ValueError, TypeError):

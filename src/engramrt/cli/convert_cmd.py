@@ -97,8 +97,8 @@ def _convert(
     )
 
     from engramrt.checkpoint import load_names, plan_conversion, run_conversion
-    from engramrt.cli import console, err_console
     from engramrt.cli._checks import check_tp
+    from engramrt.cli._console import console, err_console
     from engramrt.config import load_config
 
     check_tp("--tp", tp, load_config(_resolve_config(config, src)).n_cols)

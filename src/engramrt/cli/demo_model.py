@@ -118,26 +118,12 @@ def run_model_demo(
     ``training`` (the record), ``plot`` (the chart's absolute path, with
     ``--plot``) and ``seconds``.
     """
-    from engramrt.cli import console, err_console
-    from engramrt.cli._checks import check_output_path
+    from engramrt.cli._console import console, err_console
     from engramrt.cli._stages import Stages
-    from engramrt.errors import EngramError, ValidationError
+    from engramrt.errors import EngramError
 
     began = time.perf_counter()
-    if not 4 <= max_new_tokens <= 512:
-        raise EngramError(
-            f"--max-new-tokens={max_new_tokens}; expected 4 to 512 (a speculative step with "
-            f"two drafts runs among the decode steps)"
-        )
-    if not 0 <= cache_mib < 2**40:
-        raise EngramError(f"--cache-mib={cache_mib}; expected a finite size in MiB >= 0")
-    if plot is not None:
-        check_output_path("--plot", plot)
-    if model_dir is not None and not (Path(model_dir) / "model.json").is_file():
-        raise EngramError(
-            f"--model={str(model_dir)!r} holds no model.json (or does not exist); expected a "
-            f"directory written by python -m engramrt.models.train"
-        )
+    _check_options(max_new_tokens, cache_mib, plot, model_dir)
     stages = Stages(err_console if as_json else console)
     sequences = "the whole shipped held-out sample" if full_eval else "a held-out sample"
     stages.say(
@@ -177,17 +163,21 @@ def run_model_demo(
         chunk, block = _schedule(len(prompt_a))
         cut = (len(prompt_a) // 2) // block * block
         prompt_b = prompt_a[:cut] + model.encode(SECOND_REQUEST_SUFFIX)[1:]
+
+        def serve(served_model: Any, history_mode: str) -> Any:  # both requests, one schedule
+            return served_model.generate(
+                [prompt_a, prompt_b],
+                max_new_tokens,
+                history=history_mode,
+                chunk_size=chunk,
+                block_size=block,
+            )
+
         with stages.stage(
             f"generating {max_new_tokens} tokens for each of 2 requests through EngramRuntime "
             f"(tier {tier}, history {history})"
         ):
-            result = model.generate(
-                [prompt_a, prompt_b],
-                max_new_tokens,
-                history=history,
-                chunk_size=chunk,
-                block_size=block,
-            )
+            result = serve(model, history)
         with stages.stage("the eager reference: one full forward per request"):
             references = [
                 model.reference_check(p, tokens)
@@ -208,38 +198,112 @@ def run_model_demo(
                 token_map=model.token_map,
                 disk_dir=Path(scratch) / "b" if other_tier == "disk" else None,
             )
-            again = other.generate(
-                [prompt_a, prompt_b],
-                max_new_tokens,
-                history=other_history,
-                chunk_size=chunk,
-                block_size=block,
-            )
+            again = serve(other, other_history)
 
-        record = model.record
-        recorded = record["heldout"]
+        recorded = model.record["heldout"]
         recorded_sample = recorded.get("sample_losses", {})
-        count = (
-            model.sample.num_sequences
-            if full_eval
-            else min(QUICK_SEQUENCES, model.sample.num_sequences)
-        )
-        part = model.sample.subset(range(count))
-        here: dict[str, float] = {}
-        for name in recorded_sample:
-            if name in NOT_SERVED:
-                continue
-            with stages.stage(
-                f"held-out loss of {name} on {count} of {model.sample.num_sequences} sample "
-                f"sequences ({part.num_predictions:,} predictions)"
-            ):
-                try:
-                    here[name] = model.evaluate(part, model=SERVED_AS.get(name, name))
-                except ValidationError:  # a model of the record this loader does not load
-                    continue
+        here, part = _heldout_here(model, stages, recorded_sample, full_eval)
+        count = part.num_sequences
 
+    checks = _served_checks(
+        result,
+        again=again,
+        references=references,
+        placements=((tier, history), (other_tier, other_history)),
+        chunk=chunk,
+        block=block,
+    )
+    checks += _loss_checks(recorded, recorded_sample, here, count=count, full_eval=full_eval)
+
+    sequence = prompt_a + result.tokens[0]
+    gates = np.asarray(result.gates[0])  # [positions, L]
+    layer_ids = list(model.lm_config.engram_layer_ids)
+    pieces = [model.decode([t]) for t in sequence[: gates.shape[0]]]
+    out = _report(
+        model,
+        directory=directory,
+        placement=(tier, history, str(dev)),
+        prompts=(prompt_text, prompt_a, prompt_b),
+        result=result,
+        checks=checks,
+        heldout=(here, count, part.num_predictions, full_eval),
+        gates=(layer_ids, pieces, gates),
+    )
+    if plot is not None:
+        with stages.stage("writing the gate chart"):
+            _write_gate_chart(plot, pieces, gates, layer_ids, len(prompt_a))
+        out["plot"] = str(plot.resolve())
+    out["seconds"] = round(time.perf_counter() - began, 1)
+    if as_json:
+        print(json.dumps(out, ensure_ascii=False))
+    else:
+        _print_tables(out, gates, pieces, len(prompt_a))
+    return out
+
+
+def _check_options(
+    max_new_tokens: int, cache_mib: float, plot: Path | None, model_dir: Path | None
+) -> None:
+    """Refuse the demo's options that cannot run, naming the flag."""
+    from engramrt.cli._checks import check_output_path
+    from engramrt.errors import EngramError
+
+    if not 4 <= max_new_tokens <= 512:
+        raise EngramError(
+            f"--max-new-tokens={max_new_tokens}; expected 4 to 512 (a speculative step with "
+            f"two drafts runs among the decode steps)"
+        )
+    if not 0 <= cache_mib < 2**40:
+        raise EngramError(f"--cache-mib={cache_mib}; expected a finite size in MiB >= 0")
+    if plot is not None:
+        check_output_path("--plot", plot)
+    if model_dir is not None and not (Path(model_dir) / "model.json").is_file():
+        raise EngramError(
+            f"--model={str(model_dir)!r} holds no model.json (or does not exist); expected a "
+            f"directory written by python -m engramrt.models.train"
+        )
+
+
+def _heldout_here(
+    model: Any, stages: Any, recorded_sample: dict[str, Any], full_eval: bool
+) -> tuple[dict[str, float], Any]:
+    """The held-out loss, on this machine, of every served model the record holds a sample
+    loss for, on the whole shipped sample (``full_eval``) or its first sequences; returns
+    ``({name: loss}, the sequences evaluated)``."""
+    from engramrt.errors import ValidationError
+
+    sample = model.sample
+    count = sample.num_sequences if full_eval else min(QUICK_SEQUENCES, sample.num_sequences)
+    part = sample.subset(range(count))
+    here: dict[str, float] = {}
+    for name in recorded_sample:
+        if name in NOT_SERVED:
+            continue
+        with stages.stage(
+            f"held-out loss of {name} on {count} of {sample.num_sequences} sample "
+            f"sequences ({part.num_predictions:,} predictions)"
+        ):
+            try:
+                here[name] = model.evaluate(part, model=SERVED_AS.get(name, name))
+            except ValidationError:  # a model of the record this loader does not load
+                continue
+    return here, part
+
+
+def _served_checks(
+    result: Any,
+    *,
+    again: Any,
+    references: list[Any],
+    placements: tuple[tuple[str, str], tuple[str, str]],
+    chunk: int,
+    block: int,
+) -> list[dict[str, Any]]:
+    """The checks of the served tokens: against the eager reference, a second placement,
+    and that the schedule did what an engine does."""
+    (tier, history), (other_tier, other_history) = placements
     kinds = [s["kind"] for s in result.steps]
-    checks = [
+    return [
         _check(
             "runtime_matches_eager_reference",
             result.tokens == [r.tokens for r in references],
@@ -266,6 +330,18 @@ def run_model_demo(
             f"{kinds.count('decode')} decode steps",
         ),
     ]
+
+
+def _loss_checks(
+    recorded: dict[str, Any],
+    recorded_sample: dict[str, Any],
+    here: dict[str, float],
+    *,
+    count: int,
+    full_eval: bool,
+) -> list[dict[str, Any]]:
+    """The held-out losses reproduced (``full_eval``) and the fp8 tables' recorded cost."""
+    checks: list[dict[str, Any]] = []
     if full_eval:
         for name, got in here.items():
             want = float(recorded_sample[name])
@@ -288,16 +364,34 @@ def run_model_demo(
             f"{recorded['predictions']:,} predictions)",
         )
     )
+    return checks
 
-    sequence = prompt_a + result.tokens[0]
-    gates = np.asarray(result.gates[0])  # [positions, L]
-    layer_ids = list(model.lm_config.engram_layer_ids)
-    pieces = [model.decode([t]) for t in sequence[: gates.shape[0]]]
-    generated_text = model.decode(result.tokens[0])
+
+def _report(
+    model: Any,
+    *,
+    directory: Path,
+    placement: tuple[str, str, str],
+    prompts: tuple[str, list[int], list[int]],
+    result: Any,
+    checks: list[dict[str, Any]],
+    heldout: tuple[dict[str, float], int, int, bool],
+    gates: tuple[list[int], list[str], Any],
+) -> dict[str, Any]:
+    """The demo's JSON object (see :func:`run_model_demo`), less ``plot`` and ``seconds``."""
+    import numpy as np
+
+    tier, history, device = placement
+    prompt_text, prompt_a, prompt_b = prompts
+    here, count, predictions, full_eval = heldout
+    layer_ids, pieces, gate_values = gates
+    record = model.record
+    recorded = record["heldout"]
+    recorded_sample = recorded.get("sample_losses", {})
     corpus = record["corpus"]
     losses = {name: float(value) for name, value in recorded["losses"].items()}
     trained = [name for name in losses if isinstance(record.get(name), dict)]  # per-model records
-    out: dict[str, Any] = {
+    return {
         "model": str(directory),
         "data": {
             "real": "tokenizer (DeepSeek-V4), token map, hashing, the trained weights and fp8 "
@@ -307,9 +401,9 @@ def run_model_demo(
         },
         "tier": tier,
         "history": history,
-        "device": str(dev),
+        "device": device,
         "prompt": prompt_text,
-        "generated_text": generated_text,
+        "generated_text": model.decode(result.tokens[0]),
         "requests": [
             {
                 "prompt_tokens": len(p),
@@ -327,14 +421,14 @@ def run_model_demo(
         "heldout_here": {
             "sequences": count,
             "sample_sequences": model.sample.num_sequences,
-            "predictions": part.num_predictions,
+            "predictions": predictions,
             "checked_against_record": full_eval,
         },
         "heldout_sample_recorded": {k: float(v) for k, v in recorded_sample.items()},
         "gates": {
             "layers": layer_ids,
             "tokens": pieces,
-            "values": np.round(gates, 4).tolist(),
+            "values": np.round(gate_values, 4).tolist(),
         },
         "training": {
             "corpus": corpus,
@@ -346,16 +440,6 @@ def run_model_demo(
             "heldout_predictions": recorded["predictions"],
         },
     }
-    if plot is not None:
-        with stages.stage("writing the gate chart"):
-            _write_gate_chart(plot, pieces, gates, layer_ids, len(prompt_a))
-        out["plot"] = str(plot.resolve())
-    out["seconds"] = round(time.perf_counter() - began, 1)
-    if as_json:
-        print(json.dumps(out, ensure_ascii=False))
-    else:
-        _print_tables(out, gates, pieces, len(prompt_a))
-    return out
 
 
 @contextlib.contextmanager
@@ -392,7 +476,7 @@ def _print_tables(out: dict[str, Any], gates: Any, pieces: list[str], prompt_len
     from rich.table import Table
     from rich.text import Text
 
-    from engramrt.cli import console
+    from engramrt.cli._console import console
 
     training = out["training"]
     console.print(
@@ -457,7 +541,7 @@ def print_losses(out: dict[str, Any]) -> None:
     which is lowest, in words."""
     from rich.table import Table
 
-    from engramrt.cli import console
+    from engramrt.cli._console import console
 
     recorded = out["heldout_loss"]
     sample = out["heldout_sample_recorded"]

@@ -208,12 +208,12 @@ def run_synthetic(
 ) -> None:
     """Stream a text (``None``: :data:`DEFAULT_TEXT`) through Engram like an engine would
     and check every step; write the chart to ``plot`` when given."""
-    from engramrt.cli import console
+    from engramrt.cli._checks import check_output_path
+    from engramrt.cli._console import console
     from engramrt.cli._stages import Stages
+    from engramrt.errors import EngramError
 
     if plot is not None:
-        from engramrt.cli._checks import check_output_path
-
         check_output_path("--plot", plot)
     stages = Stages(console)
     stages.say(
@@ -221,32 +221,6 @@ def run_synthetic(
         f"with {'rows from ' + str(checkpoint) if checkpoint else 'synthetic rows'}, random "
         f"weights and random hidden states, each step checked against its reference"
     )
-    _run_synthetic(
-        stages=stages,
-        config=config,
-        text=text,
-        device=device,
-        plot=plot,
-        checkpoint=checkpoint,
-        tier=tier,
-        cache_mib=cache_mib,
-    )
-
-
-def _run_synthetic(
-    *,
-    stages: Any,
-    config: str,
-    text: str | None,
-    device: str,
-    plot: Path | None,
-    checkpoint: Path | None,
-    tier: str,
-    cache_mib: float,
-) -> None:
-    from engramrt.cli import console
-    from engramrt.errors import EngramError
-
     if not 0 <= cache_mib < 2**40:
         raise EngramError(f"--cache-mib={cache_mib}; expected a finite size in MiB >= 0")
     if tier == "disk":
@@ -264,10 +238,9 @@ def _run_synthetic(
         from engramrt.config import load_config
         from engramrt.gate import gate_values_reference
         from engramrt.hashing import HashBatch, HashConstants, NgramHasher
-        from engramrt.layer import EngramHead, EngramLayer
+        from engramrt.layer import EngramLayer
         from engramrt.layout import EngramLayout
-        from engramrt.lookup.tiers import SyntheticRowStore
-        from engramrt.plan import memory_plan
+        from engramrt.testing.model import random_heads
         from engramrt.tokenmap import TokenMap, load_tokenizer
 
         dev = parse_device("--device", device, allow_auto=True)
@@ -296,87 +269,17 @@ def _run_synthetic(
         f"tokenizer, its token map, the hashing and the {cfg.name} layout"
     )
 
-    comp = token_map.compress(token_ids)
-    sharing = np.bincount(token_map.map, minlength=token_map.num_compressed)
-    first = Table(
-        title="first tokens: compressed ids merge case and space variants", title_justify="left"
-    )
-    for name in ("pos", "token", "id", "compressed", "ids sharing it"):
-        first.add_column(name, justify="right")
-    for p in range(min(12, token_ids.size)):
-        piece = tokenizer.decode([int(token_ids[p])])
-        first.add_row(str(p), repr(piece), str(token_ids[p]), str(comp[p]), str(sharing[comp[p]]))
-    console.print(first)
-
     row_ids = hasher(HashBatch.single(token_ids, device=dev)).to(torch.int64).cpu().numpy()
-    repeats, seen = [], set()
-    for p in range(2, token_ids.size):
-        for q in range(1, p):
-            pair = (int(token_ids[p - 1]), int(token_ids[p]))
-            if (
-                comp[p] == comp[q]
-                and comp[p - 1] == comp[q - 1]
-                and token_ids[p - 1] != token_ids[q - 1]
-                and pair not in seen
-            ):
-                seen.add(pair)
-                same = bool(
-                    np.array_equal(row_ids[p, :, : cfg.n_heads], row_ids[q, :, : cfg.n_heads])
-                )
-                repeats.append((q, p, same))
-                break
-    variants = Table(
-        title="bigrams that differ in case or spacing share their 2-gram rows",
-        title_justify="left",
-    )
-    for name in ("bigram", "earlier", "same rows"):
-        variants.add_column(name)
-    for q, p, same in repeats[:6]:
-        variants.add_row(
-            repr(tokenizer.decode([int(token_ids[p - 1]), int(token_ids[p])])),
-            repr(tokenizer.decode([int(token_ids[q - 1]), int(token_ids[q])])),
-            "yes" if same else "[red]NO[/]",
-        )
-    console.print(variants)
+    repeats = _print_compressed_ids(tokenizer, token_map, token_ids, row_ids, cfg.n_heads)
 
     # Rows from a synthetic table (computed from the row ids) or a checkpoint,
     # optionally behind a hot-row cache; Engram layers with a random wkv
     # (D capped at 1024 to stay quick on a CPU) and random hidden states:
     # every stage against its reference.
     t_len, hc, dim = int(token_ids.size), cfg.hc_mult, min(cfg.hidden_size, 1024)
-    if checkpoint is not None:
-        from engramrt.checkpoint import load_table
-
-        stores = [
-            load_table(checkpoint, cfg, li, tier=tier, device=dev) for li in range(cfg.n_layers)
-        ]
-    else:
-        stores = [
-            SyntheticRowStore(n, cfg.head_dim, device=dev, seed=li)
-            for li, n in enumerate(cfg.num_embeddings)
-        ]
-    if cache_mib > 0:
-        from engramrt.cache import CachedRowStore
-
-        stores = [
-            CachedRowStore(
-                store, int(cache_mib * 2**20), n_heads=cfg.n_heads, layer_id=cfg.layer_ids[li]
-            )
-            for li, store in enumerate(stores)
-        ]
-    head_cfg = cfg.replace(hidden_size=dim)
+    stores = _stores(cfg, checkpoint, tier, dev, cache_mib)
+    heads = random_heads(cfg.replace(hidden_size=dim), dev, seed=0)
     gen = torch.Generator().manual_seed(0)
-    heads = []
-    for _ in range(cfg.n_layers):
-        head = EngramHead(head_cfg, device=dev)
-        head.load_weights(
-            wkv=(
-                torch.randn((hc + 1) * dim, cfg.n_cols * cfg.head_dim, generator=gen) / 64
-            ).bfloat16(),
-            q_weight=(1 + 0.1 * torch.randn(hc, dim, generator=gen)).bfloat16(),
-            k_weight=(1 + 0.1 * torch.randn(hc, dim, generator=gen)).bfloat16(),
-        )
-        heads.append(head)
     hidden = torch.randn(t_len, hc, dim, generator=gen).bfloat16().to(dev)
     steps, runtime = _stream_checked(hasher, stores, heads, hidden, token_ids, token_map, consts)
     cache_stats = runtime.cache_stats() if cache_mib > 0 else []
@@ -410,6 +313,118 @@ def _run_synthetic(
         checks.add_row(s["step"], str(s["tokens"]), "yes" if s["ok"] else "[red]NO[/]")
     console.print(checks)
 
+    _print_cache_hits(cache_stats, cache_mib)
+
+    batch = HashBatch.single(token_ids, device=dev)
+    _print_timing(
+        [
+            ("hash ids", lambda: hasher(batch)),
+            (
+                "lookup, both layers" + (" (through the cache)" if cache_mib > 0 else ""),
+                lambda: [st.lookup(ids_dev[:, li]) for li, st in enumerate(stores)],
+            ),
+            (
+                f"Engram layer {cfg.layer_ids[0]}, whole text (D={dim})",
+                lambda: whole(hidden, ids_dev[:, 0]),
+            ),
+        ],
+        dev,
+        t_len,
+    )
+
+    _print_memory_plan(cfg, layout)
+    if plot is not None:
+        _write_chart(plot, tokenizer, token_ids, row_ids[:, 0], cfg, gates)
+        console.print(f"chart: {plot.resolve()}")
+    failed = [s["step"] for s in steps if not s["ok"]]
+    if failed or not all(same for *_, same in repeats):
+        console.print(f"[bold red]FAILED[/]: {failed}")
+        raise SystemExit(1)
+    console.print(f"[bold green]all {len(steps)} checks passed[/]")
+
+
+def _print_compressed_ids(
+    tokenizer: Any, token_map: Any, token_ids: Any, row_ids: Any, n_heads: int
+) -> list[tuple[int, int, bool]]:
+    """Print the first tokens' compressed ids and the bigrams that differ only in case or
+    spacing; returns those bigrams ``(earlier, later, same 2-gram rows)``."""
+    import numpy as np
+    from rich.table import Table
+
+    from engramrt.cli._console import console
+
+    comp = token_map.compress(token_ids)
+    sharing = np.bincount(token_map.map, minlength=token_map.num_compressed)
+    first = Table(
+        title="first tokens: compressed ids merge case and space variants", title_justify="left"
+    )
+    for name in ("pos", "token", "id", "compressed", "ids sharing it"):
+        first.add_column(name, justify="right")
+    for p in range(min(12, token_ids.size)):
+        piece = tokenizer.decode([int(token_ids[p])])
+        first.add_row(str(p), repr(piece), str(token_ids[p]), str(comp[p]), str(sharing[comp[p]]))
+    console.print(first)
+
+    repeats, seen = [], set()
+    for p in range(2, token_ids.size):
+        for q in range(1, p):
+            pair = (int(token_ids[p - 1]), int(token_ids[p]))
+            if (
+                comp[p] == comp[q]
+                and comp[p - 1] == comp[q - 1]
+                and token_ids[p - 1] != token_ids[q - 1]
+                and pair not in seen
+            ):
+                seen.add(pair)
+                same = bool(np.array_equal(row_ids[p, :, :n_heads], row_ids[q, :, :n_heads]))
+                repeats.append((q, p, same))
+                break
+    variants = Table(
+        title="bigrams that differ in case or spacing share their 2-gram rows",
+        title_justify="left",
+    )
+    for name in ("bigram", "earlier", "same rows"):
+        variants.add_column(name)
+    for q, p, same in repeats[:6]:
+        variants.add_row(
+            repr(tokenizer.decode([int(token_ids[p - 1]), int(token_ids[p])])),
+            repr(tokenizer.decode([int(token_ids[q - 1]), int(token_ids[q])])),
+            "yes" if same else "[red]NO[/]",
+        )
+    console.print(variants)
+    return repeats
+
+
+def _stores(cfg: Any, checkpoint: Path | None, tier: str, dev: Any, cache_mib: float) -> list[Any]:
+    """Each layer's rows: a checkpoint's (on ``tier``) or a synthetic table, behind a hot-row
+    cache when ``cache_mib`` > 0."""
+    from engramrt.lookup.tiers import SyntheticRowStore
+
+    stores: list[Any]
+    if checkpoint is not None:
+        from engramrt.checkpoint import load_table
+
+        stores = [
+            load_table(checkpoint, cfg, li, tier=tier, device=dev) for li in range(cfg.n_layers)
+        ]
+    else:
+        stores = [
+            SyntheticRowStore(n, cfg.head_dim, device=dev, seed=li)
+            for li, n in enumerate(cfg.num_embeddings)
+        ]
+    if cache_mib > 0:
+        from engramrt.cache import cached_stores
+
+        stores = cached_stores(stores, cfg, int(cache_mib * 2**20))
+    return stores
+
+
+def _print_cache_hits(cache_stats: list[Any], cache_mib: float) -> None:
+    """The hot-row cache's hits over the stream, per layer and n-gram order."""
+    from rich.table import Table
+
+    from engramrt.cli._console import console
+
     if cache_stats:
         hits = Table(
             title=f"hot-row cache ({cache_mib:g} MiB per layer) over the stream, by n-gram order",
@@ -429,23 +444,20 @@ def _run_synthetic(
                 )
         console.print(hits)
 
+
+def _print_timing(stages: list[tuple[str, Any]], dev: Any, t_len: int) -> None:
+    """Median of 20 timed calls of each ``(label, fn)``."""
+    import torch
+    from rich.table import Table
+
+    from engramrt.cli._console import console
+
     timing = Table(
         title=f"per-stage time on {dev} ({t_len} tokens, median of 20)", title_justify="left"
     )
     timing.add_column("stage")
     timing.add_column("ms", justify="right")
-    batch = HashBatch.single(token_ids, device=dev)
-    for label, fn in (
-        ("hash ids", lambda: hasher(batch)),
-        (
-            "lookup, both layers" + (" (through the cache)" if cache_mib > 0 else ""),
-            lambda: [st.lookup(ids_dev[:, li]) for li, st in enumerate(stores)],
-        ),
-        (
-            f"Engram layer {cfg.layer_ids[0]}, whole text (D={dim})",
-            lambda: whole(hidden, ids_dev[:, 0]),
-        ),
-    ):
+    for label, fn in stages:
         times = []
         for _ in range(20):
             start = time.perf_counter()
@@ -455,6 +467,14 @@ def _run_synthetic(
             times.append((time.perf_counter() - start) * 1e3)
         timing.add_row(label, f"{sorted(times)[10]:.3f}")
     console.print(timing)
+
+
+def _print_memory_plan(cfg: Any, layout: Any) -> None:
+    """Memory per placement of the config's tables, for the tensor-parallel sizes that fit."""
+    from rich.table import Table
+
+    from engramrt.cli._console import console
+    from engramrt.plan import memory_plan
 
     plan = Table(title=f"memory plan for {cfg.name} tables", title_justify="left")
     for name in ("tp", "GPU / rank", "host / node", "disk / node"):
@@ -468,11 +488,3 @@ def _run_synthetic(
             f"{disk.disk_bytes_per_node / 2**30:.1f} GiB",
         )
     console.print(plan)
-    if plot is not None:
-        _write_chart(plot, tokenizer, token_ids, row_ids[:, 0], cfg, gates)
-        console.print(f"chart: {plot.resolve()}")
-    failed = [s["step"] for s in steps if not s["ok"]]
-    if failed or not all(same for *_, same in repeats):
-        console.print(f"[bold red]FAILED[/]: {failed}")
-        raise SystemExit(1)
-    console.print(f"[bold green]all {len(steps)} checks passed[/]")

@@ -130,7 +130,7 @@ def register(app: typer.Typer) -> None:
         else:
             from rich.table import Table
 
-            from engramrt.cli import console
+            from engramrt.cli._console import console
 
             table = Table(
                 title=f"row ids, layer {cfg.layer_ids[0]} (first 16 tokens, 2-gram head 0 / 3-gram head 0 / 4-gram head 0)"

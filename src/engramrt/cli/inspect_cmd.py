@@ -17,6 +17,7 @@ def inspect_report(config: str, tokenizer: Path | None, tp: int) -> dict[str, An
     """Everything ``inspect`` prints, as one JSON-able object."""
     from engramrt.cli._checks import check_tp
     from engramrt.config import load_config
+    from engramrt.hashing.fingerprint import fingerprint as token_map_fingerprint
     from engramrt.layout import EngramLayout
     from engramrt.plan import memory_plan, rank_rows
     from engramrt.tokenmap import TokenMap
@@ -26,7 +27,7 @@ def inspect_report(config: str, tokenizer: Path | None, tp: int) -> dict[str, An
     layout = EngramLayout(cfg)
     token_map = TokenMap.from_tokenizer_file(tokenizer)
     pad_id = token_map.pad_id(cfg)
-    fingerprint = token_map.fingerprint(cfg)
+    fingerprint = token_map_fingerprint(token_map, cfg)
     plans = memory_plan(layout, tp)
     return {
         "config": cfg.name,
@@ -80,7 +81,7 @@ def checkpoint_checksums(path: Path) -> list[dict[str, Any]]:
 def _print_report(report: dict[str, Any]) -> None:
     from rich.table import Table
 
-    from engramrt.cli import console
+    from engramrt.cli._console import console
 
     console.print(
         f"[bold]{report['config']}[/]: layers {report['layer_ids']}, N={report['max_ngram_size']}, "

@@ -117,12 +117,14 @@ def inspect_path(path: Path, config: str | None) -> dict[str, Any]:
     }
     import torch
 
+    from engramrt._device import default_compute_device
+
     room = {
         "host": memory.host_available_bytes(),
         "disk": memory.disk_free_bytes(files[0].parent),
     }
     if torch.cuda.is_available():
-        room["device"] = memory.device_free_bytes(torch.device("cuda", torch.cuda.current_device()))
+        room["device"] = memory.device_free_bytes(default_compute_device())
     report["tiers_that_fit"] = {
         tier: {"free_bytes": free, "fits": engram_bytes <= free} for tier, free in room.items()
     }
@@ -134,6 +136,7 @@ def _token_map_check(
 ) -> dict[str, Any]:
     """Per file: whether it records a fingerprint and whether it matches the tokenizer in use."""
     from engramrt.config import load_config
+    from engramrt.hashing.fingerprint import check_fingerprint
     from engramrt.tokenmap import default_token_map
 
     directory = path if path.is_dir() else path.parent
@@ -152,7 +155,7 @@ def _token_map_check(
             result["files"][file.name] = "fingerprint recorded; not checked: no config (--config)"
         else:
             try:
-                default_token_map().check_fingerprint(recorded, cfg, where=file.name)
+                check_fingerprint(default_token_map(), recorded, cfg, where=file.name)
                 result["files"][file.name] = "matches the tokenizer in use"
             except EngramError as exc:
                 result["files"][file.name] = f"does not match: {exc}"
@@ -162,7 +165,7 @@ def _token_map_check(
 def print_path_report(report: dict[str, Any]) -> None:
     from rich.table import Table
 
-    from engramrt.cli import console
+    from engramrt.cli._console import console
     from engramrt.memory import format_bytes
 
     console.print(

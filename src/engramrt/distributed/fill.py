@@ -3,7 +3,7 @@
 A V4.1-Flash layer is 384 M rows of 264 B (94.4 GiB). Written by one thread
 it takes minutes, and on machines that provision memory on first touch the
 first write of each page is the cost. :func:`fill_synthetic_rows` writes
-the rows of :func:`engramrt.lookup.tiers.synthetic.synthetic_packed_rows`
+the rows of :func:`engramrt.lookup.synthetic.synthetic_packed_rows`
 (bytes computed from the row id, bit for bit the same) into a target such
 as the mapping a :class:`~engramrt.distributed.SharedHostTable` hands its
 loader, with ``num_threads`` threads each writing one disjoint, contiguous
@@ -55,7 +55,7 @@ import torch
 
 from engramrt.distributed.shared_table import Loader
 from engramrt.errors import ValidationError
-from engramrt.lookup.tiers.synthetic import _A, _B, _C, _P, synthetic_packed_rows
+from engramrt.lookup.synthetic import _A, _B, _C, _P, synthetic_packed_rows
 from engramrt.packed import row_bytes_for
 
 __all__ = [

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from engramrt.errors import ValidationError
-from engramrt.hashing.types import DEAD, EMPTY, HashBatch, host_array
+from engramrt.hashing.types import DEAD, EMPTY, HashBatch, clamp_token_ids, host_array
 
 __all__ = ["RequestHistory", "SlotHashCache"]
 
@@ -90,8 +90,6 @@ class SlotHashCache:
         """Write the batch's tokens to their slots (what the kernel does in-launch)."""
         if batch.slot_mapping is None:
             raise ValidationError("slot_mapping is required with a SlotHashCache")
-        from engramrt.hashing.reference import clamp_token_ids
-
         qsl = host_array(batch.query_start_loc)
         owned = int(qsl[-1])
         slots = host_array(batch.slot_mapping)[:owned].astype(np.int64)
@@ -108,8 +106,6 @@ class SlotHashCache:
     def _seed_from_lookback(self, batch: HashBatch, token_map: np.ndarray) -> None:
         """Write each chunk's known lookback ids to the slots of their positions
         (a block outside the cache, or a column past the table, is skipped)."""
-        from engramrt.hashing.reference import clamp_token_ids
-
         assert batch.lookback_token_ids is not None and batch.block_table is not None
         qsl = host_array(batch.query_start_loc).astype(np.int64)
         positions = host_array(batch.positions).astype(np.int64)
@@ -277,8 +273,6 @@ class RequestHistory:
     def commit_reference(self, batch: HashBatch, token_map: np.ndarray) -> None:
         """Write the last ``window`` tokens of each chunk (what the commit kernel does);
         a request slot outside ``[0, max_requests)`` is not written."""
-        from engramrt.hashing.reference import clamp_token_ids
-
         if batch.request_slots is None:
             raise ValidationError("request_slots is required with a RequestHistory")
         qsl = host_array(batch.query_start_loc).astype(np.int64)

@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from engramrt._backend import resolve_backend
+from engramrt._device import resolve_device
 from engramrt.errors import ValidationError
 from engramrt.hashing.config import HashKernelConfig, kernel_config_for
 from engramrt.hashing.history import RequestHistory, SlotHashCache
@@ -66,9 +67,9 @@ class NgramHasher:
     ) -> None:
         mapping = token_map if isinstance(token_map, np.ndarray) else token_map.map
         self.consts = consts
-        self.device = torch.device(device)
-        if self.device.type == "cuda" and self.device.index is None:
-            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.n_layers = consts.n_layers  # L, the Engram layers hashed in one launch
+        self.num_cols = consts.n_cols  # C, hash columns per layer
+        self.device = resolve_device(device)
         self.backend = resolve_backend(backend, self.device)
         self.validate = validate
         self.check_ids = check_ids
@@ -122,10 +123,6 @@ class NgramHasher:
         token_map = token_map or TokenMap.from_tokenizer_file()
         consts = HashConstants.from_config(config, token_map, seed)
         return cls(consts, token_map, device, **kwargs)  # type: ignore[arg-type]
-
-    @property
-    def num_cols(self) -> int:
-        return self.consts.n_cols
 
     def __call__(
         self,

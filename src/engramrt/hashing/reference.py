@@ -25,22 +25,19 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from engramrt.hashing.types import DEAD, EMPTY, HashBatch, HashConstants, host_array
+from engramrt.hashing.types import (
+    DEAD,
+    EMPTY,
+    HashBatch,
+    HashConstants,
+    clamp_token_ids,
+    host_array,
+)
 
 if TYPE_CHECKING:
     from engramrt.hashing.history import RequestHistory, SlotHashCache
 
 __all__ = ["clamp_token_ids", "hash_batch_reference", "hash_sequence"]
-
-
-def clamp_token_ids(ids: np.ndarray | int, vocab_size: int) -> np.ndarray:
-    """Token ids clamped into ``[0, vocab_size)``: the rule for ids outside the vocabulary.
-
-    Both backends read the token map at ``min(max(id, 0), V - 1)``, so an
-    unchecked id never reads outside the map (``check_ids`` refuses such ids
-    instead, naming them).
-    """
-    return np.clip(np.asarray(ids, dtype=np.int64), 0, vocab_size - 1)
 
 
 def _hash_values(values: np.ndarray, consts: HashConstants) -> np.ndarray:

@@ -92,8 +92,8 @@ def soak(
             same steps whatever ``width``, so ``scripts/soak 1 --seed S``
             (``count=1, seed=S``) replays schedule S alone.
     """
-    import torch
 
+    from engramrt._device import resolve_device
     from engramrt.config import load_config
     from engramrt.errors import ValidationError
     from engramrt.hashing import HashConstants, NgramHasher
@@ -110,7 +110,7 @@ def soak(
     for mode in chosen:
         if mode not in MODES:
             raise ValidationError(f"mode {mode!r}; expected one of {', '.join(MODES)}")
-    kernel_device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    kernel_device = resolve_device(device)
     token_map = TokenMap.from_tokenizer_file()
     consts = HashConstants.from_config(load_config(config), token_map)
     hashers = {

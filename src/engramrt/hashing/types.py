@@ -13,7 +13,7 @@ if TYPE_CHECKING:
     from engramrt.layout import EngramLayout
     from engramrt.tokenmap import TokenMap
 
-__all__ = ["DEAD", "EMPTY", "HashBatch", "HashConstants", "host_array"]
+__all__ = ["DEAD", "EMPTY", "HashBatch", "HashConstants", "clamp_token_ids", "host_array"]
 
 # Codes a history store holds besides compressed ids (which are >= 0).
 EMPTY = -1  # nothing known about this position: hashes as pad
@@ -147,3 +147,13 @@ class HashConstants:
         """
         packed = np.concatenate([self.multipliers, self.col_primes, self.offsets], axis=1)
         return torch.as_tensor(np.ascontiguousarray(packed), device=device)
+
+
+def clamp_token_ids(ids: np.ndarray | int, vocab_size: int) -> np.ndarray:
+    """Token ids clamped into ``[0, vocab_size)``: the rule for ids outside the vocabulary.
+
+    Both backends read the token map at ``min(max(id, 0), V - 1)``, so an
+    unchecked id never reads outside the map (``check_ids`` refuses such ids
+    instead, naming them).
+    """
+    return np.clip(np.asarray(ids, dtype=np.int64), 0, vocab_size - 1)

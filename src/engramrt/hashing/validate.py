@@ -18,7 +18,7 @@ import torch
 from engramrt.errors import ValidationError
 from engramrt.hashing.types import HashBatch
 
-__all__ = ["check_batch_contents", "check_batch_metadata", "validate_batch"]
+__all__ = ["check_batch_contents", "check_batch_metadata"]
 
 _INT_DTYPES = (torch.int32, torch.int64)
 _INT_NAMES = "torch.int32 or torch.int64"
@@ -206,17 +206,3 @@ def check_batch_contents(
                 f"request_slots holds {int(rs.min())}..{int(rs.max())}; expected slots in "
                 f"[0, {history.max_requests})"
             )
-
-
-def validate_batch(
-    batch: HashBatch,
-    *,
-    vocab_size: int,
-    max_ngram_size: int,
-    history: object | None = None,
-) -> None:
-    """Both halves: :func:`check_batch_metadata`, then :func:`check_batch_contents`."""
-    check_batch_metadata(batch, max_ngram_size=max_ngram_size, history=history)
-    check_batch_contents(
-        batch, vocab_size=vocab_size, max_ngram_size=max_ngram_size, history=history
-    )

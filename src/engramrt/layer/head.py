@@ -14,11 +14,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from engramrt._device import resolve_device
 from engramrt.config import EngramConfig
 from engramrt.errors import CheckpointError, ValidationError
 from engramrt.gate import engram_gate
 from engramrt.layer.linear import EngramLinear
-from engramrt.lookup.tiers.base import default_compute_device
 
 __all__ = ["EngramHead"]
 
@@ -60,11 +60,7 @@ class EngramHead(nn.Module):
             raise ValidationError(
                 f"config is a {type(config).__name__}; expected an EngramConfig (load_config)"
             )
-        if device is None:
-            device = default_compute_device()
-        device = torch.device(device)
-        if device.type == "cuda" and device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
+        device = resolve_device(device)
         self.config = config
         self.device = device
         self.hidden_size = config.hidden_size
@@ -128,7 +124,14 @@ class EngramHead(nn.Module):
                 fresh = weight.to(self.device).contiguous()
                 setattr(self, name, nn.Parameter(fresh, requires_grad=False))
 
-    def forward(
+    def forward(self, hidden: torch.Tensor, rows: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        """:meth:`compute` after checking ``hidden`` ``[T, hc, D]`` and ``rows`` ``[T, C, E]``
+        (contiguous bf16) on the host when :attr:`validate`."""
+        if self.validate:
+            self._check(hidden, rows)
+        return self.compute(hidden, rows, *args, **kwargs)
+
+    def compute(
         self,
         hidden: torch.Tensor,
         rows: torch.Tensor,
@@ -138,7 +141,9 @@ class EngramHead(nn.Module):
         kv_out: torch.Tensor | None = None,
         return_kv: bool = False,
     ) -> Any:
-        """``out [T, hc, D]`` bf16 = gate(hidden, wkv(rows)).
+        """``out [T, hc, D]`` bf16 = gate(hidden, wkv(rows)), for callers that checked
+        ``hidden`` and ``rows`` already (the layer; :meth:`forward` checks them); the gate
+        still checks its own arguments when :attr:`validate`.
 
         Args:
             hidden: ``[T, hc, D]`` hidden streams (bf16; fp16/fp32 accepted), contiguous.
@@ -153,22 +158,6 @@ class EngramHead(nn.Module):
         Returns:
             ``out`` (or a new tensor), or ``(out, kv)``.
         """
-        if self.validate:
-            self._check(hidden, rows)
-        return self.compute(hidden, rows, token_mask, out=out, kv_out=kv_out, return_kv=return_kv)
-
-    def compute(
-        self,
-        hidden: torch.Tensor,
-        rows: torch.Tensor,
-        token_mask: torch.Tensor | None = None,
-        *,
-        out: torch.Tensor | None = None,
-        kv_out: torch.Tensor | None = None,
-        return_kv: bool = False,
-    ) -> Any:
-        """:meth:`forward` for callers that checked ``hidden`` and ``rows`` already
-        (the layer); the gate still checks its own arguments when :attr:`validate`."""
         num_tokens = rows.shape[0]
         kv = self.wkv(rows.view(num_tokens, self.num_cols * self.head_dim), out=kv_out)
         result = engram_gate(

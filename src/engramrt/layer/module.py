@@ -55,35 +55,38 @@ from torch import nn
 from engramrt.config import EngramConfig
 from engramrt.errors import ShardingError, ValidationError
 from engramrt.layer.head import EngramHead
+from engramrt.protocols import LayerHead
 from engramrt.source import PendingRows, RowSource
 
-__all__ = ["EngramLayer", "pair_head_with_source"]
+__all__ = ["EngramLayer", "check_hidden", "pair_head_with_source"]
 
 _ID_DTYPES = (torch.int32, torch.int64)
 
 
 def pair_head_with_source(
-    head: EngramHead | EngramConfig,
+    head: LayerHead | EngramConfig,
     source: RowSource,
     *,
     backend: str = "auto",
     validate: bool = True,
     head_name: str = "head",
     source_name: str = "source",
-) -> EngramHead:
-    """``head`` (an :class:`EngramConfig` builds an unloaded one on the source's device),
+) -> LayerHead:
+    """``head`` (any :class:`~engramrt.protocols.LayerHead`; an :class:`EngramConfig`
+    builds an unloaded :class:`EngramHead`, the default kind, on the source's device),
     checked to compute on what ``source`` writes: the same E, the same device, the
     rows of every hash column. The names go into the errors (``heads[1]``, ...)."""
     if isinstance(head, EngramConfig):
         head = EngramHead(head, device=source.device, backend=backend, validate=validate)
-    if not isinstance(head, EngramHead):
+    if not isinstance(head, LayerHead):
         raise ValidationError(
-            f"{head_name} is a {type(head).__name__}; expected an EngramHead or an EngramConfig"
+            f"{head_name} is a {type(head).__name__}; expected a head (engramrt.protocols."
+            f"LayerHead, e.g. an EngramHead) or an EngramConfig"
         )
     if head.head_dim != source.E:
         raise ValidationError(
-            f"{source_name} holds rows of E={source.E} values; config {head.config.name!r} of "
-            f"{head_name} has head_dim E={head.head_dim}"
+            f"{source_name} holds rows of E={source.E} values; {head_name} has head_dim "
+            f"E={head.head_dim}"
         )
     if head.device != source.device:
         raise ValidationError(
@@ -100,12 +103,38 @@ def pair_head_with_source(
     return head
 
 
+def check_hidden(
+    hidden: torch.Tensor, head: LayerHead, local: int, num_tokens: int, *, where: str
+) -> None:
+    """``hidden`` is ``[local, hc, D]`` on the head's device, for a step of ``num_tokens``
+    row-id tokens of which this rank holds ``local``; ``where`` names the caller in
+    the errors (``"the layer"``, ``"Engram layer 1"``)."""
+    if not isinstance(hidden, torch.Tensor):
+        raise ValidationError(f"hidden is a {type(hidden).__name__}; expected a tensor")
+    expected = [local, head.hc_mult, head.hidden_size]
+    if list(hidden.shape) != expected:
+        tokens = (
+            f"T = {num_tokens} row-id tokens"
+            if local == num_tokens
+            else f"local_tokens({num_tokens}) = {local} tokens of this rank"
+        )
+        raise ValidationError(
+            f"hidden has shape {list(hidden.shape)}; expected {expected} ({tokens}, hc, D) "
+            f"for {where}"
+        )
+    if hidden.device != head.device:
+        raise ValidationError(
+            f"hidden is on {hidden.device}; expected {where}'s device {head.device}"
+        )
+
+
 class EngramLayer(nn.Module):
-    """One Engram layer: rows from a :class:`RowSource`, then an :class:`EngramHead`.
+    """One Engram layer: rows from a :class:`RowSource`, then a head.
 
     Args:
-        head: the layer's :class:`EngramHead`, or an :class:`EngramConfig` to
-            build one (unloaded, on the source's device, with ``backend``).
+        head: the layer's head (a :class:`~engramrt.protocols.LayerHead`, such as
+            an :class:`EngramHead`), or an :class:`EngramConfig` to build an
+            :class:`EngramHead` (unloaded, on the source's device, with ``backend``).
         source: where the rows come from (a store, a cache, an exchange);
             the layer runs on ``source.device``.
         max_tokens: the most tokens ``T`` one step may have (all ranks
@@ -121,7 +150,7 @@ class EngramLayer(nn.Module):
 
     def __init__(
         self,
-        head: EngramHead | EngramConfig,
+        head: LayerHead | EngramConfig,
         source: RowSource,
         *,
         max_tokens: int,
@@ -139,7 +168,6 @@ class EngramLayer(nn.Module):
         head = pair_head_with_source(head, source, backend=backend, validate=validate)
         self.head = head
         self.source = source
-        self.config = head.config
         self.device = source.device
         self.num_cols = head.num_cols
         self.max_tokens = max_tokens
@@ -175,7 +203,7 @@ class EngramLayer(nn.Module):
         return self.source.local_tokens(num_tokens)
 
     def load_weights(self, **weights: Any) -> None:
-        """The head's :meth:`EngramHead.load_weights`."""
+        """The head's ``load_weights`` (:meth:`EngramHead.load_weights` for the default head)."""
         self.head.load_weights(**weights)
 
     # Steps ---------------------------------------------------------------------
@@ -259,7 +287,7 @@ class EngramLayer(nn.Module):
             )
         local = self.source.local_tokens(num_tokens)
         if self.validate:
-            self._check_hidden(hidden, local, num_tokens)
+            check_hidden(hidden, self.head, local, num_tokens, where="the layer")
         if row_ids is not None:
             self._start(row_ids, num_tokens, None)
         pending, self._pending = self._pending, None
@@ -293,24 +321,6 @@ class EngramLayer(nn.Module):
                 f"{self.max_tokens} (the size its staging buffers were built for)"
             )
         return num_tokens
-
-    def _check_hidden(self, hidden: torch.Tensor, local: int, num_tokens: int) -> None:
-        if not isinstance(hidden, torch.Tensor):
-            raise ValidationError(f"hidden is a {type(hidden).__name__}; expected a tensor")
-        expected = [local, self.head.hc_mult, self.head.hidden_size]
-        if list(hidden.shape) != expected:
-            tokens = (
-                f"T = {num_tokens} row-id tokens"
-                if local == num_tokens
-                else f"source.local_tokens({num_tokens}) = {local} tokens of this rank"
-            )
-            raise ValidationError(
-                f"hidden has shape {list(hidden.shape)}; expected {expected} ({tokens}, hc, D)"
-            )
-        if hidden.device != self.device:
-            raise ValidationError(
-                f"hidden is on {hidden.device}; expected the layer's device {self.device}"
-            )
 
     def extra_repr(self) -> str:
         return f"max_tokens={self.max_tokens}, source={self.source!r}"

@@ -134,10 +134,6 @@ class LMConfig:
                 f"expected positive C and E when engram_layer_ids is set"
             )
 
-    @property
-    def has_engram(self) -> bool:
-        return bool(self.engram_layer_ids)
-
     def baseline(self) -> LMConfig:
         """The same backbone without Engram."""
         return dataclasses.replace(self, engram_layer_ids=(), engram_cols=0, engram_head_dim=0)

@@ -54,7 +54,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from engramrt.adapters import from_vllm_step, vllm_slot_cache
+from engramrt._device import resolve_device
 from engramrt.config import EngramConfig
 from engramrt.errors import CheckpointError, ValidationError
 from engramrt.gate import gate_values_reference
@@ -62,8 +62,6 @@ from engramrt.hashing import (
     HashBatch,
     HashConstants,
     NgramHasher,
-    RequestHistory,
-    SlotHashCache,
     hash_sequence,
 )
 from engramrt.layer import EngramHead
@@ -72,7 +70,7 @@ from engramrt.models import artifacts
 from engramrt.models.corpus import EvalSegments
 from engramrt.models.lm import KVCache, LMConfig, TinyLM, next_token_loss_sum
 from engramrt.models.vocab import Vocab
-from engramrt.testing import Chunk, Request, Scheduler, Step, VllmView, lookback_of
+from engramrt.testing import Chunk, Request, VllmEngine
 from engramrt.tokenmap import TokenMap
 
 __all__ = [
@@ -140,10 +138,8 @@ class _Request:
 class _Serving:
     """What one :meth:`TinyEngramModel.generate` call serves with."""
 
-    scheduler: Scheduler
-    runner: VllmView
+    engine: VllmEngine
     runtime: Any
-    store: SlotHashCache | RequestHistory | None
     result: GenerationResult
 
 
@@ -169,6 +165,7 @@ class TinyEngramModel:
 
     def __init__(
         self,
+        *,
         lm: TinyLM,
         baseline: TinyLM | None,
         config: EngramConfig,
@@ -397,42 +394,29 @@ class TinyEngramModel:
         if any(self.vocab.trim([t])[0] == self.vocab.other_id for t in drafts):
             raise ValidationError(f"drafts={drafts} must be kept tokenizer ids (not <other>)")
         max_len = max(len(p) for p in prompts) + max_new_tokens + len(drafts) + 1
-        blocks_per_request = -(-max_len // block_size)
-        n = self.config.max_ngram_size
-        rng = np.random.default_rng(0)  # block choice and the runner's stale buffers
-        scheduler = Scheduler(
-            block_size=block_size,
-            num_blocks=blocks_per_request * len(prompts) + 1,
+        max_tokens = max(chunk_size, len(drafts) + 1)
+        engine = VllmEngine(
+            history=history,
+            max_ngram_size=self.config.max_ngram_size,
+            token_map=self.token_map.map,
             max_requests=len(prompts),
             max_len=max_len,
-            rng=rng,
-        )
-        runner = VllmView(
-            rng,
-            self.token_map.vocab_size,
-            max_tokens=max(chunk_size, len(drafts) + 1),
-            max_requests=1,
-            max_blocks=blocks_per_request,
-            num_slots=scheduler.num_blocks * block_size,
+            max_tokens=max_tokens,
+            max_drafts=len(drafts),
             block_size=block_size,
+            device=self.device,
         )
-        store: SlotHashCache | RequestHistory | None = None
-        if history == "slot":
-            store = vllm_slot_cache(scheduler.num_blocks, block_size, self.device)
-        elif history == "request":
-            store = RequestHistory(
-                len(prompts), n, window=n - 1 + len(drafts) + 1, device=self.device
-            )
+        scheduler = engine.scheduler
         runtime = EngramRuntime(
             self.hasher,
             self.stores,
             heads=self.heads,
-            max_tokens=max(chunk_size, len(drafts) + 1),
+            max_tokens=max_tokens,
             max_requests=1,
-            history=store,
+            history=engine.history,
         )
         result = GenerationResult()
-        serving = _Serving(scheduler, runner, runtime, store, result)
+        serving = _Serving(engine, runtime, result)
         requests: list[_Request] = []
         try:
             for index, prompt in enumerate(prompts):
@@ -452,15 +436,25 @@ class TinyEngramModel:
                     request.gates[:hit] = donor.gates[:hit]
                 result.prefix_hit_tokens.append(hit)
                 requests.append(request)
-                self._serve(
-                    serving,
-                    request,
+
+                def next_tokens(chunk: Chunk, kind: str, r: _Request = request) -> list[int]:
+                    return self._greedy(self._step(serving, r, chunk, kind))
+
+                def truncate(keep: int, r: _Request = request) -> None:
+                    r.kv.length = keep  # the rejected drafts' keys and values are stale
+
+                accepted, rejected = serving.engine.serve(
+                    sim,
                     len(prompt),
                     max_new_tokens,
-                    chunk_size,
-                    speculative_step if index == 0 else None,
-                    drafts,
+                    next_tokens,
+                    chunk_size=chunk_size,
+                    speculative_step=speculative_step if index == 0 else None,
+                    drafts=drafts,
+                    truncate=truncate,
                 )
+                result.accepted_drafts += accepted
+                result.rejected_drafts += rejected
                 scheduler.finish(sim)
                 result.tokens.append(sim.tokens[len(prompt) :])
                 result.gates.append(request.gates[: len(sim.tokens) - 1].copy())
@@ -470,81 +464,11 @@ class TinyEngramModel:
             runtime.close()
         return result
 
-    def _serve(
-        self,
-        serving: _Serving,
-        request: _Request,
-        prompt_len: int,
-        max_new_tokens: int,
-        chunk_size: int,
-        speculative_step: int | None,
-        drafts: list[int],
-    ) -> None:
-        sim, scheduler, result = request.sim, serving.scheduler, serving.result
-        # Prefill: the prompt's tokens not in the cache yet, in chunks.
-        logits = None
-        while sim.computed < prompt_len:
-            chunk = scheduler.chunk(sim, min(chunk_size, prompt_len - sim.computed))
-            logits = self._step(serving, request, chunk, "prefill")
-            scheduler.advance(chunk)
-        assert logits is not None
-        sim.tokens.append(self._greedy(logits[-1:])[0])
-        sim.dead.append(False)
-        decode_index = 0
-        while len(sim.tokens) - prompt_len < max_new_tokens:
-            if decode_index == speculative_step:
-                chunk = scheduler.chunk(sim, 0, drafts)  # the pending token, then the drafts
-                greedy = self._greedy(self._step(serving, request, chunk, "verify"))
-                accepted = 0
-                while accepted < len(drafts) and greedy[accepted] == drafts[accepted]:
-                    accepted += 1
-                result.accepted_drafts += accepted
-                result.rejected_drafts += len(drafts) - accepted
-                # Keep the pending token and the accepted drafts; roll back the rest.
-                keep = scheduler.advance(chunk, accepted)
-                request.kv.length = keep
-                if isinstance(serving.store, RequestHistory):
-                    serving.store.rollback(sim.row, keep)
-                sim.tokens.append(greedy[accepted])
-            else:
-                chunk = scheduler.chunk(sim, 1)
-                logits = self._step(serving, request, chunk, "decode")
-                scheduler.advance(chunk)
-                sim.tokens.append(self._greedy(logits[-1:])[0])
-            sim.dead.append(False)
-            decode_index += 1
-        del sim.tokens[prompt_len + max_new_tokens :]
-        del sim.dead[prompt_len + max_new_tokens :]
-
     def _step(self, serving: _Serving, request: _Request, chunk: Chunk, kind: str) -> torch.Tensor:
         """One engine step: ``chunk`` of ``request`` as a runner step, through the adapter
         into the runtime's plan, then the backbone; returns the chunk's logits."""
-        sim, runtime, store = request.sim, serving.runtime, serving.store
-        for started in serving.scheduler.started:  # a ring per request, seeded past a hit
-            if isinstance(store, RequestHistory):
-                before, dead = lookback_of(
-                    started, started.computed, self.config.max_ngram_size - 1
-                )
-                known = [t for t in before if t >= 0]
-                store.seed(
-                    started.row,
-                    started.computed,
-                    self.token_map.compress(known),
-                    dead[: len(known)],
-                )
-        serving.scheduler.started = []
-        step = Step(len(serving.result.steps), [chunk])
-        lookback: tuple[np.ndarray, np.ndarray] | None = None
-        if store is None:  # lookback ids only: the N-1 tokens before the chunk
-            ids, dead_ids = lookback_of(sim, chunk.start, self.config.max_ngram_size - 1)
-            lookback = (np.array([ids], dtype=np.int64), np.array([dead_ids], dtype=bool))
-        engine_step = serving.runner.express([step], lookback, self.device)
-        batch = from_vllm_step(
-            **engine_step, cache=store if isinstance(store, SlotHashCache) else None
-        )
-        if isinstance(store, RequestHistory):
-            batch.request_slots = torch.tensor([sim.row], dtype=torch.int32, device=self.device)
-        runtime.plan(batch)
+        sim, runtime = request.sim, serving.runtime
+        runtime.plan(serving.engine.batch(chunk))
         gates: list[torch.Tensor] = []
         fns = {}
         for index, block in enumerate(self.lm_config.engram_layer_ids):
@@ -665,11 +589,7 @@ def load_model(
         raise ValidationError("tier='disk' needs disk_dir= (where the packed-row files go)")
     if not 0 <= cache_mib < 2**40:
         raise ValidationError(f"cache_mib={cache_mib}; expected a size in MiB >= 0")
-    dev = torch.device(
-        device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu")
-    )
-    if dev.type == "cuda" and dev.index is None:
-        dev = torch.device("cuda", torch.cuda.current_device())
+    dev = resolve_device(device)
     token_map = token_map or default_token_map()
     config = artifacts.parse_field(
         directory, data, "engram", lambda d: EngramConfig.from_hf_dict(d, name="tiny-lm")
@@ -713,19 +633,24 @@ def load_model(
         **store_options,
     )
     if cache_mib > 0:
-        from engramrt.cache import CachedRowStore
+        from engramrt.cache import cached_stores
 
-        stores = [
-            CachedRowStore(
-                store, int(cache_mib * 2**20), n_heads=config.n_heads, layer_id=config.layer_ids[i]
-            )
-            for i, store in enumerate(stores)
-        ]
+        stores = cached_stores(stores, config, int(cache_mib * 2**20))
     heads = [EngramHead(config, device=dev, backend=head_backend) for _ in config.layer_ids]
     packed = [read_table(tables, config, i, token_map=token_map) for i in range(config.n_layers)]
     sample = artifacts.load_sample(checked("heldout_sample"))
     model = TinyEngramModel(
-        lm, baseline, config, vocab, token_map, stores, heads, packed, sample, data["training"], dev
+        lm=lm,
+        baseline=baseline,
+        config=config,
+        vocab=vocab,
+        token_map=token_map,
+        stores=stores,
+        heads=heads,
+        packed_tables=packed,
+        sample=sample,
+        record=data["training"],
+        device=dev,
     )
     if baseline_wide is not None:
         model.baselines["baseline_wide"] = baseline_wide

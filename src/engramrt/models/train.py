@@ -63,7 +63,7 @@ import math
 import shutil
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -72,6 +72,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from engramrt._device import resolve_device
 from engramrt.config import PRESETS, EngramConfig
 from engramrt.errors import ValidationError
 from engramrt.hashing import HashBatch, HashConstants
@@ -237,9 +238,26 @@ def evaluate(
     batch_size: int = 16,
 ) -> float:
     """Mean next-token loss (nats) of ``tokens [M, S]`` (trimmed) over the valid predictions."""
-    model.eval()
     total = torch.zeros((), dtype=torch.float64, device=tokens.device)
     count = 0
+    for chunk, logits in _batched_logits(model, rows_of, tokens, row_ids, batch_size):
+        loss, n = next_token_loss_sum(logits, tokens[chunk], lengths[chunk])
+        total += loss.double()
+        count += n
+    return float(total) / max(count, 1)
+
+
+def _batched_logits(
+    model: TinyLM,
+    rows_of: RowsOf | None,
+    tokens: torch.Tensor,
+    row_ids: torch.Tensor | None,
+    batch_size: int,
+) -> Iterator[tuple[slice, torch.Tensor]]:
+    """``(rows of tokens, logits)`` of ``tokens [M, S]`` in batches of ``batch_size``
+    sequences, the model in eval mode meanwhile (Engram rows from ``rows_of`` and
+    ``row_ids`` unless either is None)."""
+    model.eval()
     for begin in range(0, tokens.shape[0], batch_size):
         chunk = slice(begin, begin + batch_size)
         fns = (
@@ -247,11 +265,8 @@ def evaluate(
         )
         with _autocast(tokens.device):
             logits = model(tokens[chunk], engram=fns)
-        loss, n = next_token_loss_sum(logits, tokens[chunk], lengths[chunk])
-        total += loss.double()
-        count += n
+        yield chunk, logits
     model.train()
-    return float(total) / max(count, 1)
 
 
 def _autocast(device: torch.device) -> Any:
@@ -333,6 +348,71 @@ class TrainResult:
     last_heldout: float | None = None
 
 
+def _optimizers(
+    model: TinyLM, tables: Sequence[EngramTable], settings: TrainSettings
+) -> tuple[torch.optim.Optimizer, SparseRowAdam | None]:
+    """AdamW for the dense weights, :class:`SparseRowAdam` for the tables (None without)."""
+    decay: list[torch.nn.Parameter] = []
+    no_decay: list[torch.nn.Parameter] = []
+    # Weight decay on the projection matrices and the embedding only: not on norm
+    # weights (the gate's q_weight/k_weight are [hc, D] norm weights) nor on the
+    # hyper-connections' read/mix/write weights.
+    for pname, param in model.named_parameters():
+        matrix = param.dim() == 2 and not pname.endswith((".mix", "q_weight", "k_weight"))
+        (decay if matrix else no_decay).append(param)
+    dense = torch.optim.AdamW(
+        [
+            {"params": decay, "weight_decay": settings.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ],
+        lr=settings.lr,
+        betas=(0.9, 0.95),
+    )
+    sparse = (
+        SparseRowAdam([t.weight for t in tables], lr=settings.table_lr, betas=(0.9, 0.99))
+        if tables
+        else None
+    )
+    return dense, sparse
+
+
+def _train_step(
+    model: TinyLM,
+    rows_of: RowsOf,
+    optimizers: tuple[torch.optim.Optimizer, SparseRowAdam | None],
+    train_tokens: torch.Tensor,
+    train_row_ids: torch.Tensor | None,
+    index: torch.Tensor,
+    *,
+    lr_factor: float,
+    settings: TrainSettings,
+) -> torch.Tensor:
+    """One optimiser step on the windows ``index`` ``[B, S+1]``; returns the loss (on the
+    device, not read)."""
+    dense, sparse = optimizers
+    for group in dense.param_groups:
+        group["lr"] = settings.lr * lr_factor
+    if sparse is not None:
+        for group in sparse.param_groups:
+            group["lr"] = settings.table_lr * lr_factor
+    window = train_tokens[index]
+    inputs, targets = window[:, :-1], window[:, 1:]
+    fns = {}
+    if train_row_ids is not None:
+        fns = engram_fns(model, rows_of, train_row_ids[index[:, :-1]])
+    with _autocast(train_tokens.device):
+        logits = model(inputs, engram=fns)
+    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_([p for g in dense.param_groups for p in g["params"]], 1.0)
+    dense.step()
+    if sparse is not None:
+        sparse.step()
+        sparse.zero_grad(set_to_none=True)
+    dense.zero_grad(set_to_none=True)
+    return loss
+
+
 def train_model(
     name: str,
     model: TinyLM,
@@ -370,27 +450,7 @@ def train_model(
     windows = OnePassWindows(
         int(train_tokens.shape[0]), settings.seq_len, settings.batch_size, settings.seed, device
     )
-    decay: list[torch.nn.Parameter] = []
-    no_decay: list[torch.nn.Parameter] = []
-    # Weight decay on the projection matrices and the embedding only: not on norm
-    # weights (the gate's q_weight/k_weight are [hc, D] norm weights) nor on the
-    # hyper-connections' read/mix/write weights.
-    for pname, param in model.named_parameters():
-        matrix = param.dim() == 2 and not pname.endswith((".mix", "q_weight", "k_weight"))
-        (decay if matrix else no_decay).append(param)
-    dense = torch.optim.AdamW(
-        [
-            {"params": decay, "weight_decay": settings.weight_decay},
-            {"params": no_decay, "weight_decay": 0.0},
-        ],
-        lr=settings.lr,
-        betas=(0.9, 0.95),
-    )
-    sparse = (
-        SparseRowAdam([t.weight for t in tables], lr=settings.table_lr, betas=(0.9, 0.99))
-        if tables
-        else None
-    )
+    dense, sparse = _optimizers(model, tables, settings)
     # The schedule's length and the step to stop at: both ``steps`` when given; with
     # a budget, the schedule is fixed after the probe and the stop is its end (or the
     # hard stop); the baseline gets the Engram model's schedule and stop.
@@ -434,29 +494,16 @@ def train_model(
         if budget_s is not None and step > 0 and elapsed > 1.1 * budget_s:
             settings.say(f"{name}: hard stop at step {step} ({elapsed:.0f} s)")
             break
-        warmup = min(100, max(1, (total or 1000) // 10))
-        factor = _lr_factor(step, warmup, total or 10**9)
-        for group in dense.param_groups:
-            group["lr"] = settings.lr * factor
-        if sparse is not None:
-            for group in sparse.param_groups:
-                group["lr"] = settings.table_lr * factor
-        index = windows.batch(step)  # [B, S+1]
-        window = train_tokens[index]
-        inputs, targets = window[:, :-1], window[:, 1:]
-        fns = {}
-        if train_row_ids is not None:
-            fns = engram_fns(model, rows_of, train_row_ids[index[:, :-1]])
-        with _autocast(device):
-            logits = model(inputs, engram=fns)
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_([p for g in dense.param_groups for p in g["params"]], 1.0)
-        dense.step()
-        if sparse is not None:
-            sparse.step()
-            sparse.zero_grad(set_to_none=True)
-        dense.zero_grad(set_to_none=True)
+        loss = _train_step(
+            model,
+            rows_of,
+            (dense, sparse),
+            train_tokens,
+            train_row_ids,
+            windows.batch(step),
+            lr_factor=_lr_factor(step, min(100, max(1, (total or 1000) // 10)), total or 10**9),
+            settings=settings,
+        )
         losses.append(loss.detach())
         step += 1
         if validate is not None and step % settings.eval_every == 0:
@@ -585,12 +632,9 @@ def _plot(
 
 
 def _resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
+    if name != "auto" and torch.device(name).type == "cuda" and not torch.cuda.is_available():
         raise SystemExit(f"--device={name!r} but CUDA is not available; use --device cpu")
-    return device
+    return resolve_device(name)
 
 
 @torch.no_grad()
@@ -604,16 +648,9 @@ def token_losses(
     batch_size: int = 16,
 ) -> np.ndarray:
     """``[M, S-1]`` float64 next-token loss of every prediction (NaN where invalid)."""
-    model.eval()
     out = []
     seq = tokens.shape[1]
-    for begin in range(0, tokens.shape[0], batch_size):
-        chunk = slice(begin, begin + batch_size)
-        fns = (
-            {} if rows_of is None or row_ids is None else engram_fns(model, rows_of, row_ids[chunk])
-        )
-        with _autocast(tokens.device):
-            logits = model(tokens[chunk], engram=fns)
+    for chunk, logits in _batched_logits(model, rows_of, tokens, row_ids, batch_size):
         losses = F.cross_entropy(
             logits[:, :-1].reshape(-1, logits.shape[-1]).float(),
             tokens[chunk, 1:].reshape(-1),
@@ -621,7 +658,6 @@ def token_losses(
         ).view(-1, seq - 1)
         valid = torch.arange(1, seq, device=tokens.device)[None, :] < lengths[chunk, None]
         out.append(torch.where(valid, losses.double(), torch.nan).cpu().numpy())
-    model.train()
     return np.concatenate(out) if out else np.zeros((0, seq - 1))
 
 
@@ -669,20 +705,73 @@ class _Outcome:
         return data
 
 
-def train(settings: TrainSettings) -> dict[str, Any]:
-    """Run every stage (see the module docstring); returns the training record."""
-    from engramrt.checkpoint import (
-        DEFAULT_SOURCE_NAMES,
-        load_tables,
-        plan_conversion,
-        read_table,
-        run_conversion,
-    )
+@dataclass
+class _TrainRun:
+    """What every stage of :func:`train` shares: the settings, the data, the models so far."""
+
+    settings: TrainSettings
+    device: torch.device
+    out: Path
+    began: float
+    results: dict[str, Any]
+    token_map: Any
+    corpus: Corpus
+    corpus_record: dict[str, Any]
+    vocab: Vocab
+    covered: float
+    cfg: EngramConfig
+    lm_cfg: LMConfig
+    train_tokens: torch.Tensor
+    map_cpu: torch.Tensor
+    heldout: _EvalSet
+    sample: EvalSegments
+    validation: _EvalSet
+    package: _EvalSet | None
+    eval_sets: dict[str, _EvalSet]
+    budget: float | None
+    outcomes: dict[str, _Outcome] = field(default_factory=dict)
+    schedule: dict[str, int] = field(default_factory=dict)
+
+    def say(self, message: str) -> None:
+        self.settings.say(message)
+
+    def save_results(self) -> None:
+        if self.settings.results is not None:
+            self.results["seconds_so_far"] = round(time.perf_counter() - self.began, 1)
+            artifacts.write_json(Path(self.settings.results), self.results)
+
+    def keep(self, outcome: _Outcome) -> None:
+        self.outcomes[outcome.name] = outcome
+        self.results["models"][outcome.name] = outcome.record(self.settings)
+        self.results["steps"] = self.schedule
+        self.save_results()
+
+
+def _compare_with_packaged_corpus(
+    corpus_record: dict[str, Any], say: Callable[[str], None]
+) -> None:
+    """Say whether the corpus is the packaged model's (informative only)."""
     from engramrt.models.corpus import manifest_differences
-    from engramrt.models.wins import category_losses, category_masks, training_ngrams
+
+    try:
+        from engramrt.models.packaged import packaged_model_dir
+
+        shipped = artifacts.read_model_json(packaged_model_dir())["training"]["corpus"]
+        if "kept_sha256" in shipped:
+            diffs = manifest_differences(shipped, corpus_record)
+            say(
+                "corpus: the packaged model's corpus exactly"
+                if not diffs
+                else "corpus differs from the packaged model's: " + "; ".join(diffs)
+            )
+    except Exception as exc:  # informative only: no packaged record to compare with
+        say(f"corpus: no packaged record to compare with ({type(exc).__name__})")
+
+
+def _prepare(settings: TrainSettings, began: float) -> _TrainRun:
+    """The corpus, the vocabulary and the evaluation sets of a run."""
     from engramrt.tokenmap import TokenMap, load_tokenizer
 
-    began = time.perf_counter()
     out = Path(settings.out)
     device = _resolve_device(settings.device)
     out.mkdir(parents=True, exist_ok=True)
@@ -690,12 +779,6 @@ def train(settings: TrainSettings) -> dict[str, Any]:
     say = settings.say
     say(f"engramrt.models.train: out {out}, device {device}, torch {torch.__version__}")
     results: dict[str, Any] = {"command": " ".join(sys.argv) if sys.argv else "", "models": {}}
-
-    def save_results() -> None:
-        if settings.results is not None:
-            results["seconds_so_far"] = round(time.perf_counter() - began, 1)
-            artifacts.write_json(Path(settings.results), results)
-
     tokenizer = load_tokenizer()
     token_map = TokenMap.from_tokenizer_file(use_cache=False)
     cfg = engram_config(settings.dim, settings.buckets, settings.engram_layers, settings.head_dim)
@@ -717,19 +800,7 @@ def train(settings: TrainSettings) -> dict[str, Any]:
         f"({corpus.package_heldout.num_tokens:,} tokens), digest "
         f"{corpus_record['kept_sha256'][:16]}, {corpus.seconds:.1f} s"
     )
-    try:
-        from engramrt.models.packaged import packaged_model_dir
-
-        shipped = artifacts.read_model_json(packaged_model_dir())["training"]["corpus"]
-        if "kept_sha256" in shipped:
-            diffs = manifest_differences(shipped, corpus_record)
-            say(
-                "corpus: the packaged model's corpus exactly"
-                if not diffs
-                else "corpus differs from the packaged model's: " + "; ".join(diffs)
-            )
-    except Exception as exc:  # informative only: no packaged record to compare with
-        say(f"corpus: no packaged record to compare with ({type(exc).__name__})")
+    _compare_with_packaged_corpus(corpus_record, say)
     results["corpus"] = corpus_record
     counts = np.bincount(corpus.train.tokens, minlength=token_map.vocab_size)
     vocab = Vocab.from_counts(counts, settings.vocab_k)
@@ -738,11 +809,9 @@ def train(settings: TrainSettings) -> dict[str, Any]:
 
     trim = torch.as_tensor(np.array(vocab.trim_map), device=device)
     train_tokens = trim[torch.as_tensor(corpus.train.tokens, device=device)]
-    map_cpu = torch.as_tensor(np.array(token_map.map))
-    n_max = cfg.max_ngram_size
 
     def eval_set(split: Any, count: int) -> _EvalSet:
-        segments = eval_segments(split, settings.seq_len, count, n_max)
+        segments = eval_segments(split, settings.seq_len, count, cfg.max_ngram_size)
         return _EvalSet(
             segments,
             trim[torch.as_tensor(segments.tokens, device=device)],
@@ -777,157 +846,191 @@ def train(settings: TrainSettings) -> dict[str, Any]:
     eval_sets = {"heldout": heldout, "sample": sample_set}
     if package is not None:
         eval_sets["package_heldout"] = package
+    return _TrainRun(
+        settings=settings,
+        device=device,
+        out=out,
+        began=began,
+        results=results,
+        token_map=token_map,
+        corpus=corpus,
+        corpus_record=corpus_record,
+        vocab=vocab,
+        covered=float(covered),
+        cfg=cfg,
+        lm_cfg=lm_configs(settings, vocab.size, cfg),
+        train_tokens=train_tokens,
+        map_cpu=torch.as_tensor(np.array(token_map.map)),
+        heldout=heldout,
+        sample=sample,
+        validation=validation,
+        package=package,
+        eval_sets=eval_sets,
+        budget=None if settings.steps is not None else settings.minutes * 60,
+    )
 
-    lm_cfg = lm_configs(settings, vocab.size, cfg)
-    budget = None if settings.steps is not None else settings.minutes * 60
-    outcomes: dict[str, _Outcome] = {}
-    schedule: dict[str, int] = {}
 
-    def run_engram(name: str, engram_cfg: EngramConfig) -> _Outcome:
-        t0 = time.perf_counter()
-        consts = HashConstants.from_config(engram_cfg, token_map)
-        train_ids, report = corpus_row_ids(corpus.train, consts, token_map.map, device)
-        held_ids, _ = corpus_row_ids(corpus.heldout, consts, token_map.map, device)
-        ids = {
-            k: segment_row_ids(v.segments, consts, map_cpu, device) for k, v in eval_sets.items()
-        }
-        val_ids = segment_row_ids(validation.segments, consts, map_cpu, device)
-        # The sequences' own hashing (lookback ids) must give their in-document ids.
-        segs = heldout.segments
-        valid = torch.arange(settings.seq_len, device=device)[None, :] < heldout.lengths[:, None]
-        in_doc = held_ids[
-            (
-                torch.as_tensor(segs.starts, device=device)[:, None]
-                + torch.arange(settings.seq_len, device=device)[None, :]
-            ).clamp(max=held_ids.shape[0] - 1)
-        ]
-        if not bool((ids["heldout"] == in_doc)[valid].all()):
-            raise AssertionError(
-                "held-out sequences hashed with lookback ids differ from their documents"
-            )
-        del held_ids, in_doc
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        say(f"{name}: row ids {report}, {time.perf_counter() - t0:.1f} s")
-        model_cfg = lm_configs(settings, vocab.size, engram_cfg)
-        torch.manual_seed(settings.seed)
-        model = TinyLM(model_cfg).to(device)
-        tables = [
-            EngramTable(rows, engram_cfg.head_dim, device=device)
-            for rows in engram_cfg.num_embeddings
-        ]
-        say(
-            f"{name}: {sum(p.numel() for p in model.parameters()):,} dense parameters, "
-            f"Engram at blocks {list(engram_cfg.layer_ids)}, buckets per head "
-            f"{list(engram_cfg.vocab_size)}, tables {[tuple(t.weight.shape) for t in tables]}"
+def _engram_row_ids(
+    run: _TrainRun, consts: HashConstants
+) -> tuple[torch.Tensor, Any, dict[str, torch.Tensor], torch.Tensor]:
+    """Row ids of the training tokens, of every evaluation set and of the validation set;
+    checks that the held-out sequences' own hashing (lookback ids) gives their in-document
+    ids."""
+    settings, device, heldout = run.settings, run.device, run.heldout
+    token_map = run.token_map
+    train_ids, report = corpus_row_ids(run.corpus.train, consts, token_map.map, device)
+    held_ids, _ = corpus_row_ids(run.corpus.heldout, consts, token_map.map, device)
+    ids = {
+        k: segment_row_ids(v.segments, consts, run.map_cpu, device)
+        for k, v in run.eval_sets.items()
+    }
+    val_ids = segment_row_ids(run.validation.segments, consts, run.map_cpu, device)
+    segs = heldout.segments
+    valid = torch.arange(settings.seq_len, device=device)[None, :] < heldout.lengths[:, None]
+    in_doc = held_ids[
+        (
+            torch.as_tensor(segs.starts, device=device)[:, None]
+            + torch.arange(settings.seq_len, device=device)[None, :]
+        ).clamp(max=held_ids.shape[0] - 1)
+    ]
+    if not bool((ids["heldout"] == in_doc)[valid].all()):
+        raise AssertionError(
+            "held-out sequences hashed with lookback ids differ from their documents"
         )
-        rows: RowsOf = lambda index, ids_: tables[index](ids_)  # noqa: E731
-        first = not schedule
-        run = train_model(
-            name,
-            model,
-            tables,
-            train_tokens,
-            train_ids,
-            settings,
-            steps=settings.steps if first else schedule["steps"],
-            budget_s=budget if first else None,
-            schedule_steps=None if first else schedule["schedule_steps"],
-            validate=lambda: evaluate(model, rows, validation.tokens, validation.lengths, val_ids),
-            heldout=lambda: evaluate(model, rows, heldout.tokens, heldout.lengths, ids["heldout"]),
-        )
-        del train_ids
-        if first:
-            schedule.update(steps=run.steps, schedule_steps=run.schedule_steps)
-        outcome = _Outcome(name, model_cfg, engram_cfg, model, tables, run)
-        for key, data in eval_sets.items():
-            outcome.losses[key] = evaluate(model, rows, data.tokens, data.lengths, ids[key])
-        outcome.per_token = token_losses(
-            model, rows, heldout.tokens, heldout.lengths, ids["heldout"]
-        )
-        outcome.losses["last_step_heldout"] = run.last_heldout  # type: ignore[assignment]
-        say(f"{name}: held-out losses {_rounded(outcome.losses)}")
-        outcome.ids = ids  # type: ignore[attr-defined]
-        return outcome
+    return train_ids, report, ids, val_ids
 
-    def run_dense(name: str, model_cfg: LMConfig) -> _Outcome:
-        torch.manual_seed(settings.seed)
-        model = TinyLM(model_cfg).to(device)
-        say(
-            f"{name}: {sum(p.numel() for p in model.parameters()):,} parameters, "
-            f"MLP width {model_cfg.mlp_dim}"
-        )
-        run = train_model(
-            name,
-            model,
-            [],
-            train_tokens,
-            None,
-            settings,
-            steps=schedule["steps"],
-            budget_s=None,
-            schedule_steps=schedule["schedule_steps"],
-            validate=lambda: evaluate(model, None, validation.tokens, validation.lengths, None),
-            heldout=lambda: evaluate(model, None, heldout.tokens, heldout.lengths, None),
-        )
-        outcome = _Outcome(name, model_cfg, None, model, [], run)
-        for key, data in eval_sets.items():
-            outcome.losses[key] = evaluate(model, None, data.tokens, data.lengths, None)
-        outcome.per_token = token_losses(model, None, heldout.tokens, heldout.lengths, None)
-        outcome.losses["last_step_heldout"] = run.last_heldout  # type: ignore[assignment]
-        say(f"{name}: held-out losses {_rounded(outcome.losses)}")
-        return outcome
 
-    def keep(outcome: _Outcome) -> None:
-        outcomes[outcome.name] = outcome
-        results["models"][outcome.name] = outcome.record(settings)
-        results["steps"] = schedule
-        save_results()
+def _finish(run: _TrainRun, outcome: _Outcome, rows: RowsOf | None, ids: Any) -> _Outcome:
+    """Evaluate a trained model on every evaluation set (``ids``: their row ids, or None
+    for a dense model)."""
+    model, heldout = outcome.model, run.heldout
+    for key, data in run.eval_sets.items():
+        key_ids = None if ids is None else ids[key]
+        outcome.losses[key] = evaluate(model, rows, data.tokens, data.lengths, key_ids)
+    outcome.per_token = token_losses(
+        model, rows, heldout.tokens, heldout.lengths, None if ids is None else ids["heldout"]
+    )
+    outcome.losses["last_step_heldout"] = outcome.run.last_heldout  # type: ignore[assignment]
+    run.say(f"{outcome.name}: held-out losses {_rounded(outcome.losses)}")
+    return outcome
 
-    keep(run_engram("engram", cfg))
-    keep(run_dense("baseline", lm_cfg.baseline()))
-    wide_cfg = dataclasses.replace(lm_cfg.baseline(), mlp_dim=wide_mlp_dim(lm_cfg))
-    keep(run_dense("baseline_wide", wide_cfg))
-    engram_model, tables = outcomes["engram"].model, outcomes["engram"].tables
-    engram_ids = outcomes["engram"].ids  # type: ignore[attr-defined]
 
-    # Where it wins: the held-out predictions by what the trained windows held.
+def _run_engram(run: _TrainRun, name: str, engram_cfg: EngramConfig) -> _Outcome:
+    """Train (and evaluate) an Engram model; the first one sets the schedule of the rest."""
+    settings, device, schedule = run.settings, run.device, run.schedule
+    validation, heldout = run.validation, run.heldout
     t0 = time.perf_counter()
+    consts = HashConstants.from_config(engram_cfg, run.token_map)
+    train_ids, report, ids, val_ids = _engram_row_ids(run, consts)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    run.say(f"{name}: row ids {report}, {time.perf_counter() - t0:.1f} s")
+    model_cfg = lm_configs(settings, run.vocab.size, engram_cfg)
+    torch.manual_seed(settings.seed)
+    model = TinyLM(model_cfg).to(device)
+    tables = [
+        EngramTable(rows, engram_cfg.head_dim, device=device) for rows in engram_cfg.num_embeddings
+    ]
+    run.say(
+        f"{name}: {sum(p.numel() for p in model.parameters()):,} dense parameters, "
+        f"Engram at blocks {list(engram_cfg.layer_ids)}, buckets per head "
+        f"{list(engram_cfg.vocab_size)}, tables {[tuple(t.weight.shape) for t in tables]}"
+    )
+    rows: RowsOf = lambda index, ids_: tables[index](ids_)  # noqa: E731
+    first = not schedule
+    result = train_model(
+        name,
+        model,
+        tables,
+        run.train_tokens,
+        train_ids,
+        settings,
+        steps=settings.steps if first else schedule["steps"],
+        budget_s=run.budget if first else None,
+        schedule_steps=None if first else schedule["schedule_steps"],
+        validate=lambda: evaluate(model, rows, validation.tokens, validation.lengths, val_ids),
+        heldout=lambda: evaluate(model, rows, heldout.tokens, heldout.lengths, ids["heldout"]),
+    )
+    del train_ids
+    if first:
+        schedule.update(steps=result.steps, schedule_steps=result.schedule_steps)
+    outcome = _finish(run, _Outcome(name, model_cfg, engram_cfg, model, tables, result), rows, ids)
+    outcome.ids = ids  # type: ignore[attr-defined]
+    return outcome
+
+
+def _run_dense(run: _TrainRun, name: str, model_cfg: LMConfig) -> _Outcome:
+    """Train (and evaluate) a model without Engram on the first model's schedule."""
+    settings, validation, heldout = run.settings, run.validation, run.heldout
+    torch.manual_seed(settings.seed)
+    model = TinyLM(model_cfg).to(run.device)
+    run.say(
+        f"{name}: {sum(p.numel() for p in model.parameters()):,} parameters, "
+        f"MLP width {model_cfg.mlp_dim}"
+    )
+    result = train_model(
+        name,
+        model,
+        [],
+        run.train_tokens,
+        None,
+        settings,
+        steps=run.schedule["steps"],
+        budget_s=None,
+        schedule_steps=run.schedule["schedule_steps"],
+        validate=lambda: evaluate(model, None, validation.tokens, validation.lengths, None),
+        heldout=lambda: evaluate(model, None, heldout.tokens, heldout.lengths, None),
+    )
+    return _finish(run, _Outcome(name, model_cfg, None, model, [], result), None, None)
+
+
+def _where_it_wins(run: _TrainRun) -> Callable[[], dict[str, Any]]:
+    """The held-out predictions by what the trained windows held: returns the function that
+    computes the losses per category for the models trained so far."""
+    from engramrt.models.wins import category_losses, category_masks, training_ngrams
+
+    settings, segments = run.settings, run.heldout.segments
     windows = OnePassWindows(
-        corpus.train.num_tokens,
+        run.corpus.train.num_tokens,
         settings.seq_len,
         settings.batch_size,
         settings.seed,
         torch.device("cpu"),
     )
-    used = windows.order[: schedule["steps"] * settings.batch_size].numpy() * settings.seq_len
-    seen = training_ngrams(corpus.train.tokens[used[:, None] + np.arange(settings.seq_len + 1)])
+    used = windows.order[: run.schedule["steps"] * settings.batch_size].numpy() * settings.seq_len
+    seen = training_ngrams(run.corpus.train.tokens[used[:, None] + np.arange(settings.seq_len + 1)])
     masks = category_masks(segments.tokens, segments.lengths, segments.lookback, seen)
 
     def wins() -> dict[str, Any]:
         return category_losses(
-            masks, {k: v.per_token for k, v in outcomes.items() if v.per_token is not None}
+            masks, {k: v.per_token for k, v in run.outcomes.items() if v.per_token is not None}
         )
 
-    results["where_it_wins"] = wins()
-    save_results()
-    say(
-        f"where it wins: {results['where_it_wins']['longest_seen']}, "
-        f"{time.perf_counter() - t0:.1f} s"
-    )
+    return wins
 
-    # fp8: float tables -> source checkpoint (V4.1 names) -> the convert command's
-    # conversion -> the normal loader -> evaluate again.
-    t0 = time.perf_counter()
-    work = out / "_work"
-    work.mkdir(exist_ok=True)
+
+def _fp8_losses(run: _TrainRun) -> dict[str, float]:
+    """The Engram model's losses with its tables converted to fp8: float tables -> source
+    checkpoint (V4.1 names) -> the convert command's conversion -> the normal loader."""
     from safetensors.torch import save_file
 
+    from engramrt.checkpoint import (
+        DEFAULT_SOURCE_NAMES,
+        load_tables,
+        plan_conversion,
+        read_table,
+        run_conversion,
+    )
+
+    cfg, out, device, token_map = run.cfg, run.out, run.device, run.token_map
+    engram = run.outcomes["engram"]
+    work = out / "_work"
+    work.mkdir(exist_ok=True)
     source = work / "engram-float.safetensors"
     save_file(
         {
             DEFAULT_SOURCE_NAMES[0].format(layer=layer): table.weight.detach().cpu().contiguous()
-            for layer, table in zip(cfg.layer_ids, tables, strict=True)
+            for layer, table in zip(cfg.layer_ids, engram.tables, strict=True)
         },
         str(source),
     )
@@ -936,7 +1039,7 @@ def train(settings: TrainSettings) -> dict[str, Any]:
     # Kernels on CUDA; on a CPU the references (the same bytes and rows, without
     # Triton's interpreter when it is switched on).
     backend = "auto" if device.type == "cuda" else "reference"
-    for index, table in enumerate(tables):
+    for index, table in enumerate(engram.tables):
         converted = read_table(out / artifacts.ENGRAM_TABLES, cfg, index, token_map=token_map)
         if not torch.equal(converted, table.packed_rows(backend=backend).cpu()):
             raise AssertionError(
@@ -951,35 +1054,34 @@ def train(settings: TrainSettings) -> dict[str, Any]:
         backend=backend,
     )
     fp8_rows: RowsOf = lambda index, ids: stores[index].lookup(ids).float()  # noqa: E731
+    engram_ids = engram.ids  # type: ignore[attr-defined]
     fp8 = {
-        key: evaluate(engram_model, fp8_rows, data.tokens, data.lengths, engram_ids[key])
-        for key, data in eval_sets.items()
+        key: evaluate(engram.model, fp8_rows, data.tokens, data.lengths, engram_ids[key])
+        for key, data in run.eval_sets.items()
     }
     shutil.rmtree(work, ignore_errors=True)
-    float_loss = outcomes["engram"].losses["heldout"]
-    fp8_rel = (fp8["heldout"] - float_loss) / float_loss
-    say(
-        f"fp8 tables: held-out loss {fp8['heldout']:.5f} vs float {float_loss:.5f} "
-        f"(relative {fp8_rel:+.4%}), {time.perf_counter() - t0:.1f} s"
-    )
-    names = ("engram", "baseline", "baseline_wide")
+    return fp8
+
+
+_MODEL_NAMES = ("engram", "baseline", "baseline_wide")
+
+
+def _training_record(run: _TrainRun, fp8: dict[str, float], fp8_rel: float) -> dict[str, Any]:
+    """The ``training`` record of ``model.json``."""
+    outcomes, settings, segments = run.outcomes, run.settings, run.heldout.segments
 
     def losses_of(key: str) -> dict[str, float]:
-        values = {name: outcomes[name].losses[key] for name in names}
+        values = {name: outcomes[name].losses[key] for name in _MODEL_NAMES}
         values["engram_fp8"] = fp8[key]
         return values
 
-    artifacts.save_weights(out / artifacts.ENGRAM_WEIGHTS, engram_model)
-    artifacts.save_weights(out / artifacts.BASELINE_WEIGHTS, outcomes["baseline"].model)
-    artifacts.save_weights(out / artifacts.BASELINE_WIDE_WEIGHTS, outcomes["baseline_wide"].model)
-    artifacts.save_sample(out / artifacts.HELDOUT_SAMPLE, sample)
     record: dict[str, Any] = {
-        "command": results["command"],
-        "device": str(device),
+        "command": run.results["command"],
+        "device": str(run.device),
         "torch": torch.__version__,
-        "corpus": corpus_record,
+        "corpus": run.corpus_record,
         "settings": {k: _jsonable(v) for k, v in vars(settings).items() if k != "log"},
-        **{name: outcomes[name].record(settings) for name in names},
+        **{name: outcomes[name].record(settings) for name in _MODEL_NAMES},
         "heldout": {
             "sequences": segments.num_sequences,
             "predictions": segments.num_predictions,
@@ -987,21 +1089,31 @@ def train(settings: TrainSettings) -> dict[str, Any]:
             "fp8_vs_float_relative": fp8_rel,
             "weights": "each model at its step of lowest validation loss (early stopping "
             "as a guard; one pass)",
-            "last_step_losses": {name: outcomes[name].run.last_heldout for name in names},
-            "sample_sequences": sample.num_sequences,
-            "sample_predictions": sample.num_predictions,
+            "last_step_losses": {name: outcomes[name].run.last_heldout for name in _MODEL_NAMES},
+            "sample_sequences": run.sample.num_sequences,
+            "sample_predictions": run.sample.num_predictions,
             "sample_losses": losses_of("sample"),
         },
-        "where_it_wins": results["where_it_wins"],
-        "vocab_coverage_train": float(covered),
+        "where_it_wins": run.results["where_it_wins"],
+        "vocab_coverage_train": run.covered,
     }
-    if package is not None:
+    if run.package is not None:
         record["package_heldout"] = {
-            "packages": corpus_record["package_heldout_found"],
-            "sequences": package.segments.num_sequences,
-            "predictions": package.segments.num_predictions,
+            "packages": run.corpus_record["package_heldout_found"],
+            "sequences": run.package.segments.num_sequences,
+            "predictions": run.package.segments.num_predictions,
             "losses": losses_of("package_heldout"),
         }
+    return record
+
+
+def _write_model_dir(run: _TrainRun, record: dict[str, Any], wide_cfg: LMConfig) -> None:
+    """The weights, the held-out sample, ``model.json`` and the curves, into ``run.out``."""
+    out, outcomes, cfg, lm_cfg = run.out, run.outcomes, run.cfg, run.lm_cfg
+    artifacts.save_weights(out / artifacts.ENGRAM_WEIGHTS, outcomes["engram"].model)
+    artifacts.save_weights(out / artifacts.BASELINE_WEIGHTS, outcomes["baseline"].model)
+    artifacts.save_weights(out / artifacts.BASELINE_WIDE_WEIGHTS, outcomes["baseline_wide"].model)
+    artifacts.save_sample(out / artifacts.HELDOUT_SAMPLE, run.sample)
     files = {
         "engram_tables": artifacts.ENGRAM_TABLES,
         "engram_weights": artifacts.ENGRAM_WEIGHTS,
@@ -1015,7 +1127,7 @@ def train(settings: TrainSettings) -> dict[str, Any]:
         "baseline_lm": lm_cfg.baseline().to_dict(),
         "baseline_wide_lm": wide_cfg.to_dict(),
         "engram": cfg.to_hf_dict(),
-        "vocab": vocab.to_dict(),
+        "vocab": run.vocab.to_dict(),
         "files": files,
         "training": record,
     }
@@ -1024,34 +1136,49 @@ def train(settings: TrainSettings) -> dict[str, Any]:
     artifacts.write_json(out / artifacts.CONFIG_JSON, cfg.to_hf_dict())
     shipped = {name: (out / name).stat().st_size for name in artifacts.SHIPPED_FILES}
     total_bytes = sum(shipped.values())
-    say(f"shipped files: {shipped}, total {total_bytes:,} bytes (budget {SIZE_BUDGET_BYTES:,})")
+    run.say(f"shipped files: {shipped}, total {total_bytes:,} bytes (budget {SIZE_BUDGET_BYTES:,})")
     if total_bytes > SIZE_BUDGET_BYTES or max(shipped.values()) > FILE_LIMIT_BYTES:
-        say("WARNING: the shipped files exceed the size budget")
+        run.say("WARNING: the shipped files exceed the size budget")
     record["shipped_bytes"] = shipped
-    record["heldout"]["sample_losses"]["engram_fp8_served"] = _served_sample_loss(out, device, say)
-    record["seconds_total"] = round(time.perf_counter() - began, 1)
+    served = _served_sample_loss(out, run.device, run.say)
+    record["heldout"]["sample_losses"]["engram_fp8_served"] = served
+    record["seconds_total"] = round(time.perf_counter() - run.began, 1)
     artifacts.write_json(out / artifacts.MODEL_JSON, model_json)
-    results["heldout"] = record["heldout"]
-    results["package_heldout"] = record.get("package_heldout")
-    save_results()
+    run.results["heldout"] = record["heldout"]
+    run.results["package_heldout"] = record.get("package_heldout")
+    run.save_results()
     _plot(
         out / artifacts.LOSS_CURVES,
-        {name: outcomes[name].run.losses for name in names},
+        {name: outcomes[name].run.losses for name in _MODEL_NAMES},
         record["heldout"]["losses"],
-        {name: outcomes[name].run.val_curve for name in names},
+        {name: outcomes[name].run.val_curve for name in _MODEL_NAMES},
     )
-    say(f"model directory written in {record['seconds_total']} s: {out}")
+    run.say(f"model directory written in {record['seconds_total']} s: {out}")
     artifacts.write_json(
         out / artifacts.TRAIN_LOG,
         {
-            "log": settings.log,
-            "losses": {name: outcomes[name].run.losses for name in names},
+            "log": run.settings.log,
+            "losses": {name: outcomes[name].run.losses for name in _MODEL_NAMES},
             "record": record,
         },
     )
 
-    # The memory curve and the placement comparison: more Engram models, the same
-    # steps, windows and schedule; their tables are not kept.
+
+def _sweep_entry(run: _TrainRun, name: str, cfg: EngramConfig) -> dict[str, Any]:
+    return {
+        "name": name,
+        "multiple_of_tiny_buckets": sum(cfg.vocab_size)
+        / (TODAY_BUCKETS * len(run.settings.buckets)),
+        "buckets_per_head": list(cfg.vocab_size),
+        "table_bytes_fp8": run.results["models"][name]["table_bytes_fp8"],
+        "losses": run.results["models"][name]["losses"],
+    }
+
+
+def _run_extras(run: _TrainRun, wins: Callable[[], dict[str, Any]]) -> None:
+    """The memory curve and the placement comparison: more Engram models, the same steps,
+    windows and schedule; their tables are not kept."""
+    settings = run.settings
     extras: list[tuple[str, EngramConfig]] = []
     for multiple in settings.memory_sweep:
         buckets = sweep_buckets(settings.buckets, multiple)
@@ -1070,40 +1197,52 @@ def train(settings: TrainSettings) -> dict[str, Any]:
                 ),
             )
         )
-    main_total = sum(settings.buckets)
-    results["memory_sweep"] = [
-        {
-            "name": "engram",
-            "multiple_of_tiny_buckets": main_total / (TODAY_BUCKETS * len(settings.buckets)),
-            "buckets_per_head": list(cfg.vocab_size),
-            "table_bytes_fp8": results["models"]["engram"]["table_bytes_fp8"],
-            "losses": results["models"]["engram"]["losses"],
-        }
-    ]
+    run.results["memory_sweep"] = [_sweep_entry(run, "engram", run.cfg)]
     for name, extra_cfg in extras:
-        outcome = run_engram(name, extra_cfg)
+        outcome = _run_engram(run, name, extra_cfg)
         outcome.model.cpu()
-        keep(outcome)
+        run.keep(outcome)
         if name.startswith("engram_x"):
-            results["memory_sweep"].append(
-                {
-                    "name": name,
-                    "multiple_of_tiny_buckets": sum(extra_cfg.vocab_size)
-                    / (TODAY_BUCKETS * len(settings.buckets)),
-                    "buckets_per_head": list(extra_cfg.vocab_size),
-                    "table_bytes_fp8": results["models"][name]["table_bytes_fp8"],
-                    "losses": results["models"][name]["losses"],
-                }
-            )
-        results["where_it_wins"] = wins()
-        outcomes[name].tables = []
-        outcomes[name].model = outcome.model
-        save_results()
-        if device.type == "cuda":
+            run.results["memory_sweep"].append(_sweep_entry(run, name, extra_cfg))
+        run.results["where_it_wins"] = wins()
+        run.outcomes[name].tables = []
+        run.outcomes[name].model = outcome.model
+        run.save_results()
+        if run.device.type == "cuda":
             torch.cuda.empty_cache()
-    results["seconds_total"] = round(time.perf_counter() - began, 1)
-    save_results()
-    say(f"done in {results['seconds_total']} s")
+
+
+def train(settings: TrainSettings) -> dict[str, Any]:
+    """Run every stage (see the module docstring); returns the training record."""
+    run = _prepare(settings, time.perf_counter())
+    run.keep(_run_engram(run, "engram", run.cfg))
+    run.keep(_run_dense(run, "baseline", run.lm_cfg.baseline()))
+    wide_cfg = dataclasses.replace(run.lm_cfg.baseline(), mlp_dim=wide_mlp_dim(run.lm_cfg))
+    run.keep(_run_dense(run, "baseline_wide", wide_cfg))
+
+    t0 = time.perf_counter()
+    wins = _where_it_wins(run)
+    run.results["where_it_wins"] = wins()
+    run.save_results()
+    run.say(
+        f"where it wins: {run.results['where_it_wins']['longest_seen']}, "
+        f"{time.perf_counter() - t0:.1f} s"
+    )
+
+    t0 = time.perf_counter()
+    fp8 = _fp8_losses(run)
+    float_loss = run.outcomes["engram"].losses["heldout"]
+    fp8_rel = (fp8["heldout"] - float_loss) / float_loss
+    run.say(
+        f"fp8 tables: held-out loss {fp8['heldout']:.5f} vs float {float_loss:.5f} "
+        f"(relative {fp8_rel:+.4%}), {time.perf_counter() - t0:.1f} s"
+    )
+    record = _training_record(run, fp8, fp8_rel)
+    _write_model_dir(run, record, wide_cfg)
+    _run_extras(run, wins)
+    run.results["seconds_total"] = round(time.perf_counter() - run.began, 1)
+    run.save_results()
+    run.say(f"done in {run.results['seconds_total']} s")
     return record
 
 

@@ -77,9 +77,9 @@ from torch import nn
 
 from engramrt.config import EngramConfig
 from engramrt.errors import ValidationError
-from engramrt.hashing import HashBatch, NgramHasher, RequestHistory, SlotHashCache
-from engramrt.layer import EngramHead
-from engramrt.layer.module import pair_head_with_source
+from engramrt.hashing.types import HashBatch
+from engramrt.layer.module import check_hidden, pair_head_with_source
+from engramrt.protocols import LayerHead, RowIdMaker
 from engramrt.source import PendingRows, RowSource
 
 __all__ = [
@@ -214,11 +214,11 @@ class RuntimeLayer(nn.Module):
     ``layer(hidden)`` is ``runtime.run(index, hidden)``.
 
     Attributes:
-        head: the layer's :class:`~engramrt.layer.EngramHead` (its weights).
+        head: the layer's head (a :class:`~engramrt.protocols.LayerHead`: its weights).
         index: the layer's position among the model's Engram layers.
     """
 
-    def __init__(self, runtime: EngramRuntime, index: int, head: EngramHead) -> None:
+    def __init__(self, runtime: EngramRuntime, index: int, head: LayerHead) -> None:
         super().__init__()
         self.head = head
         self.index = index
@@ -230,7 +230,7 @@ class RuntimeLayer(nn.Module):
         return self._runtime_or_raise().sources[self.index]
 
     def load_weights(self, **weights: Any) -> None:
-        """The head's :meth:`~engramrt.layer.EngramHead.load_weights`."""
+        """The head's ``load_weights`` (:meth:`~engramrt.layer.EngramHead.load_weights`)."""
         self.head.load_weights(**weights)
 
     def forward(
@@ -260,15 +260,19 @@ class EngramRuntime:
     """Hash ids, rows and (with heads) the Engram layers of one model.
 
     Args:
-        hasher: the :class:`NgramHasher` of the model's layout.
+        hasher: the model's row-id maker (a :class:`~engramrt.protocols.RowIdMaker`:
+            the :class:`~engramrt.hashing.NgramHasher` of its layout).
         sources: one :class:`~engramrt.source.RowSource` per Engram layer
             (a store, a cache, an exchange), all on the hasher's device.
         max_tokens: the most tokens one step may hold (sizes the staging).
         max_requests: the most requests one step may hold.
-        history: a :class:`SlotHashCache`, a :class:`RequestHistory`, or
-            None when batches carry ``lookback_token_ids``.
-        heads: optional, one :class:`~engramrt.layer.EngramHead` (or an
-            :class:`EngramConfig` to build an unloaded one) per layer; then
+        history: the id maker's history object (for the hasher a
+            :class:`~engramrt.hashing.SlotHashCache` or a
+            :class:`~engramrt.hashing.RequestHistory`), or None when batches
+            carry ``lookback_token_ids``.
+        heads: optional, one head per layer (a :class:`~engramrt.protocols.LayerHead`
+            such as :class:`~engramrt.layer.EngramHead`, or an
+            :class:`EngramConfig` to build an unloaded ``EngramHead``); then
             :meth:`run` and :attr:`layers` compute the model's Engram layers.
         validate: host-side checks of ``hidden`` in :meth:`run` and of the
             heads' and gate's arguments (shapes, dtypes, devices; they never
@@ -319,13 +323,13 @@ class EngramRuntime:
 
     def __init__(
         self,
-        hasher: NgramHasher,
+        hasher: RowIdMaker,
         sources: Sequence[RowSource],
         *,
         max_tokens: int,
         max_requests: int,
-        history: SlotHashCache | RequestHistory | None = None,
-        heads: Sequence[EngramHead | EngramConfig] | None = None,
+        history: Any = None,
+        heads: Sequence[LayerHead | EngramConfig] | None = None,
         validate: bool = True,
         num_slots: int = 2,
         lookup_priority: int = 0,
@@ -333,11 +337,15 @@ class EngramRuntime:
         gpu_reads: str = "first",
         lookup_overlap: str = "side",
     ) -> None:
-        consts = hasher.consts
-        if len(sources) != consts.n_layers:
+        if not isinstance(hasher, RowIdMaker):
             raise ValidationError(
-                f"sources has {len(sources)} entries; expected one per Engram layer "
-                f"({consts.n_layers})"
+                f"hasher is a {type(hasher).__name__}; expected a row-id maker "
+                f"(engramrt.protocols.RowIdMaker, e.g. an NgramHasher)"
+            )
+        n_layers = hasher.n_layers
+        if len(sources) != n_layers:
+            raise ValidationError(
+                f"sources has {len(sources)} entries; expected one per Engram layer ({n_layers})"
             )
         for index, source in enumerate(sources):
             if not isinstance(source, RowSource):
@@ -373,9 +381,9 @@ class EngramRuntime:
         head_dims = {s.E for s in sources}
         if len(head_dims) != 1:
             raise ValidationError(f"sources have head dims {sorted(head_dims)}; expected one E")
-        if heads is not None and len(heads) != consts.n_layers:
+        if heads is not None and len(heads) != n_layers:
             raise ValidationError(
-                f"heads has {len(heads)} entries; expected one per Engram layer ({consts.n_layers})"
+                f"heads has {len(heads)} entries; expected one per Engram layer ({n_layers})"
             )
         self.hasher = hasher
         self.sources = list(sources)
@@ -388,12 +396,12 @@ class EngramRuntime:
         self.max_tokens = max_tokens
         self.max_requests = max_requests
         self.history = history
-        self.n_layers = consts.n_layers
-        self.n_cols = consts.n_cols
+        self.n_layers = n_layers
+        self.n_cols = hasher.num_cols
         self.head_dim = head_dims.pop()
         self.num_slots = num_slots
         self.validate = validate
-        self.heads: list[EngramHead] = [
+        self.heads: list[LayerHead] = [
             self._head(index, head, validate) for index, head in enumerate(heads or [])
         ]
         self.layers: list[RuntimeLayer] = [
@@ -446,7 +454,7 @@ class EngramRuntime:
         self.handle = next(_NEXT_HANDLE)
         _HANDLES[self.handle] = self
 
-    def _head(self, index: int, head: EngramHead | EngramConfig, validate: bool) -> EngramHead:
+    def _head(self, index: int, head: LayerHead | EngramConfig, validate: bool) -> LayerHead:
         head = pair_head_with_source(
             head,
             self.sources[index],
@@ -543,7 +551,7 @@ class EngramRuntime:
         self,
         batch: HashBatch,
         *,
-        history: SlotHashCache | RequestHistory | None = None,
+        history: Any = None,
     ) -> StepPlan:
         """Hash ``batch`` and start every layer's rows: the host half of a step.
 
@@ -629,7 +637,9 @@ class EngramRuntime:
             )
         local = self.sources[index].local_tokens(step.num_tokens)
         if self.validate:
-            self._check_hidden(index, hidden, local, step.num_tokens)
+            check_hidden(
+                hidden, self.heads[index], local, step.num_tokens, where=f"Engram layer {index}"
+            )
         step._ran[index] = True
         rows = step.pending[index].wait()
         while self._planned and self._planned[0].done:
@@ -642,26 +652,6 @@ class EngramRuntime:
             kv_out=self._kv[index][:local],
             return_kv=return_kv,
         )
-
-    def _check_hidden(self, index: int, hidden: torch.Tensor, local: int, num_tokens: int) -> None:
-        head = self.heads[index]
-        if not isinstance(hidden, torch.Tensor):
-            raise ValidationError(f"hidden is a {type(hidden).__name__}; expected a tensor")
-        expected = [local, head.hc_mult, head.hidden_size]
-        if list(hidden.shape) != expected:
-            tokens = (
-                f"T = {num_tokens} tokens of the planned step"
-                if local == num_tokens
-                else f"local_tokens({num_tokens}) = {local} tokens of this rank"
-            )
-            raise ValidationError(
-                f"hidden has shape {list(hidden.shape)}; expected {expected} ({tokens}, hc, D) "
-                f"for Engram layer {index}"
-            )
-        if hidden.device != self.device:
-            raise ValidationError(
-                f"hidden is on {hidden.device}; expected the runtime's device {self.device}"
-            )
 
     @property
     def pending_steps(self) -> int:

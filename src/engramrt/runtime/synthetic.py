@@ -1,4 +1,4 @@
-"""Row stores filled with random rows, for demos and benchmarks without a checkpoint."""
+"""Row stores filled with synthetic rows, for demos and benchmarks without a checkpoint."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from collections.abc import Iterator
 import torch
 
 from engramrt.layout import EngramLayout
-from engramrt.lookup.synthetic import random_packed_rows
+from engramrt.lookup.synthetic import synthetic_packed_rows
 from engramrt.lookup.tiers import make_store
 from engramrt.lookup.tiers.base import RowStore
 
@@ -25,24 +25,19 @@ def synthetic_rows(
     seed: int = 0,
     device: torch.device | str = "cpu",
 ) -> Iterator[tuple[int, torch.Tensor]]:
-    """Rows ``[row_begin, row_end)`` of layer ``layer_index``'s random table, in pieces.
+    """Rows ``[row_begin, row_end)`` of layer ``layer_index``'s synthetic table, in pieces.
 
     Yields ``(local_row, packed)``: ``packed`` holds rows ``row_begin +
-    local_row`` onwards, generated on ``device``. Row ``g`` is the same
-    whatever the range asked for: pieces of ``_FILL_ROWS`` global rows are
-    seeded by their index.
+    local_row`` onwards, computed on ``device``: the rows of
+    :func:`~engramrt.lookup.synthetic.synthetic_packed_rows` with a seed per
+    ``(seed, layer_index)``, so row ``g`` is the same whatever the range asked for.
     """
     device = torch.device(device)
     E = layout.config.head_dim
-    for piece in range(row_begin // _FILL_ROWS, -(-row_end // _FILL_ROWS)):
-        gen = torch.Generator(device=device).manual_seed(
-            (seed * 1_000_003 + layer_index) * 1_000_003 + piece
-        )
-        rows = random_packed_rows(_FILL_ROWS, E, device, gen)
-        lo = max(row_begin, piece * _FILL_ROWS)
-        hi = min(row_end, (piece + 1) * _FILL_ROWS)
-        base = piece * _FILL_ROWS
-        yield lo - row_begin, rows[lo - base : hi - base]
+    for begin in range(row_begin, row_end, _FILL_ROWS):
+        end = min(row_end, begin + _FILL_ROWS)
+        row_ids = torch.arange(begin, end, dtype=torch.int64, device=device)
+        yield begin - row_begin, synthetic_packed_rows(row_ids, E, seed * 1_009 + layer_index)
 
 
 def synthetic_stores(
@@ -55,11 +50,11 @@ def synthetic_stores(
     seed: int = 0,
     **store_options: object,
 ) -> list[RowStore]:
-    """One store per Engram layer of ``layout`` (this rank's shard), random rows.
+    """One store per Engram layer of ``layout`` (this rank's shard), synthetic rows.
 
     Row ``g`` of a layer is the same whatever the shard
     (:func:`synthetic_rows`), so tensor-parallel ranks hold exactly their
-    slice of the one table. Rows are generated on
+    slice of the one table. Rows are computed on
     the compute device (fast on a GPU) and written into the tier's memory.
     """
     generator_device = torch.device(device) if device is not None else torch.device("cpu")

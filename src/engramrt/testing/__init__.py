@@ -17,9 +17,11 @@ Imports torch; ``import engramrt`` does not import this package.
 from engramrt.testing.engines import (
     ENGINES,
     SglangView,
+    VllmEngine,
     VllmView,
     adapt,
     lookback_of,
+    seed_started,
     sglang_adapter,
 )
 from engramrt.testing.oneshot import one_shot_rows
@@ -46,6 +48,7 @@ __all__ = [
     "Scheduler",
     "SglangView",
     "Step",
+    "VllmEngine",
     "VllmView",
     "adapt",
     "capture_size",
@@ -53,5 +56,6 @@ __all__ = [
     "one_shot_rows",
     "run_schedule",
     "run_schedules",
+    "seed_started",
     "sglang_adapter",
 ]

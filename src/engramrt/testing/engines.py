@@ -20,11 +20,20 @@ from typing import Any
 import numpy as np
 import torch
 
-from engramrt.adapters import from_sglang_batch
-from engramrt.hashing import HashBatch, HashConstants
-from engramrt.testing.scheduler import Chunk, Request, Step
+from engramrt.adapters import from_sglang_batch, from_vllm_step, vllm_slot_cache
+from engramrt.hashing import HashBatch, HashConstants, RequestHistory, SlotHashCache
+from engramrt.testing.scheduler import Chunk, Request, Scheduler, Step
 
-__all__ = ["ENGINES", "SglangView", "VllmView", "adapt", "lookback_of", "sglang_adapter"]
+__all__ = [
+    "ENGINES",
+    "SglangView",
+    "VllmEngine",
+    "VllmView",
+    "adapt",
+    "lookback_of",
+    "seed_started",
+    "sglang_adapter",
+]
 
 
 def sglang_adapter(consts: HashConstants) -> Callable[..., HashBatch]:
@@ -245,3 +254,172 @@ def adapt(
             request_slots, dtype=torch.int32, device=batch.input_ids.device
         )
     return batch
+
+
+def seed_started(
+    history: Any, started: Sequence[Request], token_map: np.ndarray, width: int
+) -> None:
+    """Reset the :class:`RequestHistory` ring of every request that (re)started, and seed it
+    with the ``width`` compressed ids before the position it starts at (a prefix-cache hit);
+    any other history needs nothing."""
+    if not isinstance(history, RequestHistory):
+        return
+    for request in started:
+        history.reset(request.row)
+        if request.computed:
+            ids, dead = lookback_of(request, request.computed, width)
+            known = [i for i in ids if i >= 0]
+            compressed = token_map[np.array(known, dtype=np.int64)]
+            history.seed(request.row, request.computed, compressed, dead[: len(known)])
+
+
+class VllmEngine:
+    """A simulated vLLM-style engine's side of Engram, one request served at a time: its
+    :class:`Scheduler` (paged KV blocks, prefix cache), its runner's buffers
+    (:class:`VllmView`) and the hash history bound beside its KV cache; :meth:`batch`
+    turns a scheduled chunk into the :class:`HashBatch` an
+    :class:`~engramrt.runtime.EngramRuntime` plans.
+
+    Args:
+        history: ``"slot"`` (a :class:`SlotHashCache` over the KV blocks),
+            ``"request"`` (a :class:`RequestHistory`) or ``"lookback"`` (lookback
+            ids in every batch, no history object).
+        max_ngram_size: N of the hashing (the history window is N-1).
+        token_map: ``[V]`` compressed id of every tokenizer id (seeds rings).
+        max_requests: requests admitted over the engine's life (one KV row each).
+        max_len: the longest request (prompt, generated and draft tokens).
+        max_tokens: the most tokens of one step.
+        max_drafts: draft tokens of a verify step (the ring keeps that many more).
+        block_size: KV block size.
+        device: where the batches live.
+        seed: the scheduler's block choice and the runner's stale buffers.
+
+    Attributes:
+        scheduler, view: the scheduler and the runner's buffers.
+        history: the history object (None for ``"lookback"``).
+    """
+
+    def __init__(
+        self,
+        *,
+        history: str,
+        max_ngram_size: int,
+        token_map: np.ndarray,
+        max_requests: int,
+        max_len: int,
+        max_tokens: int,
+        max_drafts: int,
+        block_size: int,
+        device: torch.device,
+        seed: int = 0,
+    ) -> None:
+        rng = np.random.default_rng(seed)
+        blocks_per_request = -(-max_len // block_size)
+        self.width = max_ngram_size - 1
+        self.token_map = token_map
+        self.device = device
+        self.scheduler = Scheduler(
+            block_size=block_size,
+            num_blocks=blocks_per_request * max_requests + 1,
+            max_requests=max_requests,
+            max_len=max_len,
+            rng=rng,
+        )
+        self.view = VllmView(
+            rng,
+            int(token_map.shape[0]),
+            max_tokens=max_tokens,
+            max_requests=1,
+            max_blocks=blocks_per_request,
+            num_slots=self.scheduler.num_blocks * block_size,
+            block_size=block_size,
+        )
+        self.history: SlotHashCache | RequestHistory | None = None
+        if history == "slot":
+            self.history = vllm_slot_cache(self.scheduler.num_blocks, block_size, device)
+        elif history == "request":
+            window = self.width + max_drafts + 1
+            self.history = RequestHistory(
+                max_requests, max_ngram_size, window=window, device=device
+            )
+
+    def batch(self, chunk: Chunk) -> HashBatch:
+        """The :class:`HashBatch` of a step holding ``chunk`` alone, as the runner hands it
+        over and the adapter converts it (rings of newly started requests seeded first)."""
+        seed_started(self.history, self.scheduler.started, self.token_map, self.width)
+        self.scheduler.started = []
+        request = chunk.request
+        lookback: tuple[np.ndarray, np.ndarray] | None = None
+        if self.history is None:  # lookback ids only: the N-1 tokens before the chunk
+            ids, dead = lookback_of(request, chunk.start, self.width)
+            lookback = (np.array([ids], dtype=np.int64), np.array([dead], dtype=bool))
+        engine_step = self.view.express([Step(0, [chunk])], lookback, self.device)
+        if isinstance(self.history, SlotHashCache):
+            engine_step["cache"] = self.history
+        rows = [request.row] if isinstance(self.history, RequestHistory) else None
+        return adapt(from_vllm_step, engine_step, request_slots=rows)
+
+    def serve(
+        self,
+        request: Request,
+        prompt_len: int,
+        max_new_tokens: int,
+        next_tokens: Callable[[Chunk, str], list[int]],
+        *,
+        chunk_size: int,
+        speculative_step: int | None = None,
+        drafts: Sequence[int] = (),
+        truncate: Callable[[int], None] | None = None,
+    ) -> tuple[int, int]:
+        """Serve an admitted ``request`` until it holds ``max_new_tokens`` generated tokens.
+
+        Its prompt's tokens not in the prefix cache are prefilled in chunks of
+        ``chunk_size``, then one token per decode step; decode step
+        ``speculative_step`` (0-based; None: none) verifies the pending token and
+        ``drafts`` in one step, keeps the drafts greedy decoding agrees with and rolls
+        the rest back: in the scheduler (blocks past the kept tokens given back), in
+        the hash history (:meth:`rollback`) and through ``truncate(kept tokens)`` in
+        the model's own state (its KV cache).
+
+        ``next_tokens(chunk, kind)`` runs one step holding ``chunk`` (``kind``:
+        ``"prefill"``, ``"decode"`` or ``"verify"``) and returns the greedy token
+        after each of the chunk's positions. Returns ``(accepted, rejected)`` drafts.
+        """
+        scheduler, drafts = self.scheduler, list(drafts)
+        after: list[int] = []
+        while request.computed < prompt_len:
+            chunk = scheduler.chunk(request, min(chunk_size, prompt_len - request.computed))
+            after = next_tokens(chunk, "prefill")
+            scheduler.advance(chunk)
+        request.tokens.append(after[-1])
+        request.dead.append(False)
+        accepted = rejected = decode_index = 0
+        while len(request.tokens) - prompt_len < max_new_tokens:
+            if decode_index == speculative_step:
+                chunk = scheduler.chunk(request, 0, drafts)  # the pending token, then the drafts
+                greedy = next_tokens(chunk, "verify")
+                agreed = 0
+                while agreed < len(drafts) and greedy[agreed] == drafts[agreed]:
+                    agreed += 1
+                accepted, rejected = accepted + agreed, rejected + len(drafts) - agreed
+                keep = scheduler.advance(chunk, agreed)  # the pending token and the agreed
+                if truncate is not None:
+                    truncate(keep)
+                self.rollback(request, keep)
+                request.tokens.append(greedy[agreed])
+            else:
+                chunk = scheduler.chunk(request, 1)
+                after = next_tokens(chunk, "decode")
+                scheduler.advance(chunk)
+                request.tokens.append(after[-1])
+            request.dead.append(False)
+            decode_index += 1
+        del request.tokens[prompt_len + max_new_tokens :]
+        del request.dead[prompt_len + max_new_tokens :]
+        return accepted, rejected
+
+    def rollback(self, request: Request, keep: int) -> None:
+        """Forget request ``request``'s positions from ``keep`` on in a ring (rejected
+        drafts); the other histories need nothing (the slots are rewritten)."""
+        if isinstance(self.history, RequestHistory):
+            self.history.rollback(request.row, keep)

@@ -45,7 +45,14 @@ import torch
 from engramrt.adapters import from_vllm_step, sglang_slot_cache, vllm_slot_cache
 from engramrt.errors import ValidationError
 from engramrt.hashing import DEAD, HashBatch, HashConstants, NgramHasher, RequestHistory
-from engramrt.testing.engines import SglangView, VllmView, adapt, lookback_of, sglang_adapter
+from engramrt.testing.engines import (
+    SglangView,
+    VllmView,
+    adapt,
+    lookback_of,
+    seed_started,
+    sglang_adapter,
+)
 from engramrt.testing.oneshot import one_shot_rows
 from engramrt.testing.policy import MAX_DRAFTS, RandomSchedule
 from engramrt.testing.scheduler import Scheduler, Step
@@ -292,15 +299,7 @@ class Replay:
     def _start_requests(self, schedule: Schedule) -> None:
         """A request's ring is reset when it (re)starts, and seeded when it starts past 0."""
         started, schedule.scheduler.started = schedule.scheduler.started, []
-        if not isinstance(self.history, RequestHistory):
-            return
-        for request in started:
-            self.history.reset(request.row)
-            if request.computed:
-                ids, dead = lookback_of(request, request.computed, self.n - 1)
-                known = [i for i in ids if i >= 0]
-                compressed = self.token_map[np.array(known, dtype=np.int64)]
-                self.history.seed(request.row, request.computed, compressed, dead[: len(known)])
+        seed_started(self.history, started, self.token_map, self.n - 1)
 
     def _lose_history(self) -> None:
         if self.sabotage == "rebind" and self.mode == "slot":

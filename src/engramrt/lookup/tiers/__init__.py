@@ -23,12 +23,12 @@ from typing import Any
 import torch
 
 from engramrt import memory
+from engramrt._device import resolve_device
 from engramrt.errors import CapacityError, ValidationError
 from engramrt.lookup.tiers.base import (
     TIERS,
     KernelRowStore,
     RowStore,
-    default_compute_device,
     register_tier,
     tier_class,
 )
@@ -142,7 +142,7 @@ def make_store(
         E, num_rows = packed_width, packed.shape[0]
     if E is None:
         raise ValidationError("E = None; expected the values per row (or packed rows)")
-    compute_device = torch.device(device) if device is not None else default_compute_device()
+    compute_device = resolve_device(device)
     if tier == "auto":
         if num_rows is None:  # nothing to size memory by: serve the file at ``path``
             tier = "disk"

@@ -20,6 +20,7 @@ from typing import Any, ClassVar, TypeVar
 
 import torch
 
+from engramrt._device import resolve_device
 from engramrt.errors import ValidationError
 from engramrt.lookup import check_lookup_args, check_row_ids_in_shard
 from engramrt.lookup.mapped import MappedHostRows, lookup_mapped_rows
@@ -32,7 +33,6 @@ __all__ = [
     "TIERS",
     "KernelRowStore",
     "RowStore",
-    "default_compute_device",
     "register_tier",
     "tier_class",
 ]
@@ -67,21 +67,6 @@ def tier_class(name: str) -> type[RowStore]:
             f"tier = {name!r}; expected 'auto' or one of {', '.join(sorted(TIERS))}"
         )
     return cls
-
-
-def default_compute_device() -> torch.device:
-    """The current CUDA device when there is one, the CPU otherwise."""
-    if torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def _with_index(device: torch.device | str) -> torch.device:
-    """``"cuda"`` -> ``cuda:<current>``, so it compares equal to tensors' devices."""
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        return torch.device("cuda", torch.cuda.current_device())
-    return device
 
 
 class RowStore(RowSource):
@@ -137,7 +122,7 @@ class RowStore(RowSource):
         self.row_begin = int(row_begin)
         self.col_begin = int(col_begin)
         self.col_end = None if col_end is None else int(col_end)
-        self.device = _with_index(device) if device is not None else default_compute_device()
+        self.device = resolve_device(device)
         self.validate = bool(validate)
         self.check_ids = bool(check_ids)
 

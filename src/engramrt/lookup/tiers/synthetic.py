@@ -1,11 +1,9 @@
 """Synthetic tier: rows computed from their row id, no storage at all.
 
 For demos and tests at real layouts (a V4.1-Flash layer has 384 M rows):
-byte ``j`` of row ``r`` is a fixed integer hash of ``(seed, r, j)``; value
-bytes avoid the two e4m3fn NaN codes and scale bytes lie in 110..135, so
-every dequantised value is finite. The rows are the same on every device
-and for every shard (a rank holding rows ``[row_begin, row_end)`` serves
-exactly those rows of the whole table).
+the rows of :func:`engramrt.lookup.synthetic.synthetic_packed_rows`, the same
+on every device and for every shard (a rank holding rows ``[row_begin,
+row_end)`` serves exactly those rows of the whole table).
 """
 
 from __future__ import annotations
@@ -15,32 +13,11 @@ from typing import Any
 import torch
 
 from engramrt.errors import ValidationError
+from engramrt.lookup.synthetic import synthetic_packed_rows
 from engramrt.lookup.tiers.base import RowStore, register_tier
 from engramrt.quant import dequantize_rows
 
 __all__ = ["SyntheticRowStore", "synthetic_packed_rows"]
-
-_P = 2_147_483_629  # a prime below 2**31: every product below stays < 2**62
-_A, _B, _C = 1_103_515_245, 40_503, 2_654_435_761 % _P
-
-
-def _mix(h: torch.Tensor) -> torch.Tensor:
-    """Two rounds of a multiplicative hash mod a prime (int64, no overflow)."""
-    h = (h * _A + 12_345) % _P
-    h = h ^ (h >> 13)
-    return (h * _C + 1) % _P
-
-
-def synthetic_packed_rows(row_ids: torch.Tensor, E: int, seed: int = 0) -> torch.Tensor:
-    """``[..., E + E/32]`` uint8 packed rows of the global ``row_ids`` (any int dtype)."""
-    row_bytes = E + E // 32
-    r = row_ids.to(torch.int64).unsqueeze(-1) % _P  # [..., 1]
-    j = torch.arange(row_bytes, device=row_ids.device, dtype=torch.int64)
-    h = _mix((r * _B + j * 7_919 + seed * 104_729) % _P)
-    values = (h[..., :E] & 0xFF).to(torch.uint8)
-    values ^= ((values & 0x7F) == 0x7F).to(torch.uint8)  # NaN codes 0x7F/0xFF -> +-448
-    scales = (110 + h[..., E:] % 26).to(torch.uint8)
-    return torch.cat([values, scales], dim=-1)
 
 
 @register_tier

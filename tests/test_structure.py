@@ -1,0 +1,238 @@
+"""The package's shape: the product does not import the lab, imports form no cycle, and no
+function outside the Triton kernels runs past 150 lines.
+
+The import graph is read from the source (``ast``), lazy imports inside functions
+included and ``if TYPE_CHECKING:`` blocks left out (they never run), so nothing is
+imported to check it. Each rule has a control that shows it can fail.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from collections.abc import Iterable
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+
+LAB = ("engramrt.models", "engramrt.training", "engramrt.cli", "engramrt.bench")
+"""Models, training, the CLI's commands and demos, the bench package: they may use the
+core; the core (every other module of engramrt) never imports them."""
+
+MAX_FUNCTION_LINES = 150
+
+
+def module_files(root: Path = SRC) -> dict[str, Path]:
+    """``{dotted module name: file}`` of every module under ``root``."""
+    modules = {}
+    for path in sorted(root.rglob("*.py")):
+        parts = list(path.relative_to(root).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        modules[".".join(parts)] = path
+    return modules
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _runtime_nodes(tree: ast.AST) -> Iterable[ast.AST]:
+    """Every node, skipping the bodies of ``if TYPE_CHECKING:``."""
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        yield node
+        if isinstance(node, ast.If) and _is_type_checking(node):
+            stack.extend(node.orelse)
+            continue
+        stack.extend(ast.iter_child_nodes(node))
+
+
+_MODULE_STRING = re.compile(r"engramrt(\.\w+)+(:\w+)?")
+
+
+def imports_of(
+    module: str, source: str, modules: dict[str, Path], *, strings: bool = True
+) -> set[str]:
+    """The engramrt modules ``module`` imports at run time (``from pkg import name``
+    names ``pkg.name`` when that is a module, else ``pkg``), and those a string names
+    whole (``"engramrt.pkg.mod"`` or ``"engramrt.pkg:name"``, what ``importlib`` and
+    the package's lazy names take) when ``strings``: a cycle is about import
+    statements only, since a name resolved on use runs after every import."""
+    is_package = modules.get(module, Path()).name == "__init__.py"
+    package = module if is_package else module.rpartition(".")[0]
+    found: set[str] = set()
+    for node in _runtime_nodes(ast.parse(source)):
+        if strings and isinstance(node, ast.Constant) and isinstance(node.value, str):
+            if _MODULE_STRING.fullmatch(node.value):
+                name = node.value.partition(":")[0]
+                while name not in modules and "." in name:
+                    name = name.rpartition(".")[0]
+                found.add(name)
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.split(".")[0] == "engramrt")
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                parts = parts[: len(parts) - node.level + 1]
+                base = ".".join([*parts, base] if base else parts)
+            if base.split(".")[0] != "engramrt":
+                continue
+            for alias in node.names:
+                name = f"{base}.{alias.name}"
+                found.add(name if name in modules else base)
+    return found
+
+
+def import_graph(modules: dict[str, Path], *, strings: bool = True) -> dict[str, set[str]]:
+    return {
+        m: imports_of(m, p.read_text(), modules, strings=strings) & set(modules) - {m}
+        for m, p in modules.items()
+    }
+
+
+def in_lab(module: str) -> bool:
+    return any(module == lab or module.startswith(lab + ".") for lab in LAB)
+
+
+def core_imports_of_lab(graph: dict[str, set[str]]) -> list[str]:
+    return sorted(
+        f"{m} imports {t}"
+        for m, targets in graph.items()
+        if not in_lab(m)
+        for t in targets
+        if in_lab(t)
+    )
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph.get(child, ())))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return found
+
+
+def _is_triton_kernel(node: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
+    for decorator in node.decorator_list:
+        target = decorator.func if isinstance(decorator, ast.Call) else decorator
+        if (
+            isinstance(target, ast.Attribute)
+            and target.attr in ("jit", "autotune", "heuristics")
+            and isinstance(target.value, ast.Name)
+            and target.value.id == "triton"
+        ):
+            return True
+    return False
+
+
+def long_functions(source: str, limit: int = MAX_FUNCTION_LINES) -> list[tuple[str, int]]:
+    """``(name, lines)`` of every function longer than ``limit`` lines (``end_lineno -
+    lineno + 1``, decorators not counted), ``@triton.jit`` kernels exempt."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and not _is_triton_kernel(node):
+            lines = (node.end_lineno or node.lineno) - node.lineno + 1
+            if lines > limit:
+                found.append((node.name, lines))
+    return found
+
+
+# -- the rules -------------------------------------------------------------------
+
+
+def test_the_core_does_not_import_the_lab() -> None:
+    assert core_imports_of_lab(import_graph(module_files())) == []
+
+
+def test_import_graph_has_no_cycles() -> None:
+    assert cycles(import_graph(module_files(), strings=False)) == []
+
+
+@pytest.mark.parametrize("root", [SRC, BENCH], ids=["src", "bench"])
+def test_no_function_runs_past_the_limit(root: Path) -> None:
+    too_long = {
+        f"{path.relative_to(root.parent)}:{name}": lines
+        for path in sorted(root.rglob("*.py"))
+        for name, lines in long_functions(path.read_text())
+    }
+    assert too_long == {}, f"functions over {MAX_FUNCTION_LINES} lines: {too_long}"
+
+
+# -- controls: each rule sees a violation ------------------------------------------
+
+
+def test_controls_catch_a_lab_import_a_cycle_and_a_long_function(tmp_path: Path) -> None:
+    modules = {
+        "engramrt.plan": Path("plan.py"),
+        "engramrt.models": Path("__init__.py"),
+        "engramrt.models.serve": Path("serve.py"),
+        "engramrt.a": Path("a.py"),
+        "engramrt.b": Path("b.py"),
+    }
+    lazy_lab = "def f():\n    from engramrt.models.serve import TinyEngramModel\n"
+    typing_only = (
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import engramrt.models\n"
+    )
+    assert imports_of("engramrt.plan", lazy_lab, modules) == {"engramrt.models.serve"}
+    assert imports_of("engramrt.plan", typing_only, modules) == set()
+    by_name = 'import importlib\nimportlib.import_module("engramrt.models.serve")\n'
+    assert imports_of("engramrt.plan", by_name, modules) == {"engramrt.models.serve"}
+    graph = {
+        "engramrt.plan": {"engramrt.models.serve"},
+        "engramrt.models.serve": {"engramrt.plan"},
+        "engramrt.a": {"engramrt.b"},
+        "engramrt.b": {"engramrt.a"},
+    }
+    assert core_imports_of_lab(graph) == ["engramrt.plan imports engramrt.models.serve"]
+    assert sorted(cycles(graph)) == [
+        ["engramrt.a", "engramrt.b"],
+        ["engramrt.models.serve", "engramrt.plan"],
+    ]
+    assert cycles({"engramrt.a": {"engramrt.b"}, "engramrt.b": set()}) == []
+    body = "\n".join(f"    x{i} = {i}" for i in range(MAX_FUNCTION_LINES))
+    assert long_functions(f"def long():\n{body}\n") == [("long", MAX_FUNCTION_LINES + 1)]
+    assert long_functions(f"@triton.jit\ndef _kernel():\n{body}\n") == []
+    assert long_functions(f"def short():\n{body[: body.rfind(chr(10))]}\n") == []
