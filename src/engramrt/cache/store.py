@@ -72,7 +72,7 @@ from engramrt.cache.stats import CacheStats
 from engramrt.errors import CapacityError, ValidationError
 from engramrt.lookup import check_row_ids_in_shard, lookup_rows
 from engramrt.lookup.settings import DEFAULT_KERNEL, LookupKernelSettings, check_kernel_settings
-from engramrt.lookup.tiers import RowStore
+from engramrt.lookup.tiers import RowStore, TierOptions
 
 __all__ = ["PHASES", "CacheUpdate", "CachedRowStore"]
 
@@ -192,12 +192,14 @@ class CachedRowStore(RowStore):
         super().__init__(
             backing.num_rows,
             backing.E,
+            TierOptions(
+                validate=backing.validate if validate is None else validate,
+                check_ids=backing.check_ids if check_ids is None else check_ids,
+            ),
             device=backing.device,
             row_begin=backing.row_begin,
             col_begin=backing.col_begin,
             col_end=backing.col_end,
-            validate=backing.validate if validate is None else validate,
-            check_ids=backing.check_ids if check_ids is None else check_ids,
         )
         if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int):
             raise ValidationError(

@@ -266,7 +266,7 @@ def _run_synthetic(
         from engramrt.hashing import HashBatch, HashConstants, NgramHasher
         from engramrt.layer import EngramHead, EngramLayer
         from engramrt.layout import EngramLayout
-        from engramrt.lookup.tiers import SyntheticRowStore
+        from engramrt.lookup.tiers import SyntheticOptions, SyntheticRowStore, TablePlacement
         from engramrt.plan import memory_plan
         from engramrt.tokenmap import TokenMap, load_tokenizer
 
@@ -347,12 +347,11 @@ def _run_synthetic(
     if checkpoint is not None:
         from engramrt.checkpoint import load_table
 
-        stores = [
-            load_table(checkpoint, cfg, li, tier=tier, device=dev) for li in range(cfg.n_layers)
-        ]
+        placement = TablePlacement(tier, device=dev)
+        stores = [load_table(checkpoint, cfg, li, placement) for li in range(cfg.n_layers)]
     else:
         stores = [
-            SyntheticRowStore(n, cfg.head_dim, device=dev, seed=li)
+            SyntheticRowStore(n, cfg.head_dim, SyntheticOptions(seed=li), device=dev)
             for li, n in enumerate(cfg.num_embeddings)
         ]
     if cache_mib > 0:

@@ -678,6 +678,7 @@ def train(settings: TrainSettings) -> dict[str, Any]:
         read_table,
         run_conversion,
     )
+    from engramrt.lookup.tiers import DeviceOptions, TablePlacement
     from engramrt.models.corpus import manifest_differences
     from engramrt.models.wins import category_losses, category_masks, training_ngrams
     from engramrt.tokenmap import TokenMap, load_tokenizer
@@ -942,14 +943,8 @@ def train(settings: TrainSettings) -> dict[str, Any]:
             raise AssertionError(
                 f"converted table of layer {cfg.layer_ids[index]} differs from packed_rows()"
             )
-    stores = load_tables(
-        out / artifacts.ENGRAM_TABLES,
-        cfg,
-        tier="device",
-        device=device,
-        token_map=token_map,
-        backend=backend,
-    )
+    placement = TablePlacement(DeviceOptions(backend=backend), device=device)
+    stores = load_tables(out / artifacts.ENGRAM_TABLES, cfg, placement, token_map=token_map)
     fp8_rows: RowsOf = lambda index, ids: stores[index].lookup(ids).float()  # noqa: E731
     fp8 = {
         key: evaluate(engram_model, fp8_rows, data.tokens, data.lengths, engram_ids[key])
@@ -1126,17 +1121,16 @@ def _served_sample_loss(
     of the directory just written); None, and a printed reason, if that fails: the
     directory is complete either way."""
     try:
+        from engramrt.lookup.tiers import DeviceOptions, TablePlacement
         from engramrt.models.serve import load_model
 
         began = time.perf_counter()
         backend = "auto" if device.type == "cuda" else "reference"
         model = load_model(
             out,
-            tier="device",
-            device=device,
+            TablePlacement(DeviceOptions(backend=backend), device=device),
             load_baseline=False,
             head_backend=backend,
-            backend=backend,
         )
         loss = model.evaluate()
         say(f"served fp8 model, sample loss {loss:.5f} ({time.perf_counter() - began:.1f} s)")
