@@ -214,7 +214,7 @@ class HostOptions(KernelTierOptions):
         super()._check()
         check_int(self, "chunk_rows", 1)
         check_int(self, "num_threads", 1, optional=True)
-        if self.gpu_reads not in (None, True, False):
+        if self.gpu_reads is not None and not isinstance(self.gpu_reads, bool):
             raise self.error("gpu_reads", "None, True or False")
         if isinstance(self.gpu_share, bool) or not (
             isinstance(self.gpu_share, (int, float)) and 0.0 <= self.gpu_share <= 1.0
