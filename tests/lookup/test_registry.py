@@ -18,8 +18,8 @@ import pytest
 from tests.lookup.test_lookup import assert_same_bits, random_packed_table
 
 from engramrt.errors import ValidationError
-from engramrt.lookup import lookup_rows, lookup_rows_reference
 from engramrt.layout import ColumnShard, EngramLayout
+from engramrt.lookup import lookup_rows, lookup_rows_reference
 from engramrt.lookup.tiers import (
     TIERS,
     DeviceOptions,
@@ -181,7 +181,9 @@ def test_options_and_placements_are_frozen_values() -> None:
     options = HostOptions(num_threads=2)
     with pytest.raises(dataclasses.FrozenInstanceError):
         options.num_threads = 3  # type: ignore[misc]
-    assert options == HostOptions(num_threads=2) and hash(options) == hash(HostOptions(num_threads=2))
+    assert options == HostOptions(num_threads=2) and hash(options) == hash(
+        HostOptions(num_threads=2)
+    )
     placement = TablePlacement(options, device="cpu", tp=2, rank=1, disk_dir="rows")
     assert placement.tier_name == "host" and placement.device == torch.device("cpu")
     assert placement.tier_options(10**12) is options  # given options are never re-resolved

@@ -14,6 +14,7 @@ if not torch.cuda.is_available():
 from pathlib import Path
 
 import pytest
+from tests.lookup.stores import store_of
 
 from engramrt import memory
 from engramrt.errors import CapacityError, CheckpointError, ValidationError
@@ -30,7 +31,6 @@ from engramrt.lookup.tiers import (
     make_store,
     tier_class,
 )
-from engramrt.packed import row_width_for
 
 CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if CUDA else "cpu")
@@ -79,23 +79,16 @@ def build(
     col_end: int | None = None,
     **options: object,
 ) -> RowStore:
-    """A store of ``tier`` (its options class made from ``options``) holding ``table`` as
-    rows ``[row_begin, ...)`` serving columns ``[col_begin, col_end)``."""
-    cls = tier_class(tier)
-    store = cls.build(
-        table.shape[0],
-        row_width_for(table.shape[1]),
-        cls.options_type(**options),  # type: ignore[arg-type]
-        path=tmp_path / f"{tier}.rows",
-        new_file=True,
+    """A store of ``tier`` (its options class made from ``options``) holding ``table``."""
+    return store_of(
+        tier_class(tier).options_type(**options),  # type: ignore[arg-type]
+        table,
         device=DEVICE,
         row_begin=row_begin,
         col_begin=col_begin,
         col_end=col_end,
+        path=tmp_path / f"{tier}.rows",
     )
-    store.write_rows(0, table)
-    store.flush()
-    return store
 
 
 @pytest.mark.parametrize("tier", TIERS)
@@ -358,7 +351,7 @@ def test_store_argument_errors(tmp_path: Path) -> None:
         store.lookup(
             torch.zeros((2, 2), dtype=torch.int64), out=torch.empty((2, 2, 64), device=DEVICE)
         )
-    with pytest.raises(ValidationError, match="HostOptions.chunk_rows = 0; expected an int >= 1"):
+    with pytest.raises(ValidationError, match=r"HostOptions.chunk_rows = 0; expected an int >= 1"):
         HostOptions(chunk_rows=0)
 
 
@@ -388,7 +381,13 @@ def test_gpu_reads_match_reference(gpu_share: float, dedup_min_rows: int, tmp_pa
     int64 ids; an odd unique count splits unevenly."""
     table = random_packed_table(301, 256, seed=40)
     store = build(
-        "host", table, tmp_path, row_begin=7000, col_begin=1, col_end=5, chunk_rows=16,
+        "host",
+        table,
+        tmp_path,
+        row_begin=7000,
+        col_begin=1,
+        col_end=5,
+        chunk_rows=16,
         gpu_share=gpu_share,
     )
     assert isinstance(store, HostGatherRowStore) and store.gpu_reads
@@ -444,7 +443,9 @@ def test_gpu_reads_settings(tmp_path: Path) -> None:
         HostOptions(gpu_share=1.5)
     if CUDA:
         with pytest.raises(ValidationError, match="gpu_reads=True with backend='reference'"):
-            make_store(TablePlacement(HostOptions(gpu_reads=True, backend="reference")), packed=table)
+            make_store(
+                TablePlacement(HostOptions(gpu_reads=True, backend="reference")), packed=table
+            )
     else:
         with pytest.raises(
             CapacityError, match=r"gpu_reads=True needs a CUDA device .* got device cpu"

@@ -384,7 +384,12 @@ class EngramWeightLoader:
         with _opened(checkpoint) as ckpt:
             plans = [self._plan_table(ckpt, index, token_map) for index in self._tables]
             if verify_checksums:
-                files = {p.location.file for plan in plans for s in plan.segments for p in (s.weight, s.scale)}
+                files = {
+                    p.location.file
+                    for plan in plans
+                    for s in plan.segments
+                    for p in (s.weight, s.scale)
+                }
                 for file in sorted(files):
                     ckpt.verify(file)
             if self.with_heads:
@@ -406,7 +411,9 @@ class EngramWeightLoader:
                 f"({', '.join(repr(n) for n in layer.names.values())}); expected each Engram "
                 f"tensor once"
             )
-        plan = plan_layer_read(ckpt, self.config, self.layout, index, layer.shard, self._table_names)
+        plan = plan_layer_read(
+            ckpt, self.config, self.layout, index, layer.shard, self._table_names
+        )
         check_plan_token_map(ckpt, plan, self.config, token_map)
         first = plan.segments[0] if plan.segments else None
         if first is not None:

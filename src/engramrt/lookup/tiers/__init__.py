@@ -74,9 +74,7 @@ __all__ = [
 ]
 
 
-def _check_packed(
-    packed: torch.Tensor, num_rows: int | None, E: int | None
-) -> tuple[int, int]:
+def _check_packed(packed: torch.Tensor, num_rows: int | None, E: int | None) -> tuple[int, int]:
     """``(num_rows, E)`` of packed rows, checked against those given."""
     if not isinstance(packed, torch.Tensor) or packed.dtype != torch.uint8 or packed.dim() != 2:
         found = (

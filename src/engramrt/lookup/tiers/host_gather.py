@@ -66,7 +66,7 @@ import os
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
 
@@ -76,9 +76,8 @@ from engramrt.lookup import lookup_rows
 from engramrt.lookup.mapped import MappedHostRows, gather_mapped_rows
 from engramrt.lookup.settings import LookupKernelSettings
 from engramrt.lookup.tiers.base import KernelRowStore, register_tier
-from engramrt.lookup.tiers.options import TierOptions
 from engramrt.lookup.tiers.host_rows import HostRows, PrivateHostRows
-from engramrt.lookup.tiers.options import KernelTierOptions, check_int
+from engramrt.lookup.tiers.options import KernelTierOptions, TierOptions, check_int
 from engramrt.packed import word_dtype_for
 
 __all__ = [
