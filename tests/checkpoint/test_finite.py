@@ -17,7 +17,7 @@ from engramrt.checkpoint import EngramWeightLoader, load_table
 from engramrt.errors import CheckpointError
 
 from .conftest import SCALE, WEIGHT, write_deepseek_checkpoint
-from .test_engine_loading import CONFIG, STORE_OPTIONS, TABLES, E, _loader, v41_tensors
+from .test_engine_loading import CONFIG, TABLES, E, _loader, placed, v41_tensors
 
 ROW, COL = 1234, 37  # a row of layer 1 (rank 0 of tp = 1 reads every row)
 LAYER = CONFIG.layer_ids[0]
@@ -68,12 +68,12 @@ def test_load_table_refuses_non_finite_rows(tmp_path, kind: str) -> None:
     path = write_deepseek_checkpoint(tmp_path / "model.safetensors", CONFIG, packed)
     name = NAMES[kind.split()[0]]
     with pytest.raises(CheckpointError, match=rf"tensor '{name}' row {ROW}\b") as caught:
-        load_table(path, CONFIG, 0, tier="host", device="cpu", block_rows=500, **STORE_OPTIONS)
+        load_table(path, CONFIG, 0, placed(), block_rows=500)
     assert str(caught.value).count("\n") == 0
     # The control: the same file with the small-values row loads and serves it as stored.
     packed = [planted("scale 0xfe, small values"), *TABLES[1:]]
     path = write_deepseek_checkpoint(tmp_path / "control.safetensors", CONFIG, packed)
-    store = load_table(path, CONFIG, 0, tier="host", device="cpu", **STORE_OPTIONS)
+    store = load_table(path, CONFIG, 0, placed())
     assert torch.equal(store.gather_packed(torch.tensor([ROW]))[0], packed[0][ROW])
 
 
