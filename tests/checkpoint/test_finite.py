@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engramrt.checkpoint import EngramWeightLoader, load_table
+from engramrt.checkpoint import EngramWeightLoader, load_layer, load_table
 from engramrt.errors import CheckpointError
 
 from .conftest import SCALE, WEIGHT, write_deepseek_checkpoint
@@ -116,6 +116,28 @@ def test_the_engine_loader_refuses_non_finite_head_weights(role, value, expected
     tensors[name] = bad
     with pytest.raises(CheckpointError, match=rf"tensor '{name}' holds .* expected {expected}"):
         _loader(1, 0).load_weights(tensors)
+
+
+@pytest.mark.parametrize(("role", "value", "expected"), HEAD_CASES)
+def test_load_layer_refuses_non_finite_head_weights(tmp_path, role, value, expected) -> None:
+    """load_layer reads head weights through the same checks as the engine loader (it is a
+    call of it); the control loads the same checkpoint without the planted value."""
+    from safetensors.torch import save_file
+
+    tensors = v41_tensors("", "weight_scale_inv", scale_dtype=torch.uint8)
+    save_file(tensors, str(tmp_path / "good.safetensors"))
+    layer = load_layer(tmp_path / "good.safetensors", CONFIG, 0, placed("device"), max_tokens=4)
+    assert torch.equal(layer.head.q_weight.cpu(), tensors[f"layers.{LAYER}.engram.q_weight"])
+    name = f"layers.{LAYER}.engram.{role}"
+    bad = tensors[name].clone()
+    if bad.dtype == torch.float8_e4m3fn:  # an fp8 wkv holds NaN as the byte 0x7f
+        bad.view(torch.uint8)[0, 3] = 0x7F
+    else:
+        bad.view(-1)[3] = float(value)
+    tensors[name] = bad
+    save_file(tensors, str(tmp_path / "bad.safetensors"))
+    with pytest.raises(CheckpointError, match=rf"tensor '{name}' holds .* expected {expected}"):
+        load_layer(tmp_path / "bad.safetensors", CONFIG, 0, placed("device"), max_tokens=4)
 
 
 def test_engine_loader_misuse_gets_one_clear_error() -> None:
