@@ -477,7 +477,21 @@ def run_schedule(
     backend: str,
     consts: HashConstants,
     token_map: Any,
-    **options: Any,
+    *,
+    max_steps: int = 12,
+    device: torch.device | str = "cpu",
+    sabotage: str | None = None,
+    hasher: NgramHasher | None = None,
 ) -> Schedule:
-    """One schedule of :func:`run_schedules`, alone."""
-    return run_schedules([seed], mode, backend, consts, token_map, **options)[0]
+    """One schedule of :func:`run_schedules`, alone (the same settings)."""
+    return run_schedules(
+        [seed],
+        mode,
+        backend,
+        consts,
+        token_map,
+        max_steps=max_steps,
+        device=device,
+        sabotage=sabotage,
+        hasher=hasher,
+    )[0]
