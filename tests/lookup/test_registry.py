@@ -26,6 +26,7 @@ from engramrt.lookup.tiers import (
     DiskOptions,
     HostGatherRowStore,
     HostOptions,
+    PrivateHostRows,
     RowStore,
     SyntheticOptions,
     TablePlacement,
@@ -153,6 +154,10 @@ def test_unknown_tiers_and_wrong_options_are_named() -> None:
         "synthetic": SyntheticOptions,
     }
     assert not TIERS["disk"].takes_host_rows  # the disk tier maps its own file
+    with pytest.raises(
+        ValidationError, match=r"host_rows = .* for tier='device'; expected a tier "
+    ):
+        tier_class("device")(10, 32, host_rows=PrivateHostRows())
 
 
 @pytest.mark.parametrize(
@@ -265,7 +270,7 @@ def test_validated_lookups_never_synchronise() -> None:
 def test_host_rows_are_injected(tmp_path: Path) -> None:
     """The host tier over its own allocation (exactly the rows' bytes), over a
     memory-mapped file, and refusing writes to rows it may not write."""
-    from engramrt.lookup.tiers import MappedFileRows, PrivateHostRows
+    from engramrt.lookup.tiers import MappedFileRows
 
     table = random_packed_table(40, 64, seed=7)
     private = make_store(TablePlacement(HostOptions(gpu_reads=False), device="cpu"), packed=table)

@@ -136,7 +136,7 @@ def shared_store(
                 f"shard holds {shard.num_rows} rows; expected the table's {rows.shape[0]}"
             )
     cls = tier_class(name)
-    store: RowStore = cls(  # type: ignore[call-arg]
+    store: RowStore = cls(
         rows.shape[0],
         host_rows.E,
         placement.tier_options(rows.numel()),

@@ -480,18 +480,10 @@ def run_schedule(
     *,
     max_steps: int = 12,
     device: torch.device | str = "cpu",
-    sabotage: str | None = None,
     hasher: NgramHasher | None = None,
 ) -> Schedule:
-    """One schedule of :func:`run_schedules`, alone (the same settings)."""
-    return run_schedules(
-        [seed],
-        mode,
-        backend,
-        consts,
-        token_map,
-        max_steps=max_steps,
-        device=device,
-        sabotage=sabotage,
-        hasher=hasher,
-    )[0]
+    """One schedule of :func:`run_schedules`, alone (``max_steps``, ``device``, ``hasher``:
+    as there)."""
+    schedules = run_schedules([seed], mode, backend, consts, token_map, hasher=hasher,
+                              max_steps=max_steps, device=device)  # fmt: skip
+    return schedules[0]

@@ -25,6 +25,7 @@ from engramrt.errors import ValidationError
 from engramrt.lookup import check_lookup_args, check_row_ids_in_shard
 from engramrt.lookup.mapped import MappedHostRows, lookup_mapped_rows
 from engramrt.lookup.settings import DEFAULT_KERNEL, LookupKernelSettings, check_kernel_settings
+from engramrt.lookup.tiers.host_rows import HostRows, PrivateHostRows
 from engramrt.lookup.tiers.options import KernelTierOptions, TierOptions
 from engramrt.packed import row_bytes_for
 from engramrt.quant import check_row_width
@@ -106,6 +107,10 @@ class RowStore(RowSource):
         device: where :meth:`lookup` writes its output (the compute device;
             default: the current CUDA device, else the CPU).
         row_begin, col_begin, col_end: the shard (see the attributes).
+        host_rows: rows that already live in host memory, served without a
+            copy (a :class:`~engramrt.lookup.tiers.host_rows.HostRows`); only
+            for tiers that take them (:attr:`takes_host_rows`; default: their
+            own allocation).
 
     Attributes:
         tier: the tier's name (``"device"``, ``"uva"``, ``"host"``, ``"disk"``).
@@ -137,8 +142,16 @@ class RowStore(RowSource):
         row_begin: int = 0,
         col_begin: int = 0,
         col_end: int | None = None,
+        host_rows: HostRows | None = None,
     ) -> None:
         check_row_width("E", E)
+        if host_rows is not None and not self.takes_host_rows:
+            takers = ", ".join(sorted(name for name, cls in TIERS.items() if cls.takes_host_rows))
+            raise ValidationError(
+                f"host_rows = {host_rows!r} for tier={self.tier!r}; expected a tier that serves "
+                f"rows it does not allocate ({takers})"
+            )
+        self.host_rows = host_rows or self._own_host_rows()
         if options is None:
             options = self.options_type()
         elif type(options) is not self.options_type:
@@ -169,6 +182,11 @@ class RowStore(RowSource):
 
     def _setup(self) -> None:
         """The tier's own construction, once the common attributes are set (allocate, map)."""
+
+    def _own_host_rows(self) -> HostRows:
+        """Where a host-memory tier's rows live when none are injected: a private allocation
+        of exactly the rows' bytes (a file-backed tier maps its file)."""
+        return PrivateHostRows()
 
     @classmethod
     def build(

@@ -22,7 +22,7 @@ import torch
 from engramrt.errors import CheckpointError, ValidationError
 from engramrt.lookup.tiers.base import RowStore, register_tier
 from engramrt.lookup.tiers.host_gather import HostGatherRowStore, HostOptions
-from engramrt.lookup.tiers.host_rows import MappedFileRows
+from engramrt.lookup.tiers.host_rows import HostRows, MappedFileRows
 from engramrt.packed import row_bytes_for
 
 __all__ = ["DiskOptions", "DiskRowStore"]
@@ -109,17 +109,19 @@ class DiskRowStore(HostGatherRowStore):
             )
         self.create = create
         self.writable = writable or create
-        rows = MappedFileRows(self.path, create=create, writable=writable)
+        self._file_rows = MappedFileRows(self.path, create=create, writable=writable)
         super().__init__(
             num_rows,
             E,
             options,
-            host_rows=rows,
             device=device,
             row_begin=row_begin,
             col_begin=col_begin,
             col_end=col_end,
         )
+
+    def _own_host_rows(self) -> HostRows:
+        return self._file_rows
 
     @classmethod
     def build(

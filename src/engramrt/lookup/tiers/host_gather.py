@@ -76,7 +76,6 @@ from engramrt.lookup import lookup_rows
 from engramrt.lookup.mapped import MappedHostRows, gather_mapped_rows
 from engramrt.lookup.settings import LookupKernelSettings
 from engramrt.lookup.tiers.base import KernelRowStore, register_tier
-from engramrt.lookup.tiers.host_rows import HostRows, PrivateHostRows
 from engramrt.lookup.tiers.options import KernelTierOptions, TierOptions, check_int
 from engramrt.packed import word_dtype_for
 
@@ -239,29 +238,6 @@ class HostGatherRowStore(KernelRowStore):
     takes_host_rows = True
     host_sync = True  # the CPU gathers large batches: it must learn their ids
     default_kernel = HOST_READ_KERNEL
-
-    def __init__(
-        self,
-        num_rows: int,
-        E: int,
-        options: HostOptions | None = None,
-        *,
-        host_rows: HostRows | None = None,
-        device: torch.device | str | None = None,
-        row_begin: int = 0,
-        col_begin: int = 0,
-        col_end: int | None = None,
-    ) -> None:
-        self.host_rows = host_rows or PrivateHostRows()
-        super().__init__(
-            num_rows,
-            E,
-            options,
-            device=device,
-            row_begin=row_begin,
-            col_begin=col_begin,
-            col_end=col_end,
-        )
 
     def _setup(self) -> None:
         super()._setup()

@@ -26,7 +26,6 @@ from engramrt import memory
 from engramrt.lookup.mapped import MappedHostRows, gather_mapped_rows
 from engramrt.lookup.settings import DEFAULT_KERNEL
 from engramrt.lookup.tiers.base import KernelRowStore, register_tier
-from engramrt.lookup.tiers.host_rows import HostRows, PrivateHostRows
 from engramrt.lookup.tiers.options import KernelTierOptions
 from engramrt.packed import word_dtype_for
 
@@ -69,29 +68,6 @@ class UvaRowStore(KernelRowStore):
     options_type = UvaOptions
     takes_host_rows = True
     default_kernel = UVA_KERNEL
-
-    def __init__(
-        self,
-        num_rows: int,
-        E: int,
-        options: UvaOptions | None = None,
-        *,
-        host_rows: HostRows | None = None,
-        device: torch.device | str | None = None,
-        row_begin: int = 0,
-        col_begin: int = 0,
-        col_end: int | None = None,
-    ) -> None:
-        self.host_rows = host_rows or PrivateHostRows()
-        super().__init__(
-            num_rows,
-            E,
-            options,
-            device=device,
-            row_begin=row_begin,
-            col_begin=col_begin,
-            col_end=col_end,
-        )
 
     def _setup(self) -> None:
         super()._setup()
