@@ -80,7 +80,7 @@ from engramrt.checkpoint.reader import (
 )
 from engramrt.errors import CheckpointError, ValidationError
 from engramrt.layout import ColumnShard, EngramLayout
-from engramrt.lookup.tiers import RowStore, TablePlacement, make_store
+from engramrt.lookup.tiers import RowStore, TablePlacement, check_placement, make_store
 from engramrt.packed import pack_rows, row_bytes_for
 from engramrt.tokenmap import TokenMap
 
@@ -202,12 +202,9 @@ class EngramWeightLoader:
         layout: EngramLayout | None = None,
     ) -> None:
         cfg, layout = _resolve(config, layout)
-        placement = TablePlacement() if placement is None else placement
-        if not isinstance(placement, TablePlacement):
-            raise ValidationError(
-                f"placement = {placement!r}; expected a TablePlacement (e.g. "
-                f"TablePlacement('host', device='cpu', tp=2, rank=0))"
-            )
+        placement = check_placement(
+            placement, "EngramWeightLoader(config, TablePlacement('host', 'cpu', tp=2, rank=0))"
+        )
         self.config = cfg
         self.layout = layout
         self.placement = placement

@@ -33,7 +33,14 @@ from engramrt.config import EngramConfig, load_config
 from engramrt.distributed.shared_table import Loader, SharedHostTable
 from engramrt.errors import CapacityError, ValidationError
 from engramrt.layout import ColumnShard, EngramLayout
-from engramrt.lookup.tiers import TIERS, HostRows, RowStore, TablePlacement, tier_class
+from engramrt.lookup.tiers import (
+    TIERS,
+    HostRows,
+    RowStore,
+    TablePlacement,
+    check_placement,
+    tier_class,
+)
 from engramrt.packed import check_packed_rows, row_bytes_for
 
 SHARED_PLACEMENT = TablePlacement("host")
@@ -118,6 +125,7 @@ def shared_store(
     placement's rank, see :meth:`TablePlacement.shard`); None: rows from 0,
     every column.
     """
+    placement = check_placement(placement, "shared_store(table, TablePlacement('host', 'cpu'))")
     name = placement.tier_name
     if name not in shared_tiers():
         raise ValidationError(
@@ -233,6 +241,9 @@ def load_shared_table(
     ``group`` (e.g. the world of a one-node job) on every process calling
     this for the same layer.
     """
+    placement = check_placement(
+        placement, "load_shared_table(checkpoint, config, 0, TablePlacement('host', tp=2, rank=1))"
+    )
     cfg = load_config(config)
     layout = EngramLayout(cfg)
     shard = placement.shard(layout, layer_index)

@@ -69,7 +69,7 @@ from engramrt.hashing import (
 )
 from engramrt.layer import EngramHead
 from engramrt.lookup import lookup_rows_reference
-from engramrt.lookup.tiers import TablePlacement
+from engramrt.lookup.tiers import TablePlacement, check_placement
 from engramrt.models import artifacts
 from engramrt.models.corpus import EvalSegments
 from engramrt.models.lm import KVCache, LMConfig, TinyLM, next_token_loss_sum
@@ -660,12 +660,7 @@ def load_model(
             f"{str(directory / artifacts.MODEL_JSON)!r} has format {data.get('format')!r}; "
             f"expected 'engramrt-tiny-lm/1'"
         )
-    placement = TablePlacement() if placement is None else placement
-    if not isinstance(placement, TablePlacement):
-        raise ValidationError(
-            f"placement = {placement!r}; expected a TablePlacement, e.g. "
-            f"load_model(path, TablePlacement('host', device='cpu'))"
-        )
+    placement = check_placement(placement, "load_model(path, TablePlacement('host', 'cpu'))")
     if placement.tier_name == "disk" and placement.disk_dir is None:
         raise ValidationError(
             "tier='disk' needs TablePlacement(disk_dir=...) (where the packed-row files go)"

@@ -8,7 +8,7 @@ import torch
 
 from engramrt.layout import EngramLayout
 from engramrt.lookup.synthetic import random_packed_rows
-from engramrt.lookup.tiers import TablePlacement, make_store
+from engramrt.lookup.tiers import TablePlacement, check_placement, make_store
 from engramrt.lookup.tiers.base import RowStore
 
 __all__ = ["synthetic_rows", "synthetic_stores"]
@@ -58,6 +58,7 @@ def synthetic_stores(
     slice of the one table. Rows are generated on
     the compute device (fast on a GPU) and written into the tier's memory.
     """
+    placement = check_placement(placement, "synthetic_stores(layout, TablePlacement('device'))")
     generator_device = placement.device if placement.device is not None else torch.device("cpu")
     stores = []
     for li in range(layout.n_layers):

@@ -40,7 +40,12 @@ from engramrt.lookup.tiers.disk import DiskOptions, DiskRowStore
 from engramrt.lookup.tiers.host_gather import HostGatherRowStore, HostOptions
 from engramrt.lookup.tiers.host_rows import HostRows, MappedFileRows, PrivateHostRows
 from engramrt.lookup.tiers.options import KernelTierOptions, TierOptions
-from engramrt.lookup.tiers.placement import AUTO_DEVICE_HEADROOM_BYTES, TablePlacement, choose_tier
+from engramrt.lookup.tiers.placement import (
+    AUTO_DEVICE_HEADROOM_BYTES,
+    TablePlacement,
+    check_placement,
+    choose_tier,
+)
 from engramrt.lookup.tiers.synthetic import SyntheticOptions, SyntheticRowStore
 from engramrt.lookup.tiers.uva import UvaOptions, UvaRowStore
 from engramrt.packed import row_bytes_for, row_width_for
@@ -66,6 +71,7 @@ __all__ = [
     "TierOptions",
     "UvaOptions",
     "UvaRowStore",
+    "check_placement",
     "choose_tier",
     "default_compute_device",
     "make_store",
@@ -124,11 +130,7 @@ def make_store(
         CapacityError: the chosen memory or disk is too small.
         ValidationError: inconsistent sizes, a shard of another rank.
     """
-    if not isinstance(placement, TablePlacement):
-        raise ValidationError(
-            f"placement = {placement!r}; expected a TablePlacement, e.g. "
-            f"make_store(TablePlacement('host', device='cpu'), packed=rows)"
-        )
+    placement = check_placement(placement, "make_store(TablePlacement('host', 'cpu'), packed=rows)")
     if packed is not None:
         num_rows, E = _check_packed(packed, num_rows, E)
     if shard is not None:

@@ -22,7 +22,7 @@ from engramrt.layout import ColumnShard, EngramLayout
 from engramrt.lookup.tiers.base import default_compute_device, tier_class
 from engramrt.lookup.tiers.options import TierOptions
 
-__all__ = ["AUTO_DEVICE_HEADROOM_BYTES", "TablePlacement", "choose_tier"]
+__all__ = ["AUTO_DEVICE_HEADROOM_BYTES", "TablePlacement", "check_placement", "choose_tier"]
 
 AUTO_DEVICE_HEADROOM_BYTES = 8 * 2**30
 """Device memory ``tier="auto"`` leaves free for weights and activations."""
@@ -149,3 +149,15 @@ class TablePlacement:
                 f"shard is rank {shard.rank} of tp={shard.tp}; expected the placement's rank "
                 f"{self.rank} of tp={self.tp}"
             )
+
+
+def check_placement(placement: object, example: str) -> TablePlacement:
+    """``placement`` when it is a :class:`TablePlacement` (None: the default one); else the
+    error naming what was given and showing ``example``, a call that passes one."""
+    if placement is None:
+        return TablePlacement()
+    if not isinstance(placement, TablePlacement):
+        raise ValidationError(
+            f"placement = {placement!r}; expected a TablePlacement, e.g. {example}"
+        )
+    return placement
