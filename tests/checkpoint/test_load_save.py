@@ -13,6 +13,7 @@ from safetensors import safe_open
 import engramrt
 from engramrt.checkpoint import (
     SafetensorsStreamWriter,
+    iter_packed_rows,
     load_table,
     load_tables,
     read_header,
@@ -432,3 +433,15 @@ def test_save_tables_refuses_tables_that_do_not_fit(tmp_path, small, small_table
     with pytest.raises(CheckpointError, match="reserved"):
         save_tables(out, packed, small, metadata={"engramrt_tp": "9"})
     assert not out.exists()
+
+
+def test_a_shard_of_another_layer_is_refused(tmp_path, small, small_tables) -> None:
+    _, packed = small_tables
+    path = write_deepseek_checkpoint(tmp_path / "m.safetensors", small, packed)
+    layout = EngramLayout(small)
+    own, other = layout.column_shard(0, 2, 1), layout.column_shard(1, 2, 1)
+    assert own != other  # layers hold other rows
+    rows = [b for _, b in iter_packed_rows(path, small, 0, shard=own)]
+    assert sum(b.shape[0] for b in rows) == own.num_rows
+    with pytest.raises(ValidationError, match=r"expected layer \d+'s shard of rank 1 of tp=2"):
+        next(iter_packed_rows(path, small, 0, shard=other))

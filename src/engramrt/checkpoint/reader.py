@@ -715,8 +715,7 @@ def iter_packed_rows(
     config: ConfigSource,
     layer_index: int,
     *,
-    tp: int = 1,
-    rank: int = 0,
+    shard: ColumnShard | None = None,
     names: NamesSpec = None,
     block_rows: int | None = None,
     layout: EngramLayout | None = None,
@@ -732,7 +731,9 @@ def iter_packed_rows(
         checkpoint: a file or directory (see :class:`SafetensorsCheckpoint`).
         config: an :class:`EngramConfig`, preset name or config path.
         layer_index: position in ``config.layer_ids``.
-        tp, rank: the shard (SPEC §7); ``tp=1`` reads every row the layout uses.
+        shard: the rank's columns and rows of this layer (SPEC §7,
+            :meth:`EngramLayout.column_shard`); None reads every row the
+            layout uses.
         names: tensor names (see :mod:`engramrt.checkpoint.names`).
         block_rows: rows per block (default: about 64 MiB).
         layout: the config's layout, if already built.
@@ -745,7 +746,14 @@ def iter_packed_rows(
     """
     ckpt = open_checkpoint(checkpoint)
     cfg, layout = _resolve(config, layout)
-    shard = layout.column_shard(layer_index, tp, rank)
+    expected = layout.column_shard(layer_index, 1 if shard is None else shard.tp,
+                                   0 if shard is None else shard.rank)  # fmt: skip
+    if shard is not None and shard != expected:
+        raise ValidationError(
+            f"shard = {shard}; expected layer {cfg.layer_ids[layer_index]}'s shard of rank "
+            f"{shard.rank} of tp={shard.tp}: {expected}"
+        )
+    shard = expected
     plan = plan_layer_read(ckpt, cfg, layout, layer_index, shard, TensorNames.from_spec(names))
     check_plan_token_map(ckpt, plan, cfg, token_map)
     return _iter_plan(plan, check_block_rows(block_rows, row_bytes_for(cfg.head_dim)))
@@ -790,8 +798,7 @@ def read_table(
             ckpt,
             cfg,
             layer_index,
-            tp=tp,
-            rank=rank,
+            shard=shard,
             names=names,
             block_rows=block_rows,
             layout=layout,
