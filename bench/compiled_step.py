@@ -51,6 +51,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from engramrt import custom_ops
 from engramrt.hashing import HashConstants, NgramHasher
 from engramrt.layout import EngramLayout
+from engramrt.lookup.tiers import TablePlacement
 from engramrt.runtime import EngramRuntime, synthetic_stores
 from engramrt.tokenmap import TokenMap
 from runtime_overhead import (
@@ -166,7 +167,9 @@ def build(args, device):
     token_map = TokenMap.from_tokenizer_file()
     consts = HashConstants.from_layout(layout, token_map.pad_id(cfg))
     blocks, heads = make_backbone(cfg, device)
-    stores = {tier: synthetic_stores(layout, tier, device=device) for tier in ("device", "host")}
+    stores = {
+        tier: synthetic_stores(layout, TablePlacement(tier, device)) for tier in ("device", "host")
+    }
     setups = {}
     for tier in args.tiers:
         runtime = EngramRuntime(

@@ -34,6 +34,7 @@ from engramrt.checkpoint import convert_checkpoint, load_tables
 from engramrt.config import EngramConfig
 from engramrt.errors import CheckpointError
 from engramrt.layout import EngramLayout
+from engramrt.lookup.tiers import TablePlacement
 
 SOURCE = "engram.{layer}.weight"
 
@@ -86,7 +87,7 @@ def layer_digests(directory: Path, config: EngramConfig, tp: int) -> list[str]:
     """sha256 of every (rank, layer)'s packed rows as :func:`load_tables` serves them."""
     digests = []
     for rank in range(tp):
-        for store in load_tables(directory, config, tp=tp, rank=rank, tier="host"):
+        for store in load_tables(directory, config, TablePlacement("host", tp=tp, rank=rank)):
             rows = store.gather_packed(torch.arange(store.num_rows))
             digests.append(hashlib.sha256(rows.contiguous().numpy().tobytes()).hexdigest())
     return digests

@@ -84,7 +84,8 @@ from engramrt.distributed.fill import (
 )
 from engramrt.distributed.shared_table import TablePaths, free_bytes
 from engramrt.errors import CapacityError, ValidationError
-from engramrt.lookup.tiers.synthetic import SyntheticRowStore
+from engramrt.lookup.tiers import TablePlacement
+from engramrt.lookup.tiers.synthetic import SyntheticOptions, SyntheticRowStore
 from engramrt.packed import row_bytes_for
 
 FLASH = PRESETS["dsv41-flash"]
@@ -441,10 +442,10 @@ def lookup_cases(
     label: str,
 ) -> list[dict[str, Any]]:
     """host and uva tiers (and the cache over uva) on one table, checked, then timed."""
-    reference = SyntheticRowStore(spec.num_rows, E, seed=spec.seed, device=device)
-    stores: dict[str, Any] = {"host": shared_store(table, "host", device=device)}
+    reference = SyntheticRowStore(spec.num_rows, E, SyntheticOptions(seed=spec.seed), device=device)
+    stores: dict[str, Any] = {"host": shared_store(table, TablePlacement("host", device))}
     if device.type == "cuda":
-        stores["uva"] = shared_store(table, "uva", device=device)
+        stores["uva"] = shared_store(table, TablePlacement("uva", device))
     results = []
     rank = dist.get_rank()
     for dist_name in ("uniform", "zipf"):
@@ -518,7 +519,7 @@ def runtime_steps(
         if tier == "none":
             runtime: Any = ro.NoLookups(8192, config.n_cols, config.head_dim, device)
         else:
-            stores = [shared_store(t, tier, device=device) for t in layer_tables]
+            stores = [shared_store(t, TablePlacement(tier, device)) for t in layer_tables]
             hasher = NgramHasher(consts, token_map, device, validate=False)
             runtime = EngramRuntime(
                 hasher, stores, max_tokens=8192, max_requests=512, validate=False

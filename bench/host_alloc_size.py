@@ -58,11 +58,11 @@ def _delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
 
 
 def _measure_store(tier: str, num_rows: int) -> dict[str, Any]:
-    from engramrt.lookup.tiers import make_store
+    from engramrt.lookup.tiers import TablePlacement, make_store
 
     gc.collect()
     before = _status_kib()
-    store = make_store(tier, num_rows=num_rows, E=E, device="cuda")
+    store = make_store(TablePlacement(tier, "cuda"), num_rows=num_rows, E=E)
     torch.cuda.synchronize()
     built = _status_kib()
     ids = torch.randint(0, num_rows, (256, 24), device="cuda")

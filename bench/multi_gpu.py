@@ -51,6 +51,7 @@ from engramrt.exchange import (
 )
 from engramrt.layer import EngramLayer, assert_layer_within_tolerance
 from engramrt.layout import EngramLayout
+from engramrt.lookup.tiers import TablePlacement
 from engramrt.packed import row_bytes_for
 from engramrt.runtime import synthetic_rows, synthetic_stores
 from runtime_overhead import scaled_config  # bench/ is on the path when run as a script
@@ -194,7 +195,7 @@ def shared_table_steps(layout, full_store, args, device, record) -> None:
     )
     tiers = ["host"] + (["uva"] if device.type == "cuda" else [])
     for tier in tiers:
-        store = shared_store(table, tier, device=device)
+        store = shared_store(table, TablePlacement(tier, device))
         for num_tokens in (int(t) for t in args.tokens.split(",")):
             ids = random_ids(layout, num_tokens, seed=2000 * rank + num_tokens).to(device)
             ok = same_bits(store.lookup(ids), full_store.lookup(ids))
@@ -227,10 +228,9 @@ def main() -> None:
         torch.cuda.set_device(device)
         dist.init_process_group("nccl", device_id=device)
     layout = EngramLayout(scaled_config(args.table_gib))
-    (shard_store,) = synthetic_stores(layout, "device", device=device, tp=world, rank=rank, seed=1)[
-        :1
-    ]
-    (full_store,) = synthetic_stores(layout, "device", device=device, tp=1, rank=0, seed=1)[:1]
+    on_rank = TablePlacement("device", device, tp=world, rank=rank)
+    (shard_store,) = synthetic_stores(layout, on_rank, seed=1)[:1]
+    (full_store,) = synthetic_stores(layout, TablePlacement("device", device), seed=1)[:1]
     C, E = layout.n_cols, layout.config.head_dim
     results: list[dict] = []
     failures: list[str] = []

@@ -130,6 +130,7 @@ from engramrt.config import PRESETS
 from engramrt.hashing import HashBatch, HashConstants, NgramHasher
 from engramrt.layer import EngramHead
 from engramrt.layout import EngramLayout
+from engramrt.lookup.tiers import TablePlacement, tier_class
 from engramrt.runtime import EngramRuntime, synthetic_stores
 from engramrt.tokenmap import TokenMap
 
@@ -881,7 +882,8 @@ GATHER_TIERS = ("host", "host-cpu", "host-mixed", "host-inline", "disk")
 def build_stores(tier: str, cfg, layout, device, cache_fraction: float, backend: dict) -> list:
     """Both layers' stores of a runtime tier."""
     backing = "host" if tier in ("host-cpu", "host-mixed", "host-cache") else tier
-    stores = synthetic_stores(layout, backing, device=device, seed=1, **backend)
+    options = tier_class(backing).options_type(**backend)
+    stores = synthetic_stores(layout, TablePlacement(options, device), seed=1)
     for li, store in enumerate(stores):
         if tier == "host-cpu" or (tier == "host-mixed" and li > 0):
             store.gpu_reads = False

@@ -29,7 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
-from engramrt.lookup.tiers import make_store
+from engramrt.lookup.tiers import HostOptions, TablePlacement, make_store
 from engramrt.lookup.tiers.host_gather import DEFAULT_CHUNK_ROWS
 
 ROW = 264
@@ -215,15 +215,8 @@ def study_store(src, rows, ids_dev, line) -> None:
     settings = [(None, c) for c in (16384, 32768, DEFAULT_CHUNK_ROWS, 131072, 1 << 20)]
     settings += [(t, DEFAULT_CHUNK_ROWS) for t in (8, 12)]
     for threads, chunk in settings:
-        store = make_store(
-            "host",
-            num_rows=1,
-            E=256,
-            device=device,
-            num_threads=threads,
-            chunk_rows=chunk,
-            gpu_reads=False,
-        )
+        options = HostOptions(num_threads=threads, chunk_rows=chunk, gpu_reads=False)
+        store = make_store(TablePlacement(options, device), num_rows=1, E=256)
         store.source, store.num_rows = src, rows  # share the filled table, no second copy
         line(
             f"HostGatherRowStore.lookup threads={threads} chunk={chunk}",
@@ -232,9 +225,8 @@ def study_store(src, rows, ids_dev, line) -> None:
         del store
     decode_ids = row_ids[:256]
     for threads in (None, 1, 2, 4):
-        store = make_store(
-            "host", num_rows=1, E=256, device=device, num_threads=threads, gpu_reads=False
-        )
+        options = HostOptions(num_threads=threads, gpu_reads=False)
+        store = make_store(TablePlacement(options, device), num_rows=1, E=256)
         store.source, store.num_rows = src, rows
         line(
             f"HostGatherRowStore.lookup T=256 threads={threads}",
@@ -350,7 +342,7 @@ def study_groups(src, rows, ids_dev, line) -> None:
     copy_stream = torch.cuda.Stream()
     helper = ThreadPoolExecutor(1)
     torch.set_num_threads(len(os.sched_getaffinity(0)))
-    store = make_store("host", num_rows=1, E=256, device=device, gpu_reads=False)
+    store = make_store(TablePlacement(HostOptions(gpu_reads=False), device), num_rows=1, E=256)
     store.source, store.num_rows = src, rows
     reference = store.lookup(row_ids)
 
@@ -405,7 +397,7 @@ def profile_store(src, rows, ids_dev, line) -> None:
     for tokens in (256, 8192):
         row_ids = ids_dev.view(8192, 24)[:tokens].to(torch.int32).contiguous()
         count = row_ids.numel()
-        store = make_store("host", num_rows=1, E=256, device=device, gpu_reads=False)
+        store = make_store(TablePlacement(HostOptions(gpu_reads=False), device), num_rows=1, E=256)
         store.source, store.num_rows = src, rows
         flat = row_ids.reshape(-1)
         line(

@@ -68,6 +68,7 @@ def _corpus_masks(data: dict, settings: dict, record: dict) -> tuple[Any, ...]:
 
 def main(argv: list[str] | None = None) -> int:
     from engramrt.hashing import HashConstants
+    from engramrt.lookup.tiers import TablePlacement
     from engramrt.models import artifacts
     from engramrt.models.corpus import EvalSegments
     from engramrt.models.lm import LMConfig, TinyLM
@@ -116,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
             )
             print(f"masks written: {args.save_masks} ({time.perf_counter() - began:.1f} s)")
             return 0
-    model = load_model(args.model, tier="device", device=device, load_baseline=True)
+    model = load_model(args.model, TablePlacement("device", device), load_baseline=True)
     tokens_np, lengths_np, lookback_np, positions_np = segments_arrays
     segments = EvalSegments(
         tokens_np, lengths_np, lookback_np, np.zeros_like(lengths_np), positions_np

@@ -136,10 +136,11 @@ def _gathered_rows_digest(*, table_gib: float, num_tokens: int, seed: int) -> st
         sys.path.remove(str(ROOT / "bench"))
     from engramrt.layout import EngramLayout
     from engramrt.lookup import lookup_rows_reference
+    from engramrt.lookup.tiers import TablePlacement
     from engramrt.runtime import synthetic_stores
 
     layout = EngramLayout(scaled_config(table_gib))
-    (store,) = synthetic_stores(layout, "device", device="cpu", seed=1)[:1]
+    (store,) = synthetic_stores(layout, TablePlacement("device", "cpu"), seed=1)[:1]
     ids = random_ids(layout, num_tokens, seed=seed)
     rows = lookup_rows_reference(ids, store.table, layout.config.head_dim)
     return hashlib.sha256(rows.view(torch.int16).numpy().tobytes()).hexdigest()
@@ -219,13 +220,14 @@ def test_runtime_bench_engine_style_rows(token_map) -> None:
     from engramrt.hashing import HashBatch, HashConstants, NgramHasher
     from engramrt.layout import EngramLayout
     from engramrt.lookup import lookup_rows_reference
+    from engramrt.lookup.tiers import TablePlacement
     from engramrt.runtime import EngramRuntime, synthetic_stores
 
     bench = _load("runtime_overhead")
     cfg = PRESETS["tiny"]
     layout = EngramLayout(cfg)
     consts = HashConstants.from_layout(layout, token_map.pad_id(cfg))
-    stores = synthetic_stores(layout, "device", device="cpu", seed=2)
+    stores = synthetic_stores(layout, TablePlacement("device", "cpu"), seed=2)
     engine = bench.EngineStyle(NgramHasher(consts, token_map, "cpu"), stores, max_tokens=64)
     runtime = EngramRuntime(
         NgramHasher(consts, token_map, "cpu"), stores, max_tokens=64, max_requests=8

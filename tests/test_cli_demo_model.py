@@ -75,10 +75,13 @@ def test_model_demo_json_matches_an_independent_reading(full_run) -> None:
 
     # The continuation, recomputed here by the eager reference (no runtime, no demo code).
     from engramrt.cli.demo_model import DEFAULT_PROMPT
+    from engramrt.lookup.tiers import TablePlacement
     from engramrt.models.packaged import packaged_model_dir
     from engramrt.models.serve import load_model
 
-    model = load_model(packaged_model_dir(), tier="device", device="cpu", load_baseline=False)
+    model = load_model(
+        packaged_model_dir(), TablePlacement("device", device="cpu"), load_baseline=False
+    )
     prompt = model.encode(DEFAULT_PROMPT)
     want = model.reference_generate(prompt, 6).tokens
     assert result["generated_text"] == model.decode(want)

@@ -20,6 +20,7 @@ from engramrt.hashing import HashBatch, HashConstants, NgramHasher, SlotHashCach
 from engramrt.layer import EngramHead
 from engramrt.layout import EngramLayout
 from engramrt.lookup import lookup_rows_reference
+from engramrt.lookup.tiers import TablePlacement
 from engramrt.runtime import EngramRuntime, synthetic_stores
 
 custom_ops = pytest.importorskip("engramrt.custom_ops")
@@ -36,7 +37,7 @@ def layout() -> EngramLayout:
 def _runtime(layout, token_map, device, *, heads=None, history=None, tier="device", **kw):
     consts = HashConstants.from_layout(layout, token_map.pad_id(CFG))
     hasher = NgramHasher(consts, token_map, device)
-    stores = synthetic_stores(layout, tier, device=device, seed=2)
+    stores = synthetic_stores(layout, TablePlacement(tier, device), seed=2)
     return EngramRuntime(
         hasher, stores, max_tokens=64, max_requests=4, history=history, heads=heads, **kw
     )
@@ -63,7 +64,7 @@ def _packed(store) -> torch.Tensor:
 
 
 def test_opcheck_lookup_and_gate(device) -> None:
-    stores = synthetic_stores(EngramLayout(CFG), "device", device=device, seed=2)
+    stores = synthetic_stores(EngramLayout(CFG), TablePlacement("device", device), seed=2)
     table = stores[0].table
     g = torch.Generator().manual_seed(1)
     row_ids = torch.randint(0, table.shape[0], (9, CFG.n_cols), generator=g).to(device)

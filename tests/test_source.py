@@ -9,7 +9,7 @@ from tests.layer.common import CONFIG, full_store, layer_table, random_row_ids, 
 
 from engramrt.cache import CachedRowStore
 from engramrt.lookup import lookup_rows_reference
-from engramrt.lookup.tiers import make_store
+from engramrt.lookup.tiers import TablePlacement, make_store
 from engramrt.runtime.runtime import worker_plan
 from engramrt.source import PendingRows, RowSource
 
@@ -28,9 +28,9 @@ class _Flags(RowSource):
 
 def test_store_flags_say_how_each_tier_runs(tmp_path) -> None:
     table = layer_table()[:4096]
-    device = make_store("device", packed=table, device=CPU)
-    host = make_store("host", packed=table, device=CPU)
-    disk = make_store("disk", packed=table, device=CPU, path=tmp_path / "t.rows")
+    device = make_store(TablePlacement("device", device=CPU), packed=table)
+    host = make_store(TablePlacement("host", device=CPU), packed=table)
+    disk = make_store(TablePlacement("disk", device=CPU), packed=table, path=tmp_path / "t.rows")
     cache = CachedRowStore(device, 64 * 1024)
     assert (device.host_sync, device.has_update, device.collective) == (False, False, False)
     assert (host.host_sync, host.has_update) == (True, False)

@@ -34,7 +34,7 @@ from engramrt.tokenmap import TokenMap
 
 if TYPE_CHECKING:
     from engramrt.cache import CachedRowStore
-    from engramrt.checkpoint import load_table, load_tables
+    from engramrt.checkpoint import load_layer, load_table, load_tables
     from engramrt.exchange import (
         AllGatherExchange,
         AllToAllExchange,
@@ -47,7 +47,7 @@ if TYPE_CHECKING:
         EngramLayer,
     )
     from engramrt.lookup import lookup_rows
-    from engramrt.lookup.tiers import RowStore, make_store
+    from engramrt.lookup.tiers import RowStore, TablePlacement, make_store
     from engramrt.protocols import LayerHead, RowIdMaker
     from engramrt.quant import dequantize_rows, quantize_rows
     from engramrt.runtime import EngramRuntime
@@ -66,9 +66,11 @@ _LAZY: dict[str, str] = {
     "RowSource": "engramrt.source:RowSource",
     "PendingRows": "engramrt.source:PendingRows",
     "RowStore": "engramrt.lookup.tiers:RowStore",
+    "TablePlacement": "engramrt.lookup.tiers:TablePlacement",
     "make_store": "engramrt.lookup.tiers:make_store",
     "load_table": "engramrt.checkpoint:load_table",
     "load_tables": "engramrt.checkpoint:load_tables",
+    "load_layer": "engramrt.checkpoint:load_layer",
     "CachedRowStore": "engramrt.cache:CachedRowStore",
     "AllGatherExchange": "engramrt.exchange:AllGatherExchange",
     "SequenceParallelExchange": "engramrt.exchange:SequenceParallelExchange",
@@ -113,6 +115,7 @@ __all__ = [
     "SequenceParallelExchange",
     "ShardingError",
     "SlotHashCache",
+    "TablePlacement",
     "TokenMap",
     "TokenizerError",
     "ValidationError",
@@ -120,6 +123,7 @@ __all__ = [
     "dequantize_rows",
     "engram_gate",
     "load_config",
+    "load_layer",
     "load_table",
     "load_tables",
     "lookup_rows",

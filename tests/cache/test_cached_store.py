@@ -10,10 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 from tests.cache.helpers import assert_same_bits, random_packed_table, skewed_ids
+from tests.lookup.stores import store_of
 
 from engramrt.cache import CachedRowStore, CacheStats, SetAssociativeLfu
 from engramrt.errors import CapacityError, EngramError, ValidationError
-from engramrt.lookup.tiers import RowStore, make_store
+from engramrt.lookup.tiers import HostOptions, RowStore, TablePlacement, make_store
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:(overflow|invalid value) encountered:RuntimeWarning"
@@ -32,14 +33,23 @@ TIERS = [
 
 
 def backing_store(
-    tier: str, table: torch.Tensor, tmp_path: Path, device: torch.device, **kwargs: object
+    tier: str,
+    table: torch.Tensor,
+    tmp_path: Path,
+    device: torch.device,
+    *,
+    row_begin: int = 0,
+    col_begin: int = 0,
+    col_end: int | None = None,
 ) -> RowStore:
-    return make_store(
+    return store_of(
         tier,
-        packed=table,
-        path=tmp_path / f"{tier}.rows",
+        table,
         device=device,
-        **kwargs,  # type: ignore[arg-type]
+        row_begin=row_begin,
+        col_begin=col_begin,
+        col_end=col_end,
+        path=tmp_path / f"{tier}.rows",
     )
 
 
@@ -107,7 +117,7 @@ def test_hand_made_stream_statistics(backend: str, device: torch.device) -> None
     reference keeps the miss path: the same hits, misses and admissions either way."""
     E = 32
     table = random_packed_table(50, E, seed=3)
-    backing = make_store("device", packed=table, device=device)
+    backing = make_store(TablePlacement("device", device=device), packed=table)
     cache = CachedRowStore(backing, 4 * 33, ways=4, n_heads=2, layer_id=14, backend=backend)
     assert (cache.num_sets, cache.num_slots, cache.capacity_bytes) == (1, 4, 132)
     assert cache.probe_reads_misses == (backend == "triton")
@@ -186,7 +196,7 @@ def test_warm_up_then_serve(tier: str, tmp_path: Path, device: torch.device) -> 
 def test_write_rows_reaches_backing_and_drops_cached_copies(device: torch.device) -> None:
     E = 32
     table = random_packed_table(40, E, seed=7)
-    backing = make_store("host", packed=table, device=device)
+    backing = make_store(TablePlacement("host", device=device), packed=table)
     cache = CachedRowStore(backing, 2 * 8 * 33, ways=8)
     row_ids = torch.arange(40, device=device).view(10, 4)
     cache.lookup(row_ids)
@@ -200,13 +210,14 @@ def test_write_rows_reaches_backing_and_drops_cached_copies(device: torch.device
     new_table = table.clone()
     new_table[5:15] = fresh
     assert_same_bits(
-        expected, make_store("device", packed=new_table, device=device).lookup(row_ids)
+        expected,
+        make_store(TablePlacement("device", device=device), packed=new_table).lookup(row_ids),
     )
 
 
 def test_no_owned_columns_and_empty_batches(device: torch.device) -> None:
     table = random_packed_table(20, 32, seed=9)
-    backing = make_store("device", packed=table, device=device, col_begin=3, col_end=3)
+    backing = store_of("device", table, device=device, col_begin=3, col_end=3)
     cache = CachedRowStore(backing, 8 * 33)
     got = cache.lookup(torch.full((4, 5), -1, dtype=torch.int64, device=device))
     assert got.shape == (4, 5, 32) and bool((got.view(torch.int16) == 0).all())
@@ -221,7 +232,9 @@ def test_no_owned_columns_and_empty_batches(device: torch.device) -> None:
 
 
 def test_capacity_rounds_down_to_whole_sets(device: torch.device) -> None:
-    backing = make_store("device", packed=random_packed_table(10, 256, seed=10), device=device)
+    backing = make_store(
+        TablePlacement("device", device=device), packed=random_packed_table(10, 256, seed=10)
+    )
     cache = CachedRowStore(backing, 3 * 8 * 264 + 263, ways=8)
     assert (cache.num_sets, cache.num_slots, cache.capacity_bytes) == (3, 24, 24 * 264)
     assert CachedRowStore(backing, 5 * 264, ways=1).num_slots == 5
@@ -241,7 +254,9 @@ def test_capacity_is_checked_against_memory(
 ) -> None:
     from engramrt import memory
 
-    backing = make_store("device", packed=random_packed_table(10, 32, seed=11), device=device)
+    backing = make_store(
+        TablePlacement("device", device=device), packed=random_packed_table(10, 32, seed=11)
+    )
     monkeypatch.setattr(memory, "host_available_bytes", lambda: 1000)
     monkeypatch.setattr(memory, "device_free_bytes", lambda _device: 1000)
     with pytest.raises(CapacityError, match=r"CachedRowStore \(64 slots = 8 sets x 8 ways"):
@@ -264,7 +279,9 @@ def test_capacity_is_checked_against_memory(
 def test_bad_arguments_name_parameter_and_value(
     kwargs: dict[str, object], message: str, device: torch.device
 ) -> None:
-    backing = make_store("device", packed=random_packed_table(10, 32, seed=12), device=device)
+    backing = make_store(
+        TablePlacement("device", device=device), packed=random_packed_table(10, 32, seed=12)
+    )
     args: dict[str, object] = {"capacity_bytes": 2**16, **kwargs}
     with pytest.raises(ValidationError, match=message):
         CachedRowStore(backing, **args)  # type: ignore[arg-type]
@@ -273,7 +290,9 @@ def test_bad_arguments_name_parameter_and_value(
 def test_wrong_backing_and_wrong_shapes(device: torch.device) -> None:
     with pytest.raises(ValidationError, match="backing is Tensor; expected a RowStore"):
         CachedRowStore(torch.zeros(3), 2**16)  # type: ignore[arg-type]
-    backing = make_store("device", packed=random_packed_table(10, 32, seed=13), device=device)
+    backing = make_store(
+        TablePlacement("device", device=device), packed=random_packed_table(10, 32, seed=13)
+    )
     cache = CachedRowStore(backing, 2**16)
     with pytest.raises(ValidationError, match="backing is a CachedRowStore"):
         CachedRowStore(cache, 2**16)
@@ -297,12 +316,11 @@ def test_wrong_backing_and_wrong_shapes(device: torch.device) -> None:
 
 @pytest.mark.parametrize("backend", ["reference", "triton"])
 def test_out_of_range_ids_are_caught_on_the_miss_path(backend: str, device: torch.device) -> None:
-    backing = make_store(
-        "host",
-        packed=random_packed_table(10, 32, seed=14),
+    backing = store_of(
+        HostOptions(gpu_reads=False),  # the CPU gathers: misses go through the miss path
+        random_packed_table(10, 32, seed=14),
         device=device,
         row_begin=100,
-        gpu_reads=False,  # the CPU gathers: misses go through the miss path
     )
     cache = CachedRowStore(backing, 2**16, backend=backend)
     assert not cache.probe_reads_misses
@@ -316,9 +334,7 @@ def test_out_of_range_ids_are_caught_on_the_miss_path(backend: str, device: torc
 
 
 def test_a_probe_that_reads_misses_checks_ids_with_check_ids(device: torch.device) -> None:
-    backing = make_store(
-        "device", packed=random_packed_table(10, 32, seed=14), device=device, row_begin=100
-    )
+    backing = store_of("device", random_packed_table(10, 32, seed=14), device=device, row_begin=100)
     cache = CachedRowStore(backing, 2**16, backend="triton", check_ids=True)
     assert cache.probe_reads_misses
     row_ids = torch.full((3, 4), 104, dtype=torch.int64, device=device)
@@ -330,7 +346,7 @@ def test_a_probe_that_reads_misses_checks_ids_with_check_ids(device: torch.devic
 def test_read_misses_setting(tmp_path: Path, device: torch.device) -> None:
     """Off on request; required only where the backing's rows are device-readable."""
     table = random_packed_table(10, 32, seed=16)
-    device_backing = make_store("device", packed=table, device=device)
+    device_backing = make_store(TablePlacement("device", device=device), packed=table)
     assert CachedRowStore(device_backing, 2**16, backend="triton").probe_reads_misses
     assert not CachedRowStore(device_backing, 2**16, read_misses=False).probe_reads_misses
     assert not CachedRowStore(device_backing, 2**16, backend="reference").probe_reads_misses
@@ -343,7 +359,9 @@ def test_read_misses_setting(tmp_path: Path, device: torch.device) -> None:
 def test_stats_count_what_the_test_looked_up(device: torch.device) -> None:
     """Counts checked against the lookups made here: a cold cache misses every one, and
     every later lookup is a hit or a miss of its column (was: an isinstance check only)."""
-    backing = make_store("device", packed=random_packed_table(10, 32, seed=15), device=device)
+    backing = make_store(
+        TablePlacement("device", device=device), packed=random_packed_table(10, 32, seed=15)
+    )
     cache = CachedRowStore(backing, 2**16, n_heads=2)
     fresh = cache.stats()
     assert isinstance(fresh, CacheStats) and fresh.lookups == 0

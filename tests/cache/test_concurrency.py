@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from tests.cache.helpers import assert_same_bits, random_packed_table, skewed_ids
 
 from engramrt.cache import EMPTY_TAG, PHASES, CachedRowStore, CacheUpdate
-from engramrt.lookup.tiers import RowStore, make_store
+from engramrt.lookup.tiers import RowStore, TablePlacement, make_store
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:(overflow|invalid value) encountered:RuntimeWarning"
@@ -31,7 +31,9 @@ NUM_ROWS = 60
 def build(
     num_sets: int, ways: int, device: torch.device, backend: str = "reference", seed: int = 0
 ) -> tuple[CachedRowStore, RowStore]:
-    backing = make_store("device", packed=random_packed_table(NUM_ROWS, E, seed), device=device)
+    backing = make_store(
+        TablePlacement("device", device=device), packed=random_packed_table(NUM_ROWS, E, seed)
+    )
     return CachedRowStore(backing, num_sets * ways * ROW_BYTES, ways, backend=backend), backing
 
 

@@ -21,10 +21,12 @@ from safetensors import safe_open
 from engramrt.checkpoint import convert_checkpoint, load_table, read_header
 from engramrt.checkpoint.safetensors_format import META_DATA_SHA256
 from engramrt.errors import CheckpointError
+from engramrt.lookup.tiers import TablePlacement
 
 from .test_conversion_set import _source
 
 ROOT = Path(__file__).resolve().parents[2]
+HOST = TablePlacement("host", device="cpu")
 
 
 def independent_digest(path: Path) -> str:
@@ -67,14 +69,14 @@ def test_converted_files_record_their_content_digest(tmp_path, small, tp: int) -
 def test_a_flipped_byte_is_refused_on_a_verified_load(tmp_path, small) -> None:
     src, _ = _source(tmp_path / "a.safetensors", small, 1)
     (path,) = convert_checkpoint(src, tmp_path / "dst", small)
-    load_table(tmp_path / "dst", small, 0, tier="host", device="cpu", verify_checksums=True)
+    load_table(tmp_path / "dst", small, 0, HOST, verify_checksums=True)
     flip_a_value_byte(path)
     with pytest.raises(
         CheckpointError, match=rf"{path}: its content checksum is [0-9a-f]{{64}} but"
     ):
-        load_table(tmp_path / "dst", small, 0, tier="host", device="cpu", verify_checksums=True)
+        load_table(tmp_path / "dst", small, 0, HOST, verify_checksums=True)
     # Off by default (a whole-file read): the unverified load serves the changed bytes.
-    load_table(tmp_path / "dst", small, 0, tier="host", device="cpu")
+    load_table(tmp_path / "dst", small, 0, HOST)
 
 
 def _inspect(*args: str) -> subprocess.CompletedProcess:

@@ -20,17 +20,25 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tests.layer.common import random_packed_table, random_weights
 
-from engramrt.checkpoint import EngramWeightLoader, convert_checkpoint, load_table
+from engramrt.checkpoint import EngramWeightLoader, convert_checkpoint, load_layer, load_table
 from engramrt.checkpoint.safetensors_format import read_header
 from engramrt.config import PRESETS
 from engramrt.errors import CheckpointError, ValidationError
-from engramrt.layer import EngramHead, load_layer
+from engramrt.layer import EngramHead
 from engramrt.layout import EngramLayout
+from engramrt.lookup.tiers import TablePlacement, tier_class
 
 CONFIG = PRESETS["tiny"]  # layers [1, 3], C = 12, E = 64, D = 256, hc = 4
 LAYOUT = EngramLayout(CONFIG)
 E = CONFIG.head_dim
-STORE_OPTIONS = {"backend": "reference"}  # the interpreter-free lookup, for speed on the CPU
+
+
+def placed(
+    tier: str = "host", tp: int = 1, rank: int = 0, disk_dir: Path | None = None
+) -> TablePlacement:
+    """``tier`` on the CPU with the interpreter-free lookup (for speed), rank ``rank`` of ``tp``."""
+    options = tier_class(tier).options_type(backend="reference")  # type: ignore[call-arg]
+    return TablePlacement(options, device="cpu", tp=tp, rank=rank, disk_dir=disk_dir)
 
 
 def _tables() -> list[torch.Tensor]:
@@ -158,17 +166,14 @@ def test_hf_checkpoint_loads_with_no_names(hf_checkpoint, tmp_path, tp, tier) ->
     rank = tp - 1
     for layer_index in range(CONFIG.n_layers):
         store = load_table(
-            hf_checkpoint, CONFIG, layer_index, tp=tp, rank=rank, tier=tier, device="cpu",
-            disk_path=tmp_path / f"layer{layer_index}.rows", block_rows=777, **STORE_OPTIONS,
-        )  # fmt: skip
+            hf_checkpoint, CONFIG, layer_index, placed(tier, tp, rank, tmp_path), block_rows=777
+        )
         assert store.tier == tier
         assert_store_holds_shard(store, layer_index, tp, rank)
     if (
         tp == 1 and tier == "device"
     ):  # a layer over a column shard needs an exchange (tests/layer/test_parallel.py)
-        layer = load_layer(
-            hf_checkpoint, CONFIG, 1, max_tokens=4, tier="device", device="cpu", **STORE_OPTIONS
-        )
+        layer = load_layer(hf_checkpoint, CONFIG, 1, placed("device"), max_tokens=4)
         assert_head_holds(layer.head, 1)
         assert_store_holds_shard(layer.source, 1, 1, 0)
 
@@ -179,9 +184,8 @@ def test_hf_checkpoint_loads_with_no_names(hf_checkpoint, tmp_path, tp, tier) ->
 def _loader(tp: int, rank: int, tier: str = "host", tmp_path: Path | None = None, **kw):
     heads = [EngramHead(CONFIG, device="cpu") for _ in CONFIG.layer_ids]
     return EngramWeightLoader(
-        CONFIG, tp=tp, rank=rank, tier=tier, device="cpu", heads=heads, disk_dir=tmp_path,
-        block_rows=1000, **STORE_OPTIONS, **kw,
-    )  # fmt: skip
+        CONFIG, placed(tier, tp, rank, tmp_path), heads=heads, block_rows=1000, **kw
+    )
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4])
@@ -252,7 +256,7 @@ def test_the_row_check_fails_on_a_wrong_byte() -> None:
 
 
 def test_heads_may_be_left_to_the_caller() -> None:
-    loader = EngramWeightLoader(CONFIG, tier="host", device="cpu", **STORE_OPTIONS)
+    loader = EngramWeightLoader(CONFIG, placed())
     loader.load_weights(v41_tensors("", "weight_scale_inv").items())
     loader.finish()
     assert loader.heads is None
@@ -346,7 +350,7 @@ def test_a_wrongly_named_tensor_is_not_silently_used(tmp_path) -> None:
     with pytest.raises(
         CheckpointError, match=r"layer 1: no weight tensor 'layers\.1\.engram\.embed\.weight'"
     ):
-        load_table(directory, CONFIG, 0, tier="host", device="cpu")
+        load_table(directory, CONFIG, 0, placed())
     with pytest.raises(
         CheckpointError, match=r"'model\.layers\.1\.engram\.embedding\.weight' looks"
     ):
@@ -373,7 +377,7 @@ def test_convert_writes_the_v41_names(tmp_path) -> None:
         "layers.3.engram.embed.weight_scale_inv",
     }
     # ... and the engine's loader takes the converted file as it comes.
-    loader = EngramWeightLoader(CONFIG, tier="host", device="cpu", **STORE_OPTIONS)
+    loader = EngramWeightLoader(CONFIG, placed())
     loader.load_weights(_file_pairs(path))
     loader.load_weights(
         (f"layers.{layer_id}.engram.{role}", HEADS[i][role])
@@ -456,10 +460,7 @@ def test_a_wkv_scale_for_a_bf16_wkv_is_refused() -> None:
 
 def test_a_pipeline_stage_owns_some_layers() -> None:
     heads = [EngramHead(CONFIG, device="cpu")]
-    loader = EngramWeightLoader(
-        CONFIG, tp=2, rank=1, tier="host", device="cpu", layer_ids=[3], heads=heads,
-        **STORE_OPTIONS,
-    )  # fmt: skip
+    loader = EngramWeightLoader(CONFIG, placed("host", 2, 1), layer_ids=[3], heads=heads)
     assert loader.layer_indices == [1]
     tensors = v41_tensors("model.", "scale")
     used = loader.load_weights(tensors.items())
@@ -467,11 +468,11 @@ def test_a_pipeline_stage_owns_some_layers() -> None:
     (store,) = loader.finish()
     assert_store_holds_shard(store, 1, 2, 1)
     assert_head_holds(heads[0], 1)
-    partial = EngramWeightLoader(CONFIG, layer_ids=[1], tier="host", device="cpu")
+    partial = EngramWeightLoader(CONFIG, placed(), layer_ids=[1])
     partial.load_weights((n, t) for n, t in tensors.items() if ".layers.3." in n)
     assert len(partial.missing()) == 6 and all(m.startswith("layer 1 ") for m in partial.missing())
     for bad in ([2], [1, 1], []):
         with pytest.raises(ValidationError, match=r"layer_ids = .*expected distinct Engram layers"):
-            EngramWeightLoader(CONFIG, layer_ids=bad, tier="host", device="cpu")
+            EngramWeightLoader(CONFIG, placed(), layer_ids=bad)
     with pytest.raises(ValidationError, match=r"heads has 2 head\(s\); expected 1"):
-        EngramWeightLoader(CONFIG, layer_ids=[1], heads=heads * 2, tier="host", device="cpu")
+        EngramWeightLoader(CONFIG, placed(), layer_ids=[1], heads=heads * 2)

@@ -22,6 +22,7 @@ from engramrt.checkpoint.metadata import META_TOKEN_MAP
 from engramrt.errors import CheckpointError, TokenizerError
 from engramrt.hashing.fingerprint import fingerprint
 from engramrt.layout import EngramLayout
+from engramrt.lookup.tiers import TablePlacement
 from engramrt.tokenmap import PROBE_TEXT, TokenMap, TokenMapWarning, load_tokenizer
 
 from .conftest import write_deepseek_checkpoint
@@ -90,8 +91,8 @@ def test_swapped_pair_is_refused_and_the_unchanged_map_loads(converted, tiny, to
     assert swapped.num_compressed == token_map.num_compressed
     for load in (
         lambda: read_table(path, tiny, 1, token_map=swapped),
-        lambda: load_table(path, tiny, 0, tier="host", device="cpu", token_map=swapped),
-        lambda: load_tables(path, tiny, tier="host", device="cpu", token_map=swapped),
+        lambda: load_table(path, tiny, 0, TablePlacement("host", device="cpu"), token_map=swapped),
+        lambda: load_tables(path, tiny, TablePlacement("host", device="cpu"), token_map=swapped),
     ):
         with pytest.raises(TokenizerError) as info:
             load()

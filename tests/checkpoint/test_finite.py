@@ -13,11 +13,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engramrt.checkpoint import EngramWeightLoader, load_table
+from engramrt.checkpoint import EngramWeightLoader, load_layer, load_table
 from engramrt.errors import CheckpointError
 
 from .conftest import SCALE, WEIGHT, write_deepseek_checkpoint
-from .test_engine_loading import CONFIG, STORE_OPTIONS, TABLES, E, _loader, v41_tensors
+from .test_engine_loading import CONFIG, TABLES, E, _loader, placed, v41_tensors
 
 ROW, COL = 1234, 37  # a row of layer 1 (rank 0 of tp = 1 reads every row)
 LAYER = CONFIG.layer_ids[0]
@@ -68,12 +68,12 @@ def test_load_table_refuses_non_finite_rows(tmp_path, kind: str) -> None:
     path = write_deepseek_checkpoint(tmp_path / "model.safetensors", CONFIG, packed)
     name = NAMES[kind.split()[0]]
     with pytest.raises(CheckpointError, match=rf"tensor '{name}' row {ROW}\b") as caught:
-        load_table(path, CONFIG, 0, tier="host", device="cpu", block_rows=500, **STORE_OPTIONS)
+        load_table(path, CONFIG, 0, placed(), block_rows=500)
     assert str(caught.value).count("\n") == 0
     # The control: the same file with the small-values row loads and serves it as stored.
     packed = [planted("scale 0xfe, small values"), *TABLES[1:]]
     path = write_deepseek_checkpoint(tmp_path / "control.safetensors", CONFIG, packed)
-    store = load_table(path, CONFIG, 0, tier="host", device="cpu", **STORE_OPTIONS)
+    store = load_table(path, CONFIG, 0, placed())
     assert torch.equal(store.gather_packed(torch.tensor([ROW]))[0], packed[0][ROW])
 
 
@@ -116,6 +116,28 @@ def test_the_engine_loader_refuses_non_finite_head_weights(role, value, expected
     tensors[name] = bad
     with pytest.raises(CheckpointError, match=rf"tensor '{name}' holds .* expected {expected}"):
         _loader(1, 0).load_weights(tensors)
+
+
+@pytest.mark.parametrize(("role", "value", "expected"), HEAD_CASES)
+def test_load_layer_refuses_non_finite_head_weights(tmp_path, role, value, expected) -> None:
+    """load_layer reads head weights through the same checks as the engine loader (it is a
+    call of it); the control loads the same checkpoint without the planted value."""
+    from safetensors.torch import save_file
+
+    tensors = v41_tensors("", "weight_scale_inv", scale_dtype=torch.uint8)
+    save_file(tensors, str(tmp_path / "good.safetensors"))
+    layer = load_layer(tmp_path / "good.safetensors", CONFIG, 0, placed("device"), max_tokens=4)
+    assert torch.equal(layer.head.q_weight.cpu(), tensors[f"layers.{LAYER}.engram.q_weight"])
+    name = f"layers.{LAYER}.engram.{role}"
+    bad = tensors[name].clone()
+    if bad.dtype == torch.float8_e4m3fn:  # an fp8 wkv holds NaN as the byte 0x7f
+        bad.view(torch.uint8)[0, 3] = 0x7F
+    else:
+        bad.view(-1)[3] = float(value)
+    tensors[name] = bad
+    save_file(tensors, str(tmp_path / "bad.safetensors"))
+    with pytest.raises(CheckpointError, match=rf"tensor '{name}' holds .* expected {expected}"):
+        load_layer(tmp_path / "bad.safetensors", CONFIG, 0, placed("device"), max_tokens=4)
 
 
 def test_engine_loader_misuse_gets_one_clear_error() -> None:

@@ -13,6 +13,7 @@ from safetensors import safe_open
 import engramrt
 from engramrt.checkpoint import (
     SafetensorsStreamWriter,
+    iter_packed_rows,
     load_table,
     load_tables,
     read_header,
@@ -23,7 +24,7 @@ from engramrt.checkpoint import reader as reader_module
 from engramrt.errors import CapacityError, CheckpointError, ValidationError
 from engramrt.layout import EngramLayout
 from engramrt.lookup import lookup_rows_reference
-from engramrt.lookup.tiers import make_store
+from engramrt.lookup.tiers import TablePlacement, make_store, tier_class
 
 from .conftest import SCALE, WEIGHT, write_deepseek_checkpoint, write_sharded_directory
 
@@ -213,18 +214,9 @@ def test_load_table_into_tiers_serves_the_reference_lookup(tmp_path, tiny, tiny_
     path = write_deepseek_checkpoint(tmp_path / "model.safetensors", tiny, packed)
     layout = EngramLayout(tiny)
     tp, rank, layer_index = 3, 1, 1
-    store = load_table(
-        path,
-        tiny,
-        layer_index,
-        tp=tp,
-        rank=rank,
-        tier=tier,
-        device="cpu",
-        disk_path=tmp_path / "rows.bin",
-        block_rows=5000,
-        backend="reference",
-    )
+    options = tier_class(tier).options_type(backend="reference")  # type: ignore[call-arg]
+    placement = TablePlacement(options, device="cpu", tp=tp, rank=rank, disk_dir=tmp_path)
+    store = load_table(path, tiny, layer_index, placement, block_rows=5000)
     shard = layout.column_shard(layer_index, tp, rank)
     assert (store.tier, store.row_begin, store.row_end) == (tier, shard.row_begin, shard.row_end)
     g = torch.Generator().manual_seed(9)
@@ -240,7 +232,7 @@ def test_load_table_into_tiers_serves_the_reference_lookup(tmp_path, tiny, tiny_
 def test_load_tables_every_layer(tmp_path, small, small_tables) -> None:
     _, packed = small_tables
     path = write_deepseek_checkpoint(tmp_path / "m.safetensors", small, packed)
-    stores = load_tables(path, small, tp=2, rank=0, tier="host", device="cpu")
+    stores = load_tables(path, small, TablePlacement("host", device="cpu", tp=2, rank=0))
     layout = EngramLayout(small)
     for layer_index, store in enumerate(stores):
         shard = layout.column_shard(layer_index, 2, 0)
@@ -268,15 +260,8 @@ def test_loading_reads_only_shard_rows_in_bounded_blocks(tmp_path, tiny, tiny_ta
         lambda file, name, open_path="": RecordingSlice(name, real(file, name, open_path)),
     )
     writes: list[tuple[int, int]] = []
-    store = make_store(
-        "host",
-        num_rows=shard.num_rows,
-        E=tiny.head_dim,
-        device="cpu",
-        row_begin=shard.row_begin,
-        col_begin=shard.col_begin,
-        col_end=shard.col_end,
-    )
+    placement = TablePlacement("host", device="cpu", tp=4, rank=2)
+    store = make_store(placement, E=tiny.head_dim, shard=shard)
     real_write = store.write_rows
 
     def recording_write(start, rows):
@@ -285,7 +270,7 @@ def test_loading_reads_only_shard_rows_in_bounded_blocks(tmp_path, tiny, tiny_ta
 
     monkeypatch.setattr(store, "write_rows", recording_write)
     block_rows = 777
-    load_table(path, tiny, 0, tp=4, rank=2, store=store, block_rows=block_rows)
+    load_table(path, tiny, 0, placement, store=store, block_rows=block_rows)
     assert torch.equal(store.source, packed[0][shard.row_begin : shard.row_end])
     assert {name for name, _, _ in reads} == {WEIGHT.format(layer=1), SCALE.format(layer=1)}
     for _, start, stop in reads:
@@ -299,7 +284,7 @@ def test_loading_reads_only_shard_rows_in_bounded_blocks(tmp_path, tiny, tiny_ta
 def test_store_of_the_wrong_geometry_is_refused(tmp_path, small, small_tables) -> None:
     _, packed = small_tables
     path = write_deepseek_checkpoint(tmp_path / "m.safetensors", small, packed)
-    store = make_store("host", num_rows=10, E=small.head_dim, device="cpu")
+    store = make_store(TablePlacement("host", device="cpu"), num_rows=10, E=small.head_dim)
     with pytest.raises(ValidationError, match="store holds 10 rows"):
         load_table(path, small, 0, store=store)
 
@@ -360,7 +345,7 @@ def test_bad_tensors_are_named_with_expected_and_found(tmp_path, small, small_ta
     _BAD_CHECKPOINTS[case].change(small, tensors)
     save_file(tensors, str(tmp_path / "m.safetensors"))
     with pytest.raises(CheckpointError, match=_BAD_CHECKPOINTS[case].needle) as info:
-        load_table(tmp_path / "m.safetensors", small, 1, tier="host", device="cpu")
+        load_table(tmp_path / "m.safetensors", small, 1, TablePlacement("host", device="cpu"))
     if case == "too few rows":
         rows = small.num_embeddings[1]
         assert f"[{rows - 3}, 96]; expected [{rows}, 96]" in str(info.value)
@@ -448,3 +433,15 @@ def test_save_tables_refuses_tables_that_do_not_fit(tmp_path, small, small_table
     with pytest.raises(CheckpointError, match="reserved"):
         save_tables(out, packed, small, metadata={"engramrt_tp": "9"})
     assert not out.exists()
+
+
+def test_a_shard_of_another_layer_is_refused(tmp_path, small, small_tables) -> None:
+    _, packed = small_tables
+    path = write_deepseek_checkpoint(tmp_path / "m.safetensors", small, packed)
+    layout = EngramLayout(small)
+    own, other = layout.column_shard(0, 2, 1), layout.column_shard(1, 2, 1)
+    assert own != other  # layers hold other rows
+    rows = [b for _, b in iter_packed_rows(path, small, 0, shard=own)]
+    assert sum(b.shape[0] for b in rows) == own.num_rows
+    with pytest.raises(ValidationError, match=r"expected layer \d+'s shard of rank 1 of tp=2"):
+        next(iter_packed_rows(path, small, 0, shard=other))

@@ -17,7 +17,7 @@ import torch
 from engramrt.config import PRESETS, EngramConfig
 from engramrt.layout import EngramLayout
 from engramrt.lookup import lookup_rows_reference, pack_rows
-from engramrt.lookup.tiers import RowStore, make_store
+from engramrt.lookup.tiers import DeviceOptions, RowStore, TablePlacement, make_store
 
 TINY: EngramConfig = PRESETS["tiny"]
 
@@ -85,15 +85,10 @@ def shard_store(config: EngramConfig, tp: int, rank: int, layer_index: int = 0) 
     """Rank ``rank``'s column shard (SPEC §7) as a CPU store served by the reference."""
     shard = EngramLayout(config).column_shard(layer_index, tp, rank)
     table = layer_table(config, layer_index)
-    return make_store(
-        "device",
-        packed=table[shard.row_begin : shard.row_end].clone(),
-        device="cpu",
-        row_begin=shard.row_begin,
-        col_begin=shard.col_begin,
-        col_end=shard.col_end,
-        backend="reference",
+    placement = TablePlacement(
+        DeviceOptions(backend="reference"), device="cpu", tp=shard.tp, rank=shard.rank
     )
+    return make_store(placement, packed=table[shard.row_begin : shard.row_end].clone(), shard=shard)
 
 
 def sha256_of(tensor: torch.Tensor) -> str:

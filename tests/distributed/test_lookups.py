@@ -26,7 +26,7 @@ from tests.distributed.common import (
 from engramrt.errors import ShardingError, ValidationError
 from engramrt.exchange import AllGatherExchange, AllToAllExchange, all_to_all_lookup_reference
 from engramrt.layout import EngramLayout, owned_columns
-from engramrt.lookup.tiers import make_store
+from engramrt.lookup.tiers import DeviceOptions, TablePlacement, make_store
 
 CONFIGS = [TINY, C10]
 
@@ -48,15 +48,10 @@ def test_all_to_all_routing_puts_each_owners_rows_in_its_columns() -> None:
     stores = [shard_store(TINY, 2, rank) for rank in range(2)]
     shard = layout.column_shard(0, 2, 1)
     other = random_packed_table(shard.num_rows, TINY.head_dim, seed=99)
-    stores[1] = make_store(
-        "device",
-        packed=other,
-        device="cpu",
-        row_begin=shard.row_begin,
-        col_begin=shard.col_begin,
-        col_end=shard.col_end,
-        backend="reference",
+    placement = TablePlacement(
+        DeviceOptions(backend="reference"), device="cpu", tp=shard.tp, rank=shard.rank
     )
+    stores[1] = make_store(placement, packed=other, shard=shard)
     row_ids = [random_row_ids(TINY, 4, seed=1), random_row_ids(TINY, 2, seed=2)]
     for ids, rows in zip(
         row_ids, all_to_all_lookup_reference(row_ids, stores, TINY.n_cols), strict=True

@@ -21,7 +21,7 @@ from tests.distributed.common import (
 
 from engramrt.exchange import AllGatherExchange, AllToAllExchange
 from engramrt.exchange._collectives import all_gather_into, word_view
-from engramrt.lookup.tiers import make_store
+from engramrt.lookup.tiers import TablePlacement, make_store, tier_class
 
 pytestmark = pytest.mark.skipif(
     not (torch.cuda.is_available() and dist.is_available() and dist.is_nccl_available()),
@@ -31,7 +31,8 @@ pytestmark = pytest.mark.skipif(
 
 @pytest.mark.parametrize("tier", ["device", "uva", "host"])
 def test_lookups_over_nccl_equal_the_reference(nccl_world_of_one, tier: str) -> None:
-    store = make_store(tier, packed=layer_table(C10, 0), device="cuda", backend="triton")
+    options = tier_class(tier).options_type(backend="triton")  # type: ignore[call-arg]
+    store = make_store(TablePlacement(options, device="cuda"), packed=layer_table(C10, 0))
     row_ids = random_row_ids(C10, 37, seed=3)
     expected = reference_rows(C10, row_ids)
     ids = row_ids.cuda()

@@ -31,7 +31,7 @@ from engramrt.distributed import (
 from engramrt.errors import CapacityError, ValidationError
 from engramrt.layout import EngramLayout
 from engramrt.lookup import lookup_rows_reference
-from engramrt.lookup.tiers import HostGatherRowStore
+from engramrt.lookup.tiers import HostGatherRowStore, HostOptions, TablePlacement
 
 
 def shard_table(directory: Path, config, tp: int, rank: int) -> SharedHostTable:
@@ -54,16 +54,8 @@ def test_host_gather_store_serves_the_mapping_without_copying(
     tp, rank = 3, 1
     shard = EngramLayout(config).column_shard(0, tp, rank)
     table = shard_table(tmp_path, config, tp, rank)
-    store = shared_store(
-        table,
-        "host",
-        device="cpu",
-        row_begin=shard.row_begin,
-        col_begin=shard.col_begin,
-        col_end=shard.col_end,
-        backend=backend,
-        chunk_rows=5,  # several pipelined pieces
-    )
+    options = HostOptions(backend=backend, chunk_rows=5)  # several pipelined pieces
+    store = shared_store(table, TablePlacement(options, "cpu", tp, rank), shard=shard)
     assert isinstance(store, HostGatherRowStore) and isinstance(store.host_rows, SharedRows)
     assert store.source.data_ptr() == table.rows.data_ptr()  # the mapping, not a copy
     for num_tokens in (9, 1, 0):
@@ -87,12 +79,9 @@ def test_a_row_slice_of_a_table_serves_its_rows(tmp_path: Path) -> None:
         shard = EngramLayout(TINY).column_shard(0, 4, rank)
         store = shared_store(
             table,
+            TablePlacement(HostOptions(backend="reference"), "cpu", 4, rank),
             rows_slice=slice(shard.row_begin, shard.row_end),
-            device="cpu",
-            row_begin=shard.row_begin,
-            col_begin=shard.col_begin,
-            col_end=shard.col_end,
-            backend="reference",
+            shard=shard,
         )
         expected = lookup_rows_reference(
             row_ids, table_rows, TINY.head_dim, shard.col_begin, shard.col_end
@@ -103,15 +92,17 @@ def test_a_row_slice_of_a_table_serves_its_rows(tmp_path: Path) -> None:
 def test_other_tiers_are_refused(tmp_path: Path) -> None:
     table = shard_table(tmp_path, C10, 2, 0)
     with pytest.raises(ValidationError, match="tier='device'; expected one of host, uva"):
-        shared_store(table, "device")
+        shared_store(table, TablePlacement("device"))
     if torch.cuda.is_available():
         pytest.skip("with a CUDA device the UVA store builds (GPU test)")
     with pytest.raises(CapacityError, match="needs a CUDA device"):
-        shared_store(table, "uva", device="cpu")
+        shared_store(table, TablePlacement("uva", "cpu"))
     with pytest.raises(ValidationError, match="expected contiguous CPU uint8"):
-        shared_store(table.rows[::2], "host", device="cpu")
-    with pytest.raises(ValidationError, match=r"option\(s\) chunk_rows for tier='uva'"):
-        shared_store(table, "uva", device="cpu", chunk_rows=4)
+        shared_store(table.rows[::2], TablePlacement("host", "cpu"))
+    with pytest.raises(ValidationError, match=r"shard holds \d+ rows; expected the table's"):
+        shared_store(
+            table, TablePlacement("host", "cpu"), shard=EngramLayout(C10).column_shard(0, 1, 0)
+        )
 
 
 def test_load_shared_table_reads_the_checkpoint_once(tmp_path: Path) -> None:
@@ -125,11 +116,8 @@ def test_load_shared_table_reads_the_checkpoint_once(tmp_path: Path) -> None:
             checkpoint,
             TINY,
             layer_index,
-            tp=tp,
-            rank=rank,
+            TablePlacement(HostOptions(backend="reference"), "cpu", tp, rank),
             directory=shm,
-            device="cpu",
-            backend="reference",
         )
         for _ in range(2)
     ]
@@ -144,11 +132,11 @@ def test_load_shared_table_reads_the_checkpoint_once(tmp_path: Path) -> None:
         assert (store.col_begin, store.col_end) == (shard.col_begin, shard.col_end)
         assert_same_bits(store.lookup(row_ids), expected, label="shared checkpoint shard")
     # Another checkpoint file (here: touched) is another table, not the old one.
-    before = checkpoint_fingerprint(checkpoint, TINY, layer_index, tp, rank)
+    before = checkpoint_fingerprint(checkpoint, TINY, layer_index, shard)
     os.utime(checkpoint, ns=(1, 1))
-    assert checkpoint_fingerprint(checkpoint, TINY, layer_index, tp, rank) != before
+    assert checkpoint_fingerprint(checkpoint, TINY, layer_index, shard) != before
     third = load_shared_table(
-        checkpoint, TINY, layer_index, tp=tp, rank=rank, directory=shm, device="cpu"
+        checkpoint, TINY, layer_index, TablePlacement("host", "cpu", tp, rank), directory=shm
     )
     assert third.host_rows.owner.created  # type: ignore[attr-defined]
 
@@ -159,14 +147,7 @@ def test_uva_store_reads_the_registered_read_only_mapping(tmp_path: Path) -> Non
     tp, rank = 2, 1
     shard = EngramLayout(C10).column_shard(0, tp, rank)
     table = shard_table(tmp_path, C10, tp, rank)
-    store = shared_store(
-        table,
-        "uva",
-        device="cuda",
-        row_begin=shard.row_begin,
-        col_begin=shard.col_begin,
-        col_end=shard.col_end,
-    )
+    store = shared_store(table, TablePlacement("uva", "cuda", tp, rank), shard=shard)
     assert store.host_table.data_ptr() == table.rows.data_ptr()  # the mapping, not a copy
     assert table.register_cuda() is table.rows  # once per process
     for num_tokens in (9, 1):

@@ -103,6 +103,7 @@ def run(rank: int, world_size: int, init_file: str, out_dir_name: str) -> None:
         from engramrt.exchange import AllGatherExchange, AllToAllExchange
         from engramrt.layout import EngramLayout
         from engramrt.lookup import row_bytes_for
+        from engramrt.lookup.tiers import HostOptions, TablePlacement
 
         dist.init_process_group(
             "gloo",
@@ -213,15 +214,8 @@ def run(rank: int, world_size: int, init_file: str, out_dir_name: str) -> None:
             fingerprint=f"tiny layer 0, rank {tp_rank} of 2, seed 11",
             timeout_s=TIMEOUT_S,
         )
-        store = shared_store(
-            table,
-            "host",
-            device="cpu",
-            row_begin=shard.row_begin,
-            col_begin=shard.col_begin,
-            col_end=shard.col_end,
-            backend="reference",
-        )
+        placement = TablePlacement(HostOptions(backend="reference"), "cpu", 2, tp_rank)
+        store = shared_store(table, placement, shard=shard)
         row_ids = random_row_ids(TINY, 9, tp_seed("tiny", 2, replica, 9) + 50)
         exchange = AllGatherExchange(store, num_cols=TINY.n_cols, group=groups[tuple(members)])
         rows = exchange.fetch(row_ids)

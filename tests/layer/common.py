@@ -18,7 +18,7 @@ from engramrt._backend import interpreter_enabled
 from engramrt.config import PRESETS, EngramConfig
 from engramrt.layout import EngramLayout
 from engramrt.lookup import pack_rows, row_bytes_for
-from engramrt.lookup.tiers import RowStore, make_store
+from engramrt.lookup.tiers import RowStore, TablePlacement, make_store
 
 CUDA = torch.cuda.is_available()
 DEVICE = torch.device(os.environ.get("ENGRAMRT_TEST_DEVICE", "cuda" if CUDA else "cpu"))
@@ -59,20 +59,14 @@ def random_row_ids(num_tokens: int, seed: int, config: EngramConfig = CONFIG) ->
 
 
 def full_store(table: torch.Tensor, device: torch.device = DEVICE) -> RowStore:
-    return make_store("device", packed=table, device=device)
+    return make_store(TablePlacement("device", device=device), packed=table)
 
 
 def shard_store(table: torch.Tensor, tp: int, rank: int, device: torch.device = DEVICE) -> RowStore:
     """Rank ``rank``'s column shard (SPEC §7) as a device-tier store."""
-    shard = layout().column_shard(LAYER_INDEX, tp, rank)
-    return make_store(
-        "device",
-        packed=table[shard.row_begin : shard.row_end],
-        row_begin=shard.row_begin,
-        col_begin=shard.col_begin,
-        col_end=shard.col_end,
-        device=device,
-    )
+    placement = TablePlacement("device", device=device, tp=tp, rank=rank)
+    shard = placement.shard(layout(), LAYER_INDEX)
+    return make_store(placement, packed=table[shard.row_begin : shard.row_end], shard=shard)
 
 
 def quantize_block_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -19,6 +19,9 @@ from tests.layer.common import (
 from engramrt.checkpoint import save_tables
 from engramrt.errors import CheckpointError
 from engramrt.layer import EngramLayer, load_layer
+from engramrt.lookup.tiers import TablePlacement
+
+ON_DEVICE = TablePlacement("device", device=DEVICE)
 
 
 def _checkpoint(
@@ -59,7 +62,7 @@ def test_load_layer_matches_a_hand_built_layer(
 ) -> None:
     weights = random_weights(3, fp8=fp8)
     ckpt = _checkpoint(tmp_path, weights, prefix=prefix, scale=scale)
-    loaded = load_layer(ckpt, CONFIG, 0, max_tokens=16, tier="device", device=DEVICE)
+    loaded = load_layer(ckpt, CONFIG, 0, max_tokens=16, placement=ON_DEVICE)
     by_hand = EngramLayer(CONFIG, full_store(layer_table()), max_tokens=16)
     by_hand.load_weights(**weights)
     row_ids, hidden = random_row_ids(9, seed=4).to(DEVICE), random_hidden(9, seed=5).to(DEVICE)
@@ -75,10 +78,10 @@ def test_load_layer_names_missing_tensors(tmp_path) -> None:
         match=r"k_weight tensor \(tried 'layers\.1\.engram\.k_weight', "
         r"'model\.layers\.1\.engram\.k_weight'\)",
     ):
-        load_layer(ckpt, CONFIG, 0, max_tokens=4, tier="device", device=DEVICE)
+        load_layer(ckpt, CONFIG, 0, max_tokens=4, placement=ON_DEVICE)
     ckpt_fp8 = _checkpoint(tmp_path / "fp8", random_weights(3, fp8=True), drop="weight_scale_inv")
     with pytest.raises(CheckpointError, match="wkv_scale"):
-        load_layer(ckpt_fp8, CONFIG, 0, max_tokens=4, tier="device", device=DEVICE)
+        load_layer(ckpt_fp8, CONFIG, 0, max_tokens=4, placement=ON_DEVICE)
     with pytest.raises(CheckpointError, match="weight_names has"):
         load_layer(ckpt, CONFIG, 0, max_tokens=4, weight_names={"wq": "x"})
 
@@ -91,9 +94,8 @@ def test_load_layer_renamed_tensors(tmp_path) -> None:
         ckpt,
         CONFIG,
         0,
+        ON_DEVICE,
         max_tokens=4,
-        tier="device",
-        device=DEVICE,
         weight_names={"q_weight": "blocks.{layer}.qn"},
     )
     assert torch.equal(layer.head.q_weight.cpu(), weights["q_weight"])

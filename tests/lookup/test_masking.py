@@ -11,12 +11,13 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
+from tests.lookup.stores import store_of
 from tests.lookup.test_lookup import assert_same_bits, random_packed_table
 
 from engramrt.cache import SetAssociativeLfu, probe_gather_reference
 from engramrt.errors import ValidationError
 from engramrt.lookup import gather_packed_rows_reference, lookup_rows, lookup_rows_reference
-from engramrt.lookup.tiers import make_store
+from engramrt.lookup.tiers import DeviceOptions, SyntheticRowStore
 from engramrt.packed import unpack_rows, word_dtype_for
 from engramrt.quant import dequantize_rows_reference
 
@@ -176,9 +177,9 @@ def test_unchecked_store_lookup_is_defined(tier: str) -> None:
     """The device tier reads zeros; the synthetic tier computes any id's row."""
     table = random_packed_table(50, 32, seed=11)
     if tier == "device":
-        store = make_store("device", packed=table, row_begin=7, backend="triton")
+        store = store_of(DeviceOptions(backend="triton"), table, row_begin=7)
     else:
-        store = make_store("synthetic", num_rows=50, E=32, row_begin=7)
+        store = SyntheticRowStore(50, 32, row_begin=7)
     ids, bad = ids_with_bad_ones((8, 3), 7, 50, torch.int64, seed=12)
     got = store.lookup(ids.to(DEVICE))
     if tier == "device":

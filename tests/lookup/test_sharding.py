@@ -16,9 +16,9 @@ import math
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from tests.lookup.stores import store_of
 
 from engramrt.lookup import lookup_rows, lookup_rows_reference, pack_rows
-from engramrt.lookup.tiers import make_store
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 E = 32
@@ -67,9 +67,9 @@ def shard_lookups(
                 )
             )
         else:
-            store = make_store(
+            store = store_of(
                 tier,
-                packed=shard,
+                shard,
                 row_begin=row_begin + row_shift,
                 col_begin=col_begin,
                 col_end=col_end,

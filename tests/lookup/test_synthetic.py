@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from engramrt.lookup import lookup_rows_reference
-from engramrt.lookup.tiers import SyntheticRowStore, make_store
+from engramrt.lookup.tiers import SyntheticOptions, SyntheticRowStore, TablePlacement, make_store
 from engramrt.lookup.tiers.synthetic import synthetic_packed_rows
 
 
@@ -15,8 +15,8 @@ def test_synthetic_rows_match_a_stored_copy(device) -> None:
     assert table.shape == (rows, E + 2) and table.dtype == torch.uint8
     assert len(torch.unique(table[:, :E])) > 200  # not degenerate
     assert int(table[:, E:].min()) >= 110 and int(table[:, E:].max()) <= 135
-    stored = make_store("device", packed=table, device=device)
-    synthetic = SyntheticRowStore(rows, E, device=device, seed=3)
+    stored = make_store(TablePlacement("device", device=device), packed=table)
+    synthetic = SyntheticRowStore(rows, E, SyntheticOptions(seed=3), device=device)
     ids = torch.randint(0, rows, (9, 7), generator=torch.Generator().manual_seed(1)).to(device)
     want = lookup_rows_reference(ids.cpu(), table, E)
     for store in (stored, synthetic):
@@ -25,9 +25,9 @@ def test_synthetic_rows_match_a_stored_copy(device) -> None:
 
 def test_synthetic_shard_serves_its_columns_and_seed_matters(device) -> None:
     E = 32
-    shard = SyntheticRowStore(100, E, device=device, row_begin=50, col_begin=1, col_end=3, seed=0)
-    whole = SyntheticRowStore(1000, E, device=device, seed=0)
-    other = SyntheticRowStore(1000, E, device=device, seed=1)
+    shard = SyntheticRowStore(100, E, device=device, row_begin=50, col_begin=1, col_end=3)
+    whole = SyntheticRowStore(1000, E, SyntheticOptions(seed=0), device=device)
+    other = SyntheticRowStore(1000, E, SyntheticOptions(seed=1), device=device)
     ids = torch.randint(50, 150, (4, 5), generator=torch.Generator().manual_seed(2)).to(device)
     got, full = shard.lookup(ids), whole.lookup(ids)
     assert torch.equal(got[:, 1:3].view(torch.int16), full[:, 1:3].view(torch.int16))

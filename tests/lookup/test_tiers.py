@@ -14,17 +14,22 @@ if not torch.cuda.is_available():
 from pathlib import Path
 
 import pytest
+from tests.lookup.stores import store_of
 
 from engramrt import memory
 from engramrt.errors import CapacityError, CheckpointError, ValidationError
 from engramrt.lookup import LookupKernelConfig, lookup_rows_reference, pack_rows
 from engramrt.lookup.tiers import (
+    DeviceOptions,
     DeviceRowStore,
     DiskRowStore,
     HostGatherRowStore,
+    HostOptions,
     RowStore,
+    TablePlacement,
     UvaRowStore,
     make_store,
+    tier_class,
 )
 
 CUDA = torch.cuda.is_available()
@@ -64,8 +69,26 @@ def assert_same_bits(found: torch.Tensor, expected: torch.Tensor) -> None:
     )
 
 
-def build(tier: str, table: torch.Tensor, tmp_path: Path, **kwargs: object) -> RowStore:
-    return make_store(tier, packed=table, path=tmp_path / f"{tier}.rows", **kwargs)  # type: ignore[arg-type]
+def build(
+    tier: str,
+    table: torch.Tensor,
+    tmp_path: Path,
+    *,
+    row_begin: int = 0,
+    col_begin: int = 0,
+    col_end: int | None = None,
+    **options: object,
+) -> RowStore:
+    """A store of ``tier`` (its options class made from ``options``) holding ``table``."""
+    return store_of(
+        tier_class(tier).options_type(**options),  # type: ignore[arg-type]
+        table,
+        device=DEVICE,
+        row_begin=row_begin,
+        col_begin=col_begin,
+        col_end=col_end,
+        path=tmp_path / f"{tier}.rows",
+    )
 
 
 @pytest.mark.parametrize("tier", TIERS)
@@ -133,7 +156,7 @@ def test_host_gather_chunking(tier: str, chunk_rows: int, num_threads: int, tmp_
 
 def test_host_gather_staging_is_reused_and_grown() -> None:
     table = random_packed_table(500, 32, seed=14)
-    store = make_store("host", packed=table, num_threads=2, chunk_rows=64)
+    store = make_store(TablePlacement(HostOptions(num_threads=2, chunk_rows=64)), packed=table)
     for t_len in (3, 50, 20):  # small, larger (grows the staging), small again
         row_ids = torch.randint(0, 500, (t_len, 7), generator=torch.Generator().manual_seed(t_len))
         assert_same_bits(
@@ -159,7 +182,7 @@ def test_disk_tier_reads_a_file_written_elsewhere(tmp_path: Path) -> None:
     table = random_packed_table(123, 96, seed=17)
     path = tmp_path / "layer1.rows"
     path.write_bytes(table.numpy().tobytes())
-    store = DiskRowStore(path, None, 96, row_begin=1000, col_begin=1, col_end=4)
+    store = DiskRowStore(path, None, 96, row_begin=1000, col_begin=1, col_end=4, device=DEVICE)
     assert store.num_rows == 123
     row_ids = torch.randint(1000, 1123, (9, 4), generator=torch.Generator().manual_seed(18))
     expected = lookup_rows_reference(row_ids, table, 96, 1, 4, 1000)
@@ -275,7 +298,7 @@ def test_capacity_errors_report_the_numbers(
     with pytest.raises(
         CapacityError, match=r"tier='auto' needs 264000000000 bytes .* no path was given"
     ):
-        make_store("auto", num_rows=rows, E=256)
+        make_store(TablePlacement("auto"), num_rows=rows, E=256)
     if CUDA:
         with pytest.raises(CapacityError, match=r"tier='uva' .* only 1000 bytes"):
             UvaRowStore(rows, 256)
@@ -283,10 +306,10 @@ def test_capacity_errors_report_the_numbers(
 
 def test_auto_tier_choice(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     table = random_packed_table(40, 32, seed=22)
-    assert make_store("auto", packed=table).tier == "device"
+    assert make_store(TablePlacement("auto"), packed=table).tier == "device"
     monkeypatch.setattr(memory, "host_available_bytes", lambda: 100)
     monkeypatch.setattr(memory, "device_free_bytes", lambda device: 100)
-    store = make_store("auto", packed=table, path=tmp_path / "auto.rows")
+    store = make_store(TablePlacement("auto"), packed=table, path=tmp_path / "auto.rows")
     assert store.tier == "disk"
     row_ids = torch.randint(0, 40, (3, 4), generator=torch.Generator().manual_seed(23))
     assert_same_bits(store.lookup(row_ids.to(DEVICE)), lookup_rows_reference(row_ids, table, 32))
@@ -304,16 +327,16 @@ def test_store_argument_errors(tmp_path: Path) -> None:
         ValidationError,
         match="tier = 'gpu'; expected 'auto' or one of device, disk, host, synthetic, uva",
     ):
-        make_store("gpu", packed=table)
+        TablePlacement("gpu")
     with pytest.raises(ValidationError, match="E = 32 but packed rows hold E = 64 values"):
-        make_store("host", packed=table, E=32)
+        make_store(TablePlacement("host"), packed=table, E=32)
     with pytest.raises(
         ValidationError, match="rows of 48 values; expected a positive multiple of 32"
     ):
-        make_store("host", num_rows=4, E=48)
+        make_store(TablePlacement("host"), num_rows=4, E=48)
     with pytest.raises(ValidationError, match="path = None"):
-        make_store("disk", packed=table)
-    store = make_store("host", packed=table)
+        make_store(TablePlacement("disk"), packed=table)
+    store = make_store(TablePlacement("host"), packed=table)
     with pytest.raises(
         ValidationError, match=r"rows \[8, 12\) to write; expected a range inside \[0, 10\)"
     ):
@@ -328,8 +351,8 @@ def test_store_argument_errors(tmp_path: Path) -> None:
         store.lookup(
             torch.zeros((2, 2), dtype=torch.int64), out=torch.empty((2, 2, 64), device=DEVICE)
         )
-    with pytest.raises(ValidationError, match="chunk_rows = 0; expected >= 1"):
-        HostGatherRowStore(4, 32, chunk_rows=0)
+    with pytest.raises(ValidationError, match=r"HostOptions.chunk_rows = 0; expected an int >= 1"):
+        HostOptions(chunk_rows=0)
 
 
 @pytest.mark.parametrize("tier", TIERS)
@@ -353,13 +376,14 @@ needs_cuda = pytest.mark.skipif(not CUDA, reason="the GPU reads host memory mapp
 @needs_cuda
 @pytest.mark.parametrize("gpu_share", [0.0, 0.3, 1.0])
 @pytest.mark.parametrize("dedup_min_rows", [0, 10**9], ids=["split", "direct"])
-def test_gpu_reads_match_reference(gpu_share: float, dedup_min_rows: int) -> None:
+def test_gpu_reads_match_reference(gpu_share: float, dedup_min_rows: int, tmp_path: Path) -> None:
     """Both GPU-read paths equal the reference on a shard, with duplicates, int32 and
     int64 ids; an odd unique count splits unevenly."""
     table = random_packed_table(301, 256, seed=40)
-    store = make_store(
+    store = build(
         "host",
-        packed=table,
+        table,
+        tmp_path,
         row_begin=7000,
         col_begin=1,
         col_end=5,
@@ -381,9 +405,9 @@ def test_gpu_reads_match_reference(gpu_share: float, dedup_min_rows: int) -> Non
 
 
 @needs_cuda
-def test_gpu_reads_check_ids_with_check_ids() -> None:
+def test_gpu_reads_check_ids_with_check_ids(tmp_path: Path) -> None:
     table = random_packed_table(10, 32, seed=42)
-    store = make_store("host", packed=table, row_begin=100, check_ids=True)
+    store = build("host", table, tmp_path, row_begin=100, check_ids=True)
     assert isinstance(store, HostGatherRowStore) and store.gpu_reads
     row_ids = torch.full((3, 5), 104, dtype=torch.int64, device=DEVICE)
     row_ids[2, 1] = 110
@@ -398,33 +422,35 @@ def test_gpu_reads_fall_back_or_fail_when_registration_fails(
     table = random_packed_table(10, 32, seed=43)
     monkeypatch.setattr(memory, "cuda_host_register", lambda *args, **kwargs: 2)
     with pytest.warns(RuntimeWarning, match=r"cudaError 2 .*; the CPU gathers every row"):
-        store = make_store("host", packed=table)
+        store = make_store(TablePlacement("host"), packed=table)
     assert isinstance(store, HostGatherRowStore) and not store.gpu_reads
     row_ids = torch.randint(0, 10, (4, 3), device=DEVICE)
     assert_same_bits(store.lookup(row_ids), lookup_rows_reference(row_ids.cpu(), table, 32))
     with pytest.raises(CapacityError, match=r"tier='host' could not page-lock .* cudaError 2"):
-        make_store("host", packed=table, gpu_reads=True)
+        make_store(TablePlacement(HostOptions(gpu_reads=True)), packed=table)
 
 
 def test_gpu_reads_settings(tmp_path: Path) -> None:
     """Off by default where they cannot or should not run; bad settings are refused."""
     table = random_packed_table(10, 32, seed=44)
     disk = build("disk", table, tmp_path)
-    reference = make_store("host", packed=table, backend="reference")
+    reference = make_store(TablePlacement(HostOptions(backend="reference")), packed=table)
     assert isinstance(disk, HostGatherRowStore) and not disk.gpu_reads  # pinning a file: never
     assert isinstance(reference, HostGatherRowStore) and not reference.gpu_reads
-    host = make_store("host", packed=table)
+    host = make_store(TablePlacement("host"), packed=table)
     assert isinstance(host, HostGatherRowStore) and host.gpu_reads == CUDA
     with pytest.raises(ValidationError, match=r"gpu_share = 1.5; expected a fraction in \[0, 1\]"):
-        make_store("host", packed=table, gpu_share=1.5)
+        HostOptions(gpu_share=1.5)
     if CUDA:
         with pytest.raises(ValidationError, match="gpu_reads=True with backend='reference'"):
-            make_store("host", packed=table, gpu_reads=True, backend="reference")
+            make_store(
+                TablePlacement(HostOptions(gpu_reads=True, backend="reference")), packed=table
+            )
     else:
         with pytest.raises(
             CapacityError, match=r"gpu_reads=True needs a CUDA device .* got device cpu"
         ):
-            make_store("host", packed=table, gpu_reads=True)
+            make_store(TablePlacement(HostOptions(gpu_reads=True)), packed=table)
 
 
 @needs_cuda
@@ -432,7 +458,8 @@ def test_gpu_reads_settings(tmp_path: Path) -> None:
 def test_host_memory_reads_with_few_programs(tier: str) -> None:
     """The kernel's reads of host memory from a bounded grid give the same bytes."""
     table = random_packed_table(300, 256, seed=45)  # 16 rows per tile: 14 tiles, 2 programs
-    store = make_store(tier, packed=table, kernel=LookupKernelConfig(max_programs=3))
+    options = tier_class(tier).options_type(kernel=LookupKernelConfig(max_programs=3))  # type: ignore[call-arg]
+    store = make_store(TablePlacement(options), packed=table)
     row_ids = torch.randint(0, 300, (37, 6), device=DEVICE)
     expected = lookup_rows_reference(row_ids.cpu(), table, 256)
     assert_same_bits(store.lookup(row_ids), expected)
@@ -443,18 +470,18 @@ def test_host_memory_reads_with_few_programs(tier: str) -> None:
 def test_kernel_settings_of_a_store_are_checked() -> None:
     table = random_packed_table(10, 32, seed=46)
     with pytest.raises(ValidationError, match=r"max_programs = 0; expected None or an int >= 1"):
-        make_store("host", packed=table, kernel=LookupKernelConfig(max_programs=0))
-    store = make_store("host", packed=table)
+        HostOptions(kernel=LookupKernelConfig(max_programs=0))
+    store = make_store(TablePlacement("host"), packed=table)
     with pytest.raises(ValidationError, match=r"max_programs = 0; expected None or an int >= 1"):
         store.kernel = store.kernel.replace(max_programs=0)  # checked before it is set
     with pytest.raises(ValidationError, match=r"kernel = \{'max_programs': 3\}; expected a Lookup"):
-        make_store("device", packed=table, kernel={"max_programs": 3})
+        DeviceOptions(kernel={"max_programs": 3})  # type: ignore[arg-type]
 
 
 def test_host_tier_keeps_its_bounded_grid_by_default() -> None:
     from engramrt.lookup.tiers.host_gather import HOST_READ_KERNEL
 
     table = random_packed_table(10, 32, seed=47)
-    assert make_store("host", packed=table).kernel == HOST_READ_KERNEL
+    assert make_store(TablePlacement("host"), packed=table).kernel == HOST_READ_KERNEL
     assert HOST_READ_KERNEL.max_programs is not None
-    assert make_store("device", packed=table).kernel == LookupKernelConfig()
+    assert make_store(TablePlacement("device"), packed=table).kernel == LookupKernelConfig()

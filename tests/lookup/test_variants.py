@@ -28,7 +28,7 @@ from engramrt.bench.cases_lookup import (
 )
 from engramrt.errors import ValidationError
 from engramrt.lookup import LookupKernelConfig, lookup_rows, lookup_rows_reference
-from engramrt.lookup.tiers import make_store
+from engramrt.lookup.tiers import DeviceOptions, HostOptions, TablePlacement, make_store
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 pytestmark = pytest.mark.filterwarnings(
@@ -150,7 +150,8 @@ def test_launch_path_is_switchable(
 @pytest.mark.parametrize("kernel", [SWEEP[1], SWEEP[9]])
 def test_store_kernel_variant(kernel: LookupKernelConfig, table: torch.Tensor) -> None:
     """A store's ``kernel`` attribute, as the bench sets it, changes no byte."""
-    store = make_store("device", packed=table.cpu(), device=DEVICE, backend="triton")
+    placement = TablePlacement(DeviceOptions(backend="triton"), device=DEVICE)
+    store = make_store(placement, packed=table.cpu())
     store.kernel = kernel  # read at every lookup
     row_ids = random_ids((11, 24), 0, NUM_ROWS, torch.int64, seed=8).to(DEVICE)
     assert_same_bits(store.lookup(row_ids), lookup_rows_reference(row_ids, table, E))
@@ -162,14 +163,8 @@ def test_host_gather_settings_change_no_byte(
 ) -> None:
     """The host tier's gather settings of the bench sweep (every id twice, deduplicated
     or not) give the reference's bytes."""
-    store = make_store(
-        "host",
-        packed=table.cpu(),
-        device=DEVICE,
-        chunk_rows=chunk_rows,
-        num_threads=num_threads,
-        gpu_reads=False,
-    )
+    options = HostOptions(chunk_rows=chunk_rows, num_threads=num_threads, gpu_reads=False)
+    store = make_store(TablePlacement(options, device=DEVICE), packed=table.cpu())
     store.dedup_min_rows = 0 if dedup else 1 << 62
     half = random_ids((13, 12), 0, NUM_ROWS, torch.int64, seed=9)
     row_ids = torch.cat([half, half.flip(0)], dim=1).to(DEVICE)

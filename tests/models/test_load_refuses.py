@@ -13,7 +13,10 @@ import pytest
 import torch
 
 from engramrt.errors import CheckpointError
+from engramrt.lookup.tiers import TablePlacement
 from engramrt.models import artifacts
+
+ON_CPU = TablePlacement("device", device="cpu")
 
 
 def _json(directory: Path) -> dict:
@@ -143,9 +146,7 @@ def test_damaged_directory_is_refused(
     shutil.copytree(trained_dir, directory)
     damage(directory)
     with pytest.raises(CheckpointError) as info:
-        load_model(
-            directory, tier="device", device="cpu", load_baseline=True, head_backend="reference"
-        )
+        load_model(directory, ON_CPU, load_baseline=True, head_backend="reference")
     assert needle in str(info.value), str(info.value)
     assert str(directory) in str(info.value)  # the file is named
 
@@ -156,5 +157,5 @@ def test_the_undamaged_copy_loads(trained_dir: Path, tmp_path: Path) -> None:
 
     directory = tmp_path / "model"
     shutil.copytree(trained_dir, directory)
-    model = load_model(directory, tier="device", device="cpu", head_backend="reference")
+    model = load_model(directory, ON_CPU, head_backend="reference")
     assert torch.isfinite(next(model.lm.parameters())).all()

@@ -19,9 +19,12 @@ import pytest
 import torch
 
 from engramrt.errors import EngramError
+from engramrt.lookup.tiers import TablePlacement
 from engramrt.models.serve import TinyEngramModel, load_model
 
 MAX_NEW = 5
+HOST = TablePlacement("host", device="cpu")
+ON_CPU = TablePlacement("device", device="cpu")
 BLOCK = 4
 GATE_TOLERANCE = 1e-4
 """Gates of the same token from a chunk and from a whole-sequence forward: the same
@@ -39,9 +42,7 @@ def _load(
 ) -> TinyEngramModel:
     model = load_model(
         trained_dir,
-        tier=tier,
-        device=device,
-        disk_dir=tmp_path / "rows" if tier == "disk" else None,
+        TablePlacement(tier, device=device, disk_dir=tmp_path / "rows"),
         load_baseline=False,
         **{"head_backend": "reference", **options},  # type: ignore[arg-type]
     )
@@ -210,7 +211,7 @@ def test_evaluate_the_sample(trained_dir: Path) -> None:
     """The served fp8 model's sample loss is the training record's (the same rows and
     weights; the served path rounds the Engram layers' output to bf16: a small relative
     difference)."""
-    model = load_model(trained_dir, tier="host", device="cpu", head_backend="reference")
+    model = load_model(trained_dir, HOST, head_backend="reference")
     recorded = model.record["heldout"]["sample_losses"]
     engram = model.evaluate()
     assert abs(engram - recorded["engram_fp8"]) / recorded["engram_fp8"] < 2e-3
@@ -228,9 +229,9 @@ def test_the_shipped_model_loads_by_name(tmp_path, monkeypatch) -> None:
     from engramrt.models.packaged import PACKAGED_MODEL, packaged_model_dir
 
     monkeypatch.chdir(tmp_path)
-    model = load_model(PACKAGED_MODEL, tier="device", device="cpu", load_baseline=False)
+    model = load_model(PACKAGED_MODEL, ON_CPU, load_baseline=False)
     on_disk = json.loads((packaged_model_dir() / "model.json").read_text(encoding="utf-8"))
     assert model.record == on_disk["training"]
     (tmp_path / PACKAGED_MODEL).mkdir()
     with pytest.raises(EngramError, match=r"model\.json"):
-        load_model(PACKAGED_MODEL, tier="device", device="cpu", load_baseline=False)
+        load_model(PACKAGED_MODEL, ON_CPU, load_baseline=False)

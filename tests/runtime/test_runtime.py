@@ -11,6 +11,7 @@ from engramrt.errors import ValidationError
 from engramrt.hashing import HashBatch, HashConstants, NgramHasher, SlotHashCache, hash_sequence
 from engramrt.layout import EngramLayout
 from engramrt.lookup import lookup_rows_reference
+from engramrt.lookup.tiers import TablePlacement
 from engramrt.runtime import EngramRuntime, synthetic_stores
 
 CFG = PRESETS["tiny"]
@@ -25,7 +26,7 @@ def _runtime(layout, token_map, device, tier="device", tp=1, rank=0, history=Non
     consts = HashConstants.from_layout(layout, token_map.pad_id(CFG))
     # The hasher's checks are its own settings (graph capture: no synchronising ones).
     hasher = NgramHasher(consts, token_map, device, validate=kw.get("validate", True))
-    stores = synthetic_stores(layout, tier, device=device, tp=tp, rank=rank, seed=3)
+    stores = synthetic_stores(layout, TablePlacement(tier, device, tp, rank), seed=3)
     return EngramRuntime(
         hasher, stores, history=history, **{"max_tokens": 64, "max_requests": 8, **kw}
     )
@@ -210,8 +211,8 @@ def test_cached_layers_are_updated_and_report_stats(layout, token_map, device) -
 
     consts = HashConstants.from_layout(layout, token_map.pad_id(CFG))
     hasher = NgramHasher(consts, token_map, device)
-    backing = synthetic_stores(layout, "host", device=device, seed=3)
-    plain = synthetic_stores(layout, "host", device=device, seed=3)
+    backing = synthetic_stores(layout, TablePlacement("host", device), seed=3)
+    plain = synthetic_stores(layout, TablePlacement("host", device), seed=3)
     stores = [CachedRowStore(backing[0], 64 * 1024), backing[1]]
     runtime = EngramRuntime(hasher, stores, max_tokens=64, max_requests=8)
     reference = EngramRuntime(

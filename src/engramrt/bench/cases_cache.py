@@ -76,14 +76,16 @@ class ZipfRows:
 
 def _state(num_rows: int, device: torch.device) -> dict[str, Any]:
     from engramrt.cache import CachedRowStore
-    from engramrt.lookup.tiers import make_store
+    from engramrt.lookup.tiers import HostOptions, TablePlacement, make_store
 
     key = (num_rows, str(device))
     if _STATE.get("key") == key:
         return _STATE
     _STATE.clear()
     torch.cuda.empty_cache()
-    store = make_store("host", num_rows=num_rows, E=E, device=device, backend="triton")
+    store = make_store(
+        TablePlacement(HostOptions(backend="triton"), device=device), num_rows=num_rows, E=E
+    )
     generator = torch.Generator(device=device).manual_seed(4321)
     for start in range(0, num_rows, _FILL_ROWS):
         count = min(_FILL_ROWS, num_rows - start)

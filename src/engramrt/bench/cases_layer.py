@@ -70,13 +70,15 @@ _SHARED: dict[str, Any] = {}
 def _shared(device: torch.device) -> dict[str, Any]:
     if _SHARED.get("device") == str(device):
         return _SHARED
-    from engramrt.lookup.tiers import make_store
+    from engramrt.lookup.tiers import DeviceOptions, TablePlacement, make_store
 
     _SHARED.clear()
     torch.cuda.empty_cache()
     generator = torch.Generator(device=device).manual_seed(4321)
     num_rows = TABLE_BYTES // ROW_BYTES + 1  # at least 1 GiB
-    store = make_store("device", num_rows=num_rows, E=E, device=device, backend="triton")
+    store = make_store(
+        TablePlacement(DeviceOptions(backend="triton"), device=device), num_rows=num_rows, E=E
+    )
     for start in range(0, num_rows, _FILL_ROWS):
         count = min(_FILL_ROWS, num_rows - start)
         store.write_rows(start, random_packed_rows(count, E, device, generator))

@@ -166,7 +166,13 @@ def _drop_page_cache(path: Path) -> None:
 
 
 def _store(tier: str, num_rows: int, device: torch.device) -> Any:
-    from engramrt.lookup.tiers import DiskRowStore, RowStore, make_store
+    from engramrt.lookup.tiers import (
+        DiskRowStore,
+        RowStore,
+        TablePlacement,
+        make_store,
+        tier_class,
+    )
 
     key = (num_rows, str(device))
     cached = _STORES.get(tier)
@@ -181,7 +187,8 @@ def _store(tier: str, num_rows: int, device: torch.device) -> Any:
         store = DiskRowStore(path, num_rows, E, create=True, device=device)
         weakref.finalize(store, path.unlink, missing_ok=True)
     else:
-        store = make_store(tier, num_rows=num_rows, E=E, device=device, backend="triton")
+        options = tier_class(tier).options_type(backend="triton")  # type: ignore[call-arg]
+        store = make_store(TablePlacement(options, device=device), num_rows=num_rows, E=E)
     for start in range(0, num_rows, _FILL_ROWS):  # generated on the GPU, in pieces
         count = min(_FILL_ROWS, num_rows - start)
         store.write_rows(start, random_packed_rows(count, E, device, generator))

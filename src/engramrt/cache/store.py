@@ -55,7 +55,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -73,7 +73,7 @@ from engramrt.cache.stats import CacheStats
 from engramrt.errors import CapacityError, ValidationError
 from engramrt.lookup import check_row_ids_in_shard, lookup_rows
 from engramrt.lookup.settings import DEFAULT_KERNEL, LookupKernelConfig, check_kernel_config
-from engramrt.lookup.tiers import RowStore
+from engramrt.lookup.tiers import RowStore, TierOptions
 
 if TYPE_CHECKING:
     from engramrt.config import EngramConfig
@@ -196,12 +196,14 @@ class CachedRowStore(RowStore):
         super().__init__(
             backing.num_rows,
             backing.E,
+            TierOptions(
+                validate=backing.validate if validate is None else validate,
+                check_ids=backing.check_ids if check_ids is None else check_ids,
+            ),
             device=backing.device,
             row_begin=backing.row_begin,
             col_begin=backing.col_begin,
             col_end=backing.col_end,
-            validate=backing.validate if validate is None else validate,
-            check_ids=backing.check_ids if check_ids is None else check_ids,
         )
         if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int):
             raise ValidationError(
@@ -629,18 +631,15 @@ class CachedRowStore(RowStore):
 
 
 def cached_stores(
-    stores: Sequence[RowStore], config: EngramConfig, capacity_bytes: int, **options: Any
+    stores: Sequence[RowStore], config: EngramConfig, capacity_bytes: int
 ) -> list[CachedRowStore]:
     """A :class:`CachedRowStore` of ``capacity_bytes`` in front of each Engram layer's store
     (``stores[i]`` is layer ``config.layer_ids[i]``), with the config's heads per n-gram
-    order; ``options`` go to every cache (``ways``, ``backend``, ...)."""
+    order and the cache's default settings (build :class:`CachedRowStore` directly for
+    others)."""
     return [
         CachedRowStore(
-            store,
-            capacity_bytes,
-            n_heads=config.n_heads,
-            layer_id=config.layer_ids[index],
-            **options,
+            store, capacity_bytes, n_heads=config.n_heads, layer_id=config.layer_ids[index]
         )
         for index, store in enumerate(stores)
     ]

@@ -1,14 +1,16 @@
 """Engram tables in safetensors checkpoints: read a rank's rows, write, convert.
 
-- :func:`load_table` / :func:`load_tables`: stream one tensor-parallel
-  rank's rows of each layer's fp8 table (values ``F8_E4M3 [rows, E]`` plus
+- :func:`load_table` / :func:`load_tables` / :func:`load_layer`: stream one
+  tensor-parallel rank's rows of each layer's fp8 table (values ``F8_E4M3 [rows, E]`` plus
   ue8m0 scales ``F8_E8M0`` or ``U8 [rows, E/32]``) from a checkpoint file or
   directory (``*.safetensors`` with an optional
   ``model.safetensors.index.json``) into a
-  :class:`~engramrt.lookup.tiers.RowStore`, reading only those rows.
-- :class:`EngramWeightLoader`: an engine-style ``load_weights(iterable)``
-  of ``(name, tensor)`` pairs in any order, filling one rank's stores and
-  the layers' heads.
+  :class:`~engramrt.lookup.tiers.RowStore` placed by a
+  :class:`~engramrt.lookup.tiers.TablePlacement`, reading only those rows
+  (and, for a layer, its head weights).
+- :class:`EngramWeightLoader`: the loader behind them, and an engine-style
+  ``load_weights(iterable)`` of ``(name, tensor)`` pairs in any order,
+  filling one rank's stores and the layers' heads.
 - :func:`save_tables`: write fp8 tables atomically, in DeepSeek's layout.
 - :func:`convert_checkpoint`: quantise float tables (bf16/fp16/fp32) into
   fp8 files, one per rank with ``tp=N`` (``engramrt convert``).
@@ -31,6 +33,12 @@ from engramrt.checkpoint.convert import (
     run_conversion,
 )
 from engramrt.checkpoint.engine_loader import EngramWeightLoader
+from engramrt.checkpoint.loading import (
+    DEFAULT_LAYER_WEIGHT_NAMES,
+    load_layer,
+    load_table,
+    load_tables,
+)
 from engramrt.checkpoint.metadata import LayerSlot
 from engramrt.checkpoint.names import (
     DEFAULT_HEAD_NAMES,
@@ -46,8 +54,6 @@ from engramrt.checkpoint.reader import (
     DEFAULT_BLOCK_BYTES,
     SafetensorsCheckpoint,
     iter_packed_rows,
-    load_table,
-    load_tables,
     read_table,
 )
 from engramrt.checkpoint.safetensors_format import (
@@ -60,6 +66,7 @@ from engramrt.checkpoint.writer import SCALE_DTYPES, save_tables
 __all__ = [
     "DEFAULT_BLOCK_BYTES",
     "DEFAULT_HEAD_NAMES",
+    "DEFAULT_LAYER_WEIGHT_NAMES",
     "DEFAULT_SCALE_NAME",
     "DEFAULT_SCALE_NAMES",
     "DEFAULT_SOURCE_NAMES",
@@ -75,6 +82,7 @@ __all__ = [
     "TensorSpec",
     "convert_checkpoint",
     "iter_packed_rows",
+    "load_layer",
     "load_names",
     "load_table",
     "load_tables",

@@ -9,10 +9,18 @@ Engram tensors out of the stream by name (:mod:`engramrt.checkpoint.names`:
 DeepSeek-V4.1's names by default, with or without ``model.``), and ignores
 every other tensor (the rest of the model's weights)::
 
-    loader = EngramWeightLoader(config, tp=tp, rank=rank, tier="host", heads=heads)
+    placement = TablePlacement("host", device="cuda", tp=tp, rank=rank)
+    loader = EngramWeightLoader(config, placement, heads=heads)
     loader.load_weights(engine_weights_iterator)   # any order, may be called repeatedly
     loader.finish()                                 # raises naming every missing tensor
     stores, heads = loader.stores, loader.heads
+
+It is also the one loader of engramrt's other entry points:
+:meth:`EngramWeightLoader.read_checkpoint` fills the same stores and heads
+from a safetensors checkpoint, reading only this rank's rows (from whole
+tensors or from the per-rank files of ``engramrt convert --tp N``), and
+:func:`~engramrt.checkpoint.load_table`, :func:`~engramrt.checkpoint.load_tables`
+and :func:`~engramrt.checkpoint.load_layer` are calls of it.
 
 Per Engram block ``{layer}`` the tensors are (see :data:`DEFAULT_WEIGHT_NAMES`,
 :data:`DEFAULT_SCALE_NAMES`, :data:`DEFAULT_HEAD_NAMES`):
@@ -42,15 +50,15 @@ the tensor (a misspelt or unexpected Engram tensor is never skipped
 silently); so is a tensor of the wrong shape or dtype, or one given twice.
 Missing tensors are reported by :meth:`EngramWeightLoader.finish`, each
 with its layer. Only whole tensors are accepted (a checkpoint's tensors,
-as engines read them); engramrt's per-rank converted files are read with
-:func:`~engramrt.checkpoint.load_table` instead.
+as engines read them) by :meth:`~EngramWeightLoader.load_weights`;
+engramrt's per-rank converted files are read by
+:meth:`~EngramWeightLoader.read_checkpoint`.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Mapping, Sequence
-from pathlib import Path
 from typing import Any, Protocol
 
 import torch
@@ -59,15 +67,22 @@ from engramrt.checkpoint.finite import check_head_weight, check_packed_rows_fini
 from engramrt.checkpoint.names import DEFAULT_HEAD_NAMES, TensorNames, head_name_templates
 from engramrt.checkpoint.reader import (
     ConfigSource,
+    LayerRead,
     NamesSpec,
-    _new_store,
+    SafetensorsCheckpoint,
+    _iter_plan,
+    _opened,
     _resolve,
     check_block_rows,
+    check_plan_token_map,
+    plan_layer_read,
+    read_tensor,
 )
 from engramrt.errors import CheckpointError, ValidationError
 from engramrt.layout import ColumnShard, EngramLayout
-from engramrt.lookup.tiers import RowStore
+from engramrt.lookup.tiers import RowStore, TablePlacement, check_placement, make_store
 from engramrt.packed import pack_rows, row_bytes_for
+from engramrt.tokenmap import TokenMap
 
 __all__ = ["ENGRAM_MARKER", "EngramWeightLoader", "HeadWeightsTarget"]
 
@@ -112,6 +127,15 @@ def _describe(tensor: Any) -> str:
     return f"a {type(tensor).__name__}"
 
 
+def _check_store(store: RowStore, shard: ColumnShard, E: int) -> None:
+    if (store.num_rows, store.E, store.row_begin) != (shard.num_rows, E, shard.row_begin):
+        raise ValidationError(
+            f"store holds {store.num_rows} rows of E={store.E} from row {store.row_begin}; "
+            f"expected {shard.num_rows} rows of E={E} from row {shard.row_begin} "
+            f"(rank {shard.rank} of tp={shard.tp})"
+        )
+
+
 class _LayerTable:
     """One layer's table in flight: the store and the half of the rows that came first."""
 
@@ -124,14 +148,15 @@ class _LayerTable:
 
 
 class EngramWeightLoader:
-    """Owns a model's Engram stores and heads and fills them from ``(name, tensor)`` pairs.
+    """Owns a model's Engram stores and heads and fills them from ``(name, tensor)`` pairs
+    (:meth:`load_weights`) or from a safetensors checkpoint (:meth:`read_checkpoint`).
 
     Args:
         config: an :class:`~engramrt.config.EngramConfig`, preset name or config path.
-        tp, rank: the tensor-parallel shard this rank keeps (SPEC §7).
-        tier, device, disk_dir, store_options: where each layer's rows live
-            (see :func:`~engramrt.checkpoint.load_table`); tier ``"disk"``
-            writes ``engram-layer<id>-rank<r>-of-<tp>.rows`` under ``disk_dir``.
+        placement: where each layer's rows live: the tier and its settings, the
+            device, the tensor-parallel rank whose shard is kept (SPEC §7) and,
+            for tier ``"disk"``, the directory of the packed-row files (see
+            :class:`~engramrt.lookup.tiers.TablePlacement`).
         layer_ids: the Engram layers this loader owns (a pipeline stage's),
             default all of ``config.layer_ids``; tensors of the other Engram
             layers are recognised and skipped.
@@ -140,11 +165,16 @@ class EngramWeightLoader:
             ``load_weights(wkv=, wkv_scale=, q_weight=, k_weight=)`` once its
             tensors have all arrived. None: the head tensors are kept in
             :attr:`head_weights` for the caller.
+        with_heads: False: load the tables only (head tensors are skipped and
+            never missing).
+        stores: empty stores to fill instead of building them from
+            ``placement``, one per owned layer (rows, E and row_begin must
+            match the layer's shard).
         table_names: the table's tensor names (:class:`TensorNames`; defaults:
             V4.1's), as ``names=`` of :func:`~engramrt.checkpoint.load_table`.
         weight_names: overrides of :data:`DEFAULT_HEAD_NAMES` (role -> a format
             string or a list of them; ``{layer}`` block index, ``{index}``
-            position in ``engram_layer_ids``), as in :func:`~engramrt.layer.load_layer`.
+            position in ``engram_layer_ids``).
         block_rows: rows packed per write (default: about 64 MiB).
         layout: the config's layout, if already built.
 
@@ -160,25 +190,24 @@ class EngramWeightLoader:
     def __init__(
         self,
         config: ConfigSource,
+        placement: TablePlacement | None = None,
         *,
-        tp: int = 1,
-        rank: int = 0,
-        tier: str = "auto",
-        device: torch.device | str | None = None,
-        disk_dir: str | os.PathLike[str] | None = None,
         layer_ids: Sequence[int] | None = None,
         heads: Sequence[HeadWeightsTarget] | None = None,
+        with_heads: bool = True,
+        stores: Sequence[RowStore] | None = None,
         table_names: NamesSpec = None,
         weight_names: Mapping[str, str | Sequence[str]] | None = None,
         block_rows: int | None = None,
         layout: EngramLayout | None = None,
-        **store_options: Any,
     ) -> None:
         cfg, layout = _resolve(config, layout)
+        placement = check_placement(
+            placement, "EngramWeightLoader(config, TablePlacement('host', 'cpu', tp=2, rank=0))"
+        )
         self.config = cfg
         self.layout = layout
-        self.tp = tp
-        self.rank = rank
+        self.placement = placement
         self.block_rows = check_block_rows(block_rows, row_bytes_for(cfg.head_dim))
         owned = list(cfg.layer_ids) if layer_ids is None else list(layer_ids)
         unknown = [layer for layer in owned if layer not in cfg.layer_ids]
@@ -188,38 +217,46 @@ class EngramWeightLoader:
                 f"{list(cfg.layer_ids)} (engram_layer_ids)"
             )
         self.layer_indices = sorted(cfg.layer_ids.index(layer) for layer in owned)
-        if heads is not None:
-            heads = list(heads)
-            if len(heads) != len(self.layer_indices):
-                raise ValidationError(
-                    f"heads has {len(heads)} head(s); expected {len(self.layer_indices)}, one "
-                    f"per Engram layer {[cfg.layer_ids[i] for i in self.layer_indices]}"
-                )
-        self.heads = heads
-        self._heads = dict(zip(self.layer_indices, heads or [], strict=False))
-        self._roles = self._name_table(TensorNames.from_spec(table_names), weight_names)
+        self.heads = self._per_layer("heads", heads)
+        if heads is not None and not with_heads:
+            raise ValidationError("heads given with with_heads=False; expected one of the two")
+        self.with_heads = with_heads
+        self._heads = dict(zip(self.layer_indices, self.heads or [], strict=False))
+        self._table_names = TensorNames.from_spec(table_names)
+        self._roles = self._name_table(self._table_names, weight_names)
+        given = dict(zip(self.layer_indices, self._per_layer("stores", stores) or [], strict=False))
         self._tables: dict[int, _LayerTable] = {}
         for index in self.layer_indices:
-            layer_id = cfg.layer_ids[index]
-            shard = layout.column_shard(index, tp, rank)
-            disk_path = (
-                None
-                if disk_dir is None
-                else Path(disk_dir) / f"engram-layer{layer_id}-rank{rank}-of-{tp}.rows"
-            )
-            store = _new_store(
-                tier,
-                shard,
-                cfg.head_dim,
-                device=device,
-                disk_path=disk_path,
-                store_options=store_options,
-            )
+            shard = placement.shard(layout, index)
+            store = given.get(index)
+            if store is None:
+                store = make_store(
+                    placement,
+                    E=cfg.head_dim,
+                    shard=shard,
+                    path=placement.disk_path(cfg.layer_ids[index]),
+                    new_file=True,
+                )
+            else:
+                _check_store(store, shard, cfg.head_dim)
             self._tables[index] = _LayerTable(store, shard)
         self._head_weights: dict[int, dict[str, torch.Tensor]] = {i: {} for i in self._tables}
         self._head_names: dict[int, dict[str, str]] = {i: {} for i in self._tables}
-        self._head_loaded = dict.fromkeys(self._tables, False)
+        self._head_loaded = dict.fromkeys(self._tables, not with_heads)
         self._finished = False
+
+    def _per_layer(self, what: str, values: Sequence[Any] | None) -> list[Any] | None:
+        """``values`` as a list of one per owned layer (None stays None)."""
+        if values is None:
+            return None
+        values = list(values)
+        if len(values) != len(self.layer_indices):
+            layers = [self.config.layer_ids[i] for i in self.layer_indices]
+            raise ValidationError(
+                f"{what} has {len(values)} {what[:-1]}(s); expected {len(self.layer_indices)}, one "
+                f"per Engram layer {layers}"
+            )
+        return values
 
     # --- names ---------------------------------------------------------------------------
 
@@ -305,10 +342,99 @@ class EngramWeightLoader:
                 continue  # another pipeline stage's layer
             if role in _TABLE_ROLES:
                 self._table_tensor(index, role, name, tensor)
-            else:
+            elif self.with_heads:
                 self._head_tensor(index, role, name, tensor)
+            else:
+                continue
             used.add(name)
         return used
+
+    def read_checkpoint(
+        self,
+        checkpoint: SafetensorsCheckpoint | str | os.PathLike[str],
+        *,
+        token_map: TokenMap | None = None,
+        verify_checksums: bool = False,
+    ) -> None:
+        """Fill the owned layers' stores (and heads) from a safetensors checkpoint.
+
+        Only this rank's rows are read, in blocks of ``block_rows``, from one
+        full tensor or stitched from several partial ones (the per-rank files
+        of ``engramrt convert --tp N``); every tensor is checked first, so
+        errors come before the first block. The head tensors are read whole
+        and go through the same checks as :meth:`load_weights`'s.
+
+        Args:
+            checkpoint: a file or directory (see :class:`SafetensorsCheckpoint`).
+            token_map: the token map the rows are served with (default: the
+                DeepSeek-V4 map); a file whose recorded fingerprint differs is
+                refused (see :func:`engramrt.checkpoint.metadata.check_token_map`).
+            verify_checksums: first check the content checksum of every file the
+                rows come from (:meth:`SafetensorsCheckpoint.verify`: each file
+                read whole once per checkpoint, so off by default).
+
+        Raises:
+            CheckpointError: a tensor is missing, has the wrong dtype or shape,
+                or holds NaN or inf (naming it).
+            TokenizerError: the checkpoint was hashed with another token map.
+        """
+        with _opened(checkpoint) as ckpt:
+            plans = [self._plan_table(ckpt, index, token_map) for index in self._tables]
+            if verify_checksums:
+                files = {
+                    p.location.file
+                    for plan in plans
+                    for s in plan.segments
+                    for p in (s.weight, s.scale)
+                }
+                for file in sorted(files):
+                    ckpt.verify(file)
+            if self.with_heads:
+                for index in self._tables:
+                    self._read_head(ckpt, index)
+            for plan in plans:
+                layer = self._tables[plan.layer_index]
+                for local_row, packed in _iter_plan(plan, self.block_rows):
+                    layer.store.write_rows(local_row, packed)
+                layer.written = True
+
+    def _plan_table(
+        self, ckpt: SafetensorsCheckpoint, index: int, token_map: TokenMap | None
+    ) -> LayerRead:
+        layer = self._tables[index]
+        if layer.names:
+            raise CheckpointError(
+                f"layer {self.config.layer_ids[index]}'s table was already given "
+                f"({', '.join(repr(n) for n in layer.names.values())}); expected each Engram "
+                f"tensor once"
+            )
+        plan = plan_layer_read(
+            ckpt, self.config, self.layout, index, layer.shard, self._table_names
+        )
+        check_plan_token_map(ckpt, plan, self.config, token_map)
+        first = plan.segments[0] if plan.segments else None
+        if first is not None:
+            layer.names.update(weight=first.weight.location.name, scale=first.scale.location.name)
+        else:
+            layer.names.update(weight="", scale="")  # a shard of no rows: nothing to read
+        return plan
+
+    def _read_head(self, ckpt: SafetensorsCheckpoint, index: int) -> None:
+        """Read layer ``index``'s head tensors (the first name of each role the
+        checkpoint holds) and take them as :meth:`load_weights` would."""
+        layer_id = self.config.layer_ids[index]
+        for role in _HEAD_ROLES:
+            if role not in self._head_needs(index):
+                continue
+            candidates = self._candidates[index][role]
+            found = read_tensor(ckpt, candidates)
+            if found is None:
+                tried = ", ".join(repr(n) for n in candidates)
+                raise CheckpointError(
+                    f"layer {layer_id}: no {role} tensor (tried {tried}) in {ckpt.describe()}; "
+                    f"pass weight_names={{{role!r}: ...}} if the checkpoint names it differently"
+                )
+            self._head_tensor(index, role, *found)
 
     def _check_table(self, index: int, role: str, name: str, tensor: Any) -> None:
         cfg = self.config

@@ -43,7 +43,6 @@ from typing import Any, TypeAlias
 
 import torch
 
-from engramrt._device import resolve_device
 from engramrt.checkpoint.conversion_set import (
     META_CONVERSION_ID,
     ConversionManifest,
@@ -64,7 +63,6 @@ from engramrt.checkpoint.safetensors_format import (
 from engramrt.config import EngramConfig, load_config
 from engramrt.errors import CheckpointError, ValidationError
 from engramrt.layout import ColumnShard, EngramLayout
-from engramrt.lookup.tiers import RowStore, choose_tier, tier_class
 from engramrt.packed import pack_rows, row_bytes_for
 from engramrt.tokenmap import TokenMap
 
@@ -80,10 +78,9 @@ __all__ = [
     "TensorPiece",
     "default_block_rows",
     "iter_packed_rows",
-    "load_table",
-    "load_tables",
     "open_checkpoint",
     "read_table",
+    "read_tensor",
 ]
 
 DEFAULT_BLOCK_BYTES = 64 * 2**20
@@ -718,8 +715,7 @@ def iter_packed_rows(
     config: ConfigSource,
     layer_index: int,
     *,
-    tp: int = 1,
-    rank: int = 0,
+    shard: ColumnShard | None = None,
     names: NamesSpec = None,
     block_rows: int | None = None,
     layout: EngramLayout | None = None,
@@ -735,7 +731,9 @@ def iter_packed_rows(
         checkpoint: a file or directory (see :class:`SafetensorsCheckpoint`).
         config: an :class:`EngramConfig`, preset name or config path.
         layer_index: position in ``config.layer_ids``.
-        tp, rank: the shard (SPEC §7); ``tp=1`` reads every row the layout uses.
+        shard: the rank's columns and rows of this layer (SPEC §7,
+            :meth:`EngramLayout.column_shard`); None reads every row the
+            layout uses.
         names: tensor names (see :mod:`engramrt.checkpoint.names`).
         block_rows: rows per block (default: about 64 MiB).
         layout: the config's layout, if already built.
@@ -748,236 +746,32 @@ def iter_packed_rows(
     """
     ckpt = open_checkpoint(checkpoint)
     cfg, layout = _resolve(config, layout)
-    shard = layout.column_shard(layer_index, tp, rank)
+    expected = layout.column_shard(layer_index, 1 if shard is None else shard.tp,
+                                   0 if shard is None else shard.rank)  # fmt: skip
+    if shard is not None and shard != expected:
+        raise ValidationError(
+            f"shard = {shard}; expected layer {cfg.layer_ids[layer_index]}'s shard of rank "
+            f"{shard.rank} of tp={shard.tp}: {expected}"
+        )
+    shard = expected
     plan = plan_layer_read(ckpt, cfg, layout, layer_index, shard, TensorNames.from_spec(names))
     check_plan_token_map(ckpt, plan, cfg, token_map)
     return _iter_plan(plan, check_block_rows(block_rows, row_bytes_for(cfg.head_dim)))
 
 
-def _check_store(store: RowStore, shard: ColumnShard, E: int) -> None:
-    if (store.num_rows, store.E, store.row_begin) != (shard.num_rows, E, shard.row_begin):
-        raise ValidationError(
-            f"store holds {store.num_rows} rows of E={store.E} from row {store.row_begin}; "
-            f"expected {shard.num_rows} rows of E={E} from row {shard.row_begin} "
-            f"(rank {shard.rank} of tp={shard.tp})"
-        )
+def read_tensor(
+    checkpoint: SafetensorsCheckpoint, names: Sequence[str]
+) -> tuple[str, torch.Tensor] | None:
+    """The first of ``names`` the checkpoint holds and its tensor, read whole; None if it
+    holds none. Read through the checkpoint's held descriptor: the same set as its tables."""
+    from safetensors import safe_open
 
-
-def _new_store(
-    tier: str,
-    shard: ColumnShard,
-    E: int,
-    *,
-    device: torch.device | str | None,
-    disk_path: str | os.PathLike[str] | None,
-    store_options: Mapping[str, Any],
-) -> RowStore:
-    """An empty store of ``tier`` for ``shard`` (a file-backed tier creates ``disk_path``)."""
-    compute_device = resolve_device(device)
-    if tier == "auto":
-        tier = choose_tier(shard.num_rows * row_bytes_for(E), compute_device, disk_path)
-    return tier_class(tier).build(
-        shard.num_rows,
-        E,
-        path=disk_path,
-        new_file=True,
-        device=compute_device,
-        row_begin=shard.row_begin,
-        col_begin=shard.col_begin,
-        col_end=shard.col_end,
-        **store_options,
-    )
-
-
-def load_table(
-    checkpoint: SafetensorsCheckpoint | str | os.PathLike[str],
-    config: ConfigSource,
-    layer_index: int,
-    *,
-    tp: int = 1,
-    rank: int = 0,
-    names: NamesSpec = None,
-    tier: str = "auto",
-    store: RowStore | None = None,
-    device: torch.device | str | None = None,
-    disk_path: str | os.PathLike[str] | None = None,
-    block_rows: int | None = None,
-    layout: EngramLayout | None = None,
-    token_map: TokenMap | None = None,
-    verify_checksums: bool = False,
-    **store_options: Any,
-) -> RowStore:
-    """Load one rank's rows of one layer's table into a :class:`RowStore`.
-
-    Only rows ``[shard.row_begin, shard.row_end)`` of the checkpoint are
-    read, in blocks of ``block_rows``, each written into the store as it
-    arrives: memory peaks at the store plus one block.
-
-    Args:
-        checkpoint, config, layer_index, tp, rank, names, block_rows, layout,
-        token_map: see :func:`iter_packed_rows`.
-        tier: ``"auto"``, ``"device"``, ``"uva"``, ``"host"`` or ``"disk"``
-            (see :func:`engramrt.lookup.tiers.make_store`).
-        store: an empty store to fill instead (its rows, E and row_begin
-            must match the shard).
-        device: the store's compute device.
-        disk_path: the packed-row file tier ``"disk"`` creates.
-        verify_checksums: first check the content checksum of every file the
-            rows come from (:meth:`SafetensorsCheckpoint.verify`: each file
-            read whole once per checkpoint, so off by default).
-        store_options: further :func:`make_store` settings (``backend``,
-            ``validate``, ``chunk_rows``, ...).
-
-    Raises:
-        CheckpointError: a tensor is missing or has the wrong dtype or shape.
-        CapacityError: the chosen memory or disk is too small.
-        TokenizerError: the checkpoint was hashed with another token map.
-    """
-    with _opened(checkpoint) as ckpt:
-        return _load_table(
-            ckpt,
-            config,
-            layer_index,
-            tp=tp,
-            rank=rank,
-            names=names,
-            tier=tier,
-            store=store,
-            device=device,
-            disk_path=disk_path,
-            block_rows=block_rows,
-            layout=layout,
-            token_map=token_map,
-            verify_checksums=verify_checksums,
-            store_options=store_options,
-        )
-
-
-def _load_table(
-    ckpt: SafetensorsCheckpoint,
-    config: ConfigSource,
-    layer_index: int,
-    *,
-    tp: int,
-    rank: int,
-    names: NamesSpec,
-    tier: str,
-    store: RowStore | None,
-    device: torch.device | str | None,
-    disk_path: str | os.PathLike[str] | None,
-    block_rows: int | None,
-    layout: EngramLayout | None,
-    token_map: TokenMap | None,
-    verify_checksums: bool,
-    store_options: Mapping[str, Any],
-) -> RowStore:
-    cfg, layout = _resolve(config, layout)
-    shard = layout.column_shard(layer_index, tp, rank)
-    plan = plan_layer_read(ckpt, cfg, layout, layer_index, shard, TensorNames.from_spec(names))
-    check_plan_token_map(ckpt, plan, cfg, token_map)
-    if verify_checksums:
-        for file in sorted({p.location.file for s in plan.segments for p in (s.weight, s.scale)}):
-            ckpt.verify(file)
-    rows_per_block = check_block_rows(block_rows, row_bytes_for(cfg.head_dim))
-    if store is None:
-        store = _new_store(
-            tier,
-            shard,
-            cfg.head_dim,
-            device=device,
-            disk_path=disk_path,
-            store_options=store_options,
-        )
-    else:
-        _check_store(store, shard, cfg.head_dim)
-    for local_row, packed in _iter_plan(plan, rows_per_block):
-        store.write_rows(local_row, packed)
-    store.flush()
-    return store
-
-
-def load_tables(
-    checkpoint: SafetensorsCheckpoint | str | os.PathLike[str],
-    config: ConfigSource,
-    *,
-    tp: int = 1,
-    rank: int = 0,
-    names: NamesSpec = None,
-    tier: str = "auto",
-    device: torch.device | str | None = None,
-    disk_dir: str | os.PathLike[str] | None = None,
-    block_rows: int | None = None,
-    token_map: TokenMap | None = None,
-    verify_checksums: bool = False,
-    **store_options: Any,
-) -> list[RowStore]:
-    """:func:`load_table` for every Engram layer, in ``config.layer_ids`` order.
-
-    Tier ``"disk"`` (or ``"auto"`` falling back to it) writes
-    ``engram-layer<id>-rank<r>-of-<tp>.rows`` files under ``disk_dir``.
-    Every layer is checked against ``token_map`` (default: the DeepSeek-V4
-    map, built once per process); see :func:`iter_packed_rows`.
-    ``verify_checksums``: see :func:`load_table`.
-    """
-    with _opened(checkpoint) as ckpt:
-        return _load_tables(
-            ckpt,
-            config,
-            tp=tp,
-            rank=rank,
-            names=names,
-            tier=tier,
-            device=device,
-            disk_dir=disk_dir,
-            block_rows=block_rows,
-            token_map=token_map,
-            verify_checksums=verify_checksums,
-            store_options=store_options,
-        )
-
-
-def _load_tables(
-    ckpt: SafetensorsCheckpoint,
-    config: ConfigSource,
-    *,
-    tp: int,
-    rank: int,
-    names: NamesSpec,
-    tier: str,
-    device: torch.device | str | None,
-    disk_dir: str | os.PathLike[str] | None,
-    block_rows: int | None,
-    token_map: TokenMap | None,
-    verify_checksums: bool,
-    store_options: Mapping[str, Any],
-) -> list[RowStore]:
-    cfg, layout = _resolve(config, None)
-    stores = []
-    for layer_index, layer_id in enumerate(cfg.layer_ids):
-        disk_path = (
-            None
-            if disk_dir is None
-            else Path(disk_dir) / f"engram-layer{layer_id}-rank{rank}-of-{tp}.rows"
-        )
-        stores.append(
-            load_table(
-                ckpt,
-                cfg,
-                layer_index,
-                tp=tp,
-                rank=rank,
-                names=names,
-                tier=tier,
-                device=device,
-                disk_path=disk_path,
-                block_rows=block_rows,
-                layout=layout,
-                token_map=token_map,
-                verify_checksums=verify_checksums,
-                **store_options,
-            )
-        )
-    return stores
+    for name in names:
+        locations = checkpoint.locations(name)
+        if locations:
+            with safe_open(locations[0].open_path, framework="pt") as handle:
+                return name, handle.get_tensor(name)
+    return None
 
 
 def read_table(
@@ -1004,8 +798,7 @@ def read_table(
             ckpt,
             cfg,
             layer_index,
-            tp=tp,
-            rank=rank,
+            shard=shard,
             names=names,
             block_rows=block_rows,
             layout=layout,

@@ -135,7 +135,7 @@ def run_model_demo(
         import numpy as np
 
         from engramrt.cli._checks import parse_device
-        from engramrt.lookup.tiers import TIERS
+        from engramrt.lookup.tiers import TIERS, TablePlacement
         from engramrt.models.packaged import packaged_model_dir
         from engramrt.models.serve import HISTORY_MODES, load_model
 
@@ -152,10 +152,8 @@ def run_model_demo(
         with stages.stage(f"loading the model, its fp8 tables (tier {tier}) and the tokenizer"):
             model = load_model(
                 directory,
-                tier=tier,
-                device=dev,
+                TablePlacement(tier, device=dev, disk_dir=Path(scratch) / "a"),
                 cache_mib=cache_mib,
-                disk_dir=Path(scratch) / "a" if tier == "disk" else None,
             )
             served = getattr(model.stores[0], "backing", model.stores[0])  # behind a cache
             tier = str(getattr(served, "tier", tier))  # "auto" resolved
@@ -191,12 +189,10 @@ def run_model_demo(
         ):
             other = load_model(
                 directory,
-                tier=other_tier,
-                device=dev,
+                TablePlacement(other_tier, device=dev, disk_dir=Path(scratch) / "b"),
                 cache_mib=max(cache_mib, 1.0),
                 load_baseline=False,
                 token_map=model.token_map,
-                disk_dir=Path(scratch) / "b" if other_tier == "disk" else None,
             )
             again = serve(other, other_history)
 

@@ -398,18 +398,17 @@ def _print_compressed_ids(
 def _stores(cfg: Any, checkpoint: Path | None, tier: str, dev: Any, cache_mib: float) -> list[Any]:
     """Each layer's rows: a checkpoint's (on ``tier``) or a synthetic table, behind a hot-row
     cache when ``cache_mib`` > 0."""
-    from engramrt.lookup.tiers import SyntheticRowStore
+    from engramrt.lookup.tiers import SyntheticOptions, SyntheticRowStore, TablePlacement
 
     stores: list[Any]
     if checkpoint is not None:
         from engramrt.checkpoint import load_table
 
-        stores = [
-            load_table(checkpoint, cfg, li, tier=tier, device=dev) for li in range(cfg.n_layers)
-        ]
+        placement = TablePlacement(tier, device=dev)
+        stores = [load_table(checkpoint, cfg, li, placement) for li in range(cfg.n_layers)]
     else:
         stores = [
-            SyntheticRowStore(n, cfg.head_dim, device=dev, seed=li)
+            SyntheticRowStore(n, cfg.head_dim, SyntheticOptions(seed=li), device=dev)
             for li, n in enumerate(cfg.num_embeddings)
         ]
     if cache_mib > 0:

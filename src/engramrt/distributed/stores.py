@@ -11,7 +11,7 @@ an injected :class:`~engramrt.lookup.tiers.host_rows.HostRows`; here that is
   :meth:`SharedHostTable.register_cuda`.
 
 :func:`shared_store` builds either (any registered tier that takes
-``host_rows``).
+``host_rows``), placed by a :class:`~engramrt.lookup.tiers.TablePlacement`.
 
 :func:`load_shared_table` is the one call an engine makes per layer:
 this rank's shard of a checkpoint's table, loaded once per node, served by
@@ -32,9 +32,19 @@ from engramrt import memory
 from engramrt.config import EngramConfig, load_config
 from engramrt.distributed.shared_table import Loader, SharedHostTable
 from engramrt.errors import CapacityError, ValidationError
-from engramrt.layout import EngramLayout
-from engramrt.lookup.tiers import TIERS, HostRows, RowStore, tier_class
+from engramrt.layout import ColumnShard, EngramLayout
+from engramrt.lookup.tiers import (
+    TIERS,
+    HostRows,
+    RowStore,
+    TablePlacement,
+    check_placement,
+    tier_class,
+)
 from engramrt.packed import check_packed_rows, row_bytes_for
+
+SHARED_PLACEMENT = TablePlacement("host")
+"""The default placement of a shared table: tier ``"host"`` on the default device."""
 
 __all__ = [
     "SharedRows",
@@ -96,37 +106,54 @@ class SharedRows(HostRows):
 
 def shared_tiers() -> tuple[str, ...]:
     """The registered tiers that can serve rows they do not allocate (``host_rows``)."""
-    return tuple(sorted(name for name, cls in TIERS.items() if "host_rows" in cls.options()))
+    return tuple(sorted(name for name, cls in TIERS.items() if cls.takes_host_rows))
 
 
 def shared_store(
     table: SharedHostTable | torch.Tensor,
-    tier: str = "host",
+    placement: TablePlacement = SHARED_PLACEMENT,
     *,
     rows_slice: slice | None = None,
-    **options: Any,
+    shard: ColumnShard | None = None,
 ) -> RowStore:
-    """A :class:`RowStore` of ``tier`` (``"host"`` or ``"uva"``) over ``table``'s rows, not copied.
+    """A :class:`RowStore` over ``table``'s rows, not copied, placed by ``placement``
+    (tier ``"host"`` or ``"uva"``, with its settings, and the device).
 
     ``table`` is a :class:`SharedHostTable` or any contiguous CPU uint8 rows
     ``[num_rows, E + E/32]``; ``rows_slice`` (a step-1 ``slice``) takes some
-    of them. ``options`` go to the tier, checked there: the shard
-    (``device``, ``row_begin``, ``col_begin``, ``col_end``), the checks
-    (``validate``, ``check_ids``) and its own settings (``backend``,
-    ``chunk_rows``, ``num_threads``, ``kernel``, ...).
+    of them. ``shard``: the rows and hash columns they are (one of the
+    placement's rank, see :meth:`TablePlacement.shard`); None: rows from 0,
+    every column.
     """
-    cls = tier_class(tier)
-    if cls.tier not in shared_tiers():
+    placement = check_placement(placement, "shared_store(table, TablePlacement('host', 'cpu'))")
+    name = placement.tier_name
+    if name not in shared_tiers():
         raise ValidationError(
-            f"tier={tier!r}; expected one of {', '.join(shared_tiers())} for a shared host table "
-            f"(tier 'device' copies into device memory: use make_store('device', packed=table.rows))"
+            f"tier={name!r}; expected one of {', '.join(shared_tiers())} for a shared host table "
+            f"(tier 'device' copies into device memory: use make_store(TablePlacement('device'), "
+            f"packed=table.rows))"
         )
-    cls.check_options(options)
     rows = table.rows if isinstance(table, SharedHostTable) else table
     if rows_slice is not None:
         rows = rows[rows_slice]
     host_rows = SharedRows(rows, owner=table)
-    store: RowStore = cls(rows.shape[0], host_rows.E, host_rows=host_rows, **options)  # type: ignore[call-arg]
+    if shard is not None:
+        placement.check_shard(shard)
+        if shard.num_rows != rows.shape[0]:
+            raise ValidationError(
+                f"shard holds {shard.num_rows} rows; expected the table's {rows.shape[0]}"
+            )
+    cls = tier_class(name)
+    store: RowStore = cls(
+        rows.shape[0],
+        host_rows.E,
+        placement.tier_options(rows.numel()),
+        host_rows=host_rows,
+        device=placement.compute_device,
+        row_begin=0 if shard is None else shard.row_begin,
+        col_begin=0 if shard is None else shard.col_begin,
+        col_end=None if shard is None else shard.col_end,
+    )
     return store
 
 
@@ -137,8 +164,7 @@ def checkpoint_fingerprint(
     checkpoint: str | os.PathLike[str],
     config: EngramConfig,
     layer_index: int,
-    tp: int,
-    rank: int,
+    shard: ColumnShard,
 ) -> str:
     """What a shard's rows are made of: the checkpoint's files (path, size, mtime), the
     table geometry and the shard. Two processes agree on it iff they load the same rows."""
@@ -150,31 +176,31 @@ def checkpoint_fingerprint(
         "layer_id": config.layer_ids[layer_index],
         "num_embeddings": config.num_embeddings[layer_index],
         "head_dim": config.head_dim,
-        "tp": tp,
-        "rank": rank,
+        "tp": shard.tp,
+        "rank": shard.rank,
     }
     return hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()
 
 
 def shared_table_name(
-    fingerprint: str, config: EngramConfig, layer_index: int, tp: int, rank: int
+    fingerprint: str, config: EngramConfig, layer_index: int, shard: ColumnShard
 ) -> str:
     """``engramrt-<fingerprint[:16]>-layer<id>-rank<r>-of-<tp>``: one file per layer and shard."""
-    return f"engramrt-{fingerprint[:16]}-layer{config.layer_ids[layer_index]}-rank{rank}-of-{tp}"
+    layer_id = config.layer_ids[layer_index]
+    return f"engramrt-{fingerprint[:16]}-layer{layer_id}-rank{shard.rank}-of-{shard.tp}"
 
 
 def checkpoint_loader(
     checkpoint: str | os.PathLike[str],
     config: EngramConfig | str,
     layer_index: int,
+    shard: ColumnShard,
     *,
-    tp: int = 1,
-    rank: int = 0,
     names: Any = None,
     block_rows: int | None = None,
     layout: EngramLayout | None = None,
 ) -> Loader:
-    """A :data:`Loader` streaming rank ``rank``'s rows of layer ``layer_index`` from a
+    """A :data:`Loader` streaming ``shard``'s rows of layer ``layer_index`` from a
     checkpoint (:func:`engramrt.checkpoint.iter_packed_rows`), block by block."""
 
     def load(target: torch.Tensor) -> None:
@@ -184,8 +210,7 @@ def checkpoint_loader(
             checkpoint,
             config,
             layer_index,
-            tp=tp,
-            rank=rank,
+            shard=shard,
             names=names,
             block_rows=block_rows,
             layout=layout,
@@ -199,54 +224,39 @@ def load_shared_table(
     checkpoint: str | os.PathLike[str],
     config: EngramConfig | str,
     layer_index: int,
+    placement: TablePlacement = SHARED_PLACEMENT,
     *,
-    tp: int = 1,
-    rank: int = 0,
-    tier: str = "host",
     group: Any = None,
     directory: str | os.PathLike[str] | None = None,
-    device: torch.device | str | None = None,
     names: Any = None,
     block_rows: int | None = None,
     timeout_s: float = 3600.0,
-    **store_options: Any,
 ) -> RowStore:
-    """Rank ``rank``'s shard of layer ``layer_index``, one host copy per node, as a store.
+    """The placement's rank's shard of layer ``layer_index``, one host copy per node, as a
+    store (tier ``"host"`` or ``"uva"``, see :func:`shared_store`).
 
-    Every data-parallel replica's TP rank ``rank`` maps the same file; the
-    first process to take its creation lock reads the checkpoint. Pass the
-    same ``group`` (e.g. the world of a one-node job) on every process
-    calling this for the same layer.
+    Every data-parallel replica's TP rank maps the same file; the first
+    process to take its creation lock reads the checkpoint. Pass the same
+    ``group`` (e.g. the world of a one-node job) on every process calling
+    this for the same layer.
     """
+    placement = check_placement(
+        placement, "load_shared_table(checkpoint, config, 0, TablePlacement('host', tp=2, rank=1))"
+    )
     cfg = load_config(config)
     layout = EngramLayout(cfg)
-    shard = layout.column_shard(layer_index, tp, rank)
-    fingerprint = checkpoint_fingerprint(checkpoint, cfg, layer_index, tp, rank)
+    shard = placement.shard(layout, layer_index)
+    fingerprint = checkpoint_fingerprint(checkpoint, cfg, layer_index, shard)
     table = SharedHostTable.create_or_attach(
-        shared_table_name(fingerprint, cfg, layer_index, tp, rank),
+        shared_table_name(fingerprint, cfg, layer_index, shard),
         shard.num_rows,
         row_bytes_for(cfg.head_dim),
         checkpoint_loader(
-            checkpoint,
-            cfg,
-            layer_index,
-            tp=tp,
-            rank=rank,
-            names=names,
-            block_rows=block_rows,
-            layout=layout,
+            checkpoint, cfg, layer_index, shard, names=names, block_rows=block_rows, layout=layout
         ),
         directory=directory,
         group=group,
         fingerprint=fingerprint,
         timeout_s=timeout_s,
     )
-    return shared_store(
-        table,
-        tier,
-        device=device,
-        row_begin=shard.row_begin,
-        col_begin=shard.col_begin,
-        col_end=shard.col_end,
-        **store_options,
-    )
+    return shared_store(table, placement, shard=shard)

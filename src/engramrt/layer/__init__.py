@@ -11,13 +11,18 @@
 - sequence parallelism: an :class:`~engramrt.exchange.SequenceParallelExchange`
   as the layer's source.
 - :mod:`.reference`: the plain PyTorch definition and the derived tolerances.
+
+:func:`load_layer` (a layer from a checkpoint) lives in
+:mod:`engramrt.checkpoint.loading` and is importable from here too (imported
+on first use, so this package does not import the checkpoint reader).
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 from engramrt.layer.head import EngramHead
 from engramrt.layer.linear import EngramLinear, dequantize_block_fp8
-from engramrt.layer.loading import DEFAULT_LAYER_WEIGHT_NAMES, load_layer
 from engramrt.layer.module import EngramLayer
 from engramrt.layer.reference import (
     BF16_DEQUANT_ROUNDING,
@@ -46,3 +51,12 @@ __all__ = [
     "linear_tolerance",
     "load_layer",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """``load_layer`` and ``DEFAULT_LAYER_WEIGHT_NAMES``, from :mod:`engramrt.checkpoint.loading`."""
+    if name in ("load_layer", "DEFAULT_LAYER_WEIGHT_NAMES"):
+        from engramrt.checkpoint import loading
+
+        return getattr(loading, name)
+    raise AttributeError(f"module 'engramrt.layer' has no attribute {name!r}")

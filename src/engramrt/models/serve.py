@@ -2,7 +2,7 @@
 
 ::
 
-    model = load_model("DIR", tier="host", device="cpu")
+    model = load_model("DIR", TablePlacement("host", device="cpu"))
     loss = model.evaluate()                           # fp8 model, held-out sample
     result = model.generate([prompt_a, prompt_b], max_new_tokens=16)
     assert result.tokens == [model.reference_generate(p, 16).tokens for p in (prompt_a, prompt_b)]
@@ -45,6 +45,7 @@ layer's input and kv), where the layer lets its memory in.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -66,6 +67,7 @@ from engramrt.hashing import (
 )
 from engramrt.layer import EngramHead
 from engramrt.lookup import lookup_rows_reference
+from engramrt.lookup.tiers import TablePlacement, check_placement
 from engramrt.models import artifacts
 from engramrt.models.corpus import EvalSegments
 from engramrt.models.lm import KVCache, LMConfig, TinyLM, next_token_loss_sum
@@ -544,15 +546,12 @@ class TinyEngramModel:
 
 def load_model(
     path: str | os.PathLike[str],
+    placement: TablePlacement | None = None,
     *,
-    tier: str = "auto",
-    device: torch.device | str | None = None,
     cache_mib: float = 0.0,
-    disk_dir: str | os.PathLike[str] | None = None,
     token_map: TokenMap | None = None,
     load_baseline: bool = True,
     head_backend: str = "auto",
-    **store_options: Any,
 ) -> TinyEngramModel:
     """Load a directory written by ``python -m engramrt.models.train``, or the shipped
     model by its name.
@@ -560,16 +559,16 @@ def load_model(
     Args:
         path: the model directory, or ``"tiny-lm"`` (:data:`~engramrt.models.packaged.PACKAGED_MODEL`):
             the model ``engramrt demo`` serves, from the package data of any install.
-        tier: where the fp8 tables live (:func:`~engramrt.lookup.tiers.make_store`
-            names: ``auto``, ``device``, ``uva``, ``host``, ``disk``).
-        device: the compute device (default: CUDA when available, else CPU).
+        placement: where the fp8 tables live and the compute device (see
+            :class:`~engramrt.lookup.tiers.TablePlacement`: tier ``auto``,
+            ``device``, ``uva``, ``host`` or ``disk``, or a tier's settings;
+            tier ``disk`` needs ``disk_dir``). Default: tier ``auto`` on CUDA
+            when available, else the CPU.
         cache_mib: a hot-row cache of this many MiB per layer in front of the
             tier (:class:`~engramrt.cache.CachedRowStore`); 0 for none.
-        disk_dir: where tier ``disk`` writes its packed-row files (required for it).
         token_map: the DeepSeek-V4 token map (default: built or read once per process).
         load_baseline: also load the baseline backbone.
         head_backend: the Engram heads' gate backend (``auto``, ``triton``, ``reference``).
-        store_options: further tier settings.
     """
     from engramrt.checkpoint import load_tables, read_table
     from engramrt.layer import EngramHead
@@ -585,11 +584,15 @@ def load_model(
             f"{str(directory / artifacts.MODEL_JSON)!r} has format {data.get('format')!r}; "
             f"expected 'engramrt-tiny-lm/1'"
         )
-    if tier == "disk" and disk_dir is None:
-        raise ValidationError("tier='disk' needs disk_dir= (where the packed-row files go)")
+    placement = check_placement(placement, "load_model(path, TablePlacement('host', 'cpu'))")
+    if placement.tier_name == "disk" and placement.disk_dir is None:
+        raise ValidationError(
+            "tier='disk' needs TablePlacement(disk_dir=...) (where the packed-row files go)"
+        )
     if not 0 <= cache_mib < 2**40:
         raise ValidationError(f"cache_mib={cache_mib}; expected a size in MiB >= 0")
-    dev = resolve_device(device)
+    dev = resolve_device(placement.device)  # "cuda" is the current device, by index
+    placement = dataclasses.replace(placement, device=dev)
     token_map = token_map or default_token_map()
     config = artifacts.parse_field(
         directory, data, "engram", lambda d: EngramConfig.from_hf_dict(d, name="tiny-lm")
@@ -623,15 +626,7 @@ def load_model(
             artifacts.load_weights(checked("baseline_wide_weights"), baseline_wide)
             baseline_wide = baseline_wide.to(dev).float().eval()
     tables = checked("engram_tables")
-    stores: list[Any] = load_tables(
-        tables,
-        config,
-        tier=tier,
-        device=dev,
-        disk_dir=disk_dir,
-        token_map=token_map,
-        **store_options,
-    )
+    stores: list[Any] = load_tables(tables, config, placement, token_map=token_map)
     if cache_mib > 0:
         from engramrt.cache import cached_stores
 

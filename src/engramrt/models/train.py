@@ -1021,6 +1021,7 @@ def _fp8_losses(run: _TrainRun) -> dict[str, float]:
         read_table,
         run_conversion,
     )
+    from engramrt.lookup.tiers import DeviceOptions, TablePlacement
 
     cfg, out, device, token_map = run.cfg, run.out, run.device, run.token_map
     engram = run.outcomes["engram"]
@@ -1045,14 +1046,8 @@ def _fp8_losses(run: _TrainRun) -> dict[str, float]:
             raise AssertionError(
                 f"converted table of layer {cfg.layer_ids[index]} differs from packed_rows()"
             )
-    stores = load_tables(
-        out / artifacts.ENGRAM_TABLES,
-        cfg,
-        tier="device",
-        device=device,
-        token_map=token_map,
-        backend=backend,
-    )
+    placement = TablePlacement(DeviceOptions(backend=backend), device=device)
+    stores = load_tables(out / artifacts.ENGRAM_TABLES, cfg, placement, token_map=token_map)
     fp8_rows: RowsOf = lambda index, ids: stores[index].lookup(ids).float()  # noqa: E731
     engram_ids = engram.ids  # type: ignore[attr-defined]
     fp8 = {
@@ -1265,17 +1260,16 @@ def _served_sample_loss(
     of the directory just written); None, and a printed reason, if that fails: the
     directory is complete either way."""
     try:
+        from engramrt.lookup.tiers import DeviceOptions, TablePlacement
         from engramrt.models.serve import load_model
 
         began = time.perf_counter()
         backend = "auto" if device.type == "cuda" else "reference"
         model = load_model(
             out,
-            tier="device",
-            device=device,
+            TablePlacement(DeviceOptions(backend=backend), device=device),
             load_baseline=False,
             head_backend=backend,
-            backend=backend,
         )
         loss = model.evaluate()
         say(f"served fp8 model, sample loss {loss:.5f} ({time.perf_counter() - began:.1f} s)")

@@ -8,7 +8,7 @@ import torch
 
 from engramrt.layout import EngramLayout
 from engramrt.lookup.synthetic import synthetic_packed_rows
-from engramrt.lookup.tiers import make_store
+from engramrt.lookup.tiers import TablePlacement, check_placement, make_store
 from engramrt.lookup.tiers.base import RowStore
 
 __all__ = ["synthetic_rows", "synthetic_stores"]
@@ -42,38 +42,34 @@ def synthetic_rows(
 
 def synthetic_stores(
     layout: EngramLayout,
-    tier: str,
+    placement: TablePlacement,
     *,
-    device: torch.device | str | None = None,
-    tp: int = 1,
-    rank: int = 0,
     seed: int = 0,
-    **store_options: object,
 ) -> list[RowStore]:
-    """One store per Engram layer of ``layout`` (this rank's shard), synthetic rows.
+    """One store per Engram layer of ``layout`` (the placement's rank's shard), synthetic rows.
 
     Row ``g`` of a layer is the same whatever the shard
     (:func:`synthetic_rows`), so tensor-parallel ranks hold exactly their
     slice of the one table. Rows are computed on
     the compute device (fast on a GPU) and written into the tier's memory.
     """
-    generator_device = torch.device(device) if device is not None else torch.device("cpu")
+    placement = check_placement(placement, "synthetic_stores(layout, TablePlacement('device'))")
+    generator_device = placement.device if placement.device is not None else torch.device("cpu")
     stores = []
     for li in range(layout.n_layers):
-        shard = layout.column_shard(li, tp, rank)
+        shard = placement.shard(layout, li)
         store = make_store(
-            tier,
+            placement,
             num_rows=shard.num_rows,
             E=layout.config.head_dim,
-            device=device,
-            row_begin=shard.row_begin,
-            col_begin=shard.col_begin,
-            col_end=shard.col_end if tp > 1 else None,
-            **store_options,  # type: ignore[arg-type]
+            shard=shard if placement.tp > 1 else None,
+            path=placement.disk_path(layout.config.layer_ids[li]),
+            new_file=True,
         )
         for local_row, rows in synthetic_rows(
             layout, li, shard.row_begin, shard.row_end, seed=seed, device=generator_device
         ):
             store.write_rows(local_row, rows)
+        store.flush()
         stores.append(store)
     return stores

@@ -47,9 +47,11 @@ def synthetic_runtime(
     """An :class:`~engramrt.runtime.EngramRuntime` over random tables of ``tier``
     (:func:`~engramrt.runtime.synthetic_stores`) and :func:`random_heads`, hashing with
     ``hasher`` into ``history`` (``head_backend``: the heads' gate backend)."""
+    from engramrt.lookup.tiers import TablePlacement
     from engramrt.runtime import EngramRuntime, synthetic_stores
 
-    stores = synthetic_stores(EngramLayout(config), tier, device=hasher.device, seed=seed)
+    placement = TablePlacement(tier, device=hasher.device)
+    stores = synthetic_stores(EngramLayout(config), placement, seed=seed)
     return EngramRuntime(
         hasher,
         stores,

@@ -476,7 +476,13 @@ def run_schedule(
     backend: str,
     consts: HashConstants,
     token_map: Any,
-    **options: Any,
+    *,
+    max_steps: int = 12,
+    device: torch.device | str = "cpu",
+    hasher: NgramHasher | None = None,
 ) -> Schedule:
-    """One schedule of :func:`run_schedules`, alone."""
-    return run_schedules([seed], mode, backend, consts, token_map, **options)[0]
+    """One schedule of :func:`run_schedules`, alone (``max_steps``, ``device``, ``hasher``:
+    as there)."""
+    schedules = run_schedules([seed], mode, backend, consts, token_map, hasher=hasher,
+                              max_steps=max_steps, device=device)  # fmt: skip
+    return schedules[0]

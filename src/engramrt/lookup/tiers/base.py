@@ -9,12 +9,13 @@ Where the rows live, and how they reach the device, is the tier's business;
 a new tier is a new file, not an ``if`` in every caller: a :class:`RowStore`
 subclass decorated with :func:`register_tier`, which puts it in
 :data:`TIERS` under its :attr:`RowStore.tier` name for ``make_store``, the
-checkpoint loader and the shared-table stores to find.
+checkpoint loader and the shared-table stores to find, beside its settings
+(a frozen :class:`~engramrt.lookup.tiers.options.TierOptions` subclass,
+:attr:`RowStore.options_type`, whose ``tier`` names the same tier).
 """
 
 from __future__ import annotations
 
-import inspect
 from abc import abstractmethod
 from typing import Any, ClassVar, TypeVar
 
@@ -24,7 +25,9 @@ from engramrt._device import resolve_device
 from engramrt.errors import ValidationError
 from engramrt.lookup import check_lookup_args, check_row_ids_in_shard
 from engramrt.lookup.mapped import MappedHostRows, lookup_mapped_rows
-from engramrt.lookup.settings import LookupKernelConfig, check_kernel_config, tuned_lookup_config
+from engramrt.lookup.settings import check_kernel_config, tuned_lookup_config
+from engramrt.lookup.tiers.host_rows import HostRows, PrivateHostRows
+from engramrt.lookup.tiers.options import KernelTierOptions, TierOptions
 from engramrt.packed import row_bytes_for
 from engramrt.quant import check_row_width
 from engramrt.source import RowSource
@@ -44,11 +47,20 @@ _Store = TypeVar("_Store", bound="type[RowStore]")
 
 
 def register_tier(cls: _Store) -> _Store:
-    """Class decorator: register a :class:`RowStore` subclass under its ``tier`` name."""
+    """Class decorator: register a :class:`RowStore` subclass under its ``tier`` name,
+    beside its options class (``options_type``, which must name the same tier)."""
     name = cls.__dict__.get("tier")
     if not isinstance(name, str) or not name or name == "auto":
         raise ValidationError(
             f"{cls.__name__}.tier = {name!r}; expected the tier's own name (not 'auto')"
+        )
+    options_type = cls.__dict__.get("options_type")
+    if not (isinstance(options_type, type) and issubclass(options_type, TierOptions)) or (
+        options_type.__dict__.get("tier") != name
+    ):
+        raise ValidationError(
+            f"{cls.__name__}.options_type = {options_type!r}; expected its own TierOptions "
+            f"subclass whose tier is {name!r}"
         )
     if TIERS.get(name, cls) is not cls:
         raise ValidationError(
@@ -60,7 +72,8 @@ def register_tier(cls: _Store) -> _Store:
 
 
 def tier_class(name: str) -> type[RowStore]:
-    """The registered class of tier ``name``; the error lists the tiers there are."""
+    """The registered class of tier ``name`` (its settings: ``tier_class(name).options_type``);
+    the error lists the tiers there are."""
     cls = TIERS.get(name) if isinstance(name, str) else None
     if cls is None:
         raise ValidationError(
@@ -72,41 +85,65 @@ def tier_class(name: str) -> type[RowStore]:
 class RowStore(RowSource):
     """Packed table rows in one kind of memory, served through :meth:`lookup`.
 
+    Args:
+        num_rows, E: rows held and values per row.
+        options: the tier's settings, an instance of :attr:`options_type`
+            (None: its defaults).
+        device: where :meth:`lookup` writes its output (the compute device;
+            default: the current CUDA device, else the CPU).
+        row_begin, col_begin, col_end: the shard (see the attributes).
+        host_rows: rows that already live in host memory, served without a
+            copy (a :class:`~engramrt.lookup.tiers.host_rows.HostRows`); only
+            for tiers that take them (:attr:`takes_host_rows`; default: their
+            own allocation).
+
     Attributes:
         tier: the tier's name (``"device"``, ``"uva"``, ``"host"``, ``"disk"``).
+        options: the tier's settings, as given.
         num_rows: rows held (``row_end - row_begin``).
         E: values per row; ``row_bytes = E + E/32`` bytes per packed row.
         row_begin, row_end: the global row ids held, ``[row_begin, row_end)``.
         col_begin, col_end: the hash columns served; ``col_end=None`` means
             "up to the last column of each batch". Other columns read as 0.
-        device: where :meth:`lookup` writes its output (the compute device).
-        validate: check every batch's shapes, dtypes and devices on the host
-            (never synchronises; on by default).
-        check_ids: check every batch's owned ids against the shard (one host
-            synchronisation per call); off on the hot path, where an id
-            outside the shard reads as a row of zeros on the kernel tiers.
-
-    A subclass's constructor takes ``(num_rows, E, *, <its options>,
-    **common)`` and passes ``common`` (the arguments above) on unchanged.
+        device: the compute device.
+        validate, check_ids: see :class:`~engramrt.lookup.tiers.options.TierOptions`
+            (read at every lookup).
     """
 
     tier: ClassVar[str]
-    set_options: ClassVar[frozenset[str]] = frozenset()
-    """Options of a base class that a subclass sets itself (not the caller's)."""
+    options_type: ClassVar[type[TierOptions]] = TierOptions
+    """The tier's settings class (its ``tier`` is this tier's name)."""
+    takes_host_rows: ClassVar[bool] = False
+    """Whether the constructor takes ``host_rows=``: rows that already live in host
+    memory, served without a copy (the shared-table stores)."""
 
     def __init__(
         self,
         num_rows: int,
         E: int,
+        options: TierOptions | None = None,
         *,
         device: torch.device | str | None = None,
         row_begin: int = 0,
         col_begin: int = 0,
         col_end: int | None = None,
-        validate: bool = True,
-        check_ids: bool = False,
+        host_rows: HostRows | None = None,
     ) -> None:
         check_row_width("E", E)
+        if host_rows is not None and not self.takes_host_rows:
+            takers = ", ".join(sorted(name for name, cls in TIERS.items() if cls.takes_host_rows))
+            raise ValidationError(
+                f"host_rows = {host_rows!r} for tier={self.tier!r}; expected a tier that serves "
+                f"rows it does not allocate ({takers})"
+            )
+        self.host_rows = host_rows or self._own_host_rows()
+        if options is None:
+            options = self.options_type()
+        elif type(options) is not self.options_type:
+            raise ValidationError(
+                f"options = {options!r} for {type(self).__name__}; expected "
+                f"{self.options_type.__name__} (tier={self.tier!r})"
+            )
         if num_rows < 0:
             raise ValidationError(f"num_rows = {num_rows}; expected >= 0")
         if row_begin < 0:
@@ -116,6 +153,7 @@ class RowStore(RowSource):
                 f"columns [col_begin, col_end) = [{col_begin}, {col_end}); expected "
                 f"0 <= col_begin <= col_end"
             )
+        self.options = options
         self.num_rows = int(num_rows)
         self.E = int(E)
         self.row_bytes = row_bytes_for(self.E)
@@ -123,67 +161,48 @@ class RowStore(RowSource):
         self.col_begin = int(col_begin)
         self.col_end = None if col_end is None else int(col_end)
         self.device = resolve_device(device)
-        self.validate = bool(validate)
-        self.check_ids = bool(check_ids)
+        self.validate = options.validate
+        self.check_ids = options.check_ids
+        self._setup()
 
-    @classmethod
-    def options(cls) -> tuple[str, ...]:
-        """The keyword arguments this tier's constructor accepts (its own and the
-        base classes' it passes on), in order."""
-        names: list[str] = []
-        for klass in cls.__mro__:
-            init = klass.__dict__.get("__init__")
-            if init is None:
-                continue
-            parameters = inspect.signature(init).parameters.values()
-            names += [
-                p.name
-                for p in parameters
-                if p.kind == p.KEYWORD_ONLY
-                and p.name not in names
-                and p.name not in cls.set_options
-            ]
-            if not any(p.kind == p.VAR_KEYWORD for p in parameters):
-                break
-        return tuple(names)
+    def _setup(self) -> None:
+        """The tier's own construction, once the common attributes are set (allocate, map)."""
 
-    @classmethod
-    def check_options(cls, options: dict[str, Any]) -> None:
-        """Raise :class:`ValidationError` naming the options this tier does not take."""
-        accepted = cls.options()
-        unknown = [name for name in options if name not in accepted]
-        if unknown:
-            raise ValidationError(
-                f"option(s) {', '.join(unknown)} for tier={cls.tier!r}; expected some of "
-                f"{', '.join(accepted)}"
-            )
+    def _own_host_rows(self) -> HostRows:
+        """Where a host-memory tier's rows live when none are injected: a private allocation
+        of exactly the rows' bytes (a file-backed tier maps its file)."""
+        return PrivateHostRows()
 
     @classmethod
     def build(
         cls,
         num_rows: int | None,
         E: int,
+        options: TierOptions,
         *,
         path: Any = None,
         new_file: bool = False,
-        **options: Any,
+        device: torch.device,
+        row_begin: int = 0,
+        col_begin: int = 0,
+        col_end: int | None = None,
     ) -> RowStore:
-        """The store ``make_store`` asks for: ``num_rows`` rows of ``E`` values, options
-        checked against :meth:`options`. ``path`` and ``new_file`` concern tiers that keep
-        rows in a file (see :meth:`_create`); the others ignore them."""
-        cls.check_options(options)
-        return cls._create(num_rows, E, path, new_file, options)
-
-    @classmethod
-    def _create(
-        cls, num_rows: int | None, E: int, path: Any, new_file: bool, options: dict[str, Any]
-    ) -> RowStore:
-        """Construct from :meth:`build`'s checked arguments (a file-backed tier overrides)."""
+        """The store ``make_store`` asks for: ``num_rows`` rows of ``E`` values. ``path`` and
+        ``new_file`` concern tiers that keep rows in a file (a file-backed tier overrides
+        this); the others ignore them."""
         if num_rows is None:
             raise ValidationError(
                 f"num_rows = None for tier={cls.tier!r}; expected the rows to hold"
             )
-        return cls(num_rows, E, **options)
+        return cls(
+            num_rows,
+            E,
+            options,
+            device=device,
+            row_begin=row_begin,
+            col_begin=col_begin,
+            col_end=col_end,
+        )
 
     def flush(self) -> None:
         """Make written rows durable (a file-backed tier); nothing to do elsewhere."""
@@ -286,28 +305,19 @@ class RowStore(RowSource):
 class KernelRowStore(RowStore):
     """A store whose lookups run the lookup kernel (or its reference) over its rows.
 
-    Args:
-        num_rows, E: see :class:`RowStore`.
-        backend: ``"auto"``, ``"triton"`` or ``"reference"``.
-        kernel: the lookup kernel's settings (see :class:`LookupKernelConfig`);
-            None: the tier's tuned settings on the store's device
-            (:func:`~engramrt.lookup.settings.tuned_lookup_config`). The attribute
-            :attr:`kernel` is read at every lookup.
-        common: ``device``, ``row_begin``, ``col_begin``, ``col_end``,
-            ``validate``, ``check_ids`` (see :class:`RowStore`).
+    Its options are a :class:`~engramrt.lookup.tiers.options.KernelTierOptions`
+    (``backend``; ``kernel``, None: the tier's tuned settings on the store's
+    device, :func:`~engramrt.lookup.settings.tuned_lookup_config`). The
+    attributes :attr:`backend` and :attr:`kernel` are read at every lookup.
     """
 
-    def __init__(
-        self,
-        num_rows: int,
-        E: int,
-        *,
-        backend: str = "auto",
-        kernel: LookupKernelConfig | None = None,
-        **common: Any,
-    ) -> None:
-        super().__init__(num_rows, E, **common)
-        self.backend = backend
+    options_type: ClassVar[type[TierOptions]] = KernelTierOptions
+
+    def _setup(self) -> None:
+        options = self.options
+        assert isinstance(options, KernelTierOptions)
+        self.backend = options.backend
+        kernel = options.kernel
         if kernel is None:
             kernel = tuned_lookup_config(self.tier, self.device)
         self.kernel = check_kernel_config(kernel)

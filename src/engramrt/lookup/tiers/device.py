@@ -8,24 +8,31 @@ synchronisation, capturable in a CUDA graph. On a machine without a GPU the
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 
 from engramrt import memory
 from engramrt.lookup import lookup_rows
 from engramrt.lookup.tiers.base import KernelRowStore, register_tier
+from engramrt.lookup.tiers.options import KernelTierOptions
 
-__all__ = ["DeviceRowStore"]
+__all__ = ["DeviceOptions", "DeviceRowStore"]
+
+
+@dataclass(frozen=True)
+class DeviceOptions(KernelTierOptions):
+    """Settings of tier ``"device"``: the checks, ``backend`` and ``kernel``
+    (see :class:`~engramrt.lookup.tiers.options.KernelTierOptions`)."""
+
+    tier = "device"
 
 
 @register_tier
 class DeviceRowStore(KernelRowStore):
     """Packed rows in device memory (HBM), or in CPU memory on a CPU-only machine.
 
-    Args:
-        num_rows, E, options: see :class:`KernelRowStore` (``backend``,
-            ``kernel``) and :class:`RowStore` (the shard and checks).
+    Args: see :class:`RowStore`; options: :class:`DeviceOptions`.
 
     Raises:
         CapacityError: the device (or, on a CPU device, the host) has less
@@ -33,9 +40,10 @@ class DeviceRowStore(KernelRowStore):
     """
 
     tier = "device"
+    options_type = DeviceOptions
 
-    def __init__(self, num_rows: int, E: int, **options: Any) -> None:
-        super().__init__(num_rows, E, **options)
+    def _setup(self) -> None:
+        super()._setup()
         what = f"tier='device' ({self.num_rows} rows of {self.row_bytes} B)"
         if self.device.type == "cuda":
             memory.require(

@@ -13,16 +13,34 @@ NVMe drive. Sorted unique ids read the file front to back.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
+
+import torch
 
 from engramrt.errors import CheckpointError, ValidationError
 from engramrt.lookup.tiers.base import RowStore, register_tier
-from engramrt.lookup.tiers.host_gather import HostGatherRowStore
-from engramrt.lookup.tiers.host_rows import MappedFileRows
+from engramrt.lookup.tiers.host_gather import HostGatherRowStore, HostOptions
+from engramrt.lookup.tiers.host_rows import HostRows, MappedFileRows
 from engramrt.packed import row_bytes_for
 
-__all__ = ["DiskRowStore"]
+__all__ = ["DiskOptions", "DiskRowStore"]
+
+
+@dataclass(frozen=True)
+class DiskOptions(HostOptions):
+    """Settings of tier ``"disk"``: those of :class:`HostOptions` (GPU reads stay
+    off unless ``gpu_reads=True``: pinning a file's mapping would hold all of it in
+    memory), and
+
+    Attributes:
+        writable: open an existing file for :meth:`RowStore.write_rows` too
+            (a file the store creates is always writable).
+    """
+
+    tier = "disk"
+    writable: bool = False
 
 
 @register_tier
@@ -34,13 +52,11 @@ class DiskRowStore(HostGatherRowStore):
         num_rows: rows in the file; ``None`` reads it from the file size
             (only when opening an existing file).
         E: values per row.
+        options: :class:`DiskOptions`.
         create: make a new file of ``num_rows`` rows (replacing any file at
             ``path``) after checking the free disk space; otherwise open an
             existing one, whose size must be ``num_rows * (E + E/32)``.
-        writable: open an existing file for :meth:`write_rows` too.
-        options: see :class:`HostGatherRowStore` (GPU reads stay off unless
-            ``gpu_reads=True``: pinning a file's mapping would hold all of it
-            in memory).
+        device, row_begin, col_begin, col_end: see :class:`RowStore`.
 
     Raises:
         CapacityError: ``create=True`` and the file system has less free
@@ -49,18 +65,24 @@ class DiskRowStore(HostGatherRowStore):
     """
 
     tier = "disk"
-    set_options: ClassVar[frozenset[str]] = frozenset({"host_rows"})
+    options_type = DiskOptions
+    takes_host_rows = False  # it maps its own file
 
     def __init__(
         self,
         path: str | os.PathLike[str],
         num_rows: int | None,
         E: int,
+        options: DiskOptions | None = None,
         *,
         create: bool = False,
-        writable: bool = False,
-        **options: Any,
+        device: torch.device | str | None = None,
+        row_begin: int = 0,
+        col_begin: int = 0,
+        col_end: int | None = None,
     ) -> None:
+        options = DiskOptions() if options is None else options
+        writable = options.writable if isinstance(options, DiskOptions) else False
         self.path = Path(path)
         row_bytes = row_bytes_for(E)
         if not create:
@@ -87,14 +109,45 @@ class DiskRowStore(HostGatherRowStore):
             )
         self.create = create
         self.writable = writable or create
-        rows = MappedFileRows(self.path, create=create, writable=writable)
-        super().__init__(num_rows, E, host_rows=rows, **options)
+        self._file_rows = MappedFileRows(self.path, create=create, writable=writable)
+        super().__init__(
+            num_rows,
+            E,
+            options,
+            device=device,
+            row_begin=row_begin,
+            col_begin=col_begin,
+            col_end=col_end,
+        )
+
+    def _own_host_rows(self) -> HostRows:
+        return self._file_rows
 
     @classmethod
-    def _create(
-        cls, num_rows: int | None, E: int, path: Any, new_file: bool, options: dict[str, Any]
+    def build(
+        cls,
+        num_rows: int | None,
+        E: int,
+        options: Any,
+        *,
+        path: Any = None,
+        new_file: bool = False,
+        device: torch.device,
+        row_begin: int = 0,
+        col_begin: int = 0,
+        col_end: int | None = None,
     ) -> RowStore:
         """The file at ``path``: created (``new_file``) or opened."""
         if path is None:
             raise ValidationError("path = None; expected the packed-row file of tier='disk'")
-        return cls(path, num_rows, E, create=new_file, **options)
+        return cls(
+            path,
+            num_rows,
+            E,
+            options,
+            create=new_file,
+            device=device,
+            row_begin=row_begin,
+            col_begin=col_begin,
+            col_end=col_end,
+        )

@@ -65,7 +65,8 @@ import contextlib
 import os
 import warnings
 from collections.abc import Iterator
-from typing import Any
+from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -75,7 +76,7 @@ from engramrt.lookup import lookup_rows
 from engramrt.lookup.mapped import MappedHostRows, gather_mapped_rows
 from engramrt.lookup.settings import tuned_lookup_config
 from engramrt.lookup.tiers.base import KernelRowStore, register_tier
-from engramrt.lookup.tiers.host_rows import HostRows, PrivateHostRows
+from engramrt.lookup.tiers.options import KernelTierOptions, TierOptions, check_int
 from engramrt.packed import word_dtype_for
 
 __all__ = [
@@ -83,6 +84,7 @@ __all__ = [
     "GPU_SHARE",
     "HOST_READ_KERNEL",
     "HostGatherRowStore",
+    "HostOptions",
 ]
 
 DEFAULT_CHUNK_ROWS = 65536
@@ -160,32 +162,57 @@ def _intra_op_threads(count: int | None) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
-@register_tier
-class HostGatherRowStore(KernelRowStore):
-    """Packed rows in host memory (pageable), gathered by the CPU per lookup.
+@dataclass(frozen=True)
+class HostOptions(KernelTierOptions):
+    """Settings of tier ``"host"``.
 
-    Args:
-        num_rows, E: see :class:`RowStore`.
+    Attributes:
         chunk_rows: rows per pipelined piece (gather of one piece overlaps
-            the copy of the previous).
+            the copy of the previous); an int >= 1.
         num_threads: torch intra-op threads for the gather; None picks one
             per :data:`ROWS_PER_GATHER_THREAD` unique rows, at most the
             number of CPUs this process may use.
         gpu_reads: page-lock the rows and map them for the device
             (``cudaHostRegister``) so that the GPU reads rows itself: whole
-            batches below :attr:`dedup_min_rows` owned ids (the lookup
-            kernel over host memory, no host synchronisation) and
-            ``gpu_share`` of a larger batch's unique rows beside the CPU's
-            gather. None (default): on for a CUDA device with the Triton
-            backend, falling back to CPU gathers with a warning when the
-            registration fails; True: required (a failure raises).
+            batches below ``dedup_min_rows`` owned ids (the lookup kernel
+            over host memory, no host synchronisation) and ``gpu_share`` of
+            a larger batch's unique rows beside the CPU's gather. None
+            (default): on for a CUDA device with the Triton backend, falling
+            back to CPU gathers with a warning when the registration fails;
+            True: required (a failure raises).
         gpu_share: the fraction of a deduplicated batch's unique rows the
             GPU reads (see :data:`GPU_SHARE`); 0 leaves them all to the CPU.
-        host_rows: where the rows live (default: a private allocation).
-        options: see :class:`KernelRowStore` (``backend`` for the final
-            dequantise-and-scatter; ``kernel`` for the GPU's reads of a
-            small batch, default :data:`HOST_READ_KERNEL`, a bounded grid)
-            and :class:`RowStore` (the shard and checks).
+        backend, kernel: see :class:`~engramrt.lookup.tiers.options.KernelTierOptions`
+            (``backend`` for the final dequantise-and-scatter; ``kernel`` for
+            the GPU's reads of a small batch, default :data:`HOST_READ_KERNEL`,
+            a bounded grid).
+        validate, check_ids: see :class:`~engramrt.lookup.tiers.options.TierOptions`.
+    """
+
+    tier = "host"
+    chunk_rows: int = DEFAULT_CHUNK_ROWS
+    num_threads: int | None = None
+    gpu_reads: bool | None = None
+    gpu_share: float = GPU_SHARE
+
+    def _check(self) -> None:
+        super()._check()
+        check_int(self, "chunk_rows", 1)
+        check_int(self, "num_threads", 1, optional=True)
+        if self.gpu_reads is not None and not isinstance(self.gpu_reads, bool):
+            raise self.error("gpu_reads", "None, True or False")
+        if isinstance(self.gpu_share, bool) or not (
+            isinstance(self.gpu_share, (int, float)) and 0.0 <= self.gpu_share <= 1.0
+        ):
+            raise self.error("gpu_share", "a fraction in [0, 1]")
+
+
+@register_tier
+class HostGatherRowStore(KernelRowStore):
+    """Packed rows in host memory (pageable), gathered by the CPU per lookup.
+
+    Args: see :class:`RowStore`; options: :class:`HostOptions`;
+    ``host_rows``: where the rows live (default: a private allocation).
 
     Raises:
         CapacityError: less available host memory (``MemAvailable``) than
@@ -194,33 +221,19 @@ class HostGatherRowStore(KernelRowStore):
     """
 
     tier = "host"
+    options_type: ClassVar[type[TierOptions]] = HostOptions
+    takes_host_rows = True
     host_sync = True  # the CPU gathers large batches: it must learn their ids
 
-    def __init__(
-        self,
-        num_rows: int,
-        E: int,
-        *,
-        chunk_rows: int = DEFAULT_CHUNK_ROWS,
-        num_threads: int | None = None,
-        gpu_reads: bool | None = None,
-        gpu_share: float = GPU_SHARE,
-        host_rows: HostRows | None = None,
-        **options: Any,
-    ) -> None:
-        super().__init__(num_rows, E, **options)
-        if chunk_rows < 1:
-            raise ValidationError(f"chunk_rows = {chunk_rows}; expected >= 1")
-        if num_threads is not None and num_threads < 1:
-            raise ValidationError(f"num_threads = {num_threads}; expected >= 1 or None")
-        if not 0.0 <= gpu_share <= 1.0:
-            raise ValidationError(f"gpu_share = {gpu_share}; expected a fraction in [0, 1]")
-        self.chunk_rows = int(chunk_rows)
-        self.num_threads = num_threads
-        self.gpu_share = float(gpu_share)
+    def _setup(self) -> None:
+        super()._setup()
+        options = self.options
+        assert isinstance(options, HostOptions)
+        self.chunk_rows = options.chunk_rows
+        self.num_threads = options.num_threads
+        self.gpu_share = float(options.gpu_share)
         self.dedup_min_rows = DEDUP_MIN_ROWS
         self._arange: torch.Tensor | None = None
-        self.host_rows = host_rows or PrivateHostRows()
         what = f"tier='{self.tier}' ({self.num_rows} rows of {self.row_bytes} B)"
         self.source = self.host_rows.rows(self.num_rows, self.row_bytes, what)  # uint8, CPU
         # The source as the device reads it (bytes for the lookup kernel,
@@ -229,7 +242,7 @@ class HostGatherRowStore(KernelRowStore):
         self._mapped: MappedHostRows | None = None
         self._mapped_words: MappedHostRows | None = None
         self._read_stream: torch.cuda.Stream | None = None
-        self._map_for_gpu(gpu_reads)
+        self._map_for_gpu(options.gpu_reads)
         self._gpu_reads = self._mapped is not None
         # Created on the first CUDA lookup and grown on demand: a pinned
         # staging buffer, the side stream that copies out of it and an event

@@ -8,47 +8,56 @@ row_end)`` serves exactly those rows of the whole table).
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 
 from engramrt.errors import ValidationError
 from engramrt.lookup.synthetic import synthetic_packed_rows
 from engramrt.lookup.tiers.base import RowStore, register_tier
+from engramrt.lookup.tiers.options import BACKENDS, TierOptions, check_int
 from engramrt.quant import dequantize_rows
 
-__all__ = ["SyntheticRowStore", "synthetic_packed_rows"]
+__all__ = ["SyntheticOptions", "SyntheticRowStore", "synthetic_packed_rows"]
+
+
+@dataclass(frozen=True)
+class SyntheticOptions(TierOptions):
+    """Settings of tier ``"synthetic"``.
+
+    Attributes:
+        seed: selects the table (an int >= 0).
+        backend: ``"auto"``, ``"triton"`` or ``"reference"`` for the dequantise.
+        validate, check_ids: see :class:`~engramrt.lookup.tiers.options.TierOptions`.
+    """
+
+    tier = "synthetic"
+    seed: int = 0
+    backend: str = "auto"
+
+    def _check(self) -> None:
+        check_int(self, "seed", 0)
+        if self.backend not in BACKENDS:
+            raise self.error("backend", " or ".join(repr(b) for b in BACKENDS))
 
 
 @register_tier
 class SyntheticRowStore(RowStore):
     """Rows ``[row_begin, row_end)`` of a synthetic table (see the module doc).
 
-    Args:
-        num_rows, E: see :class:`RowStore`.
-        seed: selects the table.
-        backend: ``"auto"``, ``"triton"`` or ``"reference"`` for the dequantise.
-        common: ``device``, ``row_begin``, ``col_begin``, ``col_end``,
-            ``validate``, ``check_ids`` (see :class:`RowStore`).
+    Args: see :class:`RowStore`; options: :class:`SyntheticOptions`.
 
     Every id reads its synthetic row, inside the shard or not: nothing is
     stored that an id could read out of bounds.
     """
 
     tier = "synthetic"
+    options_type = SyntheticOptions
 
-    def __init__(
-        self,
-        num_rows: int,
-        E: int,
-        *,
-        seed: int = 0,
-        backend: str = "auto",
-        **common: Any,
-    ) -> None:
-        super().__init__(num_rows, E, **common)
-        self.seed = int(seed)
-        self.backend = backend
+    def _setup(self) -> None:
+        assert isinstance(self.options, SyntheticOptions)
+        self.seed = self.options.seed
+        self.backend = self.options.backend
 
     def _lookup(
         self, row_ids: torch.Tensor, col_end: int, out: torch.Tensor | None

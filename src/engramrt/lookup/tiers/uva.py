@@ -17,19 +17,19 @@ up to a power of two (a 94 GiB table would take 128 GiB).
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
 from engramrt import memory
-from engramrt.errors import ValidationError
 from engramrt.lookup.mapped import MappedHostRows, gather_mapped_rows
 from engramrt.lookup.settings import tuned_lookup_config
 from engramrt.lookup.tiers.base import KernelRowStore, register_tier
-from engramrt.lookup.tiers.host_rows import HostRows, PrivateHostRows
+from engramrt.lookup.tiers.options import KernelTierOptions
 from engramrt.packed import word_dtype_for
 
-__all__ = ["UVA_KERNEL", "UvaRowStore"]
+__all__ = ["UVA_KERNEL", "UvaOptions", "UvaRowStore"]
 
 UVA_KERNEL = tuned_lookup_config("uva")
 """The lookup kernel's settings on this tier, from the default ``lookup_rows`` file
@@ -41,17 +41,23 @@ the bench's ``lookup/uva/T=256`` case times
 :data:`engramrt.bench.cases_lookup.DECODE_READ_SWEEP` beside it."""
 
 
+@dataclass(frozen=True)
+class UvaOptions(KernelTierOptions):
+    """Settings of tier ``"uva"``: the checks, ``kernel`` (default :data:`UVA_KERNEL`)
+    and ``backend``, ``"auto"`` or ``"triton"`` (the GPU reads host memory with the
+    Triton kernel only)."""
+
+    tier = "uva"
+    backends: ClassVar[tuple[str, ...]] = ("auto", "triton")
+
+
 @register_tier
 class UvaRowStore(KernelRowStore):
     """Packed rows in page-locked host memory, read by the kernel over PCIe.
 
-    Args:
-        num_rows, E: see :class:`RowStore`.
-        host_rows: where the rows live (default: a private allocation).
-        options: see :class:`KernelRowStore` (``backend``: ``"auto"`` or
-            ``"triton"``, the kernel being the tier's only way to read its
-            rows; ``kernel``) and :class:`RowStore` (``device``, a CUDA
-            device, the shard and checks).
+    Args: see :class:`RowStore` (``device``: a CUDA device); options:
+    :class:`UvaOptions`; ``host_rows``: where the rows live (default: a
+    private allocation).
 
     Raises:
         CapacityError: no CUDA device, or less available host memory than
@@ -59,20 +65,14 @@ class UvaRowStore(KernelRowStore):
     """
 
     tier = "uva"
+    options_type = UvaOptions
+    takes_host_rows = True
 
-    def __init__(
-        self, num_rows: int, E: int, *, host_rows: HostRows | None = None, **options: Any
-    ) -> None:
-        super().__init__(num_rows, E, **options)
-        if self.backend not in ("auto", "triton"):
-            raise ValidationError(
-                f"backend = {self.backend!r} for tier='uva'; expected 'auto' or 'triton' (the "
-                f"GPU reads host memory with the Triton kernel only)"
-            )
+    def _setup(self) -> None:
+        super()._setup()
         memory.require_cuda_mapping(
             "tier='uva'", self.device, "; use tier='host' or tier='device' on this machine"
         )
-        self.host_rows = host_rows or PrivateHostRows()
         what = f"tier='uva' ({self.num_rows} rows of {self.row_bytes} B, page-locked)"
         self.host_table = self.host_rows.rows(self.num_rows, self.row_bytes, what)
         if self.nbytes > 0:
