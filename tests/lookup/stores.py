@@ -7,8 +7,8 @@ import os
 
 import torch
 
+from engramrt._device import default_compute_device
 from engramrt.lookup.tiers import RowStore, TierOptions, tier_class
-from engramrt.lookup.tiers.base import default_compute_device
 from engramrt.packed import row_width_for
 
 
