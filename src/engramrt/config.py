@@ -232,18 +232,13 @@ _DSV41_FLASH = EngramConfig(
 # Same tokenizer, token map and hashing structure as V4.1-Flash (N = 4, two
 # layers), but 4 heads and ~4k buckets per head: ~49k rows of 66 B per layer,
 # so tests and the demo run anywhere. num_embeddings is exactly the layout's sum.
-_TINY = EngramConfig(
+_TINY = _DSV41_FLASH.replace(
     layer_ids=(1, 3),
     vocab_size=(4096, 4096, 4096),
     num_embeddings=(49_796, 50_980),
-    max_ngram_size=4,
     n_heads=4,
     head_dim=64,
-    compressed_vocab_size=99_092,
-    pad_token_id=2,
     hidden_size=256,
-    hc_mult=4,
-    rms_norm_eps=1e-6,
     name="tiny",
 )
 
