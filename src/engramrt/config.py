@@ -13,13 +13,13 @@ uses but Engram does not are ignored.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from engramrt._io import read_json
 from engramrt.errors import ConfigError
 
 __all__ = ["PRESETS", "EngramConfig", "load_config"]
@@ -263,10 +263,5 @@ def load_config(source: str | Path | EngramConfig | Mapping[str, Any]) -> Engram
                 f"config={text!r} is neither a preset ({', '.join(PRESETS)}) nor an existing file"
             )
         raise ConfigError(f"config file {str(path)!r} does not exist")
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"config file {str(path)!r} cannot be read: {exc}") from exc
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"config file {str(path)!r} is not valid JSON: {exc}") from exc
+    data = read_json(path, ConfigError, f"config file {str(path)!r}")
     return EngramConfig.from_hf_dict(data, name=str(path))
