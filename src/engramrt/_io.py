@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 __all__ = ["atomic_write_bytes", "atomic_writer", "fsync_directory"]
 
@@ -65,3 +66,16 @@ def atomic_write_bytes(path: str | Path, data: bytes, mode: int | None = None) -
     """Write ``data`` to ``path`` through :func:`atomic_writer` (``mode``: see there)."""
     with atomic_writer(path, mode) as f:
         f.write(data)
+
+
+def read_json(path: Path, error: type[Exception], what: str) -> Any:
+    """The JSON value in the UTF-8 file ``path``; raises ``error`` naming ``what`` (e.g.
+    ``"config file '/x/config.json'"``) when it cannot be read, is not UTF-8 or is not JSON."""
+    try:
+        return json.loads(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise error(f"{what} is not UTF-8 text ({exc.reason})") from exc
+    except OSError as exc:
+        raise error(f"{what} cannot be read: {exc}") from exc
+    except json.JSONDecodeError as exc:
+        raise error(f"{what} is not valid JSON: {exc}") from exc

@@ -13,13 +13,13 @@ uses but Engram does not are ignored.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from engramrt._io import read_json
 from engramrt.errors import ConfigError
 
 __all__ = ["PRESETS", "EngramConfig", "load_config"]
@@ -232,18 +232,13 @@ _DSV41_FLASH = EngramConfig(
 # Same tokenizer, token map and hashing structure as V4.1-Flash (N = 4, two
 # layers), but 4 heads and ~4k buckets per head: ~49k rows of 66 B per layer,
 # so tests and the demo run anywhere. num_embeddings is exactly the layout's sum.
-_TINY = EngramConfig(
+_TINY = _DSV41_FLASH.replace(
     layer_ids=(1, 3),
     vocab_size=(4096, 4096, 4096),
     num_embeddings=(49_796, 50_980),
-    max_ngram_size=4,
     n_heads=4,
     head_dim=64,
-    compressed_vocab_size=99_092,
-    pad_token_id=2,
     hidden_size=256,
-    hc_mult=4,
-    rms_norm_eps=1e-6,
     name="tiny",
 )
 
@@ -268,10 +263,5 @@ def load_config(source: str | Path | EngramConfig | Mapping[str, Any]) -> Engram
                 f"config={text!r} is neither a preset ({', '.join(PRESETS)}) nor an existing file"
             )
         raise ConfigError(f"config file {str(path)!r} does not exist")
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"config file {str(path)!r} cannot be read: {exc}") from exc
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"config file {str(path)!r} is not valid JSON: {exc}") from exc
+    data = read_json(path, ConfigError, f"config file {str(path)!r}")
     return EngramConfig.from_hf_dict(data, name=str(path))

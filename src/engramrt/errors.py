@@ -8,6 +8,9 @@ can catch everything engramrt raises about bad input in one place.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 __all__ = [
     "CapacityError",
     "CheckpointError",
@@ -66,3 +69,17 @@ def expect(condition: bool, error: type[EngramError], message: str) -> None:
     """Raise ``error(message)`` when ``condition`` is false."""
     if not condition:
         raise error(message)
+
+
+def describe_tensor(tensor: Any, *, device: bool = False) -> str:
+    """``shape [...] dtype ...`` of a tensor (with ``device ...`` when asked), for the
+    "found" half of an error message."""
+    text = f"shape {list(tensor.shape)} dtype {tensor.dtype}"
+    return f"{text} device {tensor.device}" if device else text
+
+
+def check_choice(name: str, value: object, choices: Sequence[str]) -> None:
+    """Raise :class:`ValidationError` naming ``name`` and ``value`` unless ``value`` is
+    one of ``choices``."""
+    if value not in choices:
+        raise ValidationError(f"{name}={value!r}; expected one of {', '.join(choices)}")

@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from engramrt.bench.registry import Case, Inputs, register
+from engramrt.bench.registry import Case, Inputs, bf16_bits_check, register
 from engramrt.lookup.synthetic import random_packed_rows
 from engramrt.packed import row_bytes_for
 
@@ -159,21 +159,8 @@ def _cached_update(inputs: Inputs) -> torch.Tensor:
     return out
 
 
-def _check(inputs: Inputs, outputs: dict[str, Any]) -> None:
-    """Every implementation's bf16 bits equal the uncached host tier's."""
-    expected = outputs["host"].view(torch.int16)
-    for name, actual in outputs.items():
-        if name == "host":
-            continue
-        got = actual.view(torch.int16)
-        bad = (got != expected).nonzero()
-        if bad.numel() > 0:
-            first = ", ".join(
-                f"{tuple(i)}: {int(got[tuple(i)]) & 0xFFFF:#06x} != "
-                f"{int(expected[tuple(i)]) & 0xFFFF:#06x}"
-                for i in bad[:8].tolist()
-            )
-            raise AssertionError(f"{name}: {bad.shape[0]} values differ from host; first {first}")
+# Every implementation's bf16 bits equal the uncached host tier's.
+_check = bf16_bits_check("host")
 
 
 @register

@@ -47,7 +47,7 @@ from typing import Any, Literal
 
 import torch
 
-from engramrt.bench.registry import Case, Inputs, Tuning, register
+from engramrt.bench.registry import Case, Inputs, Tuning, bf16_bits_check, register
 from engramrt.lookup import lookup_rows_reference
 from engramrt.lookup.settings import LookupKernelConfig
 from engramrt.lookup.synthetic import random_packed_rows
@@ -287,24 +287,8 @@ def _host_torch_eager(inputs: Inputs) -> torch.Tensor:
     return dequantize_rows_reference(values, scales).reshape(*row_ids.shape, E)
 
 
-def _check(inputs: Inputs, outputs: dict[str, Any]) -> None:
-    """Every implementation's bf16 bits equal the baseline's (the reference)."""
-    expected = outputs["torch-eager"].view(torch.int16)
-    for name, actual in outputs.items():
-        if name == "torch-eager":
-            continue
-        got = actual.view(torch.int16)
-        if got.shape != expected.shape:
-            raise AssertionError(f"{name}: shape {tuple(got.shape)} != {tuple(expected.shape)}")
-        bad = (got != expected).nonzero()
-        if bad.numel() > 0:
-            first = ", ".join(
-                f"{tuple(i)}: {int(got[tuple(i)]) & 0xFFFF:#06x} != {int(expected[tuple(i)]) & 0xFFFF:#06x}"
-                for i in bad[:8].tolist()
-            )
-            raise AssertionError(
-                f"{name}: {bad.shape[0]} values differ from torch-eager; first {first}"
-            )
+# Every implementation's bf16 bits equal the reference's.
+_check = bf16_bits_check("torch-eager")
 
 
 @register

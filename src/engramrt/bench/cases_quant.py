@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from engramrt.bench.registry import Case, Inputs, register
+from engramrt.bench.registry import Case, Inputs, assert_same_bits, register
 from engramrt.quant import (
     dequantize_rows,
     dequantize_rows_reference,
@@ -76,15 +76,7 @@ def _check(inputs: Inputs, outputs: dict[str, Any]) -> None:
     expected = _as_bytes(outputs["torch-eager"])
     for name, output in outputs.items():
         for index, (got, want) in enumerate(zip(_as_bytes(output), expected, strict=True)):
-            bad = (got != want).nonzero()
-            if bad.numel() > 0:
-                first = ", ".join(
-                    f"{tuple(i)}: {int(got[tuple(i)]):#04x} != {int(want[tuple(i)]):#04x}"
-                    for i in bad[:8].tolist()
-                )
-                raise AssertionError(
-                    f"{name} output {index}: {bad.shape[0]} bytes differ; first {first}"
-                )
+            assert_same_bits(f"{name} output {index}", got, want)
 
 
 @register

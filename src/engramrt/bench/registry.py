@@ -119,3 +119,36 @@ def all_cases(quick: bool = False, groups: Iterable[str] | None = None) -> list[
             if wanted is None or case.group in wanted:
                 cases.append(case)
     return cases
+
+
+def assert_same_bits(label: str, got: torch.Tensor, expected: torch.Tensor) -> None:
+    """Raise ``AssertionError`` unless integer tensors ``got`` and ``expected``
+    (bits viewed as int16 or uint8) are equal, naming ``label``, the count of
+    elements that differ and the first eight in hex."""
+    if got.shape != expected.shape:
+        raise AssertionError(f"{label}: shape {tuple(got.shape)} != {tuple(expected.shape)}")
+    bad = (got != expected).nonzero()
+    if bad.numel() == 0:
+        return
+    mask = (1 << (8 * got.element_size())) - 1
+    width = 2 + 2 * got.element_size()
+
+    def hex_at(tensor: torch.Tensor, index: list[int]) -> str:
+        return f"{int(tensor[tuple(index)]) & mask:#0{width}x}"
+
+    first = ", ".join(
+        f"{tuple(i)}: {hex_at(got, i)} != {hex_at(expected, i)}" for i in bad[:8].tolist()
+    )
+    raise AssertionError(f"{label}: {bad.shape[0]} values differ; first {first}")
+
+
+def bf16_bits_check(baseline: str) -> Callable[[Inputs, dict[str, Any]], None]:
+    """A case's ``check``: every implementation's bf16 output has the bits of ``baseline``'s."""
+
+    def check(inputs: Inputs, outputs: dict[str, Any]) -> None:
+        expected = outputs[baseline].view(torch.int16)
+        for name, actual in outputs.items():
+            if name != baseline:
+                assert_same_bits(f"{name} vs {baseline}", actual.view(torch.int16), expected)
+
+    return check

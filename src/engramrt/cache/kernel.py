@@ -35,11 +35,10 @@ import torch
 import triton
 import triton.language as tl
 
-from engramrt._backend import interpreter_enabled
 from engramrt._jit import flat_lookups, store_dequantized_rows
 from engramrt._launch import CachedLauncher
 from engramrt.cache.policy import MIX_MULTIPLIER
-from engramrt.lookup.kernel import DEFAULT_NUM_WARPS, tile_shape
+from engramrt.lookup.kernel import flat_lookup_args, row_tile_options
 from engramrt.lookup.settings import DEFAULT_KERNEL, LookupKernelConfig
 
 __all__ = ["probe_gather_triton"]
@@ -165,19 +164,17 @@ def probe_gather_triton(
     Returns:
         ``slots``.
     """
-    num_tokens, num_cols = row_ids.shape
-    n_lookups = num_tokens * num_cols
+    n_lookups = row_ids.numel()  # T * C
     if n_lookups == 0:
         return slots
-    E = out.shape[-1]
-    blocks, blocks_pad, rows = tile_shape(E, kernel.rows_per_program)
+    options = row_tile_options(out.shape[-1], kernel)
     if backing is None:
         backing_num_rows = 0
     elif isinstance(backing, torch.Tensor):
         backing_num_rows = backing.shape[0]
     else:
         backing_num_rows = backing.num_rows
-    grid = (triton.cdiv(n_lookups, rows),)
+    grid = (triton.cdiv(n_lookups, options["ROWS"]),)
     _launch_probe_gather(
         grid,
         row_ids,
@@ -186,24 +183,13 @@ def probe_gather_triton(
         out.view(torch.int16),
         slots,
         cache_rows if backing is None else backing,
-        n_lookups,
-        num_cols,
-        row_ids.stride(0),
-        row_ids.stride(1),
-        col_begin,
-        col_end,
+        *flat_lookup_args(row_ids, col_begin, col_end),
         num_sets,
         backing_row_begin,
         backing_num_rows,
-        E=E,
-        ROW_BYTES=E + blocks,
-        NB=blocks,
-        NB_PAD=blocks_pad,
-        ROWS=rows,
         WAYS=ways,
         MIX=MIX_MULTIPLIER,
-        HW_CONVERT=kernel.resolved_hw_convert(interpreter_enabled()),
         READ_MISSES=backing is not None,
-        num_warps=kernel.num_warps or DEFAULT_NUM_WARPS,
+        **options,
     )
     return slots

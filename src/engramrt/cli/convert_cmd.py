@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
+
+if TYPE_CHECKING:
+    from engramrt.checkpoint import ConversionPlan
 
 _HELP = """Quantise float Engram tables (bf16/fp16/fp32) into fp8 e4m3fn + ue8m0 safetensors.
 
@@ -50,8 +53,10 @@ def _run(
     device: str,
     quiet: bool,
 ) -> dict[str, Any]:
+    from engramrt.checkpoint import load_names, plan_conversion
     from engramrt.checkpoint.writer import scale_dtype_code
-    from engramrt.cli._checks import os_error, parse_device
+    from engramrt.cli._checks import check_tp, os_error, parse_device
+    from engramrt.config import load_config
     from engramrt.errors import CheckpointError, ValidationError
 
     if not src.exists():
@@ -71,22 +76,26 @@ def _run(
             f"directory"
         )
     try:
-        return _convert(src, dst, config, tp, names, block_rows, scales, compute_device, quiet)
+        config = _resolve_config(config, src)
+        check_tp("--tp", tp, load_config(config).n_cols)
+        plan = plan_conversion(
+            src,
+            dst,
+            config,
+            tp=tp,
+            names=None if names is None else load_names(names),
+            scale_dtype=scales,
+        )
+        return _convert(plan, block_rows, compute_device, quiet)
     except OSError as exc:
         raise os_error(f"converting {str(src)!r} into DST={str(dst)!r} failed", exc) from exc
 
 
 def _convert(
-    src: Path,
-    dst: Path,
-    config: str | None,
-    tp: int,
-    names: Path | None,
-    block_rows: int | None,
-    scales: str,
-    device: Any,
-    quiet: bool,
+    plan: ConversionPlan, block_rows: int | None, device: Any, quiet: bool
 ) -> dict[str, Any]:
+    """Run a conversion ``plan`` with a progress bar on a terminal, then print what it
+    wrote unless ``quiet``."""
     from rich.progress import (
         BarColumn,
         MofNCompleteColumn,
@@ -96,20 +105,9 @@ def _convert(
         TimeRemainingColumn,
     )
 
-    from engramrt.checkpoint import load_names, plan_conversion, run_conversion
-    from engramrt.cli._checks import check_tp
+    from engramrt.checkpoint import run_conversion
     from engramrt.cli._console import console, err_console
-    from engramrt.config import load_config
 
-    check_tp("--tp", tp, load_config(_resolve_config(config, src)).n_cols)
-    plan = plan_conversion(
-        src,
-        dst,
-        _resolve_config(config, src),
-        tp=tp,
-        names=None if names is None else load_names(names),
-        scale_dtype=scales,
-    )
     start = time.perf_counter()
     progress = Progress(
         TextColumn("quantising"),

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from engramrt.errors import ValidationError
+from engramrt.errors import check_choice
 from engramrt.exchange._collectives import all_gather_into, word_view
 from engramrt.exchange.base import RowExchange
 from engramrt.lookup.tiers.base import RowStore
@@ -66,10 +66,7 @@ class AllGatherExchange(RowExchange):
         group: Any = None,
         collective: str = "all_gather",
     ) -> None:
-        if collective not in ALL_GATHER_COLLECTIVES:
-            raise ValidationError(
-                f"collective={collective!r}; expected one of {', '.join(ALL_GATHER_COLLECTIVES)}"
-            )
+        check_choice("collective", collective, ALL_GATHER_COLLECTIVES)
         super().__init__(store, num_cols=num_cols, group=group)
         self.collective_op = collective
 

@@ -60,7 +60,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from engramrt.errors import ValidationError
+from engramrt.errors import ValidationError, check_choice
 from engramrt.exchange._collectives import reduce_scatter_into
 from engramrt.exchange.base import RowExchange
 from engramrt.lookup.tiers.base import RowStore
@@ -119,11 +119,7 @@ class SequenceParallelExchange(RowExchange):
         group: Any = None,
         collective: str = "reduce_scatter",
     ) -> None:
-        if collective not in SEQUENCE_PARALLEL_COLLECTIVES:
-            raise ValidationError(
-                f"collective={collective!r}; expected one of "
-                f"{', '.join(SEQUENCE_PARALLEL_COLLECTIVES)}"
-            )
+        check_choice("collective", collective, SEQUENCE_PARALLEL_COLLECTIVES)
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
             raise ValidationError(f"max_tokens={max_tokens!r}; expected a positive integer")
         super().__init__(store, num_cols=num_cols, group=group)

@@ -14,7 +14,7 @@ from numbers import Real
 import torch
 
 from engramrt._backend import resolve_backend
-from engramrt.errors import ValidationError
+from engramrt.errors import ValidationError, describe_tensor
 from engramrt.gate.reference import (
     assert_within_tolerance,
     engram_gate_reference,
@@ -90,10 +90,6 @@ def engram_gate(
     return out.copy_(result)
 
 
-def _describe(tensor: torch.Tensor) -> str:
-    return f"shape {tuple(tensor.shape)}, dtype {tensor.dtype}, device {tensor.device}"
-
-
 def _validate(
     hidden: torch.Tensor,
     kv: torch.Tensor,
@@ -113,10 +109,14 @@ def _validate(
         if not isinstance(tensor, torch.Tensor):
             raise ValidationError(f"{name} is a {type(tensor).__name__}, expected a torch.Tensor")
     if hidden.dim() != 3:
-        raise ValidationError(f"hidden has {_describe(hidden)}, expected 3 dimensions [T, hc, D]")
+        raise ValidationError(
+            f"hidden has {describe_tensor(hidden, device=True)}, expected 3 dimensions [T, hc, D]"
+        )
     num_tokens, hc, dim = hidden.shape
     if hc < 1 or dim < 1:
-        raise ValidationError(f"hidden has {_describe(hidden)}, expected hc >= 1 and D >= 1")
+        raise ValidationError(
+            f"hidden has {describe_tensor(hidden, device=True)}, expected hc >= 1 and D >= 1"
+        )
     if hidden.dtype not in _ACTIVATION_DTYPES:
         raise ValidationError(f"hidden has dtype {hidden.dtype}, expected bf16, fp16 or fp32")
     if kv.dtype not in _ACTIVATION_DTYPES:
@@ -124,7 +124,8 @@ def _validate(
     kv_width = (hc + 1) * dim
     if tuple(kv.shape) != (num_tokens, kv_width):
         raise ValidationError(
-            f"kv has {_describe(kv)}, expected [T, (hc + 1) * D] = [{num_tokens}, {kv_width}] "
+            f"kv has {describe_tensor(kv, device=True)}, expected [T, (hc + 1) * D] = "
+            f"[{num_tokens}, {kv_width}] "
             f"for hidden of shape {tuple(hidden.shape)}"
         )
     if kv_width > _INT32_MAX:
@@ -134,7 +135,8 @@ def _validate(
     for name, weight in (("q_weight", q_weight), ("k_weight", k_weight)):
         if tuple(weight.shape) != (hc, dim):
             raise ValidationError(
-                f"{name} has {_describe(weight)}, expected [hc, D] = [{hc}, {dim}] "
+                f"{name} has {describe_tensor(weight, device=True)}, expected [hc, D] = "
+                f"[{hc}, {dim}] "
                 f"for hidden of shape {tuple(hidden.shape)}"
             )
         if not weight.is_floating_point():
@@ -154,7 +156,8 @@ def _validate(
             )
         if token_mask.dtype != torch.bool or tuple(token_mask.shape) != (num_tokens,):
             raise ValidationError(
-                f"token_mask has {_describe(token_mask)}, expected bool [T] = [{num_tokens}]"
+                f"token_mask has {describe_tensor(token_mask, device=True)}, expected bool [T] = "
+                f"[{num_tokens}]"
             )
         tensors.append(("token_mask", token_mask))
     if out is not None:
@@ -162,7 +165,8 @@ def _validate(
             raise ValidationError(f"out is a {type(out).__name__}, expected a bf16 tensor")
         if out.dtype != torch.bfloat16 or tuple(out.shape) != (num_tokens, hc, dim):
             raise ValidationError(
-                f"out has {_describe(out)}, expected bf16 [T, hc, D] = [{num_tokens}, {hc}, {dim}]"
+                f"out has {describe_tensor(out, device=True)}, expected bf16 [T, hc, D] = "
+                f"[{num_tokens}, {hc}, {dim}]"
             )
         tensors.append(("out", out))
     for name, tensor in tensors:
@@ -172,5 +176,6 @@ def _validate(
             )
         if not tensor.is_contiguous():
             raise ValidationError(
-                f"{name} has strides {tensor.stride()} for {_describe(tensor)}, expected a contiguous tensor"
+                f"{name} has strides {tensor.stride()} for {describe_tensor(tensor, device=True)}, "
+                "expected a contiguous tensor"
             )

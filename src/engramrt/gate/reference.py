@@ -31,6 +31,7 @@ __all__ = [
     "engram_gate_reference",
     "gate_tolerance",
     "gate_values_reference",
+    "ulp_bf16",
 ]
 
 # The floor under |dot| before the square root: it keeps the gate's slope
@@ -131,7 +132,7 @@ _U = 2.0**-24  # fp32 unit roundoff
 _BF16_MIN_SUBNORMAL = 2.0**-133
 
 
-def _ulp_bf16(magnitude: torch.Tensor) -> torch.Tensor:
+def ulp_bf16(magnitude: torch.Tensor) -> torch.Tensor:
     """The spacing of bf16 numbers at ``magnitude`` (>= 0), as float64."""
     _, exponent = torch.frexp(magnitude)  # magnitude = m * 2^e, m in [0.5, 1)
     ulp = torch.ldexp(torch.ones_like(magnitude), exponent - 8)  # 8 significant bits
@@ -189,10 +190,10 @@ def gate_tolerance(
         # 4. bf16 rounding of both sides
         ref = expected[start:stop].double().abs()
         larger = ref * (1 + 2.0**-8) + d_out
-        bound = d_out + store_ulps * _ulp_bf16(larger)
+        bound = d_out + store_ulps * ulp_bf16(larger)
         if token_mask is not None:
             keep = token_mask[start:stop].view(-1, 1, 1)
-            bound = torch.where(keep, bound, masked_ulps * _ulp_bf16(x.abs()))
+            bound = torch.where(keep, bound, masked_ulps * ulp_bf16(x.abs()))
         bounds.append(bound)
     if not bounds:
         return torch.zeros(hidden.shape, dtype=torch.float64, device=hidden.device)

@@ -16,17 +16,13 @@ from torch import nn
 
 from engramrt._device import resolve_device
 from engramrt.config import EngramConfig
-from engramrt.errors import CheckpointError, ValidationError
+from engramrt.errors import CheckpointError, ValidationError, describe_tensor
 from engramrt.gate import engram_gate
 from engramrt.layer.linear import EngramLinear
 
 __all__ = ["EngramHead"]
 
 _NORM_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-
-
-def _describe(tensor: torch.Tensor) -> str:
-    return f"shape {list(tensor.shape)} dtype {tensor.dtype}"
 
 
 class EngramHead(nn.Module):
@@ -112,8 +108,8 @@ class EngramHead(nn.Module):
                 )
             if list(weight.shape) != expected or weight.dtype not in _NORM_DTYPES:
                 raise CheckpointError(
-                    f"{name} has {_describe(weight)}; expected shape {expected} ([hc, D]) and "
-                    f"dtype torch.bfloat16, torch.float16 or torch.float32"
+                    f"{name} has {describe_tensor(weight)}; expected shape {expected} ([hc, D]) "
+                    f"and dtype torch.bfloat16, torch.float16 or torch.float32"
                 )
         self.wkv.load(wkv, wkv_scale, name="wkv")  # checks wkv and wkv_scale before writing
         for name, weight in (("q_weight", q_weight), ("k_weight", k_weight)):
@@ -183,7 +179,7 @@ class EngramHead(nn.Module):
             or not rows.is_contiguous()
         ):
             found = (
-                f"{_describe(rows)} (contiguous: {rows.is_contiguous()})"
+                f"{describe_tensor(rows)} (contiguous: {rows.is_contiguous()})"
                 if isinstance(rows, torch.Tensor)
                 else type(rows).__name__
             )

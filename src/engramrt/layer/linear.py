@@ -33,7 +33,7 @@ import math
 import torch
 from torch import nn
 
-from engramrt.errors import CheckpointError
+from engramrt.errors import CheckpointError, describe_tensor
 from engramrt.layer.reference import (
     BF16_DEQUANT_ROUNDING,
     WEIGHT_BLOCK,
@@ -45,10 +45,6 @@ __all__ = ["EngramLinear", "dequantize_block_fp8"]
 # Rows of the weight dequantised per step at load: bounds the fp32
 # temporaries to 32 blocks of rows (100 MB at in = 6144).
 _DEQUANT_ROW_BLOCKS = 32
-
-
-def _describe(tensor: torch.Tensor) -> str:
-    return f"shape {list(tensor.shape)} dtype {tensor.dtype}"
 
 
 def dequantize_block_fp8(
@@ -139,20 +135,20 @@ class EngramLinear(nn.Module):
             )
         if weight.dtype not in (torch.bfloat16, torch.float8_e4m3fn):
             raise CheckpointError(
-                f"{name} has {_describe(weight)}; expected dtype torch.bfloat16 or "
+                f"{name} has {describe_tensor(weight)}; expected dtype torch.bfloat16 or "
                 f"torch.float8_e4m3fn (with {name}_scale) of shape {list(expected)}"
             )
         if tuple(weight.shape) != expected:
             raise CheckpointError(
-                f"{name} has {_describe(weight)}; expected shape {list(expected)} "
+                f"{name} has {describe_tensor(weight)}; expected shape {list(expected)} "
                 f"([out, in] = [(hc+1)*D, C*E])"
             )
         scale_name = f"{name}_scale"
         if weight.dtype == torch.bfloat16:
             if weight_scale_inv is not None:
                 raise CheckpointError(
-                    f"{scale_name} was given ({_describe(weight_scale_inv)}) for a bf16 {name}; "
-                    f"expected None (only float8_e4m3fn weights carry block scales)"
+                    f"{scale_name} was given ({describe_tensor(weight_scale_inv)}) for a bf16 "
+                    f"{name}; expected None (only float8_e4m3fn weights carry block scales)"
                 )
             self.weight.copy_(weight)
             self.weight_rounding = 0.0
@@ -169,7 +165,7 @@ class EngramLinear(nn.Module):
             or tuple(weight_scale_inv.shape) != expected_scale
         ):
             found = (
-                _describe(weight_scale_inv)
+                describe_tensor(weight_scale_inv)
                 if isinstance(weight_scale_inv, torch.Tensor)
                 else type(weight_scale_inv).__name__
             )

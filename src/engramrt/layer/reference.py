@@ -32,6 +32,7 @@ from engramrt.gate.reference import (
     assert_within_tolerance,
     engram_gate_reference,
     gate_tolerance,
+    ulp_bf16,
 )
 
 __all__ = [
@@ -51,7 +52,6 @@ WEIGHT_BLOCK = 128
 _U32 = 2.0**-24  # fp32 unit roundoff
 _U64 = 2.0**-53  # float64 unit roundoff
 _UBF16 = 2.0**-8  # bf16 unit roundoff (8 significant bits)
-_BF16_MIN_SUBNORMAL = 2.0**-133
 
 BF16_DEQUANT_ROUNDING = _UBF16 + 2 * _U32
 """Relative error of a weight dequantised to bf16 the way :class:`~engramrt.layer.EngramLinear`
@@ -135,13 +135,6 @@ def linear_exact(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 # --------------------------------------------------------------------------
 
 
-def _ulp_bf16(magnitude: torch.Tensor) -> torch.Tensor:
-    """Spacing of bf16 numbers at ``magnitude`` (>= 0), float64."""
-    _, exponent = torch.frexp(magnitude)  # magnitude = m * 2^e, m in [0.5, 1)
-    ulp = torch.ldexp(torch.ones_like(magnitude), exponent - 8)  # 8 significant bits
-    return ulp.clamp_min(_BF16_MIN_SUBNORMAL)
-
-
 def linear_tolerance(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -172,7 +165,7 @@ def linear_tolerance(
         stop = min(start + chunk_tokens, num_tokens)
         magnitude = torch.mm(x[start:stop].double().abs(), magnitude_weight)  # S, [t, N]
         e1 = 1.01 * (rho + 2 * depth * _U32 * (1 + rho)) * magnitude + depth * _U64 * magnitude
-        bounds.append(e1 + 0.5 * _ulp_bf16(expected[start:stop].abs() + e1))
+        bounds.append(e1 + 0.5 * ulp_bf16(expected[start:stop].abs() + e1))
     if not bounds:
         return torch.zeros(expected.shape, dtype=torch.float64, device=expected.device)
     return torch.cat(bounds)

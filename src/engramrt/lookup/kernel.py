@@ -167,11 +167,10 @@ def lookup_rows_triton(
             fewer programs hold fewer of the GPU's multiprocessors while a
             model runs beside reads of host memory.
     """
-    num_tokens, num_cols = row_ids.shape
-    n_lookups = num_tokens * num_cols
+    n_lookups = row_ids.numel()  # T * C
     if n_lookups == 0:
         return out
-    blocks, blocks_pad, rows = tile_shape(E, kernel.rows_per_program)
+    rows = tile_shape(E, kernel.rows_per_program)[2]
     tiles = triton.cdiv(n_lookups, rows)
     per_program = tiles_per_program(tiles, kernel.max_programs)
     grid = (triton.cdiv(tiles, per_program),)
@@ -179,26 +178,12 @@ def lookup_rows_triton(
         row_ids,
         table,
         out.view(torch.int16),
-        n_lookups,
-        num_cols,
-        row_ids.stride(0),
-        row_ids.stride(1),
-        col_begin,
-        col_end,
+        *flat_lookup_args(row_ids, col_begin, col_end),
         row_begin,
         num_rows,
     )
-    options: dict[str, Any] = {
-        "E": E,
-        "ROW_BYTES": E + blocks,
-        "NB": blocks,
-        "NB_PAD": blocks_pad,
-        "ROWS": rows,
-        "HW_CONVERT": kernel.resolved_hw_convert(interpreter_enabled()),
-        "TILES": per_program,
-        "CACHE": kernel.cache_modifier,
-        "num_warps": kernel.num_warps or DEFAULT_NUM_WARPS,
-    }
+    options = row_tile_options(E, kernel)
+    options.update(TILES=per_program, CACHE=kernel.cache_modifier)
     if kernel.num_stages is not None:
         options["num_stages"] = kernel.num_stages
     if kernel.cached_launch:
@@ -216,6 +201,29 @@ def tile_shape(E: int, rows_per_program: int | None) -> tuple[int, int, int]:
     blocks_pad = triton.next_power_of_2(blocks)
     rows = rows_per_program or max(1, DEFAULT_TILE_ELEMENTS // (blocks_pad * 32))
     return blocks, blocks_pad, triton.next_power_of_2(rows)
+
+
+def flat_lookup_args(row_ids: torch.Tensor, col_begin: int, col_end: int) -> tuple[int, ...]:
+    """The launch arguments :func:`engramrt._jit.flat_lookups` reads of ``row_ids [T, C]``:
+    ``(n_lookups, num_cols, stride_t, stride_c, col_begin, col_end)``."""
+    num_tokens, num_cols = row_ids.shape
+    strides = row_ids.stride()
+    return (num_tokens * num_cols, num_cols, strides[0], strides[1], col_begin, col_end)
+
+
+def row_tile_options(E: int, kernel: LookupKernelConfig) -> dict[str, Any]:
+    """The constexprs of :func:`engramrt._jit.store_dequantized_rows`'s tile for rows of
+    ``E`` values (:func:`tile_shape`) and the launch's warps, as launch keywords."""
+    blocks, blocks_pad, rows = tile_shape(E, kernel.rows_per_program)
+    return {
+        "E": E,
+        "ROW_BYTES": E + blocks,
+        "NB": blocks,
+        "NB_PAD": blocks_pad,
+        "ROWS": rows,
+        "HW_CONVERT": kernel.resolved_hw_convert(interpreter_enabled()),
+        "num_warps": kernel.num_warps or DEFAULT_NUM_WARPS,
+    }
 
 
 def tiles_per_program(tiles: int, max_programs: int | None) -> int:

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from engramrt._io import atomic_write_bytes
+from engramrt._io import atomic_write_bytes, read_json
 from engramrt.errors import CheckpointError
 from engramrt.models.corpus import EvalSegments
 
@@ -285,12 +285,7 @@ def read_model_json(directory: Path) -> dict[str, Any]:
             f"{str(path)!r} does not exist; expected a directory written by "
             f"python -m engramrt.models.train"
         )
-    try:
-        data = json.loads(path.read_bytes().decode("utf-8"))
-    except UnicodeDecodeError as exc:
-        raise CheckpointError(f"{str(path)!r} is not UTF-8 text ({exc.reason})") from exc
-    except json.JSONDecodeError as exc:
-        raise CheckpointError(f"{str(path)!r} is not valid JSON: {exc}") from exc
+    data = read_json(path, CheckpointError, repr(str(path)))
     if not isinstance(data, dict):
         raise CheckpointError(
             f"{str(path)!r} holds a JSON {type(data).__name__}; expected an object"

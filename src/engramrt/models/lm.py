@@ -63,6 +63,7 @@ __all__ = [
     "dense_parameters",
     "flops_per_token",
     "next_token_loss_sum",
+    "next_token_losses",
 ]
 
 EngramFn = Callable[[torch.Tensor], torch.Tensor]
@@ -493,10 +494,11 @@ class TinyLM(nn.Module):
         return F.linear(x, self.embed.weight).float()  # tied output projection
 
 
-def next_token_loss_sum(
+def next_token_losses(
     logits: torch.Tensor, tokens: torch.Tensor, lengths: torch.Tensor
-) -> tuple[torch.Tensor, int]:
-    """Summed next-token cross-entropy (nats) of padded sequences, and its count.
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Next-token cross-entropy (nats) ``[B, S-1]`` fp32 of every prediction of padded
+    sequences, and which are valid (bool ``[B, S-1]``).
 
     ``logits [B, S, V]`` of ``tokens [B, S]`` (trimmed ids); sequence ``b``
     has ``lengths[b]`` valid tokens, so ``lengths[b] - 1`` predictions.
@@ -508,6 +510,14 @@ def next_token_loss_sum(
         tokens[:, 1:].reshape(-1),
         reduction="none",
     ).view(valid.shape)
+    return losses, valid
+
+
+def next_token_loss_sum(
+    logits: torch.Tensor, tokens: torch.Tensor, lengths: torch.Tensor
+) -> tuple[torch.Tensor, int]:
+    """Summed :func:`next_token_losses` of the valid predictions, and their count."""
+    losses, valid = next_token_losses(logits, tokens, lengths)
     return (losses * valid).sum(), int(valid.sum())
 
 

@@ -79,7 +79,7 @@ from engramrt.hashing import HashBatch, HashConstants
 from engramrt.hashing.vectorized import hash_batch_torch
 from engramrt.models import artifacts
 from engramrt.models.corpus import Corpus, EvalSegments, build_corpus, corpus_row_ids, eval_segments
-from engramrt.models.lm import LMConfig, TinyLM, next_token_loss_sum
+from engramrt.models.lm import LMConfig, TinyLM, next_token_loss_sum, next_token_losses
 from engramrt.models.vocab import Vocab
 from engramrt.training import EngramTable, SparseRowAdam
 
@@ -651,12 +651,7 @@ def token_losses(
     out = []
     seq = tokens.shape[1]
     for chunk, logits in _batched_logits(model, rows_of, tokens, row_ids, batch_size):
-        losses = F.cross_entropy(
-            logits[:, :-1].reshape(-1, logits.shape[-1]).float(),
-            tokens[chunk, 1:].reshape(-1),
-            reduction="none",
-        ).view(-1, seq - 1)
-        valid = torch.arange(1, seq, device=tokens.device)[None, :] < lengths[chunk, None]
+        losses, valid = next_token_losses(logits, tokens[chunk], lengths[chunk])
         out.append(torch.where(valid, losses.double(), torch.nan).cpu().numpy())
     return np.concatenate(out) if out else np.zeros((0, seq - 1))
 

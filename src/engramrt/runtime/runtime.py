@@ -76,7 +76,7 @@ import torch
 from torch import nn
 
 from engramrt.config import EngramConfig
-from engramrt.errors import ValidationError
+from engramrt.errors import ValidationError, check_choice
 from engramrt.hashing.types import HashBatch
 from engramrt.layer.module import check_hidden, pair_head_with_source
 from engramrt.protocols import LayerHead, RowIdMaker
@@ -360,18 +360,9 @@ class EngramRuntime:
         ):
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValidationError(f"{name}={value!r} must be a positive integer")
-        if lookup_workers not in LOOKUP_WORKERS:
-            raise ValidationError(
-                f"lookup_workers={lookup_workers!r}; expected one of {', '.join(LOOKUP_WORKERS)}"
-            )
-        if gpu_reads not in GPU_READS:
-            raise ValidationError(
-                f"gpu_reads={gpu_reads!r}; expected one of {', '.join(GPU_READS)}"
-            )
-        if lookup_overlap not in LOOKUP_OVERLAP:
-            raise ValidationError(
-                f"lookup_overlap={lookup_overlap!r}; expected one of {', '.join(LOOKUP_OVERLAP)}"
-            )
+        check_choice("lookup_workers", lookup_workers, LOOKUP_WORKERS)
+        check_choice("gpu_reads", gpu_reads, GPU_READS)
+        check_choice("lookup_overlap", lookup_overlap, LOOKUP_OVERLAP)
         devices = {s.device for s in sources}
         if devices != {hasher.device}:
             raise ValidationError(

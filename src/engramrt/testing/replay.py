@@ -43,7 +43,7 @@ import numpy as np
 import torch
 
 from engramrt.adapters import from_vllm_step, sglang_slot_cache, vllm_slot_cache
-from engramrt.errors import ValidationError
+from engramrt.errors import ValidationError, check_choice
 from engramrt.hashing import DEAD, HashBatch, HashConstants, NgramHasher, RequestHistory
 from engramrt.testing.engines import (
     SglangView,
@@ -146,8 +146,7 @@ class Replay:
     ) -> None:
         if engine not in ("vllm", "sglang"):
             raise ValidationError(f"engine={engine!r}; expected 'vllm' or 'sglang'")
-        if mode not in MODES:
-            raise ValidationError(f"mode={mode!r}; expected one of {', '.join(MODES)}")
+        check_choice("mode", mode, MODES)
         if sabotage is not None and sabotage not in SABOTAGES:
             raise ValidationError(f"sabotage={sabotage!r}; expected one of {SABOTAGES}")
         if engine == "sglang" and len(seeds) != 1:
