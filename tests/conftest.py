@@ -24,6 +24,16 @@ def _has_cuda() -> bool:
 if not _has_cuda():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
+    # Several pytest workers share the cores: one torch thread each (and in the
+    # processes the tests start), since a second thread waits for a core that
+    # another worker holds and small ops then run several times slower
+    # (BENCHMARKS.md, "The demo and the tests on a 2-core CPU").
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+
+    torch.set_num_threads(1)
+
 QUICK_MODULES = (
     "tests/test_config.py",
     "tests/test_layout.py",
@@ -44,12 +54,49 @@ tests on a 2-core CPU"); the token map's and ``inspect``'s tests, which rebuild 
 start processes, are left to the full run."""
 
 
+SHARED_GROUPS = ("tests/models/",)
+"""Folders whose tests share session fixtures worth building once (the tiny model trained
+in ``tests/models/conftest.py``): under pytest-xdist each runs on one worker."""
+
+SLOW_FIRST = ()
+"""The modules with the longest runs, started first so that under pytest-xdist no worker
+is left with one of them at the end (``--durations`` on a 2-core CPU, BENCHMARKS.md)."""
+
+
+def _group(item: pytest.Item, path: str) -> str | None:
+    """The pytest-xdist group of ``item``: its folder in :data:`SHARED_GROUPS`, else its
+    module when it uses a module-scoped fixture (built once, on one worker), else None."""
+    for folder in SHARED_GROUPS:
+        if path.startswith(folder):
+            return folder
+    info = getattr(item, "_fixtureinfo", None)
+    if info is not None:
+        for name in info.names_closure:
+            definitions = info.name2fixturedefs.get(name, ())
+            if any(d.scope == "module" for d in definitions):
+                return path
+    return None
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     root = config.rootpath
+    paths = {}
     for item in items:
         path = item.path.relative_to(root).as_posix() if item.path.is_relative_to(root) else ""
+        paths[item.nodeid] = path
         if path.startswith(QUICK_MODULES):
             item.add_marker(pytest.mark.quick)
+        group = _group(item, path)
+        if group is not None:
+            item.add_marker(pytest.mark.xdist_group(group))
+
+    def rank(item: pytest.Item) -> int:
+        path = paths[item.nodeid]
+        return next(
+            (i for i, slow in enumerate(SLOW_FIRST) if path.startswith(slow)), len(SLOW_FIRST)
+        )
+
+    items.sort(key=rank)  # stable: the collection order within each rank
 
 
 @pytest.fixture(scope="session")

@@ -3,24 +3,17 @@ check flags: validate (host metadata, never synchronises) and check_ids (ids).""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
-import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
 import pytest
-from tests.lookup.test_lookup import assert_same_bits, random_packed_table
+import torch
+from tests.helpers import DEVICE, assert_same_bits, random_packed_table
 
 from engramrt.errors import ValidationError
 from engramrt.lookup import lookup_rows, lookup_rows_reference
 from engramrt.lookup.tiers import TIERS, RowStore, make_store, register_tier, tier_class
 from engramrt.lookup.tiers import base as tiers_base
-
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 @pytest.fixture
