@@ -58,7 +58,19 @@ SHARED_GROUPS = ("tests/models/",)
 """Folders whose tests share session fixtures worth building once (the tiny model trained
 in ``tests/models/conftest.py``): under pytest-xdist each runs on one worker."""
 
-SLOW_FIRST = ()
+SLOW_FIRST = (
+    "tests/test_cli_demo_model.py",
+    "tests/models/",
+    "tests/test_bench_scripts.py",
+    "tests/test_docs.py",
+    "tests/test_bench_full_size.py",
+    "tests/test_cli_demo.py",
+    "tests/test_custom_ops.py",
+    "tests/adapters/test_replay.py",
+    "tests/test_examples.py",
+    "tests/checkpoint/test_conversion_set.py",
+    "tests/cache/test_concurrency.py",
+)
 """The modules with the longest runs, started first so that under pytest-xdist no worker
 is left with one of them at the end (``--durations`` on a 2-core CPU, BENCHMARKS.md)."""
 

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tests.helpers import assert_same_bits
 from tests.layer.common import (
     CONFIG,
     CUDA,
     DEVICE,
-    assert_same_bits,
     check_head_step,
     full_store,
     layer_table,

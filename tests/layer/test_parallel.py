@@ -24,10 +24,10 @@ import torch
 import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tests.helpers import assert_same_bits
 from tests.layer import sp_worker
 from tests.layer.common import (
     CONFIG,
-    assert_same_bits,
     exact_wkv,
     full_store,
     layer_table,
