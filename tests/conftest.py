@@ -40,7 +40,7 @@ QUICK_MODULES = (
     "tests/test_io.py",
     "tests/test_source.py",
     "tests/test_lean_import.py",
-    "tests/test_cli_errors.py",
+    "tests/cli/test_errors.py",
     "tests/quant/",
     "tests/checkpoint/test_names.py",
     "tests/checkpoint/test_format.py",
@@ -59,12 +59,12 @@ SHARED_GROUPS = ("tests/models/",)
 in ``tests/models/conftest.py``): under pytest-xdist each runs on one worker."""
 
 SLOW_FIRST = (
-    "tests/test_cli_demo_model.py",
+    "tests/cli/test_demo_model.py",
     "tests/models/",
     "tests/test_bench_scripts.py",
     "tests/test_docs.py",
     "tests/test_bench_full_size.py",
-    "tests/test_cli_demo.py",
+    "tests/cli/test_demo_synthetic.py",
     "tests/test_custom_ops.py",
     "tests/adapters/test_replay.py",
     "tests/test_examples.py",

@@ -1,7 +1,7 @@
 """The TP all-gather and all-to-all exchanges in one process: the routing reference and a
 world of one.
 
-The multi-process runs are in test_world.py; here the all-to-all routing
+The multi-process runs are in tests/distributed/test_world.py; here the all-to-all routing
 simulated over a list of shard stores equals the unsharded lookup for
 worlds 1..4 (a different T per rank, 0 included), and the distributed
 classes check their arguments before any collective.
