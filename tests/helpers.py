@@ -7,6 +7,9 @@ a module that imports kernels needs no prologue of its own.
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import torch
 
 from engramrt.lookup import pack_rows, row_bytes_for
@@ -56,3 +59,16 @@ def assert_same_bits(found: torch.Tensor, expected: torch.Tensor, label: str = "
 def finite_packed_table(num_rows: int, E: int, seed: int) -> torch.Tensor:
     """:func:`random_packed_table` with ``finite=True``: rows for layers and exchanges."""
     return random_packed_table(num_rows, E, seed, finite=True)
+
+
+def assert_import_is_lean(*modules: str) -> None:
+    """Importing ``modules`` (and torch) in a fresh interpreter loads no Triton and
+    initialises no GPU."""
+    code = (
+        f"import sys, torch, {', '.join(modules)}\n"
+        "loaded = sorted(m for m in sys.modules if m == 'triton' or m.startswith('triton.'))\n"
+        "assert not loaded, loaded\n"
+        "assert not torch.cuda.is_initialized()\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
