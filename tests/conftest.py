@@ -54,15 +54,28 @@ tests on a 2-core CPU"); the token map's and ``inspect``'s tests, which rebuild 
 start processes, are left to the full run."""
 
 
-SHARED_GROUPS = ("tests/models/",)
+SHARED_FOLDERS = ("tests/models/",)
 """Folders whose tests share session fixtures worth building once (the tiny model trained
 in ``tests/models/conftest.py``): under pytest-xdist each runs on one worker."""
+
+SPREAD = (
+    "tests/test_docs.py",
+    "tests/test_bench_scripts.py",
+    "tests/test_bench_full_size.py",
+    "tests/cli/test_demo_synthetic.py",
+    "tests/checkpoint/test_conversion_set.py",
+    "tests/cache/test_concurrency.py",
+    "tests/hashing/test_hash_kernel_configs.py",
+)
+"""Long modules whose tests share no costly module-scoped fixture: under pytest-xdist
+their tests go to the workers one by one. Every other module runs whole on one worker,
+so that its module-scoped fixtures are built once."""
 
 SLOW_FIRST = (
     "tests/cli/test_demo_model.py",
     "tests/models/",
-    "tests/test_bench_scripts.py",
     "tests/test_docs.py",
+    "tests/test_bench_scripts.py",
     "tests/test_bench_full_size.py",
     "tests/cli/test_demo_synthetic.py",
     "tests/test_custom_ops.py",
@@ -75,19 +88,14 @@ SLOW_FIRST = (
 is left with one of them at the end (``--durations`` on a 2-core CPU, BENCHMARKS.md)."""
 
 
-def _group(item: pytest.Item, path: str) -> str | None:
-    """The pytest-xdist group of ``item``: its folder in :data:`SHARED_GROUPS`, else its
-    module when it uses a module-scoped fixture (built once, on one worker), else None."""
-    for folder in SHARED_GROUPS:
-        if path.startswith(folder):
-            return folder
-    info = getattr(item, "_fixtureinfo", None)
-    if info is not None:
-        for name in info.names_closure:
-            definitions = info.name2fixturedefs.get(name, ())
-            if any(d.scope == "module" for d in definitions):
-                return path
-    return None
+def work_unit(nodeid: str) -> str:
+    """What one pytest-xdist worker runs together: a folder of :data:`SHARED_FOLDERS`, a
+    test of :data:`SPREAD` alone, else a whole module."""
+    path = nodeid.split("::", 1)[0]
+    folder = next((f for f in SHARED_FOLDERS if path.startswith(f)), None)
+    if folder is not None:
+        return folder
+    return nodeid if path in SPREAD else path
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -98,9 +106,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         paths[item.nodeid] = path
         if path.startswith(QUICK_MODULES):
             item.add_marker(pytest.mark.quick)
-        group = _group(item, path)
-        if group is not None:
-            item.add_marker(pytest.mark.xdist_group(group))
 
     def rank(item: pytest.Item) -> int:
         path = paths[item.nodeid]
@@ -109,6 +114,25 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         )
 
     items.sort(key=rank)  # stable: the collection order within each rank
+
+
+try:
+    from xdist.scheduler import LoadScopeScheduling
+except ImportError:  # pragma: no cover - pytest-xdist is in the dev extra
+    LoadScopeScheduling = None
+
+if LoadScopeScheduling is not None:
+
+    class _WorkUnitScheduling(LoadScopeScheduling):
+        """pytest-xdist's scope scheduling over :func:`work_unit`, in collection order
+        (the slowest first), each worker asking for more as it runs out."""
+
+        def _split_scope(self, nodeid: str) -> str:
+            return work_unit(nodeid)
+
+    def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> _WorkUnitScheduling:
+        config.option.loadscopereorder = False  # keep SLOW_FIRST's order
+        return _WorkUnitScheduling(config, log)
 
 
 @pytest.fixture(scope="session")
