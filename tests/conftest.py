@@ -130,7 +130,11 @@ if LoadScopeScheduling is not None:
         def _split_scope(self, nodeid: str) -> str:
             return work_unit(nodeid)
 
-    def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> _WorkUnitScheduling:
+    def pytest_xdist_make_scheduler(
+        config: pytest.Config, log: object
+    ) -> _WorkUnitScheduling | None:
+        if config.getvalue("dist") != "load":
+            return None  # an explicit --dist keeps pytest-xdist's own scheduler
         config.option.loadscopereorder = False  # keep SLOW_FIRST's order
         return _WorkUnitScheduling(config, log)
 
