@@ -58,14 +58,15 @@ def spawn_world(
 def torchrun_bench(
     script: str, *options: str, nproc: int = 2, timeout_s: float = 240
 ) -> subprocess.CompletedProcess:
-    """``bench/<script>`` under ``torch.distributed.run`` with ``nproc`` CPU processes,
-    this checkout's sources first on the path and Triton's interpreter off."""
+    """``bench/<script>`` under ``torch.distributed.run --standalone`` with ``nproc`` CPU
+    processes, this checkout's sources first on the path and Triton's interpreter off."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
     command = [
         sys.executable,
         "-m",
         "torch.distributed.run",
+        "--standalone",  # a free port: other test processes may be running torchrun too
         "--nproc-per-node",
         str(nproc),
         str(ROOT / "bench" / script),

@@ -9,16 +9,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from tests.cache.helpers import assert_same_bits, random_packed_table, skewed_ids
+from tests.cache.helpers import skewed_ids
+from tests.helpers import assert_same_bits, random_packed_table
 from tests.lookup.stores import store_of
 
 from engramrt.cache import CachedRowStore, CacheStats, SetAssociativeLfu
 from engramrt.errors import CapacityError, EngramError, ValidationError
 from engramrt.lookup.tiers import HostOptions, RowStore, TablePlacement, make_store
 
-pytestmark = pytest.mark.filterwarnings(
-    "ignore:(overflow|invalid value) encountered:RuntimeWarning"
-)
 TIERS = [
     "device",
     pytest.param(

@@ -15,14 +15,12 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from tests.cache.helpers import assert_same_bits, random_packed_table, skewed_ids
+from tests.cache.helpers import skewed_ids
+from tests.helpers import assert_same_bits, random_packed_table
 
 from engramrt.cache import EMPTY_TAG, PHASES, CachedRowStore, CacheUpdate
 from engramrt.lookup.tiers import RowStore, TablePlacement, make_store
 
-pytestmark = pytest.mark.filterwarnings(
-    "ignore:(overflow|invalid value) encountered:RuntimeWarning"
-)
 E = 32
 ROW_BYTES = E + E // 32
 NUM_ROWS = 60

@@ -8,15 +8,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tests.cache.helpers import assert_same_bits, random_packed_table
+from tests.helpers import assert_same_bits, random_packed_table
 
 from engramrt.cache import MISS, NOT_OWNED, SetAssociativeLfu, probe_gather_reference, set_index
 from engramrt.cache.kernel import probe_gather_triton
 from engramrt.lookup import LookupKernelConfig, lookup_rows_reference
-
-pytestmark = pytest.mark.filterwarnings(
-    "ignore:(overflow|invalid value) encountered:RuntimeWarning"
-)
 
 
 def filled_index(

@@ -18,7 +18,8 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
-from tests.layer.common import random_packed_table, random_weights
+from tests.helpers import finite_packed_table
+from tests.layer.common import random_weights
 
 from engramrt.checkpoint import EngramWeightLoader, convert_checkpoint, load_layer, load_table
 from engramrt.checkpoint.safetensors_format import read_header
@@ -43,7 +44,7 @@ def placed(
 
 def _tables() -> list[torch.Tensor]:
     return [
-        random_packed_table(rows, E, seed=40 + i) for i, rows in enumerate(CONFIG.num_embeddings)
+        finite_packed_table(rows, E, seed=40 + i) for i, rows in enumerate(CONFIG.num_embeddings)
     ]
 
 

@@ -13,10 +13,11 @@ from __future__ import annotations
 import hashlib
 
 import torch
+from tests.helpers import finite_packed_table
 
 from engramrt.config import PRESETS, EngramConfig
 from engramrt.layout import EngramLayout
-from engramrt.lookup import lookup_rows_reference, pack_rows
+from engramrt.lookup import lookup_rows_reference
 from engramrt.lookup.tiers import DeviceOptions, RowStore, TablePlacement, make_store
 
 TINY: EngramConfig = PRESETS["tiny"]
@@ -46,18 +47,9 @@ C6 = synthetic_config(3, 3, 32, "c6")  # C = 6: tp = 4 is refused
 CONFIGS: dict[str, EngramConfig] = {"tiny": TINY, "c10": C10, "c6": C6}
 
 
-def random_packed_table(num_rows: int, E: int, seed: int) -> torch.Tensor:
-    """``[num_rows, E + E/32]`` uint8: finite random fp8 values, scale bytes 118..131."""
-    g = torch.Generator().manual_seed(seed)
-    values = torch.randint(0, 256, (num_rows, E), generator=g, dtype=torch.uint8)
-    values ^= ((values & 0x7F) == 0x7F).to(torch.uint8)  # NaN codes 0x7F/0xFF -> +-448
-    scales = torch.randint(118, 132, (num_rows, E // 32), generator=g, dtype=torch.uint8)
-    return pack_rows(values.view(torch.float8_e4m3fn), scales)
-
-
 def layer_table(config: EngramConfig, layer_index: int = 0, seed: int = 11) -> torch.Tensor:
     """The whole packed table of one layer (CPU), the same in every process."""
-    return random_packed_table(
+    return finite_packed_table(
         config.num_embeddings[layer_index], config.head_dim, seed + 7919 * layer_index
     )
 

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
-from tests.distributed.common import random_packed_table
+from tests.helpers import finite_packed_table
 
 from engramrt.distributed import SharedHostTable, TablePaths
 from engramrt.errors import LockTimeoutError, UntrustedFileError
@@ -35,8 +35,8 @@ CREATOR = """
 import sys
 from engramrt.distributed import SharedHostTable
 from engramrt.errors import EngramError
-from tests.distributed.common import random_packed_table
-rows = random_packed_table({num_rows}, {E}, seed=3)
+from tests.helpers import finite_packed_table
+rows = finite_packed_table({num_rows}, {E}, seed=3)
 try:
     SharedHostTable.create_or_attach(
         {name!r}, {num_rows}, {row_bytes}, lambda t: t.copy_(rows), directory=sys.argv[1],
@@ -115,7 +115,7 @@ def test_a_hard_link_at_the_lock_is_refused(tmp_path: Path, secret: Path) -> Non
 
 def test_a_fifo_at_the_lock_neither_blocks_nor_is_used(tmp_path: Path) -> None:
     os.mkfifo(TablePaths(tmp_path, NAME).lock)
-    rows = random_packed_table(NUM_ROWS, E, seed=3)
+    rows = finite_packed_table(NUM_ROWS, E, seed=3)
     with pytest.raises(UntrustedFileError, match=r"is not a regular file"):
         SharedHostTable.create_or_attach(
             NAME, NUM_ROWS, ROW_BYTES, lambda t: t.copy_(rows), directory=tmp_path, timeout_s=5
@@ -151,7 +151,7 @@ def test_a_foreign_holder_is_reported_after_foreign_lock_s(tmp_path: Path) -> No
     )
     try:
         assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
-        rows = random_packed_table(NUM_ROWS, E, seed=3)
+        rows = finite_packed_table(NUM_ROWS, E, seed=3)
         began = time.monotonic()
         with pytest.raises(LockTimeoutError) as caught:
             SharedHostTable.create_or_attach(

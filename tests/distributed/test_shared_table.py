@@ -25,8 +25,9 @@ import pytest
 import torch
 import torch.distributed as dist
 from tests.distributed import crash_worker
-from tests.distributed.common import CountingLoader, random_packed_table, sha256_of
+from tests.distributed.common import CountingLoader, sha256_of
 from tests.distributed.world_worker import mapping_permissions
+from tests.helpers import finite_packed_table
 
 from engramrt.distributed import (
     SharedHostTable,
@@ -50,7 +51,7 @@ def dead_pid() -> int:
 
 @pytest.fixture
 def rows() -> torch.Tensor:
-    return random_packed_table(NUM_ROWS, E, seed=5)
+    return finite_packed_table(NUM_ROWS, E, seed=5)
 
 
 @pytest.fixture

@@ -20,7 +20,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from tests.distributed.common import CountingLoader, random_packed_table, sha256_of
+from tests.distributed.common import CountingLoader, sha256_of
+from tests.helpers import finite_packed_table
 
 from engramrt.distributed import SharedHostTable, TablePaths
 from engramrt.distributed import shared_table as shared_table_module
@@ -35,7 +36,7 @@ OTHER_UID = 54321
 
 @pytest.fixture
 def rows() -> torch.Tensor:
-    return random_packed_table(NUM_ROWS, E, seed=9)
+    return finite_packed_table(NUM_ROWS, E, seed=9)
 
 
 def build(directory: Path, loader, **options) -> SharedHostTable:
@@ -161,8 +162,8 @@ def test_stale_manifest_temporaries_are_removed(tmp_path: Path, rows) -> None:
 CREATOR = """
 import sys, torch
 from engramrt.distributed import SharedHostTable
-from tests.distributed.common import random_packed_table
-rows = random_packed_table({num_rows}, {E}, seed=9)
+from tests.helpers import finite_packed_table
+rows = finite_packed_table({num_rows}, {E}, seed=9)
 SharedHostTable.create_or_attach(
     {name!r}, {num_rows}, {row_bytes}, lambda t: t.copy_(rows), directory=sys.argv[1], timeout_s=30
 )

@@ -6,20 +6,13 @@ On machines without a GPU the kernel runs through Triton's CPU interpreter
 
 from __future__ import annotations
 
-import os
-
-import torch
-
-if not torch.cuda.is_available():
-    # Triton reads this when a kernel is decorated, i.e. when engramrt.gate.kernel
-    # is first imported: it must be set before that.
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
 import math
 import subprocess
 import sys
 
 import pytest
+import torch
+from tests.helpers import DEVICE
 
 from engramrt._backend import interpreter_enabled
 from engramrt.errors import ValidationError
@@ -31,7 +24,6 @@ from engramrt.gate import (
 )
 from engramrt.gate.kernel import GateKernelConfig, default_gate_config, engram_gate_triton
 
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 EPS = 1e-6
 
 # ---------------------------------------------------------------------------

@@ -5,13 +5,6 @@ an empty batch."""
 
 from __future__ import annotations
 
-import os
-
-import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
 import dataclasses
 import re
 from pathlib import Path

@@ -23,11 +23,6 @@ from engramrt.hashing.ops import HashKernelConfig
 from engramrt.hashing.validate import check_batch_contents, check_batch_metadata
 
 
-@pytest.fixture(scope="module")
-def consts(token_map) -> HashConstants:
-    return HashConstants.from_config(PRESETS["tiny"], token_map)
-
-
 def _random_batch(rng: np.random.Generator, vocab: int, n: int, id_dtype: torch.dtype) -> HashBatch:
     lengths = rng.integers(0, 23, size=int(rng.integers(1, 9)))
     qsl = np.concatenate([[0], np.cumsum(lengths)])

@@ -42,11 +42,6 @@ CONFIGS = {
 }
 
 
-@pytest.fixture(scope="module")
-def consts(token_map) -> HashConstants:
-    return HashConstants.from_config(PRESETS["tiny"], token_map)
-
-
 def _ragged_batch(rng: np.random.Generator, vocab: int, n: int, n_req: int) -> HashBatch:
     """Requests of 0..22 tokens (odd sizes), padded requests and padding rows, dead tokens."""
     lengths = rng.integers(0, 23, size=n_req)

@@ -23,7 +23,6 @@ import numpy as np
 import pytest
 import torch
 
-from engramrt.config import PRESETS
 from engramrt.hashing import (
     HashBatch,
     HashConstants,
@@ -42,11 +41,6 @@ GUARD_CODE = 777  # a compressed id nothing writes: reading it changes the row i
 BLOCK = 4
 NUM_BLOCKS = 8
 NUM_SLOTS = BLOCK * NUM_BLOCKS
-
-
-@pytest.fixture(scope="module")
-def consts(token_map) -> HashConstants:
-    return HashConstants.from_config(PRESETS["tiny"], token_map)
 
 
 def guarded(store: torch.Tensor, fill: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -17,15 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engramrt.config import PRESETS
-from engramrt.hashing import HashConstants
 from engramrt.testing import MODES, run_schedule, run_schedules
-
-
-@pytest.fixture(scope="module")
-def consts(token_map) -> HashConstants:
-    return HashConstants.from_config(PRESETS["tiny"], token_map)
-
 
 _run_schedule = run_schedule
 

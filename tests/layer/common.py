@@ -13,11 +13,11 @@ from __future__ import annotations
 import os
 
 import torch
+from tests.helpers import finite_packed_table
 
 from engramrt._backend import interpreter_enabled
 from engramrt.config import PRESETS, EngramConfig
 from engramrt.layout import EngramLayout
-from engramrt.lookup import pack_rows, row_bytes_for
 from engramrt.lookup.tiers import RowStore, TablePlacement, make_store
 
 CUDA = torch.cuda.is_available()
@@ -32,20 +32,9 @@ def layout(config: EngramConfig = CONFIG) -> EngramLayout:
     return EngramLayout(config)
 
 
-def random_packed_table(num_rows: int, E: int, seed: int) -> torch.Tensor:
-    """``[num_rows, E + E/32]`` uint8: finite random fp8 values, scale bytes 118..131."""
-    g = torch.Generator().manual_seed(seed)
-    values = torch.randint(0, 256, (num_rows, E), generator=g, dtype=torch.uint8)
-    values ^= ((values & 0x7F) == 0x7F).to(torch.uint8)  # NaN codes 0x7F/0xFF -> +-448
-    scales = torch.randint(118, 132, (num_rows, E // 32), generator=g, dtype=torch.uint8)
-    packed = pack_rows(values.view(torch.float8_e4m3fn), scales)
-    assert packed.shape[1] == row_bytes_for(E)
-    return packed
-
-
 def layer_table(config: EngramConfig = CONFIG, seed: int = 7) -> torch.Tensor:
     """The packed table of layer ``LAYER_INDEX`` (CPU)."""
-    return random_packed_table(config.num_embeddings[LAYER_INDEX], config.head_dim, seed)
+    return finite_packed_table(config.num_embeddings[LAYER_INDEX], config.head_dim, seed)
 
 
 def random_row_ids(num_tokens: int, seed: int, config: EngramConfig = CONFIG) -> torch.Tensor:
@@ -134,19 +123,3 @@ def check_head_step(head, weights: dict, hidden, rows, kv, out, token_mask=None)
         weight_rounding=head.wkv.weight_rounding,
         truncating_store=hidden.device.type == "cpu" and interpreter_enabled(),
     )
-
-
-def assert_same_bits(found: torch.Tensor, expected: torch.Tensor, label: str = "rows") -> None:
-    """bf16 tensors equal bit for bit; the first differences listed otherwise."""
-    assert found.shape == expected.shape, (
-        f"{label}: {tuple(found.shape)} != {tuple(expected.shape)}"
-    )
-    a = found.detach().cpu().view(torch.int16)
-    b = expected.detach().cpu().view(torch.int16)
-    diff = (a != b).nonzero()
-    if diff.numel():
-        first = ", ".join(
-            f"{tuple(i)}: {int(a[tuple(i)]) & 0xFFFF:#06x} != {int(b[tuple(i)]) & 0xFFFF:#06x}"
-            for i in diff[:8].tolist()
-        )
-        raise AssertionError(f"{label}: {diff.shape[0]} of {a.numel()} values differ; {first}")

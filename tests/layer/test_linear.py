@@ -15,7 +15,8 @@ import math
 import numpy as np
 import pytest
 import torch
-from tests.layer.common import DEVICE, assert_same_bits, quantize_block_fp8
+from tests.helpers import assert_same_bits
+from tests.layer.common import DEVICE, quantize_block_fp8
 
 from engramrt.errors import CheckpointError
 from engramrt.gate import assert_within_tolerance

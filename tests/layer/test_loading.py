@@ -8,10 +8,10 @@ from safetensors.torch import save_file
 from tests.layer.common import (
     CONFIG,
     DEVICE,
+    finite_packed_table,
     full_store,
     layer_table,
     random_hidden,
-    random_packed_table,
     random_row_ids,
     random_weights,
 )
@@ -31,7 +31,7 @@ def _checkpoint(
     prefix: str = "model.",
     scale: str = "weight_scale_inv",
 ):
-    tables = [layer_table(), random_packed_table(CONFIG.num_embeddings[1], CONFIG.head_dim, 9)]
+    tables = [layer_table(), finite_packed_table(CONFIG.num_embeddings[1], CONFIG.head_dim, 9)]
     save_tables(tmp_path / "engram.safetensors", tables, CONFIG)
     layer_id = CONFIG.layer_ids[0]
     named = {

@@ -10,20 +10,13 @@ interpreter; the graph-capture test needs a GPU.
 
 from __future__ import annotations
 
-import os
-
-import torch
-
-if not torch.cuda.is_available():
-    # Triton reads this when kernels are decorated, i.e. on first import.
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
 import pytest
+import torch
+from tests.helpers import assert_same_bits
 from tests.layer.common import (
     CONFIG,
     CUDA,
     DEVICE,
-    assert_same_bits,
     check_head_step,
     full_store,
     layer_table,
@@ -40,9 +33,6 @@ from engramrt.layer import (
 )
 from engramrt.lookup import lookup_rows_reference
 
-pytestmark = pytest.mark.filterwarnings(
-    "ignore:(overflow|invalid value) encountered:RuntimeWarning"
-)
 HC, DIM, E, C = CONFIG.hc_mult, CONFIG.hidden_size, CONFIG.head_dim, CONFIG.n_cols
 
 

@@ -16,25 +16,18 @@ it runs wkv and the gate on that share. Here, in the test process:
 
 from __future__ import annotations
 
-import os
-
-import torch
-
-if not torch.cuda.is_available():
-    # Triton reads this when kernels are decorated, i.e. on first import.
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
 import datetime
 from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tests.helpers import assert_same_bits
 from tests.layer import sp_worker
 from tests.layer.common import (
     CONFIG,
-    assert_same_bits,
     exact_wkv,
     full_store,
     layer_table,
@@ -60,9 +53,6 @@ from engramrt.layer import EngramLayer, assert_layer_within_tolerance
 from engramrt.layout import cols_per_rank, owned_columns
 from engramrt.lookup import lookup_rows_reference
 
-pytestmark = pytest.mark.filterwarnings(
-    "ignore:(overflow|invalid value) encountered:RuntimeWarning"
-)
 WORLD = max(sp_worker.TPS)
 CPU = torch.device("cpu")  # gloo moves CPU tensors; NCCL would run the same code on GPUs
 NEGATIVE_ZERO_BITS = -(2**15)  # bf16 -0.0 (0x8000) as int16

@@ -3,16 +3,11 @@ dequantise kernel against the reference, byte for byte."""
 
 from __future__ import annotations
 
-import os
 import re
 
-import torch
-
-if not torch.cuda.is_available():
-    # Triton reads this when kernels are decorated, i.e. on first import.
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
 import pytest
+import torch
+from tests.helpers import DEVICE, assert_same_bits, random_packed_table
 
 from engramrt.errors import ValidationError
 from engramrt.lookup import (
@@ -27,36 +22,12 @@ from engramrt.lookup import (
 )
 from engramrt.quant import dequantize_rows_reference, quantize_rows_reference
 
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-pytestmark = pytest.mark.filterwarnings(
-    "ignore:(overflow|invalid value) encountered:RuntimeWarning"
-)
-
-
-def random_packed_table(num_rows: int, E: int, seed: int) -> torch.Tensor:
-    """Random value bytes (NaN codes included) and scale bytes in 110..135."""
-    g = torch.Generator().manual_seed(seed)
-    values = torch.randint(0, 256, (num_rows, E), generator=g, dtype=torch.uint8)
-    scales = torch.randint(110, 136, (num_rows, E // 32), generator=g, dtype=torch.uint8)
-    return pack_rows(values.view(torch.float8_e4m3fn), scales)
-
 
 def random_ids(
     shape: tuple[int, int], low: int, high: int, dtype: torch.dtype, seed: int
 ) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(low, high, shape, generator=g, dtype=torch.int64).to(dtype)
-
-
-def assert_same_bits(found: torch.Tensor, expected: torch.Tensor) -> None:
-    assert found.shape == expected.shape and found.dtype == expected.dtype == torch.bfloat16
-    a = found.view(torch.int16).cpu()
-    b = expected.view(torch.int16).cpu()
-    diff = (a != b).nonzero()
-    assert diff.numel() == 0, f"{diff.shape[0]} values differ; first at " + ", ".join(
-        f"{tuple(i)}: {a[tuple(i)].item() & 0xFFFF:#06x} != {b[tuple(i)].item() & 0xFFFF:#06x}"
-        for i in diff[:8].tolist()
-    )
 
 
 # --------------------------------------------------------------------------

@@ -3,16 +3,10 @@
 
 from __future__ import annotations
 
-import os
-
-import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
 import pytest
+import torch
+from tests.helpers import DEVICE, assert_same_bits, random_packed_table
 from tests.lookup.stores import store_of
-from tests.lookup.test_lookup import assert_same_bits, random_packed_table
 
 from engramrt.cache import SetAssociativeLfu, probe_gather_reference
 from engramrt.errors import ValidationError
@@ -21,7 +15,6 @@ from engramrt.lookup.tiers import DeviceOptions, SyntheticRowStore
 from engramrt.packed import unpack_rows, word_dtype_for
 from engramrt.quant import dequantize_rows_reference
 
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 INT32_MAX = 2**31 - 1
 
 

@@ -5,17 +5,12 @@ metadata, never synchronises) and check_ids (ids)."""
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
 import pytest
-from tests.lookup.test_lookup import assert_same_bits, random_packed_table
+import torch
+from tests.helpers import DEVICE, assert_same_bits, random_packed_table
 
 from engramrt.errors import ValidationError
 from engramrt.layout import ColumnShard, EngramLayout
@@ -37,8 +32,6 @@ from engramrt.lookup.tiers import (
     tier_class,
 )
 from engramrt.lookup.tiers import base as tiers_base
-
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 @pytest.fixture

@@ -3,35 +3,17 @@ own contiguous row range, rebuild the unsharded lookup column by column."""
 
 from __future__ import annotations
 
-import os
-
-import torch
-
-if not torch.cuda.is_available():
-    # Triton reads this when kernels are decorated, i.e. on first import.
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
 import math
 
-import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from tests.helpers import DEVICE, random_packed_table
 from tests.lookup.stores import store_of
 
-from engramrt.lookup import lookup_rows, lookup_rows_reference, pack_rows
+from engramrt.lookup import lookup_rows, lookup_rows_reference
 
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 E = 32
-pytestmark = pytest.mark.filterwarnings(
-    "ignore:(overflow|invalid value) encountered:RuntimeWarning"
-)
-
-
-def random_packed_table(num_rows: int, seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    values = torch.randint(0, 256, (num_rows, E), generator=g, dtype=torch.uint8)
-    scales = torch.randint(110, 136, (num_rows, E // 32), generator=g, dtype=torch.uint8)
-    return pack_rows(values.view(torch.float8_e4m3fn), scales)
 
 
 def rank_columns(num_cols: int, tp: int, rank: int) -> tuple[int, int]:
@@ -106,7 +88,7 @@ def test_shards_rebuild_the_full_lookup(
     offsets = [0]
     for size in bucket_sizes:
         offsets.append(offsets[-1] + size)
-    table = random_packed_table(offsets[-1], seed)
+    table = random_packed_table(offsets[-1], E, seed)
     g = torch.Generator().manual_seed(seed)
     row_ids = torch.stack(
         [
@@ -124,7 +106,7 @@ def test_negative_control_wrong_row_begin_is_caught() -> None:
     """Shards that misplace their rows by one do not rebuild the lookup."""
     bucket_sizes = [5, 7, 3, 11]
     offsets = [0, 5, 12, 15, 26]
-    table = random_packed_table(26, seed=1)
+    table = random_packed_table(26, E, seed=1)
     row_ids = torch.tensor([[1, 6, 13, 16], [4, 11, 14, 25]], dtype=torch.int64)
     assert bool((row_ids > torch.tensor(offsets[:-1])).all())  # id - 1 stays inside its shard
     full = lookup_rows_reference(row_ids, table, E)

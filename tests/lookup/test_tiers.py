@@ -3,22 +3,16 @@ before allocating, and rejects bad ids and arguments with clear errors."""
 
 from __future__ import annotations
 
-import os
-
-import torch
-
-if not torch.cuda.is_available():
-    # Triton reads this when kernels are decorated, i.e. on first import.
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
 from pathlib import Path
 
 import pytest
+import torch
+from tests.helpers import CUDA, DEVICE, assert_same_bits, random_packed_table
 from tests.lookup.stores import store_of
 
 from engramrt import memory
 from engramrt.errors import CapacityError, CheckpointError, ValidationError
-from engramrt.lookup import LookupKernelConfig, lookup_rows_reference, pack_rows
+from engramrt.lookup import LookupKernelConfig, lookup_rows_reference
 from engramrt.lookup.tiers import (
     DeviceOptions,
     DeviceRowStore,
@@ -32,8 +26,6 @@ from engramrt.lookup.tiers import (
     tier_class,
 )
 
-CUDA = torch.cuda.is_available()
-DEVICE = torch.device("cuda" if CUDA else "cpu")
 TIERS = [
     "device",
     pytest.param(
@@ -45,28 +37,6 @@ TIERS = [
     "host",
     "disk",
 ]
-pytestmark = pytest.mark.filterwarnings(
-    "ignore:(overflow|invalid value) encountered:RuntimeWarning"
-)
-
-
-def random_packed_table(num_rows: int, E: int, seed: int) -> torch.Tensor:
-    """Random value bytes (NaN codes included) and scale bytes in 110..135."""
-    g = torch.Generator().manual_seed(seed)
-    values = torch.randint(0, 256, (num_rows, E), generator=g, dtype=torch.uint8)
-    scales = torch.randint(110, 136, (num_rows, E // 32), generator=g, dtype=torch.uint8)
-    return pack_rows(values.view(torch.float8_e4m3fn), scales)
-
-
-def assert_same_bits(found: torch.Tensor, expected: torch.Tensor) -> None:
-    assert found.shape == expected.shape and found.dtype == expected.dtype == torch.bfloat16
-    a = found.view(torch.int16).cpu()
-    b = expected.view(torch.int16).cpu()
-    diff = (a != b).nonzero()
-    assert diff.numel() == 0, f"{diff.shape[0]} values differ; first at " + ", ".join(
-        f"{tuple(i)}: {a[tuple(i)].item() & 0xFFFF:#06x} != {b[tuple(i)].item() & 0xFFFF:#06x}"
-        for i in diff[:8].tolist()
-    )
 
 
 def build(

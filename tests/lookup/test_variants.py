@@ -9,16 +9,12 @@ batch; the cached launcher and the plain ``kernel[grid]`` path alike.
 
 from __future__ import annotations
 
-import os
 import re
 
-import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
 import pytest
-from tests.lookup.test_lookup import assert_same_bits, random_ids, random_packed_table
+import torch
+from tests.helpers import DEVICE, assert_same_bits, random_packed_table
+from tests.lookup.test_lookup import random_ids
 
 from engramrt.bench.cases_lookup import (
     DECODE_READ_SWEEP,
@@ -29,11 +25,6 @@ from engramrt.bench.cases_lookup import (
 from engramrt.errors import ValidationError
 from engramrt.lookup import LookupKernelConfig, lookup_rows, lookup_rows_reference
 from engramrt.lookup.tiers import DeviceOptions, HostOptions, TablePlacement, make_store
-
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-pytestmark = pytest.mark.filterwarnings(
-    "ignore:(overflow|invalid value) encountered:RuntimeWarning"
-)
 
 E = 256  # the sweeps are meant for V4.1 rows (264 bytes)
 NUM_ROWS, ROW_BEGIN = 53, 1_000

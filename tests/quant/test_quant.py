@@ -3,18 +3,12 @@ oracle, and the Triton kernels against the reference, byte for byte."""
 
 from __future__ import annotations
 
-import os
-
-import torch
-
-if not torch.cuda.is_available():
-    # Triton reads this when kernels are decorated, i.e. on first import.
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
 import numpy as np
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tests.helpers import DEVICE
 
 from engramrt.errors import ValidationError
 from engramrt.quant import (
@@ -23,12 +17,6 @@ from engramrt.quant import (
     quantize_rows,
     quantize_rows_reference,
 )
-
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-pytestmark = pytest.mark.filterwarnings(
-    "ignore:(overflow|invalid value) encountered:RuntimeWarning"
-)
-
 
 # --------------------------------------------------------------------------
 # Independent oracle: e4m3fn decoded from its bit fields, RNE by search.

@@ -8,12 +8,11 @@ import shutil
 import pytest
 import torch
 from safetensors.torch import save_file
+from tests.checkpoint.conftest import SCALE, WEIGHT, float_tables, reference_packed
 
 from engramrt.checkpoint import read_header, read_table
 from engramrt.cli import main
 from engramrt.layout import EngramLayout
-
-from .conftest import SCALE, WEIGHT, float_tables, reference_packed
 
 
 def _run(capsys, *args: str) -> tuple[int, str, str]:

@@ -22,6 +22,13 @@ def _run(capsys, *args: str) -> tuple[int, str, str]:
     return int(info.value.code or 0), " ".join(out.split()), err
 
 
+def _tiny_demo(capsys, text: str, *args: str) -> tuple[int, str, str]:
+    """``engramrt demo --synthetic`` on the tiny config and the CPU, over ``text``."""
+    return _run(
+        capsys, "demo", "--synthetic", "--config", "tiny", "--text", text, "--device", "cpu", *args
+    )
+
+
 def test_demo_runs_and_checks_every_step(capsys, tmp_path) -> None:
     chart = tmp_path / "demo.png"
     code, out, _ = _run(capsys, "demo", "--synthetic", "--device", "cpu", "--plot", str(chart))
@@ -42,19 +49,7 @@ def test_demo_runs_and_checks_every_step(capsys, tmp_path) -> None:
 
 def test_demo_on_tiny_config_with_text(capsys, tmp_path) -> None:
     text = "The cat and THE CAT and the cat sat on the mat while the Cat slept on The Mat all day long, and the cat woke up."
-    code, out, _ = _run(
-        capsys,
-        "demo",
-        "--synthetic",
-        "--config",
-        "tiny",
-        "--text",
-        text,
-        "--device",
-        "cpu",
-        "--plot",
-        str(tmp_path / "c.png"),
-    )
+    code, out, _ = _tiny_demo(capsys, text, "--plot", str(tmp_path / "c.png"))
     assert code == 0 and "checks passed" in out
     assert _first_tokens_rows(capsys.raw) == _independent_first_tokens(text)
 
@@ -173,22 +168,8 @@ def test_demo_serves_rows_from_a_checkpoint(capsys, tmp_path, monkeypatch) -> No
     tables = [random_packed_rows(n, cfg.head_dim, "cpu", gen) for n in cfg.num_embeddings]
     ckpt = save_tables(tmp_path / "engram.safetensors", tables, cfg)
     text = "The cat and THE CAT and the cat sat on the mat while the Cat slept on The Mat all day, and the cat woke up."
-    code, out, _ = _run(
-        capsys,
-        "demo",
-        "--synthetic",
-        "--config",
-        "tiny",
-        "--text",
-        text,
-        "--device",
-        "cpu",
-        "--checkpoint",
-        str(ckpt),
-        "--tier",
-        "host",
-        "--plot",
-        str(tmp_path / "c.png"),
+    code, out, _ = _tiny_demo(
+        capsys, text, "--checkpoint", str(ckpt), "--tier", "host", "--plot", str(tmp_path / "c.png")
     )
     assert code == 0 and "checks passed" in out
     # Independent of that verdict: the stores served hold exactly the tables saved here.
@@ -196,19 +177,7 @@ def test_demo_serves_rows_from_a_checkpoint(capsys, tmp_path, monkeypatch) -> No
     for store, table in zip(served, tables, strict=True):
         got = store.gather_packed(torch.arange(table.shape[0]))
         assert torch.equal(got.cpu(), table.cpu())
-    code, _, err = _run(
-        capsys,
-        "demo",
-        "--synthetic",
-        "--config",
-        "tiny",
-        "--text",
-        text,
-        "--device",
-        "cpu",
-        "--checkpoint",
-        str(tmp_path / "missing"),
-        "--plot",
-        str(tmp_path / "d.png"),
+    code, _, err = _tiny_demo(
+        capsys, text, "--checkpoint", str(tmp_path / "missing"), "--plot", str(tmp_path / "d.png")
     )
     assert code == 2 and "does not exist" in err

@@ -20,7 +20,7 @@ import pytest
 
 from engramrt.cli import main
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _run(capsys, *args: object) -> tuple[int, str, str]:
@@ -226,7 +226,7 @@ def test_the_sweep_covers_every_subcommand() -> None:
 def test_no_subcommand_exits_0_having_done_nothing(capsys, command) -> None:
     """Each subcommand, as cheaply as it can be called (no arguments, or on a CPU): it either
     fails with one line or prints what it did. ``demo`` with no arguments is the full demo,
-    covered by tests/test_cli_demo_model.py; here it is called with an option it refuses."""
+    covered by tests/cli/test_demo_model.py; here it is called with an option it refuses."""
     args = {"bench": ["--device", "cpu"], "demo": ["--synthetic", "--json"]}.get(command, [])
     code, out, err = _run(capsys, command, *args)
     if code == 0:

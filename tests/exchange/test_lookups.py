@@ -1,7 +1,7 @@
 """The TP all-gather and all-to-all exchanges in one process: the routing reference and a
 world of one.
 
-The multi-process runs are in test_world.py; here the all-to-all routing
+The multi-process runs are in tests/distributed/test_world.py; here the all-to-all routing
 simulated over a list of shard stores equals the unsharded lookup for
 worlds 1..4 (a different T per rank, 0 included), and the distributed
 classes check their arguments before any collective.
@@ -17,7 +17,7 @@ from tests.distributed.common import (
     C10,
     TINY,
     assert_same_bits,
-    random_packed_table,
+    finite_packed_table,
     random_row_ids,
     reference_rows,
     shard_store,
@@ -47,7 +47,7 @@ def test_all_to_all_routing_puts_each_owners_rows_in_its_columns() -> None:
     layout = EngramLayout(TINY)
     stores = [shard_store(TINY, 2, rank) for rank in range(2)]
     shard = layout.column_shard(0, 2, 1)
-    other = random_packed_table(shard.num_rows, TINY.head_dim, seed=99)
+    other = finite_packed_table(shard.num_rows, TINY.head_dim, seed=99)
     placement = TablePlacement(
         DeviceOptions(backend="reference"), device="cpu", tp=shard.tp, rank=shard.rank
     )
