@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from engramrt import memory
-from engramrt._device import default_compute_device
+from engramrt._device import resolve_device
 from engramrt.errors import CapacityError, ValidationError
 from engramrt.layout import ColumnShard, EngramLayout
 from engramrt.lookup.tiers.base import tier_class
@@ -116,8 +116,9 @@ class TablePlacement:
 
     @property
     def compute_device(self) -> torch.device:
-        """:attr:`device`, or the default compute device when it is None."""
-        return default_compute_device() if self.device is None else torch.device(self.device)
+        """:attr:`device` with an index (``"cuda"`` is the current CUDA device), or the
+        default compute device when it is None (:func:`engramrt._device.resolve_device`)."""
+        return resolve_device(self.device)
 
     def tier_options(
         self, nbytes: int | None, path: str | os.PathLike[str] | None = None
