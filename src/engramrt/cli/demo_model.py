@@ -528,7 +528,7 @@ def _print_tables(out: dict[str, Any], gates: Any, pieces: list[str], prompt_len
         checks.add_row(c["name"], "yes" if c["passed"] else "[red]NO[/]", c["compared"])
     console.print(checks)
     if "plot" in out:
-        console.print(f"chart: {out['plot']}")
+        console.print(f"chart: {out['plot']}", highlight=False, soft_wrap=True, markup=False)
     console.print(f"{out['seconds']} s")
 
 

@@ -335,7 +335,7 @@ def run_synthetic(
     _print_memory_plan(cfg, layout)
     if plot is not None:
         _write_chart(plot, tokenizer, token_ids, row_ids[:, 0], cfg, gates)
-        console.print(f"chart: {plot.resolve()}")
+        console.print(f"chart: {plot.resolve()}", highlight=False, soft_wrap=True, markup=False)
     failed = [s["step"] for s in steps if not s["ok"]]
     if failed or not all(same for *_, same in repeats):
         console.print(f"[bold red]FAILED[/]: {failed}")
