@@ -40,8 +40,13 @@ atomically):
    the full-size tables and on an ``--baseline-gib`` table (default 8 GiB)
    in the same run; on ``--cpu`` the host tier only, timed by wall clock;
 6. the runtime bench's decode and prefill step on every GPU at once (data
-   parallel, one shared table; the pieces of ``bench/runtime_overhead.py``):
-   placements ``none`` (no lookups), ``host`` and ``uva``.
+   parallel, one shared table; the pieces of ``bench/runtime_overhead.py``)
+   by its method: ``--rounds`` paired rounds, each timing every placement
+   as a short block in an order shuffled per round, each placement's loss
+   taken against no lookups (``none``) of the same round, with a second
+   no-lookup runtime as the A/A control (``none-again``); placements
+   ``host`` (the runtime's default: GPU reads for the first Engram layer,
+   the CPU's gather for the second) and ``uva``.
 
 ``--expect-existing`` maps tables left by an earlier run (``--keep``)
 instead of building them: a second invocation after a restart. The tables
@@ -487,10 +492,65 @@ def lookup_cases(
     return results
 
 
+def paired_rounds(
+    blocks: dict[tuple[str, str, bool], Callable[[int], float]],
+    rounds: int,
+    seed: int,
+    reference: str = "none",
+    control: str = "none-again",
+) -> list[dict[str, Any]]:
+    """Time every block once a round, in an order shuffled per round, and compare each
+    with the reference placement's block of the same round (the runtime bench's method,
+    BENCHMARKS.md#step-cost-with-host-memory-tables: the GPU's clock drifts by more
+    than the costs measured, so only blocks timed moments apart are compared).
+
+    ``blocks`` maps ``(placement, workload, prefetch)`` to a callable that runs round
+    ``r``'s block and returns its ms/step. ``reference`` and ``control`` (the A/A
+    control: a second instance of the reference) must have a block for every
+    ``(workload, prefetch)``. Every rank must pass the same keys and seed: the order is
+    drawn from ``seed`` alone, so ranks time the same block at once.
+    """
+    keys = list(blocks)
+    for _, workload, prefetch in keys:
+        for needed in (reference, control):
+            if (needed, workload, prefetch) not in blocks:
+                raise ValueError(f"no {needed!r} block for {workload!r}, prefetch={prefetch}")
+    rng = np.random.default_rng(seed)
+    ms: dict[tuple[str, str, bool], list[float]] = {key: [] for key in keys}
+    for round_index in range(rounds):
+        for i in rng.permutation(len(keys)):
+            ms[keys[i]].append(blocks[keys[i]](round_index))
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import runtime_overhead as ro
+
+    results = []
+    for key in keys:
+        placement, workload, prefetch = key
+        p25, p50, p75 = ro.quartiles(ms[key])
+        results.append(
+            {
+                "placement": placement,
+                "workload": workload,
+                "prefetch": prefetch,
+                "rounds": rounds,
+                "ms_per_step": p50,
+                "ms_per_step_p25": p25,
+                "ms_per_step_p75": p75,
+                "ms_per_step_rounds": ms[key],
+                **ro.paired_stats("loss_pct", ms[key], ms[(reference, workload, prefetch)]),
+            }
+        )
+    return results
+
+
 def runtime_steps(
     tables: list[SharedHostTable], args: argparse.Namespace, device: torch.device
 ) -> list[dict[str, Any]]:
-    """The runtime bench's decode and prefill step, this rank's GPU, the shared tables."""
+    """The runtime bench's decode and prefill steps on this rank's GPU over the shared
+    tables, by paired rounds (:func:`paired_rounds`): the default placement (``host``:
+    the GPU reads the first Engram layer's rows, the CPU gathers the second's) and
+    ``uva`` against no lookups at all (``none``, the fixed rows an Engram layer would
+    read), with a second no-lookup runtime as the A/A control (``none-again``)."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import runtime_overhead as ro
     from engramrt.hashing import HashConstants, NgramHasher
@@ -514,25 +574,43 @@ def runtime_steps(
         "prefill 512 seqs 100-1024": ro.prefill_batches(rng, token_map.vocab_size, device),
     }
     backbone = ro.make_backbone(config, device)
-    results = []
-    for tier in ("none", "host", "uva"):
-        if tier == "none":
-            runtime: Any = ro.NoLookups(8192, config.n_cols, config.head_dim, device)
+    runtimes: dict[str, Any] = {}
+    for placement in ("none", "none-again", "host", "uva"):
+        if placement.startswith("none"):
+            runtimes[placement] = ro.NoLookups(8192, config.n_cols, config.head_dim, device)
         else:
-            stores = [shared_store(t, TablePlacement(tier, device)) for t in layer_tables]
+            stores = [shared_store(t, TablePlacement(placement, device)) for t in layer_tables]
             hasher = NgramHasher(consts, token_map, device, validate=False)
-            runtime = EngramRuntime(
+            runtimes[placement] = EngramRuntime(
                 hasher, stores, max_tokens=8192, max_requests=512, validate=False
             )
+    blocks: dict[tuple[str, str, bool], Callable[[int], float]] = {}
+    for placement, runtime in runtimes.items():
         for name, batches in workloads.items():
+            decode = name.startswith("decode")
             forward = ro.eager_forward(backbone, device)
-            if name.startswith("decode"):
+            if decode:
                 forward = ro.GraphedBackbone(runtime, backbone, batches[0].num_tokens, device).step
+            steps = args.block_steps if decode else args.prefill_chunks
             for prefetch in (False, True):
-                ro.run(runtime, batches[:3], forward, prefetch)  # warm-up
-                dist.barrier()  # every GPU steps at once
-                res = ro.run(runtime, batches, forward, prefetch)
-                results.append({"tier": tier, "workload": name, "prefetch": prefetch, **res})
+
+                def block(
+                    round_index: int,
+                    runtime=runtime,
+                    batches=batches,
+                    forward=forward,
+                    prefetch=prefetch,
+                    steps=steps,
+                ) -> float:
+                    warm, timed = ro.block_window(len(batches), round_index, steps, warmup=2)
+                    ro.run(runtime, [batches[i] for i in warm], forward, prefetch)
+                    dist.barrier()  # every GPU steps at once
+                    timed_batches = [batches[i] for i in timed]
+                    return ro.run(runtime, timed_batches, forward, prefetch)["ms_per_step"]
+
+                blocks[(placement, name, prefetch)] = block
+    results = paired_rounds(blocks, args.rounds, args.seed)
+    for runtime in runtimes.values():
         runtime.close()
     return results
 
@@ -735,7 +813,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--baseline-gib", type=float, default=8.0, help="0: no baseline table")
     parser.add_argument("--tokens", default="256,8192")
     parser.add_argument("--reps", type=int, default=200, help="GPU: ms of timed calls; CPU: calls")
-    parser.add_argument("--decode-steps", type=int, default=100)
+    parser.add_argument("--decode-steps", type=int, default=100, help="decode batches drawn")
+    parser.add_argument("--rounds", type=int, default=12, help="paired rounds of the runtime phase")
+    parser.add_argument("--block-steps", type=int, default=20, help="timed decode steps a block")
+    parser.add_argument(
+        "--prefill-chunks", type=int, default=4, help="timed prefill chunks a block"
+    )
     parser.add_argument("--skip-lookups", action="store_true")
     parser.add_argument("--skip-cache", action="store_true")
     parser.add_argument("--skip-runtime", action="store_true")

@@ -149,3 +149,30 @@ def test_row_ids_are_in_range_and_zipf_is_skewed() -> None:
         assert ids.shape == (4096, 24) and int(ids.min()) >= 0 and int(ids.max()) < 1_000_003
     top = lambda ids: torch.unique(ids, return_counts=True)[1].max()  # noqa: E731
     assert int(top(zipf)) > 100 > int(top(uniform))
+
+
+def test_runtime_phase_pairs_each_block_with_the_reference_of_its_round() -> None:
+    """A machine whose speed drifts between rounds: the paired loss of a placement 2% slower
+    than the reference is 2% every round, and the A/A control is 0; unpaired medians of the
+    same timings would not show it. Negative control: a missing reference is refused."""
+    module = _module()
+    clock = [0]  # blocks timed so far: the machine slows down as it runs
+    costs = {"none": 1.0, "none-again": 1.0, "host": 1.0 / 0.98}
+
+    def block(placement):
+        def run(round_index: int) -> float:
+            clock[0] += 1
+            return 5.0 * (1 + 0.3 * round_index) * costs[placement]  # 30% drift a round
+
+        return run
+
+    blocks = {(p, "decode", False): block(p) for p in costs}
+    results = {r["placement"]: r for r in module.paired_rounds(blocks, rounds=5, seed=3)}
+    assert clock[0] == 15  # every block once a round
+    assert results["host"]["loss_pct"] == pytest.approx(2.0)
+    assert all(v == pytest.approx(2.0) for v in results["host"]["loss_pct_rounds"])
+    assert results["none-again"]["loss_pct"] == pytest.approx(0.0)
+    spread = results["host"]["ms_per_step_p75"] - results["host"]["ms_per_step_p25"]
+    assert spread > 0.1 * results["host"]["ms_per_step"]  # the drift the pairing removes
+    with pytest.raises(ValueError, match="no 'none-again' block"):
+        module.paired_rounds({k: v for k, v in blocks.items() if k[0] != "none-again"}, 1, 0)
