@@ -7,7 +7,9 @@ Two functions define what every kernel must return, bit for bit:
   chunks whose history comes from the chunk, ``lookback_token_ids`` or a
   history store (SPEC §5), updating that store as the kernel does.
 
-They are written for reading, not speed: loops over tokens and shifts.
+They are written for reading, not speed: each token's n-gram values are
+gathered by a loop over tokens and shifts, and the hash of §4 is then
+computed for all of them at once by numpy array ops (``_hash_values``).
 
 Inputs that break the batch contract (what ``check_ids`` refuses) still
 have one defined result, the kernel's: a token id outside ``[0, V)`` (in
