@@ -308,7 +308,8 @@ class EngramRuntime:
             :meth:`~engramrt.source.RowSource.waits_on_host`) run: ``"side"``
             (default) on a side stream or the source's worker, beside the blocks
             before each Engram layer; ``"none"`` on the step's stream inside
-            :meth:`plan` (after the jobs the source's worker has queued), so they
+            :meth:`plan` (after the jobs the source's worker has queued; a source
+            with an update, a cache, stays on its worker), so they
             finish before the blocks queued after it start. ``"none"`` adds the
             lookups' time and their host work to the step but keeps GPU reads of
             host memory from running beside the blocks, whose kernels those reads
@@ -686,9 +687,12 @@ class EngramRuntime:
         ready: torch.cuda.Event | None,
     ) -> PendingRows:
         key = self._worker_of.get(index)
-        if key is not None and self.lookup_overlap == "none" and not source.waits_on_host(ids):
+        inline = self.lookup_overlap == "none" and not source.has_update
+        if key is not None and inline and not source.waits_on_host(ids):
             # A lookup that needs no host wait (GPU reads of a small batch) runs on the
-            # step's stream, after the jobs its worker has queued for the source.
+            # step's stream, after the jobs its worker has queued for the source. A source
+            # with an update stays on its worker: the update job plan() queues there must
+            # follow the lookup on one stream.
             self._workers[key].submit(lambda: None).result()
             return source.start(ids, out, stream=None)
         if key is None:

@@ -285,8 +285,11 @@ class HostGatherRowStore(KernelRowStore):
         """No wait for a batch the GPU reads itself (below :attr:`dedup_min_rows` owned ids,
         with :attr:`gpu_reads`); the CPU's gather waits for the ids."""
         col_end = row_ids.shape[1] if self.col_end is None else self.col_end
-        owned = row_ids.shape[0] * max(0, col_end - self.col_begin)
-        return not (self._gpu_reads and 0 < owned < self.dedup_min_rows)
+        return not self._gpu_reads_batch(row_ids.shape[0] * max(0, col_end - self.col_begin))
+
+    def _gpu_reads_batch(self, owned: int) -> bool:
+        """Whether a lookup of ``owned`` ids is read by the GPU itself (no host wait)."""
+        return self._gpu_reads and 0 < owned < self.dedup_min_rows
 
     def _map_for_gpu(self, gpu_reads: bool | None) -> None:
         required = bool(gpu_reads)
@@ -437,7 +440,7 @@ class HostGatherRowStore(KernelRowStore):
         num_tokens, num_cols = row_ids.shape
         row_ids = row_ids.to(self.device, non_blocking=True)
         owned = row_ids[:, self.col_begin : col_end]
-        if self._gpu_reads and 0 < owned.numel() < self.dedup_min_rows:
+        if self._gpu_reads_batch(owned.numel()):
             assert self._mapped is not None
             # Small batches: the lookup kernel reads the rows from host
             # memory itself, with no host synchronisation (ids are checked
