@@ -226,7 +226,7 @@ def test_rewriting_todays_choices_gives_the_shipped_entries(tmp_path: Path) -> N
         entries = [
             (
                 entry["match"],
-                tuning._config_type(kernel)(**entry["config"]),
+                tuning.config_type(kernel)(**entry["config"]),
             )
             for entry in shipped["entries"]
         ]

@@ -55,6 +55,7 @@ __all__ = [
     "TunedEntry",
     "cached_choice",
     "clear_cache",
+    "config_type",
     "device_name",
     "normalize_device_name",
     "register_tuned",
@@ -99,7 +100,9 @@ def register_tuned(kernel: str) -> Callable[[C], C]:
     return decorate
 
 
-def _config_type(kernel: str) -> type:
+def config_type(kernel: str) -> type:
+    """The frozen config class registered for ``kernel`` (:func:`register_tuned`), importing
+    the module that registers it when needed."""
     if kernel not in _TYPES and kernel in _HOMES:
         importlib.import_module(_HOMES[kernel])
     if kernel not in _TYPES:
@@ -202,7 +205,7 @@ def _parse_config(path: Path, where: str, cls: type, fields: Any) -> Any:
 
 @functools.lru_cache(maxsize=64)
 def _load(kernel: str, path: Path) -> tuple[TunedEntry, ...]:
-    cls = _config_type(kernel)
+    cls = config_type(kernel)
     try:
         data = json.loads(path.read_text())
     except FileNotFoundError:
@@ -284,7 +287,7 @@ def write_tuned_config(
     """
     from engramrt._io import atomic_write_bytes
 
-    cls = _config_type(kernel)
+    cls = config_type(kernel)
     directory = Path(directory)
     current = tuned_file(kernel, device, directory)
     if not current.is_file():

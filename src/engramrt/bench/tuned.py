@@ -21,7 +21,7 @@ __all__ = ["best_configs", "write_configs"]
 
 def best_configs(report: Mapping[str, Any]) -> dict[str, list[tuple[dict[str, Any], Any, str]]]:
     """Kernel -> ``(match, config, impl name)`` of each checked tuning case's fastest config."""
-    from engramrt.tuning import _config_type
+    from engramrt.tuning import config_type
 
     best: dict[str, list[tuple[dict[str, Any], Any, str]]] = {}
     for record in report.get("cases", []):
@@ -37,7 +37,7 @@ def best_configs(report: Mapping[str, Any]) -> dict[str, list[tuple[dict[str, An
         if not times:
             continue
         winner = min(times, key=times.__getitem__)
-        config = _config_type(tuning["kernel"])(**tuning["configs"][winner])
+        config = config_type(tuning["kernel"])(**tuning["configs"][winner])
         best.setdefault(tuning["kernel"], []).append((tuning["match"], config, winner))
     return best
 
