@@ -7,7 +7,8 @@ host table (default 8 GiB) it times each stage separately: unique on the GPU,
 the ids to the host, CPU gathers by method and thread count, the pinned
 host-to-device copy, and the whole HostGatherRowStore lookup with its
 settings. Prints one line per measurement. ``--sections`` picks among
-``stages`` (unique and the ids' trip to the host), ``methods`` (CPU gathers by
+``stages`` (unique and the ids' trip to the host), ``dedup`` (the store's lookup
+with and without deduplication, over piece sizes, for uniform and Zipf ids), ``methods`` (CPU gathers by
 method and thread count, the pinned copy), ``hugepages``, ``store`` (the
 store's lookup over chunk sizes and thread counts), ``profile`` (one lookup
 stage by stage), ``pieces`` (gather-then-copy pieces by size: the gathers
@@ -99,6 +100,8 @@ def main() -> None:
         study_pieces(src_i64, ids, pinned, dev_rows, line)
     if "groups" in sections:
         study_groups(src, rows, ids_dev, line)
+    if "dedup" in sections:
+        study_dedup(src, rows, device, line)
     if "methods" not in sections:
         finish(args, report, records)
         return
@@ -234,6 +237,36 @@ def study_store(src, rows, ids_dev, line) -> None:
             decode_ids.numel(),
         )
         del store
+
+
+def study_dedup(src, rows, device, line) -> None:
+    """The store's lookup of 8,192 tokens with deduplication and without (gathered as
+    they come, each piece dequantised as it lands), over piece sizes, for uniform and
+    Zipf ids, in interleaved rounds (host timings drift between runs: compare within
+    one round)."""
+    from engramrt.bench.cases_cache import ZipfRows
+
+    shapes = {
+        "uniform": torch.randint(0, rows, (8192, 24), device=device, dtype=torch.int32),
+        "zipf": ZipfRows(rows, 1.0, device, seed=99).sample((8192, 24)),
+    }
+    settings = [(True, DEFAULT_CHUNK_ROWS)] + [(False, c) for c in (16384, 32768, 65536, 131072)]
+    stores = {}
+    for dedup, chunk in settings:
+        options = HostOptions(chunk_rows=chunk, gpu_reads=False, dedup=dedup)
+        store = make_store(TablePlacement(options, device), num_rows=1, E=256)
+        store.source, store.num_rows = src, rows  # share the filled table, no second copy
+        stores[(dedup, chunk)] = store
+    times: dict[tuple, list[float]] = {}
+    for _round in range(5):
+        for ids_name, row_ids in shapes.items():
+            for key, store in stores.items():
+                times.setdefault((ids_name, *key), []).append(
+                    timed(lambda store=store, row_ids=row_ids: store.lookup(row_ids), reps=5)
+                )
+    for (ids_name, dedup, chunk), values in times.items():
+        label = f"lookup T=8192 {ids_name} dedup={dedup} chunk={chunk} (median of 5 rounds)"
+        line(label, sorted(values)[len(values) // 2])
 
 
 def study_overlap(src_i64, ids, pinned, dev_rows, line) -> None:

@@ -83,6 +83,8 @@ def test_full_size_script_publishes_once_restarts_and_refuses_other_rows(tmp_pat
         restart = rank["restart"]
         assert restart["ok"] and [t["created"] for t in restart["tables"]] == [False, False]
         assert all(t["other_fingerprint_refused"] for t in restart["tables"])
+        # Ready after launch: imports included, teardown not; the process took longer.
+        assert 0 < restart["ready_s"] < restart["launch_to_ready_s"] < restart["process_s"]
         cases = {(r["table"], r["tier"], r["ids"], r["T"]) for r in rank["lookups"]}
         assert len(cases) == 3 * 2 * 2 and all(r["exact"] for r in rank["lookups"])
     # Outside the script: the kept file holds the synthetic rows (torch definition).
@@ -176,3 +178,13 @@ def test_runtime_phase_pairs_each_block_with_the_reference_of_its_round() -> Non
     assert spread > 0.1 * results["host"]["ms_per_step"]  # the drift the pairing removes
     with pytest.raises(ValueError, match="no 'none-again' block"):
         module.paired_rounds({k: v for k, v in blocks.items() if k[0] != "none-again"}, 1, 0)
+
+
+def test_summary_prints_the_paired_runtime_rows(capsys: pytest.CaptureFixture[str]) -> None:
+    """The summary reads the runtime phase's rows as paired_rounds writes them."""
+    module = _module()
+    blocks = {(p, "decode", False): (lambda r: 5.0) for p in ("none", "none-again", "host")}
+    rows = module.paired_rounds(blocks, rounds=2, seed=0)
+    module.print_summary({"ranks": [{"rank": 0, "runtime": rows}], "failures": []})
+    lines = [line for line in capsys.readouterr().out.splitlines() if "runtime host" in line]
+    assert len(lines) == 1 and "loss   0.00% [0.00, 0.00] over 2 rounds" in lines[0], lines

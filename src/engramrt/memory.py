@@ -8,9 +8,11 @@ monkeypatch one probe to simulate a small machine.
 
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
 import weakref
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -18,11 +20,14 @@ import torch
 from engramrt.errors import CapacityError
 
 __all__ = [
+    "REGISTER_PIECE_BYTES",
+    "copy_into_host",
     "cuda_host_register",
     "device_free_bytes",
     "disk_free_bytes",
     "format_bytes",
     "host_available_bytes",
+    "register_spans",
     "require",
     "require_cuda_mapping",
 ]
@@ -72,10 +77,49 @@ _CUDA_HOST_REGISTER_MAPPED = 0x02  # and mapped into its address space (UVA)
 _CUDA_HOST_REGISTER_READ_ONLY = 0x08  # a PROT_READ mapping: pinning must not ask for write
 
 
-def _unregister(pointer: int, keep_alive: object) -> None:
+REGISTER_PIECE_BYTES = 1 << 30
+"""``cudaHostRegister`` pins a range's pages in the calling thread; a range of at least
+two pieces of this size is registered as pieces, from one thread per piece up to the
+CPUs this process may use, at once (faster on a large table: BENCHMARKS.md, "Full size
+on one H200"). Piece bounds fall on 2 MiB, so no page is in two registrations. The
+device reads the pieces as one range (each registered byte at its host address, as
+:class:`engramrt.lookup.mapped.MappedHostRows` assumes), but one CUDA copy
+(``cudaMemcpy``) may not span two pieces: copy a registered range to or from a device
+through an unregistered buffer, or piece by piece."""
+
+_PAGE_ALIGN = 1 << 21
+
+
+def register_spans(pointer: int, nbytes: int) -> list[tuple[int, int]]:
+    """The ``(address, bytes)`` pieces :func:`cuda_host_register` registers for a range."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
+    pieces = max(1, min(cpus, nbytes // REGISTER_PIECE_BYTES))
+    if pieces == 1:
+        return [(pointer, nbytes)]
+    end = pointer + nbytes
+    step = -(-nbytes // pieces)
+    bounds = [pointer]
+    for k in range(1, pieces):
+        bound = -(-(pointer + k * step) // _PAGE_ALIGN) * _PAGE_ALIGN
+        if bounds[-1] < bound < end:
+            bounds.append(bound)
+    bounds.append(end)
+    return [(lo, hi - lo) for lo, hi in itertools.pairwise(bounds)]
+
+
+def _unregister(pointers: list[int], keep_alive: object) -> None:
     # Runs before ``keep_alive`` (what holds the pages) can be freed or unmapped.
     del keep_alive
-    torch.cuda.cudart().cudaHostUnregister(pointer)
+    cudart = torch.cuda.cudart()
+    for pointer in pointers:
+        cudart.cudaHostUnregister(pointer)
+
+
+def copy_into_host(target: torch.Tensor, source: torch.Tensor) -> None:
+    """``target.copy_(source)`` for a ``target`` in host memory that may be registered in
+    pieces (:data:`REGISTER_PIECE_BYTES`): one CUDA copy may not span two, so a source on
+    a device comes to unregistered host memory first."""
+    target.copy_(source if source.device.type == "cpu" else source.cpu())
 
 
 def require_cuda_mapping(what: str, device: torch.device, advice: str = "") -> None:
@@ -96,14 +140,27 @@ def cuda_host_register(
     0 is success: the registration then lasts until ``owner`` is collected
     (``keep_alive``, default ``host``, is kept alive until it is undone).
     ``read_only`` registers a ``PROT_READ`` mapping (``cudaHostRegisterReadOnly``).
+    A large range is registered in pieces, several at once (see
+    :data:`REGISTER_PIECE_BYTES`); a failure undoes the pieces already registered.
     """
     flags = _CUDA_HOST_REGISTER_PORTABLE | _CUDA_HOST_REGISTER_MAPPED
     if read_only:
         flags |= _CUDA_HOST_REGISTER_READ_ONLY
-    pointer = host.data_ptr()
-    status = int(
-        torch.cuda.cudart().cudaHostRegister(pointer, host.numel() * host.element_size(), flags)
-    )
-    if status == 0:
-        weakref.finalize(owner, _unregister, pointer, host if keep_alive is None else keep_alive)
-    return status
+    spans = register_spans(host.data_ptr(), host.numel() * host.element_size())
+    cudart = torch.cuda.cudart()
+
+    def register(span: tuple[int, int]) -> int:
+        return int(cudart.cudaHostRegister(span[0], span[1], flags))
+
+    if len(spans) == 1:
+        statuses = [register(spans[0])]
+    else:
+        with ThreadPoolExecutor(len(spans), thread_name_prefix="engramrt-register") as pool:
+            statuses = list(pool.map(register, spans))
+    done = [span[0] for span, status in zip(spans, statuses, strict=True) if status == 0]
+    failed = [status for status in statuses if status != 0]
+    if failed:
+        _unregister(done, None)
+        return failed[0]
+    weakref.finalize(owner, _unregister, done, host if keep_alive is None else keep_alive)
+    return 0

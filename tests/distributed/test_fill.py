@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from engramrt import memory
 from engramrt.distributed import SharedHostTable
 from engramrt.distributed.fill import (
     advise_hugepages,
@@ -78,6 +79,7 @@ def test_fill_view_of_a_larger_tensor_and_empty() -> None:
         (torch.empty((4, 264), dtype=torch.uint8), {"row_begin": -1}, "row_begin=-1"),
         (torch.empty((4, 264), dtype=torch.uint8), {"device": "meta"}, "device='meta'"),
         (torch.empty((4, 264), dtype=torch.uint8), {"block_rows": 0}, "block_rows=0"),
+        (torch.empty((4, 264), dtype=torch.uint8), {"copy": "dma"}, "copy='dma'; expected"),
     ],
 )
 def test_fill_refuses_bad_arguments(target, kwargs, message) -> None:
@@ -86,10 +88,21 @@ def test_fill_refuses_bad_arguments(target, kwargs, message) -> None:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_cuda_fill_is_bit_exact() -> None:
-    target = torch.full((5000, 264), 0xA5, dtype=torch.uint8)
-    fill_synthetic_rows(target, 256, seed=2, row_begin=77, device="cuda", block_rows=1024)
-    assert torch.equal(target, _reference(77, 5000, 256, 2))
+@pytest.mark.parametrize("copy", ["staged", "direct"])
+def test_cuda_fill_is_bit_exact(copy: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both ways of copying a GPU fill out; the direct one over a target registered in
+    pieces that blocks and rows straddle, then unregistered (registering it again works)."""
+    monkeypatch.setattr(memory, "REGISTER_PIECE_BYTES", 4 << 20)
+    monkeypatch.setattr(memory.os, "sched_getaffinity", lambda pid: set(range(8)))
+    target = torch.full((40_000, 264), 0xA5, dtype=torch.uint8)  # 10 MiB: two pieces
+    assert len(memory.register_spans(target.data_ptr(), target.numel())) == 2
+    fill_synthetic_rows(
+        target, 256, seed=2, row_begin=77, device="cuda", block_rows=3001, copy=copy
+    )
+    assert torch.equal(target, _reference(77, 40_000, 256, 2))
+    owner = type("Owner", (), {})()
+    assert memory.cuda_host_register(owner, target) == 0  # the fill left it unregistered
+    del owner
 
 
 def test_loader_publishes_the_synthetic_rows(tmp_path) -> None:
@@ -146,3 +159,20 @@ def test_memory_policy_and_hugepage_reports() -> None:
     assert advise_hugepages(rows[:0]) == "empty"
     state = hugepage_state("/")
     assert {"thp_enabled", "thp_shmem_enabled", "meminfo_bytes", "directory_mount"} <= set(state)
+
+
+def test_hugepage_state_reports_the_mount_on_top(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A remounted directory is listed twice in /proc/mounts; the later line is in force."""
+    from engramrt.distributed import fill
+
+    mounts = (
+        "tmpfs /dev/shm tmpfs rw,size=100k 0 0\n"
+        "tmpfs /dev/shm/x tmpfs rw,size=5k 0 0\n"
+        "tmpfs /dev/shm tmpfs rw,size=200k,huge=always 0 0\n"
+    )
+    real = fill._read
+    monkeypatch.setattr(
+        fill, "_read", lambda path: mounts if path == "/proc/mounts" else real(path)
+    )
+    monkeypatch.setattr(fill.Path, "resolve", lambda self: self)
+    assert hugepage_state("/dev/shm")["directory_mount"]["options"] == "rw,size=200k,huge=always"

@@ -160,6 +160,7 @@ def test_unknown_tiers_and_wrong_options_are_named() -> None:
         (lambda: HostOptions(num_threads=0), r"HostOptions.num_threads = 0; expected an int >= 1 "),
         (lambda: HostOptions(gpu_reads=1), r"HostOptions.gpu_reads = 1; expected None, True or"),
         (lambda: DiskOptions(gpu_share=-0.5), r"DiskOptions.gpu_share = -0.5; expected a fraction"),
+        (lambda: HostOptions(dedup=1), r"HostOptions.dedup = 1; expected True or False"),
         (lambda: DiskOptions(writable="yes"), r"DiskOptions.writable = 'yes'; expected True or"),
         (lambda: DeviceOptions(backend="cuda"), r"DeviceOptions.backend = 'cuda'; expected 'auto'"),
         (lambda: DeviceOptions(validate=None), r"DeviceOptions.validate = None; expected True or"),

@@ -242,6 +242,43 @@ def test_host_tiers_with_and_without_deduplication(
         assert_same_bits(store.lookup(ids.to(DEVICE)), expected)
 
 
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_batches_gathered_as_they_come_are_dequantised_piece_by_piece(
+    tier: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without deduplication a large batch is gathered and dequantised in pieces of
+    whole tokens (chunk_rows // owned columns), ids outside the shard among them, and
+    equals the reference; with it, one dequantisation serves the whole batch."""
+    from engramrt.lookup.tiers import host_gather
+
+    calls: list[int] = []
+    real = host_gather.lookup_rows
+
+    def counted(row_ids: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+        calls.append(row_ids.shape[0])
+        return real(row_ids, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(host_gather, "lookup_rows", counted)
+    table = random_packed_table(300, 64, seed=25)
+    g = torch.Generator().manual_seed(26)
+    row_ids = torch.randint(5000, 5300, (19, 8), generator=g)
+    row_ids[:, :2] = -1  # other shards' columns
+    row_ids[3, 4] = 4999  # unchecked ids outside the shard read as zeros
+    row_ids[17, 2] = 2**40
+    expected = lookup_rows_reference(row_ids.clamp(5000, 5299), table, 64, 2, 6, 5000)
+    expected[3, 4] = 0
+    expected[17, 2] = 0
+    for dedup, pieces in ((False, [2] * 9 + [1]), (True, [19])):
+        store = build(
+            tier, table, tmp_path, row_begin=5000, col_begin=2, col_end=6, chunk_rows=9,
+            dedup=dedup, check_ids=False,
+        )  # fmt: skip
+        store.dedup_min_rows = 1  # past the threshold: deduplicated unless dedup=False
+        calls.clear()
+        assert_same_bits(store.lookup(row_ids.to(DEVICE)), expected)
+        assert calls == pieces, dedup
+
+
 def test_capacity_errors_report_the_numbers(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:

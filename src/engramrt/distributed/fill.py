@@ -15,7 +15,11 @@ parallel):
 - ``device="cuda:N"``: the GPU computes blocks of rows with the torch
   definition itself, copies each into one of two pinned staging buffers, and
   the threads copy the staging buffer into the target while the GPU
-  computes the next block.
+  computes the next block; with ``copy="direct"`` the target is registered
+  for CUDA instead (:func:`engramrt.memory.cuda_host_register`, several
+  threads at once, which also first-touches its pages) and the GPU copies
+  each block straight into it while it computes the next, no thread
+  copying; the registration is undone at the end.
 
 Placement helpers, each best effort and reporting what happened rather than
 raising (containers often forbid them):
@@ -39,6 +43,7 @@ import contextlib
 import ctypes
 import ctypes.util
 import errno
+import itertools
 import mmap
 import os
 import platform
@@ -53,8 +58,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from engramrt import memory
 from engramrt.distributed.shared_table import Loader
-from engramrt.errors import ValidationError
+from engramrt.errors import CapacityError, ValidationError
 from engramrt.lookup.synthetic import _A, _B, _C, _P, synthetic_packed_rows
 from engramrt.packed import row_bytes_for
 
@@ -160,6 +166,7 @@ def fill_synthetic_rows(
     num_threads: int | None = None,
     device: torch.device | str = "cpu",
     block_rows: int | None = None,
+    copy: str = "staged",
 ) -> FillStats:
     """Write rows ``row_begin + i`` of the synthetic table into ``target[i]``, in parallel.
 
@@ -174,6 +181,10 @@ def fill_synthetic_rows(
             on the GPU and the threads only copy.
         block_rows: rows computed at once (default :data:`CPU_BLOCK_ROWS`
             or :data:`CUDA_BLOCK_ROWS`).
+        copy: how a CUDA device's rows reach ``target``: ``"staged"``
+            (pinned staging buffers, copied out by the threads) or
+            ``"direct"`` (``target`` registered for CUDA, the device copies
+            into it); see the module doc.
     """
     array = _check_target(target, E)
     threads = int(num_threads) if num_threads is not None else len(os.sched_getaffinity(0))
@@ -187,11 +198,15 @@ def fill_synthetic_rows(
     block = int(block_rows) if block_rows is not None else None
     if block is not None and block < 1:
         raise ValidationError(f"block_rows={block_rows}; expected >= 1")
+    if copy not in ("staged", "direct"):
+        raise ValidationError(f"copy={copy!r}; expected 'staged' or 'direct'")
     num_rows = array.shape[0]
     start = time.perf_counter()
     if num_rows:
         if where.type == "cpu":
             _fill_cpu(array, E, seed, row_begin, threads, block or CPU_BLOCK_ROWS)
+        elif copy == "direct":
+            _fill_cuda_direct(target, E, seed, row_begin, where, block or CUDA_BLOCK_ROWS)
         else:
             _fill_cuda(array, E, seed, row_begin, threads, where, block or CUDA_BLOCK_ROWS)
     return FillStats(num_rows, array.nbytes, time.perf_counter() - start, threads, str(where))
@@ -249,6 +264,51 @@ def _fill_cuda(
                 future.result()
 
 
+class _Registration:
+    """Owner of a fill's registration: undone when it is collected."""
+
+
+def _fill_cuda_direct(
+    target: torch.Tensor, E: int, seed: int, row_begin: int, device: torch.device, block: int
+) -> None:
+    owner = _Registration()
+    status = memory.cuda_host_register(owner, target)
+    if status != 0:
+        raise CapacityError(
+            f"copy='direct' could not register the fill's target "
+            f"({memory.format_bytes(target.numel())}) for CUDA: cudaError {status} (is the "
+            f"memlock limit, ulimit -l, below the table size?); copy='staged' needs no "
+            f"registration"
+        )
+    # One CUDA copy may not span two registered pieces: each block's bytes are
+    # copied piece by piece.
+    base = target.data_ptr()
+    bounds = [address - base for address, _ in memory.register_spans(base, target.numel())]
+    bounds.append(target.numel())
+    flat = target.view(-1)
+    num_rows, row_bytes = target.shape
+    compute = torch.cuda.current_stream(device)
+    copies = torch.cuda.Stream(device)
+    copied: list[torch.cuda.Event | None] = [None, None]  # two blocks in flight at most
+    for index, first in enumerate(range(0, num_rows, block)):
+        if (event := copied[index % 2]) is not None:
+            event.synchronize()  # else the host would queue blocks, each on new memory
+        count = min(block, num_rows - first)
+        ids = torch.arange(row_begin + first, row_begin + first + count, device=device)
+        packed = synthetic_packed_rows(ids, E, seed).view(-1)
+        copies.wait_stream(compute)  # the block is computed; the next one starts now
+        lo, hi = first * row_bytes, (first + count) * row_bytes
+        with torch.cuda.stream(copies):
+            for piece_lo, piece_hi in itertools.pairwise(bounds):
+                a, b = max(lo, piece_lo), min(hi, piece_hi)
+                if a < b:
+                    flat[a:b].copy_(packed[a - lo : b - lo], non_blocking=True)
+        packed.record_stream(copies)
+        copied[index % 2] = copies.record_event()
+    copies.synchronize()
+    del owner  # unregistered here: the fill's mapping is not the one served
+
+
 def synthetic_loader(
     E: int,
     seed: int = 0,
@@ -259,12 +319,14 @@ def synthetic_loader(
     hugepages: bool = False,
     numa: tuple[str, Sequence[int] | None] = ("none", None),
     stats: list[FillStats] | None = None,
+    copy: str = "staged",
 ) -> Loader:
     """A :data:`Loader` that fills a table with :func:`fill_synthetic_rows`.
 
     Before the first write: ``hugepages``: :func:`advise_hugepages` on the
     target; ``numa``: ``(mode, nodes)`` for :func:`bind_rows` on the target.
-    ``stats``: each fill's :class:`FillStats` is appended to it.
+    ``stats``: each fill's :class:`FillStats` is appended to it; ``copy``: see
+    :func:`fill_synthetic_rows`.
     """
     if numa[0] != "none":
         _policy_mode(*numa)  # checked at the door, not inside the creator's lock
@@ -274,7 +336,13 @@ def synthetic_loader(
             advise_hugepages(target)
         bind_rows(target, *numa)
         done = fill_synthetic_rows(
-            target, E, seed, row_begin=row_begin, num_threads=num_threads, device=device
+            target,
+            E,
+            seed,
+            row_begin=row_begin,
+            num_threads=num_threads,
+            device=device,
+            copy=copy,
         )
         if stats is not None:
             stats.append(done)
@@ -473,7 +541,7 @@ def hugepage_state(directory: str | os.PathLike[str] = "/dev/shm") -> dict[str, 
         if (
             len(fields) >= 4
             and (target + "/").startswith(fields[1].rstrip("/") + "/")
-            and len(fields[1]) > best
+            and len(fields[1]) >= best  # the longest prefix; the last of equals is on top
         ):
             best = len(fields[1])
             mount = {"mount": fields[1], "type": fields[2], "options": fields[3]}

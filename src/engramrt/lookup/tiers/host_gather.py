@@ -2,10 +2,11 @@
 
 For tables larger than device memory. One lookup:
 
-1. from :data:`DEDUP_MIN_ROWS` owned ids up, they are sorted and
-   deduplicated on the device that holds them with ``torch.unique(...,
-   return_inverse=True)`` (real text repeats n-grams, and sorted ids read
-   the table front to back); fewer are gathered as they come;
+1. from :data:`DEDUP_MIN_ROWS` owned ids up (and with ``dedup``, the
+   default), they are sorted and deduplicated on the device that holds
+   them with ``torch.unique(..., return_inverse=True)`` (real text repeats
+   n-grams, and sorted ids read the table front to back); fewer are
+   gathered as they come;
 2. the ids come to the host (the tier's host synchronisation: the CPU
    cannot gather rows it has not been told about, so this tier is not
    capturable in a CUDA graph); they are made local (``id - row_begin``)
@@ -18,7 +19,9 @@ For tables larger than device memory. One lookup:
    gathered;
 4. the lookup kernel, given the unique rows as its table and the inverse
    index as row ids, dequantises them and scatters them back to
-   ``[T, C, E]`` (zeros for columns this shard does not own).
+   ``[T, C, E]`` (zeros for columns this shard does not own). A batch
+   gathered as it comes is pieced by whole tokens instead, and each piece
+   is dequantised as soon as its copy lands, beside the next piece's copy.
 
 GPU reads (``gpu_reads``, on by default on a CUDA device): the rows are
 also page-locked and mapped for the device (``cudaHostRegister``, as the
@@ -64,7 +67,7 @@ from __future__ import annotations
 import contextlib
 import os
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -80,6 +83,7 @@ from engramrt.lookup.tiers.options import KernelTierOptions, TierOptions, check_
 from engramrt.packed import word_dtype_for
 
 __all__ = [
+    "DEDUP",
     "DEFAULT_CHUNK_ROWS",
     "GPU_SHARE",
     "HOST_READ_KERNEL",
@@ -125,6 +129,11 @@ GPU's reads of scattered rows share the link and the host memory with the
 CPU's gather and copies, and gained nothing on the H200 host. A machine with
 slower CPUs may differ: the lookup bench times other shares beside the
 default. Chosen by measurement: BENCHMARKS.md#the-host-tier-where-the-time-goes."""
+
+DEDUP = True
+"""Default of :class:`HostOptions` ``dedup``: large batches are deduplicated on the
+device before the CPU gathers them. Chosen by measurement:
+BENCHMARKS.md#the-host-tier-where-the-time-goes."""
 
 
 def _word_view(rows: torch.Tensor) -> torch.Tensor:
@@ -182,6 +191,12 @@ class HostOptions(KernelTierOptions):
             True: required (a failure raises).
         gpu_share: the fraction of a deduplicated batch's unique rows the
             GPU reads (see :data:`GPU_SHARE`); 0 leaves them all to the CPU.
+        dedup: whether a batch of :data:`DEDUP_MIN_ROWS` owned ids or more is
+            sorted and deduplicated on the device before the CPU gathers it
+            (fewer rows to gather and copy where ids repeat, as n-grams of text
+            do); False gathers every batch as it comes, piece by piece, each
+            piece dequantised as soon as it lands (no wait for the sort, and
+            the dequantisation overlaps the copies): see :data:`DEDUP`.
         backend, kernel: see :class:`~engramrt.lookup.tiers.options.KernelTierOptions`
             (``backend`` for the final dequantise-and-scatter; ``kernel`` for
             the GPU's reads of a small batch, default :data:`HOST_READ_KERNEL`,
@@ -194,6 +209,7 @@ class HostOptions(KernelTierOptions):
     num_threads: int | None = None
     gpu_reads: bool | None = None
     gpu_share: float = GPU_SHARE
+    dedup: bool = DEDUP
 
     def _check(self) -> None:
         super()._check()
@@ -205,6 +221,8 @@ class HostOptions(KernelTierOptions):
             isinstance(self.gpu_share, (int, float)) and 0.0 <= self.gpu_share <= 1.0
         ):
             raise self.error("gpu_share", "a fraction in [0, 1]")
+        if not isinstance(self.dedup, bool):
+            raise self.error("dedup", "True or False")
 
 
 @register_tier
@@ -232,6 +250,7 @@ class HostGatherRowStore(KernelRowStore):
         self.chunk_rows = options.chunk_rows
         self.num_threads = options.num_threads
         self.gpu_share = float(options.gpu_share)
+        self.dedup = options.dedup
         self.dedup_min_rows = DEDUP_MIN_ROWS
         self._arange: torch.Tensor | None = None
         what = f"tier='{self.tier}' ({self.num_rows} rows of {self.row_bytes} B)"
@@ -253,7 +272,7 @@ class HostGatherRowStore(KernelRowStore):
 
     def _write(self, start: int, packed: torch.Tensor) -> None:
         self.host_rows.check_writable()
-        self.source[start : start + packed.shape[0]].copy_(packed)
+        memory.copy_into_host(self.source[start : start + packed.shape[0]], packed)
 
     def flush(self) -> None:
         self.host_rows.flush()
@@ -456,26 +475,17 @@ class HostGatherRowStore(KernelRowStore):
                 backend=self.backend,
                 validate=False,  # checked once, by lookup()
             )
-        device_ids = None
-        if owned.numel() >= self.dedup_min_rows:
-            # Sorted and deduplicated on the device; the unique ids' trip to
-            # the host is the tier's synchronisation (see the module doc).
-            unique, inverse = torch.unique(owned, sorted=True, return_inverse=True)
-            device_ids = unique
-            ids = unique.cpu()
-            lowest, highest = int(ids[0]), int(ids[-1])  # sorted: these bound them all
-        else:
-            # Small batches: deduplicating costs more than the rows it saves.
-            ids = owned.reshape(-1).cpu()
-            inverse = self._positions(ids.shape[0]).view(owned.shape)
-            lowest, highest = int(ids.min()), int(ids.max())
-        outside = None
-        if lowest < self.row_begin or highest >= self.row_end:
-            # Unchecked (lookup() refused them with check_ids): ids outside the
-            # shard read as rows of zeros, as on every tier. Their slots gather
-            # row 0 and are zeroed after; packed zeros dequantise to 0.
-            outside = (ids < self.row_begin) | (ids >= self.row_end)
-            ids = torch.where(outside, self.row_begin, ids)
+        if not (self.dedup and owned.numel() >= self.dedup_min_rows):
+            # Small batches, or deduplication off: gathered as they come.
+            return self._streamed_lookup(row_ids, owned, col_end, out)
+        # Sorted and deduplicated on the device; the unique ids' trip to the
+        # host is the tier's synchronisation (see the module doc).
+        unique, inverse = torch.unique(owned, sorted=True, return_inverse=True)
+        device_ids: torch.Tensor | None = unique
+        ids = unique.cpu()
+        lowest, highest = int(ids[0]), int(ids[-1])  # sorted: these bound them all
+        ids, outside = self._inside_shard(ids, lowest, highest)
+        if outside is not None:
             device_ids = None
         local_ids = ids - self.row_begin if self.row_begin else ids
         # [U, row_bytes] on the compute device; the ids were bounded before
@@ -503,6 +513,109 @@ class HostGatherRowStore(KernelRowStore):
             backend=self.backend,
             validate=False,  # checked once, by lookup()
         )
+
+    def _inside_shard(
+        self, ids: torch.Tensor, lowest: int, highest: int
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``ids`` (on the host) with those outside the shard replaced by its first row,
+        and the mask of those (None when ``[lowest, highest]`` is inside: the common case,
+        which costs nothing). Unchecked ids (lookup() refused them with check_ids) outside
+        the shard read as rows of zeros, as on every tier: their slots gather a row that
+        is then zeroed or never read."""
+        if lowest >= self.row_begin and highest < self.row_end:
+            return ids, None
+        outside = (ids < self.row_begin) | (ids >= self.row_end)
+        return torch.where(outside, self.row_begin, ids), outside
+
+    def _streamed_lookup(
+        self, row_ids: torch.Tensor, owned: torch.Tensor, col_end: int, out: torch.Tensor | None
+    ) -> torch.Tensor:
+        """A batch gathered as it comes, in pieces of whole tokens: the CPU gathers a
+        piece while the previous one is copied to the device, and the lookup kernel
+        dequantises each piece as soon as its copy lands, so only the last piece's
+        dequantisation follows the last copy (the deduplicated path must wait for
+        all of them: its rows serve any token)."""
+        num_tokens, num_cols = row_ids.shape
+        owned_cols = col_end - self.col_begin
+        ids = owned.reshape(-1).cpu()  # the tier's host synchronisation
+        count = ids.shape[0]
+        ids, outside = self._inside_shard(ids, int(ids.min()), int(ids.max()))
+        local_ids = ids - self.row_begin if self.row_begin else ids
+        # Slot ``i`` of the batch reads row ``i`` of ``rows``; a slot outside the
+        # shard reads past the end of ``rows``, which the kernel reads as zeros.
+        positions = self._positions(count)
+        if outside is not None:
+            positions = torch.where(outside.to(self.device), count, positions)
+        positions = positions.view(num_tokens, owned_cols)
+        if self.col_begin == 0 and col_end == num_cols:
+            compact_ids = positions
+        else:
+            compact_ids = torch.zeros((num_tokens, num_cols), dtype=torch.int64, device=self.device)
+            compact_ids[:, self.col_begin : col_end] = positions
+        if out is None:
+            out = torch.empty(
+                (num_tokens, num_cols, self.E), dtype=torch.bfloat16, device=self.device
+            )
+        rows = torch.empty((count, self.row_bytes), dtype=torch.uint8, device=self.device)
+        tokens_per_piece = max(1, self.chunk_rows // owned_cols)
+        with self._piece_copies(count) as copy_piece:
+            for first in range(0, num_tokens, tokens_per_piece):
+                last = min(num_tokens, first + tokens_per_piece)
+                lo, hi = first * owned_cols, last * owned_cols
+                copy_piece(local_ids[lo:hi], rows[lo:hi], lo)
+                lookup_rows(
+                    compact_ids[first:last],
+                    rows,
+                    col_begin=self.col_begin,
+                    col_end=col_end,
+                    row_begin=0,
+                    out=out[first:last],
+                    backend=self.backend,
+                    validate=False,  # checked once, by lookup()
+                )
+        return out
+
+    @contextlib.contextmanager
+    def _piece_copies(
+        self, count: int
+    ) -> Iterator[Callable[[torch.Tensor, torch.Tensor, int], None]]:
+        """A function ``copy_piece(local_ids, rows, offset)`` that gathers rows
+        ``source[local_ids]`` into ``rows`` on :attr:`device`, after which work queued
+        on the current stream may read them; ``offset``: where the piece starts in
+        the batch (its place in the staging buffer of ``count`` rows)."""
+        source = _word_view(self.source)
+        threads = _intra_op_threads(self._gather_threads(count))
+        if self.device.type != "cuda":
+
+            def gather(local_ids: torch.Tensor, rows: torch.Tensor, offset: int) -> None:
+                if self.device.type == "cpu":
+                    torch.index_select(source, 0, local_ids, out=_word_view(rows))
+                else:
+                    rows.copy_(torch.index_select(self.source, 0, local_ids))
+
+            with threads:
+                yield gather
+            return
+        compute = torch.cuda.current_stream(self.device)
+        staging = self._staging_for(count)
+        copy_stream = self._copy_stream
+        assert copy_stream is not None and self._staging_free is not None
+        # The rows may reuse memory whose last reader is still queued on the
+        # compute stream: the copies must start after it.
+        copy_stream.wait_stream(compute)
+
+        def staged_copy(local_ids: torch.Tensor, rows: torch.Tensor, offset: int) -> None:
+            piece = staging[offset : offset + local_ids.shape[0]]
+            torch.index_select(source, 0, local_ids, out=_word_view(piece))
+            with torch.cuda.stream(copy_stream):
+                rows.copy_(piece, non_blocking=True)
+            compute.wait_stream(copy_stream)
+
+        with threads:
+            yield staged_copy
+        self._staging_free.record(copy_stream)
+        # ``rows`` is a view of one allocation made on the compute stream, which
+        # waited for every copy: nothing on the copy stream outlives it.
 
     def _positions(self, count: int) -> torch.Tensor:
         """``arange(count)`` (int64) on the device, from a buffer kept across lookups."""

@@ -88,7 +88,7 @@ class UvaRowStore(KernelRowStore):
 
     def _write(self, start: int, packed: torch.Tensor) -> None:
         self.host_rows.check_writable()
-        self.host_table[start : start + packed.shape[0]].copy_(packed)
+        memory.copy_into_host(self.host_table[start : start + packed.shape[0]], packed)
 
     def flush(self) -> None:
         self.host_rows.flush()
