@@ -22,12 +22,14 @@ and the benchmark check both use them.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 
 __all__ = [
     "MIN_ABS_DOT",
     "assert_within_tolerance",
+    "bound_by_token_chunks",
     "engram_gate_reference",
     "gate_tolerance",
     "gate_values_reference",
@@ -139,6 +141,28 @@ def ulp_bf16(magnitude: torch.Tensor) -> torch.Tensor:
     return ulp.clamp_min(_BF16_MIN_SUBNORMAL)
 
 
+def bound_by_token_chunks(
+    like: torch.Tensor,
+    chunk_tokens: int,
+    chunk_bound: Callable[[int, int], torch.Tensor],
+) -> torch.Tensor:
+    """A float64 bound shaped like ``like`` (tokens first), built ``chunk_tokens``
+    tokens at a time so that the float64 work of a tolerance stays small at
+    benchmark sizes.
+
+    ``chunk_bound(start, stop)`` is the bound of tokens ``[start, stop)``; no
+    tokens give an empty bound on ``like``'s device.
+    """
+    num_tokens = like.shape[0]
+    bounds = [
+        chunk_bound(start, min(start + chunk_tokens, num_tokens))
+        for start in range(0, num_tokens, chunk_tokens)
+    ]
+    if not bounds:
+        return torch.zeros(like.shape, dtype=torch.float64, device=like.device)
+    return torch.cat(bounds)
+
+
 def gate_tolerance(
     hidden: torch.Tensor,
     kv: torch.Tensor,
@@ -161,11 +185,10 @@ def gate_tolerance(
     """
     store_ulps = 1.5 if truncating_store else 1.0
     masked_ulps = 1.0 if truncating_store and hidden.dtype != torch.bfloat16 else 0.0
-    num_tokens, hc, dim = hidden.shape
+    _, hc, dim = hidden.shape
     weight = q_weight.double() * k_weight.double()  # [hc, D]
-    bounds = []
-    for start in range(0, num_tokens, chunk_tokens):
-        stop = min(start + chunk_tokens, num_tokens)
+
+    def chunk_bound(start: int, stop: int) -> torch.Tensor:
         x = hidden[start:stop].double()  # [t, hc, D]
         keys = kv[start:stop, : hc * dim].double().reshape(-1, hc, dim)
         value = kv[start:stop, hc * dim :].double().unsqueeze(1)  # [t, 1, D]
@@ -194,10 +217,9 @@ def gate_tolerance(
         if token_mask is not None:
             keep = token_mask[start:stop].view(-1, 1, 1)
             bound = torch.where(keep, bound, masked_ulps * ulp_bf16(x.abs()))
-        bounds.append(bound)
-    if not bounds:
-        return torch.zeros(hidden.shape, dtype=torch.float64, device=hidden.device)
-    return torch.cat(bounds)
+        return bound
+
+    return bound_by_token_chunks(hidden, chunk_tokens, chunk_bound)
 
 
 def assert_within_tolerance(

@@ -30,6 +30,7 @@ import torch
 
 from engramrt.gate.reference import (
     assert_within_tolerance,
+    bound_by_token_chunks,
     engram_gate_reference,
     gate_tolerance,
     ulp_bf16,
@@ -157,18 +158,16 @@ def linear_tolerance(
 
     The derivation is in the comment above this function.
     """
-    num_tokens, depth = x.shape
+    depth = x.shape[1]
     rho = float(weight_rounding)
     magnitude_weight = weight.double().abs().t()  # [K, N]
-    bounds = []
-    for start in range(0, num_tokens, chunk_tokens):
-        stop = min(start + chunk_tokens, num_tokens)
+
+    def chunk_bound(start: int, stop: int) -> torch.Tensor:
         magnitude = torch.mm(x[start:stop].double().abs(), magnitude_weight)  # S, [t, N]
         e1 = 1.01 * (rho + 2 * depth * _U32 * (1 + rho)) * magnitude + depth * _U64 * magnitude
-        bounds.append(e1 + 0.5 * ulp_bf16(expected[start:stop].abs() + e1))
-    if not bounds:
-        return torch.zeros(expected.shape, dtype=torch.float64, device=expected.device)
-    return torch.cat(bounds)
+        return e1 + 0.5 * ulp_bf16(expected[start:stop].abs() + e1)
+
+    return bound_by_token_chunks(expected, chunk_tokens, chunk_bound)
 
 
 def engram_layer_reference(
