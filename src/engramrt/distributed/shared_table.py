@@ -98,7 +98,7 @@ import tempfile
 import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -564,12 +564,33 @@ def _gather_requests(request: SharingRequest, group: Any) -> list[SharingRequest
 # --- the table ------------------------------------------------------------------------
 
 
-class _Mismatch(Exception):
-    def __init__(self, found: Mapping[str, Any]) -> None:
-        super().__init__(found)
-        self.found = found
+@dataclass(frozen=True)
+class _Wanted:
+    """The table a caller asks for and what an existing one must be to be attached.
+
+    ``geometry`` holds ``num_rows``, ``row_bytes`` and ``fingerprint``, the
+    values its manifest must record; ``checksum`` is ``"sample"`` or
+    ``"full"``; ``trusted``: the uids whose files may be mapped;
+    ``replace_mismatched``: a complete table of another geometry or checksum
+    is left for the lock holder to replace instead of refused.
+    """
+
+    paths: TablePaths
+    geometry: Mapping[str, Any]
+    checksum: str
+    trusted: frozenset[int]
+    replace_mismatched: bool = False
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.geometry["num_rows"])
+
+    @property
+    def row_bytes(self) -> int:
+        return int(self.geometry["row_bytes"])
 
 
+@dataclass(eq=False, repr=False, kw_only=True)
 class SharedHostTable:
     """Packed rows ``[num_rows, row_bytes]`` uint8 in host memory, shared by a node's processes.
 
@@ -577,33 +598,22 @@ class SharedHostTable:
 
     - ``rows``: the read-only CPU tensor (a shared mapping; a private copy
       when sharing fell back, ``shared`` False);
+    - ``mapping``: the ``mmap`` that ``rows`` views, held as long as the
+      table (None for a private copy or an empty table);
     - ``created``: this process ran the loader;
     - ``path``, ``manifest``: the data file and its manifest (None when private).
     """
 
-    def __init__(
-        self,
-        *,
-        name: str,
-        directory: Path,
-        num_rows: int,
-        row_bytes: int,
-        rows: torch.Tensor,
-        mapping: Any,
-        manifest: dict[str, Any] | None,
-        created: bool,
-        shared: bool,
-    ) -> None:
-        self.name = name
-        self.directory = directory
-        self.num_rows = num_rows
-        self.row_bytes = row_bytes
-        self.rows = rows
-        self._mapping = mapping
-        self.manifest = manifest
-        self.created = created
-        self.shared = shared
-        self._registered = False
+    name: str
+    directory: Path
+    num_rows: int
+    row_bytes: int
+    rows: torch.Tensor
+    mapping: Any
+    manifest: dict[str, Any] | None
+    created: bool
+    shared: bool
+    _registered: bool = field(default=False, init=False)
 
     @property
     def nbytes(self) -> int:
@@ -639,7 +649,7 @@ class SharedHostTable:
                 f"register_cuda on table {self.name!r}: no CUDA device (CUDA available: False)"
             )
         status = memory.cuda_host_register(
-            self, self.rows, read_only=True, keep_alive=(self._mapping, self.rows)
+            self, self.rows, read_only=True, keep_alive=(self.mapping, self.rows)
         )
         if status != 0:
             raise CapacityError(
@@ -734,47 +744,8 @@ class SharedHostTable:
             CapacityError: the directory is too small (``private_fallback``
                 off), or a private copy was needed and host memory is short.
         """
-        table = cls._create_or_attach(
-            _check_name(name),
-            num_rows,
-            row_bytes,
-            loader,
-            directory=directory,
-            group=group,
-            fingerprint=fingerprint,
-            checksum=checksum,
-            replace_mismatched=replace_mismatched,
-            timeout_s=timeout_s,
-            poll_s=poll_s,
-            foreign_lock_s=foreign_lock_s,
-            trusted=resolve_trusted_uids(trusted_uids),
-            private_fallback=private_fallback,
-            reserve=reserve,
-        )
-        if cuda_register:
-            table.register_cuda()
-        return table
-
-    @classmethod
-    def _create_or_attach(
-        cls,
-        name: str,
-        num_rows: int,
-        row_bytes: int,
-        loader: Loader,
-        *,
-        directory: str | os.PathLike[str] | None,
-        group: Any,
-        fingerprint: str,
-        checksum: str,
-        replace_mismatched: bool,
-        timeout_s: float,
-        poll_s: float,
-        trusted: frozenset[int],
-        foreign_lock_s: float = 10.0,
-        private_fallback: bool,
-        reserve: str = "fallocate",
-    ) -> SharedHostTable:
+        name = _check_name(name)
+        trusted = resolve_trusted_uids(trusted_uids)
         if checksum not in ("sample", "full"):
             raise ValidationError(f"checksum={checksum!r}; expected 'sample' or 'full'")
         if reserve not in ("fallocate", "truncate"):
@@ -794,68 +765,87 @@ class SharedHostTable:
                 )
         where = Path(directory) if directory is not None else default_directory()
         where.mkdir(parents=True, exist_ok=True)
-        paths = TablePaths(where, name)
-        geometry = {"num_rows": num_rows, "row_bytes": row_bytes, "fingerprint": fingerprint}
+        wanted = _Wanted(
+            TablePaths(where, name),
+            {"num_rows": num_rows, "row_bytes": row_bytes, "fingerprint": fingerprint},
+            checksum,
+            trusted,
+            replace_mismatched,
+        )
         request = SharingRequest(
             node=node_id(),
             directory=str(where.resolve()),
             name=name,
             nbytes=num_rows * row_bytes,
-            present=_read_manifest(paths) is not None,
+            present=_read_manifest(wanted.paths) is not None,
             free_bytes=free_bytes(where),
         )
         decision = decide_sharing(_gather_requests(request, group))
-        if not decision.shared:
+        table, reason = None, decision.reason
+        if decision.shared:
+            table, reason = cls._attach_or_publish(
+                wanted, loader, reserve, timeout_s, poll_s, foreign_lock_s
+            )
+        if table is None:  # load the private copy (after releasing the lock)
             if not private_fallback:
-                raise CapacityError(f"table {name!r} cannot be shared: {decision.reason}")
-            return cls._private(paths, num_rows, row_bytes, loader, decision.reason)
+                raise CapacityError(f"table {name!r} cannot be shared: {reason}")
+            table = cls._private(wanted, loader, reason)
+        if cuda_register:
+            table.register_cuda()
+        return table
+
+    @classmethod
+    def _attach_or_publish(
+        cls,
+        wanted: _Wanted,
+        loader: Loader,
+        reserve: str,
+        timeout_s: float,
+        poll_s: float,
+        foreign_lock_s: float,
+    ) -> tuple[SharedHostTable | None, str]:
+        """The shared table, attached or published under the creation lock; or None and
+        why when the directory had no room for it (the caller loads a private copy)."""
+        paths = wanted.paths
         start = time.monotonic()
         deadline = start + timeout_s
         idle_since: float | None = None  # since when the holder has not been writing the table
         while True:
-            table = cls._attach_complete(paths, geometry, checksum, replace_mismatched, trusted)
+            table = cls._attach_complete(wanted)
             if table is not None:
-                return table
-            no_space = ""
+                return table, ""
             with _try_lock(paths.lock) as locked:
                 if locked:
                     # Re-check under the lock: someone may have published meanwhile.
-                    table = cls._attach_complete(
-                        paths, geometry, checksum, replace_mismatched, trusted
-                    )
+                    table = cls._attach_complete(wanted)
                     if table is not None:
-                        return table
+                        return table, ""
                     try:
-                        _publish(paths, geometry, loader, checksum, reserve)
+                        _publish(wanted, loader, reserve)
                     except _NoSpaceError as exc:
-                        no_space = str(exc)
-                    else:
-                        table = cls._attach_complete(
-                            paths, geometry, checksum, replace_mismatched, trusted
-                        )
-                        if table is None:  # pragma: no cover - we just published it
-                            raise RuntimeError(f"table {name!r} published but not attachable")
-                        table.created = True
-                        return table
-            if no_space:  # load the private copy after releasing the lock
-                if not private_fallback:
-                    raise CapacityError(f"table {name!r} cannot be shared: {no_space}")
-                return cls._private(paths, num_rows, row_bytes, loader, no_space)
+                        return None, str(exc)
+                    table = cls._attach_complete(wanted)
+                    if table is None:  # pragma: no cover - we just published it
+                        raise RuntimeError(f"table {paths.name!r} published but not attachable")
+                    table.created = True
+                    return table, ""
             now = time.monotonic()
             writing = _holder_is_writing(paths)
             idle_since = None if writing is not False else (idle_since or now)
             if idle_since is not None and now - idle_since > foreign_lock_s:
                 raise LockTimeoutError(
-                    f"table {name!r} in {where}: its creation lock {str(paths.lock)!r} is held by "
-                    f"{_lock_holder(paths.lock)}, which has not been writing the table for "
-                    f"{now - idle_since:.1f} s (foreign_lock_s={foreign_lock_s:g}); stop that "
-                    f"process, or raise foreign_lock_s if it is a slow loader"
+                    f"table {paths.name!r} in {paths.directory}: its creation lock "
+                    f"{str(paths.lock)!r} is held by {_lock_holder(paths.lock)}, which has not "
+                    f"been writing the table for {now - idle_since:.1f} s "
+                    f"(foreign_lock_s={foreign_lock_s:g}); stop that process, or raise "
+                    f"foreign_lock_s if it is a slow loader"
                 )
             if now > deadline:
                 raise LockTimeoutError(
-                    f"waited {now - start:.0f} s (timeout_s={timeout_s:g}) for table {name!r} in "
-                    f"{where}: its creation lock {str(paths.lock)!r} is held by "
-                    f"{_lock_holder(paths.lock)} and no complete manifest appeared"
+                    f"waited {now - start:.0f} s (timeout_s={timeout_s:g}) for table "
+                    f"{paths.name!r} in {paths.directory}: its creation lock "
+                    f"{str(paths.lock)!r} is held by {_lock_holder(paths.lock)} and no complete "
+                    f"manifest appeared"
                 )
             time.sleep(poll_s)
 
@@ -879,7 +869,7 @@ class SharedHostTable:
         paths = TablePaths(where, _check_name(name))
         geometry = {"num_rows": num_rows, "row_bytes": row_bytes, "fingerprint": fingerprint}
         table = cls._attach_complete(
-            paths, geometry, checksum, False, resolve_trusted_uids(trusted_uids)
+            _Wanted(paths, geometry, checksum, resolve_trusted_uids(trusted_uids))
         )
         if table is None:
             raise ValidationError(
@@ -906,15 +896,14 @@ class SharedHostTable:
         paths.lock.unlink(missing_ok=True)
 
     @classmethod
-    def _private(
-        cls, paths: TablePaths, num_rows: int, row_bytes: int, loader: Loader, reason: str
-    ) -> SharedHostTable:
+    def _private(cls, wanted: _Wanted, loader: Loader, reason: str) -> SharedHostTable:
+        paths, num_rows, row_bytes = wanted.paths, wanted.num_rows, wanted.row_bytes
         nbytes = num_rows * row_bytes
         warnings.warn(
             f"table {paths.name!r}: loading a private copy of {memory.format_bytes(nbytes)} "
             f"in this process instead of sharing one through {paths.directory}: {reason}",
             UserWarning,
-            stacklevel=4,
+            stacklevel=3,  # the caller of create_or_attach
         )
         what = f"private copy of table {paths.name!r}"
         memory.require(what, nbytes, memory.host_available_bytes(), "host memory")
@@ -933,25 +922,20 @@ class SharedHostTable:
         )
 
     @classmethod
-    def _attach_complete(
-        cls,
-        paths: TablePaths,
-        geometry: Mapping[str, Any],
-        checksum: str,
-        replace_mismatched: bool,
-        trusted: frozenset[int],
-    ) -> SharedHostTable | None:
-        """The complete table at ``paths``, mapped read-only, or None (absent, partial, corrupt).
+    def _attach_complete(cls, wanted: _Wanted) -> SharedHostTable | None:
+        """The complete table at ``wanted.paths``, mapped read-only, or None (absent, partial,
+        corrupt).
 
         Raises :class:`UntrustedFileError` for a manifest or data file of an
         untrusted owner or with a group/world write bit.
         """
-        manifest = _read_manifest(paths, trusted)
+        paths, geometry, checksum = wanted.paths, wanted.geometry, wanted.checksum
+        manifest = _read_manifest(paths, wanted.trusted)
         if manifest is None:
             return None
         found = {key: manifest[key] for key in geometry}
         if found != dict(geometry) or manifest["checksum"] != checksum:
-            if replace_mismatched:
+            if wanted.replace_mismatched:
                 return None  # the lock holder replaces it
             raise ValidationError(
                 f"{paths.data} holds another table: its manifest has {found} (checksum "
@@ -965,7 +949,7 @@ class SharedHostTable:
             return None
         try:
             status = os.fstat(fd)
-            _check_trusted(paths.data, status, trusted)
+            _check_trusted(paths.data, status, wanted.trusted)
             identity = {"dev": status.st_dev, "ino": status.st_ino, "size": status.st_size}
             if identity != manifest["file"]:
                 return None  # a data file the manifest does not describe
@@ -1025,16 +1009,21 @@ def _read_manifest(
 class _NoSpaceError(Exception):
     """The directory could not reserve the table's bytes."""
 
+    @classmethod
+    def after(cls, code: int, what: str, directory: Path, nbytes: int) -> _NoSpaceError:
+        """``what`` (a step writing the table's ``nbytes`` into ``directory``) failed with
+        errno ``code``, one of the no-space errors: the message names the error and the
+        remedy."""
+        return cls(
+            f"{what} failed ({os.strerror(code)}); "
+            + _no_space_message(directory, nbytes, free_bytes(directory), "the table")
+        )
 
-def _publish(
-    paths: TablePaths,
-    geometry: Mapping[str, Any],
-    loader: Loader,
-    checksum: str,
-    reserve: str = "fallocate",
-) -> None:
+
+def _publish(wanted: _Wanted, loader: Loader, reserve: str = "fallocate") -> None:
     """Steps 1-4 of the module doc. The caller holds the creation lock."""
-    num_rows, row_bytes = int(geometry["num_rows"]), int(geometry["row_bytes"])
+    paths, checksum = wanted.paths, wanted.checksum
+    num_rows, row_bytes = wanted.num_rows, wanted.row_bytes
     nbytes = num_rows * row_bytes
     # 1. Nothing of an older or crashed attempt survives: manifest first, so no
     #    instant exists where a manifest describes a file about to change.
@@ -1062,13 +1051,8 @@ def _publish(
                 os.posix_fallocate(fd, 0, nbytes)
             except OSError as exc:
                 if exc.errno in _NO_SPACE:
-                    raise _NoSpaceError(
-                        f"reserving {memory.format_bytes(nbytes)} in {paths.directory} failed "
-                        f"({os.strerror(exc.errno)}); "
-                        + _no_space_message(
-                            paths.directory, nbytes, free_bytes(paths.directory), "the table"
-                        )
-                    ) from exc
+                    what = f"reserving {memory.format_bytes(nbytes)} in {paths.directory}"
+                    raise _NoSpaceError.after(exc.errno, what, paths.directory, nbytes) from exc
                 if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
                     raise
                 os.ftruncate(fd, nbytes)  # a file system without fallocate
@@ -1104,7 +1088,7 @@ def _publish(
         "num_rows": num_rows,
         "row_bytes": row_bytes,
         "nbytes": nbytes,
-        "fingerprint": geometry["fingerprint"],
+        "fingerprint": wanted.geometry["fingerprint"],
         "file": {"dev": status.st_dev, "ino": status.st_ino, "size": status.st_size},
         "checksum": checksum,
         "sample_rows": indices,
@@ -1118,12 +1102,7 @@ def _publish(
         # No manifest: the data file would be a full-size orphan until the next creator.
         paths.data.unlink(missing_ok=True)
         if isinstance(exc, OSError) and exc.errno in _NO_SPACE:
-            raise _NoSpaceError(
-                f"writing the manifest of table {paths.name!r} in {paths.directory} failed "
-                f"({os.strerror(exc.errno)}); "
-                + _no_space_message(
-                    paths.directory, nbytes, free_bytes(paths.directory), "the table"
-                )
-            ) from exc
+            what = f"writing the manifest of table {paths.name!r} in {paths.directory}"
+            raise _NoSpaceError.after(exc.errno, what, paths.directory, nbytes) from exc
         raise
     _kill_point("shared:published")

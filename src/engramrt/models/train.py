@@ -107,9 +107,9 @@ class TrainSettings:
     batch_size: int = 64
     seq_len: int = 512
     vocab_k: int = 4096
-    dim: int = 256
-    n_blocks: int = 4
-    mlp_dim: int = 448
+    dim: int = LMConfig.dim
+    n_blocks: int = LMConfig.n_blocks
+    mlp_dim: int = LMConfig.mlp_dim
     lr: float = 2e-3
     table_lr: float = 1e-2
     weight_decay: float = 0.1
@@ -227,21 +227,25 @@ def segment_row_ids(
     return ids.view(count, seq, consts.n_layers, consts.n_cols)
 
 
+@dataclass
+class _EvalSet:
+    """Fixed sequences of one split, on the device (tokens trimmed)."""
+
+    segments: EvalSegments
+    tokens: torch.Tensor
+    lengths: torch.Tensor
+
+
 @torch.no_grad()
 def evaluate(
-    model: TinyLM,
-    rows_of: RowsOf | None,
-    tokens: torch.Tensor,
-    lengths: torch.Tensor,
-    row_ids: torch.Tensor | None,
-    *,
-    batch_size: int = 16,
+    model: TinyLM, rows_of: RowsOf | None, data: _EvalSet, row_ids: torch.Tensor | None
 ) -> float:
-    """Mean next-token loss (nats) of ``tokens [M, S]`` (trimmed) over the valid predictions."""
-    total = torch.zeros((), dtype=torch.float64, device=tokens.device)
+    """Mean next-token loss (nats) of ``data``'s sequences over their valid predictions
+    (Engram rows from ``rows_of`` by ``row_ids [M, S, L, C]`` unless either is None)."""
+    total = torch.zeros((), dtype=torch.float64, device=data.tokens.device)
     count = 0
-    for chunk, logits in _batched_logits(model, rows_of, tokens, row_ids, batch_size):
-        loss, n = next_token_loss_sum(logits, tokens[chunk], lengths[chunk])
+    for chunk, logits in _batched_logits(model, rows_of, data.tokens, row_ids, batch_size=16):
+        loss, n = next_token_loss_sum(logits, data.tokens[chunk], data.lengths[chunk])
         total += loss.double()
         count += n
     return float(total) / max(count, 1)
@@ -657,15 +661,6 @@ def token_losses(
 
 
 @dataclass
-class _EvalSet:
-    """Fixed sequences of one split, on the device (tokens trimmed)."""
-
-    segments: EvalSegments
-    tokens: torch.Tensor
-    lengths: torch.Tensor
-
-
-@dataclass
 class _Outcome:
     """One trained model of a run."""
 
@@ -901,7 +896,7 @@ def _finish(run: _TrainRun, outcome: _Outcome, rows: RowsOf | None, ids: Any) ->
     model, heldout = outcome.model, run.heldout
     for key, data in run.eval_sets.items():
         key_ids = None if ids is None else ids[key]
-        outcome.losses[key] = evaluate(model, rows, data.tokens, data.lengths, key_ids)
+        outcome.losses[key] = evaluate(model, rows, data, key_ids)
     outcome.per_token = token_losses(
         model, rows, heldout.tokens, heldout.lengths, None if ids is None else ids["heldout"]
     )
@@ -943,8 +938,8 @@ def _run_engram(run: _TrainRun, name: str, engram_cfg: EngramConfig) -> _Outcome
         steps=settings.steps if first else schedule["steps"],
         budget_s=run.budget if first else None,
         schedule_steps=None if first else schedule["schedule_steps"],
-        validate=lambda: evaluate(model, rows, validation.tokens, validation.lengths, val_ids),
-        heldout=lambda: evaluate(model, rows, heldout.tokens, heldout.lengths, ids["heldout"]),
+        validate=lambda: evaluate(model, rows, validation, val_ids),
+        heldout=lambda: evaluate(model, rows, heldout, ids["heldout"]),
     )
     del train_ids
     if first:
@@ -973,8 +968,8 @@ def _run_dense(run: _TrainRun, name: str, model_cfg: LMConfig) -> _Outcome:
         steps=run.schedule["steps"],
         budget_s=None,
         schedule_steps=run.schedule["schedule_steps"],
-        validate=lambda: evaluate(model, None, validation.tokens, validation.lengths, None),
-        heldout=lambda: evaluate(model, None, heldout.tokens, heldout.lengths, None),
+        validate=lambda: evaluate(model, None, validation, None),
+        heldout=lambda: evaluate(model, None, heldout, None),
     )
     return _finish(run, _Outcome(name, model_cfg, None, model, [], result), None, None)
 
@@ -1046,7 +1041,7 @@ def _fp8_losses(run: _TrainRun) -> dict[str, float]:
     fp8_rows: RowsOf = lambda index, ids: stores[index].lookup(ids).float()  # noqa: E731
     engram_ids = engram.ids  # type: ignore[attr-defined]
     fp8 = {
-        key: evaluate(engram.model, fp8_rows, data.tokens, data.lengths, engram_ids[key])
+        key: evaluate(engram.model, fp8_rows, data, engram_ids[key])
         for key, data in run.eval_sets.items()
     }
     shutil.rmtree(work, ignore_errors=True)
