@@ -13,8 +13,6 @@ from engramrt.adapters import (
     from_sglang_batch,
     from_vllm_step,
     sglang_slot_cache,
-    validate_sglang_batch,
-    validate_vllm_step,
     vllm_slot_cache,
 )
 from engramrt.config import PRESETS
@@ -145,10 +143,10 @@ def test_vllm_invalid_steps_name_the_field(change, message) -> None:
 
 def test_vllm_cache_geometry_is_checked() -> None:
     with pytest.raises(ValidationError, match="block_size=4 but the SlotHashCache"):
-        validate_vllm_step(**_vllm_step(), cache=vllm_slot_cache(16, 8))
+        from_vllm_step(**_vllm_step(), cache=vllm_slot_cache(16, 8))
     with pytest.raises(ValidationError, match=r"block_table\[0, 0\]=7: .* has 4 blocks"):
-        validate_vllm_step(**_vllm_step(), cache=vllm_slot_cache(4, 4))
-    validate_vllm_step(**_vllm_step(), cache=vllm_slot_cache(8, 4))
+        from_vllm_step(**_vllm_step(), cache=vllm_slot_cache(4, 4))
+    from_vllm_step(**_vllm_step(), cache=vllm_slot_cache(8, 4))
 
 
 def test_vllm_history_window_is_checked_against_the_cache() -> None:
@@ -165,20 +163,20 @@ def test_vllm_history_window_is_checked_against_the_cache() -> None:
     with pytest.raises(
         ValidationError, match=r"block_table\[0, 0\]=8: request 0 reads positions 2\.\.7"
     ):
-        validate_vllm_step(**step, cache=cache, hasher=tiny_consts())
+        from_vllm_step(**step, cache=cache, hasher=tiny_consts())
     step["block_table"][0, 0] = -2
     with pytest.raises(ValidationError, match=r"block_table\[0, 0\]=-2"):
-        validate_vllm_step(**step, cache=cache)
+        from_vllm_step(**step, cache=cache)
     # A chunk at positions 9..10 with N-1 = 3 reads from position 6 (block 1) on.
     late = _vllm_step()
     late["positions"] = torch.tensor([9, 10, 11, 0, 1, 0, 0, 0])
     late["block_table"] = torch.tensor([[-5, 3, 6], [5, 0, 0]], dtype=torch.int32)
     late["slot_mapping"] = torch.tensor([25, 26, 27, 20, 21])
-    validate_vllm_step(**late, cache=cache, hasher=tiny_consts())
+    from_vllm_step(**late, cache=cache, hasher=tiny_consts())
     with pytest.raises(
         ValidationError, match=r"block_table\[0, 0\]=-5: request 0 reads positions 0\.\.11"
     ):
-        validate_vllm_step(**late, cache=cache)
+        from_vllm_step(**late, cache=cache)
 
 
 def test_vllm_negative_slots_other_than_minus_one_are_refused() -> None:
@@ -188,9 +186,9 @@ def test_vllm_negative_slots_other_than_minus_one_are_refused() -> None:
     with pytest.raises(
         ValidationError, match=r"slot_mapping\[1\]=-3; expected -1 \(or pad_slot_id=0\)"
     ):
-        validate_vllm_step(**step)
+        from_vllm_step(**step)
     step["slot_mapping"][1] = -1  # not written: allowed
-    validate_vllm_step(**step, cache=vllm_slot_cache(8, 4))
+    from_vllm_step(**step, cache=vllm_slot_cache(8, 4))
 
 
 def test_vllm_validate_false_skips_the_checks() -> None:
@@ -393,10 +391,10 @@ def test_sglang_takes_n_from_the_hasher(consts, token_map) -> None:
 
 def test_sglang_cache_is_checked() -> None:
     with pytest.raises(ValidationError, match="block_size=4; expected 1"):
-        validate_sglang_batch(**_sglang_extend(), cache=vllm_slot_cache(300, 4))
+        from_sglang_batch(**_sglang_extend(), cache=vllm_slot_cache(300, 4))
     with pytest.raises(ValidationError, match="the SlotHashCache has 100 slots"):
-        validate_sglang_batch(**_sglang_extend(), cache=sglang_slot_cache(100))
-    validate_sglang_batch(**_sglang_extend(), cache=sglang_slot_cache(1001))
+        from_sglang_batch(**_sglang_extend(), cache=sglang_slot_cache(100))
+    from_sglang_batch(**_sglang_extend(), cache=sglang_slot_cache(1001))
 
 
 def test_sglang_validate_false_skips_the_checks() -> None:

@@ -7,18 +7,16 @@
   lengths, ``req_pool_indices`` into a request-to-token pool) for a
   :class:`SlotHashCache` made by :func:`sglang_slot_cache`.
 
-Neither synchronises with the device; their ``validate_*`` checks read host
-metadata only. docs/adapters.md maps every field.
+Neither synchronises with the device; their checks (``validate=True``) read
+host metadata only. docs/adapters.md maps every field.
 """
 
-from engramrt.adapters.sglang import from_sglang_batch, sglang_slot_cache, validate_sglang_batch
-from engramrt.adapters.vllm import from_vllm_step, validate_vllm_step, vllm_slot_cache
+from engramrt.adapters.sglang import from_sglang_batch, sglang_slot_cache
+from engramrt.adapters.vllm import from_vllm_step, vllm_slot_cache
 
 __all__ = [
     "from_sglang_batch",
     "from_vllm_step",
     "sglang_slot_cache",
-    "validate_sglang_batch",
-    "validate_vllm_step",
     "vllm_slot_cache",
 ]

@@ -1,4 +1,4 @@
-"""Checks shared by the engine adapters' validation functions.
+"""Checks shared by the engine adapters' validation.
 
 They look at what the host already holds: tensor types, shapes, dtypes,
 devices and plain ints. Values are read only from tensors that live on the
@@ -12,11 +12,15 @@ import numpy as np
 import torch
 
 from engramrt.errors import ValidationError
+from engramrt.hashing.history import SlotHashCache
 from engramrt.hashing.types import HashConstants
 
 __all__ = [
+    "check_cache",
     "check_count",
     "check_dead_and_lookback",
+    "check_input_ids",
+    "check_request_counts",
     "check_tensor",
     "hash_constants_of",
     "host_values",
@@ -44,6 +48,41 @@ def check_tensor(
     if x.device != device:
         raise ValidationError(f"{name} is on {x.device}; expected {device} like input_ids")
     return x
+
+
+def check_input_ids(input_ids: object) -> tuple[torch.device, int]:
+    """The device and token count ``T`` of a step's ``input_ids [T]``, which every other
+    field is checked against."""
+    if not isinstance(input_ids, torch.Tensor):
+        raise ValidationError(f"input_ids must be a torch.Tensor; got {type(input_ids).__name__}")
+    check_tensor("input_ids", input_ids, dims=1, device=input_ids.device)
+    return input_ids.device, int(input_ids.shape[0])
+
+
+def check_request_counts(
+    num_reqs: object, num_actual_tokens: object, *, num_requests: int, num_tokens: int
+) -> int:
+    """The real requests of a step: ``num_reqs`` in ``[0, num_requests]`` (None: all of
+    them); ``num_actual_tokens``, when given, in ``[0, num_tokens]``."""
+    n_real = (
+        num_requests if num_reqs is None else check_count("num_reqs", num_reqs, 0, num_requests)
+    )
+    if num_actual_tokens is not None:
+        check_count("num_actual_tokens", num_actual_tokens, 0, num_tokens)
+    return n_real
+
+
+def check_cache(
+    cache: SlotHashCache | None, *, block_size: int, device: torch.device, why: str
+) -> None:
+    """With ``cache``: bound with ``block_size`` and on ``device``. ``why`` is the error for
+    another block size, a format string of ``{found}`` (the cache's) and ``{expected}``."""
+    if cache is None:
+        return
+    if cache.block_size != block_size:
+        raise ValidationError(why.format(found=cache.block_size, expected=block_size))
+    if cache.device != device:
+        raise ValidationError(f"the SlotHashCache is on {cache.device}; expected {device}")
 
 
 def check_count(name: str, value: object, low: int, high: int) -> int:

@@ -29,8 +29,10 @@ import numpy as np
 import torch
 
 from engramrt.adapters._checks import (
-    check_count,
+    check_cache,
     check_dead_and_lookback,
+    check_input_ids,
+    check_request_counts,
     check_tensor,
     hash_constants_of,
     host_values,
@@ -42,7 +44,13 @@ from engramrt.hashing.types import HashBatch, HashConstants
 if TYPE_CHECKING:
     from engramrt.hashing.ops import NgramHasher
 
-__all__ = ["from_sglang_batch", "sglang_slot_cache", "validate_sglang_batch"]
+__all__ = ["from_sglang_batch", "sglang_slot_cache"]
+
+# The error for a SlotHashCache of another block size ({found}: its, {expected}: ours).
+_CACHE_BLOCK_SIZE = (
+    "the SlotHashCache has block_size={found}; expected {expected} (req_to_token names one "
+    "slot per position)"
+)
 
 
 def sglang_slot_cache(num_kv_slots: int, device: torch.device | str = "cpu") -> SlotHashCache:
@@ -103,7 +111,10 @@ def from_sglang_batch(
             the first step of a request whose KV came from elsewhere needs them.
         cache: the :class:`SlotHashCache` the batch will be hashed with; only
             used by validation (block size 1, slots in range, device).
-        validate: run :func:`validate_sglang_batch` first.
+        validate: check the batch first (see Raises); False skips every check
+            but those the conversion cannot do without: the hasher, a decode
+            step's ``seq_lens``, an ``extend_seq_lens`` with its
+            ``extend_prefix_lens``.
 
     Returns:
         A batch whose fields are:
@@ -117,9 +128,18 @@ def from_sglang_batch(
         - ``block_table [R, N]``: ``req_to_token[req_pool_indices[r], base[r] + j]``
           (column index clamped to the pool's width; columns past the chunk
           start are never read).
+
+    Raises:
+        ValidationError: with ``validate``, naming the first field of the batch
+            that is wrong. Shapes, dtypes, devices and host ints are checked
+            always; values only for tensors on the CPU (never read back from a
+            device): lengths, pool rows (distinct among the real requests: two
+            requests sharing a row would read and write each other's history),
+            a pool row wide enough for every position, the token count, and
+            slots inside the cache.
     """
     if validate:
-        validate_sglang_batch(
+        _check_sglang_batch(
             input_ids=input_ids,
             req_pool_indices=req_pool_indices,
             req_to_token=req_to_token,
@@ -188,36 +208,24 @@ def from_sglang_batch(
     )
 
 
-def validate_sglang_batch(
+def _check_sglang_batch(
     *,
     input_ids: torch.Tensor,
     req_pool_indices: torch.Tensor,
     req_to_token: torch.Tensor,
     hasher: NgramHasher | HashConstants,
-    seq_lens: torch.Tensor | None = None,
-    extend_prefix_lens: torch.Tensor | None = None,
-    extend_seq_lens: torch.Tensor | None = None,
-    num_reqs: int | None = None,
-    num_actual_tokens: int | None = None,
-    dead_mask: torch.Tensor | None = None,
-    lookback_token_ids: torch.Tensor | None = None,
-    lookback_dead: torch.Tensor | None = None,
-    cache: SlotHashCache | None = None,
+    seq_lens: torch.Tensor | None,
+    extend_prefix_lens: torch.Tensor | None,
+    extend_seq_lens: torch.Tensor | None,
+    num_reqs: int | None,
+    num_actual_tokens: int | None,
+    dead_mask: torch.Tensor | None,
+    lookback_token_ids: torch.Tensor | None,
+    lookback_dead: torch.Tensor | None,
+    cache: SlotHashCache | None,
 ) -> None:
-    """Raise :class:`ValidationError` naming the first field of a forward batch that is wrong.
-
-    Shapes, dtypes, devices and host ints are always checked. Values are
-    checked only for tensors on the CPU (never read back from a device):
-    lengths, pool rows (distinct among the real requests: two requests
-    sharing a row would read and write each other's history), a pool row
-    wide enough for every position, the token count, and slots inside the
-    cache.
-    """
-    if not isinstance(input_ids, torch.Tensor):
-        raise ValidationError(f"input_ids must be a torch.Tensor; got {type(input_ids).__name__}")
-    device = input_ids.device
-    check_tensor("input_ids", input_ids, dims=1, device=device)
-    t_len = int(input_ids.shape[0])
+    """The checks of :func:`from_sglang_batch` (its Raises says which)."""
+    device, t_len = check_input_ids(input_ids)
     check_tensor("req_pool_indices", req_pool_indices, dims=1, device=device)
     n_req = int(req_pool_indices.shape[0])
     check_tensor("req_to_token", req_to_token, dims=2, device=device)
@@ -226,9 +234,7 @@ def validate_sglang_batch(
             f"req_to_token has shape {list(req_to_token.shape)}; expected [max_reqs, max_context >= 1]"
         )
     max_ngram_size = hash_constants_of(hasher).max_ngram_size
-    n_real = n_req if num_reqs is None else check_count("num_reqs", num_reqs, 0, n_req)
-    if num_actual_tokens is not None:
-        check_count("num_actual_tokens", num_actual_tokens, 0, t_len)
+    n_real = check_request_counts(num_reqs, num_actual_tokens, num_requests=n_req, num_tokens=t_len)
     if (extend_prefix_lens is None) != (extend_seq_lens is None):
         given = "extend_prefix_lens" if extend_seq_lens is None else "extend_seq_lens"
         raise ValidationError(
@@ -271,14 +277,7 @@ def validate_sglang_batch(
         width=max_ngram_size - 1,
         device=device,
     )
-    if cache is not None:
-        if cache.block_size != 1:
-            raise ValidationError(
-                f"the SlotHashCache has block_size={cache.block_size}; expected 1 "
-                f"(req_to_token names one slot per position)"
-            )
-        if cache.device != device:
-            raise ValidationError(f"the SlotHashCache is on {cache.device}; expected {device}")
+    check_cache(cache, block_size=1, device=device, why=_CACHE_BLOCK_SIZE)
 
     if decode:
         seq = host_values(seq_lens)
@@ -330,7 +329,7 @@ def _check_sglang_rows(
     max_ngram_size: int,
     cache: SlotHashCache | None,
 ) -> None:
-    """The pool-row checks of :func:`validate_sglang_batch`: each real request's chunk fits
+    """The pool-row checks of :func:`from_sglang_batch`: each real request's chunk fits
     its row, rows are distinct and inside ``req_to_token``, slots inside the cache."""
     rows = host_values(req_pool_indices)
     max_context = int(req_to_token.shape[1])

@@ -27,8 +27,11 @@ import numpy as np
 import torch
 
 from engramrt.adapters._checks import (
+    check_cache,
     check_count,
     check_dead_and_lookback,
+    check_input_ids,
+    check_request_counts,
     check_tensor,
     hash_constants_of,
     host_values,
@@ -40,7 +43,13 @@ from engramrt.hashing.types import HashBatch, HashConstants
 if TYPE_CHECKING:
     from engramrt.hashing.ops import NgramHasher
 
-__all__ = ["from_vllm_step", "validate_vllm_step", "vllm_slot_cache"]
+__all__ = ["from_vllm_step", "vllm_slot_cache"]
+
+# The error for a SlotHashCache of another block size ({found}: its, {expected}: ours).
+_CACHE_BLOCK_SIZE = (
+    "block_size={expected} but the SlotHashCache was bound with block_size={found}; bind it "
+    "to this KV-cache group's geometry"
+)
 
 
 def vllm_slot_cache(
@@ -107,57 +116,82 @@ def from_vllm_step(
             :class:`~engramrt.hashing.HashConstants`) the batch will be hashed
             with; only used by validation: its N-1 sets the history window
             checked against ``cache`` (None: every position from 0).
-        validate: run :func:`validate_vllm_step` first.
+        validate: check the step first (see Raises); False skips every check.
 
     Returns:
         A batch with ``input_ids``, ``positions`` and ``block_table`` as views
         of the runner's tensors and rebuilt ``query_start_loc``/``slot_mapping``.
+
+    Raises:
+        ValidationError: with ``validate``, naming the first field of the step
+            that is wrong. Shapes, dtypes, devices and host ints are checked
+            always; values only for tensors on the CPU (never read back from a
+            device): boundaries, a block table wide enough for every position,
+            slot mapping entries that agree with the block table and
+            ``block_size`` (-1 or ``pad_slot_id`` for a token not written; no
+            other negative slot), and, with ``cache``, slots and the blocks of
+            the history window (the N-1 positions before each chunk, N from
+            ``hasher``; every position from 0 without it) inside the cache.
+            The hasher's own validation checks the rest of the batch contract.
     """
     if validate:
-        validate_vllm_step(
-            input_ids=input_ids,
-            positions=positions,
-            query_start_loc=query_start_loc,
-            slot_mapping=slot_mapping,
-            block_table=block_table,
+        device, t_len = check_input_ids(input_ids)
+        check_tensor("positions", positions, dims=1, device=device)
+        if positions.shape[0] != t_len:
+            raise ValidationError(
+                f"positions has shape {list(positions.shape)}; expected [{t_len}] like input_ids"
+            )
+        check_tensor("query_start_loc", query_start_loc, dims=1, device=device)
+        if query_start_loc.shape[0] < 1:
+            raise ValidationError("query_start_loc has shape [0]; expected [R_pad + 1] boundaries")
+        r_pad = int(query_start_loc.shape[0]) - 1
+        n_real = check_request_counts(
+            num_reqs, num_actual_tokens, num_requests=r_pad, num_tokens=t_len
+        )
+        check_tensor("slot_mapping", slot_mapping, dims=1, device=device)
+        if num_actual_tokens is not None and slot_mapping.shape[0] < num_actual_tokens:
+            raise ValidationError(
+                f"slot_mapping has {slot_mapping.shape[0]} entries; expected at least "
+                f"num_actual_tokens={num_actual_tokens}"
+            )
+        check_tensor("block_table", block_table, dims=2, device=device)
+        if block_table.shape[0] < n_real:
+            label = (
+                f"num_reqs={n_real}" if num_reqs is not None else f"R_pad={n_real} (no num_reqs)"
+            )
+            raise ValidationError(
+                f"block_table has {block_table.shape[0]} rows; expected at least {label}"
+            )
+        check_count("block_size", block_size, 1, 2**31 - 1)
+        if isinstance(pad_slot_id, bool) or not isinstance(pad_slot_id, int):
+            raise ValidationError(f"pad_slot_id={pad_slot_id!r} must be a Python int")
+        check_dead_and_lookback(
+            dead_mask,
+            lookback_token_ids,
+            lookback_dead,
+            num_tokens=t_len,
+            num_requests=r_pad,
+            width=None,
+            device=device,
+        )
+        history_window = None if hasher is None else hash_constants_of(hasher).max_ngram_size - 1
+        check_cache(cache, block_size=block_size, device=device, why=_CACHE_BLOCK_SIZE)
+        _check_vllm_values(
+            query_start_loc,
+            positions,
+            slot_mapping,
+            block_table,
+            t_len=t_len,
+            n_real=n_real,
             block_size=block_size,
             num_actual_tokens=num_actual_tokens,
-            num_reqs=num_reqs,
             pad_slot_id=pad_slot_id,
-            dead_mask=dead_mask,
-            lookback_token_ids=lookback_token_ids,
-            lookback_dead=lookback_dead,
             cache=cache,
-            hasher=hasher,
+            history_window=history_window,
         )
-    device = input_ids.device
-    t_len = int(input_ids.shape[0])
+    device, t_len = input_ids.device, int(input_ids.shape[0])
     r_pad = int(query_start_loc.shape[0]) - 1
-    n_real = r_pad if num_reqs is None else num_reqs
-
-    # Padded requests repeat the last real boundary; nothing reaches past the real tokens.
-    request_index = torch.arange(r_pad + 1, device=device)
-    qsl = torch.where(request_index > n_real, query_start_loc[n_real], query_start_loc)
-    if num_actual_tokens is not None:
-        qsl = qsl.clamp(max=num_actual_tokens)
-    end = num_actual_tokens if num_actual_tokens is not None else qsl[n_real]
-
-    slots = slot_mapping[:t_len]
-    if slots.shape[0] < t_len:
-        fill = torch.full((t_len - slots.shape[0],), -1, dtype=slots.dtype, device=device)
-        slots = torch.cat([slots, fill])
-    real_token = torch.arange(t_len, device=device) < end  # [T_pad]
-    if pad_slot_id != -1:
-        real_token = real_token & (slots != pad_slot_id)
-    slots = torch.where(real_token, slots, torch.full_like(slots, -1))
-
-    table = block_table[:r_pad]
-    if table.shape[0] < r_pad:
-        zeros = torch.zeros(
-            (r_pad - table.shape[0], table.shape[1]), dtype=table.dtype, device=device
-        )
-        table = torch.cat([table, zeros])
-
+    qsl, end = _boundaries(query_start_loc, num_reqs, num_actual_tokens, device)
     return HashBatch(
         input_ids=input_ids,
         positions=positions,
@@ -165,103 +199,56 @@ def from_vllm_step(
         dead_mask=dead_mask,
         lookback_token_ids=lookback_token_ids,
         lookback_dead=lookback_dead,
-        slot_mapping=slots,
-        block_table=table,
+        slot_mapping=_written_slots(slot_mapping, t_len, end, pad_slot_id, device),
+        block_table=_request_rows(block_table, r_pad, device),
     )
 
 
-def validate_vllm_step(
-    *,
-    input_ids: torch.Tensor,
-    positions: torch.Tensor,
+def _boundaries(
     query_start_loc: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    block_table: torch.Tensor,
-    block_size: int,
-    num_actual_tokens: int | None = None,
-    num_reqs: int | None = None,
-    pad_slot_id: int = -1,
-    dead_mask: torch.Tensor | None = None,
-    lookback_token_ids: torch.Tensor | None = None,
-    lookback_dead: torch.Tensor | None = None,
-    cache: SlotHashCache | None = None,
-    hasher: NgramHasher | HashConstants | None = None,
-) -> None:
-    """Raise :class:`ValidationError` naming the first field of a runner step that is wrong.
-
-    Shapes, dtypes, devices and host ints are always checked. Values are
-    checked only for tensors on the CPU (never read back from a device):
-    boundaries, a block table wide enough for every position, slot mapping
-    entries that agree with the block table and ``block_size`` (-1 or
-    ``pad_slot_id`` for a token not written; no other negative slot), and,
-    with ``cache``, slots and the blocks of the history window (the N-1
-    positions before each chunk, N from ``hasher``; every position from 0
-    without it) inside the cache. The hasher's own validation checks the
-    rest of the batch contract.
-    """
-    if not isinstance(input_ids, torch.Tensor):
-        raise ValidationError(f"input_ids must be a torch.Tensor; got {type(input_ids).__name__}")
-    device = input_ids.device
-    check_tensor("input_ids", input_ids, dims=1, device=device)
-    t_len = int(input_ids.shape[0])
-    check_tensor("positions", positions, dims=1, device=device)
-    if positions.shape[0] != t_len:
-        raise ValidationError(
-            f"positions has shape {list(positions.shape)}; expected [{t_len}] like input_ids"
-        )
-    check_tensor("query_start_loc", query_start_loc, dims=1, device=device)
-    if query_start_loc.shape[0] < 1:
-        raise ValidationError("query_start_loc has shape [0]; expected [R_pad + 1] boundaries")
+    num_reqs: int | None,
+    num_actual_tokens: int | None,
+    device: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor | int]:
+    """``query_start_loc`` with padded requests repeating the last real boundary and
+    nothing reaching past the real tokens, and that end (a host int when given)."""
     r_pad = int(query_start_loc.shape[0]) - 1
-    n_real = r_pad if num_reqs is None else check_count("num_reqs", num_reqs, 0, r_pad)
-    if num_actual_tokens is not None:
-        check_count("num_actual_tokens", num_actual_tokens, 0, t_len)
-    check_tensor("slot_mapping", slot_mapping, dims=1, device=device)
-    if num_actual_tokens is not None and slot_mapping.shape[0] < num_actual_tokens:
-        raise ValidationError(
-            f"slot_mapping has {slot_mapping.shape[0]} entries; expected at least "
-            f"num_actual_tokens={num_actual_tokens}"
+    n_real = r_pad if num_reqs is None else num_reqs
+    request_index = torch.arange(r_pad + 1, device=device)
+    qsl = torch.where(request_index > n_real, query_start_loc[n_real], query_start_loc)
+    if num_actual_tokens is None:
+        return qsl, qsl[n_real]
+    return qsl.clamp(max=num_actual_tokens), num_actual_tokens
+
+
+def _written_slots(
+    slot_mapping: torch.Tensor,
+    t_len: int,
+    end: torch.Tensor | int,
+    pad_slot_id: int,
+    device: torch.device,
+) -> torch.Tensor:
+    """``[T_pad]`` slots of the tokens before ``end`` that are not ``pad_slot_id``; -1 on
+    every other row (a buffer shorter than ``t_len`` is extended with -1)."""
+    slots = slot_mapping[:t_len]
+    if slots.shape[0] < t_len:
+        fill = torch.full((t_len - slots.shape[0],), -1, dtype=slots.dtype, device=device)
+        slots = torch.cat([slots, fill])
+    real_token = torch.arange(t_len, device=device) < end  # [T_pad]
+    if pad_slot_id != -1:
+        real_token = real_token & (slots != pad_slot_id)
+    return torch.where(real_token, slots, torch.full_like(slots, -1))
+
+
+def _request_rows(block_table: torch.Tensor, r_pad: int, device: torch.device) -> torch.Tensor:
+    """``[R_pad, max_blocks]``: the table's first ``r_pad`` rows, zeros for missing ones."""
+    table = block_table[:r_pad]
+    if table.shape[0] < r_pad:
+        zeros = torch.zeros(
+            (r_pad - table.shape[0], table.shape[1]), dtype=table.dtype, device=device
         )
-    check_tensor("block_table", block_table, dims=2, device=device)
-    if block_table.shape[0] < n_real:
-        label = f"num_reqs={n_real}" if num_reqs is not None else f"R_pad={n_real} (no num_reqs)"
-        raise ValidationError(
-            f"block_table has {block_table.shape[0]} rows; expected at least {label}"
-        )
-    check_count("block_size", block_size, 1, 2**31 - 1)
-    if isinstance(pad_slot_id, bool) or not isinstance(pad_slot_id, int):
-        raise ValidationError(f"pad_slot_id={pad_slot_id!r} must be a Python int")
-    check_dead_and_lookback(
-        dead_mask,
-        lookback_token_ids,
-        lookback_dead,
-        num_tokens=t_len,
-        num_requests=r_pad,
-        width=None,
-        device=device,
-    )
-    history_window = None if hasher is None else hash_constants_of(hasher).max_ngram_size - 1
-    if cache is not None:
-        if cache.block_size != block_size:
-            raise ValidationError(
-                f"block_size={block_size} but the SlotHashCache was bound with "
-                f"block_size={cache.block_size}; bind it to this KV-cache group's geometry"
-            )
-        if cache.device != device:
-            raise ValidationError(f"the SlotHashCache is on {cache.device}; expected {device}")
-    _check_vllm_values(
-        query_start_loc,
-        positions,
-        slot_mapping,
-        block_table,
-        t_len=t_len,
-        n_real=n_real,
-        block_size=block_size,
-        num_actual_tokens=num_actual_tokens,
-        pad_slot_id=pad_slot_id,
-        cache=cache,
-        history_window=history_window,
-    )
+        table = torch.cat([table, zeros])
+    return table
 
 
 def _check_vllm_values(
@@ -278,7 +265,7 @@ def _check_vllm_values(
     cache: SlotHashCache | None,
     history_window: int | None,
 ) -> None:
-    """The value checks of :func:`validate_vllm_step`, on the tensors that live on the CPU."""
+    """The value checks of :func:`from_vllm_step`, on the tensors that live on the CPU."""
     qsl = host_values(query_start_loc)
     if qsl is None:
         return

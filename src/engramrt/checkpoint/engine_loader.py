@@ -59,7 +59,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -84,7 +84,10 @@ from engramrt.lookup.tiers import RowStore, TablePlacement, check_placement, mak
 from engramrt.packed import pack_rows, row_bytes_for
 from engramrt.tokenmap import TokenMap
 
-__all__ = ["ENGRAM_MARKER", "EngramWeightLoader", "HeadWeightsTarget"]
+if TYPE_CHECKING:
+    from engramrt.protocols import LayerHead
+
+__all__ = ["ENGRAM_MARKER", "EngramWeightLoader"]
 
 ENGRAM_MARKER = ".engram."
 """A tensor whose name contains this belongs to an Engram block: it must match a role."""
@@ -99,19 +102,6 @@ _WHAT = {
     "q_weight": "gate q_weight",
     "k_weight": "gate k_weight",
 }
-
-
-class HeadWeightsTarget(Protocol):
-    """What receives a layer's head weights (an :class:`~engramrt.layer.EngramHead`)."""
-
-    def load_weights(
-        self,
-        *,
-        wkv: torch.Tensor,
-        wkv_scale: torch.Tensor | None = None,
-        q_weight: torch.Tensor,
-        k_weight: torch.Tensor,
-    ) -> None: ...
 
 
 def _describe_item(item: Any) -> str:
@@ -160,11 +150,11 @@ class EngramWeightLoader:
         layer_ids: the Engram layers this loader owns (a pipeline stage's),
             default all of ``config.layer_ids``; tensors of the other Engram
             layers are recognised and skipped.
-        heads: one head per owned layer (``config.layer_ids`` order),
-            e.g. :class:`~engramrt.layer.EngramHead`; each gets
-            ``load_weights(wkv=, wkv_scale=, q_weight=, k_weight=)`` once its
-            tensors have all arrived. None: the head tensors are kept in
-            :attr:`head_weights` for the caller.
+        heads: one :class:`~engramrt.protocols.LayerHead` per owned layer
+            (``config.layer_ids`` order), e.g. :class:`~engramrt.layer.EngramHead`;
+            each gets ``load_weights(wkv=, wkv_scale=, q_weight=, k_weight=)``
+            once its tensors have all arrived. None: the head tensors are kept
+            in :attr:`head_weights` for the caller.
         with_heads: False: load the tables only (head tensors are skipped and
             never missing).
         stores: empty stores to fill instead of building them from
@@ -193,7 +183,7 @@ class EngramWeightLoader:
         placement: TablePlacement | None = None,
         *,
         layer_ids: Sequence[int] | None = None,
-        heads: Sequence[HeadWeightsTarget] | None = None,
+        heads: Sequence[LayerHead] | None = None,
         with_heads: bool = True,
         stores: Sequence[RowStore] | None = None,
         table_names: NamesSpec = None,

@@ -7,13 +7,15 @@ their live part; padded requests repeat the last boundary or own a padding
 token each (as a uniform-decode graph pads them). :class:`SglangView` keeps
 a request-to-token pool over the token-slot KV pool and builds extend,
 decode and verify batches; padded requests point at pool row 0 with length
-1, padding rows hold token 0. Each returns the keyword arguments of its
-adapter (:func:`~engramrt.adapters.from_vllm_step`,
+1, padding rows hold token 0. Both are an :class:`EngineView`, whose ``express``
+returns the keyword arguments of its adapter
+(:func:`~engramrt.adapters.from_vllm_step`,
 :func:`~engramrt.adapters.from_sglang_batch`); :func:`adapt` calls it.
 """
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -26,6 +28,7 @@ from engramrt.testing.scheduler import Chunk, Request, Scheduler, Step
 
 __all__ = [
     "ENGINES",
+    "EngineView",
     "SglangView",
     "VllmEngine",
     "VllmView",
@@ -62,7 +65,41 @@ def _slots(request: Request, start: int, end: int, block_size: int) -> list[int]
     return [blocks[p // block_size] * block_size + p % block_size for p in range(start, end)]
 
 
-class VllmView:
+class EngineView(ABC):
+    """A scheduled step as an engine holds it, handed over as its adapter's keyword
+    arguments.
+
+    Attributes:
+        block_size: the KV block size of the engine's cache.
+    """
+
+    block_size: int
+
+    def express(
+        self,
+        steps: Sequence[Step],
+        lookback: tuple[np.ndarray, np.ndarray] | None,
+        device: torch.device,
+    ) -> dict[str, Any]:
+        """The adapter's keyword arguments for ``steps`` run as one engine step, on
+        ``device`` (``lookback``: ``[R_pad, N-1]`` tokenizer ids and dead flags, one row
+        per request, padded ones included; None: no lookback ids)."""
+        fields = self._fields(steps, device)
+        if lookback is not None:
+            fields["lookback_token_ids"] = torch.from_numpy(lookback[0]).to(device)
+            fields["lookback_dead"] = torch.from_numpy(lookback[1]).to(device)
+        return fields
+
+    @abstractmethod
+    def _fields(self, steps: Sequence[Step], device: torch.device) -> dict[str, Any]:
+        """The adapter's keyword arguments for ``steps``, all but the lookback ids."""
+
+    @abstractmethod
+    def pool_rows(self, steps: Sequence[Step]) -> list[int]:
+        """Each request's row of the batch (padded requests: 0), for ``request_slots``."""
+
+
+class VllmView(EngineView):
     """A V1 model runner's persistent step buffers.
 
     Args:
@@ -102,16 +139,9 @@ class VllmView:
         self.block_table = rng.integers(0, num_slots // block_size, (max_requests, max_blocks))
         self.block_table = self.block_table.astype(np.int32)
 
-    def express(
-        self,
-        steps: Sequence[Step],
-        lookback: tuple[np.ndarray, np.ndarray] | None,
-        device: torch.device,
-    ) -> dict[str, Any]:
-        """The adapter's keyword arguments for ``steps`` run as one runner step: every
-        step's requests, then their padded requests; every step's tokens, then their
-        padding rows (``lookback``: ``[R_pad, N-1]`` tokenizer ids and dead flags, one
-        row per request, padded ones included)."""
+    def _fields(self, steps: Sequence[Step], device: torch.device) -> dict[str, Any]:
+        """One runner step: every step's requests, then their padded requests; every
+        step's tokens, then their padding rows."""
         bs = self.block_size
         chunks = [c for s in steps for c in s.chunks]
         pad_ids = [t for s in steps for t in s.pad_tokens]
@@ -160,18 +190,14 @@ class VllmView:
             "pad_slot_id": self.pad_slot_id,
             "dead_mask": torch.from_numpy(dead_mask).to(device),
         }
-        if lookback is not None:
-            step["lookback_token_ids"] = torch.from_numpy(lookback[0]).to(device)
-            step["lookback_dead"] = torch.from_numpy(lookback[1]).to(device)
         return step
 
     def pool_rows(self, steps: Sequence[Step]) -> list[int]:
-        """Each request's row of the batch (padded requests: 0), for ``request_slots``."""
         rows = [c.request.row for s in steps for c in s.chunks]
         return rows + [0] * sum(s.pad_requests for s in steps)
 
 
-class SglangView:
+class SglangView(EngineView):
     """An SGLang request-to-token pool (``[max_requests, max_context]`` KV slots)."""
 
     def __init__(self, rng, *, max_requests: int, max_context: int, num_slots: int) -> None:
@@ -179,13 +205,8 @@ class SglangView:
         self.req_to_token = rng.integers(0, num_slots, (max_requests, max_context))
         self.req_to_token = self.req_to_token.astype(np.int32)
 
-    def express(
-        self,
-        steps: Sequence[Step],
-        lookback: tuple[np.ndarray, np.ndarray] | None,
-        device: torch.device,
-    ) -> dict[str, Any]:
-        """The adapter's keyword arguments of one forward batch (``steps``: one step)."""
+    def _fields(self, steps: Sequence[Step], device: torch.device) -> dict[str, Any]:
+        """One forward batch (``steps``: one step)."""
         (step,) = steps
         chunks: list[Chunk] = step.chunks
         ids: list[int] = []
@@ -228,9 +249,6 @@ class SglangView:
             )
             for name in ("extend_prefix_lens", "extend_seq_lens", "seq_lens"):
                 batch[name] = batch[name].to(device)
-        if lookback is not None:
-            batch["lookback_token_ids"] = torch.from_numpy(lookback[0]).to(device)
-            batch["lookback_dead"] = torch.from_numpy(lookback[1]).to(device)
         return batch
 
     def pool_rows(self, steps: Sequence[Step]) -> list[int]:

@@ -46,6 +46,7 @@ from engramrt.adapters import from_vllm_step, sglang_slot_cache, vllm_slot_cache
 from engramrt.errors import ValidationError, check_choice
 from engramrt.hashing import DEAD, HashBatch, HashConstants, NgramHasher, RequestHistory
 from engramrt.testing.engines import (
+    EngineView,
     SglangView,
     VllmView,
     adapt,
@@ -196,7 +197,7 @@ class Replay:
             )
             self.schedules.append(Schedule(seed, scheduler, policy))
         view_rng = np.random.default_rng([*seeds, 1]) if seeds else np.random.default_rng(1)
-        self.view: VllmView | SglangView
+        self.view: EngineView
         if engine == "vllm":
             self.view = VllmView(
                 view_rng,
