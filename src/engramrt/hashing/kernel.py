@@ -66,6 +66,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from engramrt._jit import program_block
+
 # Must match engramrt.hashing.types; constexpr so kernels may read them.
 EMPTY = tl.constexpr(-1)
 DEAD = tl.constexpr(-2)
@@ -218,9 +220,7 @@ def _ngram_hash_kernel(
     """
     C: tl.constexpr = (N - 1) * H
     ROW: tl.constexpr = N + 2 * C
-    pid = tl.program_id(0).to(tl.int64)
-    i = pid * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)  # [BLOCK_T] token index
-    valid = i < T
+    i, valid = program_block(T, BLOCK_T)  # [BLOCK_T] token index
     k_idx = tl.arange(0, N_PAD).to(tl.int64)  # [N_PAD] shift
     k2 = k_idx[None, :]  # [1, N_PAD]
     shift_ok = k2 < N
@@ -432,9 +432,7 @@ def _history_commit_kernel(
     SEARCH_STEPS: tl.constexpr,
 ):
     """Write the last ``window`` tokens of each chunk into its request's ring."""
-    pid = tl.program_id(0).to(tl.int64)
-    i = pid * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
-    valid = i < T
+    i, valid = program_block(T, BLOCK_T)
     r = _request_of(qsl_ptr, i, valid, R, BLOCK_T, SEARCH_STEPS)
     owned = valid & (r < R)
     r_safe = tl.where(owned, r, 0)
