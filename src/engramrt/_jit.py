@@ -1,5 +1,6 @@
 """``@triton.jit`` helpers shared by the kernels of several packages.
 
+- :func:`program_block`: the int64 indices a one-dimensional program serves;
 - :func:`dequantize_to_bf16_bits`: e4m3fn value bytes times ue8m0 scales to
   bf16 bits (SPEC §6), the integer formulation exact under Triton's
   interpreter too (:mod:`engramrt.quant.kernel` explains why);
@@ -16,7 +17,18 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["dequantize_to_bf16_bits", "flat_lookups", "store_dequantized_rows"]
+__all__ = ["dequantize_to_bf16_bits", "flat_lookups", "program_block", "store_dequantized_rows"]
+
+
+@triton.jit
+def program_block(n, BLOCK: tl.constexpr):
+    """This program's ``BLOCK`` consecutive indices ``[BLOCK]`` and which are below ``n``.
+
+    The indices are int64, the program id cast before the multiply: scaled by a
+    row's width they overflow int32 at V4.1 sizes.
+    """
+    index = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+    return index, index < n
 
 
 @triton.jit

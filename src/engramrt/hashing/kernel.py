@@ -66,6 +66,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from engramrt._jit import program_block
+
 # Must match engramrt.hashing.types; constexpr so kernels may read them.
 EMPTY = tl.constexpr(-1)
 DEAD = tl.constexpr(-2)
@@ -137,6 +139,23 @@ def _request_of_scan(qsl_ptr, i, R, R_PAD: tl.constexpr):
     r = tl.sum(passed.to(tl.int32), axis=1).to(tl.int64)
     start = tl.max(tl.where(passed, bounds[None, :], first), axis=1)
     return r, tl.maximum(start, first).to(tl.int64)
+
+
+@triton.jit
+def _cache_slot(table_ptr, r, pos, use, table_stride, table_cols, block_size, history_rows):
+    """Slot of position ``pos [BLOCK_T, N_PAD]`` of request ``r [BLOCK_T]`` in the slot
+    cache, through the request's row of the block table, and ``use`` narrowed to the
+    positions whose block lies inside the cache (a column past ``table_cols`` or a
+    block id outside ``[0, history_rows)`` has no slot)."""
+    pos = tl.where(use, pos, 0)
+    col = pos // block_size
+    block = tl.load(
+        table_ptr + r[:, None] * table_stride + col,
+        mask=use & (col < table_cols),
+        other=-1,
+    ).to(tl.int64)
+    use = use & (block >= 0) & (block < history_rows)
+    return block * block_size + pos % block_size, use
 
 
 @triton.jit
@@ -218,9 +237,7 @@ def _ngram_hash_kernel(
     """
     C: tl.constexpr = (N - 1) * H
     ROW: tl.constexpr = N + 2 * C
-    pid = tl.program_id(0).to(tl.int64)
-    i = pid * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)  # [BLOCK_T] token index
-    valid = i < T
+    i, valid = program_block(T, BLOCK_T)  # [BLOCK_T] token index
     k_idx = tl.arange(0, N_PAD).to(tl.int64)  # [N_PAD] shift
     k2 = k_idx[None, :]  # [1, N_PAD]
     shift_ok = k2 < N
@@ -327,33 +344,17 @@ def _ngram_hash_kernel(
             # Seed the cache from lookback ids (a request prefilled elsewhere):
             # the chunk's first token writes each known column once.
             seed = lb_known & (i == start)[:, None]
-            lb_pos = tl.where(seed, pos, 0)
-            lb_col = lb_pos // block_size
-            lb_block = tl.load(
-                table_ptr + r_safe[:, None] * table_stride + lb_col,
-                mask=seed & (lb_col < table_cols),
-                other=-1,
-            ).to(tl.int64)
-            seed = seed & (lb_block >= 0) & (lb_block < history_rows)  # inside the cache
-            lb_code = tl.where(dead, DEAD, value)
-            tl.store(
-                slots_ptr + lb_block * block_size + lb_pos % block_size,
-                lb_code.to(tl.int32),
-                mask=seed,
+            lb_slot, seed = _cache_slot(
+                table_ptr, r_safe, pos, seed, table_stride, table_cols, block_size, history_rows
             )
+            lb_code = tl.where(dead, DEAD, value)
+            tl.store(slots_ptr + lb_slot, lb_code.to(tl.int32), mask=seed)
         use_h = outside & ~known
-        pos_safe = tl.where(use_h, pos, 0)
-        col = pos_safe // block_size
-        block = tl.load(
-            table_ptr + r_safe[:, None] * table_stride + col,
-            mask=use_h & (col < table_cols),
-            other=-1,
-        ).to(tl.int64)
+        slot, use_h = _cache_slot(
+            table_ptr, r_safe, pos, use_h, table_stride, table_cols, block_size, history_rows
+        )
         # A block id outside the cache (or a column past the table) reads EMPTY: unknown.
-        use_h = use_h & (block >= 0) & (block < history_rows)
-        code = tl.load(
-            slots_ptr + block * block_size + pos_safe % block_size, mask=use_h, other=EMPTY
-        ).to(tl.int64)
+        code = tl.load(slots_ptr + slot, mask=use_h, other=EMPTY).to(tl.int64)
         h_known = use_h & (code != EMPTY)
         value = tl.where(h_known, tl.maximum(code, 0), value)
         dead = tl.where(h_known, code == DEAD, dead)
@@ -432,9 +433,7 @@ def _history_commit_kernel(
     SEARCH_STEPS: tl.constexpr,
 ):
     """Write the last ``window`` tokens of each chunk into its request's ring."""
-    pid = tl.program_id(0).to(tl.int64)
-    i = pid * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
-    valid = i < T
+    i, valid = program_block(T, BLOCK_T)
     r = _request_of(qsl_ptr, i, valid, R, BLOCK_T, SEARCH_STEPS)
     owned = valid & (r < R)
     r_safe = tl.where(owned, r, 0)

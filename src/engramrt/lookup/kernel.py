@@ -67,7 +67,7 @@ import triton
 import triton.language as tl
 
 from engramrt._backend import interpreter_enabled
-from engramrt._jit import flat_lookups, store_dequantized_rows
+from engramrt._jit import flat_lookups, program_block, store_dequantized_rows
 from engramrt._launch import CachedLauncher
 from engramrt.lookup.settings import DEFAULT_KERNEL, LookupKernelConfig
 from engramrt.packed import word_dtype_for
@@ -247,9 +247,7 @@ def _gather_packed_kernel(
     WORDS_PAD: tl.constexpr,
     ROWS: tl.constexpr,
 ):
-    pid = tl.program_id(0).to(tl.int64)
-    r = pid * ROWS + tl.arange(0, ROWS).to(tl.int64)
-    ok = r < n_rows
+    r, ok = program_block(n_rows, ROWS)
     row = tl.load(row_ids_ptr + r, mask=ok, other=0).to(tl.int64) - row_begin
     in_table = ok & (row >= 0) & (row < num_rows)
     row = tl.where(in_table, row, 0)

@@ -83,16 +83,10 @@ def _fp32_to_e4m3fn_code(x):
 
 
 @triton.jit
-def _quantize_rows_kernel(
-    x_ptr,  # [N, E] fp32 / bf16 / fp16
-    values_ptr,  # [N, E] uint8 (float8_e4m3fn bytes)
-    scales_ptr,  # [N, E/32] uint8
-    n_rows,
-    E: tl.constexpr,
-    NB: tl.constexpr,
-    NB_PAD: tl.constexpr,
-    ROWS: tl.constexpr,
-):
+def _row_tile(n_rows, E: tl.constexpr, NB: tl.constexpr, NB_PAD: tl.constexpr, ROWS: tl.constexpr):
+    """This program's tile ``[ROWS, NB_PAD, 32]`` of rows of ``E`` values: the rows
+    ``[ROWS]`` (int64), the scale blocks ``[NB_PAD]``, which (row, block) pairs exist
+    ``[ROWS, NB_PAD]`` and each value's offset in the rows ``[ROWS, NB_PAD, 32]``."""
     pid = tl.program_id(0).to(tl.int64)
     row = pid * ROWS + tl.arange(0, ROWS).to(tl.int64)  # [ROWS]
     block = tl.arange(0, NB_PAD)  # [NB_PAD]
@@ -103,8 +97,23 @@ def _quantize_rows_kernel(
     else:
         block_ok = tl.full([1, NB_PAD], 1, tl.int1)
     scale_ok = row_ok[:, None] & block_ok  # [ROWS, NB_PAD]
-    tile_ok = scale_ok[:, :, None]  # [ROWS, NB_PAD, 1]
     offsets = row[:, None, None] * E + block[None, :, None] * 32 + lane[None, None, :]
+    return row, block, scale_ok, offsets
+
+
+@triton.jit
+def _quantize_rows_kernel(
+    x_ptr,  # [N, E] fp32 / bf16 / fp16
+    values_ptr,  # [N, E] uint8 (float8_e4m3fn bytes)
+    scales_ptr,  # [N, E/32] uint8
+    n_rows,
+    E: tl.constexpr,
+    NB: tl.constexpr,
+    NB_PAD: tl.constexpr,
+    ROWS: tl.constexpr,
+):
+    row, block, scale_ok, offsets = _row_tile(n_rows, E, NB, NB_PAD, ROWS)
+    tile_ok = scale_ok[:, :, None]  # [ROWS, NB_PAD, 1]
     x = tl.load(x_ptr + offsets, mask=tile_ok, other=0.0).to(tl.float32)  # [ROWS, NB_PAD, 32]
 
     amax = tl.maximum(tl.max(tl.abs(x), axis=2), 1e-4)  # [ROWS, NB_PAD]
@@ -132,17 +141,8 @@ def _dequantize_rows_kernel(
     ROWS: tl.constexpr,
     HW_CONVERT: tl.constexpr,
 ):
-    pid = tl.program_id(0).to(tl.int64)
-    row = pid * ROWS + tl.arange(0, ROWS).to(tl.int64)  # [ROWS]
-    block = tl.arange(0, NB_PAD)
-    lane = tl.arange(0, 32)
-    row_ok = row < n_rows
-    if NB_PAD != NB:
-        block_ok = (block < NB)[None, :]
-    else:
-        block_ok = tl.full([1, NB_PAD], 1, tl.int1)
-    tile_ok = (row_ok[:, None] & block_ok)[:, :, None]  # [ROWS, NB_PAD, 1]
-    offsets = row[:, None, None] * E + block[None, :, None] * 32 + lane[None, None, :]
+    row, block, scale_ok, offsets = _row_tile(n_rows, E, NB, NB_PAD, ROWS)
+    tile_ok = scale_ok[:, :, None]  # [ROWS, NB_PAD, 1]
     value_bytes = tl.load(values_ptr + offsets, mask=tile_ok, other=0)
     scale_offsets = row[:, None, None] * NB + block[None, :, None]  # [ROWS, NB_PAD, 1]
     scale_bytes = tl.load(scales_ptr + scale_offsets, mask=tile_ok, other=127)
