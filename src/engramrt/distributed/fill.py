@@ -15,11 +15,11 @@ parallel):
 - ``device="cuda:N"``: the GPU computes blocks of rows with the torch
   definition itself, copies each into one of two pinned staging buffers, and
   the threads copy the staging buffer into the target while the GPU
-  computes the next block; with ``copy="direct"`` the target is registered
-  for CUDA instead (:func:`engramrt.memory.cuda_host_register`, several
-  threads at once, which also first-touches its pages) and the GPU copies
-  each block straight into it while it computes the next, no thread
-  copying; the registration is undone at the end.
+  computes the next block; with ``copy="direct"`` the threads first touch
+  every page of the target (allocating them in parallel), then the target
+  is registered for CUDA (:func:`engramrt.memory.cuda_host_register`) and
+  the GPU copies each block straight into it while it computes the next;
+  the registration is undone at the end.
 
 Placement helpers, each best effort and reporting what happened rather than
 raising (containers often forbid them):
@@ -206,7 +206,7 @@ def fill_synthetic_rows(
         if where.type == "cpu":
             _fill_cpu(array, E, seed, row_begin, threads, block or CPU_BLOCK_ROWS)
         elif copy == "direct":
-            _fill_cuda_direct(target, E, seed, row_begin, where, block or CUDA_BLOCK_ROWS)
+            _fill_cuda_direct(target, E, seed, row_begin, threads, where, block or CUDA_BLOCK_ROWS)
         else:
             _fill_cuda(array, E, seed, row_begin, threads, where, block or CUDA_BLOCK_ROWS)
     return FillStats(num_rows, array.nbytes, time.perf_counter() - start, threads, str(where))
@@ -268,9 +268,30 @@ class _Registration:
     """Owner of a fill's registration: undone when it is collected."""
 
 
+def _first_touch(target: torch.Tensor, threads: int) -> None:
+    """Write a zero to every page of ``target`` from ``threads`` threads, each a contiguous
+    range: the pages a fill is about to overwrite are allocated (and zeroed) in
+    parallel, where a registration would fault them in one by one."""
+    flat = target.view(-1)
+
+    def touch(begin: int, end: int) -> None:
+        flat[begin:end:4096].fill_(0)  # one byte a page: torch releases the GIL
+
+    with ThreadPoolExecutor(threads, thread_name_prefix="engramrt-touch") as pool:
+        for future in [pool.submit(touch, b, e) for b, e in _split(flat.numel(), threads)]:
+            future.result()
+
+
 def _fill_cuda_direct(
-    target: torch.Tensor, E: int, seed: int, row_begin: int, device: torch.device, block: int
+    target: torch.Tensor,
+    E: int,
+    seed: int,
+    row_begin: int,
+    threads: int,
+    device: torch.device,
+    block: int,
 ) -> None:
+    _first_touch(target, threads)
     owner = _Registration()
     status = memory.cuda_host_register(owner, target)
     if status != 0:
