@@ -29,7 +29,7 @@ from engramrt.hashing import (
 )
 from engramrt.hashing.config import HashKernelConfig, kernel_config_for
 from engramrt.hashing.kernel import _mod_prime
-from engramrt.testing import MODES, run_schedule
+from engramrt.testing import MODES, run_schedules
 
 CONFIGS = {
     "bt8w1-scan": HashKernelConfig(block_t=8, num_warps=1),
@@ -144,8 +144,8 @@ def test_schedules_match_one_shot_under_each_config(
     hasher = NgramHasher(
         consts, token_map, device, backend="triton", check_ids=True, kernel_config=CONFIGS[name]
     )
-    engine = run_schedule(
-        seed, mode, "triton", consts, token_map, max_steps=8, device=device, hasher=hasher
+    (engine,) = run_schedules(
+        [seed], mode, "triton", consts, token_map, max_steps=8, device=device, hasher=hasher
     )
     assert not engine.mismatches, engine.mismatches
 

@@ -13,7 +13,7 @@ import pytest
 from engramrt.config import PRESETS
 from engramrt.hashing import HashConstants, SlotHashCache, hash_sequence
 from engramrt.hashing.soak import main, soak
-from engramrt.testing import MODES, one_shot_rows, run_schedule, run_schedules
+from engramrt.testing import MODES, one_shot_rows, run_schedules
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -57,7 +57,7 @@ def test_schedules_run_together_as_alone(mode: str, token_map) -> None:
     seeds = [11, 12, 13, 14, 15]
     together = run_schedules(seeds, mode, "reference", consts, token_map)
     for seed, engine in zip(seeds, together, strict=True):
-        alone = run_schedule(seed, mode, "reference", consts, token_map)
+        (alone,) = run_schedules([seed], mode, "reference", consts, token_map)
         assert engine.steps == alone.steps > 2
         assert engine.mismatches == alone.mismatches == []
 
@@ -125,9 +125,9 @@ def test_schedule_draws_stay_in_range(token_map) -> None:
     long schedules stop adding requests before history slots or KV blocks run out."""
     consts = HashConstants.from_config(PRESETS["tiny"], token_map)
     for seed in np.random.default_rng(0).integers(0, 2**32 - 1, 40).tolist():
-        run_schedule(int(seed), "lookback", "reference", consts, token_map, max_steps=20)
+        run_schedules([int(seed)], "lookback", "reference", consts, token_map, max_steps=20)
     for seed in (1, 2):
-        engine = run_schedule(seed, "request", "reference", consts, token_map, max_steps=150)
+        (engine,) = run_schedules([seed], "request", "reference", consts, token_map, max_steps=150)
         assert not engine.mismatches and engine.steps > 2
 
 

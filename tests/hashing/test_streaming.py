@@ -17,9 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engramrt.testing import MODES, run_schedule, run_schedules
-
-_run_schedule = run_schedule
+from engramrt.testing import MODES, run_schedules
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -28,7 +26,7 @@ _run_schedule = run_schedule
     max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
 def test_reference_schedules_match_one_shot(seed: int, mode: str, consts, token_map) -> None:
-    engine = _run_schedule(seed, mode, "reference", consts, token_map)
+    (engine,) = run_schedules([seed], mode, "reference", consts, token_map)
     assert not engine.mismatches, engine.mismatches
 
 
@@ -38,7 +36,7 @@ def test_reference_schedules_match_one_shot(seed: int, mode: str, consts, token_
     max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
 def test_kernel_schedules_match_one_shot(seed: int, mode: str, consts, token_map, device) -> None:
-    engine = _run_schedule(seed, mode, "triton", consts, token_map, max_steps=8, device=device)
+    (engine,) = run_schedules([seed], mode, "triton", consts, token_map, max_steps=8, device=device)
     assert not engine.mismatches, engine.mismatches
 
 

@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from engramrt.bench.registry import Case, Inputs, bf16_bits_check, register
+from engramrt.bench.registry import Case, Inputs, bf16_bits_check, register, table_params
 from engramrt.lookup.synthetic import random_packed_rows
 from engramrt.packed import row_bytes_for
 
@@ -173,9 +173,7 @@ def cache_cases(quick: bool) -> list[Case]:
         params: dict[str, Any] = {
             "tier": "host",
             "T": num_tokens,
-            "C": COLS,
-            "E": E,
-            "table_GiB": round(num_rows * ROW_BYTES / 2**30, 2),
+            **table_params(num_rows, E, COLS),
             "cache_GiB": round(CACHE_FRACTION * num_rows * ROW_BYTES / 2**30, 3),
             "ways": WAYS,
             "ids": f"zipf s={ZIPF_EXPONENT} over rows (permuted), int32",
@@ -184,7 +182,6 @@ def cache_cases(quick: bool) -> list[Case]:
         cases.append(
             Case(
                 name=f"cache/host/T={num_tokens}",
-                group="cache",
                 params=params,
                 make=_make(num_tokens, num_rows, params),
                 impls={

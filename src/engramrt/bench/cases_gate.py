@@ -138,18 +138,14 @@ def gate_cases(quick: bool) -> list[Case]:
         cases.append(
             Case(
                 name=f"gate/T={num_tokens}",
-                group="gate",
                 params={"T": num_tokens, "hc": HC, "D": DIM, "dtype": "bf16"},
                 make=_make(num_tokens),
                 impls=impls,
-                baseline="torch-eager",
                 check=_check,
                 bytes_moved=bytes_moved,  # hidden + kv read, out written
                 items=num_tokens,
                 item_name="tokens",
-                ceiling="d2d",
                 graph=True,
-                graph_impls=tuple(name for name in impls if name != "torch-eager"),
                 tuning=tuning,
             )
         )

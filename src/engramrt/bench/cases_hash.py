@@ -189,7 +189,6 @@ def hash_cases(quick: bool) -> list[Case]:
         t_len = n_req * per
         return Case(
             name=f"{prefix}{kind} {n_req}x{per}",
-            group="hash",
             params={
                 "requests": n_req,
                 "tokens_per_request": per,
@@ -199,14 +198,12 @@ def hash_cases(quick: bool) -> list[Case]:
             },
             make=functools.partial(setup, n_req=n_req, tokens_per_req=per, seed=n_req * 7 + per),
             impls=case_impls,
-            baseline="torch-eager",
             check=_check,
             # ids, positions read (8 B each), row ids written (2 layers x 24 x 4 B)
             bytes_moved=t_len * (8 + 8 + 1 + 2 * 24 * 4),
             items=t_len,
             item_name="tokens",
             graph=True,
-            graph_impls=tuple(k for k in case_impls if k != "torch-eager"),
             tuning=tuning,
         )
 

@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 
-from engramrt.bench.registry import Case, Inputs, register
+from engramrt.bench.registry import Case, Inputs, register, table_params
 from engramrt.config import PRESETS
 from engramrt.gate import assert_within_tolerance, engram_gate_reference, gate_tolerance
 from engramrt.layer.reference import linear_exact, linear_tolerance
@@ -58,7 +58,7 @@ HC, DIM, COLS, E = CONFIG.hc_mult, CONFIG.hidden_size, CONFIG.n_cols, CONFIG.hea
 ROW_BYTES = row_bytes_for(E)  # 264
 KV_WIDTH = (HC + 1) * DIM  # 25600
 IN_WIDTH = COLS * E  # 6144
-TABLE_BYTES = 1 << 30
+TABLE_ROWS = (1 << 30) // ROW_BYTES + 1  # at least 1 GiB
 _FILL_ROWS = 1 << 22
 _BF16 = 2
 
@@ -75,18 +75,17 @@ def _shared(device: torch.device) -> dict[str, Any]:
     _SHARED.clear()
     torch.cuda.empty_cache()
     generator = torch.Generator(device=device).manual_seed(4321)
-    num_rows = TABLE_BYTES // ROW_BYTES + 1  # at least 1 GiB
     store = make_store(
-        TablePlacement(DeviceOptions(backend="triton"), device=device), num_rows=num_rows, E=E
+        TablePlacement(DeviceOptions(backend="triton"), device=device), num_rows=TABLE_ROWS, E=E
     )
-    for start in range(0, num_rows, _FILL_ROWS):
-        count = min(_FILL_ROWS, num_rows - start)
+    for start in range(0, TABLE_ROWS, _FILL_ROWS):
+        count = min(_FILL_ROWS, TABLE_ROWS - start)
         store.write_rows(start, random_packed_rows(count, E, device, generator))
     wkv = torch.randn(KV_WIDTH, IN_WIDTH, device=device, generator=generator)
     _SHARED.update(
         device=str(device),
         store=store,
-        num_rows=num_rows,
+        num_rows=TABLE_ROWS,
         wkv=(wkv / IN_WIDTH**0.5).bfloat16(),
         q_weight=(1.0 + 0.1 * torch.randn(HC, DIM, device=device, generator=generator)).bfloat16(),
         k_weight=(1.0 + 0.1 * torch.randn(HC, DIM, device=device, generator=generator)).bfloat16(),
@@ -181,27 +180,21 @@ def layer_cases(quick: bool) -> list[Case]:
         cases.append(
             Case(
                 name=f"layer/T={num_tokens}",
-                group="layer",
                 params={
                     "T": num_tokens,
                     "D": DIM,
                     "hc": HC,
-                    "C": COLS,
-                    "E": E,
-                    "table_GiB": round((TABLE_BYTES // ROW_BYTES + 1) * ROW_BYTES / 2**30, 2),
+                    **table_params(TABLE_ROWS, E, COLS),
                     "wkv": f"bf16 [{KV_WIDTH}, {IN_WIDTH}]",
                     "gemm_tflop": round(2 * num_tokens * KV_WIDTH * IN_WIDTH / 1e12, 3),
                 },
                 make=_make(num_tokens),
                 impls={"engramrt": _engramrt, "torch-eager": _torch_eager},
-                baseline="torch-eager",
                 check=_check,
                 bytes_moved=bytes_moved,
                 items=num_tokens,
                 item_name="tokens",
-                ceiling="d2d",
                 graph=True,
-                graph_impls=("engramrt",),
             )
         )
     return cases

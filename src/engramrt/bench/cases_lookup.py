@@ -47,7 +47,14 @@ from typing import Any, Literal
 
 import torch
 
-from engramrt.bench.registry import Case, Inputs, Tuning, bf16_bits_check, register
+from engramrt.bench.registry import (
+    Case,
+    Inputs,
+    Tuning,
+    bf16_bits_check,
+    register,
+    table_params,
+)
 from engramrt.lookup import lookup_rows_reference
 from engramrt.lookup.settings import LookupKernelConfig
 from engramrt.lookup.synthetic import random_packed_rows
@@ -354,25 +361,21 @@ def lookup_cases(quick: bool) -> list[Case]:
             cases.append(
                 Case(
                     name=f"lookup/{tier}/T={num_tokens}",
-                    group="lookup",
                     params={
                         "tier": tier,
                         "T": num_tokens,
-                        "C": COLS,
-                        "E": E,
-                        "table_GiB": round(num_rows * ROW_BYTES / 2**30, 2),
+                        **table_params(num_rows, E, COLS),
                         "ids": "uniform int32",
                     },
                     make=_make(tier, num_tokens, num_rows),
                     impls=impls,
-                    baseline="torch-eager",
                     check=_check,
                     bytes_moved=bytes_moved,
                     items=rows,
                     item_name="rows",
                     ceiling=ceiling,
                     graph=capturable,
-                    graph_impls=graph_impls if capturable else (),
+                    graph_impls=graph_impls,
                     tuning=tuning,
                 )
             )
@@ -380,25 +383,19 @@ def lookup_cases(quick: bool) -> list[Case]:
     cases.append(
         Case(
             name="lookup/device-outside/T=8192",
-            group="lookup",
             params={
                 "tier": "device",
                 "T": 8192,
-                "C": COLS,
-                "E": E,
-                "table_GiB": round(num_rows * ROW_BYTES / 2**30, 2),
+                **table_params(num_rows, E, COLS),
                 "ids": "uniform int32, 1/8 outside the table",
             },
             make=_make("device", 8192, num_rows, outside_share=0.125),
             impls={"triton": _tier_lookup, "torch-eager": _device_torch_eager},
-            baseline="torch-eager",
             check=_check,
             bytes_moved=rows * ROW_BYTES + rows * E * 2,
             items=rows,
             item_name="rows",
-            ceiling="d2d",
             graph=True,
-            graph_impls=("triton",),
         )
     )
     return cases

@@ -88,22 +88,18 @@ def quant_cases(quick: bool) -> list[Case]:
         cases.append(
             Case(
                 name=f"quant/quantize/rows={num_rows}",
-                group="quant",
                 params={"op": "quantize", "rows": num_rows, "E": E, "input": "bf16"},
                 make=_make(num_rows),
                 impls={"triton": _quantize_triton, "torch-eager": _quantize_torch_eager},
-                baseline="torch-eager",
                 check=_check,
                 bytes_moved=num_rows * (E * 2 + packed_bytes),  # bf16 read, fp8 + scales written
                 items=num_rows,
                 item_name="rows",
-                ceiling="d2d",
             )
         )
         cases.append(
             Case(
                 name=f"quant/dequantize/rows={num_rows}",
-                group="quant",
                 params={"op": "dequantize", "rows": num_rows, "E": E},
                 make=_make(num_rows),
                 impls={
@@ -111,14 +107,11 @@ def quant_cases(quick: bool) -> list[Case]:
                     "triton[hw_convert]": _dequantize_triton_hw_convert,
                     "torch-eager": _dequantize_torch_eager,
                 },
-                baseline="torch-eager",
                 check=_check,
                 bytes_moved=num_rows * (packed_bytes + E * 2),  # fp8 + scales read, bf16 written
                 items=num_rows,
                 item_name="rows",
-                ceiling="d2d",
                 graph=True,
-                graph_impls=("triton", "triton[hw_convert]"),
             )
         )
     return cases

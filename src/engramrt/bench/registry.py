@@ -14,10 +14,12 @@ and returns that operation's cases.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
+
+from engramrt.packed import row_bytes_for
 
 Inputs = dict[str, Any]
 
@@ -27,21 +29,23 @@ class Case:
     """One benchmark case: a shape, its implementations and their check.
 
     Attributes:
-        name: unique name, ``"<group>/<shape>"``, e.g. ``"gate/T=8192"``.
-        group: the operation (``"hash"``, ``"lookup"``, ``"gate"``, ...).
+        name: unique name, ``"<group>/<shape>"``, e.g. ``"gate/T=8192"``; its
+            first part is :attr:`group`.
         params: the shape and settings, reported next to the numbers.
         make: builds fresh random inputs on a device (never zeros).
         impls: implementation name -> callable taking the inputs.
-        baseline: the name in ``impls`` every other one is compared to.
         check: given the inputs and each implementation's output, raises
             ``AssertionError`` with the worst mismatches when one is wrong.
         bytes_moved: the fewest bytes one call must move through the memory
             that bounds it (each input read once, each output written once).
         items: how many units one call handles (rows, tokens).
         item_name: what a unit is, for the rate column.
+        baseline: the name in ``impls`` every other one is compared to.
         ceiling: which measured copy ceiling bounds it: ``"d2d"`` (device
             memory, counting read + write) or ``"h2d"`` (host to device).
         graph: also time under CUDA-graph replay (for capturable impls).
+        graph_impls: the implementations timed so; None: every one but the
+            baseline (see :meth:`timed_in_graph`).
         requires_cuda: skip on machines without a GPU.
         tuning: the kernel settings this case chooses between, when
             ``engramrt bench --write-config`` should write its winner (see
@@ -49,20 +53,32 @@ class Case:
     """
 
     name: str
-    group: str
     params: dict[str, Any]
     make: Callable[[torch.device], Inputs]
     impls: dict[str, Callable[[Inputs], Any]]
-    baseline: str
     check: Callable[[Inputs, dict[str, Any]], None]
     bytes_moved: int
     items: int
     item_name: str
+    baseline: str = "torch-eager"
     ceiling: Literal["d2d", "h2d"] = "d2d"
     graph: bool = False
-    graph_impls: tuple[str, ...] = field(default_factory=tuple)
+    graph_impls: tuple[str, ...] | None = None
     requires_cuda: bool = True
     tuning: Tuning | None = None
+
+    @property
+    def group(self) -> str:
+        """The operation (``"hash"``, ``"lookup"``, ``"gate"``, ...): the name's first part."""
+        return self.name.partition("/")[0]
+
+    def timed_in_graph(self, impl: str) -> bool:
+        """Whether implementation ``impl`` is also timed under CUDA-graph replay."""
+        if not self.graph:
+            return False
+        if self.graph_impls is None:
+            return impl != self.baseline
+        return impl in self.graph_impls
 
 
 @dataclass(frozen=True)
@@ -119,6 +135,12 @@ def all_cases(quick: bool = False, groups: Iterable[str] | None = None) -> list[
             if wanted is None or case.group in wanted:
                 cases.append(case)
     return cases
+
+
+def table_params(num_rows: int, E: int, cols: int) -> dict[str, Any]:
+    """The ``params`` entries that describe the packed table a case reads: hash columns
+    ``C``, values per row ``E`` and the table's size in GiB (``num_rows`` packed rows)."""
+    return {"C": cols, "E": E, "table_GiB": round(num_rows * row_bytes_for(E) / 2**30, 2)}
 
 
 def assert_same_bits(label: str, got: torch.Tensor, expected: torch.Tensor) -> None:

@@ -155,7 +155,7 @@ def run_case(case: Case, device: torch.device, ceilings: dict[str, float]) -> di
     for name, fn in case.impls.items():
         res: dict[str, Any] = {"median_us": _median_us(fn, inputs, device)}
         res["eager_wall_us"] = _eager_wall_us(fn, inputs, device)
-        if case.graph and name in case.graph_impls:
+        if case.timed_in_graph(name):
             res.update(_graph_times(fn, inputs, device))
         best_us = min(v for k, v in res.items() if k in ("median_us", "graph_us"))
         res["items_per_s"] = case.items / (best_us * 1e-6)

@@ -31,7 +31,7 @@ from engramrt.testing.policy import (
     RandomSchedule,
     capture_size,
 )
-from engramrt.testing.replay import MODES, SABOTAGES, Replay, Schedule, run_schedule, run_schedules
+from engramrt.testing.replay import MODES, SABOTAGES, Replay, Schedule, run_schedules
 from engramrt.testing.scheduler import Chunk, Request, Scheduler, Step
 
 __all__ = [
@@ -54,7 +54,6 @@ __all__ = [
     "capture_size",
     "lookback_of",
     "one_shot_rows",
-    "run_schedule",
     "run_schedules",
     "seed_started",
     "sglang_adapter",

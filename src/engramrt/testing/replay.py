@@ -58,7 +58,7 @@ from engramrt.testing.oneshot import one_shot_rows
 from engramrt.testing.policy import MAX_DRAFTS, RandomSchedule
 from engramrt.testing.scheduler import Scheduler, Step
 
-__all__ = ["MODES", "SABOTAGES", "Replay", "Schedule", "run_schedule", "run_schedules"]
+__all__ = ["MODES", "SABOTAGES", "Replay", "Schedule", "run_schedules"]
 
 MODES = ("lookback", "slot", "request")
 """History modes of SPEC §5 a replay can run through."""
@@ -446,8 +446,8 @@ def run_schedules(
 
     Each step, every schedule's requests join one runner step (schedule k's
     blocks and rows are its own), one adapter call, one hash launch; a
-    schedule's draws depend only on its seed, so :func:`run_schedule` runs the
-    same steps alone. ``hasher``: one to reuse (it keeps no state between
+    schedule's draws depend only on its seed, so ``run_schedules([seed], ...)[0]``
+    runs the same steps alone. ``hasher``: one to reuse (it keeps no state between
     calls), built for ``consts``, ``backend`` and ``device``; None builds one
     that checks every batch. Returns the schedules in ``seeds`` order.
     """
@@ -468,21 +468,3 @@ def run_schedules(
         graph_padding=False,
     )
     return replay.run(max_steps).schedules
-
-
-def run_schedule(
-    seed: int,
-    mode: str,
-    backend: str,
-    consts: HashConstants,
-    token_map: Any,
-    *,
-    max_steps: int = 12,
-    device: torch.device | str = "cpu",
-    hasher: NgramHasher | None = None,
-) -> Schedule:
-    """One schedule of :func:`run_schedules`, alone (``max_steps``, ``device``, ``hasher``:
-    as there)."""
-    schedules = run_schedules([seed], mode, backend, consts, token_map, hasher=hasher,
-                              max_steps=max_steps, device=device)  # fmt: skip
-    return schedules[0]

@@ -187,22 +187,36 @@ class RowStore(RowSource):
         col_begin: int = 0,
         col_end: int | None = None,
     ) -> RowStore:
-        """The store ``make_store`` asks for: ``num_rows`` rows of ``E`` values. ``path`` and
-        ``new_file`` concern tiers that keep rows in a file (a file-backed tier overrides
-        this); the others ignore them."""
+        """The store ``make_store`` asks for: ``num_rows`` rows of ``E`` values on ``device``,
+        serving the shard ``row_begin``, ``col_begin``, ``col_end``. ``path`` and ``new_file``
+        concern tiers that keep rows in a file (their :meth:`_build` takes them); the others
+        ignore them."""
+        shard = {
+            "device": device,
+            "row_begin": row_begin,
+            "col_begin": col_begin,
+            "col_end": col_end,
+        }
+        return cls._build(num_rows, E, options, path, new_file, shard)
+
+    @classmethod
+    def _build(
+        cls,
+        num_rows: int | None,
+        E: int,
+        options: TierOptions,
+        path: Any,
+        new_file: bool,
+        shard: dict[str, Any],
+    ) -> RowStore:
+        """The tier's part of :meth:`build`: its constructor, given the shard's keywords
+        (``device``, ``row_begin``, ``col_begin``, ``col_end``). A tier whose constructor
+        takes more (a file) overrides this."""
         if num_rows is None:
             raise ValidationError(
                 f"num_rows = None for tier={cls.tier!r}; expected the rows to hold"
             )
-        return cls(
-            num_rows,
-            E,
-            options,
-            device=device,
-            row_begin=row_begin,
-            col_begin=col_begin,
-            col_end=col_end,
-        )
+        return cls(num_rows, E, options, **shard)
 
     def flush(self) -> None:
         """Make written rows durable (a file-backed tier); nothing to do elsewhere."""

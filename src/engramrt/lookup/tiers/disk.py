@@ -124,30 +124,16 @@ class DiskRowStore(HostGatherRowStore):
         return self._file_rows
 
     @classmethod
-    def build(
+    def _build(
         cls,
         num_rows: int | None,
         E: int,
         options: Any,
-        *,
-        path: Any = None,
-        new_file: bool = False,
-        device: torch.device,
-        row_begin: int = 0,
-        col_begin: int = 0,
-        col_end: int | None = None,
+        path: Any,
+        new_file: bool,
+        shard: dict[str, Any],
     ) -> RowStore:
         """The file at ``path``: created (``new_file``) or opened."""
         if path is None:
             raise ValidationError("path = None; expected the packed-row file of tier='disk'")
-        return cls(
-            path,
-            num_rows,
-            E,
-            options,
-            create=new_file,
-            device=device,
-            row_begin=row_begin,
-            col_begin=col_begin,
-            col_end=col_end,
-        )
+        return cls(path, num_rows, E, options, create=new_file, **shard)
