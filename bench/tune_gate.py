@@ -22,7 +22,7 @@ from triton.testing import do_bench
 
 from engramrt.bench.cases_gate import GATE_SWEEP
 from engramrt.bench.runner import measure_ceilings
-from engramrt.gate import engram_gate_reference
+from engramrt.gate import GateInputs, engram_gate_reference
 from engramrt.gate.config import GateKernelConfig, default_gate_config
 from engramrt.gate.kernel import engram_gate_triton
 from engramrt.gate.reference import assert_within_tolerance, gate_tolerance
@@ -62,18 +62,17 @@ def main() -> None:
         kv = torch.randn(t_len, (hc + 1) * dim, device=device, generator=g).bfloat16()
         q_w = (1 + 0.1 * torch.randn(hc, dim, device=device, generator=g)).bfloat16()
         k_w = (1 + 0.1 * torch.randn(hc, dim, device=device, generator=g)).bfloat16()
-        ref = engram_gate_reference(hidden, kv, q_w, k_w, 1e-6)
+        operands = GateInputs(hidden, kv, q_w, k_w, 1e-6)
+        ref = engram_gate_reference(*operands)
         tol = gate_tolerance(hidden, kv, q_w, k_w, 1e-6, ref)
         nbytes = 2 * (hc * dim + (hc + 1) * dim + hc * dim) * t_len
         out = torch.empty_like(hidden)
         for cfg in CONFIGS:
             try:
-                got = engram_gate_triton(hidden, kv, q_w, k_w, 1e-6, out=out, config=cfg)
+                got = engram_gate_triton(operands, out=out, config=cfg)
                 assert_within_tolerance(got, ref, tol)
                 ms = do_bench(
-                    lambda cfg=cfg: engram_gate_triton(
-                        hidden, kv, q_w, k_w, 1e-6, out=out, config=cfg
-                    ),
+                    lambda cfg=cfg: engram_gate_triton(operands, out=out, config=cfg),
                     warmup=25,
                     rep=200,
                     return_mode="median",
@@ -81,12 +80,12 @@ def main() -> None:
                 stream = torch.cuda.Stream()
                 stream.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(stream):
-                    engram_gate_triton(hidden, kv, q_w, k_w, 1e-6, out=out, config=cfg)
+                    engram_gate_triton(operands, out=out, config=cfg)
                 torch.cuda.current_stream().wait_stream(stream)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph):
                     for _ in range(20):
-                        engram_gate_triton(hidden, kv, q_w, k_w, 1e-6, out=out, config=cfg)
+                        engram_gate_triton(operands, out=out, config=cfg)
                 gms = do_bench(graph.replay, warmup=10, rep=100, return_mode="median") / 20
                 if t_len == 8192:
                     prefill_us[cfg] = min(ms, gms) * 1e3

@@ -14,8 +14,8 @@ from tests.layer.common import random_hidden, random_weights
 
 from engramrt.config import PRESETS
 from engramrt.errors import ValidationError
+from engramrt.gate import GateInputs, gate_tolerance
 from engramrt.gate import engram_gate as eager_gate
-from engramrt.gate import gate_tolerance
 from engramrt.hashing import HashBatch, HashConstants, NgramHasher, SlotHashCache, hash_sequence
 from engramrt.layer import EngramHead
 from engramrt.layout import EngramLayout
@@ -148,7 +148,8 @@ def test_ops_give_the_eager_bytes(layout, token_map, device) -> None:
     w = (1 + 0.1 * torch.randn(CFG.hc_mult, CFG.hidden_size, generator=g)).bfloat16().to(device)
     out = custom_ops.engram_gate(hidden, kv, w, w, CFG.rms_norm_eps, None)
     assert torch.equal(
-        out.view(torch.int16), eager_gate(hidden, kv, w, w, CFG.rms_norm_eps).view(torch.int16)
+        out.view(torch.int16),
+        eager_gate(GateInputs(hidden, kv, w, w, CFG.rms_norm_eps)).view(torch.int16),
     )
     runtime.close()
     eager.close()
@@ -243,7 +244,9 @@ def _check_layers_within_tolerance(runtime, step, ins, outs) -> None:
     for li, head in enumerate(runtime.heads):
         h_in = ins[li]
         kv = head.wkv(step.rows(li).reshape(step.num_tokens, -1))
-        ref = eager_gate(h_in, kv, head.q_weight, head.k_weight, head.eps, backend="reference")
+        ref = eager_gate(
+            GateInputs(h_in, kv, head.q_weight, head.k_weight, head.eps), backend="reference"
+        )
         tol = gate_tolerance(
             h_in, kv, head.q_weight, head.k_weight, head.eps, ref,
             truncating_store=runtime.device.type == "cpu",

@@ -40,7 +40,7 @@ if TYPE_CHECKING:
         AllToAllExchange,
         SequenceParallelExchange,
     )
-    from engramrt.gate import engram_gate
+    from engramrt.gate import GateInputs, engram_gate
     from engramrt.hashing import HashBatch, NgramHasher, RequestHistory, SlotHashCache
     from engramrt.layer import (
         EngramHead,
@@ -79,6 +79,7 @@ _LAZY: dict[str, str] = {
     "quantize_rows": "engramrt.quant:quantize_rows",
     "dequantize_rows": "engramrt.quant:dequantize_rows",
     "lookup_rows": "engramrt.lookup:lookup_rows",
+    "GateInputs": "engramrt.gate:GateInputs",
     "engram_gate": "engramrt.gate:engram_gate",
     # modules and the engine-facing runtime (SPEC §8)
     "EngramHead": "engramrt.layer:EngramHead",
@@ -103,6 +104,7 @@ __all__ = [
     "EngramLayer",
     "EngramLayout",
     "EngramRuntime",
+    "GateInputs",
     "HashBatch",
     "LayerHead",
     "LayoutError",

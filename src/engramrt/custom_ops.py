@@ -314,10 +314,12 @@ def engram_gate(
     eps: float,
     token_mask: torch.Tensor | None,
 ) -> torch.Tensor:
-    """The fused gate ``[T, hc, D]`` bf16 (:func:`engramrt.gate.engram_gate`, its checks on)."""
+    """The fused gate ``[T, hc, D]`` bf16 (:func:`engramrt.gate.engram_gate`, its checks on).
+    The operands are separate arguments here: an operator's schema lists tensors one by one."""
+    from engramrt.gate import GateInputs
     from engramrt.gate import engram_gate as gate
 
-    return gate(hidden, kv, q_weight, k_weight, eps, token_mask)
+    return gate(GateInputs(hidden, kv, q_weight, k_weight, eps, token_mask))
 
 
 @engram_gate.register_fake

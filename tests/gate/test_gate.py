@@ -17,6 +17,7 @@ from tests.helpers import DEVICE
 from engramrt._backend import interpreter_enabled
 from engramrt.errors import ValidationError
 from engramrt.gate import (
+    GateInputs,
     assert_within_tolerance,
     engram_gate,
     engram_gate_reference,
@@ -98,7 +99,7 @@ def test_kernel_matches_reference(num_tokens: int, hc: int, dim: int, masked: bo
         num_tokens, hc, dim, seed=num_tokens * 1000 + hc * 100 + dim, masked=masked
     )
     out = poisoned_out(inputs["hidden"])
-    result = engram_gate(**inputs, backend="triton", out=out)
+    result = engram_gate(GateInputs(**inputs), backend="triton", out=out)
     assert result.data_ptr() == out.data_ptr()
     assert result.shape == (num_tokens, hc, dim) and result.dtype == torch.bfloat16
     check_against_reference(result, inputs)
@@ -123,7 +124,7 @@ def test_kernel_configs(
 ) -> None:
     inputs = make_inputs(num_tokens, hc, dim, seed=7 + dim, masked=masked)
     out = poisoned_out(inputs["hidden"])
-    engram_gate_triton(**inputs, out=out, config=config)
+    engram_gate_triton(GateInputs(**inputs), out=out, config=config)
     check_against_reference(out, inputs)
 
 
@@ -137,7 +138,7 @@ def test_kernel_configs(
 )
 def test_kernel_accepts_wider_dtypes(dtype: torch.dtype, weight_dtype: torch.dtype) -> None:
     inputs = make_inputs(5, 2, 100, seed=11, dtype=dtype, weight_dtype=weight_dtype, masked=True)
-    result = engram_gate(**inputs, backend="triton")
+    result = engram_gate(GateInputs(**inputs), backend="triton")
     assert result.dtype == torch.bfloat16
     check_against_reference(result, inputs)
 
@@ -146,7 +147,7 @@ def test_zero_dot_gives_half_gate() -> None:
     # A zero key gives dot = 0 exactly, so sign(dot) = 0 and g = sigmoid(0) = 1/2.
     inputs = make_inputs(3, 2, 64, seed=5)
     inputs["kv"][:, :64] = 0
-    result = engram_gate(**inputs, backend="triton")
+    result = engram_gate(GateInputs(**inputs), backend="triton")
     check_against_reference(result, inputs)
     value = inputs["kv"][:, 2 * 64 :].float()
     expected_stream0 = (inputs["hidden"][:, 0].float() + 0.5 * value).bfloat16()
@@ -155,26 +156,26 @@ def test_zero_dot_gives_half_gate() -> None:
 
 def test_empty_batch_returns_without_launch() -> None:
     inputs = make_inputs(0, 4, 64, seed=1)
-    result = engram_gate(**inputs, backend="triton")
+    result = engram_gate(GateInputs(**inputs), backend="triton")
     assert result.shape == (0, 4, 64) and result.dtype == torch.bfloat16
     out = poisoned_out(inputs["hidden"])
-    assert engram_gate(**inputs, backend="triton", out=out) is out
+    assert engram_gate(GateInputs(**inputs), backend="triton", out=out) is out
     # Nothing written around the empty output; one token (the control) is written there.
     buffer = torch.full((2, 4, 64), float("nan"), dtype=torch.bfloat16, device=out.device)
-    engram_gate(**inputs, backend="triton", out=buffer[:0])
+    engram_gate(GateInputs(**inputs), backend="triton", out=buffer[:0])
     assert bool(buffer.isnan().all())
     one = make_inputs(1, 4, 64, seed=2)
-    engram_gate(**one, backend="triton", out=buffer[:1])
+    engram_gate(GateInputs(**one), backend="triton", out=buffer[:1])
     check_against_reference(buffer[:1], one)
     assert bool(buffer[1].isnan().all())
 
 
 def test_fresh_output_and_reference_backend() -> None:
     inputs = make_inputs(5, 2, 33, seed=3, masked=True)
-    fresh = engram_gate(**inputs, backend="triton")
+    fresh = engram_gate(GateInputs(**inputs), backend="triton")
     check_against_reference(fresh, inputs)
     out = poisoned_out(inputs["hidden"])
-    through_reference = engram_gate(**inputs, backend="reference", out=out)
+    through_reference = engram_gate(GateInputs(**inputs), backend="reference", out=out)
     assert through_reference is out
     assert torch.equal(out, engram_gate_reference(**inputs))
 
@@ -191,7 +192,7 @@ def test_masked_tokens_pass_through_bit_for_bit(backend: str) -> None:
     dropped = (~mask).nonzero().flatten()
     inputs["hidden"][dropped[0], 0, :5] = -0.0
     inputs["kv"][dropped[0], 4 * 100 :] = float("inf")
-    result = engram_gate(**inputs, backend=backend, out=poisoned_out(inputs["hidden"]))
+    result = engram_gate(GateInputs(**inputs), backend=backend, out=poisoned_out(inputs["hidden"]))
     kept_bits = result[~mask].view(torch.int16)
     assert torch.equal(kept_bits, inputs["hidden"][~mask].view(torch.int16))
     # and the gate did act on the others
@@ -241,7 +242,7 @@ def test_reference_matches_float64(num_tokens: int, hc: int, dim: int) -> None:
 
 def test_comparison_catches_a_perturbed_output() -> None:
     inputs = make_inputs(5, 2, 64, seed=9)
-    out = engram_gate(**inputs, backend="triton")
+    out = engram_gate(GateInputs(**inputs), backend="triton")
     expected = engram_gate_reference(**inputs)
     tolerance = gate_tolerance(**inputs, expected=expected, truncating_store=TRUNCATING_STORE)
     assert_within_tolerance(out, expected, tolerance)
@@ -307,15 +308,25 @@ def test_bad_input_raises_validation_error(changes: dict, parameter: str) -> Non
         inputs[name] = value.to(DEVICE) if on_device else value
     out = inputs.pop("out", None)
     with pytest.raises(ValidationError) as caught:
-        engram_gate(**inputs, out=out, backend="reference")
+        engram_gate(GateInputs(**inputs), out=out, backend="reference")
     message = str(caught.value)
     assert message.startswith(parameter), message
+
+
+def test_loose_operands_are_refused() -> None:
+    inputs = make_inputs(T, HC, D, seed=17)
+    with pytest.raises(ValidationError, match=r"^inputs is a Tensor, expected a GateInputs"):
+        engram_gate(inputs["hidden"], backend="reference")
+    with pytest.raises(ValidationError, match=r"^inputs is a tuple, expected a GateInputs"):
+        engram_gate(tuple(inputs.values()), backend="reference")
+    # the control: the same operands as a GateInputs pass
+    engram_gate(GateInputs(**inputs), backend="reference")
 
 
 def test_validation_can_be_switched_off() -> None:
     inputs = make_inputs(T, HC, D, seed=19)
     inputs["eps"] = 0.5  # valid; only checks that validate=False still computes
-    result = engram_gate(**inputs, backend="triton", validate=False)
+    result = engram_gate(GateInputs(**inputs), backend="triton", validate=False)
     check_against_reference(result, inputs)
 
 

@@ -16,6 +16,7 @@ from tests.gate.test_gate import check_against_reference, make_inputs, poisoned_
 from engramrt import tuning
 from engramrt.bench.cases_gate import GATE_SWEEP, config_label
 from engramrt.errors import ValidationError
+from engramrt.gate import GateInputs
 from engramrt.gate.config import GateKernelConfig, default_gate_config
 from engramrt.gate.kernel import engram_gate_triton
 from engramrt.tuning import write_tuned_config
@@ -47,7 +48,7 @@ def test_sweep_config_within_tolerance(
         config = dataclasses.replace(config, block_d=block_d, num_warps=1)
     inputs = make_inputs(num_tokens, hc, dim, seed=hc * 1000 + dim, masked=masked)
     out = poisoned_out(inputs["hidden"])
-    result = engram_gate_triton(**inputs, out=out, config=config)
+    result = engram_gate_triton(GateInputs(**inputs), out=out, config=config)
     assert result.data_ptr() == out.data_ptr()
     check_against_reference(out, inputs, label=config_label(config))
 
@@ -58,7 +59,7 @@ def test_stream_groups_cover_every_stream() -> None:
     inputs = make_inputs(4, 3, 40, seed=3)
     out = poisoned_out(inputs["hidden"])
     engram_gate_triton(
-        **inputs, out=out, config=GateKernelConfig(16, 1, None, streams_per_program=2)
+        GateInputs(**inputs), out=out, config=GateKernelConfig(16, 1, None, streams_per_program=2)
     )
     check_against_reference(out, inputs)
     out[:, 2, 5] = float("nan")
@@ -71,7 +72,7 @@ def test_programs_per_sm_caps_the_grid_of_stream_groups() -> None:
     inputs = make_inputs(7, 4, 48, seed=4, masked=True)
     out = poisoned_out(inputs["hidden"])
     config = GateKernelConfig(16, 1, programs_per_sm=1, streams_per_program=1, unroll=True)
-    engram_gate_triton(**inputs, out=out, config=config)
+    engram_gate_triton(GateInputs(**inputs), out=out, config=config)
     check_against_reference(out, inputs)
 
 

@@ -9,6 +9,7 @@ import torch
 
 from engramrt.errors import ValidationError
 from engramrt.gate.reference import (
+    GateInputs,
     assert_within_tolerance,
     engram_gate_reference,
     gate_tolerance,
@@ -67,7 +68,10 @@ def _grads(fn, inputs, grad_out):
 def test_gradcheck_float64(num_tokens, hc, dim):
     inputs = _inputs(num_tokens, hc, dim, torch.float64, seed=num_tokens * 100 + dim)
     assert torch.autograd.gradcheck(
-        lambda h, kv, q, k: engram_gate_train(h, kv, q, k, EPS), inputs, eps=1e-6, atol=1e-7
+        lambda h, kv, q, k: engram_gate_train(GateInputs(h, kv, q, k, EPS)),
+        inputs,
+        eps=1e-6,
+        atol=1e-7,
     )
 
 
@@ -75,10 +79,13 @@ def test_gradcheck_with_token_mask():
     inputs = _inputs(4, 2, 6, torch.float64, seed=7)
     mask = torch.tensor([True, False, True, False])
     assert torch.autograd.gradcheck(
-        lambda h, kv, q, k: engram_gate_train(h, kv, q, k, EPS, mask), inputs, eps=1e-6, atol=1e-7
+        lambda h, kv, q, k: engram_gate_train(GateInputs(h, kv, q, k, EPS, mask)),
+        inputs,
+        eps=1e-6,
+        atol=1e-7,
     )
     grad_out = torch.randn(4, 2, 6, dtype=torch.float64)
-    ours = _grads(lambda *a: engram_gate_train(*a, EPS, mask), inputs, grad_out)
+    ours = _grads(lambda *a: engram_gate_train(GateInputs(*a, EPS, mask)), inputs, grad_out)
     expected = _grads(lambda *a: _reference_float64(*a, EPS, mask), inputs, grad_out)
     for name, a, b in zip(("hidden", "kv", "q_weight", "k_weight"), ours, expected, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12, msg=name)
@@ -104,7 +111,7 @@ def test_at_and_near_the_clamp_matches_reference_autograd(target):
     dots = _dots(*inputs)[0]
     torch.testing.assert_close(dots.abs(), torch.full_like(dots, abs(target)), rtol=1e-9, atol=0)
     grad_out = torch.randn(1, 2, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
-    ours = _grads(lambda *a: engram_gate_train(*a, EPS), inputs, grad_out)
+    ours = _grads(lambda *a: engram_gate_train(GateInputs(*a, EPS)), inputs, grad_out)
     expected = _grads(lambda *a: _reference_float64(*a, EPS), inputs, grad_out)
     for name, a, b in zip(("hidden", "kv", "q_weight", "k_weight"), ours, expected, strict=True):
         # float64 with a 1/sqrt(|dot|) slope up to 500: differences are rounding only.
@@ -117,7 +124,9 @@ def test_below_floor_gate_has_no_slope():
     inputs = _inputs(1, 2, 8, torch.float64, seed=5)
     inputs = _scale_at(inputs, torch.tensor([1e-7, 0.0], dtype=torch.float64))
     grad_out = torch.randn(1, 2, 8, dtype=torch.float64)
-    _, grad_kv, grad_q, grad_k = _grads(lambda *a: engram_gate_train(*a, EPS), inputs, grad_out)
+    _, grad_kv, grad_q, grad_k = _grads(
+        lambda *a: engram_gate_train(GateInputs(*a, EPS)), inputs, grad_out
+    )
     assert torch.equal(grad_q, torch.zeros_like(grad_q))
     assert torch.equal(grad_k, torch.zeros_like(grad_k))
     assert torch.equal(grad_kv[:, :16], torch.zeros_like(grad_kv[:, :16]))  # keys
@@ -134,12 +143,12 @@ def test_fp32_matches_autograd_of_engramrt_reference():
         gate = gate_values_reference(hidden, kv, q_weight, k_weight, EPS)
         return hidden + gate.unsqueeze(-1) * kv[:, hc * dim :].unsqueeze(1)
 
-    out = engram_gate_train(*inputs, EPS)
+    out = engram_gate_train(GateInputs(*inputs, EPS))
     expected_bf16 = engram_gate_reference(*(t.detach() for t in inputs), EPS)
     tolerance = gate_tolerance(*(t.detach() for t in inputs), EPS, expected_bf16)
     assert_within_tolerance(out.detach().to(torch.bfloat16), expected_bf16, tolerance)
 
-    ours = _grads(lambda *a: engram_gate_train(*a, EPS), inputs, grad_out)
+    ours = _grads(lambda *a: engram_gate_train(GateInputs(*a, EPS)), inputs, grad_out)
     expected = _grads(reference, inputs, grad_out)
     for name, a, b in zip(("hidden", "kv", "q_weight", "k_weight"), ours, expected, strict=True):
         # fp32, |dot| >= 1e-2: both sides reorder O(D) roundings of terms bounded by
@@ -149,7 +158,7 @@ def test_fp32_matches_autograd_of_engramrt_reference():
 
 def test_bf16_inputs_get_bf16_gradients():
     inputs = [t.detach().bfloat16().requires_grad_() for t in _inputs(2, 2, 16, torch.float32, 9)]
-    out = engram_gate_train(*inputs, EPS)
+    out = engram_gate_train(GateInputs(*inputs, EPS))
     assert out.dtype == torch.float32
     out.sum().backward()
     for tensor in inputs:
@@ -162,14 +171,14 @@ def test_wrong_backward_is_caught(monkeypatch):
     right = gate_module.rms_norm_backward
     monkeypatch.setattr(gate_module, "rms_norm_backward", lambda x, r, g: 1.01 * right(x, r, g))
     assert not torch.autograd.gradcheck(
-        lambda h, kv, q, k: engram_gate_train(h, kv, q, k, EPS),
+        lambda h, kv, q, k: engram_gate_train(GateInputs(h, kv, q, k, EPS)),
         inputs,
         eps=1e-6,
         atol=1e-7,
         raise_exception=False,
     )
     grad_out = torch.randn(3, 2, 8, dtype=torch.float64)
-    ours = _grads(lambda *a: engram_gate_train(*a, EPS), inputs, grad_out)
+    ours = _grads(lambda *a: engram_gate_train(GateInputs(*a, EPS)), inputs, grad_out)
     expected = _grads(lambda *a: _reference_float64(*a, EPS), inputs, grad_out)
     with pytest.raises(AssertionError):
         torch.testing.assert_close(ours[0], expected[0], rtol=1e-9, atol=1e-9)
@@ -182,7 +191,7 @@ def test_wrong_clamp_rule_is_caught(monkeypatch):
     inputs = _scale_at(inputs, torch.tensor([3e-7, -3e-7], dtype=torch.float64))
     monkeypatch.setattr(gate_module, "MIN_ABS_DOT", 0.0)
     grad_out = torch.randn(1, 2, 8, dtype=torch.float64)
-    ours = _grads(lambda *a: engram_gate_train(*a, EPS), inputs, grad_out)
+    ours = _grads(lambda *a: engram_gate_train(GateInputs(*a, EPS)), inputs, grad_out)
     expected = _grads(lambda *a: _reference_float64(*a, EPS), inputs, grad_out)
     with pytest.raises(AssertionError):
         torch.testing.assert_close(ours[2], expected[2], rtol=1e-9, atol=1e-9)
@@ -191,10 +200,14 @@ def test_wrong_clamp_rule_is_caught(monkeypatch):
 def test_bad_inputs_are_refused():
     hidden, kv, q_weight, k_weight = (t.detach() for t in _inputs(2, 2, 4, torch.float32, 1))
     with pytest.raises(ValidationError, match=r"kv must be .* \(2, 12\)"):
-        engram_gate_train(hidden, kv[:, :10], q_weight, k_weight, EPS)
+        engram_gate_train(GateInputs(hidden, kv[:, :10], q_weight, k_weight, EPS))
     with pytest.raises(ValidationError, match="k_weight"):
-        engram_gate_train(hidden, kv, q_weight, k_weight[:1], EPS)
+        engram_gate_train(GateInputs(hidden, kv, q_weight, k_weight[:1], EPS))
     with pytest.raises(ValidationError, match="eps must be > 0, got 0"):
-        engram_gate_train(hidden, kv, q_weight, k_weight, 0.0)
+        engram_gate_train(GateInputs(hidden, kv, q_weight, k_weight, 0.0))
+    with pytest.raises(ValidationError, match="inputs must be a GateInputs, got tuple"):
+        engram_gate_train((hidden, kv, q_weight, k_weight, EPS))
     with pytest.raises(ValidationError, match="token_mask"):
-        engram_gate_train(hidden, kv, q_weight, k_weight, EPS, torch.ones(2, dtype=torch.int64))
+        engram_gate_train(
+            GateInputs(hidden, kv, q_weight, k_weight, EPS, torch.ones(2, dtype=torch.int64))
+        )

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from engramrt.errors import ValidationError
+from engramrt.gate import GateInputs
 from engramrt.training import EngramTable, SparseRowAdam, engram_gate_train
 
 LR, BETAS, EPS = 1e-2, (0.9, 0.99), 1e-8
@@ -168,7 +169,7 @@ def test_table_and_gate_train_together():
 
     def loss_fn():
         kv = wkv(table(row_ids).reshape(num_tokens, -1))
-        out = engram_gate_train(hidden, kv, q_weight, k_weight, 1e-6)
+        out = engram_gate_train(GateInputs(hidden, kv, q_weight, k_weight, 1e-6))
         return (out - target).square().mean()
 
     first = loss_fn().item()

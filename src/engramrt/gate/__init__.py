@@ -1,9 +1,10 @@
 """The Engram gate: ``out = x + g * value`` with a per-stream RMS-normalised dot gate.
 
-:func:`engram_gate` is the stable entry point: it checks its inputs (when
-asked), picks the Triton kernel (:mod:`.kernel`) or the PyTorch reference
-(:mod:`.reference`) and writes a bf16 ``[T, hc, D]`` result. The kernel
-module, and with it Triton, is imported only when the kernel runs.
+:func:`engram_gate` is the stable entry point: it takes the operands as one
+:class:`GateInputs`, checks them (when asked), picks the Triton kernel
+(:mod:`.kernel`) or the PyTorch reference (:mod:`.reference`) and writes a
+bf16 ``[T, hc, D]`` result. The kernel module, and with it Triton, is
+imported only when the kernel runs.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 from engramrt._backend import resolve_backend
 from engramrt.errors import ValidationError, describe_tensor
 from engramrt.gate.reference import (
+    GateInputs,
     assert_within_tolerance,
     engram_gate_reference,
     gate_tolerance,
@@ -23,6 +25,7 @@ from engramrt.gate.reference import (
 )
 
 __all__ = [
+    "GateInputs",
     "assert_within_tolerance",
     "engram_gate",
     "engram_gate_reference",
@@ -35,12 +38,7 @@ _INT32_MAX = 2**31 - 1
 
 
 def engram_gate(
-    hidden: torch.Tensor,
-    kv: torch.Tensor,
-    q_weight: torch.Tensor,
-    k_weight: torch.Tensor,
-    eps: float,
-    token_mask: torch.Tensor | None = None,
+    inputs: GateInputs,
     *,
     backend: str = "auto",
     out: torch.Tensor | None = None,
@@ -59,13 +57,14 @@ def engram_gate(
     where ``rms(y) = y * rsqrt(mean(y^2) + eps)``.
 
     Args:
-        hidden: ``[T, hc, D]`` hidden streams, bf16 (fp16 and fp32 accepted).
-        kv: ``[T, (hc + 1) * D]``, same dtype family: ``hc`` keys then the value.
-        q_weight, k_weight: ``[hc, D]`` RMSNorm weights, any float dtype.
-        eps: RMSNorm epsilon, a positive float.
-        token_mask: optional bool ``[T]``. **False forces that token's gate to
-            0, so its hidden state passes through unchanged** (bit for bit for
-            bf16 ``hidden``; rounded to bf16 otherwise). Use it for padding.
+        inputs: the operands (:class:`GateInputs`): ``hidden`` ``[T, hc, D]``
+            bf16 (fp16 and fp32 accepted); ``kv`` ``[T, (hc + 1) * D]``, same
+            dtype family, ``hc`` keys then the value; ``q_weight``,
+            ``k_weight`` ``[hc, D]`` RMSNorm weights, any float dtype; ``eps``
+            a positive float; ``token_mask`` optional bool ``[T]``. **False
+            forces that token's gate to 0, so its hidden state passes through
+            unchanged** (bit for bit for bf16 ``hidden``; rounded to bf16
+            otherwise). Use it for padding.
         backend: ``"auto"``, ``"triton"`` or ``"reference"`` (see
             :mod:`engramrt._backend`).
         out: optional preallocated ``[T, hc, D]`` bf16 result (a fixed
@@ -78,28 +77,23 @@ def engram_gate(
         ``[T, hc, D]`` bf16. ``T = 0`` returns an empty tensor without a launch.
     """
     if validate:
-        _validate(hidden, kv, q_weight, k_weight, eps, token_mask, out)
-    implementation = resolve_backend(backend, hidden.device)
+        _validate(inputs, out)
+    implementation = resolve_backend(backend, inputs.hidden.device)
     if implementation == "triton":
         from engramrt.gate.kernel import engram_gate_triton
 
-        return engram_gate_triton(hidden, kv, q_weight, k_weight, eps, token_mask, out)
-    result = engram_gate_reference(hidden, kv, q_weight, k_weight, eps, token_mask)
+        return engram_gate_triton(inputs, out)
+    result = engram_gate_reference(*inputs)
     if out is None:
         return result
     return out.copy_(result)
 
 
-def _validate(
-    hidden: torch.Tensor,
-    kv: torch.Tensor,
-    q_weight: torch.Tensor,
-    k_weight: torch.Tensor,
-    eps: float,
-    token_mask: torch.Tensor | None,
-    out: torch.Tensor | None,
-) -> None:
+def _validate(inputs: GateInputs, out: torch.Tensor | None) -> None:
     """Host-side checks only: shapes, dtypes, devices, strides and eps."""
+    if not isinstance(inputs, GateInputs):
+        raise ValidationError(f"inputs is a {type(inputs).__name__}, expected a GateInputs")
+    hidden, kv, q_weight, k_weight, eps, token_mask = inputs
     for name, tensor in (
         ("hidden", hidden),
         ("kv", kv),

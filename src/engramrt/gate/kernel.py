@@ -47,6 +47,7 @@ import triton.language as tl
 
 from engramrt._launch import CachedLauncher
 from engramrt.gate.config import VEC, GateKernelConfig, default_gate_config
+from engramrt.gate.reference import GateInputs
 from engramrt.tuning import cached_choice
 
 # GateKernelConfig and default_gate_config live in engramrt.gate.config (no Triton
@@ -240,21 +241,18 @@ def _grid_size(num_items: int, device: torch.device, config: GateKernelConfig) -
 
 
 def engram_gate_triton(
-    hidden: torch.Tensor,
-    kv: torch.Tensor,
-    q_weight: torch.Tensor,
-    k_weight: torch.Tensor,
-    eps: float,
-    token_mask: torch.Tensor | None = None,
+    inputs: GateInputs,
     out: torch.Tensor | None = None,
     config: GateKernelConfig | None = None,
 ) -> torch.Tensor:
-    """Launch :func:`_engram_gate_kernel`; shapes as in :func:`engramrt.gate.engram_gate`.
+    """Launch :func:`_engram_gate_kernel` on ``inputs``; shapes as in
+    :func:`engramrt.gate.engram_gate`.
 
     Inputs are assumed valid and contiguous (``engram_gate`` checks them).
     Nothing here reads device memory or synchronises, so the call can be
     captured in a CUDA graph; with ``out`` given it allocates nothing.
     """
+    hidden, kv, q_weight, k_weight, eps, token_mask = inputs
     num_tokens, hc, dim = hidden.shape
     if out is None:
         out = torch.empty((num_tokens, hc, dim), dtype=torch.bfloat16, device=hidden.device)

@@ -13,6 +13,9 @@ output is its hidden state, unchanged bit for bit (rounded to bf16 when the
 hidden state is wider). We write that as a select, not as ``x + 0 * v``,
 because ``0 * inf`` is NaN and ``-0.0 + 0.0`` is ``+0.0``.
 
+:class:`GateInputs` carries the operands as one value, in the order of
+:func:`engram_gate_reference`'s parameters.
+
 This module also holds the error bound an fp32 implementation must meet
 against the reference (:func:`gate_tolerance`) and the comparison that
 reports the worst mismatches (:func:`assert_within_tolerance`); the tests
@@ -23,11 +26,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
 __all__ = [
     "MIN_ABS_DOT",
+    "GateInputs",
     "assert_within_tolerance",
     "bound_by_token_chunks",
     "engram_gate_reference",
@@ -39,6 +44,37 @@ __all__ = [
 # The floor under |dot| before the square root: it keeps the gate's slope
 # d g / d dot (which grows like 1 / sqrt|dot|) finite at dot = 0.
 MIN_ABS_DOT = 1e-6
+
+
+class GateInputs(NamedTuple):
+    """The operands of one gate call (SPEC §8).
+
+    :func:`engramrt.gate.engram_gate` (inference) and
+    :func:`engramrt.training.engram_gate_train` take it whole, check it once
+    and hand it unchanged to the implementation they run. Its fields are
+    :func:`engram_gate_reference`'s parameters in order, so
+    ``engram_gate_reference(*inputs)`` is the definition of both.
+
+    A NamedTuple rather than a frozen dataclass: serving builds one per layer
+    and step, and a tuple is built in a third of the time (about 0.2 against
+    0.55 us on CPython 3.11).
+
+    Attributes:
+        hidden: ``[T, hc, D]`` hidden streams.
+        kv: ``[T, (hc + 1) * D]``: ``hc`` keys, one per stream, then the value.
+        q_weight: ``[hc, D]`` per-stream RMSNorm weight of the hidden state.
+        k_weight: ``[hc, D]`` per-stream RMSNorm weight of the key.
+        eps: the RMSNorm epsilon (> 0).
+        token_mask: optional bool ``[T]``; False forces the token's gate to 0
+            so its hidden state passes through unchanged (padding).
+    """
+
+    hidden: torch.Tensor
+    kv: torch.Tensor
+    q_weight: torch.Tensor
+    k_weight: torch.Tensor
+    eps: float
+    token_mask: torch.Tensor | None = None
 
 
 def gate_values_reference(
@@ -82,7 +118,8 @@ def engram_gate_reference(
 
     Returns:
         ``[T, hc, D]`` bf16. Inputs are assumed valid; :func:`engramrt.gate.engram_gate`
-        checks them.
+        checks them. A :class:`GateInputs` ``inputs`` is computed by
+        ``engram_gate_reference(*inputs)``.
     """
     num_tokens, hc, dim = hidden.shape
     x = hidden.float()  # [T, hc, D]

@@ -17,7 +17,7 @@ from torch import nn
 from engramrt._device import resolve_device
 from engramrt.config import EngramConfig
 from engramrt.errors import CheckpointError, ValidationError, describe_tensor
-from engramrt.gate import engram_gate
+from engramrt.gate import GateInputs, engram_gate
 from engramrt.layer.linear import EngramLinear
 
 __all__ = ["EngramHead"]
@@ -156,17 +156,8 @@ class EngramHead(nn.Module):
         """
         num_tokens = rows.shape[0]
         kv = self.wkv(rows.view(num_tokens, self.num_cols * self.head_dim), out=kv_out)
-        result = engram_gate(
-            hidden,
-            kv,
-            self.q_weight,
-            self.k_weight,
-            self.eps,
-            token_mask,
-            backend=self.backend,
-            out=out,
-            validate=self.validate,
-        )
+        inputs = GateInputs(hidden, kv, self.q_weight, self.k_weight, self.eps, token_mask)
+        result = engram_gate(inputs, backend=self.backend, out=out, validate=self.validate)
         return (result, kv) if return_kv else result
 
     def _check(self, hidden: torch.Tensor, rows: torch.Tensor) -> None:

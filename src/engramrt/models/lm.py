@@ -51,6 +51,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engramrt.errors import ValidationError
+from engramrt.gate import GateInputs
 from engramrt.training import engram_gate_train
 
 __all__ = [
@@ -351,13 +352,14 @@ class TrainEngramHead(nn.Module):
         tokens = rows.shape[0]
         kv = self.wkv(rows.reshape(tokens, self.num_cols * self.head_dim))
         with _no_autocast(streams.device.type):
-            out = engram_gate_train(
+            inputs = GateInputs(
                 streams.reshape(tokens, shape[-2], shape[-1]).float(),
                 kv.float(),
                 self.q_weight.float(),
                 self.k_weight.float(),
                 self.eps,
             )
+            out = engram_gate_train(inputs)
         return out.view(shape)
 
 

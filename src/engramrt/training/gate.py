@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from engramrt.errors import ValidationError, expect
-from engramrt.gate.reference import MIN_ABS_DOT
+from engramrt.gate.reference import MIN_ABS_DOT, GateInputs
 
 __all__ = ["engram_gate_train", "rms_norm_backward"]
 
@@ -140,27 +140,26 @@ class _EngramGate(torch.autograd.Function):
         )
 
 
-def engram_gate_train(
-    hidden: torch.Tensor,
-    kv: torch.Tensor,
-    q_weight: torch.Tensor,
-    k_weight: torch.Tensor,
-    eps: float,
-    token_mask: torch.Tensor | None = None,
-) -> torch.Tensor:
+def engram_gate_train(inputs: GateInputs) -> torch.Tensor:
     """The gated residual ``x + g * value`` of SPEC §8, differentiable in
     ``hidden``, ``kv``, ``q_weight`` and ``k_weight``.
 
     Args:
-        hidden: ``[T, hc, D]`` float hidden streams.
-        kv: ``[T, (hc + 1) * D]`` float: ``hc`` keys, one per stream, then the value.
-        q_weight, k_weight: ``[hc, D]`` float per-stream RMSNorm weights.
-        eps: the RMSNorm epsilon (> 0).
-        token_mask: optional bool ``[T]``; False forces the token's gate to 0.
+        inputs: the operands (:class:`~engramrt.gate.GateInputs`), any float
+            dtype: ``hidden`` ``[T, hc, D]``; ``kv`` ``[T, (hc + 1) * D]``,
+            ``hc`` keys, one per stream, then the value; ``q_weight``,
+            ``k_weight`` ``[hc, D]``; ``eps`` > 0; ``token_mask`` optional
+            bool ``[T]``, False forces the token's gate to 0.
 
     Returns:
         ``[T, hc, D]`` in the compute dtype (fp32, or float64 for float64 inputs).
     """
+    expect(
+        isinstance(inputs, GateInputs),
+        ValidationError,
+        f"inputs must be a GateInputs, got {type(inputs).__name__}",
+    )
+    hidden, kv, q_weight, k_weight, eps, token_mask = inputs
     expect(
         hidden.dim() == 3 and hidden.is_floating_point(),
         ValidationError,
@@ -189,5 +188,6 @@ def engram_gate_train(
             f"token_mask must be a bool tensor of shape [T] = ({num_tokens},), got shape "
             f"{tuple(token_mask.shape)} dtype {token_mask.dtype}",
         )
-    out: torch.Tensor = _EngramGate.apply(hidden, kv, q_weight, k_weight, eps, token_mask)
+    # apply takes the fields one by one: autograd tracks only tensors passed directly.
+    out: torch.Tensor = _EngramGate.apply(*inputs)
     return out
