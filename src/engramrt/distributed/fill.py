@@ -49,7 +49,7 @@ import os
 import platform
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -205,10 +205,8 @@ def fill_synthetic_rows(
     if num_rows:
         if where.type == "cpu":
             _fill_cpu(array, E, seed, row_begin, threads, block or CPU_BLOCK_ROWS)
-        elif copy == "direct":
-            _fill_cuda_direct(target, E, seed, row_begin, threads, where, block or CUDA_BLOCK_ROWS)
         else:
-            _fill_cuda(array, E, seed, row_begin, threads, where, block or CUDA_BLOCK_ROWS)
+            _fill_cuda(target, E, seed, row_begin, threads, where, block or CUDA_BLOCK_ROWS, copy)
     return FillStats(num_rows, array.nbytes, time.perf_counter() - start, threads, str(where))
 
 
@@ -220,25 +218,50 @@ def _fill_cpu(
             last = min(end, first + block)
             synthetic_rows_numpy(row_begin + first, last - first, E, seed, out=array[first:last])
 
+    _in_parallel(fill_range, array.shape[0], threads)
+
+
+def _in_parallel(work: Callable[[int, int], None], count: int, threads: int) -> None:
+    """``work(begin, end)`` over ``threads`` contiguous ranges of ``[0, count)`` at once."""
     with ThreadPoolExecutor(threads, thread_name_prefix="engramrt-fill") as pool:
-        for future in [pool.submit(fill_range, b, e) for b, e in _split(array.shape[0], threads)]:
+        for future in [pool.submit(work, b, e) for b, e in _split(count, threads)]:
             future.result()
 
 
+def _device_blocks(
+    num_rows: int, E: int, seed: int, row_begin: int, device: torch.device, block: int
+) -> Iterator[tuple[int, torch.Tensor]]:
+    """``(first, packed)``: the synthetic rows ``[first, first + block)`` of the target,
+    computed on ``device`` (queued on its current stream), block by block."""
+    for first in range(0, num_rows, block):
+        count = min(block, num_rows - first)
+        ids = torch.arange(row_begin + first, row_begin + first + count, device=device)
+        yield first, synthetic_packed_rows(ids, E, seed)
+
+
 def _fill_cuda(
+    target: torch.Tensor, E: int, seed: int, row_begin: int, threads: int, device: torch.device,
+    block: int, copy: str,
+) -> None:  # fmt: skip
+    block = min(block, target.shape[0])
+    blocks = _device_blocks(target.shape[0], E, seed, row_begin, device, block)
+    if copy == "direct":
+        _copy_direct(target, blocks, threads, device)
+    else:
+        _copy_staged(target.numpy(), blocks, threads, device, block)
+
+
+def _copy_staged(
     array: np.ndarray,
-    E: int,
-    seed: int,
-    row_begin: int,
+    blocks: Iterator[tuple[int, torch.Tensor]],
     threads: int,
     device: torch.device,
     block: int,
 ) -> None:
-    num_rows, row_bytes = array.shape
-    block = min(block, num_rows)
-    # Two staging buffers: the GPU fills one while the threads copy the other out.
+    """Each block into one of two pinned staging buffers, copied out by the threads while
+    the GPU computes the next."""
     staging = [
-        torch.empty((block, row_bytes), dtype=torch.uint8, pin_memory=True) for _ in range(2)
+        torch.empty((block, array.shape[1]), dtype=torch.uint8, pin_memory=True) for _ in range(2)
     ]
     in_flight: list[list[Future[None]]] = [[], []]
 
@@ -246,14 +269,13 @@ def _fill_cuda(
         array[first : first + source.shape[0]] = source
 
     with ThreadPoolExecutor(threads, thread_name_prefix="engramrt-fill") as pool:
-        for index, first in enumerate(range(0, num_rows, block)):
+        for index, (first, packed) in enumerate(blocks):
             slot = index % 2
             for future in in_flight[slot]:  # the buffer is free again
                 future.result()
-            count = min(block, num_rows - first)
-            ids = torch.arange(row_begin + first, row_begin + first + count, device=device)
+            count = packed.shape[0]
             buffer = staging[slot][:count]
-            buffer.copy_(synthetic_packed_rows(ids, E, seed), non_blocking=True)
+            buffer.copy_(packed, non_blocking=True)
             torch.cuda.current_stream(device).synchronize()
             source = buffer.numpy()
             in_flight[slot] = [
@@ -277,20 +299,17 @@ def _first_touch(target: torch.Tensor, threads: int) -> None:
     def touch(begin: int, end: int) -> None:
         flat[begin:end:4096].fill_(0)  # one byte a page: torch releases the GIL
 
-    with ThreadPoolExecutor(threads, thread_name_prefix="engramrt-touch") as pool:
-        for future in [pool.submit(touch, b, e) for b, e in _split(flat.numel(), threads)]:
-            future.result()
+    _in_parallel(touch, flat.numel(), threads)
 
 
-def _fill_cuda_direct(
+def _copy_direct(
     target: torch.Tensor,
-    E: int,
-    seed: int,
-    row_begin: int,
+    blocks: Iterator[tuple[int, torch.Tensor]],
     threads: int,
     device: torch.device,
-    block: int,
 ) -> None:
+    """``target`` registered for CUDA (its pages first touched by the threads), each block
+    copied into it by the GPU on a side stream while the next is computed."""
     _first_touch(target, threads)
     owner = _Registration()
     status = memory.cuda_host_register(owner, target)
@@ -307,25 +326,23 @@ def _fill_cuda_direct(
     bounds = [address - base for address, _ in memory.register_spans(base, target.numel())]
     bounds.append(target.numel())
     flat = target.view(-1)
-    num_rows, row_bytes = target.shape
+    row_bytes = target.shape[1]
     compute = torch.cuda.current_stream(device)
     copies = torch.cuda.Stream(device)
     copied: list[torch.cuda.Event | None] = [None, None]  # two blocks in flight at most
-    for index, first in enumerate(range(0, num_rows, block)):
-        if (event := copied[index % 2]) is not None:
-            event.synchronize()  # else the host would queue blocks, each on new memory
-        count = min(block, num_rows - first)
-        ids = torch.arange(row_begin + first, row_begin + first + count, device=device)
-        packed = synthetic_packed_rows(ids, E, seed).view(-1)
+    for index, (first, packed) in enumerate(blocks):
         copies.wait_stream(compute)  # the block is computed; the next one starts now
-        lo, hi = first * row_bytes, (first + count) * row_bytes
+        lo, hi = first * row_bytes, (first + packed.shape[0]) * row_bytes
+        source = packed.view(-1)
         with torch.cuda.stream(copies):
             for piece_lo, piece_hi in itertools.pairwise(bounds):
                 a, b = max(lo, piece_lo), min(hi, piece_hi)
                 if a < b:
-                    flat[a:b].copy_(packed[a - lo : b - lo], non_blocking=True)
+                    flat[a:b].copy_(source[a - lo : b - lo], non_blocking=True)
         packed.record_stream(copies)
         copied[index % 2] = copies.record_event()
+        if (event := copied[(index + 1) % 2]) is not None:
+            event.synchronize()  # else the host would queue blocks, each on new memory
     copies.synchronize()
     del owner  # unregistered here: the fill's mapping is not the one served
 

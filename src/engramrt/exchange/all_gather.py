@@ -31,15 +31,11 @@ of this all-gather's output.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.distributed as dist
 
-from engramrt.errors import check_choice
 from engramrt.exchange._collectives import all_gather_into, word_view
 from engramrt.exchange.base import RowExchange
-from engramrt.lookup.tiers.base import RowStore
 
 __all__ = ["ALL_GATHER_COLLECTIVES", "AllGatherExchange"]
 
@@ -58,17 +54,7 @@ class AllGatherExchange(RowExchange):
     cost a collective per step).
     """
 
-    def __init__(
-        self,
-        store: RowStore,
-        *,
-        num_cols: int,
-        group: Any = None,
-        collective: str = "all_gather",
-    ) -> None:
-        check_choice("collective", collective, ALL_GATHER_COLLECTIVES)
-        super().__init__(store, num_cols=num_cols, group=group)
-        self.collective_op = collective
+    collectives = ALL_GATHER_COLLECTIVES
 
     def fetch(self, row_ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """``row_ids [T, C]`` (the same on every rank) -> ``[T, C, E]`` bf16 on the store's device."""

@@ -9,11 +9,11 @@ flags are the store's, plus :attr:`~engramrt.source.RowSource.collective`.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
-from engramrt.errors import ShardingError, ValidationError
+from engramrt.errors import ShardingError, ValidationError, check_choice
 from engramrt.exchange._collectives import group_rank_and_size
 from engramrt.layout import owned_columns
 from engramrt.lookup.tiers.base import RowStore
@@ -30,6 +30,8 @@ class RowExchange(RowSource):
             ``owned_columns(num_cols, world, rank)``.
         num_cols: ``C``, the hash columns of the layer.
         group: the process group (None: the default group).
+        collective: one of the class's :attr:`collectives` (default the first);
+            None for a class without a choice.
 
     Attributes:
         rank, world: this process's rank in ``group`` and the group's size.
@@ -43,8 +45,21 @@ class RowExchange(RowSource):
     """
 
     collective = True
+    collectives: ClassVar[tuple[str, ...]] = ()
+    """The collectives an exchange of this class may run (its ``collective`` argument
+    picks one, the first by default); empty: it has one way."""
 
-    def __init__(self, store: RowStore, *, num_cols: int, group: Any = None) -> None:
+    def __init__(
+        self, store: RowStore, *, num_cols: int, group: Any = None, collective: str | None = None
+    ) -> None:
+        if self.collectives:
+            collective = self.collectives[0] if collective is None else collective
+            check_choice("collective", collective, self.collectives)
+        elif collective is not None:
+            raise ValidationError(
+                f"collective={collective!r}; {type(self).__name__} has no choice of collective"
+            )
+        self.collective_op = collective
         if not isinstance(store, RowStore):
             raise ValidationError(
                 f"store is a {type(store).__name__}; expected a RowStore (see make_store)"

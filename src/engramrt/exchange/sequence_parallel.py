@@ -60,7 +60,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from engramrt.errors import ValidationError, check_choice
+from engramrt.errors import ValidationError
 from engramrt.exchange._collectives import reduce_scatter_into
 from engramrt.exchange.base import RowExchange
 from engramrt.lookup.tiers.base import RowStore
@@ -104,11 +104,13 @@ class SequenceParallelExchange(RowExchange):
         store, num_cols, group: see :class:`~engramrt.exchange.RowExchange`.
         max_tokens: the most tokens (all ranks together, ``T``) of one step;
             sizes the exchange buffers.
-        collective: ``"reduce_scatter"`` or ``"all_to_all"`` (see the module doc).
+        collective: ``"reduce_scatter"`` (default) or ``"all_to_all"`` (see the module doc).
 
     Attributes:
         max_part: ``ceil(max_tokens / tp)``, the longest token share.
     """
+
+    collectives = SEQUENCE_PARALLEL_COLLECTIVES
 
     def __init__(
         self,
@@ -117,13 +119,11 @@ class SequenceParallelExchange(RowExchange):
         num_cols: int,
         max_tokens: int,
         group: Any = None,
-        collective: str = "reduce_scatter",
+        collective: str | None = None,
     ) -> None:
-        check_choice("collective", collective, SEQUENCE_PARALLEL_COLLECTIVES)
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
             raise ValidationError(f"max_tokens={max_tokens!r}; expected a positive integer")
-        super().__init__(store, num_cols=num_cols, group=group)
-        self.collective_op = collective
+        super().__init__(store, num_cols=num_cols, group=group, collective=collective)
         self.max_tokens = max_tokens
         self.max_part = tokens_per_rank(max_tokens, self.world)
         E, device = self.E, self.device
@@ -131,7 +131,7 @@ class SequenceParallelExchange(RowExchange):
         self.rows_all = torch.zeros(
             (self.world * self.max_part, num_cols, E), dtype=torch.bfloat16, device=device
         )
-        if collective == "all_to_all":
+        if self.collective_op == "all_to_all":
             # Flat, so that [tp, part, cols_per_rank, E] views of any part are contiguous.
             # Padding columns of the last rank's block stay zero forever.
             block = self.world * self.max_part * self.cols_per_rank * E
