@@ -104,3 +104,42 @@ def test_geometry_errors() -> None:
         SetAssociativeLfu(2, 6)
     with pytest.raises(ValidationError, match=r"sketch_depth = 9; expected 1\.\.6"):
         SetAssociativeLfu(2, 8, sketch_depth=9)
+
+
+def _admitted(plan) -> dict[int, tuple[int, int]]:
+    """``{row id: (slot, initial count)}`` of a plan's admissions."""
+    keep = plan.admitted
+    return {
+        int(t): (int(s), int(c))
+        for t, s, c in zip(plan.tags[keep], plan.slots[keep], plan.counts[keep], strict=True)
+    }
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_fixed_shape_batch_plans_what_its_distinct_ids_would(seed: int) -> None:
+    """Placeholders (hits, repeats) ride along without changing a single admission, slot
+    or counter; planning over them as real candidates (no ``valid``) would."""
+    from engramrt.cache.policy import NO_CANDIDATE, fixed_candidates
+
+    g = torch.Generator().manual_seed(seed)
+    policy = SetAssociativeLfu(num_sets=4, ways=4, device=torch.device("cpu"))
+    for _ in range(3):  # some residents with counters, then a skewed batch
+        policy.access(torch.randint(0, 60, (40,), generator=g) ** 2 % 97)
+    row_ids = torch.randint(0, 60, (200,), generator=g) ** 2 % 97  # many repeats
+    slots = policy.probe(row_ids)
+    policy.record(row_ids, slots)
+    missed = slots == MISS
+    expected = policy.plan(torch.unique(row_ids[missed]))
+    candidates, valid = fixed_candidates(row_ids, missed)
+    assert candidates.shape == row_ids.shape
+    assert int(valid.sum()) == torch.unique(row_ids[missed]).numel()
+    got = policy.plan(candidates, valid=valid)
+    assert _admitted(got) == _admitted(expected) and _admitted(expected)
+    assert not got.admitted[~valid[got.order]].any()
+    # Negative control: with the repeats left valid, one id takes several ways.
+    fresh = SetAssociativeLfu(num_sets=1, ways=4, device=torch.device("cpu"))
+    ids = torch.tensor([5, 7, 5, 5])
+    candidates, valid = fixed_candidates(ids, torch.ones(4, dtype=torch.bool))
+    assert candidates.tolist() == [5, 5, 5, 7] and valid.tolist() == [True, False, False, True]
+    assert int(fresh.plan(candidates, valid=valid).admitted.sum()) == 2
+    assert int(fresh.plan(candidates, valid=candidates != NO_CANDIDATE).admitted.sum()) == 4

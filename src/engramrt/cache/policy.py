@@ -47,10 +47,12 @@ __all__ = [
     "EMPTY_TAG",
     "MISS",
     "NOT_OWNED",
+    "NO_CANDIDATE",
     "SKETCH_SEEDS",
     "Access",
     "AdmissionPlan",
     "SetAssociativeLfu",
+    "fixed_candidates",
     "mix32",
     "probe_slots",
     "set_index",
@@ -139,6 +141,26 @@ class AdmissionPlan:
     order: torch.Tensor
     admitted: torch.Tensor
     evicted: torch.Tensor
+
+
+NO_CANDIDATE = torch.iinfo(torch.int64).max
+"""The id of a placeholder candidate (:func:`fixed_candidates`): above every row id."""
+
+
+def fixed_candidates(
+    row_ids: torch.Tensor, missed: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The distinct ids of ``row_ids [n]`` where ``missed [n]`` is True, as a batch of the
+    same fixed shape: ``(candidates, valid)``, sorted, each missed id once with
+    ``valid`` True and every other entry a placeholder (:data:`NO_CANDIDATE`, or a repeat)
+    with ``valid`` False. :meth:`SetAssociativeLfu.plan` with ``valid`` admits from it
+    exactly what it admits from the distinct ids alone (sorted), with no host
+    synchronisation (``torch.unique`` would need one to size its result)."""
+    keys = torch.where(missed, row_ids.to(torch.int64), NO_CANDIDATE)
+    candidates, _ = torch.sort(keys)
+    valid = candidates != NO_CANDIDATE
+    valid[1:] &= candidates[1:] != candidates[:-1]  # the first of equal ids
+    return candidates, valid
 
 
 def _is_power_of_two(n: int) -> bool:
@@ -278,13 +300,22 @@ class SetAssociativeLfu:
 
     # -- replacing ---------------------------------------------------------
 
-    def plan(self, candidates: torch.Tensor, *, recheck: bool = True) -> AdmissionPlan:
+    def plan(
+        self,
+        candidates: torch.Tensor,
+        *,
+        recheck: bool = True,
+        valid: torch.Tensor | None = None,
+    ) -> AdmissionPlan:
         """Choose victims for ``[U]`` *distinct* missed row ids (see the module doc).
 
         With ``recheck``, candidates that are resident already (a miss seen
         before an update that admitted them) are rejected; without it the
-        caller promises they are not. Reads the state, changes nothing; no
-        host synchronisation.
+        caller promises they are not. ``valid``: ``[U]`` bool, False marks a
+        placeholder (any id, repeats allowed) that is never admitted and sorts
+        after every real candidate of its set, so a caller can plan over a
+        batch of fixed shape; the real candidates are distinct. Reads the
+        state, changes nothing; no host synchronisation.
         """
         candidates = candidates.reshape(-1).to(device=self.device, dtype=torch.int64)
         count = candidates.shape[0]
@@ -293,6 +324,9 @@ class SetAssociativeLfu:
             no = torch.empty(0, dtype=torch.bool, device=self.device)
             return AdmissionPlan(empty, empty, empty.to(torch.int32), empty, no, no)
         estimate = self.estimate(candidates).to(torch.int64)  # [U], >= 0
+        if valid is not None:
+            valid = valid.reshape(-1).to(self.device)
+            estimate = torch.where(valid, estimate, -1)  # below every real candidate
         sets = set_index(candidates, self.num_sets)
         # Sort by set, then by estimate (highest first): 2**31 > any estimate.
         order = torch.argsort(sets * (1 << 31) + (COUNT_MAX - estimate), stable=True)
@@ -308,6 +342,8 @@ class SetAssociativeLfu:
         victim_count = weakest_counts.gather(1, pick).squeeze(1)
         victim = sets * self.ways + weakest_ways.gather(1, pick).squeeze(1)
         admitted = (rank < self.ways) & (estimate > victim_count)
+        if valid is not None:
+            admitted &= valid[order]
         if recheck:
             admitted &= self.probe(candidates) == MISS
         return AdmissionPlan(

@@ -55,7 +55,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -67,13 +67,16 @@ from engramrt.cache.policy import (
     MISS,
     AdmissionPlan,
     SetAssociativeLfu,
+    fixed_candidates,
 )
 from engramrt.cache.reference import probe_gather_reference
 from engramrt.cache.stats import CacheStats
 from engramrt.errors import CapacityError, ValidationError
 from engramrt.lookup import check_row_ids_in_shard, lookup_rows
+from engramrt.lookup.mapped import MappedHostRows
 from engramrt.lookup.settings import DEFAULT_KERNEL, LookupKernelConfig, check_kernel_config
 from engramrt.lookup.tiers import RowStore, TierOptions
+from engramrt.packed import word_dtype_for
 
 if TYPE_CHECKING:
     from engramrt.config import EngramConfig
@@ -233,9 +236,11 @@ class CachedRowStore(RowStore):
         # The backing's rows as the probe kernel can read them (misses read
         # in the probe), or None (the miss path gathers them).
         self._miss_source = None
+        self._miss_words = None  # the same rows as words, for the update's row reads
         if read_misses is not False:
             triton = resolve_backend(backend, self.device) == "triton"
             self._miss_source = backing.device_rows() if triton else None
+            self._miss_words = _as_words(self._miss_source, backing.num_rows, self.row_bytes)
             if read_misses and self._miss_source is None:
                 raise ValidationError(
                     f"read_misses=True with backing tier={backing.tier!r} and backend={backend!r}; "
@@ -309,7 +314,7 @@ class CachedRowStore(RowStore):
         self._hits = torch.zeros(0, dtype=torch.int64, device=self.device)
         self._misses = torch.zeros(0, dtype=torch.int64, device=self.device)
         self._rows_fetched = 0
-        self._rows_read_in_probe = torch.zeros((), dtype=torch.int64, device=self.device)
+        self._rows_read_on_device = torch.zeros((), dtype=torch.int64, device=self.device)
         self._admitted = torch.zeros((), dtype=torch.int64, device=self.device)
         self._evicted = torch.zeros((), dtype=torch.int64, device=self.device)
 
@@ -323,7 +328,7 @@ class CachedRowStore(RowStore):
             row_bytes=self.row_bytes,
             hits=tuple(int(v) for v in self._hits.tolist()),
             misses=tuple(int(v) for v in self._misses.tolist()),
-            rows_fetched=self._rows_fetched + int(self._rows_read_in_probe),
+            rows_fetched=self._rows_fetched + int(self._rows_read_on_device),
             admitted=int(self._admitted),
             evicted=int(self._evicted),
         )
@@ -355,7 +360,7 @@ class CachedRowStore(RowStore):
             missed = (slots == MISS).sum(dim=0)
             self._misses[:num_cols] += missed
             if read_in_probe:  # the probe read every missed lookup's row
-                self._rows_read_in_probe += missed.sum()
+                self._rows_read_on_device += missed.sum()
 
     # -- lookup ------------------------------------------------------------
 
@@ -491,32 +496,33 @@ class CachedRowStore(RowStore):
         plan = self._plan(candidates)
         return CacheUpdate(plan, rows.index_select(0, plan.order))
 
-    def _plan(self, candidates: torch.Tensor) -> AdmissionPlan:
+    def _plan(self, candidates: torch.Tensor, valid: torch.Tensor | None = None) -> AdmissionPlan:
         """The policy's plan for ``candidates``, counted in the admission statistics."""
-        plan = self.policy.plan(candidates)
+        plan = self.policy.plan(candidates, valid=valid)
         self._admitted += plan.admitted.sum()
         self._evicted += plan.evicted.sum()
         return plan
 
     def _plan_from_slots(self, pending: list[_Pending]) -> CacheUpdate:
-        """Plan from lookups whose probe read its misses: find the missed ids again from
-        the slots, then read only the admitted rows from the backing (two host
-        synchronisations, off the lookup's path)."""
-        missed = [
-            p.row_ids.index_select(0, torch.nonzero(p.slots == MISS).squeeze(1)) for p in pending
-        ]
-        candidates = torch.unique(torch.cat(missed).to(torch.int64), sorted=True)
+        """Plan from lookups whose probe read its misses, with no host synchronisation:
+        every looked-up position is a candidate, the missed ids sorted and each kept
+        once (repeats, hits and ids outside the shard become placeholders the plan
+        never admits), and the device reads the admitted rows from the backing's rows
+        (the others read as zeros from nowhere), so every shape is the lookups'."""
+        ids = torch.cat([p.row_ids.reshape(-1) for p in pending]).to(torch.int64)
+        missed = torch.cat([p.slots.reshape(-1) for p in pending]) == MISS
         # Ids outside the shard read zeros in the probe (unchecked lookups): never admitted.
-        candidates = candidates[(candidates >= self.row_begin) & (candidates < self.row_end)]
-        plan = self._plan(candidates)
-        rows = torch.zeros(
-            (candidates.shape[0], self.row_bytes), dtype=torch.uint8, device=self.device
+        missed &= (ids >= self.row_begin) & (ids < self.row_end)
+        candidates, valid = fixed_candidates(ids, missed)
+        plan = self._plan(candidates, valid)
+        wanted = torch.where(plan.admitted, candidates.index_select(0, plan.order), -1)
+        rows = torch.empty((wanted.shape[0], self.row_bytes), dtype=torch.uint8, device=self.device)
+        from engramrt.lookup.kernel import gather_packed_rows_triton  # imports Triton
+
+        gather_packed_rows_triton(
+            wanted, self._miss_words, rows, row_begin=self.row_begin, num_rows=self.num_rows
         )
-        take = torch.nonzero(plan.admitted).squeeze(1)
-        if take.shape[0] > 0:
-            admitted_ids = candidates.index_select(0, plan.order.index_select(0, take))
-            rows[take] = self._read_packed(admitted_ids - self.row_begin)
-            self._rows_fetched += take.shape[0]
+        self._rows_read_on_device += plan.admitted.sum()
         return CacheUpdate(plan, rows)  # rejected entries write zeros to the scratch slot
 
     def apply_update(self, update: CacheUpdate, phases: Iterable[str] = PHASES) -> None:
@@ -628,6 +634,17 @@ class CachedRowStore(RowStore):
             self.row_begin + start, self.row_begin + start + packed.shape[0]
         )
         self._pending.clear()  # their packed rows may be the old bytes
+
+
+def _as_words(rows: Any, num_rows: int, row_bytes: int) -> Any:
+    """``rows`` (a device tensor, host memory mapped for the device, or None) viewed as
+    the widest words of a packed row, as the packed-row gather reads them."""
+    if rows is None:
+        return None
+    word = word_dtype_for(row_bytes)
+    if isinstance(rows, torch.Tensor):
+        return rows.view(word)
+    return MappedHostRows(rows.data_ptr(), num_rows, word)
 
 
 def cached_stores(
