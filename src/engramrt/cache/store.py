@@ -20,9 +20,10 @@ When the backing tier's rows can be read by the device in place
 (:meth:`~engramrt.lookup.tiers.RowStore.device_rows`: device memory, the
 UVA tier, the host tier with GPU reads) and the probe runs the Triton
 kernel, step 1 reads each miss from them too and step 2 disappears: a
-lookup is one launch with no host synchronisation. The update then finds
-the missed ids again from the probe's slots and reads their rows from the
-backing (off the critical path).
+lookup is one launch with no host synchronisation, and so is its update:
+the missed ids are found again from the probe's slots as a batch of the
+lookups' fixed shape (:func:`~engramrt.cache.policy.fixed_candidates`), and
+the device reads the admitted rows from the backing's rows itself.
 
 :meth:`CachedRowStore.update` (off the critical path; can run on a side
 stream) consumes the pending records: it counts the accesses (sketch and
@@ -467,10 +468,10 @@ class CachedRowStore(RowStore):
 
         Changes the counters and the sketch (metadata no lookup reads), not
         the tags or rows. None when nothing is pending. No host
-        synchronisation when one lookup is pending (several need a
-        ``torch.unique`` over their misses), unless the probes read their
-        misses themselves: then the missed ids are found again from the
-        slots and only the admitted rows are read from the backing.
+        synchronisation when the probes read their misses themselves (the
+        missed ids are found again from the slots, and the device reads only
+        the admitted rows from the backing), or when one lookup is pending
+        (several need a ``torch.unique`` over their misses).
         """
         self._wait_for_update()
         pending, self._pending = self._pending, []
