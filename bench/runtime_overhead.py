@@ -99,7 +99,8 @@ More placements and levers:
   overlap; a prefetch is the same work, done earlier on the main stream);
 - ``host-cache``: the host tier behind the runtime's hot-row cache
   (:class:`engramrt.cache.CachedRowStore`, ``--cache-fraction`` of each
-  table's bytes in GPU memory); the cache keeps its rows from run to run,
+  table's bytes in GPU memory, updated every ``--cache-update-every``
+  lookups); the cache keeps its rows from run to run,
   as a serving engine's would, and each result holds its hit rate over the
   timed steps (``cache_hit_rate``, per layer: the median over rounds, each
   round's in ``cache_hit_rate_rounds``). The variants of a tier
@@ -813,6 +814,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="host-cache: the hot-row cache's share of each table's bytes",
     )
     parser.add_argument(
+        "--cache-update-every",
+        type=int,
+        default=1,
+        help="host-cache: lookups the cache gathers before it updates (CachedRowStore update_every)",
+    )
+    parser.add_argument(
         "--lookup-priority",
         default="0",
         help="comma-separated stream priorities of the runtime's lookups to compare",
@@ -879,7 +886,15 @@ GATHER_TIERS = ("host", "host-cpu", "host-mixed", "host-inline", "disk")
 """Tiers whose stores gather rows on host threads (settings: --host-threads)."""
 
 
-def build_stores(tier: str, cfg, layout, device, cache_fraction: float, backend: dict) -> list:
+class CacheSettings(NamedTuple):
+    """The ``host-cache`` placement's cache: its share of each table's bytes, and how many
+    lookups it gathers before an update (``CachedRowStore(update_every=)``)."""
+
+    fraction: float = 0.05
+    update_every: int = 1
+
+
+def build_stores(tier: str, cfg, layout, device, cache: CacheSettings, backend: dict) -> list:
     """Both layers' stores of a runtime tier."""
     backing = "host" if tier in ("host-cpu", "host-mixed", "host-cache") else tier
     options = tier_class(backing).options_type(**backend)
@@ -891,9 +906,11 @@ def build_stores(tier: str, cfg, layout, device, cache_fraction: float, backend:
         stores = [
             CachedRowStore(
                 store,
-                int(cache_fraction * store.nbytes),
+                int(cache.fraction * store.nbytes),
                 n_heads=cfg.n_heads,
                 layer_id=cfg.layer_ids[li],
+                max_pending=max(4, cache.update_every),
+                update_every=cache.update_every,
                 **backend,
             )
             for li, store in enumerate(stores)
@@ -906,16 +923,16 @@ class StorePool:
     (one table in memory per tier; the blocks run one at a time), and the grid each
     store's kernel was built with."""
 
-    def __init__(self, cfg, layout, device, cache_fraction: float, backend: dict):
+    def __init__(self, cfg, layout, device, cache: CacheSettings, backend: dict):
         self.cfg, self.layout, self.device = cfg, layout, device
-        self.cache_fraction, self.backend = cache_fraction, backend
+        self.cache, self.backend = cache, backend
         self.built: dict[str, list] = {}
         self.grids: dict[int, tuple] = {}  # id(store) -> (max_programs, rows_per_program) as built
 
     def stores_of(self, tier: str) -> list:
         if tier not in self.built:
             self.built[tier] = build_stores(
-                tier, self.cfg, self.layout, self.device, self.cache_fraction, self.backend
+                tier, self.cfg, self.layout, self.device, self.cache, self.backend
             )
             for store in self.built[tier]:
                 if hasattr(store, "kernel"):
@@ -1134,7 +1151,8 @@ def build(args: argparse.Namespace) -> Bench:
     backend = {} if device.type == "cuda" else {"backend": "reference"}
     priorities = [int(p) for p in args.lookup_priority.split(",")]
     worker_modes = args.lookup_workers.split(",")
-    pool = StorePool(cfg, layout, device, args.cache_fraction, backend)
+    cache = CacheSettings(args.cache_fraction, args.cache_update_every)
+    pool = StorePool(cfg, layout, device, cache, backend)
     make_hasher = partial(NgramHasher, consts, token_map, device, validate=False, **backend)
     setups = build_setups(
         args.tiers.split(","),
@@ -1304,6 +1322,7 @@ def report(args, cfg, device, engram_at, results: list[dict], rounds_completed: 
         "engram_at_blocks": sorted(engram_at),
         "ids": args.ids,
         "cache_fraction": args.cache_fraction,
+        "cache_update_every": args.cache_update_every,
         "method": "interleaved blocks, shuffled per round; losses paired within rounds",
         "rounds": args.rounds,
         "rounds_completed": rounds_completed,

@@ -299,8 +299,11 @@ def test_runtime_bench_smoke_on_cpu(tmp_path) -> None:
         "1",
         "--lookup-workers",
         "per-layer,shared",
+        "--cache-update-every",
+        "2",
     )
     assert report["engram_at_blocks"] == [1, 14] and report["smoke"] is True
+    assert report["cache_update_every"] == 2
     assert report["rounds_completed"] == 1
     results = report["results"]
     shared = "host-cache priority=0 workers=shared"

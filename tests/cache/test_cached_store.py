@@ -272,6 +272,8 @@ def test_capacity_is_checked_against_memory(
         ({"sketch_width": 1000}, r"sketch_width = 1000; expected a power of two"),
         ({"decay_period": 0}, r"decay_period = 0; expected 1\.\.536870912 accesses"),
         ({"max_pending": 0}, r"max_pending = 0; expected >= 1"),
+        ({"update_every": 5}, r"update_every = 5; expected an int in \[1, max_pending = 4\]"),
+        ({"update_every": 0}, r"update_every = 0; expected an int in \[1, max_pending = 4\]"),
     ],
 )
 def test_bad_arguments_name_parameter_and_value(
@@ -378,3 +380,28 @@ def test_import_does_not_pull_in_triton() -> None:
     code = "import sys, engramrt.cache\nprint('triton' in sys.modules)\n"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert proc.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_update_every_waits_for_that_many_lookups(backend: str, device: torch.device) -> None:
+    """With update_every=3 two updates do nothing; the third installs the misses of all
+    three lookups, as one update per lookup would have (one set of four ways, four rows);
+    lookups stay the backing's bytes throughout."""
+    table = random_packed_table(50, 32, seed=5)
+    backing = make_store(TablePlacement("device", device=device), packed=table)
+    batches = [[[1, 2]], [[3, 1]], [[4, 2]]]
+    caches = {
+        every: CachedRowStore(backing, 4 * 33, ways=4, backend=backend, update_every=every)
+        for every in (1, 3)
+    }
+    for index, rows in enumerate(batches):
+        row_ids = torch.tensor(rows, device=device)
+        for every, cache in caches.items():
+            assert_same_bits(cache.lookup(row_ids), backing.lookup(row_ids))
+            cache.update()
+            resident = cache.policy.resident_ids().tolist()
+            if every == 3 and index < 2:
+                assert resident == [], (index, resident)  # nothing installed yet
+    for cache in caches.values():
+        assert cache.policy.resident_ids().tolist() == [1, 2, 3, 4]
+        assert cache.stats().admitted == 4

@@ -154,6 +154,9 @@ class CachedRowStore(RowStore):
             :class:`SetAssociativeLfu`.
         max_pending: lookups remembered for the next update; older ones are
             dropped (they only inform admission).
+        update_every: :meth:`update` plans and installs only once this many
+            lookups are pending (1 to ``max_pending``): fewer, larger updates,
+            each over the misses of several lookups.
         kernel: the probe's and the miss lookup's kernel settings (see
             :class:`~engramrt.lookup.settings.LookupKernelConfig`).
         read_misses: let the probe read misses from the backing's rows
@@ -185,6 +188,7 @@ class CachedRowStore(RowStore):
         sketch_depth: int = 4,
         decay_period: int | None = None,
         max_pending: int = 4,
+        update_every: int = 1,
         kernel: LookupKernelConfig = DEFAULT_KERNEL,
         read_misses: bool | None = None,
     ) -> None:
@@ -219,6 +223,15 @@ class CachedRowStore(RowStore):
             raise ValidationError(f"n_heads = {n_heads!r}; expected a positive int")
         if not isinstance(max_pending, int) or max_pending < 1:
             raise ValidationError(f"max_pending = {max_pending!r}; expected >= 1")
+        if (
+            isinstance(update_every, bool)
+            or not isinstance(update_every, int)
+            or not 1 <= update_every <= max_pending
+        ):
+            raise ValidationError(
+                f"update_every = {update_every!r}; expected an int in [1, max_pending = "
+                f"{max_pending}]"
+            )
         resolve_backend(backend, self.device)  # an unknown backend fails here, not mid-step
         num_sets = max(capacity_bytes, 0) // self.row_bytes // ways
         if num_sets < 1:
@@ -232,6 +245,7 @@ class CachedRowStore(RowStore):
         self.layer_id = layer_id
         self.backend = backend
         self.max_pending = max_pending
+        self.update_every = update_every
         self.kernel = check_kernel_config(kernel)
         self._read_packed = packed_row_reader(backing)
         # The backing's rows as the probe kernel can read them (misses read
@@ -553,8 +567,10 @@ class CachedRowStore(RowStore):
                 first waits for the work queued so far on the current
                 stream; the next :meth:`lookup` waits for it. None: run in
                 order on the current stream (always, on a CPU device).
+
+        Does nothing until :attr:`update_every` lookups are pending.
         """
-        if not self._pending:
+        if not self._pending or len(self._pending) < self.update_every:
             return
         if stream is None or self.device.type != "cuda":
             update = self.plan_update()
