@@ -143,3 +143,17 @@ def test_a_fixed_shape_batch_plans_what_its_distinct_ids_would(seed: int) -> Non
     assert candidates.tolist() == [5, 5, 5, 7] and valid.tolist() == [True, False, False, True]
     assert int(fresh.plan(candidates, valid=valid).admitted.sum()) == 2
     assert int(fresh.plan(candidates, valid=candidates != NO_CANDIDATE).admitted.sum()) == 4
+
+
+def test_fixed_shape_arguments_are_checked() -> None:
+    from engramrt.cache.policy import fixed_candidates
+
+    policy = SetAssociativeLfu(num_sets=2, ways=2, device=torch.device("cpu"))
+    ids = torch.tensor([3, 4, 5])
+    with pytest.raises(ValidationError, match=r"missed is torch.int64 \(3,\); expected bool"):
+        fixed_candidates(ids, torch.ones(3, dtype=torch.int64))
+    with pytest.raises(ValidationError, match=r"missed is torch.bool \(2,\); expected bool of"):
+        fixed_candidates(ids, torch.ones(2, dtype=torch.bool))
+    with pytest.raises(ValidationError, match=r"valid is torch.bool \(2,\); expected 3 bools"):
+        policy.plan(ids, valid=torch.ones(2, dtype=torch.bool))
+    assert policy.plan(ids, valid=torch.ones(3, dtype=torch.bool)).admitted.all()  # control

@@ -156,6 +156,11 @@ def fixed_candidates(
     with ``valid`` False. :meth:`SetAssociativeLfu.plan` with ``valid`` admits from it
     exactly what it admits from the distinct ids alone (sorted), with no host
     synchronisation (``torch.unique`` would need one to size its result)."""
+    if missed.dtype != torch.bool or missed.shape != row_ids.shape:
+        raise ValidationError(
+            f"missed is {missed.dtype} {tuple(missed.shape)}; expected bool of row_ids' shape "
+            f"{tuple(row_ids.shape)}"
+        )
     keys = torch.where(missed, row_ids.to(torch.int64), NO_CANDIDATE)
     candidates, _ = torch.sort(keys)
     valid = candidates != NO_CANDIDATE
@@ -325,6 +330,11 @@ class SetAssociativeLfu:
             return AdmissionPlan(empty, empty, empty.to(torch.int32), empty, no, no)
         estimate = self.estimate(candidates).to(torch.int64)  # [U], >= 0
         if valid is not None:
+            if valid.dtype != torch.bool or valid.numel() != count:
+                raise ValidationError(
+                    f"valid is {valid.dtype} {tuple(valid.shape)}; expected {count} bools, one "
+                    f"per candidate"
+                )
             valid = valid.reshape(-1).to(self.device)
             estimate = torch.where(valid, estimate, -1)  # below every real candidate
         sets = set_index(candidates, self.num_sets)
