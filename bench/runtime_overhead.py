@@ -817,7 +817,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--cache-update-every",
         type=int,
         default=1,
-        help="host-cache: lookups the cache gathers before it updates (CachedRowStore update_every)",
+        help="host-cache: lookups the cache gathers before it updates (CachedRowStore.update_every)",
     )
     parser.add_argument(
         "--lookup-priority",
@@ -888,7 +888,7 @@ GATHER_TIERS = ("host", "host-cpu", "host-mixed", "host-inline", "disk")
 
 class CacheSettings(NamedTuple):
     """The ``host-cache`` placement's cache: its share of each table's bytes, and how many
-    lookups it gathers before an update (``CachedRowStore(update_every=)``)."""
+    lookups it gathers before an update (``CachedRowStore.update_every``)."""
 
     fraction: float = 0.05
     update_every: int = 1
@@ -910,11 +910,12 @@ def build_stores(tier: str, cfg, layout, device, cache: CacheSettings, backend: 
                 n_heads=cfg.n_heads,
                 layer_id=cfg.layer_ids[li],
                 max_pending=max(4, cache.update_every),
-                update_every=cache.update_every,
                 **backend,
             )
             for li, store in enumerate(stores)
         ]
+        for store in stores:
+            store.update_every = cache.update_every
     return stores
 
 

@@ -154,9 +154,6 @@ class CachedRowStore(RowStore):
             :class:`SetAssociativeLfu`.
         max_pending: lookups remembered for the next update; older ones are
             dropped (they only inform admission).
-        update_every: :meth:`update` plans and installs only once this many
-            lookups are pending (1 to ``max_pending``): fewer, larger updates,
-            each over the misses of several lookups.
         kernel: the probe's and the miss lookup's kernel settings (see
             :class:`~engramrt.lookup.settings.LookupKernelConfig`).
         read_misses: let the probe read misses from the backing's rows
@@ -170,6 +167,7 @@ class CachedRowStore(RowStore):
     """
 
     tier = "cached"
+    _update_every = 1
     host_sync = True  # planning an admission reads the missed ids on the host
     has_update = True
 
@@ -188,7 +186,6 @@ class CachedRowStore(RowStore):
         sketch_depth: int = 4,
         decay_period: int | None = None,
         max_pending: int = 4,
-        update_every: int = 1,
         kernel: LookupKernelConfig = DEFAULT_KERNEL,
         read_misses: bool | None = None,
     ) -> None:
@@ -223,15 +220,6 @@ class CachedRowStore(RowStore):
             raise ValidationError(f"n_heads = {n_heads!r}; expected a positive int")
         if not isinstance(max_pending, int) or max_pending < 1:
             raise ValidationError(f"max_pending = {max_pending!r}; expected >= 1")
-        if (
-            isinstance(update_every, bool)
-            or not isinstance(update_every, int)
-            or not 1 <= update_every <= max_pending
-        ):
-            raise ValidationError(
-                f"update_every = {update_every!r}; expected an int in [1, max_pending = "
-                f"{max_pending}]"
-            )
         resolve_backend(backend, self.device)  # an unknown backend fails here, not mid-step
         num_sets = max(capacity_bytes, 0) // self.row_bytes // ways
         if num_sets < 1:
@@ -245,7 +233,6 @@ class CachedRowStore(RowStore):
         self.layer_id = layer_id
         self.backend = backend
         self.max_pending = max_pending
-        self.update_every = update_every
         self.kernel = check_kernel_config(kernel)
         self._read_packed = packed_row_reader(backing)
         # The backing's rows as the probe kernel can read them (misses read
@@ -301,6 +288,26 @@ class CachedRowStore(RowStore):
     def num_slots(self) -> int:
         """Rows the cache holds (``num_sets * ways``)."""
         return self.policy.num_slots
+
+    @property
+    def update_every(self) -> int:
+        """Lookups :meth:`update` waits for before it plans and installs (default 1): fewer,
+        larger updates, each over the misses of that many lookups. Settable between
+        steps, to an int in ``[1, max_pending]``."""
+        return self._update_every
+
+    @update_every.setter
+    def update_every(self, count: int) -> None:
+        if (
+            isinstance(count, bool)
+            or not isinstance(count, int)
+            or not 1 <= count <= self.max_pending
+        ):
+            raise ValidationError(
+                f"update_every = {count!r}; expected an int in [1, max_pending = "
+                f"{self.max_pending}]"
+            )
+        self._update_every = count
 
     @property
     def probe_reads_misses(self) -> bool:
