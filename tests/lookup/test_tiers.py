@@ -492,3 +492,13 @@ def test_host_tier_keeps_its_bounded_grid_by_default() -> None:
     assert make_store(TablePlacement("host"), packed=table).kernel == HOST_READ_KERNEL
     assert HOST_READ_KERNEL.max_programs is not None
     assert make_store(TablePlacement("device"), packed=table).kernel == LookupKernelConfig()
+
+
+@pytest.mark.parametrize("dedup", [True, False])
+def test_an_empty_host_shard_reads_zeros(dedup: bool) -> None:
+    """A shard of no rows: every unchecked id is outside it, on both gather paths."""
+    options = HostOptions(check_ids=False, dedup=dedup, gpu_reads=False)
+    store = make_store(TablePlacement(options, DEVICE), num_rows=0, E=32)
+    store.dedup_min_rows = 1  # past the threshold: deduplicated unless dedup=False
+    found = store.lookup(torch.tensor([[5, 7], [1, 2]], device=DEVICE))
+    assert found.shape == (2, 2, 32) and not found.view(torch.int16).any()

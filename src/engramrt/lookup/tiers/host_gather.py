@@ -562,7 +562,8 @@ class HostGatherRowStore(KernelRowStore):
             for first in range(0, num_tokens, tokens_per_piece):
                 last = min(num_tokens, first + tokens_per_piece)
                 lo, hi = first * owned_cols, last * owned_cols
-                copy_piece(local_ids[lo:hi], rows[lo:hi], lo)
+                if self.num_rows:  # an empty shard: every slot is outside and reads zeros
+                    copy_piece(local_ids[lo:hi], rows[lo:hi], lo)
                 lookup_rows(
                     compact_ids[first:last],
                     rows,
