@@ -67,6 +67,16 @@ def mapping(path: Path, nbytes: int, *, writable: bool) -> tuple[mmap.mmap, torc
     return region, flat
 
 
+def sparse_mapping(path: Path, nbytes: int) -> tuple[mmap.mmap, torch.Tensor]:
+    """A new sparse file of ``nbytes`` (no page allocated yet), mapped writable."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.ftruncate(fd, nbytes)
+    finally:
+        os.close(fd)
+    return mapping(path, nbytes, writable=True)
+
+
 def register(rows: torch.Tensor, pieces: int, flags: int, threads: int) -> list[tuple[int, int]]:
     """Register ``rows`` in ``pieces`` byte ranges from up to ``threads`` threads."""
     base, nbytes = rows.data_ptr(), rows.numel()
@@ -204,10 +214,7 @@ def main() -> None:
         region.close()
         path.unlink()
         # 5. A sparse file: first touch in parallel, or by the registration itself.
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        os.ftruncate(fd, nbytes)
-        os.close(fd)
-        region, flat = mapping(path, nbytes, writable=True)
+        region, flat = sparse_mapping(path, nbytes)
         rows = flat.view(num_rows, ROW_BYTES)
 
         def touch(flat: torch.Tensor = flat) -> None:
@@ -224,10 +231,7 @@ def main() -> None:
         del rows, flat
         region.close()
         path.unlink()
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        os.ftruncate(fd, nbytes)
-        os.close(fd)
-        region, flat = mapping(path, nbytes, writable=True)
+        region, flat = sparse_mapping(path, nbytes)
         rows = flat.view(num_rows, ROW_BYTES)
         timed(
             "reserve+fill: sparse file, copy='direct' (the registration first-touches)",

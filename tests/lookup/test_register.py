@@ -59,3 +59,13 @@ def test_a_table_registered_in_pieces_reads_and_writes_as_one(
     row_ids = torch.randint(0, num_rows, (64, 24), generator=g)
     row_ids[0] = torch.arange(24) * (num_rows // 24)  # rows in every piece
     assert_same_bits(store.lookup(row_ids.to(DEVICE)), lookup_rows_reference(row_ids, table, 256))
+
+
+def test_mapped_rows_view_reads_the_same_rows_as_another_dtype() -> None:
+    """The word view the gathers read: same address and rows, the new element type."""
+    from engramrt.lookup.mapped import MappedHostRows
+
+    rows = MappedHostRows(0x7F00_0000_1000, 123)
+    words = rows.view(torch.int64)
+    assert (words.data_ptr(), words.num_rows, words.dtype) == (rows.data_ptr(), 123, torch.int64)
+    assert rows.dtype == torch.uint8  # the original is untouched

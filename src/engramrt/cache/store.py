@@ -56,7 +56,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -74,7 +74,6 @@ from engramrt.cache.reference import probe_gather_reference
 from engramrt.cache.stats import CacheStats
 from engramrt.errors import CapacityError, ValidationError
 from engramrt.lookup import check_row_ids_in_shard, lookup_rows
-from engramrt.lookup.mapped import MappedHostRows
 from engramrt.lookup.settings import DEFAULT_KERNEL, LookupKernelConfig, check_kernel_config
 from engramrt.lookup.tiers import RowStore, TierOptions
 from engramrt.packed import word_dtype_for
@@ -242,7 +241,8 @@ class CachedRowStore(RowStore):
         if read_misses is not False:
             triton = resolve_backend(backend, self.device) == "triton"
             self._miss_source = backing.device_rows() if triton else None
-            self._miss_words = _as_words(self._miss_source, backing.num_rows, self.row_bytes)
+            if self._miss_source is not None:  # a device tensor or mapped host rows
+                self._miss_words = self._miss_source.view(word_dtype_for(self.row_bytes))
             if read_misses and self._miss_source is None:
                 raise ValidationError(
                     f"read_misses=True with backing tier={backing.tier!r} and backend={backend!r}; "
@@ -658,17 +658,6 @@ class CachedRowStore(RowStore):
             self.row_begin + start, self.row_begin + start + packed.shape[0]
         )
         self._pending.clear()  # their packed rows may be the old bytes
-
-
-def _as_words(rows: Any, num_rows: int, row_bytes: int) -> Any:
-    """``rows`` (a device tensor, host memory mapped for the device, or None) viewed as
-    the widest words of a packed row, as the packed-row gather reads them."""
-    if rows is None:
-        return None
-    word = word_dtype_for(row_bytes)
-    if isinstance(rows, torch.Tensor):
-        return rows.view(word)
-    return MappedHostRows(rows.data_ptr(), num_rows, word)
 
 
 def cached_stores(

@@ -43,6 +43,10 @@ class MappedHostRows:
     def data_ptr(self) -> int:
         return self._host_pointer
 
+    def view(self, dtype: torch.dtype) -> MappedHostRows:
+        """The same rows read as ``dtype`` elements (as ``Tensor.view`` of a dtype)."""
+        return MappedHostRows(self._host_pointer, self.num_rows, dtype)
+
 
 def lookup_mapped_rows(
     row_ids: torch.Tensor,

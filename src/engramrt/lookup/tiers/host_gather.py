@@ -336,7 +336,7 @@ class HostGatherRowStore(KernelRowStore):
             return
         pointer = self.source.data_ptr()
         self._mapped = MappedHostRows(pointer, self.num_rows)
-        self._mapped_words = MappedHostRows(pointer, self.num_rows, word_dtype_for(self.row_bytes))
+        self._mapped_words = self._mapped.view(word_dtype_for(self.row_bytes))
 
     # -- gathering ---------------------------------------------------------
 

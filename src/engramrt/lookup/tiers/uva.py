@@ -79,7 +79,7 @@ class UvaRowStore(KernelRowStore):
             self.host_rows.map_for_device(self.host_table, self, "tier='uva'")
         pointer = self.host_table.data_ptr()
         self._mapped = MappedHostRows(pointer, self.num_rows)
-        self._mapped_words = MappedHostRows(pointer, self.num_rows, word_dtype_for(self.row_bytes))
+        self._mapped_words = self._mapped.view(word_dtype_for(self.row_bytes))
 
     @property
     def source(self) -> torch.Tensor:
