@@ -32,6 +32,11 @@ caller needs to know which class it holds:
 - :attr:`RowSource.collective`: every rank of a process group must call
   ``fetch`` in the same order (the exchanges); a scheduler must issue all
   such sources from one thread, in layer order.
+- :attr:`RowSource.host_ids`: ``fetch`` also takes row ids on the host (a
+  CPU tensor) and then never waits for the device: the CPU gathers the rows
+  from ids it already has (the host and disk tiers). A scheduler that can
+  hash a step on the host hands them over (``EngramRuntime.plan(batch,
+  host_batch=)``).
 
 A scheduler may also ask a source how to read small batches from host memory
 (:meth:`RowSource.use_gpu_reads`); sources with one way ignore it.
@@ -89,7 +94,7 @@ class RowSource(ABC):
     Attributes:
         E: values per row (``engram_head_dim``).
         device: the device the rows are written on.
-        host_sync, has_update, collective: capability flags (see the module doc).
+        host_sync, has_update, collective, host_ids: capability flags (see the module doc).
     """
 
     E: int
@@ -97,6 +102,7 @@ class RowSource(ABC):
     host_sync: bool = False
     has_update: bool = False
     collective: bool = False
+    host_ids: bool = False
 
     def served_columns(self, num_cols: int) -> tuple[int, int]:
         """Hash columns ``[begin, end)`` of ``num_cols`` whose rows this source returns

@@ -502,3 +502,44 @@ def test_an_empty_host_shard_reads_zeros(dedup: bool) -> None:
     store.dedup_min_rows = 1  # past the threshold: deduplicated unless dedup=False
     found = store.lookup(torch.tensor([[5, 7], [1, 2]], device=DEVICE))
     assert found.shape == (2, 2, 32) and not found.view(torch.int16).any()
+
+
+@pytest.mark.parametrize("dedup_min_rows", [0, 10**9], ids=["dedup", "plain"])
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_host_tiers_take_row_ids_on_the_host(
+    tier: str, dedup_min_rows: int, tmp_path: Path
+) -> None:
+    """Row ids given on the host (``host_ids``) read the reference's rows, ids outside the
+    shard as zeros, whatever the deduplication setting; on a GPU without waiting for it."""
+    table = random_packed_table(300, 64, seed=27)
+    store = build(
+        tier, table, tmp_path, row_begin=5000, col_begin=2, col_end=6, chunk_rows=9,
+        check_ids=False,
+    )  # fmt: skip
+    assert store.host_ids
+    store.dedup_min_rows = dedup_min_rows
+    g = torch.Generator().manual_seed(28)
+    row_ids = torch.randint(5000, 5300, (19, 8), generator=g)
+    row_ids[:, :2] = -1  # other shards' columns
+    expected = lookup_rows_reference(row_ids, table, 64, 2, 6, 5000)
+    mode = torch.cuda.get_sync_debug_mode() if CUDA else 0
+    if CUDA:
+        torch.cuda.set_sync_debug_mode("error")  # a host wait on the device raises
+    try:
+        found = store.lookup(row_ids)
+    finally:
+        if CUDA:
+            torch.cuda.set_sync_debug_mode(mode)
+    assert found.device == store.device
+    assert_same_bits(found, expected)
+    row_ids[3, 4] = 4999  # unchecked ids outside the shard read as zeros
+    expected[3, 4] = 0
+    assert_same_bits(store.lookup(row_ids), expected)
+    if CUDA:  # negative control: ids on the device make the CPU's gather wait for them
+        store.use_gpu_reads(False)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            with pytest.raises(RuntimeError, match="synchroniz"):
+                store.lookup(row_ids.clamp(5000).to(DEVICE))
+        finally:
+            torch.cuda.set_sync_debug_mode(mode)

@@ -551,3 +551,67 @@ def test_abandon_forgets_planned_steps(layout, token_map, device) -> None:
     assert torch.equal(out.view(torch.int16), expected.view(torch.int16))
     runtime.close()
     plain.close()
+
+
+def _decode_step(token_map, device, n_req=6, seed=21):
+    """One decode step (a token per request, lookback ids) on ``device`` and on the host."""
+    rng = np.random.default_rng(seed)
+    lookback = rng.integers(0, token_map.vocab_size, (n_req, CFG.max_ngram_size - 1))
+    host = HashBatch(
+        input_ids=torch.from_numpy(rng.integers(0, token_map.vocab_size, n_req)),
+        positions=torch.from_numpy(rng.integers(3, 50, n_req)),
+        query_start_loc=torch.arange(n_req + 1, dtype=torch.int32),
+        lookback_token_ids=torch.from_numpy(lookback),
+    )
+    return host.to(device), host
+
+
+@pytest.mark.parametrize("workers", ["per-layer", "shared"])
+def test_host_batch_gives_the_same_rows(workers, layout, token_map, device) -> None:
+    """Layers whose source takes host ids hash the host batch themselves; every layer's rows
+    and the step's row ids are those of the device batch alone."""
+    runtime = _runtime(layout, token_map, device, tier="host", lookup_workers=workers)
+    assert all(s.host_ids for s in runtime.sources)
+    batch, host = _decode_step(token_map, device)
+    want = runtime.plan(batch)
+    want_rows = [want.rows(li).clone() for li in range(2)]
+    got = runtime.plan(batch, host_batch=host)
+    assert torch.equal(got.row_ids, want.row_ids)
+    for li in range(2):
+        assert torch.equal(got.rows(li).view(torch.int16), want_rows[li].view(torch.int16))
+    # Negative control: a host batch of another step gives other rows.
+    _, other = _decode_step(token_map, device, seed=22)
+    wrong = runtime.plan(batch, host_batch=other)
+    assert not torch.equal(wrong.rows(0).view(torch.int16), want_rows[0].view(torch.int16))
+    runtime.close()
+
+
+def test_host_batch_is_checked(layout, token_map, device) -> None:
+    cache = SlotHashCache(32 * 4, 4, device)
+    runtime = _runtime(layout, token_map, device, tier="host", history=cache)
+    batch, host = _decode_step(token_map, device)
+    with pytest.raises(ValidationError, match=r"host_batch has 5 tokens and 5 requests"):
+        runtime.plan(batch, host_batch=_decode_step(token_map, device, n_req=5)[1])
+    host.lookback_token_ids[2, 1] = -1
+    with pytest.raises(ValidationError, match=r"lookback_token_ids\[2, 1\] = -1"):
+        runtime.plan(batch, host_batch=host)
+    runtime.close()
+
+
+def test_host_batch_needs_a_hasher_that_hashes_on_host(layout, token_map, device) -> None:
+    class DeviceOnly:  # a row-id maker with no host path
+        def __init__(self, hasher):
+            self._hasher = hasher
+            self.n_layers, self.num_cols = hasher.n_layers, hasher.num_cols
+            self.device, self.out_dtype = hasher.device, hasher.out_dtype
+
+        def __call__(self, batch, history=None, out=None):
+            return self._hasher(batch, history, out)
+
+    base = _runtime(layout, token_map, device, tier="host")
+    runtime = EngramRuntime(DeviceOnly(base.hasher), base.sources, max_tokens=64, max_requests=8)
+    batch, host = _decode_step(token_map, device)
+    with pytest.raises(ValidationError, match=r"\(DeviceOnly\) cannot hash on the host"):
+        runtime.plan(batch, host_batch=host)
+    runtime.close()
+    base.close()

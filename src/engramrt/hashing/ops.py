@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -12,6 +13,7 @@ from engramrt._device import resolve_device
 from engramrt.errors import ValidationError
 from engramrt.hashing.config import HashKernelConfig, kernel_config_for
 from engramrt.hashing.history import RequestHistory, SlotHashCache
+from engramrt.hashing.host import hash_batch_host
 from engramrt.hashing.reference import hash_batch_reference
 from engramrt.hashing.types import HashBatch, HashConstants
 from engramrt.hashing.validate import check_batch_contents, check_batch_metadata
@@ -169,6 +171,30 @@ class NgramHasher:
             return out
         self._launch(batch, history, out)
         return out
+
+    def hash_on_host(self, batch: HashBatch, layers: Sequence[int] | None = None) -> np.ndarray:
+        """``[T, len(layers), C]`` int64 row ids of ``batch`` computed on the host
+        (:func:`~engramrt.hashing.host.hash_batch_host`), the same as :meth:`__call__`'s
+        for a batch whose history comes from the chunk and its lookback ids. Never
+        touches the device or a history store; ``layers`` (positions in the config,
+        None: all) picks the layers to hash. For sources that gather rows on the CPU
+        (``EngramRuntime.plan(batch, host_batch=)``)."""
+        if self.validate:
+            check_batch_metadata(batch, max_ngram_size=self.consts.max_ngram_size, history=None)
+        if self.check_ids:
+            check_batch_contents(
+                batch,
+                vocab_size=self.vocab_size,
+                max_ngram_size=self.consts.max_ngram_size,
+                history=None,
+            )
+        if layers is not None and not all(
+            isinstance(li, int) and 0 <= li < self.n_layers for li in layers
+        ):
+            raise ValidationError(
+                f"layers={list(layers)!r}; expected Engram layer positions in [0, {self.n_layers})"
+            )
+        return hash_batch_host(batch, self.consts, self.token_map, layers)
 
     def _launch(self, batch: HashBatch, history: History | None, out: torch.Tensor) -> None:
         if self._launchers is None:

@@ -70,6 +70,7 @@ import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, TypeVar
 
 import torch
@@ -77,6 +78,7 @@ from torch import nn
 
 from engramrt.config import EngramConfig
 from engramrt.errors import ValidationError, check_choice
+from engramrt.hashing.host import check_host_batch
 from engramrt.hashing.types import HashBatch
 from engramrt.layer.module import check_hidden, pair_head_with_source
 from engramrt.protocols import LayerHead, RowIdMaker
@@ -442,6 +444,10 @@ class EngramRuntime:
             key: torch.cuda.Stream(self.device, priority=lookup_priority) for key in self._workers
         }
         self._jobs = worker_jobs(self.sources, self._worker_of)
+        # Layers that take row ids hashed on the host (plan's host_batch).
+        self._host_id_layers = frozenset(
+            index for index, s in enumerate(self.sources) if s.host_ids and not s.collective
+        )
         self._updates: list[Future[None]] = []
         self.handle = next(_NEXT_HANDLE)
         _HANDLES[self.handle] = self
@@ -544,6 +550,7 @@ class EngramRuntime:
         batch: HashBatch,
         *,
         history: Any = None,
+        host_batch: HashBatch | None = None,
     ) -> StepPlan:
         """Hash ``batch`` and start every layer's rows: the host half of a step.
 
@@ -556,8 +563,23 @@ class EngramRuntime:
         ``history``: this step's history object instead of the runtime's, of the same
         kind and geometry over other tensors (the custom operators pass the tensors
         the compiler sees); None uses the runtime's.
+
+        ``host_batch``: the same step on the CPU, its history in ``lookback_token_ids``
+        (an engine that keeps its requests' token ids on the host). Layers whose
+        source gathers rows on the CPU (:attr:`~engramrt.source.RowSource.host_ids`:
+        the host and disk tiers) then hash their own ids on the host, on their
+        worker thread (:meth:`~engramrt.hashing.NgramHasher.hash_on_host`, bit for
+        bit the device's), and gather from them at once, without waiting for the
+        step's hashing on the device: a decode step's first Engram layer gets its
+        rows from the CPU in the time the GPU would read them itself, with nothing
+        reading host memory beside the blocks. The device still hashes every layer
+        (:attr:`StepPlan.row_ids`). With ``validate`` the runtime checks that the
+        host batch matches the step's shape and that its lookback ids cover every
+        position a history store would supply (host arrays only).
         """
         self._check(batch)
+        if host_batch is not None:
+            self._check_host_batch(host_batch, batch, self.history if history is None else history)
         self._raise_failed_updates()
         slot = self._next_slot
         self._next_slot = (slot + 1) % self.num_slots
@@ -571,7 +593,10 @@ class EngramRuntime:
         pending: list[PendingRows] = []
         for index, source in enumerate(self.sources):
             out = self._staging[slot][index][: source.local_tokens(num_tokens)]
-            pending.append(self._start(index, source, row_ids[:, index], out, ready))
+            ids: torch.Tensor | Callable[[], torch.Tensor] = row_ids[:, index]
+            if host_batch is not None and index in self._host_id_layers:
+                ids = partial(self._host_ids, host_batch, index)
+            pending.append(self._start(index, source, ids, out, ready, num_tokens))
         for job, index in self._jobs:
             if job == "update":  # after every threaded lookup of the step; nobody joins it
                 key = self._worker_of[index]
@@ -678,17 +703,41 @@ class EngramRuntime:
             if error is not None:
                 raise error
 
+    def _check_host_batch(self, host_batch: HashBatch, batch: HashBatch, history: Any) -> None:
+        if not callable(getattr(self.hasher, "hash_on_host", None)):
+            raise ValidationError(
+                f"host_batch given, but the runtime's hasher ({type(self.hasher).__name__}) "
+                f"cannot hash on the host; expected an NgramHasher (hash_on_host)"
+            )
+        if self.validate:
+            check_host_batch(host_batch, batch, has_history=history is not None)
+
+    def _host_ids(self, host_batch: HashBatch, index: int) -> torch.Tensor:
+        """Layer ``index``'s ``[T, C]`` row ids of ``host_batch``, hashed on the host."""
+        ids = self.hasher.hash_on_host(host_batch, [index])  # type: ignore[attr-defined]
+        return torch.from_numpy(ids[:, 0])
+
     def _start(
         self,
         index: int,
         source: RowSource,
-        ids: torch.Tensor,
+        ids: torch.Tensor | Callable[[], torch.Tensor],
         out: torch.Tensor,
         ready: torch.cuda.Event | None,
+        num_tokens: int,
     ) -> PendingRows:
+        """Start layer ``index``'s lookup of ``ids``: its row ids on the device, or a
+        function that hashes them on the host (run on the layer's worker thread)."""
         key = self._worker_of.get(index)
+        if not isinstance(ids, torch.Tensor) and key is None:
+            ids = ids()  # no worker to run it on: the host hashes now
         inline = self.lookup_overlap == "none" and not source.has_update
-        if key is not None and inline and not source.waits_on_host(ids):
+        if (
+            key is not None
+            and inline
+            and isinstance(ids, torch.Tensor)
+            and not source.waits_on_host(ids)
+        ):
             # A lookup that needs no host wait (GPU reads of a small batch) runs on the
             # step's stream, after the jobs its worker has queued for the source. A source
             # with an update stays on its worker: the update job plan() queues there must
@@ -698,26 +747,28 @@ class EngramRuntime:
         if key is None:
             # A side-stream source, ordered after the hashing queued so far (on a
             # CPU device, or with lookup_overlap="none", no side stream: in order, now).
+            assert isinstance(ids, torch.Tensor)  # hashed above
             return source.start(ids, out, stream=self._lookup_stream)
         assert ready is not None
         done = torch.cuda.Event()
         future = self._workers[key].submit(
             self._run_on_worker, source, ids, out, ready, self._worker_streams[key], done
         )
-        return PendingRows(out, ids.shape[0], event=done, future=future, keep_alive=(ids,))
+        keep_alive = (ids,) if isinstance(ids, torch.Tensor) else ()
+        return PendingRows(out, num_tokens, event=done, future=future, keep_alive=keep_alive)
 
     def _run_on_worker(
         self,
         source: RowSource,
-        ids: torch.Tensor,
+        ids: torch.Tensor | Callable[[], torch.Tensor],
         out: torch.Tensor,
         ready: torch.cuda.Event,
         stream: torch.cuda.Stream,
         done: torch.cuda.Event,
     ) -> None:
         with torch.cuda.device(self.device), torch.cuda.stream(stream):
-            stream.wait_event(ready)
-            source.fetch(ids, out)
+            stream.wait_event(ready)  # after the step's hashing and the slot's last reader
+            source.fetch(ids if isinstance(ids, torch.Tensor) else ids(), out)
             done.record(stream)
 
     def _update_on_worker(self, source: RowSource, stream: torch.cuda.Stream) -> None:

@@ -50,6 +50,12 @@ gather start-up. The measurements, and the designs tried and dropped
 (sort-based deduplication, token groups), are in
 BENCHMARKS.md#the-host-tier-where-the-time-goes.
 
+Row ids given on the host (a CPU tensor, :attr:`~engramrt.source.RowSource.host_ids`:
+hashed there by :meth:`~engramrt.hashing.NgramHasher.hash_on_host`) need no
+trip from the device: whatever their number and the ``gpu_reads`` setting,
+the CPU gathers them as they come, in pieces (the path of ``dedup=False``), and
+the lookup never waits for the device.
+
 Ids outside the shard follow the rule of every tier: refused with
 ``check_ids``, read as rows of zeros without it. Where the ids come to the
 host they are bounded nearly for free (sorted unique ids need only their
@@ -242,6 +248,7 @@ class HostGatherRowStore(KernelRowStore):
     options_type: ClassVar[type[TierOptions]] = HostOptions
     takes_host_rows = True
     host_sync = True  # the CPU gathers large batches: it must learn their ids
+    host_ids = True  # ... unless it is given them on the host
 
     def _setup(self) -> None:
         super()._setup()
@@ -457,6 +464,12 @@ class HostGatherRowStore(KernelRowStore):
         self, row_ids: torch.Tensor, col_end: int, out: torch.Tensor | None
     ) -> torch.Tensor:
         num_tokens, num_cols = row_ids.shape
+        owned_count = num_tokens * (col_end - self.col_begin)
+        if row_ids.device.type == "cpu" and self.device.type == "cuda" and owned_count:
+            # Ids already on the host: the CPU gathers them as they come, no device wait.
+            return self._streamed_lookup(
+                row_ids, row_ids[:, self.col_begin : col_end], col_end, out
+            )
         row_ids = row_ids.to(self.device, non_blocking=True)
         owned = row_ids[:, self.col_begin : col_end]
         if self._gpu_reads_batch(owned.numel()):
@@ -537,7 +550,7 @@ class HostGatherRowStore(KernelRowStore):
         all of them: its rows serve any token)."""
         num_tokens, num_cols = row_ids.shape
         owned_cols = col_end - self.col_begin
-        ids = owned.reshape(-1).cpu()  # the tier's host synchronisation
+        ids = owned.reshape(-1).cpu()  # the tier's host synchronisation (none for host ids)
         count = ids.shape[0]
         ids, outside = self._inside_shard(ids, int(ids.min()), int(ids.max()))
         local_ids = ids - self.row_begin if self.row_begin else ids
