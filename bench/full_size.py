@@ -566,14 +566,21 @@ def paired_rounds(
     return results
 
 
+RUNTIME_PLACEMENTS = ("host", "host-ids", "uva")
+"""Placements the runtime phase can time (``--runtime-placements``)."""
+
+
 def runtime_steps(
     tables: list[SharedHostTable], args: argparse.Namespace, device: torch.device
 ) -> list[dict[str, Any]]:
     """The runtime bench's decode and prefill steps on this rank's GPU over the shared
-    tables, by paired rounds (:func:`paired_rounds`): the default placement (``host``:
-    the GPU reads the first Engram layer's rows, the CPU gathers the second's) and
-    ``uva`` against no lookups at all (``none``, the fixed rows an Engram layer would
-    read), with a second no-lookup runtime as the A/A control (``none-again``)."""
+    tables, by paired rounds (:func:`paired_rounds`): ``--runtime-placements``, by
+    default the default placement (``host``: the GPU reads the first Engram layer's
+    rows, the CPU gathers the second's) and ``uva``, and on request ``host-ids`` (host
+    tables, every layer's ids hashed on the host: ``plan(batch, host_batch=)``), against
+    no lookups at all (``none``, the fixed rows an Engram layer would read), with a
+    second no-lookup runtime as the A/A control (``none-again``); ``--sync-steps`` makes
+    the host wait for each step before planning the next."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import runtime_overhead as ro
     from engramrt.hashing import HashConstants, NgramHasher
@@ -598,15 +605,20 @@ def runtime_steps(
     }
     backbone = ro.make_backbone(config, device)
     runtimes: dict[str, Any] = {}
-    for placement in ("none", "none-again", "host", "uva"):
+    for placement in ("none", "none-again", *args.runtime_placements.split(",")):
         if placement.startswith("none"):
             runtimes[placement] = ro.NoLookups(8192, config.n_cols, config.head_dim, device)
-        else:
-            stores = [shared_store(t, TablePlacement(placement, device)) for t in layer_tables]
-            hasher = NgramHasher(consts, token_map, device, validate=False)
-            runtimes[placement] = EngramRuntime(
-                hasher, stores, max_tokens=8192, max_requests=512, validate=False
+            continue
+        if placement not in RUNTIME_PLACEMENTS:
+            raise ValidationError(
+                f"--runtime-placements: {placement!r}; expected some of "
+                f"{', '.join(RUNTIME_PLACEMENTS)}"
             )
+        tier = "host" if placement == "host-ids" else placement
+        stores = [shared_store(t, TablePlacement(tier, device)) for t in layer_tables]
+        hasher = NgramHasher(consts, token_map, device, validate=False)
+        runtime = EngramRuntime(hasher, stores, max_tokens=8192, max_requests=512, validate=False)
+        runtimes[placement] = ro.HostIdsRuntime(runtime) if placement == "host-ids" else runtime
     blocks: dict[tuple[str, str, bool], Callable[[int], float]] = {}
     for placement, runtime in runtimes.items():
         for name, batches in workloads.items():
@@ -626,10 +638,12 @@ def runtime_steps(
                     steps=steps,
                 ) -> float:
                     warm, timed = ro.block_window(len(batches), round_index, steps, warmup=2)
-                    ro.run(runtime, [batches[i] for i in warm], forward, prefetch)
+                    sync = args.sync_steps
+                    ro.run(runtime, [batches[i] for i in warm], forward, prefetch, None, sync)
                     dist.barrier()  # every GPU steps at once
                     timed_batches = [batches[i] for i in timed]
-                    return ro.run(runtime, timed_batches, forward, prefetch)["ms_per_step"]
+                    res = ro.run(runtime, timed_batches, forward, prefetch, None, sync)
+                    return res["ms_per_step"]
 
                 blocks[(placement, name, prefetch)] = block
     results = paired_rounds(blocks, args.rounds, args.seed)
@@ -851,6 +865,17 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--block-steps", type=int, default=20, help="timed decode steps a block")
     parser.add_argument(
         "--prefill-chunks", type=int, default=4, help="timed prefill chunks a block"
+    )
+    parser.add_argument(
+        "--runtime-placements",
+        default="host,uva",
+        help=f"runtime phase: placements timed against no lookups, some of "
+        f"{', '.join(RUNTIME_PLACEMENTS)} (host-ids: host tables, ids hashed on the host)",
+    )
+    parser.add_argument(
+        "--sync-steps",
+        action="store_true",
+        help="runtime phase: the host waits for each step before planning the next",
     )
     parser.add_argument("--skip-lookups", action="store_true")
     parser.add_argument("--skip-cache", action="store_true")

@@ -33,8 +33,15 @@ Engram layer's rows, which have one block to hide behind, and the CPU
 gathering the later layer's, whose bulk copy does not occupy the GPU's
 memory system while the blocks run; ``host-inline``: host-mixed's tables with
 the GPU's reads on the step's stream before the blocks, ``lookup_overlap="none"``,
-so no read runs beside a block), in pinned host memory read by the kernel
-(UVA), or on disk. Decode runs the backbone as engines do, from CUDA graphs replayed per
+so no read runs beside a block; ``host-ids``: host-mixed's tables with every
+layer's ids hashed on the host from the step's host copy, ``plan(batch,
+host_batch=)``, so the CPU gathers both layers' rows without waiting for the
+device and nothing reads host memory beside the blocks), in pinned host
+memory read by the kernel (UVA), or on disk. ``--sync-steps`` makes the host
+wait for each step before planning the next (a synchronous engine, whose next
+tokens come from this step's sampling): without it the host queues steps
+ahead of the GPU, which would let ``host-ids`` gather a step's rows while the
+GPU still runs the step before, a prefetch the other placements do not get. Decode runs the backbone as engines do, from CUDA graphs replayed per
 step (``--backbones graph``), and for comparison launched kernel by kernel
 (``eager``); prefill runs eager.
 
@@ -149,6 +156,7 @@ RUNTIME_TIERS = (
     "host-cpu",
     "host-mixed",
     "host-inline",
+    "host-ids",
     "uva",
     "disk",
     "host-cache",
@@ -411,18 +419,47 @@ class EngineStyle:
         pass
 
 
+class HostIdsRuntime:
+    """An :class:`EngramRuntime` planned with each step's host copy as well
+    (``plan(batch, host_batch=)``): the ``host-ids`` placement, an engine that keeps its
+    requests' token ids on the host. The host copies are made once per batch, outside
+    the timing, as an engine's own arrays would be."""
+
+    def __init__(self, runtime: EngramRuntime):
+        self.runtime = runtime
+        self._host: dict[int, tuple[HashBatch, HashBatch]] = {}
+
+    def host_batch(self, batch: HashBatch) -> HashBatch:
+        kept = self._host.get(id(batch))
+        if kept is None or kept[0] is not batch:
+            kept = (batch, batch.to("cpu"))
+            self._host[id(batch)] = kept
+        return kept[1]
+
+    def plan(self, batch):
+        return self.runtime.plan(batch, host_batch=self.host_batch(batch))
+
+    prefetch = plan
+
+    def __getattr__(self, name: str):
+        return getattr(self.runtime, name)
+
+
 def synchronize(device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
-def run(runtime, batches, forward, prefetch, stalls=None):
+def run(runtime, batches, forward, prefetch, stalls=None, sync_steps=False):
     """Time ``forward(handle, batch)`` over ``batches``, the lookups started per step.
 
     With ``prefetch`` the next step's lookups start before this step's
     forward; without, when the next step starts. With ``stalls`` (a
     :class:`StallEvents` of at least ``len(batches)`` steps) the forward is
     called as ``forward(handle, batch, stalls)`` and marks its waits for rows.
+    With ``sync_steps`` the host waits for each step to finish before it plans
+    the next, as a synchronous engine's decode loop does (the next step's tokens
+    come from this one's sampling); without, it queues steps ahead of the GPU.
     """
     tokens = sum(b.num_tokens for b in batches)
     device = batches[0].input_ids.device
@@ -439,6 +476,8 @@ def run(runtime, batches, forward, prefetch, stalls=None):
             stalls.step_index = i
             forward(handle, batch, stalls)
         if i + 1 < len(batches):
+            if sync_steps:
+                synchronize(device)
             handle = nxt if nxt is not None else runtime.plan(batches[i + 1])
     synchronize(device)
     return summary(batches, tokens, time.perf_counter() - start)
@@ -829,6 +868,12 @@ def build_parser() -> argparse.ArgumentParser:
         default="per-layer",
         help="comma-separated: per-layer and/or shared (one thread for both layers' host lookups)",
     )
+    parser.add_argument(
+        "--sync-steps",
+        action="store_true",
+        help="the host waits for each step to finish before planning the next, as a "
+        "synchronous engine's decode loop does (every placement of the run)",
+    )
     parser.add_argument("--device", default="cuda", help="where to run (cpu: --smoke only)")
     parser.add_argument(
         "--smoke",
@@ -882,7 +927,7 @@ def build_workloads(args, vocab_size: int, device) -> dict[str, list[HashBatch]]
     return workloads
 
 
-GATHER_TIERS = ("host", "host-cpu", "host-mixed", "host-inline", "disk")
+GATHER_TIERS = ("host", "host-cpu", "host-mixed", "host-inline", "host-ids", "disk")
 """Tiers whose stores gather rows on host threads (settings: --host-threads)."""
 
 
@@ -1004,6 +1049,9 @@ def build_placement(tier: str, priority, workers, pool: StorePool, make_hasher) 
     elif tier == "host-inline":  # host-mixed's tables, the GPU's reads before the blocks
         stores = pool.stores_of("host-mixed")
         runtime = new_runtime(make_hasher(), stores, priority, workers, overlap="none")
+    elif tier == "host-ids":  # host-mixed's tables, every layer's ids hashed on the host
+        stores = pool.stores_of("host-mixed")
+        runtime = HostIdsRuntime(new_runtime(make_hasher(), stores, priority, workers))
     else:
         stores = pool.stores_of(tier)
         runtime = new_runtime(make_hasher(), stores, priority, workers)
@@ -1197,12 +1245,14 @@ def time_block(bench: Bench, config: Config, round_index: int) -> dict:
         runtime = setup.whole[name]
         forward = runtime.forward
     if warm:
-        run(runtime, [batches[i] for i in warm], forward, config.prefetch)
+        run(runtime, [batches[i] for i in warm], forward, config.prefetch, None, args.sync_steps)
     caches = [(li, s) for li, s in enumerate(stores) if hasattr(s, "reset_stats")]
     for li, cache in caches:  # count the timed steps only
         runtime.in_order(li, cache.reset_stats)
     stalls = StallEvents(steps) if bench.device.type == "cuda" and kind != "whole" else None
-    res = run(runtime, [batches[i] for i in timed], forward, config.prefetch, stalls)
+    res = run(
+        runtime, [batches[i] for i in timed], forward, config.prefetch, stalls, args.sync_steps
+    )
     res["stall_us"] = None if stalls is None else stalls.stall_us(steps)
     if caches:
         res["cache_hit_rate"] = [stats.hit_rate for stats in runtime.cache_stats() if stats]
@@ -1324,6 +1374,7 @@ def report(args, cfg, device, engram_at, results: list[dict], rounds_completed: 
         "ids": args.ids,
         "cache_fraction": args.cache_fraction,
         "cache_update_every": args.cache_update_every,
+        "sync_steps": args.sync_steps,
         "method": "interleaved blocks, shuffled per round; losses paired within rounds",
         "rounds": args.rounds,
         "rounds_completed": rounds_completed,

@@ -258,8 +258,8 @@ def test_runtime_bench_grid_settings_per_layer() -> None:
     assert [bench.layer_grid((16, 32), li) for li in range(2)] == [(16, 32), (16, 32)]
 
 
-def _runtime_smoke(tmp_path, *extra: str) -> dict:
-    bench = _load("runtime_overhead")
+def _runtime_smoke(tmp_path, *extra: str, bench=None) -> dict:
+    bench = bench or _load("runtime_overhead")
     out = tmp_path / "runtime.json"
     bench.main(
         [
@@ -528,3 +528,44 @@ def test_runtime_bench_stall_events_bracket_each_wait(monkeypatch) -> None:
         want = [[10.0 * s + li + 1 for s in range(3)] for li in range(2)]
         assert [pytest.approx(layer, abs=1e-6) for layer in want] == got
         assert stalls.events[3][0][0].ms == -5.0  # the spare step was not recorded again
+
+
+def test_runtime_bench_host_ids_hash_on_the_host(tmp_path, monkeypatch) -> None:
+    """``host-ids`` plans every step with its host copy (both layers hashed on the host),
+    and ``--sync-steps`` makes the host wait for each step (every placement)."""
+    from engramrt.hashing import NgramHasher
+
+    hashed: list[tuple[str, tuple[int, ...]]] = []
+    real = NgramHasher.hash_on_host
+
+    def counted(self, batch, layers=None):
+        hashed.append((batch.device.type, tuple(layers)))
+        return real(self, batch, layers)
+
+    monkeypatch.setattr(NgramHasher, "hash_on_host", counted)
+    synced: list[object] = []
+    bench = _load("runtime_overhead")
+    monkeypatch.setattr(bench, "synchronize", lambda device: synced.append(device))
+    report = _runtime_smoke(
+        tmp_path,
+        "--decode-steps",
+        "3",
+        "--block-steps",
+        "2",
+        "--warmup-steps",
+        "0",
+        "--workloads",
+        "decode",
+        "--tiers",
+        "device,host-ids",
+        "--rounds",
+        "1",
+        "--sync-steps",
+        bench=bench,
+    )
+    assert report["sync_steps"] is True
+    assert {r["placement"] for r in report["results"]} == {"device", "host-ids"}
+    # host-ids' 2 blocks (with and without prefetch) of 2 steps each hash both layers.
+    assert sorted(hashed) == [("cpu", (0,))] * 4 + [("cpu", (1,))] * 4
+    # 4 blocks: a synchronize before and after each, and one between its 2 steps.
+    assert len(synced) == 4 * 3
