@@ -8,7 +8,8 @@ the ids to the host, CPU gathers by method and thread count, the pinned
 host-to-device copy, and the whole HostGatherRowStore lookup with its
 settings. Prints one line per measurement. ``--sections`` picks among
 ``stages`` (unique and the ids' trip to the host), ``dedup`` (the store's lookup
-with and without deduplication, over piece sizes, for uniform and Zipf ids), ``methods`` (CPU gathers by
+with and without deduplication, over piece sizes, for uniform and Zipf ids), ``decode``
+(a decode step's first layer from the CPU: host hash, gather, copy, lookup), ``methods`` (CPU gathers by
 method and thread count, the pinned copy), ``hugepages``, ``store`` (the
 store's lookup over chunk sizes and thread counts), ``profile`` (one lookup
 stage by stage), ``pieces`` (gather-then-copy pieces by size: the gathers
@@ -102,6 +103,8 @@ def main() -> None:
         study_groups(src, rows, ids_dev, line)
     if "dedup" in sections:
         study_dedup(src, rows, device, line)
+    if "decode" in sections:
+        study_decode(src, rows, device, line)
     if "methods" not in sections:
         finish(args, report, records)
         return
@@ -267,6 +270,75 @@ def study_dedup(src, rows, device, line) -> None:
     for (ids_name, dedup, chunk), values in times.items():
         label = f"lookup T=8192 {ids_name} dedup={dedup} chunk={chunk} (median of 5 rounds)"
         line(label, sorted(values)[len(values) // 2])
+
+
+def study_decode(src, rows, device, line) -> None:
+    """A decode step's first Engram layer from the CPU (256 tokens x 24 columns): the
+    host hash of one layer from the step's host copy, the gather of its rows alone, their
+    pinned copy alone, and the store's whole lookup of ids given on the host (the
+    ``host_ids`` path: gather, copy, dequantise; the device drained after each), medians
+    of 50 calls."""
+    from engramrt.config import PRESETS
+    from engramrt.hashing import HashBatch, HashConstants, hash_batch_host
+    from engramrt.tokenmap import TokenMap
+
+    token_map = TokenMap.from_tokenizer_file()
+    consts = HashConstants.from_config(PRESETS["dsv41-flash"], token_map)
+    rng = np.random.default_rng(5)
+    tokens = 256
+    batch = HashBatch(
+        input_ids=torch.from_numpy(rng.integers(0, token_map.vocab_size, tokens)),
+        positions=torch.from_numpy(rng.integers(100, 1000, tokens)),
+        query_start_loc=torch.arange(tokens + 1, dtype=torch.int32),
+        lookback_token_ids=torch.from_numpy(rng.integers(0, token_map.vocab_size, (tokens, 3))),
+    )
+    count = tokens * 24
+
+    def host_timed(fn, reps: int = 200) -> float:
+        for _ in range(10):
+            fn()
+        times = []
+        for _ in range(reps):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return sorted(times)[reps // 2]
+
+    line(
+        "decode T=256 hash one layer on the host (numpy)",
+        host_timed(lambda: hash_batch_host(batch, consts, token_map.map, [0])),
+        count,
+    )
+    row_ids = torch.randint(0, rows, (tokens, 24), dtype=torch.int64)
+    flat = row_ids.reshape(-1)
+    words = src.view(torch.int64)
+    pinned = torch.empty((count, ROW), dtype=torch.uint8, pin_memory=True)
+    on_device = torch.empty((count, ROW), dtype=torch.uint8, device=device)
+    torch.set_num_threads(1)
+    line(
+        "decode T=256 gather 6,144 rows, 1 thread",
+        host_timed(lambda: torch.index_select(words, 0, flat, out=pinned.view(torch.int64))),
+        count,
+    )
+    line(
+        "decode T=256 pinned copy of 6,144 rows",
+        timed(lambda: on_device.copy_(pinned, non_blocking=True), reps=50),
+        count,
+    )
+    store = make_store(TablePlacement(HostOptions(gpu_reads=False), device), num_rows=1, E=256)
+    store.source, store.num_rows = src, rows  # share the filled table, no second copy
+    out = torch.empty((tokens, 24, 256), dtype=torch.bfloat16, device=device)
+    line(
+        "decode T=256 store lookup of ids on the host",
+        timed(lambda: store.lookup(row_ids, out), reps=50),
+        count,
+    )
+    line(
+        "decode T=256 store lookup of ids on the device (CPU gather)",
+        timed(lambda: store.lookup(row_ids.to(device), out), reps=50),
+        count,
+    )
+    torch.set_num_threads(len(os.sched_getaffinity(0)))
 
 
 def study_overlap(src_i64, ids, pinned, dev_rows, line) -> None:
