@@ -70,7 +70,6 @@ import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Any, TypeVar
 
 import torch
@@ -565,17 +564,19 @@ class EngramRuntime:
         the compiler sees); None uses the runtime's.
 
         ``host_batch``: the same step on the CPU, its history in ``lookback_token_ids``
-        (an engine that keeps its requests' token ids on the host). Layers whose
-        source gathers rows on the CPU (:attr:`~engramrt.source.RowSource.host_ids`:
-        the host and disk tiers) then hash their own ids on the host, on their
-        worker thread (:meth:`~engramrt.hashing.NgramHasher.hash_on_host`, bit for
-        bit the device's), and gather from them at once, without waiting for the
-        step's hashing on the device: a decode step's first Engram layer gets its
-        rows from the CPU in the time the GPU would read them itself, with nothing
-        reading host memory beside the blocks. The device still hashes every layer
-        (:attr:`StepPlan.row_ids`). With ``validate`` the runtime checks that the
-        host batch matches the step's shape and that its lookback ids cover every
-        position a history store would supply (host arrays only).
+        (an engine that keeps its requests' token ids on the host). The row ids of the
+        layers whose source gathers rows on the CPU
+        (:attr:`~engramrt.source.RowSource.host_ids`: the host and disk tiers) are then
+        hashed here, on the host, in one pass
+        (:meth:`~engramrt.hashing.NgramHasher.hash_on_host`, bit for bit the device's),
+        and those sources gather from them at once, never waiting for the step's
+        hashing on the device and never reading host memory from the GPU beside the
+        blocks. The device still hashes every layer (:attr:`StepPlan.row_ids`). Whether
+        it pays depends on the host: the hash and a decode step's gather are host work
+        on the step's path (measured in BENCHMARKS.md, "Ids hashed on the host").
+        With ``validate`` the runtime checks that the host batch matches the step's
+        shape and that its lookback ids cover every position a history store would
+        supply (host arrays only).
         """
         self._check(batch)
         if host_batch is not None:
@@ -591,12 +592,11 @@ class EngramRuntime:
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(self.device))
         pending: list[PendingRows] = []
+        host_ids = self._host_ids(host_batch) if host_batch is not None else {}
         for index, source in enumerate(self.sources):
             out = self._staging[slot][index][: source.local_tokens(num_tokens)]
-            ids: torch.Tensor | Callable[[], torch.Tensor] = row_ids[:, index]
-            if host_batch is not None and index in self._host_id_layers:
-                ids = partial(self._host_ids, host_batch, index)
-            pending.append(self._start(index, source, ids, out, ready, num_tokens))
+            ids = host_ids.get(index, row_ids[:, index])
+            pending.append(self._start(index, source, ids, out, ready))
         for job, index in self._jobs:
             if job == "update":  # after every threaded lookup of the step; nobody joins it
                 key = self._worker_of[index]
@@ -712,32 +712,29 @@ class EngramRuntime:
         if self.validate:
             check_host_batch(host_batch, batch, has_history=history is not None)
 
-    def _host_ids(self, host_batch: HashBatch, index: int) -> torch.Tensor:
-        """Layer ``index``'s ``[T, C]`` row ids of ``host_batch``, hashed on the host."""
-        ids = self.hasher.hash_on_host(host_batch, [index])  # type: ignore[attr-defined]
-        return torch.from_numpy(ids[:, 0])
+    def _host_ids(self, host_batch: HashBatch) -> dict[int, torch.Tensor]:
+        """``{layer: [T, C] row ids}`` of ``host_batch`` for the layers that take ids on the
+        host, hashed here in one pass (on the calling thread: the hash is many small numpy
+        operations that hold the interpreter's lock, which worker threads hashing at once
+        would pass back and forth)."""
+        layers = sorted(self._host_id_layers)
+        if not layers:
+            return {}
+        ids = self.hasher.hash_on_host(host_batch, layers)  # type: ignore[attr-defined]
+        return {index: torch.from_numpy(ids[:, at]) for at, index in enumerate(layers)}
 
     def _start(
         self,
         index: int,
         source: RowSource,
-        ids: torch.Tensor | Callable[[], torch.Tensor],
+        ids: torch.Tensor,
         out: torch.Tensor,
         ready: torch.cuda.Event | None,
-        num_tokens: int,
     ) -> PendingRows:
-        """Start layer ``index``'s lookup of ``ids``: its row ids on the device, or a
-        function that hashes them on the host (run on the layer's worker thread)."""
+        """Start layer ``index``'s lookup of ``ids`` (on the device, or hashed on the host)."""
         key = self._worker_of.get(index)
-        if not isinstance(ids, torch.Tensor) and key is None:
-            ids = ids()  # no worker to run it on: the host hashes now
         inline = self.lookup_overlap == "none" and not source.has_update
-        if (
-            key is not None
-            and inline
-            and isinstance(ids, torch.Tensor)
-            and not source.waits_on_host(ids)
-        ):
+        if key is not None and inline and not source.waits_on_host(ids):
             # A lookup that needs no host wait (GPU reads of a small batch) runs on the
             # step's stream, after the jobs its worker has queued for the source. A source
             # with an update stays on its worker: the update job plan() queues there must
@@ -747,20 +744,18 @@ class EngramRuntime:
         if key is None:
             # A side-stream source, ordered after the hashing queued so far (on a
             # CPU device, or with lookup_overlap="none", no side stream: in order, now).
-            assert isinstance(ids, torch.Tensor)  # hashed above
             return source.start(ids, out, stream=self._lookup_stream)
         assert ready is not None
         done = torch.cuda.Event()
         future = self._workers[key].submit(
             self._run_on_worker, source, ids, out, ready, self._worker_streams[key], done
         )
-        keep_alive = (ids,) if isinstance(ids, torch.Tensor) else ()
-        return PendingRows(out, num_tokens, event=done, future=future, keep_alive=keep_alive)
+        return PendingRows(out, ids.shape[0], event=done, future=future, keep_alive=(ids,))
 
     def _run_on_worker(
         self,
         source: RowSource,
-        ids: torch.Tensor | Callable[[], torch.Tensor],
+        ids: torch.Tensor,
         out: torch.Tensor,
         ready: torch.cuda.Event,
         stream: torch.cuda.Stream,
@@ -768,7 +763,7 @@ class EngramRuntime:
     ) -> None:
         with torch.cuda.device(self.device), torch.cuda.stream(stream):
             stream.wait_event(ready)  # after the step's hashing and the slot's last reader
-            source.fetch(ids if isinstance(ids, torch.Tensor) else ids(), out)
+            source.fetch(ids, out)
             done.record(stream)
 
     def _update_on_worker(self, source: RowSource, stream: torch.cuda.Stream) -> None:
