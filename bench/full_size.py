@@ -566,8 +566,10 @@ def paired_rounds(
     return results
 
 
-RUNTIME_PLACEMENTS = ("host", "host-ids", "uva")
-"""Placements the runtime phase can time (``--runtime-placements``)."""
+RUNTIME_PLACEMENTS = ("host", "host-per-layer", "host-shared", "host-ids", "uva")
+"""Placements the runtime phase can time (``--runtime-placements``): ``host`` with the
+runtime's defaults, ``host-per-layer`` / ``host-shared`` with that ``lookup_workers``,
+``host-ids`` with ids hashed on the host, ``uva``."""
 
 
 def runtime_steps(
@@ -614,10 +616,18 @@ def runtime_steps(
                 f"--runtime-placements: {placement!r}; expected some of "
                 f"{', '.join(RUNTIME_PLACEMENTS)}"
             )
-        tier = "host" if placement == "host-ids" else placement
+        tier = "uva" if placement == "uva" else "host"
         stores = [shared_store(t, TablePlacement(tier, device)) for t in layer_tables]
         hasher = NgramHasher(consts, token_map, device, validate=False)
-        runtime = EngramRuntime(hasher, stores, max_tokens=8192, max_requests=512, validate=False)
+        workers = {"host-per-layer": "per-layer", "host-shared": "shared"}
+        runtime = EngramRuntime(
+            hasher,
+            stores,
+            max_tokens=8192,
+            max_requests=512,
+            validate=False,
+            **({"lookup_workers": workers[placement]} if placement in workers else {}),
+        )
         runtimes[placement] = ro.HostIdsRuntime(runtime) if placement == "host-ids" else runtime
     blocks: dict[tuple[str, str, bool], Callable[[int], float]] = {}
     for placement, runtime in runtimes.items():
