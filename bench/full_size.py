@@ -68,6 +68,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -630,6 +631,7 @@ def runtime_steps(
         )
         runtimes[placement] = ro.HostIdsRuntime(runtime) if placement == "host-ids" else runtime
     blocks: dict[tuple[str, str, bool], Callable[[int], float]] = {}
+    stalls: dict[tuple[str, str, bool], list[list[float]]] = defaultdict(list)
     for placement, runtime in runtimes.items():
         for name, batches in workloads.items():
             decode = name.startswith("decode")
@@ -641,6 +643,9 @@ def runtime_steps(
 
                 def block(
                     round_index: int,
+                    placement=placement,
+                    name=name,
+                    decode=decode,
                     runtime=runtime,
                     batches=batches,
                     forward=forward,
@@ -652,11 +657,21 @@ def runtime_steps(
                     ro.run(runtime, [batches[i] for i in warm], forward, prefetch, None, sync)
                     dist.barrier()  # every GPU steps at once
                     timed_batches = [batches[i] for i in timed]
-                    res = ro.run(runtime, timed_batches, forward, prefetch, None, sync)
+                    events = ro.StallEvents(steps) if decode and placement != "none" else None
+                    res = ro.run(runtime, timed_batches, forward, prefetch, events, sync)
+                    if events is not None:  # the median wait per layer, this round
+                        waits = events.stall_us(steps)
+                        stalls[(placement, name, prefetch)].append(
+                            [float(np.median(layer)) for layer in waits]
+                        )
                     return res["ms_per_step"]
 
                 blocks[(placement, name, prefetch)] = block
     results = paired_rounds(blocks, args.rounds, args.seed)
+    for row in results:  # each round's median wait per layer (decode; CUDA events)
+        key = (row["placement"], row["workload"], row["prefetch"])
+        if stalls.get(key):
+            row["stall_us_rounds"] = stalls[key]
     for runtime in runtimes.values():
         runtime.close()
     return results
@@ -821,9 +836,18 @@ def print_summary(everything: dict[str, Any]) -> None:
                 f"rank {rank} runtime {r['placement']:10s} {r['workload']:26s} prefetch="
                 f"{r['prefetch']!s:5s} {r['ms_per_step']:8.3f} ms/step, loss {r['loss_pct']:6.2f}% "
                 f"[{r['loss_pct_p25']:.2f}, {r['loss_pct_p75']:.2f}] over {r['rounds']} rounds"
+                + _stall_text(r.get("stall_us_rounds"))
             )
     for failure in everything["failures"]:
         print(f"FAILED: {failure}")
+
+
+def _stall_text(rounds: list[list[float]] | None) -> str:
+    """``, stall us L0/L1 a/b`` (the median over rounds of each round's median wait), or ""."""
+    if not rounds:
+        return ""
+    per_layer = [float(np.median([r[li] for r in rounds])) for li in range(len(rounds[0]))]
+    return ", stall us " + "/".join(f"{v:.0f}" for v in per_layer)
 
 
 def parse_args() -> argparse.Namespace:

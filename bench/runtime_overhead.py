@@ -116,9 +116,9 @@ More placements and levers:
   placement's stores when that runs too (each block sets its own grid);
 - ``--lookup-priority``: stream priorities of the runtime's lookups
   (``EngramRuntime(lookup_priority=)``; lower is higher in torch);
-- ``--lookup-workers``: ``per-layer`` worker threads or one ``shared`` one
-  for both layers' host lookups, in layer order
-  (``EngramRuntime(lookup_workers=)``).
+- ``--lookup-workers``: one ``shared`` worker thread for both layers' host
+  lookups, in layer order (the default, as the runtime's), and/or ``per-layer``
+  worker threads (``EngramRuntime(lookup_workers=)``).
 """
 
 from __future__ import annotations
@@ -865,7 +865,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--lookup-workers",
-        default="per-layer",
+        default="shared",
         help="comma-separated: per-layer and/or shared (one thread for both layers' host lookups)",
     )
     parser.add_argument(

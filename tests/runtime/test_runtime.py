@@ -404,9 +404,9 @@ def test_shared_lookup_worker_plan(flags, per_layer, shared) -> None:
 def test_shared_lookup_worker_rows_equal_per_layer(layout, token_map, device) -> None:
     """Host tables with one lookup thread for both layers give the per-layer rows, step
     after step, prefetch included."""
-    per_layer = _runtime(layout, token_map, device, tier="host")
-    shared = _runtime(layout, token_map, device, tier="host", lookup_workers="shared")
-    assert shared.lookup_workers == "shared"
+    per_layer = _runtime(layout, token_map, device, tier="host", lookup_workers="per-layer")
+    shared = _runtime(layout, token_map, device, tier="host")
+    assert shared.lookup_workers == "shared"  # the default
     if device.type == "cuda":
         assert set(shared.worker_assignment.values()) == {-2}
     rng = np.random.default_rng(7)

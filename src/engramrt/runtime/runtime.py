@@ -287,11 +287,14 @@ class EngramRuntime:
             default, 0, is the lowest, the same as a default stream's: an
             engine that runs its model on a higher-priority stream keeps
             precedence over the lookups.
-        lookup_workers: ``"per-layer"`` (default): a worker thread per layer
-            whose source needs one (host and disk tiers, caches), so the
-            layers' lookups run at once; ``"shared"``: one thread for all of
-            them, in layer order, so the first layer's lookup runs alone (see
-            :func:`worker_plan`). Collective sources keep their own rule.
+        lookup_workers: ``"shared"`` (default): one worker thread for every
+            layer whose source needs one (host and disk tiers, caches), in layer
+            order, so the first layer's lookup runs alone and fewer threads
+            contend with the one launching the model; ``"per-layer"``: a worker
+            thread per such layer, so the layers' lookups run at once (see
+            :func:`worker_plan`). Collective sources keep their own rule. One
+            thread cost less of a decode step with host tables than one per layer
+            (BENCHMARKS.md, "One lookup thread at decode").
         gpu_reads: for sources that can read a small batch's rows from host
             memory either with the GPU or by a CPU gather and a bulk copy
             (:meth:`~engramrt.source.RowSource.use_gpu_reads`: the ``host``
@@ -335,7 +338,7 @@ class EngramRuntime:
         validate: bool = True,
         num_slots: int = 2,
         lookup_priority: int = 0,
-        lookup_workers: str = "per-layer",
+        lookup_workers: str = "shared",
         gpu_reads: str = "first",
         lookup_overlap: str = "side",
     ) -> None:
