@@ -141,19 +141,7 @@ class NgramHasher:
             out: optional preallocated ``[T, L, C]`` output (fixed address
                 for CUDA graphs).
         """
-        if self.validate:
-            check_batch_metadata(batch, max_ngram_size=self.consts.max_ngram_size, history=history)
-            if batch.device != self.device:
-                raise ValidationError(
-                    f"batch is on {batch.device}; this hasher was built for {self.device}"
-                )
-        if self.check_ids:
-            check_batch_contents(
-                batch,
-                vocab_size=self.vocab_size,
-                max_ngram_size=self.consts.max_ngram_size,
-                history=history,
-            )
+        self._check_batch(batch, history, self.device)
         shape = (batch.num_tokens, self.consts.n_layers, self.consts.n_cols)
         if out is None:
             out = torch.empty(shape, dtype=self.out_dtype, device=self.device)
@@ -179,15 +167,7 @@ class NgramHasher:
         touches the device or a history store; ``layers`` (positions in the config,
         None: all) picks the layers to hash. For sources that gather rows on the CPU
         (``EngramRuntime.plan(batch, host_batch=)``)."""
-        if self.validate:
-            check_batch_metadata(batch, max_ngram_size=self.consts.max_ngram_size, history=None)
-        if self.check_ids:
-            check_batch_contents(
-                batch,
-                vocab_size=self.vocab_size,
-                max_ngram_size=self.consts.max_ngram_size,
-                history=None,
-            )
+        self._check_batch(batch, None, None)
         if layers is not None and not all(
             isinstance(li, int) and 0 <= li < self.n_layers for li in layers
         ):
@@ -195,6 +175,25 @@ class NgramHasher:
                 f"layers={list(layers)!r}; expected Engram layer positions in [0, {self.n_layers})"
             )
         return hash_batch_host(batch, self.consts, self.token_map, layers)
+
+    def _check_batch(
+        self, batch: HashBatch, history: History | None, device: torch.device | None
+    ) -> None:
+        """The hasher's checks of a batch: its fields with ``validate`` (and that it is on
+        ``device``, unless None), its contents with ``check_ids``."""
+        if self.validate:
+            check_batch_metadata(batch, max_ngram_size=self.consts.max_ngram_size, history=history)
+            if device is not None and batch.device != device:
+                raise ValidationError(
+                    f"batch is on {batch.device}; this hasher was built for {device}"
+                )
+        if self.check_ids:
+            check_batch_contents(
+                batch,
+                vocab_size=self.vocab_size,
+                max_ngram_size=self.consts.max_ngram_size,
+                history=history,
+            )
 
     def _launch(self, batch: HashBatch, history: History | None, out: torch.Tensor) -> None:
         if self._launchers is None:
