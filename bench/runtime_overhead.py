@@ -124,6 +124,7 @@ More placements and levers:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import time
@@ -869,6 +870,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="comma-separated: per-layer and/or shared (one thread for both layers' host lookups)",
     )
     parser.add_argument(
+        "--model-priority",
+        type=int,
+        default=0,
+        help="CUDA stream priority the steps run at (lower is higher in torch; 0: the "
+        "default stream), every placement of the run; the runtime's lookups stay at "
+        "--lookup-priority",
+    )
+    parser.add_argument(
         "--sync-steps",
         action="store_true",
         help="the host waits for each step to finish before planning the next, as a "
@@ -1229,6 +1238,21 @@ def describe(config: Config, setups: list[Setup]) -> str:
     )
 
 
+_MODEL_STREAMS: dict[int, Any] = {}
+
+
+def model_stream(device, priority: int):
+    """A context that runs the step on a stream of CUDA priority ``priority``
+    (``--model-priority``; one stream per priority, made once), or changes nothing for 0
+    or a CPU: the model's kernels, graph replays included, then take precedence over
+    the lookups' side streams (priority 0) when both wait for multiprocessors."""
+    if priority == 0 or device.type != "cuda":
+        return contextlib.nullcontext()
+    if priority not in _MODEL_STREAMS:
+        _MODEL_STREAMS[priority] = torch.cuda.Stream(device, priority=priority)
+    return torch.cuda.stream(_MODEL_STREAMS[priority])
+
+
 def time_block(bench: Bench, config: Config, round_index: int) -> dict:
     """Round ``round_index``'s block of one configuration: warm-up steps, then the timed
     ones (:func:`run`), with their stalls and cache hit rates."""
@@ -1244,15 +1268,18 @@ def time_block(bench: Bench, config: Config, round_index: int) -> dict:
     if kind == "whole":
         runtime = setup.whole[name]
         forward = runtime.forward
-    if warm:
-        run(runtime, [batches[i] for i in warm], forward, config.prefetch, None, args.sync_steps)
-    caches = [(li, s) for li, s in enumerate(stores) if hasattr(s, "reset_stats")]
-    for li, cache in caches:  # count the timed steps only
-        runtime.in_order(li, cache.reset_stats)
-    stalls = StallEvents(steps) if bench.device.type == "cuda" and kind != "whole" else None
-    res = run(
-        runtime, [batches[i] for i in timed], forward, config.prefetch, stalls, args.sync_steps
-    )
+    with model_stream(bench.device, args.model_priority):
+        if warm:
+            run(
+                runtime, [batches[i] for i in warm], forward, config.prefetch, None, args.sync_steps
+            )
+        caches = [(li, s) for li, s in enumerate(stores) if hasattr(s, "reset_stats")]
+        for li, cache in caches:  # count the timed steps only
+            runtime.in_order(li, cache.reset_stats)
+        stalls = StallEvents(steps) if bench.device.type == "cuda" and kind != "whole" else None
+        res = run(
+            runtime, [batches[i] for i in timed], forward, config.prefetch, stalls, args.sync_steps
+        )
     res["stall_us"] = None if stalls is None else stalls.stall_us(steps)
     if caches:
         res["cache_hit_rate"] = [stats.hit_rate for stats in runtime.cache_stats() if stats]
@@ -1375,6 +1402,7 @@ def report(args, cfg, device, engram_at, results: list[dict], rounds_completed: 
         "cache_fraction": args.cache_fraction,
         "cache_update_every": args.cache_update_every,
         "sync_steps": args.sync_steps,
+        "model_priority": args.model_priority,
         "method": "interleaved blocks, shuffled per round; losses paired within rounds",
         "rounds": args.rounds,
         "rounds_completed": rounds_completed,
