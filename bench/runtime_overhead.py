@@ -871,11 +871,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--model-priority",
-        type=int,
-        default=0,
-        help="CUDA stream priority the steps run at (lower is higher in torch; 0: the "
-        "default stream), every placement of the run; the runtime's lookups stay at "
-        "--lookup-priority",
+        default="0",
+        help="comma-separated CUDA stream priorities the steps run at, to compare (lower "
+        "is higher in torch; 0: the default stream), each paired with the references at "
+        "the same priority; the runtime's lookups stay at --lookup-priority",
     )
     parser.add_argument(
         "--sync-steps",
@@ -1106,6 +1105,7 @@ class Config(NamedTuple):
     workload: str
     backbone: str
     prefetch: bool
+    model_priority: int = 0
 
 
 def enumerate_configs(
@@ -1114,6 +1114,7 @@ def enumerate_configs(
     backbones: list[str],
     host_threads: list,
     max_programs: list,
+    model_priorities: tuple[int, ...] = (0,),
 ) -> list[Config]:
     """Every configuration, in a fixed order (the rounds shuffle it)."""
     configs = []
@@ -1130,7 +1131,10 @@ def enumerate_configs(
                     if kind == "whole" and setup.tier not in WHOLE_TIERS:
                         continue
                     for prefetch in (False,) if kind == "whole" else (False, True):
-                        configs.append(Config(index, threads, programs, name, kind, prefetch))
+                        for priority in model_priorities:
+                            configs.append(
+                                Config(index, threads, programs, name, kind, prefetch, priority)
+                            )
     return configs
 
 
@@ -1224,7 +1228,14 @@ def build(args: argparse.Namespace) -> Bench:
         engram_at,
     )
     eager = eager_forward(backbone, device, engram_at)
-    configs = enumerate_configs(setups, workloads, backbones, host_threads, max_programs)
+    configs = enumerate_configs(
+        setups,
+        workloads,
+        backbones,
+        host_threads,
+        max_programs,
+        tuple(parse_priorities(args.model_priority)),
+    )
     if "whole" in backbones:
         build_whole_graphs(setups, backbone, workloads, device, engram_at, max_programs, pool.grids)
     return Bench(args, device, cfg, engram_at, workloads, setups, configs, pool.grids, eager)
@@ -1235,7 +1246,16 @@ def describe(config: Config, setups: list[Setup]) -> str:
         f"{setups[config.setup].label:6s} threads={config.threads!s:5s} "
         f"programs={config.programs} {config.workload:26s} {config.backbone:5s} "
         f"prefetch={config.prefetch!s:5s}"
+        + (f" model priority {config.model_priority}" if config.model_priority else "")
     )
+
+
+def parse_priorities(text: str) -> list[int]:
+    """``"0,-1"`` -> [0, -1] (``--model-priority``); an error names the option."""
+    try:
+        return [int(p) for p in text.split(",")]
+    except ValueError:
+        raise SystemExit(f"--model-priority: {text!r}; expected comma-separated ints") from None
 
 
 _MODEL_STREAMS: dict[int, Any] = {}
@@ -1268,7 +1288,7 @@ def time_block(bench: Bench, config: Config, round_index: int) -> dict:
     if kind == "whole":
         runtime = setup.whole[name]
         forward = runtime.forward
-    with model_stream(bench.device, args.model_priority):
+    with model_stream(bench.device, config.model_priority):
         if warm:
             run(
                 runtime, [batches[i] for i in warm], forward, config.prefetch, None, args.sync_steps
@@ -1316,6 +1336,7 @@ def config_result(config: Config, setup: Setup, by_round: dict[int, dict], round
         workload=config.workload,
         backbone=config.backbone,
         prefetch=config.prefetch,
+        model_priority=config.model_priority,
         host_threads=threads,
         max_programs="default"
         if programs is None
@@ -1348,7 +1369,7 @@ def add_comparisons(results: list[dict]) -> None:
     prefetch: the ``device`` placement, ``none`` and ``engine-uva`` (:func:`paired_stats`)."""
 
     def key(res):
-        return res["workload"], res["backbone"], res["prefetch"]
+        return res["workload"], res["backbone"], res["prefetch"], res.get("model_priority", 0)
 
     def references(match) -> dict:
         return {key(res): res["ms_per_step_rounds"] for res in results if match(res)}
@@ -1402,7 +1423,7 @@ def report(args, cfg, device, engram_at, results: list[dict], rounds_completed: 
         "cache_fraction": args.cache_fraction,
         "cache_update_every": args.cache_update_every,
         "sync_steps": args.sync_steps,
-        "model_priority": args.model_priority,
+        "model_priority": parse_priorities(args.model_priority),
         "method": "interleaved blocks, shuffled per round; losses paired within rounds",
         "rounds": args.rounds,
         "rounds_completed": rounds_completed,
@@ -1473,6 +1494,7 @@ def print_losses(results: list[dict], rounds_completed: int) -> None:
         where = (
             f"{r['workload']}, {r['backbone']} backbone, threads={r['host_threads']}, "
             f"programs={r['max_programs']}:{r['rows_per_program']}, prefetch={r['prefetch']}"
+            + (f", model priority {r['model_priority']}" if r.get("model_priority") else "")
         )
         if r["tier"] == "device" and "loss_vs_no_lookups_pct" in r:
             print(
@@ -1501,8 +1523,9 @@ def print_losses(results: list[dict], rounds_completed: int) -> None:
         if r["tier"] == "device-again" and "loss_vs_gpu_pct" in r:
             print(
                 f"method resolution (A/A: device-again vs device), {r['workload']}, "
-                f"{r['backbone']} backbone, prefetch={r['prefetch']}: "
-                f"{quart(r, 'loss_vs_gpu_pct')} over {rounds_completed} rounds"
+                f"{r['backbone']} backbone, prefetch={r['prefetch']}"
+                + (f", model priority {r['model_priority']}" if r.get("model_priority") else "")
+                + f": {quart(r, 'loss_vs_gpu_pct')} over {rounds_completed} rounds"
             )
 
 

@@ -569,3 +569,33 @@ def test_runtime_bench_host_ids_hash_on_the_host(tmp_path, monkeypatch) -> None:
     assert hashed == [("cpu", (0, 1))] * 4
     # 4 blocks: a synchronize before and after each, and one between its 2 steps.
     assert len(synced) == 4 * 3
+
+
+def test_runtime_bench_model_priorities_pair_within_each(tmp_path) -> None:
+    """``--model-priority 0,-1`` times every configuration at both priorities, each paired
+    with the references at its own priority."""
+    report = _runtime_smoke(
+        tmp_path,
+        "--decode-steps",
+        "2",
+        "--block-steps",
+        "1",
+        "--warmup-steps",
+        "0",
+        "--workloads",
+        "decode",
+        "--tiers",
+        "device,device-again",
+        "--rounds",
+        "2",
+        "--model-priority",
+        "0,-1",
+    )
+    assert report["model_priority"] == [0, -1]
+    results = report["results"]
+    assert sorted((r["placement"], r["model_priority"], r["prefetch"]) for r in results) == [
+        (p, q, f) for p in ("device", "device-again") for q in (-1, 0) for f in (False, True)
+    ]
+    for r in results:
+        if r["placement"] == "device":  # paired with itself at its own priority: zero
+            assert all(v == 0.0 for v in r["loss_vs_gpu_pct_rounds"])
