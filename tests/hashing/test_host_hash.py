@@ -115,3 +115,29 @@ def test_check_host_batch_refuses_a_device_batch(token_map) -> None:
     batch = HashBatch.single([5, 6, 7], device="cuda")
     with pytest.raises(ValidationError, match=r"host_batch is on cuda:0; expected"):
         check_host_batch(batch, batch, has_history=False)
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"input_ids": [], "positions": [], "query_start_loc": [0]},  # no tokens
+        {"input_ids": [5, 6, 7], "positions": [0, 0, 0], "query_start_loc": [0]},  # all padding
+        {"input_ids": [5, 6, 7], "positions": [-2, -1, 0], "query_start_loc": [0, 3]},
+        {  # ids outside the vocabulary, in the chunk and the lookback ids: clamped
+            "input_ids": [5, -6, 10**9],
+            "positions": [4, 5, 6],
+            "query_start_loc": [0, 3],
+            "lookback_token_ids": [[10**9, -5, 3]],
+        },
+    ],
+    ids=["empty", "padding", "negative-positions", "outside-vocabulary"],
+)
+def test_host_hash_edge_batches(fields, consts, token_map) -> None:
+    """Batches outside the common case hash as the reference defines them."""
+    tensors = {
+        name: torch.tensor(value, dtype=torch.int32 if name == "query_start_loc" else torch.int64)
+        for name, value in fields.items()
+    }
+    batch = HashBatch(**tensors)
+    want = hash_batch_reference(batch, consts, token_map.map)
+    np.testing.assert_array_equal(hash_batch_host(batch, consts, token_map.map), want)
