@@ -599,3 +599,26 @@ def test_runtime_bench_model_priorities_pair_within_each(tmp_path) -> None:
     for r in results:
         if r["placement"] == "device":  # paired with itself at its own priority: zero
             assert all(v == 0.0 for v in r["loss_vs_gpu_pct_rounds"])
+
+
+def test_plan_host_time_runs_on_cpu(tmp_path) -> None:
+    """``bench/plan_host_time.py`` end to end on a CPU: both placements timed and profiled,
+    the report written atomically."""
+    bench = _load("plan_host_time")
+    out = tmp_path / "plan.json"
+    report = bench.main(
+        [
+            "--device", "cpu", "--table-gib", "0.001", "--calls", "2", "--warmup", "0",
+            "--profile-calls", "1", "--steps", "2", "--out", str(out),
+        ]
+    )  # fmt: skip
+    assert json.loads(out.read_text()) == json.loads(json.dumps(report))
+    assert [r["tier"] for r in report["results"]] == ["device", "host"]
+    for r in report["results"]:
+        assert r["lookup_workers"] == "shared"
+        assert 0 < r["plan_us"]["p25"] <= r["plan_us"]["median"] <= r["plan_us"]["p75"]
+        assert r["step_us"]["median"] >= r["plan_us"]["median"]  # each step holds its plan
+        assert r["profile"] and all(p["own_us_per_plan"] >= 0 for p in r["profile"])
+    assert not list(tmp_path.glob("*.tmp"))
+    with pytest.raises(SystemExit, match="--tiers: 'uva'"):
+        bench.parse_args(["--tiers", "uva"])
