@@ -622,3 +622,19 @@ def test_plan_host_time_runs_on_cpu(tmp_path) -> None:
     assert not list(tmp_path.glob("*.tmp"))
     with pytest.raises(SystemExit, match="--tiers: 'uva'"):
         bench.parse_args(["--tiers", "uva"])
+
+
+def test_profile_cache_update_runs_on_cpu(tmp_path) -> None:
+    """``bench/profile_cache_update.py`` end to end on a CPU: every lookup and update is a
+    profiler range of its own, counted per call; the report written atomically."""
+    bench = _load("profile_cache_update")
+    out = tmp_path / "cache.json"
+    report = bench.main(
+        ["--device", "cpu", "--table-gib", "0.001", "--steps", "3", "--warmup", "1",
+         "--out", str(out)]
+    )  # fmt: skip
+    assert json.loads(out.read_text()) == json.loads(json.dumps(report))
+    assert report["lookup"]["calls"] == 3 and report["update"]["calls"] == 3
+    assert report["lookup"]["kernels"] > 0 and report["update"]["kernels"] > 0
+    assert 0.0 <= report["hit_rate"] <= 1.0 and report["lookup_to_rows_us"] is None
+    assert not list(tmp_path.glob("*.tmp"))
