@@ -188,3 +188,17 @@ def test_summary_prints_the_paired_runtime_rows(capsys: pytest.CaptureFixture[st
     module.print_summary({"ranks": [{"rank": 0, "runtime": rows}], "failures": []})
     lines = [line for line in capsys.readouterr().out.splitlines() if "runtime host" in line]
     assert len(lines) == 1 and "loss   0.00% [0.00, 0.00] over 2 rounds" in lines[0], lines
+
+
+def test_summary_prints_each_rounds_stalls(capsys: pytest.CaptureFixture[str]) -> None:
+    """A runtime row with its rounds' stalls prints their median per layer; one without
+    prints none."""
+    module = _module()
+    blocks = {(p, "decode", False): (lambda r: 5.0) for p in ("none", "none-again", "host")}
+    rows = module.paired_rounds(blocks, rounds=3, seed=0)
+    host = next(r for r in rows if r["placement"] == "host")
+    host["stall_us_rounds"] = [[1.0, 20.0], [7.0, 2.0], [3.0, 29.0]]
+    module.print_summary({"ranks": [{"rank": 0, "runtime": rows}], "failures": []})
+    out = capsys.readouterr().out.splitlines()
+    assert [line for line in out if "runtime host" in line][0].endswith(", stall us 3/20")
+    assert "stall" not in [line for line in out if "runtime none-again" in line][0]
