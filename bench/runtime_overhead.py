@@ -41,8 +41,9 @@ memory read by the kernel (UVA), or on disk. ``--sync-steps`` makes the host
 wait for each step before planning the next (a synchronous engine, whose next
 tokens come from this step's sampling): without it the host queues steps
 ahead of the GPU, which would let ``host-ids`` gather a step's rows while the
-GPU still runs the step before, a prefetch the other placements do not get. Decode runs the backbone as engines do, from CUDA graphs replayed per
-step (``--backbones graph``), and for comparison launched kernel by kernel
+GPU still runs the step before, a prefetch the other placements do not get.
+Decode runs the backbone as engines do, from CUDA graphs replayed per step
+(``--backbones graph``), and for comparison launched kernel by kernel
 (``eager``); prefill runs eager.
 
 Without prefetch, a step's lookups start when the step does (its tokens
