@@ -200,5 +200,5 @@ def test_summary_prints_each_rounds_stalls(capsys: pytest.CaptureFixture[str]) -
     host["stall_us_rounds"] = [[1.0, 20.0], [7.0, 2.0], [3.0, 29.0]]
     module.print_summary({"ranks": [{"rank": 0, "runtime": rows}], "failures": []})
     out = capsys.readouterr().out.splitlines()
-    assert [line for line in out if "runtime host" in line][0].endswith(", stall us 3/20")
-    assert "stall" not in [line for line in out if "runtime none-again" in line][0]
+    assert next(line for line in out if "runtime host" in line).endswith(", stall us 3/20")
+    assert "stall" not in next(line for line in out if "runtime none-again" in line)
