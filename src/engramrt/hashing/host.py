@@ -98,8 +98,9 @@ def _flags(mask: object, size: int) -> np.ndarray:
 
 
 def _row_ids(values: np.ndarray, consts: HashConstants, layers: Sequence[int]) -> np.ndarray:
-    """:func:`~engramrt.hashing.reference.hash_values` in a few whole-array operations:
-    every shift's rolling xor at once, then one remainder per column."""
+    """The reference's hash of padded values (``reference._hash_values``, SPEC §4) for
+    ``layers``, in a few whole-array operations: every shift's rolling xor at once, then
+    one remainder per column."""
     layers = list(layers)
     order = np.repeat(np.arange(1, consts.max_ngram_size), consts.n_heads)  # each column's shift
     with np.errstate(over="ignore"):

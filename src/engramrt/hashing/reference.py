@@ -7,9 +7,7 @@ Two functions define what every kernel must return, bit for bit:
   chunks whose history comes from the chunk, ``lookback_token_ids`` or a
   history store (SPEC §5), updating that store as the kernel does.
 
-They are written for reading, not speed: each token's n-gram values are
-gathered by a loop over tokens and shifts, and the hash of §4 is then
-computed for all of them at once by numpy array ops (:func:`hash_values`).
+They are written for reading, not speed: loops over tokens and shifts.
 
 Inputs that break the batch contract (what ``check_ids`` refuses) still
 have one defined result, the kernel's: a token id outside ``[0, V)`` (in
@@ -23,7 +21,6 @@ rings) is unknown, hashing as pad, and nothing is written there; a
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -40,31 +37,27 @@ from engramrt.hashing.types import (
 if TYPE_CHECKING:
     from engramrt.hashing.history import RequestHistory, SlotHashCache
 
-__all__ = ["clamp_token_ids", "hash_batch_reference", "hash_sequence", "hash_values"]
+__all__ = ["clamp_token_ids", "hash_batch_reference", "hash_sequence"]
 
 
-def hash_values(
-    values: np.ndarray, consts: HashConstants, layers: Sequence[int] | None = None
-) -> np.ndarray:
-    """Row ids ``[T, len(layers), C]`` of T tokens from their N (already padded) values ``[T, N]``.
+def _hash_values(values: np.ndarray, consts: HashConstants) -> np.ndarray:
+    """Row ids ``[T, L, C]`` of T tokens from their N (already padded) values ``[T, N]``.
 
     ``values[t, k]`` is token t's compressed id at shift k, or the pad id. The
     n-gram of size k + 1 is the xor of ``values[t, j] * multipliers[l, j]`` for
     j <= k (int64, wrapping); head h of it is that hash modulo its prime plus
-    the column's offset (SPEC §4). ``layers``: the Engram layers to hash
-    (positions in the config); None: all of them.
+    the column's offset (SPEC §4).
     """
     values = np.asarray(values, dtype=np.int64).reshape(-1, consts.max_ngram_size)
     heads = consts.n_heads
-    layers = range(consts.n_layers) if layers is None else layers
-    out = np.empty((values.shape[0], len(layers), consts.n_cols), dtype=np.int64)
+    out = np.empty((values.shape[0], consts.n_layers, consts.n_cols), dtype=np.int64)
     with np.errstate(over="ignore"):
-        for at, li in enumerate(layers):
+        for li in range(consts.n_layers):
             rolling = values[:, 0] * consts.multipliers[li, 0]  # [T]
             for k in range(1, consts.max_ngram_size):
                 rolling = np.bitwise_xor(rolling, values[:, k] * consts.multipliers[li, k])
                 cols = slice((k - 1) * heads, k * heads)  # the heads of the (k+1)-gram
-                out[:, at, cols] = (
+                out[:, li, cols] = (
                     rolling[:, None] % consts.col_primes[li, cols] + consts.offsets[li, cols]
                 )
     return out
@@ -90,7 +83,7 @@ def hash_sequence(
         for k in range(consts.max_ngram_size):
             blocked = blocked or p - k < 0 or bool(dead_mask[p - k])
             values[p, k] = consts.pad_id if blocked else ids[p - k]
-    return hash_values(values, consts)
+    return _hash_values(values, consts)
 
 
 def hash_batch_reference(
@@ -192,7 +185,7 @@ def hash_batch_reference(
                         known, value, is_dead = lookup_history(r, pos)
             blocked = blocked or pos < 0 or (padding_row and k > 0) or (known and is_dead)
             values[i, k] = consts.pad_id if blocked or not known else value
-    out = hash_values(values, consts)
+    out = _hash_values(values, consts)
 
     if history is not None:
         history.commit_reference(batch, token_map)
