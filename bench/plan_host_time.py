@@ -28,7 +28,6 @@ import argparse
 import cProfile
 import io
 import json
-import os
 import pstats
 import sys
 import time
@@ -37,6 +36,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from engramrt._io import atomic_write_bytes
 from engramrt.hashing import HashConstants, NgramHasher
 from engramrt.layout import EngramLayout
 from engramrt.lookup.tiers import TablePlacement, tier_class
@@ -147,13 +147,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def write_json(path: str, report: dict) -> None:
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(report, f, indent=1)
-    os.replace(tmp, path)
-
-
 def main(argv=None) -> dict:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import runtime_overhead as ro
@@ -195,7 +188,7 @@ def main(argv=None) -> dict:
         "results": results,
     }
     if args.out:
-        write_json(args.out, report)
+        atomic_write_bytes(args.out, json.dumps(report, indent=1).encode())
     return report
 
 

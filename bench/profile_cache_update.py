@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 from collections import Counter
 
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
+from engramrt._io import atomic_write_bytes
 from engramrt.bench.cases_cache import ZipfRows
 from engramrt.cache import CachedRowStore
 from engramrt.lookup.synthetic import random_packed_rows
@@ -189,10 +189,7 @@ def main(argv=None) -> dict:
         **res,
     }
     if args.out:
-        tmp = f"{args.out}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(report, f, indent=1)
-        os.replace(tmp, args.out)
+        atomic_write_bytes(args.out, json.dumps(report, indent=1).encode())
     return report
 
 
