@@ -258,6 +258,12 @@ def test_runtime_bench_grid_settings_per_layer() -> None:
     assert [bench.layer_grid((16, 32), li) for li in range(2)] == [(16, 32), (16, 32)]
 
 
+_ONE_DECODE_STEP = (
+    "--decode-steps", "2", "--block-steps", "1", "--warmup-steps", "0", "--workloads", "decode",
+)  # fmt: skip
+"""Options of a smoke run that times one decode step per block."""
+
+
 def _runtime_smoke(tmp_path, *extra: str, bench=None) -> dict:
     bench = bench or _load("runtime_overhead")
     out = tmp_path / "runtime.json"
@@ -374,14 +380,7 @@ def test_runtime_bench_host_inline_reads_on_the_step_stream(tmp_path) -> None:
     """``host-inline`` shares host-mixed's tables and runs its lookups inside plan."""
     report = _runtime_smoke(
         tmp_path,
-        "--decode-steps",
-        "2",
-        "--block-steps",
-        "1",
-        "--warmup-steps",
-        "0",
-        "--workloads",
-        "decode",
+        *_ONE_DECODE_STEP,
         "--tiers",
         "device,host-mixed,host-inline",
         "--rounds",
@@ -394,14 +393,7 @@ def test_runtime_bench_host_inline_reads_on_the_step_stream(tmp_path) -> None:
 def test_runtime_bench_max_seconds_stops_new_rounds(tmp_path) -> None:
     report = _runtime_smoke(
         tmp_path,
-        "--decode-steps",
-        "2",
-        "--block-steps",
-        "1",
-        "--warmup-steps",
-        "0",
-        "--workloads",
-        "decode",
+        *_ONE_DECODE_STEP,
         "--tiers",
         "device,device-again",
         "--rounds",
@@ -576,14 +568,7 @@ def test_runtime_bench_model_priorities_pair_within_each(tmp_path) -> None:
     with the references at its own priority."""
     report = _runtime_smoke(
         tmp_path,
-        "--decode-steps",
-        "2",
-        "--block-steps",
-        "1",
-        "--warmup-steps",
-        "0",
-        "--workloads",
-        "decode",
+        *_ONE_DECODE_STEP,
         "--tiers",
         "device,device-again",
         "--rounds",
