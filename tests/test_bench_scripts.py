@@ -577,6 +577,8 @@ def test_runtime_bench_model_priorities_pair_within_each(tmp_path) -> None:
         "0,-1",
     )
     assert report["model_priority"] == [0, -1]
+    with pytest.raises(SystemExit, match=r"--model-priority: '0,high'; expected comma-separated"):
+        _load("runtime_overhead").parse_priorities("0,high")
     results = report["results"]
     assert sorted((r["placement"], r["model_priority"], r["prefetch"]) for r in results) == [
         (p, q, f) for p in ("device", "device-again") for q in (-1, 0) for f in (False, True)
