@@ -168,17 +168,26 @@ class RowSource(ABC):
                 ``row_ids``, the previous reader of ``out``). None: run on
                 the current stream now.
         """
-        num_tokens = row_ids.shape[0]
         if stream is None:
             self.fetch(row_ids, out)
             if self.has_update:
                 self.update()
-            return PendingRows(out, num_tokens)
+            return PendingRows(out, row_ids.shape[0])
         stream.wait_stream(torch.cuda.current_stream(self.device))
-        done = torch.cuda.Event()
         with torch.cuda.stream(stream):
-            self.fetch(row_ids, out)
-            done.record(stream)
-            if self.has_update:
-                self.update(stream)
-        return PendingRows(out, num_tokens, event=done, keep_alive=(row_ids,))
+            return self.start_on(row_ids, out, stream)
+
+    def start_on(
+        self, row_ids: torch.Tensor, out: torch.Tensor, stream: torch.cuda.Stream
+    ) -> PendingRows:
+        """:meth:`start` on ``stream`` for a caller that has already made ``stream``
+        current and ordered it after the work that makes ``row_ids`` and last reads
+        ``out`` (a scheduler that starts several sources on one side stream does that
+        once for all of them: :class:`~engramrt.runtime.EngramRuntime`). Runs
+        :meth:`fetch` (and :meth:`update`), records the rows' event on ``stream``."""
+        done = torch.cuda.Event()
+        self.fetch(row_ids, out)
+        done.record(stream)
+        if self.has_update:
+            self.update(stream)
+        return PendingRows(out, row_ids.shape[0], event=done, keep_alive=(row_ids,))

@@ -92,6 +92,52 @@ def test_prefetch_uses_the_other_slot(layout, token_map, device) -> None:
     runtime.close()
 
 
+@pytest.mark.parametrize("tier", ["device", "host"])
+def test_steps_of_changing_sizes_over_a_small_view_cache(
+    tier, layout, token_map, device, monkeypatch
+) -> None:
+    """plan() keeps its views of the fixed buffers per (slot, tokens); with room for two
+    pairs, steps whose sizes come back after the cache was cleared still get their own
+    rows (each compared with the reference), in both staging slots."""
+    from engramrt.runtime import runtime as runtime_module
+
+    monkeypatch.setattr(runtime_module, "_VIEW_CACHE_SIZE", 2)
+    runtime = _runtime(layout, token_map, device, tier=tier)
+    consts = HashConstants.from_layout(layout, token_map.pad_id(CFG))
+    ids = np.random.default_rng(5).integers(0, token_map.vocab_size, 40)
+    want_ids = hash_sequence(token_map.compress(ids), consts)
+    start = 0
+    for size in (3, 5, 3, 1, 5, 3, 3, 1):
+        handle = runtime.plan(HashBatch.single(ids[: start + size], device=device))
+        end = start + size
+        np.testing.assert_array_equal(handle.row_ids.cpu().numpy(), want_ids[:end])
+        for li, store in enumerate(runtime.sources):
+            want = lookup_rows_reference(
+                torch.from_numpy(want_ids[:end, li]),
+                _packed(store),
+                CFG.head_dim,
+                row_begin=store.row_begin,
+            )
+            got = handle.rows(li).cpu()
+            assert got.shape[0] == end, (size, li)
+            assert torch.equal(got.view(torch.int16), want.view(torch.int16)), (size, li)
+        assert len(runtime._view_cache) <= 2
+        start = (start + 2) % 20
+    runtime.close()
+
+
+def test_plans_after_close_run_without_threads(layout, token_map, device) -> None:
+    """close() stops the worker threads; a later plan still returns every layer's rows."""
+    runtime = _runtime(layout, token_map, device, tier="host")
+    plain = _runtime(layout, token_map, device)
+    runtime.close()
+    batch = HashBatch.single([4, 8, 15, 16, 23], device=device)
+    got, want = runtime.plan(batch), plain.plan(batch)
+    for li in range(runtime.n_layers):
+        assert torch.equal(got.rows(li).view(torch.int16), want.rows(li).view(torch.int16))
+    plain.close()
+
+
 def test_sizes_are_enforced(layout, token_map, device) -> None:
     runtime = _runtime(layout, token_map, device, max_tokens=4, max_requests=1)
     with pytest.raises(ValidationError, match=r"5 tokens.*max_tokens=4"):

@@ -60,6 +60,7 @@ writes the same bytes) and why each should help:
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -170,10 +171,7 @@ def lookup_rows_triton(
     n_lookups = row_ids.numel()  # T * C
     if n_lookups == 0:
         return out
-    rows = tile_shape(E, kernel.rows_per_program)[2]
-    tiles = triton.cdiv(n_lookups, rows)
-    per_program = tiles_per_program(tiles, kernel.max_programs)
-    grid = (triton.cdiv(tiles, per_program),)
+    grid, options = _lookup_launch(E, kernel, n_lookups, interpreter_enabled())
     args = (
         row_ids,
         table,
@@ -182,10 +180,6 @@ def lookup_rows_triton(
         row_begin,
         num_rows,
     )
-    options = row_tile_options(E, kernel)
-    options.update(TILES=per_program, CACHE=kernel.cache_modifier)
-    if kernel.num_stages is not None:
-        options["num_stages"] = kernel.num_stages
     if kernel.cached_launch:
         _launch_lookup_rows(grid, *args, **options)
     else:
@@ -193,14 +187,41 @@ def lookup_rows_triton(
     return out
 
 
+@functools.lru_cache(maxsize=4096)
+def _lookup_launch(
+    E: int, kernel: LookupKernelConfig, n_lookups: int, interpreted: bool
+) -> tuple[tuple[int], dict[str, Any]]:
+    """The grid and keywords of :func:`lookup_rows_triton`'s launch, computed once per
+    shape and setting (a decode step repeats its shape; working them out again costs
+    more host time than the launch itself). Callers must not change the dict."""
+    rows = tile_shape(E, kernel.rows_per_program)[2]
+    tiles = _cdiv(n_lookups, rows)
+    per_program = tiles_per_program(tiles, kernel.max_programs)
+    options = _row_tile_options(E, kernel, interpreted)
+    options.update(TILES=per_program, CACHE=kernel.cache_modifier)
+    if kernel.num_stages is not None:
+        options["num_stages"] = kernel.num_stages
+    return (_cdiv(tiles, per_program),), options
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _next_power_of_2(n: int) -> int:
+    """The smallest power of two >= ``n`` (1 for ``n <= 1``), as ``triton.next_power_of_2``
+    (a Triton ``constexpr_function``, which costs microseconds per call on the host)."""
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
 def tile_shape(E: int, rows_per_program: int | None) -> tuple[int, int, int]:
     """A lookup tile ``[ROWS, NB_PAD, 32]`` for rows of ``E`` values: the scale blocks
     ``NB = E / 32``, ``NB_PAD`` (the next power of two) and ``ROWS`` (a power of two;
     by default :data:`DEFAULT_TILE_ELEMENTS` values per tile)."""
     blocks = E // 32
-    blocks_pad = triton.next_power_of_2(blocks)
+    blocks_pad = _next_power_of_2(blocks)
     rows = rows_per_program or max(1, DEFAULT_TILE_ELEMENTS // (blocks_pad * 32))
-    return blocks, blocks_pad, triton.next_power_of_2(rows)
+    return blocks, blocks_pad, _next_power_of_2(rows)
 
 
 def flat_lookup_args(row_ids: torch.Tensor, col_begin: int, col_end: int) -> tuple[int, ...]:
@@ -214,6 +235,10 @@ def flat_lookup_args(row_ids: torch.Tensor, col_begin: int, col_end: int) -> tup
 def row_tile_options(E: int, kernel: LookupKernelConfig) -> dict[str, Any]:
     """The constexprs of :func:`engramrt._jit.store_dequantized_rows`'s tile for rows of
     ``E`` values (:func:`tile_shape`) and the launch's warps, as launch keywords."""
+    return _row_tile_options(E, kernel, interpreter_enabled())
+
+
+def _row_tile_options(E: int, kernel: LookupKernelConfig, interpreted: bool) -> dict[str, Any]:
     blocks, blocks_pad, rows = tile_shape(E, kernel.rows_per_program)
     return {
         "E": E,
@@ -221,7 +246,7 @@ def row_tile_options(E: int, kernel: LookupKernelConfig) -> dict[str, Any]:
         "NB": blocks,
         "NB_PAD": blocks_pad,
         "ROWS": rows,
-        "HW_CONVERT": kernel.resolved_hw_convert(interpreter_enabled()),
+        "HW_CONVERT": kernel.resolved_hw_convert(interpreted),
         "num_warps": kernel.num_warps or DEFAULT_NUM_WARPS,
     }
 
@@ -232,7 +257,7 @@ def tiles_per_program(tiles: int, max_programs: int | None) -> int:
     per value."""
     if max_programs is None or tiles <= max_programs:
         return 1
-    return triton.next_power_of_2(triton.cdiv(tiles, max_programs))
+    return _next_power_of_2(_cdiv(tiles, max_programs))
 
 
 @triton.jit(do_not_specialize=["num_rows"])

@@ -97,6 +97,7 @@ __all__ = [
 _T = TypeVar("_T")
 _COLLECTIVE_WORKER = -1  # the worker key shared by collective sources that need a thread
 _SHARED_WORKER = -2  # the worker key of every other threaded source, with lookup_workers="shared"
+_VIEW_CACHE_SIZE = 256  # (slot, tokens) pairs of views kept; cleared when full
 LOOKUP_WORKERS = ("per-layer", "shared")
 """How sources that need a thread are spread over worker threads (see :func:`worker_plan`)."""
 GPU_READS = ("first", "all", "sources")
@@ -446,6 +447,18 @@ class EngramRuntime:
             key: torch.cuda.Stream(self.device, priority=lookup_priority) for key in self._workers
         }
         self._jobs = worker_jobs(self.sources, self._worker_of)
+        # Layers started on the side stream (no worker thread), in layer order.
+        self._side_layers = (
+            tuple(index for index in range(n_layers) if index not in self._worker_of)
+            if self._lookup_stream is not None
+            else ()
+        )
+        self._waits_for_hash = bool(self._workers or self._side_layers)
+        # (slot, tokens) -> the step's views of the fixed buffers (a decode step repeats
+        # its size; slicing them again costs microseconds per tensor).
+        self._view_cache: dict[
+            tuple[int, int], tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]
+        ] = {}
         # Layers that take row ids hashed on the host (plan's host_batch).
         self._host_id_layers = frozenset(
             index for index, s in enumerate(self.sources) if s.host_ids and not s.collective
@@ -588,18 +601,28 @@ class EngramRuntime:
         slot = self._next_slot
         self._next_slot = (slot + 1) % self.num_slots
         num_tokens = batch.num_tokens
-        row_ids = self._row_ids[slot][:num_tokens]
+        row_ids, layer_ids, outs = self._views(slot, num_tokens)
         self.hasher(batch, self.history if history is None else history, out=row_ids)
-        ready = None  # marks the hash ids done, for the worker threads' streams
-        if self._workers:
+        ready = None  # marks the hash ids done, for the side stream and the workers' streams
+        if self._waits_for_hash:
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(self.device))
-        pending: list[PendingRows] = []
         host_ids = self._host_ids(host_batch) if host_batch is not None else {}
+        pending: list[PendingRows | None] = [None] * self.n_layers
         for index, source in enumerate(self.sources):
-            out = self._staging[slot][index][: source.local_tokens(num_tokens)]
-            ids = host_ids.get(index, row_ids[:, index])
-            pending.append(self._start(index, source, ids, out, ready))
+            if index not in self._side_layers:
+                ids = host_ids.get(index, layer_ids[index])
+                pending[index] = self._start(index, source, ids, outs[index], ready)
+        if self._side_layers:
+            # Every side-stream lookup behind one wait, in one stream context: on a slow
+            # host each costs about as much as a launch.
+            assert ready is not None and self._lookup_stream is not None
+            stream = self._lookup_stream
+            stream.wait_event(ready)  # after the step's hashing and the slots' last readers
+            with torch.cuda.stream(stream):
+                for index in self._side_layers:
+                    ids = host_ids.get(index, layer_ids[index])
+                    pending[index] = self.sources[index].start_on(ids, outs[index], stream)
         for job, index in self._jobs:
             if job == "update":  # after every threaded lookup of the step; nobody joins it
                 key = self._worker_of[index]
@@ -608,7 +631,12 @@ class EngramRuntime:
                         self._update_on_worker, self.sources[index], self._worker_streams[key]
                     )
                 )
-        step = StepPlan(row_ids=row_ids, num_tokens=num_tokens, slot=slot, pending=pending)
+        step = StepPlan(
+            row_ids=row_ids,
+            num_tokens=num_tokens,
+            slot=slot,
+            pending=pending,  # type: ignore[arg-type]  # every layer started above
+        )
         step._ran = [False] * self.n_layers
         if self.heads:
             self._planned.append(step)
@@ -706,6 +734,28 @@ class EngramRuntime:
             if error is not None:
                 raise error
 
+    def _views(
+        self, slot: int, num_tokens: int
+    ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+        """Staging ``slot``'s views for a step of ``num_tokens`` tokens: the hash ids
+        ``[T, L, C]``, each layer's ids ``[T, C]`` and each layer's rows
+        ``[local_tokens(T), C, E]``."""
+        key = (slot, num_tokens)
+        views = self._view_cache.get(key)
+        if views is None:
+            if len(self._view_cache) >= _VIEW_CACHE_SIZE:
+                self._view_cache.clear()
+            row_ids = self._row_ids[slot][:num_tokens]
+            views = self._view_cache[key] = (
+                row_ids,
+                [row_ids[:, index] for index in range(self.n_layers)],
+                [
+                    self._staging[slot][index][: source.local_tokens(num_tokens)]
+                    for index, source in enumerate(self.sources)
+                ],
+            )
+        return views
+
     def _check_host_batch(self, host_batch: HashBatch, batch: HashBatch, history: Any) -> None:
         if not callable(getattr(self.hasher, "hash_on_host", None)):
             raise ValidationError(
@@ -745,9 +795,9 @@ class EngramRuntime:
             self._workers[key].submit(lambda: None).result()
             return source.start(ids, out, stream=None)
         if key is None:
-            # A side-stream source, ordered after the hashing queued so far (on a
-            # CPU device, or with lookup_overlap="none", no side stream: in order, now).
-            return source.start(ids, out, stream=self._lookup_stream)
+            # No side stream (a CPU device, or lookup_overlap="none"): in order, now.
+            # Side-stream sources are started together by plan().
+            return source.start(ids, out, stream=None)
         assert ready is not None
         done = torch.cuda.Event()
         future = self._workers[key].submit(
@@ -804,4 +854,6 @@ class EngramRuntime:
         self._workers = {}
         self._worker_of = {}
         self._jobs = []
+        if self._lookup_stream is not None:  # later plans start every layer on the side stream
+            self._side_layers = tuple(range(self.n_layers))
         self._raise_failed_updates()
