@@ -79,18 +79,31 @@ def time_placement(runtime: EngramRuntime, batches, args, device: torch.device) 
         plan_s.append(step(batch))
         synchronize(device)
         step_s.append(time.perf_counter() - start)
+    top, text = profile_plans(runtime, batches, args, device)
+    return {
+        "plan_us": quartiles_us(plan_s),
+        "step_us": quartiles_us(step_s),
+        "profile": top,
+        "profile_text": text,
+    }
+
+
+def profile_plans(runtime: EngramRuntime, batches, args, device) -> tuple[list[dict], str]:
+    """The ``--profile-top`` functions with the most own time over ``--profile-calls``
+    profiled plans, as records and as pstats' text (none and "" for no calls)."""
+    if args.profile_calls == 0:
+        return [], ""
     profile = cProfile.Profile()
     for i in range(args.profile_calls):
         batch = batches[i % len(batches)]
         profile.enable()
         plan = runtime.plan(batch)
         profile.disable()
-        for li in layers:
+        for li in range(runtime.n_layers):
             plan.rows(li)
         synchronize(device)
     stats = pstats.Stats(profile)
-    stats.sort_stats("tottime")
-    calls = max(1, args.profile_calls)
+    calls = args.profile_calls
     top = [
         {
             "function": f"{Path(file).name}:{line}({name})",
@@ -104,12 +117,7 @@ def time_placement(runtime: EngramRuntime, batches, args, device: torch.device) 
     ]
     text = io.StringIO()
     pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(args.profile_top)
-    return {
-        "plan_us": quartiles_us(plan_s),
-        "step_us": quartiles_us(step_s),
-        "profile": top,
-        "profile_text": text.getvalue(),
-    }
+    return top, text.getvalue()
 
 
 def build_runtime(tier: str, layout, consts, token_map, device, backend: dict) -> EngramRuntime:

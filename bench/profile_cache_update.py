@@ -12,7 +12,11 @@ their summed time (medians), the busiest kernels, and the time from a
 lookup's start to its rows (CUDA events: that includes waiting for the last
 update). The
 update's kernels are what a lookup that follows it waits behind
-(BENCHMARKS.md, "The hot-row cache at decode"). On a CPU (``--device cpu``)
+(BENCHMARKS.md, "The hot-row cache at decode"); ``--policy torch`` runs the
+update's counting and planning as the policy's torch definition instead of its
+kernels, for the comparison. The probe is a Triton launch outside any torch
+operator, which the profiler does not attribute to the lookup's range: the
+lookup's own time is the CUDA events' figure. On a CPU (``--device cpu``)
 the script runs end to end with CPU activities only, for its tests.
 """
 
@@ -49,6 +53,7 @@ def build_cache(args: argparse.Namespace, device: torch.device) -> tuple[CachedR
         int(args.cache_fraction * num_rows) * ROW_BYTES,
         backend=backend,
         max_pending=max(4, args.update_every),
+        policy_backend=None if args.policy == "kernels" else "reference",
     )
     cache.update_every = args.update_every
     return cache, ZipfRows(num_rows, 1.0, device, seed=99)
@@ -147,6 +152,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--table-gib", type=float, default=1.0)
     parser.add_argument("--cache-fraction", type=float, default=0.05)
     parser.add_argument("--update-every", type=int, default=1)
+    parser.add_argument(
+        "--policy",
+        choices=("kernels", "torch"),
+        default="kernels",
+        help="the update's counting and planning: the policy's Triton kernels (on a GPU) or "
+        "its torch definition (CachedRowStore(policy_backend='reference'))",
+    )
     parser.add_argument("--steps", type=int, default=40, help="profiled lookups")
     parser.add_argument("--warmup", type=int, default=10, help="lookups first, not profiled")
     parser.add_argument("--top", type=int, default=12, help="kernels listed")
@@ -183,6 +195,7 @@ def main(argv=None) -> dict:
         "table_gib": args.table_gib,
         "cache_fraction": args.cache_fraction,
         "update_every": args.update_every,
+        "policy": args.policy,
         "steps": args.steps,
         "method": "torch.profiler ranges per lookup and per update (the kernels each "
         "launched); lookup to rows: CUDA events; medians over the steps",

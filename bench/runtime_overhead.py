@@ -113,7 +113,9 @@ More placements and levers:
   timed steps (``cache_hit_rate``, per layer: the median over rounds, each
   round's in ``cache_hit_rate_rounds``). The variants of a tier
   (priorities, worker modes) run over the tier's one set of stores, so the
-  ``host-cache`` variants share one cache; ``engine-uva`` reads the ``uva``
+  ``host-cache`` variants share one cache; ``host-cache-torch`` is the same
+  cache with its policy run as the torch reference (many small launches per
+  update) instead of the policy's Triton kernels; ``engine-uva`` reads the ``uva``
   placement's stores when that runs too (each block sets its own grid);
 - ``--lookup-priority``: stream priorities of the runtime's lookups
   (``EngramRuntime(lookup_priority=)``; lower is higher in torch);
@@ -162,6 +164,7 @@ RUNTIME_TIERS = (
     "uva",
     "disk",
     "host-cache",
+    "host-cache-torch",
 )
 
 
@@ -950,13 +953,15 @@ class CacheSettings(NamedTuple):
 
 def build_stores(tier: str, cfg, layout, device, cache: CacheSettings, backend: dict) -> list:
     """Both layers' stores of a runtime tier."""
-    backing = "host" if tier in ("host-cpu", "host-mixed", "host-cache") else tier
+    cached = tier in ("host-cache", "host-cache-torch")
+    backing = "host" if tier in ("host-cpu", "host-mixed") or cached else tier
     options = tier_class(backing).options_type(**backend)
     stores = synthetic_stores(layout, TablePlacement(options, device), seed=1)
     for li, store in enumerate(stores):
         if tier == "host-cpu" or (tier == "host-mixed" and li > 0):
             store.gpu_reads = False
-    if tier == "host-cache":
+    if cached:
+        policy = {"policy_backend": "reference"} if tier == "host-cache-torch" else {}
         stores = [
             CachedRowStore(
                 store,
@@ -965,6 +970,7 @@ def build_stores(tier: str, cfg, layout, device, cache: CacheSettings, backend: 
                 layer_id=cfg.layer_ids[li],
                 max_pending=max(4, cache.update_every),
                 **backend,
+                **policy,
             )
             for li, store in enumerate(stores)
         ]
@@ -1015,7 +1021,7 @@ def new_runtime(hasher, stores, priority, workers, overlap: str = "side") -> Eng
 def tier_variants(tier: str, priorities: list[int], worker_modes: list[str]) -> list[tuple]:
     """The (lookup priority, lookup workers) variants of a ``--tiers`` entry."""
     if tier in RUNTIME_TIERS:  # only threaded lookups have workers to share
-        threaded = tier in GATHER_TIERS or tier == "host-cache"
+        threaded = tier in GATHER_TIERS or tier.startswith("host-cache")
         modes = worker_modes if threaded else worker_modes[:1]
         return [(p, w) for p in priorities for w in modes]
     if tier == "device-again":  # as the device placement's first variant

@@ -609,6 +609,11 @@ def test_plan_host_time_runs_on_cpu(tmp_path) -> None:
     assert not list(tmp_path.glob("*.tmp"))
     with pytest.raises(SystemExit, match="--tiers: 'uva'"):
         bench.parse_args(["--tiers", "uva"])
+    unprofiled = bench.main(
+        ["--device", "cpu", "--table-gib", "0.001", "--calls", "1", "--warmup", "0",
+         "--profile-calls", "0", "--steps", "1", "--tiers", "device"]
+    )  # fmt: skip
+    assert unprofiled["results"][0]["profile"] == []  # timing alone, no profile
 
 
 def test_profile_cache_update_runs_on_cpu(tmp_path) -> None:
@@ -624,4 +629,12 @@ def test_profile_cache_update_runs_on_cpu(tmp_path) -> None:
     assert report["lookup"]["calls"] == 3 and report["update"]["calls"] == 3
     assert report["lookup"]["kernels"] > 0 and report["update"]["kernels"] > 0
     assert 0.0 <= report["hit_rate"] <= 1.0 and report["lookup_to_rows_us"] is None
+    assert report["policy"] == "kernels"
     assert not list(tmp_path.glob("*.tmp"))
+    torch_policy = bench.main(
+        ["--device", "cpu", "--table-gib", "0.001", "--steps", "2", "--warmup", "1",
+         "--policy", "torch"]
+    )  # fmt: skip
+    assert torch_policy["policy"] == "torch" and torch_policy["update"]["calls"] == 2
+    with pytest.raises(SystemExit):
+        bench.main(["--device", "cpu", "--policy", "numpy"])

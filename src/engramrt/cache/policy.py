@@ -24,9 +24,12 @@ Policy (W-TinyLFU's admission filter on a set-associative LFU):
   as -1, so they always fill). A row seen once cannot push out a row that
   has been hit.
 
-All of it is plain torch on whatever device holds the tags: the runtime
-cache (:class:`engramrt.cache.CachedRowStore`) and the CPU hit-rate study
-(``bench/cache_hit_study.py``) run this same code.
+All of it is plain torch on whatever device holds the tags, and that torch
+code defines the policy: the CPU hit-rate study (``bench/cache_hit_study.py``)
+runs it. The runtime cache (:class:`engramrt.cache.CachedRowStore`) on a GPU
+counts and plans with the Triton kernels of :mod:`engramrt.cache.policy_kernel`
+instead (``backend``), which give the same counters and plans bit for bit: an
+update then costs a few launches, not about 110.
 
 Hash: ``mix32`` is a 32-bit integer finaliser (two rounds of xor-shift and
 multiply by ``0x45D9F3B``) written in int64 so that no product overflows
@@ -41,6 +44,7 @@ from typing import NamedTuple
 
 import torch
 
+from engramrt._backend import resolve_backend
 from engramrt.errors import CapacityError, ValidationError
 
 __all__ = [
@@ -185,6 +189,11 @@ class SetAssociativeLfu:
         sketch_depth: sketch rows, 1..6.
         decay_period: accesses between halvings; default ``10 * slots``
             (at most ``2**29``).
+        backend: ``"reference"`` (default: the plain torch below, which defines
+            the policy), ``"triton"`` (:meth:`record` and :meth:`plan` in three
+            kernels and a sort instead of about 110 small torch operations: the
+            same results, :mod:`engramrt.cache.policy_kernel`) or ``"auto"``
+            (Triton on a CUDA device).
 
     Raises:
         CapacityError: ``num_sets < 1``.
@@ -200,6 +209,7 @@ class SetAssociativeLfu:
         sketch_width: int | None = None,
         sketch_depth: int = 4,
         decay_period: int | None = None,
+        backend: str = "reference",
     ) -> None:
         if not isinstance(ways, int) or not _is_power_of_two(ways) or ways > 64:
             raise ValidationError(f"ways = {ways!r}; expected a power of two in 1..64")
@@ -234,7 +244,12 @@ class SetAssociativeLfu:
         self.sketch = torch.zeros(
             (sketch_depth, sketch_width), dtype=torch.int32, device=self.device
         )
-        self._seeds = torch.tensor(SKETCH_SEEDS[:sketch_depth], device=self.device)[:, None]
+        self._seed_values = torch.tensor(
+            SKETCH_SEEDS[:sketch_depth], dtype=torch.int64, device=self.device
+        )
+        self._seeds = self._seed_values[:, None]
+        self.backend = backend
+        self._kernels = resolve_backend(backend, self.device) == "triton"
 
     def clone(self) -> SetAssociativeLfu:
         """An independent copy of the whole state (for a simulation beside the live cache)."""
@@ -291,6 +306,11 @@ class SetAssociativeLfu:
         self.accesses_since_decay += n
         if self.accesses_since_decay >= self.decay_period:
             self.decay()
+        if self._kernels:
+            from engramrt.cache.policy_kernel import record_triton  # imports Triton
+
+            record_triton(self, row_ids.reshape(-1).to(self.device), slots)
+            return
         ones = (slots != NOT_OWNED).to(torch.int32)
         index = self._sketch_index(row_ids)  # [depth, n]
         self.sketch.scatter_add_(1, index, ones.expand(self.sketch_depth, n))
@@ -328,7 +348,6 @@ class SetAssociativeLfu:
             empty = torch.empty(0, dtype=torch.int64, device=self.device)
             no = torch.empty(0, dtype=torch.bool, device=self.device)
             return AdmissionPlan(empty, empty, empty.to(torch.int32), empty, no, no)
-        estimate = self.estimate(candidates).to(torch.int64)  # [U], >= 0
         if valid is not None:
             if valid.dtype != torch.bool or valid.numel() != count:
                 raise ValidationError(
@@ -336,6 +355,12 @@ class SetAssociativeLfu:
                     f"per candidate"
                 )
             valid = valid.reshape(-1).to(self.device)
+        if self._kernels:
+            from engramrt.cache.policy_kernel import plan_triton  # imports Triton
+
+            return plan_triton(self, candidates, recheck, valid)
+        estimate = self.estimate(candidates).to(torch.int64)  # [U], >= 0
+        if valid is not None:
             estimate = torch.where(valid, estimate, -1)  # below every real candidate
         sets = set_index(candidates, self.num_sets)
         # Sort by set, then by estimate (highest first): 2**31 > any estimate.

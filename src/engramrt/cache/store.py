@@ -84,9 +84,10 @@ if TYPE_CHECKING:
 __all__ = ["PHASES", "CacheUpdate", "CachedRowStore", "cached_stores"]
 
 FOLD_BATCH = 32
-"""Lookups dropped past ``max_pending`` (a cache nobody updates) whose counts are
-folded together: folding one at a time costs more launches per lookup than the
-probe itself (BENCHMARKS.md#the-hot-row-cache-on-the-h200)."""
+"""Lookups whose hit and miss counts are folded together (those an update consumed,
+and those dropped past ``max_pending`` by a cache nobody updates): folding one at a
+time costs more launches per lookup than the probe itself
+(BENCHMARKS.md#the-hot-row-cache-on-the-h200)."""
 
 PHASES: tuple[str, ...] = ("invalidate", "write", "publish")
 """The phases of installing rows, in the only order :meth:`CachedRowStore.update` uses."""
@@ -159,6 +160,11 @@ class CachedRowStore(RowStore):
             (:attr:`probe_reads_misses`). None (default): when the backing
             offers rows the device reads in place and the probe runs the
             Triton kernel; False: always the miss path; True: required.
+        policy_backend: how an update counts and plans
+            (:class:`~engramrt.cache.policy.SetAssociativeLfu`'s ``backend``):
+            None (default) follows ``backend``; ``"reference"`` runs the
+            policy's torch definition (about 110 small launches per update
+            on a GPU instead of a few: the same tags, counters and rows).
 
     Raises:
         CapacityError: ``capacity_bytes`` below one set, or not enough memory.
@@ -187,6 +193,7 @@ class CachedRowStore(RowStore):
         max_pending: int = 4,
         kernel: LookupKernelConfig = DEFAULT_KERNEL,
         read_misses: bool | None = None,
+        policy_backend: str | None = None,
     ) -> None:
         if not isinstance(backing, RowStore):
             raise ValidationError(
@@ -256,6 +263,7 @@ class CachedRowStore(RowStore):
             sketch_width=sketch_width,
             sketch_depth=sketch_depth,
             decay_period=decay_period,
+            backend=backend if policy_backend is None else policy_backend,
         )
         slots = self.policy.num_slots + 1  # + the scratch slot
         needed = slots * (self.row_bytes + 12) + 4 * sketch_depth * self.policy.sketch_width
@@ -498,7 +506,11 @@ class CachedRowStore(RowStore):
         pending, self._pending = self._pending, []
         if not pending:
             return None
-        self._count(pending)
+        # Hits and misses are folded in batches (stats() folds the rest): per update,
+        # that sum costs more launches than the policy's kernels.
+        self._queue_for_counting(pending)
+        if len(self._unfolded) >= FOLD_BATCH:
+            self._fold()
         for record in pending:
             self.policy.record(record.row_ids, record.slots)
         if pending[0].miss_ids is None:  # every record of this cache is alike
@@ -531,18 +543,26 @@ class CachedRowStore(RowStore):
         once (repeats, hits and ids outside the shard become placeholders the plan
         never admits), and the device reads the admitted rows from the backing's rows
         (the others read as zeros from nowhere), so every shape is the lookups'."""
-        ids = torch.cat([p.row_ids.reshape(-1) for p in pending]).to(torch.int64)
-        missed = torch.cat([p.slots.reshape(-1) for p in pending]) == MISS
+        if len(pending) == 1:
+            ids, slots = pending[0].row_ids.reshape(-1), pending[0].slots.reshape(-1)
+        else:
+            ids = torch.cat([p.row_ids.reshape(-1) for p in pending])
+            slots = torch.cat([p.slots.reshape(-1) for p in pending])
+        ids = ids.to(torch.int64)
+        missed = slots == MISS
         # Ids outside the shard read zeros in the probe (unchecked lookups): never admitted.
         missed &= (ids >= self.row_begin) & (ids < self.row_end)
         candidates, valid = fixed_candidates(ids, missed)
         plan = self._plan(candidates, valid)
-        wanted = torch.where(plan.admitted, candidates.index_select(0, plan.order), -1)
-        rows = torch.empty((wanted.shape[0], self.row_bytes), dtype=torch.uint8, device=self.device)
+        # The plan's tags are the admitted ids and EMPTY_TAG (-1, outside every table:
+        # a row of zeros) for the rest.
+        rows = torch.empty(
+            (plan.tags.shape[0], self.row_bytes), dtype=torch.uint8, device=self.device
+        )
         from engramrt.lookup.kernel import gather_packed_rows_triton  # imports Triton
 
         gather_packed_rows_triton(
-            wanted, self._miss_words, rows, row_begin=self.row_begin, num_rows=self.num_rows
+            plan.tags, self._miss_words, rows, row_begin=self.row_begin, num_rows=self.num_rows
         )
         self._rows_read_on_device += plan.admitted.sum()
         return CacheUpdate(plan, rows)  # rejected entries write zeros to the scratch slot

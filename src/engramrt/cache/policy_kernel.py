@@ -1,0 +1,291 @@
+"""Triton kernels of the cache's replacement policy: counting and choosing victims.
+
+:class:`~engramrt.cache.policy.SetAssociativeLfu` defines the policy in plain
+torch (``backend="reference"``); with ``backend="triton"`` its two per-update
+steps run here instead, with the same results bit for bit:
+
+- :func:`record_triton` counts a batch of accesses: per access, one atomic
+  add to each of the sketch's ``depth`` counters and one to the hit slot's
+  counter (a miss counts on the scratch slot, as the reference's
+  ``index_add_`` does). Integer adds commute, so the order the atomics land
+  in does not change a count. About 30 small launches in torch become one.
+- :func:`plan_triton` chooses the victims of ``U`` candidates in two launches
+  around one ``torch.sort``:
+
+  1. per candidate, its sketch estimate (the minimum of its ``depth``
+     counters), its set (``mix32(id) mod num_sets``) and the sort key
+     ``set * 2**31 + (COUNT_MAX - estimate)`` (a placeholder's estimate is -1);
+  2. ``torch.sort(keys, stable=True)``: by set, highest estimate first, ties
+     in input order (the reference's ``argsort``);
+  3. per sorted candidate, its rank in its set (the distance to the first
+     key of its set, found by binary search in the sorted keys), the set's
+     ways ordered by counter (empty ways as -1; stable: ties by way), the way
+     at position ``min(rank, ways - 1)`` as the victim, and the admission
+     test (rank below ``ways``, estimate above the victim's counter, a real
+     candidate, not resident already).
+
+  About 80 small launches in torch become three.
+
+The hash is :func:`mix32`, the integer steps of
+:func:`engramrt.cache.policy.mix32` (int64, overflow-free), which the probe
+kernel (:mod:`engramrt.cache.kernel`) uses too. Every index is int64.
+Importing this module imports Triton.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import triton
+import triton.language as tl
+
+from engramrt._launch import CachedLauncher
+
+if TYPE_CHECKING:
+    from engramrt.cache.policy import AdmissionPlan, SetAssociativeLfu
+
+__all__ = ["mix32", "plan_triton", "record_triton"]
+
+RECORD_BLOCK = 256
+"""Accesses per program of the counting kernel."""
+
+KEYS_BLOCK = 256
+"""Candidates per program of the key kernel."""
+
+
+@triton.jit
+def mix32(x, MIX: tl.constexpr):
+    """int64 ``x`` -> int64 in ``[0, 2**32)``: :func:`engramrt.cache.policy.mix32`."""
+    h = (x ^ (x >> 32)) & 0xFFFFFFFF
+    h = ((h ^ (h >> 16)) * MIX) & 0xFFFFFFFF
+    h = ((h ^ (h >> 16)) * MIX) & 0xFFFFFFFF
+    return h ^ (h >> 16)
+
+
+@triton.jit(do_not_specialize=["n", "width", "scratch"])
+def _record_kernel(
+    ids_ptr,  # [n] int32 / int64 row ids
+    slots_ptr,  # [n] int64: slot, MISS (-1) or NOT_OWNED (-2)
+    seeds_ptr,  # [DEPTH] int64 sketch seeds
+    sketch_ptr,  # [DEPTH, width] int32
+    counts_ptr,  # [slots + 1] int32 (the last: scratch)
+    n,
+    width,
+    scratch,
+    DEPTH: tl.constexpr,
+    MIX: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    index = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+    ok = index < n
+    ids = tl.load(ids_ptr + index, mask=ok, other=0).to(tl.int64)
+    slots = tl.load(slots_ptr + index, mask=ok, other=-2)
+    counted = ok & (slots != -2)
+    for d in tl.static_range(DEPTH):
+        seed = tl.load(seeds_ptr + d)
+        column = mix32(ids ^ seed, MIX) & (width - 1)
+        tl.atomic_add(sketch_ptr + d * width + column, 1, mask=counted, sem="relaxed")
+    target = tl.where(slots >= 0, slots, scratch)
+    tl.atomic_add(counts_ptr + target, 1, mask=counted, sem="relaxed")
+
+
+@triton.jit(do_not_specialize=["n", "width", "num_sets"])
+def _candidate_keys_kernel(
+    candidates_ptr,  # [n] int64
+    valid_ptr,  # [n] bool as uint8 (HAS_VALID)
+    seeds_ptr,  # [DEPTH] int64
+    sketch_ptr,  # [DEPTH, width] int32
+    keys_ptr,  # [n] int64 out: set * 2**31 + (COUNT_MAX - estimate)
+    n,
+    width,
+    num_sets,
+    DEPTH: tl.constexpr,
+    MIX: tl.constexpr,
+    COUNT_MAX: tl.constexpr,
+    HAS_VALID: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    index = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+    ok = index < n
+    ids = tl.load(candidates_ptr + index, mask=ok, other=0)
+    estimate = tl.full([BLOCK], 2147483647, tl.int32)
+    for d in tl.static_range(DEPTH):
+        seed = tl.load(seeds_ptr + d)
+        column = mix32(ids ^ seed, MIX) & (width - 1)
+        count = tl.load(sketch_ptr + d * width + column, mask=ok, other=0)
+        estimate = tl.minimum(estimate, count)
+    estimate = estimate.to(tl.int64)
+    if HAS_VALID:
+        valid = tl.load(valid_ptr + index, mask=ok, other=0) != 0
+        estimate = tl.where(valid, estimate, -1)
+    sets = mix32(ids, MIX) % num_sets
+    tl.store(keys_ptr + index, sets * 2147483648 + (COUNT_MAX - estimate), mask=ok)
+
+
+@triton.jit(do_not_specialize=["n", "scratch"])
+def _choose_victims_kernel(
+    sorted_keys_ptr,  # [n] int64, ascending
+    order_ptr,  # [n] int64: input position of each sorted key
+    candidates_ptr,  # [n] int64, input order
+    valid_ptr,  # [n] bool as uint8, input order (HAS_VALID)
+    tags_ptr,  # [slots + 1] int64
+    counts_ptr,  # [slots + 1] int32
+    out_slots_ptr,  # [n] int64
+    out_tags_ptr,  # [n] int64
+    out_counts_ptr,  # [n] int32
+    out_admitted_ptr,  # [n] bool as uint8
+    out_evicted_ptr,  # [n] bool as uint8
+    n,
+    scratch,
+    WAYS: tl.constexpr,
+    COUNT_MAX: tl.constexpr,
+    SEARCH_STEPS: tl.constexpr,  # >= log2(n + 1)
+    HAS_VALID: tl.constexpr,
+    RECHECK: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    index = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+    ok = index < n
+    key = tl.load(sorted_keys_ptr + index, mask=ok, other=0)
+    sets = key >> 31
+    estimate = COUNT_MAX - (key & 2147483647)
+    at = tl.load(order_ptr + index, mask=ok, other=0)
+    ids = tl.load(candidates_ptr + at, mask=ok, other=0)
+
+    # The first sorted position of this set: the lower bound of set * 2**31.
+    low = tl.zeros([BLOCK], tl.int64)
+    high = tl.zeros([BLOCK], tl.int64) + n
+    bound = sets * 2147483648
+    for _ in tl.static_range(SEARCH_STEPS):
+        mid = (low + high) >> 1
+        probe = tl.load(sorted_keys_ptr + mid, mask=ok & (mid < high), other=0)
+        below = probe < bound
+        low = tl.where((mid < high) & below, mid + 1, low)
+        high = tl.where((mid < high) & ~below, mid, high)
+    rank = index - low
+
+    # The set's ways by counter, weakest first (empty: -1; ties by way).
+    way = tl.arange(0, WAYS).to(tl.int64)
+    set_slots = sets[:, None] * WAYS + way[None, :]  # [BLOCK, WAYS]
+    tags = tl.load(tags_ptr + set_slots, mask=ok[:, None], other=-1)
+    counts = tl.load(counts_ptr + set_slots, mask=ok[:, None], other=0).to(tl.int64)
+    weight = tl.where(tags == -1, -1, counts)
+    before = (weight[:, None, :] < weight[:, :, None]) | (
+        (weight[:, None, :] == weight[:, :, None]) & (way[None, None, :] < way[None, :, None])
+    )  # [BLOCK, way w, way v]: v sorts before w
+    position = tl.sum(before.to(tl.int32), axis=2)  # [BLOCK, WAYS]
+    pick = tl.minimum(rank, WAYS - 1)
+    chosen = position == pick[:, None]
+    victim_count = tl.sum(tl.where(chosen, weight, 0), axis=1)
+    victim = sets * WAYS + tl.sum(tl.where(chosen, way[None, :], 0), axis=1)
+
+    admitted = (rank < WAYS) & (estimate > victim_count)
+    if HAS_VALID:
+        admitted &= tl.load(valid_ptr + at, mask=ok, other=0) != 0
+    if RECHECK:  # resident already: a tag of its set holds it (a negative id never matches)
+        resident = tl.max(((tags == ids[:, None]) & (ids[:, None] >= 0)).to(tl.int32), axis=1)
+        admitted &= resident == 0
+    tl.store(out_slots_ptr + index, tl.where(admitted, victim, scratch), mask=ok)
+    tl.store(out_tags_ptr + index, tl.where(admitted, ids, -1), mask=ok)
+    tl.store(out_counts_ptr + index, estimate.to(tl.int32), mask=ok)
+    tl.store(out_admitted_ptr + index, admitted.to(tl.uint8), mask=ok)
+    tl.store(out_evicted_ptr + index, (admitted & (victim_count >= 0)).to(tl.uint8), mask=ok)
+
+
+_launch_record = CachedLauncher(_record_kernel)
+_launch_keys = CachedLauncher(_candidate_keys_kernel)
+_launch_victims = CachedLauncher(_choose_victims_kernel)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def record_triton(policy: SetAssociativeLfu, row_ids: torch.Tensor, slots: torch.Tensor) -> None:
+    """Count ``[n]`` accesses into ``policy``'s sketch and counters (see the module doc);
+    ``slots`` int64 on the policy's device. The caller handles the decay clock."""
+    from engramrt.cache.policy import MIX_MULTIPLIER
+
+    n = slots.shape[0]
+    ids = row_ids.reshape(-1)
+    if ids.dtype not in (torch.int32, torch.int64):
+        ids = ids.to(torch.int64)
+    _launch_record(
+        (_cdiv(n, RECORD_BLOCK),),
+        ids.contiguous(),
+        slots.contiguous(),
+        policy._seed_values,
+        policy.sketch,
+        policy.counts,
+        n,
+        policy.sketch_width,
+        policy.scratch,
+        DEPTH=policy.sketch_depth,
+        MIX=MIX_MULTIPLIER,
+        BLOCK=RECORD_BLOCK,
+    )
+
+
+def plan_triton(
+    policy: SetAssociativeLfu,
+    candidates: torch.Tensor,
+    recheck: bool,
+    valid: torch.Tensor | None,
+) -> AdmissionPlan:
+    """:meth:`SetAssociativeLfu.plan` of ``[U]`` int64 candidates (``U >= 1``) on the
+    policy's device, ``valid`` bool or None (see the module doc)."""
+    from engramrt.cache.policy import COUNT_MAX, MIX_MULTIPLIER, AdmissionPlan
+
+    count = candidates.shape[0]
+    device = policy.device
+    candidates = candidates.contiguous()
+    valid_bytes = valid.contiguous().view(torch.uint8) if valid is not None else candidates
+    keys = torch.empty(count, dtype=torch.int64, device=device)
+    _launch_keys(
+        (_cdiv(count, KEYS_BLOCK),),
+        candidates,
+        valid_bytes,
+        policy._seed_values,
+        policy.sketch,
+        keys,
+        count,
+        policy.sketch_width,
+        policy.num_sets,
+        DEPTH=policy.sketch_depth,
+        MIX=MIX_MULTIPLIER,
+        COUNT_MAX=COUNT_MAX,
+        HAS_VALID=valid is not None,
+        BLOCK=KEYS_BLOCK,
+    )
+    sorted_keys, order = torch.sort(keys, stable=True)
+    slots = torch.empty(count, dtype=torch.int64, device=device)
+    tags = torch.empty(count, dtype=torch.int64, device=device)
+    counts = torch.empty(count, dtype=torch.int32, device=device)
+    admitted = torch.empty(count, dtype=torch.bool, device=device)
+    evicted = torch.empty(count, dtype=torch.bool, device=device)
+    ways = policy.ways
+    block = max(1, 2048 // (ways * ways))
+    _launch_victims(
+        (_cdiv(count, block),),
+        sorted_keys,
+        order,
+        candidates,
+        valid_bytes,
+        policy.tags,
+        policy.counts,
+        slots,
+        tags,
+        counts,
+        admitted.view(torch.uint8),
+        evicted.view(torch.uint8),
+        count,
+        policy.scratch,
+        WAYS=ways,
+        COUNT_MAX=COUNT_MAX,
+        SEARCH_STEPS=max(1, count.bit_length()),
+        HAS_VALID=valid is not None,
+        RECHECK=recheck,
+        BLOCK=block,
+    )
+    return AdmissionPlan(slots, tags, counts, order, admitted, evicted)
