@@ -16,7 +16,8 @@ update's kernels are what a lookup that follows it waits behind
 update's counting and planning as the policy's torch definition instead of its
 kernels, for the comparison. The probe is a Triton launch outside any torch
 operator, which the profiler does not attribute to the lookup's range: the
-lookup's own time is the CUDA events' figure. On a CPU (``--device cpu``)
+lookup's own time is the CUDA events' figure, and ``device`` counts every kernel in
+the trace per step (a lookup and its update), by name. On a CPU (``--device cpu``)
 the script runs end to end with CPU activities only, for its tests.
 """
 
@@ -115,6 +116,30 @@ def ranges(prof, name: str, device: torch.device) -> dict:
     }
 
 
+def device_work(prof, steps: int) -> dict:
+    """Every device kernel (and memset, memcpy) in the trace, by name, per step (a lookup
+    and its update): Triton launches sit outside any torch operator, so the ranges above
+    do not see them, but the trace does."""
+    count, time_us = Counter(), Counter()
+    for event in prof.events():
+        # The ranges show up on the device's timeline too (as annotations): not kernels.
+        if event.device_type == torch.autograd.DeviceType.CUDA and event.name not in (
+            LOOKUP,
+            UPDATE,
+        ):
+            count[event.name[:120]] += 1
+            time_us[event.name[:120]] += event.device_time_total
+    per = max(1, steps)
+    return {
+        "kernels_per_step": sum(count.values()) / per,
+        "kernel_us_per_step": sum(time_us.values()) / per,
+        "busiest": [
+            {"kernel": name, "per_step": count[name] / per, "us_per_step": us / per}
+            for name, us in time_us.most_common(12)
+        ],
+    }
+
+
 def _median(values: list[float]) -> float | None:
     return sorted(values)[len(values) // 2] if values else None
 
@@ -142,6 +167,7 @@ def measure(cache, sampler, args, device: torch.device) -> dict:
     return {
         "lookup": ranges(prof, LOOKUP, device),
         "update": ranges(prof, UPDATE, device),
+        "device": device_work(prof, len(timed)),
         "lookup_to_rows_us": _median(lookup_us),
         "hit_rate": cache.stats().hit_rate,
     }
@@ -184,6 +210,13 @@ def main(argv=None) -> dict:
         )
         for kernel in r["busiest"]:
             print(f"    {kernel['us_per_call']:8.1f} us  {kernel['kernel']}")
+    work = res["device"]
+    print(
+        f"device work per step (lookup + update): {work['kernels_per_step']:.1f} kernels, "
+        f"{work['kernel_us_per_step']:.1f} us"
+    )
+    for kernel in work["busiest"]:
+        print(f"    {kernel['us_per_step']:8.1f} us  x{kernel['per_step']:.1f}  {kernel['kernel']}")
     print(f"lookup to rows {res['lookup_to_rows_us']} us (median), hit rate {res['hit_rate']:.2f}")
     import triton
 

@@ -630,6 +630,7 @@ def test_profile_cache_update_runs_on_cpu(tmp_path) -> None:
     assert report["lookup"]["kernels"] > 0 and report["update"]["kernels"] > 0
     assert 0.0 <= report["hit_rate"] <= 1.0 and report["lookup_to_rows_us"] is None
     assert report["policy"] == "kernels"
+    assert report["device"]["kernels_per_step"] == 0  # no device in the trace on a CPU
     assert not list(tmp_path.glob("*.tmp"))
     torch_policy = bench.main(
         ["--device", "cpu", "--table-gib", "0.001", "--steps", "2", "--warmup", "1",

@@ -47,6 +47,9 @@ def assert_same_plan(got: AdmissionPlan, want: AdmissionPlan) -> None:
         assert torch.equal(a.cpu(), b.cpu()), field
 
 
+SETTINGS = settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 GEOMETRY = st.tuples(
     st.integers(1, 9),  # sets
     st.sampled_from([1, 2, 4, 8, 16]),  # ways
@@ -55,9 +58,7 @@ GEOMETRY = st.tuples(
 )
 
 
-@settings(
-    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
-)
+@SETTINGS
 @given(
     geometry=GEOMETRY,
     seed=st.integers(0, 2**16),
@@ -81,9 +82,32 @@ def test_plan_matches_reference(geometry, seed, count, placeholders, recheck, de
     assert_same_plan(got, want)
 
 
-@settings(
-    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+@SETTINGS
+@given(
+    geometry=GEOMETRY,
+    seed=st.integers(0, 2**16),
+    count=st.integers(0, 90),
+    shard=st.booleans(),
 )
+def test_batch_plan_matches_reference(geometry, seed, count, shard, device) -> None:
+    """plan_batch: repeated ids (the first missed position is the candidate), hits, columns
+    not owned, ids outside the shard's rows; the lists' plan equals the sorted one."""
+    num_sets, ways, depth, width = geometry
+    reference, kernels = twin_policies(num_sets, ways, depth, width, seed, device)
+    g = torch.Generator().manual_seed(seed + 3)
+    ids = torch.randint(0, 4 * num_sets * ways + 8, (count,), generator=g)
+    slots = torch.randint(-2, num_sets * ways, (count,), generator=g)
+    slots[torch.rand(count, generator=g) < 0.5] = MISS
+    ids, slots = ids.to(device), slots.to(device)
+    rows = (3, 4 * num_sets * ways) if shard else (0, None)
+    for _ in range(2):  # a second batch: list heads left by the first must not leak
+        want = reference.plan_batch(ids, slots, *rows)
+        got = kernels.plan_batch(ids, slots, *rows)
+        assert_same_plan(got, want)
+        ids = ids.flip(0)
+
+
+@SETTINGS
 @given(
     geometry=GEOMETRY,
     seed=st.integers(0, 2**16),
@@ -190,6 +214,12 @@ def test_the_cache_runs_its_policy_on_the_chosen_backend(device) -> None:
         assert torch.equal(rows[0].view(torch.int16), rows[1].view(torch.int16))
         for c in caches:
             c.update()
+    assert caches[0].updates_in_place and not caches[1].updates_in_place
     assert caches[0].stats() == caches[1].stats()
+    real = caches[0].num_slots  # the scratch slot aside
+    for name in ("tags", "counts"):
+        a, b = getattr(caches[0].policy, name), getattr(caches[1].policy, name)
+        assert torch.equal(a[:real].cpu(), b[:real].cpu()), name
+    assert torch.equal(caches[0].cache_rows[:real].cpu(), caches[1].cache_rows[:real].cpu())
     assert caches[0].stats().hits and sum(caches[0].stats().hits) > 0
     assert torch.equal(caches[0].policy.resident_ids().cpu(), caches[1].policy.resident_ids().cpu())

@@ -26,11 +26,15 @@ MAX_NEW = 5
 HOST = TablePlacement("host", device="cpu")
 ON_CPU = TablePlacement("device", device="cpu")
 BLOCK = 4
-GATE_TOLERANCE = 1e-4
+GATE_TOLERANCE = 1e-3
 """Gates of the same token from a chunk and from a whole-sequence forward: the same
 fp32 ops on hidden states that differ by float reassociation in attention (~1e-6
 relative), through a sigmoid (slope <= 1/4) of a square root of a normalised dot
-product; 1e-4 is two orders above what is seen (~3e-5 at most)."""
+product. How far that difference travels depends on the fixture's model, which is
+trained on the running Python's stdlib files: the worst gate seen is ~3e-5 on some
+Pythons and 1.0e-4 (mean 5e-6) on CPython 3.11.7. 1e-3 is ten times that; a wrong
+row moves the gate by ~4e-2 (``test_a_perturbed_fp8_row_is_caught``), and the
+tokens are compared exactly."""
 
 
 def _load(

@@ -35,13 +35,13 @@ import torch
 import triton
 import triton.language as tl
 
-from engramrt._jit import flat_lookups, store_dequantized_rows
+from engramrt._jit import flat_lookups, program_block, store_dequantized_rows
 from engramrt._launch import CachedLauncher
 from engramrt.cache.policy import MIX_MULTIPLIER
 from engramrt.lookup.kernel import flat_lookup_args, row_tile_options
 from engramrt.lookup.settings import DEFAULT_KERNEL, LookupKernelConfig
 
-__all__ = ["probe_gather_triton"]
+__all__ = ["install_rows_triton", "probe_gather_triton"]
 
 # Runtime integers are not specialised on their values (cheap launcher key).
 _INTS = [
@@ -193,3 +193,104 @@ def probe_gather_triton(
         **options,
     )
     return slots
+
+
+@triton.jit(do_not_specialize=["n", "row_begin", "num_rows"])
+def _install_kernel(
+    plan_slots_ptr,  # [n] int64: the victim slot of an admitted entry
+    plan_tags_ptr,  # [n] int64: the admitted row id
+    plan_counts_ptr,  # [n] int32
+    admitted_ptr,  # [n] bool as uint8
+    evicted_ptr,  # [n] bool as uint8
+    backing_ptr,  # [num_rows, WORDS] words: the backing's packed rows
+    cache_rows_ptr,  # [slots + 1, WORDS] words
+    tags_ptr,  # [slots + 1] int64
+    counts_ptr,  # [slots + 1] int32
+    admitted_total_ptr,  # [] int64 counters, added to
+    evicted_total_ptr,
+    read_total_ptr,
+    n,
+    row_begin,
+    num_rows,
+    WORDS: tl.constexpr,
+    WORDS_PAD: tl.constexpr,
+    ROWS: tl.constexpr,
+):
+    r, ok = program_block(n, ROWS)
+    admitted = ok & (tl.load(admitted_ptr + r, mask=ok, other=0) != 0)
+    slot = tl.load(plan_slots_ptr + r, mask=admitted, other=0)
+    tag = tl.load(plan_tags_ptr + r, mask=admitted, other=0)
+    local = tag - row_begin
+    read = admitted & (local >= 0) & (local < num_rows)
+    word = tl.arange(0, WORDS_PAD)
+    in_row = (word < WORDS)[None, :]
+    words = tl.load(
+        backing_ptr + tl.where(read, local, 0)[:, None] * WORDS + word[None, :],
+        mask=read[:, None] & in_row,
+        other=0,
+    )
+    tl.store(
+        cache_rows_ptr + slot[:, None] * WORDS + word[None, :],
+        words,
+        mask=admitted[:, None] & in_row,
+    )
+    tl.store(tags_ptr + slot, tag, mask=admitted)
+    tl.store(counts_ptr + slot, tl.load(plan_counts_ptr + r, mask=admitted, other=0), mask=admitted)
+    evicted = admitted & (tl.load(evicted_ptr + r, mask=ok, other=0) != 0)
+    tl.atomic_add(admitted_total_ptr, tl.sum(admitted.to(tl.int64), axis=0), sem="relaxed")
+    tl.atomic_add(evicted_total_ptr, tl.sum(evicted.to(tl.int64), axis=0), sem="relaxed")
+    tl.atomic_add(read_total_ptr, tl.sum(read.to(tl.int64), axis=0), sem="relaxed")
+
+
+_launch_install = CachedLauncher(_install_kernel)
+
+INSTALL_ROWS_PER_PROGRAM = 8
+"""Plan entries per program of :func:`install_rows_triton` (as the packed-row gather)."""
+
+
+def install_rows_triton(
+    plan: Any,
+    backing_words: Any,
+    cache_rows: torch.Tensor,
+    tags: torch.Tensor,
+    counts: torch.Tensor,
+    totals: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    *,
+    row_begin: int,
+    num_rows: int,
+) -> None:
+    """Install an :class:`~engramrt.cache.policy.AdmissionPlan` in one launch: each admitted
+    entry's packed row read from the backing's rows (``backing_words``, as
+    :func:`engramrt.lookup.kernel.gather_packed_rows_triton` reads them) into its victim
+    slot of ``cache_rows``, then its tag and counter; rejected entries write nothing.
+    Adds the admitted, evicted and read rows to the three 0-d int64 ``totals``.
+
+    The result is the three phases' (``invalidate``, ``write``, ``publish``) on every
+    slot but the scratch one, which rejected entries leave as it was. No phase order
+    is needed inside the launch: the cache's lookups wait for the update to finish
+    (:meth:`engramrt.cache.CachedRowStore.update`), so none reads a slot meanwhile.
+    """
+    n = plan.slots.shape[0]
+    if n == 0:
+        return
+    word = backing_words.dtype
+    words = cache_rows.shape[1] // torch.empty((), dtype=word).element_size()
+    _launch_install(
+        (triton.cdiv(n, INSTALL_ROWS_PER_PROGRAM),),
+        plan.slots,
+        plan.tags,
+        plan.counts,
+        plan.admitted.view(torch.uint8),
+        plan.evicted.view(torch.uint8),
+        backing_words,
+        cache_rows.view(word),
+        tags,
+        counts,
+        *totals,
+        n,
+        row_begin,
+        num_rows,
+        WORDS=words,
+        WORDS_PAD=triton.next_power_of_2(words),
+        ROWS=INSTALL_ROWS_PER_PROGRAM,
+    )

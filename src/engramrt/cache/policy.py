@@ -83,6 +83,10 @@ and no clamping pass is needed."""
 
 MAX_DECAY_PERIOD = 1 << 29
 
+EPOCH_LIMIT = 1 << 30
+"""Batch plans (:meth:`SetAssociativeLfu.plan_batch` on Triton) before the per-set list
+heads are cleared and the epochs start again."""
+
 _MASK32 = 0xFFFFFFFF
 
 
@@ -250,6 +254,10 @@ class SetAssociativeLfu:
         self._seeds = self._seed_values[:, None]
         self.backend = backend
         self._kernels = resolve_backend(backend, self.device) == "triton"
+        # plan_batch's per-set list heads (Triton): allocated at first use, tagged with
+        # the epoch of the batch that wrote them so that none needs clearing.
+        self._heads: torch.Tensor | None = None
+        self._epoch = 0
 
     def clone(self) -> SetAssociativeLfu:
         """An independent copy of the whole state (for a simulation beside the live cache)."""
@@ -258,6 +266,8 @@ class SetAssociativeLfu:
         other.tags = self.tags.clone()
         other.counts = self.counts.clone()
         other.sketch = self.sketch.clone()
+        other._heads = None  # scratch, never shared
+        other._epoch = 0
         return other
 
     def adopt_counters(self, other: SetAssociativeLfu) -> None:
@@ -309,7 +319,7 @@ class SetAssociativeLfu:
         if self._kernels:
             from engramrt.cache.policy_kernel import record_triton  # imports Triton
 
-            record_triton(self, row_ids.reshape(-1).to(self.device), slots)
+            record_triton(self, row_ids.reshape(-1).to(self.device), slots, mix=MIX_MULTIPLIER)
             return
         ones = (slots != NOT_OWNED).to(torch.int32)
         index = self._sketch_index(row_ids)  # [depth, n]
@@ -358,7 +368,17 @@ class SetAssociativeLfu:
         if self._kernels:
             from engramrt.cache.policy_kernel import plan_triton  # imports Triton
 
-            return plan_triton(self, candidates, recheck, valid)
+            return AdmissionPlan(
+                *plan_triton(
+                    self, candidates, recheck, valid, mix=MIX_MULTIPLIER, count_max=COUNT_MAX
+                )
+            )
+        return self._plan_reference(candidates, recheck, valid)
+
+    def _plan_reference(
+        self, candidates: torch.Tensor, recheck: bool, valid: torch.Tensor | None
+    ) -> AdmissionPlan:
+        count = candidates.shape[0]
         estimate = self.estimate(candidates).to(torch.int64)  # [U], >= 0
         if valid is not None:
             estimate = torch.where(valid, estimate, -1)  # below every real candidate
@@ -388,6 +408,73 @@ class SetAssociativeLfu:
             order=order,
             admitted=admitted,
             evicted=admitted & (victim_count >= 0),
+        )
+
+    def plan_batch(
+        self,
+        row_ids: torch.Tensor,
+        slots: torch.Tensor,
+        row_begin: int = 0,
+        row_end: int | None = None,
+    ) -> AdmissionPlan:
+        """Admission for one batch of looked-up positions, in the batch's order.
+
+        ``row_ids [n]`` and the probe's ``slots [n]`` (:func:`probe_slots`, or
+        :data:`MISS` / :data:`NOT_OWNED`): the candidates are the positions that
+        missed with an id in ``[row_begin, row_end)``, each distinct id at its first
+        such position. The result is :meth:`plan` of those distinct ids (sorted, as
+        :func:`fixed_candidates` gives them) with every entry put back at its
+        position: entry ``i`` is position ``i``'s (``order`` is ``arange(n)``), and
+        every other position is a rejected placeholder (scratch slot, ``EMPTY_TAG``,
+        counter -1). Reads the state, changes nothing; no host synchronisation.
+
+        With the Triton backend the candidates of a set find each other through
+        per-set lists built with atomics (:mod:`engramrt.cache.policy_kernel`):
+        no sort, three launches, the same plan.
+        """
+        ids = row_ids.reshape(-1).to(device=self.device, dtype=torch.int64)
+        slots = slots.reshape(-1).to(self.device)
+        if slots.shape != ids.shape:
+            raise ValidationError(
+                f"slots has shape {tuple(slots.shape)}; expected one per row id {tuple(ids.shape)}"
+            )
+        if ids.shape[0] == 0:
+            return self.plan(ids)
+        if self._kernels:
+            from engramrt.cache.policy_kernel import plan_batch_triton  # imports Triton
+
+            if self._heads is None or self._epoch + 1 >= EPOCH_LIMIT:
+                self._heads = torch.full(
+                    (self.num_sets,), -1, dtype=torch.int64, device=self.device
+                )
+                self._epoch = 0
+            self._epoch += 1
+            return AdmissionPlan(
+                *plan_batch_triton(
+                    self, ids, slots, row_begin, row_end, self._heads, self._epoch,
+                    mix=MIX_MULTIPLIER,
+                )
+            )  # fmt: skip
+        missed = (slots == MISS) & (ids >= row_begin)
+        if row_end is not None:
+            missed &= ids < row_end
+        keys = torch.where(missed, ids, NO_CANDIDATE)
+        candidates, position = torch.sort(keys, stable=True)  # equal ids: first position first
+        valid = candidates != NO_CANDIDATE
+        valid[1:] &= candidates[1:] != candidates[:-1]
+        plan = self._plan_reference(candidates, True, valid)
+        at = position[plan.order]  # each plan entry's position in the batch
+
+        def placed(values: torch.Tensor) -> torch.Tensor:
+            return torch.empty_like(values).index_copy_(0, at, values)
+
+        return AdmissionPlan(
+            slots=placed(plan.slots),
+            tags=placed(plan.tags),
+            counts=placed(plan.counts),
+            order=torch.arange(ids.shape[0], device=self.device),
+            admitted=placed(plan.admitted),
+            evicted=placed(plan.evicted),
         )
 
     def invalidate(self, plan: AdmissionPlan) -> None:

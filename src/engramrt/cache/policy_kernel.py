@@ -34,7 +34,7 @@ Importing this module imports Triton.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 import triton
@@ -42,10 +42,7 @@ import triton.language as tl
 
 from engramrt._launch import CachedLauncher
 
-if TYPE_CHECKING:
-    from engramrt.cache.policy import AdmissionPlan, SetAssociativeLfu
-
-__all__ = ["mix32", "plan_triton", "record_triton"]
+__all__ = ["mix32", "plan_batch_triton", "plan_triton", "record_triton"]
 
 RECORD_BLOCK = 256
 """Accesses per program of the counting kernel."""
@@ -61,6 +58,55 @@ def mix32(x, MIX: tl.constexpr):
     h = ((h ^ (h >> 16)) * MIX) & 0xFFFFFFFF
     h = ((h ^ (h >> 16)) * MIX) & 0xFFFFFFFF
     return h ^ (h >> 16)
+
+
+@triton.jit
+def sketch_estimate(
+    ids, mask, seeds_ptr, sketch_ptr, width, DEPTH: tl.constexpr, MIX: tl.constexpr
+):
+    """The count-min estimate (int32) of each id: the least of its ``DEPTH`` counters."""
+    estimate = tl.full(ids.shape, 2147483647, tl.int32)
+    for d in tl.static_range(DEPTH):
+        seed = tl.load(seeds_ptr + d)
+        column = mix32(ids ^ seed, MIX) & (width - 1)
+        count = tl.load(sketch_ptr + d * width + column, mask=mask, other=0)
+        estimate = tl.minimum(estimate, count)
+    return estimate
+
+
+@triton.jit
+def choose_victim(sets, rank, ids, mask, tags_ptr, counts_ptr, WAYS: tl.constexpr):
+    """For candidates of rank ``rank`` in their set: the victim slot (the way at position
+    ``min(rank, WAYS - 1)`` of the set's ways by counter, weakest first, empty ways as -1,
+    ties by way), its counter, and whether the candidate is resident already."""
+    way = tl.arange(0, WAYS).to(tl.int64)
+    set_slots = sets[:, None] * WAYS + way[None, :]  # [BLOCK, WAYS]
+    tags = tl.load(tags_ptr + set_slots, mask=mask[:, None], other=-1)
+    counts = tl.load(counts_ptr + set_slots, mask=mask[:, None], other=0).to(tl.int64)
+    weight = tl.where(tags == -1, -1, counts)
+    before = (weight[:, None, :] < weight[:, :, None]) | (
+        (weight[:, None, :] == weight[:, :, None]) & (way[None, None, :] < way[None, :, None])
+    )  # [BLOCK, way w, way v]: v sorts before w
+    position = tl.sum(before.to(tl.int32), axis=2)  # [BLOCK, WAYS]
+    chosen = position == tl.minimum(rank, WAYS - 1)[:, None]
+    victim_count = tl.sum(tl.where(chosen, weight, 0), axis=1)
+    victim = sets * WAYS + tl.sum(tl.where(chosen, way[None, :], 0), axis=1)
+    # A negative id never matches an empty way.
+    resident = tl.max(((tags == ids[:, None]) & (ids[:, None] >= 0)).to(tl.int32), axis=1) > 0
+    return victim, victim_count, resident
+
+
+@triton.jit
+def store_plan(
+    index, ok, admitted, victim, victim_count, ids, counts, scratch,
+    out_slots_ptr, out_tags_ptr, out_counts_ptr, out_admitted_ptr, out_evicted_ptr,
+):  # fmt: skip
+    """Write the plan entries ``index`` (an :class:`AdmissionPlan`'s five tensors)."""
+    tl.store(out_slots_ptr + index, tl.where(admitted, victim, scratch), mask=ok)
+    tl.store(out_tags_ptr + index, tl.where(admitted, ids, -1), mask=ok)
+    tl.store(out_counts_ptr + index, counts.to(tl.int32), mask=ok)
+    tl.store(out_admitted_ptr + index, admitted.to(tl.uint8), mask=ok)
+    tl.store(out_evicted_ptr + index, (admitted & (victim_count >= 0)).to(tl.uint8), mask=ok)
 
 
 @triton.jit(do_not_specialize=["n", "width", "scratch"])
@@ -109,13 +155,7 @@ def _candidate_keys_kernel(
     index = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
     ok = index < n
     ids = tl.load(candidates_ptr + index, mask=ok, other=0)
-    estimate = tl.full([BLOCK], 2147483647, tl.int32)
-    for d in tl.static_range(DEPTH):
-        seed = tl.load(seeds_ptr + d)
-        column = mix32(ids ^ seed, MIX) & (width - 1)
-        count = tl.load(sketch_ptr + d * width + column, mask=ok, other=0)
-        estimate = tl.minimum(estimate, count)
-    estimate = estimate.to(tl.int64)
+    estimate = sketch_estimate(ids, ok, seeds_ptr, sketch_ptr, width, DEPTH, MIX).to(tl.int64)
     if HAS_VALID:
         valid = tl.load(valid_ptr + index, mask=ok, other=0) != 0
         estimate = tl.where(valid, estimate, -1)
@@ -165,32 +205,16 @@ def _choose_victims_kernel(
         high = tl.where((mid < high) & ~below, mid, high)
     rank = index - low
 
-    # The set's ways by counter, weakest first (empty: -1; ties by way).
-    way = tl.arange(0, WAYS).to(tl.int64)
-    set_slots = sets[:, None] * WAYS + way[None, :]  # [BLOCK, WAYS]
-    tags = tl.load(tags_ptr + set_slots, mask=ok[:, None], other=-1)
-    counts = tl.load(counts_ptr + set_slots, mask=ok[:, None], other=0).to(tl.int64)
-    weight = tl.where(tags == -1, -1, counts)
-    before = (weight[:, None, :] < weight[:, :, None]) | (
-        (weight[:, None, :] == weight[:, :, None]) & (way[None, None, :] < way[None, :, None])
-    )  # [BLOCK, way w, way v]: v sorts before w
-    position = tl.sum(before.to(tl.int32), axis=2)  # [BLOCK, WAYS]
-    pick = tl.minimum(rank, WAYS - 1)
-    chosen = position == pick[:, None]
-    victim_count = tl.sum(tl.where(chosen, weight, 0), axis=1)
-    victim = sets * WAYS + tl.sum(tl.where(chosen, way[None, :], 0), axis=1)
-
+    victim, victim_count, resident = choose_victim(sets, rank, ids, ok, tags_ptr, counts_ptr, WAYS)
     admitted = (rank < WAYS) & (estimate > victim_count)
     if HAS_VALID:
         admitted &= tl.load(valid_ptr + at, mask=ok, other=0) != 0
-    if RECHECK:  # resident already: a tag of its set holds it (a negative id never matches)
-        resident = tl.max(((tags == ids[:, None]) & (ids[:, None] >= 0)).to(tl.int32), axis=1)
-        admitted &= resident == 0
-    tl.store(out_slots_ptr + index, tl.where(admitted, victim, scratch), mask=ok)
-    tl.store(out_tags_ptr + index, tl.where(admitted, ids, -1), mask=ok)
-    tl.store(out_counts_ptr + index, estimate.to(tl.int32), mask=ok)
-    tl.store(out_admitted_ptr + index, admitted.to(tl.uint8), mask=ok)
-    tl.store(out_evicted_ptr + index, (admitted & (victim_count >= 0)).to(tl.uint8), mask=ok)
+    if RECHECK:  # resident already
+        admitted &= ~resident
+    store_plan(
+        index, ok, admitted, victim, victim_count, ids, estimate, scratch,
+        out_slots_ptr, out_tags_ptr, out_counts_ptr, out_admitted_ptr, out_evicted_ptr,
+    )  # fmt: skip
 
 
 _launch_record = CachedLauncher(_record_kernel)
@@ -202,11 +226,11 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def record_triton(policy: SetAssociativeLfu, row_ids: torch.Tensor, slots: torch.Tensor) -> None:
-    """Count ``[n]`` accesses into ``policy``'s sketch and counters (see the module doc);
-    ``slots`` int64 on the policy's device. The caller handles the decay clock."""
-    from engramrt.cache.policy import MIX_MULTIPLIER
-
+def record_triton(policy: Any, row_ids: torch.Tensor, slots: torch.Tensor, *, mix: int) -> None:
+    """Count ``[n]`` accesses into ``policy``'s sketch and counters (``policy``: a
+    :class:`~engramrt.cache.policy.SetAssociativeLfu`; see the module doc); ``slots``
+    int64 on the policy's device, ``mix`` its hash multiplier. The caller handles the
+    decay clock."""
     n = slots.shape[0]
     ids = row_ids.reshape(-1)
     if ids.dtype not in (torch.int32, torch.int64):
@@ -222,21 +246,23 @@ def record_triton(policy: SetAssociativeLfu, row_ids: torch.Tensor, slots: torch
         policy.sketch_width,
         policy.scratch,
         DEPTH=policy.sketch_depth,
-        MIX=MIX_MULTIPLIER,
+        MIX=mix,
         BLOCK=RECORD_BLOCK,
     )
 
 
 def plan_triton(
-    policy: SetAssociativeLfu,
+    policy: Any,
     candidates: torch.Tensor,
     recheck: bool,
     valid: torch.Tensor | None,
-) -> AdmissionPlan:
+    *,
+    mix: int,
+    count_max: int,
+) -> tuple[torch.Tensor, ...]:
     """:meth:`SetAssociativeLfu.plan` of ``[U]`` int64 candidates (``U >= 1``) on the
-    policy's device, ``valid`` bool or None (see the module doc)."""
-    from engramrt.cache.policy import COUNT_MAX, MIX_MULTIPLIER, AdmissionPlan
-
+    policy's device, ``valid`` bool or None (see the module doc): the plan's ``slots,
+    tags, counts, order, admitted, evicted``."""
     count = candidates.shape[0]
     device = policy.device
     candidates = candidates.contiguous()
@@ -253,8 +279,8 @@ def plan_triton(
         policy.sketch_width,
         policy.num_sets,
         DEPTH=policy.sketch_depth,
-        MIX=MIX_MULTIPLIER,
-        COUNT_MAX=COUNT_MAX,
+        MIX=mix,
+        COUNT_MAX=count_max,
         HAS_VALID=valid is not None,
         BLOCK=KEYS_BLOCK,
     )
@@ -282,10 +308,184 @@ def plan_triton(
         count,
         policy.scratch,
         WAYS=ways,
-        COUNT_MAX=COUNT_MAX,
+        COUNT_MAX=count_max,
         SEARCH_STEPS=max(1, count.bit_length()),
         HAS_VALID=valid is not None,
         RECHECK=recheck,
         BLOCK=block,
     )
-    return AdmissionPlan(slots, tags, counts, order, admitted, evicted)
+    return slots, tags, counts, order, admitted, evicted
+
+
+# -- a batch's plan without sorting -------------------------------------------------
+
+
+@triton.jit(do_not_specialize=["n", "width", "num_sets", "row_begin", "row_end", "epoch"])
+def _link_kernel(
+    ids_ptr,  # [n] int64 row ids, the batch's order
+    slots_ptr,  # [n] int64, the probe's slots
+    seeds_ptr,  # [DEPTH] int64
+    sketch_ptr,  # [DEPTH, width] int32
+    heads_ptr,  # [num_sets] int64: epoch * 2**32 + the last position linked into the set
+    next_ptr,  # [n] int64 out: the set's previous head when this position was linked
+    estimate_ptr,  # [n] int64 out: a candidate's estimate, -1 elsewhere
+    n,
+    width,
+    num_sets,
+    row_begin,
+    row_end,
+    epoch,
+    DEPTH: tl.constexpr,
+    MIX: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    index = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+    ok = index < n
+    ids = tl.load(ids_ptr + index, mask=ok, other=0)
+    slots = tl.load(slots_ptr + index, mask=ok, other=-2)
+    missed = ok & (slots == -1) & (ids >= row_begin) & (ids < row_end)
+    estimate = sketch_estimate(ids, missed, seeds_ptr, sketch_ptr, width, DEPTH, MIX)
+    sets = mix32(ids, MIX) % num_sets
+    previous = tl.atomic_xchg(heads_ptr + sets, (epoch.to(tl.int64) << 32) + index, mask=missed)
+    tl.store(next_ptr + index, tl.where(missed, previous, -1), mask=ok)
+    tl.store(estimate_ptr + index, tl.where(missed, estimate.to(tl.int64), -1), mask=ok)
+
+
+@triton.jit(do_not_specialize=["n", "num_sets", "epoch"])
+def _first_kernel(
+    ids_ptr,  # [n] int64
+    estimate_ptr,  # [n] int64: >= 0 for a candidate
+    heads_ptr,  # [num_sets] int64
+    next_ptr,  # [n] int64
+    first_ptr,  # [n] uint8 out: a candidate at the first position of its id
+    n,
+    num_sets,
+    epoch,
+    MIX: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    index = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+    ok = index < n
+    ids = tl.load(ids_ptr + index, mask=ok, other=0)
+    candidate = ok & (tl.load(estimate_ptr + index, mask=ok, other=-1) >= 0)
+    cursor = tl.load(heads_ptr + mix32(ids, MIX) % num_sets, mask=candidate, other=-1)
+    active = candidate & ((cursor >> 32) == epoch)
+    repeat = tl.zeros([BLOCK], tl.int1)
+    while tl.max(active.to(tl.int32), axis=0) > 0:  # walk the set's list
+        at = cursor & 4294967295
+        other = tl.load(ids_ptr + at, mask=active, other=0)
+        repeat |= active & (other == ids) & (at < index)
+        cursor = tl.load(next_ptr + at, mask=active, other=-1)
+        active &= (cursor >> 32) == epoch
+    tl.store(first_ptr + index, (candidate & ~repeat).to(tl.uint8), mask=ok)
+
+
+@triton.jit(do_not_specialize=["n", "num_sets", "scratch", "epoch"])
+def _batch_victims_kernel(
+    ids_ptr,  # [n] int64
+    estimate_ptr,  # [n] int64
+    first_ptr,  # [n] uint8: the distinct candidates
+    heads_ptr,  # [num_sets] int64
+    next_ptr,  # [n] int64
+    tags_ptr,  # [slots + 1] int64
+    counts_ptr,  # [slots + 1] int32
+    out_slots_ptr,  # [n] int64
+    out_tags_ptr,  # [n] int64
+    out_counts_ptr,  # [n] int32
+    out_admitted_ptr,  # [n] bool as uint8
+    out_evicted_ptr,  # [n] bool as uint8
+    n,
+    num_sets,
+    scratch,
+    epoch,
+    WAYS: tl.constexpr,
+    MIX: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    index = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+    ok = index < n
+    ids = tl.load(ids_ptr + index, mask=ok, other=0)
+    estimate = tl.load(estimate_ptr + index, mask=ok, other=-1)
+    first = ok & (tl.load(first_ptr + index, mask=ok, other=0) != 0)
+    sets = mix32(ids, MIX) % num_sets
+
+    # Rank in the set: the distinct candidates that sort before this one (a higher
+    # estimate, or the same and a lower id: plan()'s order over sorted ids).
+    cursor = tl.load(heads_ptr + sets, mask=first, other=-1)
+    active = first & ((cursor >> 32) == epoch)
+    rank = tl.zeros([BLOCK], tl.int64)
+    while tl.max(active.to(tl.int32), axis=0) > 0:
+        at = cursor & 4294967295
+        other = tl.load(ids_ptr + at, mask=active, other=0)
+        other_estimate = tl.load(estimate_ptr + at, mask=active, other=-1)
+        other_first = tl.load(first_ptr + at, mask=active, other=0) != 0
+        ahead = (other_estimate > estimate) | ((other_estimate == estimate) & (other < ids))
+        rank += (active & other_first & (at != index) & ahead).to(tl.int64)
+        cursor = tl.load(next_ptr + at, mask=active, other=-1)
+        active &= (cursor >> 32) == epoch
+
+    victim, victim_count, resident = choose_victim(
+        sets, rank, ids, first, tags_ptr, counts_ptr, WAYS
+    )
+    admitted = first & (rank < WAYS) & (estimate > victim_count) & ~resident
+    store_plan(
+        index, ok, admitted, victim, victim_count, ids, tl.where(first, estimate, -1), scratch,
+        out_slots_ptr, out_tags_ptr, out_counts_ptr, out_admitted_ptr, out_evicted_ptr,
+    )  # fmt: skip
+
+
+_launch_link = CachedLauncher(_link_kernel)
+_launch_first = CachedLauncher(_first_kernel)
+_launch_batch_victims = CachedLauncher(_batch_victims_kernel)
+
+BATCH_BLOCK = 128
+"""Positions per program of the batch-plan kernels."""
+
+
+def plan_batch_triton(
+    policy: Any,
+    ids: torch.Tensor,
+    slots: torch.Tensor,
+    row_begin: int,
+    row_end: int | None,
+    heads: torch.Tensor,
+    epoch: int,
+    *,
+    mix: int,
+) -> tuple[torch.Tensor, ...]:
+    """:meth:`SetAssociativeLfu.plan_batch` of ``[n]`` int64 ``ids`` and ``slots`` on the
+    policy's device (``1 <= n < 2**32``): link each candidate into its set's list in
+    ``heads`` (``[num_sets]`` int64, entries of earlier epochs are stale) under ``epoch``,
+    mark each id's first position, then rank, choose and admit (see the module doc).
+    Returns the plan's ``slots, tags, counts, order, admitted, evicted``."""
+    n = ids.shape[0]
+    device = policy.device
+    ids, slots = ids.contiguous(), slots.contiguous()
+    following = torch.empty(n, dtype=torch.int64, device=device)
+    estimate = torch.empty(n, dtype=torch.int64, device=device)
+    first = torch.empty(n, dtype=torch.uint8, device=device)
+    grid = (_cdiv(n, BATCH_BLOCK),)
+    row_end = (1 << 63) - 1 if row_end is None else row_end
+    _launch_link(
+        grid, ids, slots, policy._seed_values, policy.sketch, heads, following, estimate,
+        n, policy.sketch_width, policy.num_sets, row_begin, row_end, epoch,
+        DEPTH=policy.sketch_depth, MIX=mix, BLOCK=BATCH_BLOCK,
+    )  # fmt: skip
+    _launch_first(
+        grid, ids, estimate, heads, following, first, n, policy.num_sets, epoch,
+        MIX=mix, BLOCK=BATCH_BLOCK,
+    )  # fmt: skip
+    out_slots = torch.empty(n, dtype=torch.int64, device=device)
+    out_tags = torch.empty(n, dtype=torch.int64, device=device)
+    out_counts = torch.empty(n, dtype=torch.int32, device=device)
+    admitted = torch.empty(n, dtype=torch.bool, device=device)
+    evicted = torch.empty(n, dtype=torch.bool, device=device)
+    block = max(1, min(BATCH_BLOCK, 2048 // (policy.ways * policy.ways)))
+    _launch_batch_victims(
+        (_cdiv(n, block),), ids, estimate, first, heads, following, policy.tags, policy.counts,
+        out_slots, out_tags, out_counts, admitted.view(torch.uint8), evicted.view(torch.uint8),
+        n, policy.num_sets, policy.scratch, epoch,
+        WAYS=policy.ways, MIX=mix, BLOCK=block,
+    )  # fmt: skip
+    order = torch.arange(n, device=device)
+    return out_slots, out_tags, out_counts, order, admitted, evicted

@@ -502,17 +502,9 @@ class CachedRowStore(RowStore):
         the admitted rows from the backing), or when one lookup is pending
         (several need a ``torch.unique`` over their misses).
         """
-        self._wait_for_update()
-        pending, self._pending = self._pending, []
+        pending = self._consume_pending()
         if not pending:
             return None
-        # Hits and misses are folded in batches (stats() folds the rest): per update,
-        # that sum costs more launches than the policy's kernels.
-        self._queue_for_counting(pending)
-        if len(self._unfolded) >= FOLD_BATCH:
-            self._fold()
-        for record in pending:
-            self.policy.record(record.row_ids, record.slots)
         if pending[0].miss_ids is None:  # every record of this cache is alike
             return self._plan_from_slots(pending)
         if len(pending) == 1:
@@ -530,6 +522,28 @@ class CachedRowStore(RowStore):
         plan = self._plan(candidates)
         return CacheUpdate(plan, rows.index_select(0, plan.order))
 
+    def _consume_pending(self) -> list[_Pending]:
+        """Take the pending lookups (after the last update) and count them: their hits and
+        misses queued for the statistics, their accesses recorded by the policy."""
+        self._wait_for_update()
+        pending, self._pending = self._pending, []
+        # Hits and misses are folded in batches (stats() folds the rest): per update,
+        # that sum costs more launches than the policy's kernels.
+        self._queue_for_counting(pending)
+        if len(self._unfolded) >= FOLD_BATCH:
+            self._fold()
+        for record in pending:
+            self.policy.record(record.row_ids, record.slots)
+        return pending
+
+    @staticmethod
+    def _looked_up(pending: list[_Pending]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The pending lookups' row ids and probe slots, ``[n]`` each, in lookup order."""
+        if len(pending) == 1:
+            return pending[0].row_ids.reshape(-1), pending[0].slots.reshape(-1)
+        ids = torch.cat([p.row_ids.reshape(-1) for p in pending])
+        return ids, torch.cat([p.slots.reshape(-1) for p in pending])
+
     def _plan(self, candidates: torch.Tensor, valid: torch.Tensor | None = None) -> AdmissionPlan:
         """The policy's plan for ``candidates``, counted in the admission statistics."""
         plan = self.policy.plan(candidates, valid=valid)
@@ -543,11 +557,7 @@ class CachedRowStore(RowStore):
         once (repeats, hits and ids outside the shard become placeholders the plan
         never admits), and the device reads the admitted rows from the backing's rows
         (the others read as zeros from nowhere), so every shape is the lookups'."""
-        if len(pending) == 1:
-            ids, slots = pending[0].row_ids.reshape(-1), pending[0].slots.reshape(-1)
-        else:
-            ids = torch.cat([p.row_ids.reshape(-1) for p in pending])
-            slots = torch.cat([p.slots.reshape(-1) for p in pending])
+        ids, slots = self._looked_up(pending)
         ids = ids.to(torch.int64)
         missed = slots == MISS
         # Ids outside the shard read zeros in the probe (unchecked lookups): never admitted.
@@ -600,9 +610,7 @@ class CachedRowStore(RowStore):
         if not self._pending or len(self._pending) < self.update_every:
             return
         if stream is None or self.device.type != "cuda":
-            update = self.plan_update()
-            if update is not None:
-                self.apply_update(update)
+            self._update_now()
             return
         stream.wait_stream(torch.cuda.current_stream(self.device))
         for record in self._pending:
@@ -611,12 +619,44 @@ class CachedRowStore(RowStore):
         for slots, _, _ in self._unfolded:  # dropped lookups, counted on the stream too
             slots.record_stream(stream)
         with torch.cuda.stream(stream):
-            update = self.plan_update()
-            if update is not None:
-                self.apply_update(update)
+            self._update_now()
         done = torch.cuda.Event()
         done.record(stream)
         self._update_done = done
+
+    @property
+    def updates_in_place(self) -> bool:
+        """Whether :meth:`update` plans and installs in four launches with no sort (the
+        probe reads its misses and the policy runs its Triton kernels:
+        :meth:`~engramrt.cache.policy.SetAssociativeLfu.plan_batch` and
+        :func:`~engramrt.cache.kernel.install_rows_triton`); otherwise it runs
+        :meth:`plan_update` and :meth:`apply_update`. The same tags, counters and
+        rows either way (the scratch slot aside)."""
+        return self._miss_source is not None and self.policy._kernels
+
+    def _update_now(self) -> None:
+        """The update on the current stream: in place when :attr:`updates_in_place`."""
+        if not self.updates_in_place:
+            update = self.plan_update()
+            if update is not None:
+                self.apply_update(update)
+            return
+        pending = self._consume_pending()
+        if not pending:
+            return
+        plan = self.policy.plan_batch(*self._looked_up(pending), self.row_begin, self.row_end)
+        from engramrt.cache.kernel import install_rows_triton  # imports Triton
+
+        install_rows_triton(
+            plan,
+            self._miss_words,
+            self.cache_rows,
+            self.policy.tags,
+            self.policy.counts,
+            (self._admitted, self._evicted, self._rows_read_on_device),
+            row_begin=self.row_begin,
+            num_rows=self.num_rows,
+        )
 
     # -- warm-up and writes --------------------------------------------------
 
