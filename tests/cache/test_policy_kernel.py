@@ -14,7 +14,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engramrt.cache import EMPTY_TAG, MISS, NOT_OWNED, SetAssociativeLfu
+from engramrt.cache import EMPTY_TAG, MISS, NOT_OWNED, SetAssociativeLfu, set_index
 from engramrt.cache.policy import NO_CANDIDATE, AdmissionPlan, fixed_candidates
 
 
@@ -223,3 +223,33 @@ def test_the_cache_runs_its_policy_on_the_chosen_backend(device) -> None:
     assert torch.equal(caches[0].cache_rows[:real].cpu(), caches[1].cache_rows[:real].cpu())
     assert caches[0].stats().hits and sum(caches[0].stats().hits) > 0
     assert torch.equal(caches[0].policy.resident_ids().cpu(), caches[1].policy.resident_ids().cpu())
+
+
+def test_list_heads_are_cleared_when_the_epochs_run_out(device, monkeypatch) -> None:
+    """plan_batch tags its per-set list heads with an epoch instead of clearing them; when
+    the epochs run out the heads are cleared and counting starts again. Built so that a
+    head left from before the wrap would be read as live: batch 1 fills set B's list,
+    batch 2 touches set A only, and batch 3 (the first epoch again) puts X alone in set B,
+    where a stale head would rank it behind a frequent id of set C (and reject it)."""
+    from engramrt.cache import policy as policy_module
+
+    monkeypatch.setattr(policy_module, "EPOCH_LIMIT", 3)
+    num_sets, n = 4, 16
+    by_set: dict[int, list[int]] = {0: [], 1: [], 2: []}
+    for candidate in range(10_000):
+        home = int(set_index(torch.tensor([candidate]), num_sets))
+        if home in by_set and len(by_set[home]) < n:
+            by_set[home].append(candidate)
+    set_a, set_b, set_c = (torch.tensor(by_set[k]) for k in range(3))
+    policies = [SetAssociativeLfu(num_sets, 1, device, backend=b) for b in ("reference", "triton")]
+    frequent = set_c[1:].to(device)  # counted 3 times: they outrank anything seen once
+    for policy in policies:
+        for _ in range(3):
+            policy.record(frequent, torch.full_like(frequent, MISS))
+    missed = torch.full((n,), MISS, device=device)
+    batches = [set_b, set_a, torch.cat([set_b[:1], set_c[1:]])]
+    plans = [[p.plan_batch(b.to(device), missed) for b in batches] for p in policies]
+    assert policies[1]._epoch == 1  # the third batch ran in the first epoch again
+    for want, got in zip(*plans, strict=True):
+        assert_same_plan(got, want)
+    assert bool(plans[1][2].admitted[0])  # X, alone in set B, takes its empty way

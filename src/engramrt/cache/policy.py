@@ -441,6 +441,11 @@ class SetAssociativeLfu:
         if ids.shape[0] == 0:
             return self.plan(ids)
         if self._kernels:
+            if ids.shape[0] >= 1 << 32:  # the lists hold positions in 32 bits
+                raise CapacityError(
+                    f"plan_batch of {ids.shape[0]} positions; the Triton backend takes fewer "
+                    f"than 2**32 (use backend='reference', or plan smaller batches)"
+                )
             from engramrt.cache.policy_kernel import plan_batch_triton  # imports Triton
 
             if self._heads is None or self._epoch + 1 >= EPOCH_LIMIT:
