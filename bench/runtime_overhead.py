@@ -115,7 +115,10 @@ More placements and levers:
   (priorities, worker modes) run over the tier's one set of stores, so the
   ``host-cache`` variants share one cache; ``host-cache-torch`` is the same
   cache with its policy run as the torch reference (many small launches per
-  update) instead of the policy's Triton kernels; ``engine-uva`` reads the ``uva``
+  update) instead of the policy's Triton kernels; ``host-mixed-cache`` puts the
+  cache in front of the default placement's tables (layer 0's misses read by the
+  GPU in the probe, layer 1's gathered by the CPU on the cache's miss path);
+  ``engine-uva`` reads the ``uva``
   placement's stores when that runs too (each block sets its own grid);
 - ``--lookup-priority``: stream priorities of the runtime's lookups
   (``EngramRuntime(lookup_priority=)``; lower is higher in torch);
@@ -165,7 +168,10 @@ RUNTIME_TIERS = (
     "disk",
     "host-cache",
     "host-cache-torch",
+    "host-mixed-cache",
 )
+CACHE_TIERS = ("host-cache", "host-cache-torch", "host-mixed-cache")
+"""Placements with the hot-row cache in front of each layer's host table."""
 
 
 def parse_engram_at(text: str) -> dict[int, int]:
@@ -953,13 +959,13 @@ class CacheSettings(NamedTuple):
 
 def build_stores(tier: str, cfg, layout, device, cache: CacheSettings, backend: dict) -> list:
     """Both layers' stores of a runtime tier."""
-    cached = tier in ("host-cache", "host-cache-torch")
+    cached = tier in CACHE_TIERS
     backing = "host" if tier in ("host-cpu", "host-mixed") or cached else tier
     options = tier_class(backing).options_type(**backend)
     stores = synthetic_stores(layout, TablePlacement(options, device), seed=1)
     for li, store in enumerate(stores):
-        if tier == "host-cpu" or (tier == "host-mixed" and li > 0):
-            store.gpu_reads = False
+        if tier == "host-cpu" or (tier in ("host-mixed", "host-mixed-cache") and li > 0):
+            store.gpu_reads = False  # before a cache is built over it: its misses follow
     if cached:
         policy = {"policy_backend": "reference"} if tier == "host-cache-torch" else {}
         stores = [
@@ -1021,7 +1027,7 @@ def new_runtime(hasher, stores, priority, workers, overlap: str = "side") -> Eng
 def tier_variants(tier: str, priorities: list[int], worker_modes: list[str]) -> list[tuple]:
     """The (lookup priority, lookup workers) variants of a ``--tiers`` entry."""
     if tier in RUNTIME_TIERS:  # only threaded lookups have workers to share
-        threaded = tier in GATHER_TIERS or tier.startswith("host-cache")
+        threaded = tier in GATHER_TIERS or tier in CACHE_TIERS
         modes = worker_modes if threaded else worker_modes[:1]
         return [(p, w) for p in priorities for w in modes]
     if tier == "device-again":  # as the device placement's first variant

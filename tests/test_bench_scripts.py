@@ -330,6 +330,29 @@ def test_runtime_bench_smoke_on_cpu(tmp_path) -> None:
             assert "cache_hit_rate" not in r
 
 
+def test_runtime_bench_cache_placements(device) -> None:
+    """The cached placements: each layer's host table behind a cache, run on the lookup
+    workers; ``host-mixed-cache`` keeps the default's split (on a GPU the probe reads
+    layer 0's misses, and the CPU gathers layer 1's: its backing reads no rows with the
+    GPU), ``host-cache-torch`` runs the policy's torch definition."""
+    from engramrt.cache import CachedRowStore
+    from engramrt.layout import EngramLayout
+
+    bench = _load("runtime_overhead")
+    cfg = bench.scaled_config(0.001)
+    layout = EngramLayout(cfg)
+    cuda = device.type == "cuda"
+    backend = {} if cuda else {"backend": "reference"}
+    for tier in bench.CACHE_TIERS:
+        assert len(bench.tier_variants(tier, [0], ["per-layer", "shared"])) == 2
+        stores = bench.build_stores(tier, cfg, layout, device, bench.CacheSettings(), backend)
+        assert all(isinstance(store, CachedRowStore) for store in stores)
+        reads = [store.probe_reads_misses for store in stores]
+        assert reads == ([cuda, False] if tier == "host-mixed-cache" else [cuda, cuda]), tier
+        torch_policy = tier == "host-cache-torch" or not cuda
+        assert all(store.policy._kernels is not torch_policy for store in stores), tier
+
+
 def test_runtime_bench_rounds_report(tmp_path) -> None:
     """Three rounds of decode and prefill blocks (prefill in the first two only): per-round
     lists, quartiles of the paired losses, the A/A control, no stalls on a CPU."""
