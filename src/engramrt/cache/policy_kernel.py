@@ -25,11 +25,30 @@ steps run here instead, with the same results bit for bit:
      candidate, not resident already).
 
   About 80 small launches in torch become three.
+- :func:`plan_batch_triton` plans a whole batch of looked-up positions
+  (:meth:`SetAssociativeLfu.plan_batch`) with no sort, in three launches:
+
+  1. each missed position in the shard gets its estimate and is linked into
+     its set's list: ``atomic_xchg`` of the set's head, the old head kept as
+     the position's successor. Heads carry the batch's epoch in their top 32
+     bits, so a head left by an earlier batch reads as the end of the list and
+     nothing is cleared between batches;
+  2. walking its set's list, each position learns whether an earlier position
+     holds the same id (then it is a repeat, never a candidate);
+  3. walking it again, each candidate counts the candidates that rank before
+     it (a higher estimate, or the same estimate and a lower id: the order of
+     the sorted definition, whose candidates come sorted by id), then picks its
+     victim as in step 3 above.
+
+  Lists are as long as the candidates that share a set: about one at decode
+  on a cache of millions of sets.
 
 The hash is :func:`mix32`, the integer steps of
-:func:`engramrt.cache.policy.mix32` (int64, overflow-free), which the probe
-kernel (:mod:`engramrt.cache.kernel`) uses too. Every index is int64.
-Importing this module imports Triton.
+:func:`engramrt.cache.policy.mix32` (int64, overflow-free), the same as the
+probe kernel's (:mod:`engramrt.cache.kernel`). Every index is int64. The
+functions take a :class:`~engramrt.cache.policy.SetAssociativeLfu` and return
+an :class:`~engramrt.cache.policy.AdmissionPlan`'s tensors (this module does
+not import the policy's). Importing this module imports Triton.
 """
 
 from __future__ import annotations
