@@ -23,7 +23,13 @@ kernel, step 1 reads each miss from them too and step 2 disappears: a
 lookup is one launch with no host synchronisation, and so is its update:
 the missed ids are found again from the probe's slots as a batch of the
 lookups' fixed shape (:func:`~engramrt.cache.policy.fixed_candidates`), and
-the device reads the admitted rows from the backing's rows itself.
+the device reads the admitted rows from the backing's rows itself. With the
+policy's Triton kernels that update runs in place
+(:attr:`CachedRowStore.updates_in_place`): the batch is planned in its own
+order with no sort (:meth:`~engramrt.cache.policy.SetAssociativeLfu.plan_batch`)
+and one launch writes every admitted row, tag and counter
+(:func:`~engramrt.cache.kernel.install_rows_triton`), the same slots as the
+three phases below give; no lookup runs meanwhile (see the ordering argument).
 
 :meth:`CachedRowStore.update` (off the critical path; can run on a side
 stream) consumes the pending records: it counts the accesses (sketch and
