@@ -350,7 +350,7 @@ def test_runtime_bench_cache_placements(device) -> None:
         reads = [store.probe_reads_misses for store in stores]
         assert reads == ([cuda, False] if tier == "host-mixed-cache" else [cuda, cuda]), tier
         torch_policy = tier == "host-cache-torch" or not cuda
-        assert all(store.policy._kernels is not torch_policy for store in stores), tier
+        assert all(store.policy.uses_kernels is not torch_policy for store in stores), tier
 
 
 def test_runtime_bench_rounds_report(tmp_path) -> None:

@@ -249,7 +249,23 @@ def test_list_heads_are_cleared_when_the_epochs_run_out(device, monkeypatch) -> 
     missed = torch.full((n,), MISS, device=device)
     batches = [set_b, set_a, torch.cat([set_b[:1], set_c[1:]])]
     plans = [[p.plan_batch(b.to(device), missed) for b in batches] for p in policies]
-    assert policies[1]._epoch == 1  # the third batch ran in the first epoch again
+    assert policies[1].batch_epoch == 1  # the third batch ran in the first epoch again
     for want, got in zip(*plans, strict=True):
         assert_same_plan(got, want)
     assert bool(plans[1][2].admitted[0])  # X, alone in set B, takes its empty way
+
+
+def test_bad_backends_and_batches_are_named(device) -> None:
+    from engramrt.cache import CachedRowStore
+    from engramrt.errors import EngramError, ValidationError
+    from engramrt.lookup.tiers import DeviceOptions, TablePlacement, make_store
+
+    with pytest.raises(EngramError, match="backend='numpy' is not one of"):
+        SetAssociativeLfu(2, 2, device, backend="numpy")
+    store = make_store(TablePlacement(DeviceOptions(), device), num_rows=64, E=64)
+    with pytest.raises(ValidationError, match="policy_backend = 'numpy'; expected None"):
+        CachedRowStore(store, 8 * store.row_bytes, ways=2, policy_backend="numpy")
+    policy = SetAssociativeLfu(2, 2, device)
+    ids = torch.arange(6, device=device)
+    with pytest.raises(ValidationError, match=r"slots has shape \(5,\); expected one per row id"):
+        policy.plan_batch(ids, torch.full((5,), MISS, device=device))

@@ -101,7 +101,7 @@ def test_steps_of_changing_sizes_over_a_small_view_cache(
     rows (each compared with the reference), in both staging slots."""
     from engramrt.runtime import runtime as runtime_module
 
-    monkeypatch.setattr(runtime_module, "_VIEW_CACHE_SIZE", 2)
+    monkeypatch.setattr(runtime_module, "VIEW_CACHE_SIZE", 2)
     runtime = _runtime(layout, token_map, device, tier=tier)
     consts = HashConstants.from_layout(layout, token_map.pad_id(CFG))
     ids = np.random.default_rng(5).integers(0, token_map.vocab_size, 40)
@@ -121,7 +121,7 @@ def test_steps_of_changing_sizes_over_a_small_view_cache(
             got = handle.rows(li).cpu()
             assert got.shape[0] == end, (size, li)
             assert torch.equal(got.view(torch.int16), want.view(torch.int16)), (size, li)
-        assert len(runtime._view_cache) <= 2
+        assert runtime.cached_views <= 2
         start = (start + 2) % 20
     runtime.close()
 

@@ -259,6 +259,25 @@ class SetAssociativeLfu:
         self._heads: torch.Tensor | None = None
         self._epoch = 0
 
+    @property
+    def sketch_seeds(self) -> torch.Tensor:
+        """``[sketch_depth]`` int64 seeds of the sketch's rows (:data:`SKETCH_SEEDS`), on
+        :attr:`device`."""
+        return self._seed_values
+
+    @property
+    def uses_kernels(self) -> bool:
+        """Whether :meth:`record`, :meth:`plan` and :meth:`plan_batch` run the Triton kernels
+        (``backend`` resolved to ``"triton"``) rather than the torch definition."""
+        return self._kernels
+
+    @property
+    def batch_epoch(self) -> int:
+        """The epoch of the latest :meth:`plan_batch` on the Triton backend: the tag its
+        per-set list heads carry (0 before any; it starts again at 1 after
+        :data:`EPOCH_LIMIT` batches, when the heads are cleared)."""
+        return self._epoch
+
     def clone(self) -> SetAssociativeLfu:
         """An independent copy of the whole state (for a simulation beside the live cache)."""
         other = object.__new__(SetAssociativeLfu)

@@ -258,7 +258,7 @@ def record_triton(policy: Any, row_ids: torch.Tensor, slots: torch.Tensor, *, mi
         (_cdiv(n, RECORD_BLOCK),),
         ids.contiguous(),
         slots.contiguous(),
-        policy._seed_values,
+        policy.sketch_seeds,
         policy.sketch,
         policy.counts,
         n,
@@ -291,7 +291,7 @@ def plan_triton(
         (_cdiv(count, KEYS_BLOCK),),
         candidates,
         valid_bytes,
-        policy._seed_values,
+        policy.sketch_seeds,
         policy.sketch,
         keys,
         count,
@@ -304,11 +304,7 @@ def plan_triton(
         BLOCK=KEYS_BLOCK,
     )
     sorted_keys, order = torch.sort(keys, stable=True)
-    slots = torch.empty(count, dtype=torch.int64, device=device)
-    tags = torch.empty(count, dtype=torch.int64, device=device)
-    counts = torch.empty(count, dtype=torch.int32, device=device)
-    admitted = torch.empty(count, dtype=torch.bool, device=device)
-    evicted = torch.empty(count, dtype=torch.bool, device=device)
+    outputs = _plan_outputs(count, device)
     ways = policy.ways
     block = max(1, 2048 // (ways * ways))
     _launch_victims(
@@ -319,11 +315,7 @@ def plan_triton(
         valid_bytes,
         policy.tags,
         policy.counts,
-        slots,
-        tags,
-        counts,
-        admitted.view(torch.uint8),
-        evicted.view(torch.uint8),
+        *_written(outputs),
         count,
         policy.scratch,
         WAYS=ways,
@@ -333,7 +325,25 @@ def plan_triton(
         RECHECK=recheck,
         BLOCK=block,
     )
+    slots, tags, counts, admitted, evicted = outputs
     return slots, tags, counts, order, admitted, evicted
+
+
+def _plan_outputs(n: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """The plan entries a victims kernel writes: ``slots, tags, counts, admitted, evicted``."""
+    return (
+        torch.empty(n, dtype=torch.int64, device=device),
+        torch.empty(n, dtype=torch.int64, device=device),
+        torch.empty(n, dtype=torch.int32, device=device),
+        torch.empty(n, dtype=torch.bool, device=device),
+        torch.empty(n, dtype=torch.bool, device=device),
+    )
+
+
+def _written(outputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """:func:`_plan_outputs` as the kernels' pointers (the bools as bytes)."""
+    slots, tags, counts, admitted, evicted = outputs
+    return slots, tags, counts, admitted.view(torch.uint8), evicted.view(torch.uint8)
 
 
 # -- a batch's plan without sorting -------------------------------------------------
@@ -486,7 +496,7 @@ def plan_batch_triton(
     grid = (_cdiv(n, BATCH_BLOCK),)
     row_end = (1 << 63) - 1 if row_end is None else row_end
     _launch_link(
-        grid, ids, slots, policy._seed_values, policy.sketch, heads, following, estimate,
+        grid, ids, slots, policy.sketch_seeds, policy.sketch, heads, following, estimate,
         n, policy.sketch_width, policy.num_sets, row_begin, row_end, epoch,
         DEPTH=policy.sketch_depth, MIX=mix, BLOCK=BATCH_BLOCK,
     )  # fmt: skip
@@ -494,17 +504,12 @@ def plan_batch_triton(
         grid, ids, estimate, heads, following, first, n, policy.num_sets, epoch,
         MIX=mix, BLOCK=BATCH_BLOCK,
     )  # fmt: skip
-    out_slots = torch.empty(n, dtype=torch.int64, device=device)
-    out_tags = torch.empty(n, dtype=torch.int64, device=device)
-    out_counts = torch.empty(n, dtype=torch.int32, device=device)
-    admitted = torch.empty(n, dtype=torch.bool, device=device)
-    evicted = torch.empty(n, dtype=torch.bool, device=device)
+    outputs = _plan_outputs(n, device)
     block = max(1, min(BATCH_BLOCK, 2048 // (policy.ways * policy.ways)))
     _launch_batch_victims(
         (_cdiv(n, block),), ids, estimate, first, heads, following, policy.tags, policy.counts,
-        out_slots, out_tags, out_counts, admitted.view(torch.uint8), evicted.view(torch.uint8),
-        n, policy.num_sets, policy.scratch, epoch,
+        *_written(outputs), n, policy.num_sets, policy.scratch, epoch,
         WAYS=policy.ways, MIX=mix, BLOCK=block,
     )  # fmt: skip
-    order = torch.arange(n, device=device)
-    return out_slots, out_tags, out_counts, order, admitted, evicted
+    slots, tags, counts, admitted, evicted = outputs
+    return slots, tags, counts, torch.arange(n, device=device), admitted, evicted

@@ -67,7 +67,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engramrt import memory
-from engramrt._backend import resolve_backend
+from engramrt._backend import BACKENDS, resolve_backend
 from engramrt.cache.backing import packed_row_reader
 from engramrt.cache.policy import (
     EMPTY_TAG,
@@ -233,6 +233,11 @@ class CachedRowStore(RowStore):
         if not isinstance(max_pending, int) or max_pending < 1:
             raise ValidationError(f"max_pending = {max_pending!r}; expected >= 1")
         resolve_backend(backend, self.device)  # an unknown backend fails here, not mid-step
+        if policy_backend is not None and policy_backend not in BACKENDS:
+            raise ValidationError(
+                f"policy_backend = {policy_backend!r}; expected None (the cache's backend) or "
+                f"one of {', '.join(BACKENDS)}"
+            )
         num_sets = max(capacity_bytes, 0) // self.row_bytes // ways
         if num_sets < 1:
             raise CapacityError(
@@ -638,7 +643,7 @@ class CachedRowStore(RowStore):
         :func:`~engramrt.cache.kernel.install_rows_triton`); otherwise it runs
         :meth:`plan_update` and :meth:`apply_update`. The same tags, counters and
         rows either way (the scratch slot aside)."""
-        return self._miss_source is not None and self.policy._kernels
+        return self._miss_source is not None and self.policy.uses_kernels
 
     def _update_now(self) -> None:
         """The update on the current stream: in place when :attr:`updates_in_place`."""

@@ -86,6 +86,7 @@ from engramrt.source import PendingRows, RowSource
 __all__ = [
     "GPU_READS",
     "LOOKUP_WORKERS",
+    "VIEW_CACHE_SIZE",
     "EngramRuntime",
     "RuntimeLayer",
     "StepPlan",
@@ -97,7 +98,9 @@ __all__ = [
 _T = TypeVar("_T")
 _COLLECTIVE_WORKER = -1  # the worker key shared by collective sources that need a thread
 _SHARED_WORKER = -2  # the worker key of every other threaded source, with lookup_workers="shared"
-_VIEW_CACHE_SIZE = 256  # (slot, tokens) pairs of views kept; cleared when full
+VIEW_CACHE_SIZE = 256
+"""(staging slot, step size) sets of views :meth:`EngramRuntime.plan` keeps before it clears
+them (:attr:`EngramRuntime.cached_views`)."""
 LOOKUP_WORKERS = ("per-layer", "shared")
 """How sources that need a thread are spread over worker threads (see :func:`worker_plan`)."""
 GPU_READS = ("first", "all", "sources")
@@ -706,6 +709,12 @@ class EngramRuntime:
         """Planned steps some layer has not run yet (always 0 without heads)."""
         return len(self._planned)
 
+    @property
+    def cached_views(self) -> int:
+        """Sets of views of the fixed buffers :meth:`plan` keeps, one per (staging slot,
+        step size) seen since it last cleared them (at most :data:`VIEW_CACHE_SIZE`)."""
+        return len(self._view_cache)
+
     def abandon(self) -> int:
         """Forget every planned step whose layers will not all run (an engine that aborts
         a step, or drops a prefetched one); returns how many.
@@ -743,7 +752,7 @@ class EngramRuntime:
         key = (slot, num_tokens)
         views = self._view_cache.get(key)
         if views is None:
-            if len(self._view_cache) >= _VIEW_CACHE_SIZE:
+            if len(self._view_cache) >= VIEW_CACHE_SIZE:
                 self._view_cache.clear()
             row_ids = self._row_ids[slot][:num_tokens]
             views = self._view_cache[key] = (
