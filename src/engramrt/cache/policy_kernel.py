@@ -59,6 +59,7 @@ import torch
 import triton
 import triton.language as tl
 
+from engramrt._jit import program_block
 from engramrt._launch import CachedLauncher
 
 __all__ = ["mix32", "plan_batch_triton", "plan_triton", "record_triton"]
@@ -142,8 +143,7 @@ def _record_kernel(
     MIX: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    index = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
-    ok = index < n
+    index, ok = program_block(n, BLOCK)
     ids = tl.load(ids_ptr + index, mask=ok, other=0).to(tl.int64)
     slots = tl.load(slots_ptr + index, mask=ok, other=-2)
     counted = ok & (slots != -2)
@@ -171,8 +171,7 @@ def _candidate_keys_kernel(
     HAS_VALID: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    index = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
-    ok = index < n
+    index, ok = program_block(n, BLOCK)
     ids = tl.load(candidates_ptr + index, mask=ok, other=0)
     estimate = sketch_estimate(ids, ok, seeds_ptr, sketch_ptr, width, DEPTH, MIX).to(tl.int64)
     if HAS_VALID:
@@ -204,8 +203,7 @@ def _choose_victims_kernel(
     RECHECK: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    index = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
-    ok = index < n
+    index, ok = program_block(n, BLOCK)
     key = tl.load(sorted_keys_ptr + index, mask=ok, other=0)
     sets = key >> 31
     estimate = COUNT_MAX - (key & 2147483647)
@@ -368,8 +366,7 @@ def _link_kernel(
     MIX: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    index = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
-    ok = index < n
+    index, ok = program_block(n, BLOCK)
     ids = tl.load(ids_ptr + index, mask=ok, other=0)
     slots = tl.load(slots_ptr + index, mask=ok, other=-2)
     missed = ok & (slots == -1) & (ids >= row_begin) & (ids < row_end)
@@ -393,8 +390,7 @@ def _first_kernel(
     MIX: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    index = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
-    ok = index < n
+    index, ok = program_block(n, BLOCK)
     ids = tl.load(ids_ptr + index, mask=ok, other=0)
     candidate = ok & (tl.load(estimate_ptr + index, mask=ok, other=-1) >= 0)
     cursor = tl.load(heads_ptr + mix32(ids, MIX) % num_sets, mask=candidate, other=-1)
@@ -431,8 +427,7 @@ def _batch_victims_kernel(
     MIX: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    index = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
-    ok = index < n
+    index, ok = program_block(n, BLOCK)
     ids = tl.load(ids_ptr + index, mask=ok, other=0)
     estimate = tl.load(estimate_ptr + index, mask=ok, other=-1)
     first = ok & (tl.load(first_ptr + index, mask=ok, other=0) != 0)
