@@ -80,6 +80,7 @@ import torch.distributed as dist
 
 from engramrt import memory
 from engramrt._io import atomic_write_bytes
+from engramrt.bench.runner import median_seconds
 from engramrt.config import PRESETS
 from engramrt.distributed import SharedHostTable, default_directory, shared_store
 from engramrt.distributed.fill import (
@@ -453,14 +454,7 @@ def time_ms(fn: Callable[[], object], device: torch.device, reps: int) -> float:
 
         # warmup and rep are milliseconds of calls; the median is reported.
         return float(triton.testing.do_bench(fn, warmup=25, rep=reps, return_mode="median"))
-    for _ in range(2):
-        fn()
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return 1e3 * sorted(times)[len(times) // 2]
+    return 1e3 * median_seconds(fn, reps, warmup=2)
 
 
 def lookup_cases(

@@ -41,6 +41,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from engramrt.bench.runner import median_seconds
 from engramrt.distributed import SharedHostTable, shared_store
 from engramrt.exchange import (
     AllGatherExchange,
@@ -84,13 +85,7 @@ def median_ms(fn: Callable[[], object], device: torch.device, reps: int) -> floa
         fn()
     sync()
     dist.barrier()
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - start)
-    return 1e3 * sorted(times)[len(times) // 2]
+    return 1e3 * median_seconds(fn, reps, sync=sync)
 
 
 def random_layer_weights(config, seed: int) -> dict[str, torch.Tensor]:

@@ -31,6 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
+from engramrt.bench.runner import median_seconds
 from engramrt.lookup.tiers import HostOptions, TablePlacement, make_store
 from engramrt.lookup.tiers.host_gather import DEFAULT_CHUNK_ROWS
 
@@ -38,15 +39,8 @@ ROW = 264
 
 
 def timed(fn, reps: int = 5) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2]
+    """Median seconds of ``reps`` calls, each to the end of its device work."""
+    return median_seconds(fn, reps, warmup=1, sync=torch.cuda.synchronize)
 
 
 def main() -> None:
@@ -295,14 +289,7 @@ def study_decode(src, rows, device, line) -> None:
     count = tokens * 24
 
     def host_timed(fn, reps: int = 200) -> float:
-        for _ in range(10):
-            fn()
-        times = []
-        for _ in range(reps):
-            start = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - start)
-        return sorted(times)[reps // 2]
+        return median_seconds(fn, reps, warmup=10)
 
     line(
         "decode T=256 hash one layer on the host (numpy)",

@@ -143,3 +143,30 @@ def test_record_format_with_graph_times(monkeypatch: pytest.MonkeyPatch) -> None
     assert values[3:5] == ["2.5", "7.2"]
     base_row = next(line for line in table.splitlines() if "baseline (baseline)" in line)
     assert [c.strip() for c in base_row.strip("|").split("|")][3:5] == ["—", "—"]
+
+
+def test_median_seconds_times_each_call_with_its_sync() -> None:
+    """The median of the timed calls (warm-up calls untimed), each timed to the end of
+    its sync; a call count below 1 is refused by name."""
+    import time
+
+    from engramrt.bench.runner import median_seconds
+
+    calls: list[str] = []
+    delays = iter([0.0, 0.0, 0.03, 0.001, 0.002])  # two warm-ups, then three timed calls
+
+    def fn() -> None:
+        calls.append("fn")
+        time.sleep(next(delays))
+
+    def sync() -> None:
+        calls.append("sync")
+        time.sleep(0.004)
+
+    seconds = median_seconds(fn, 3, warmup=2, sync=sync)
+    assert calls == ["fn", "fn", "sync"] + ["fn", "sync"] * 3
+    # Timed: 0.034, 0.005 and 0.006 s (fn's sleep and its sync's): the median is the
+    # third, sync included; the mean would be 0.015.
+    assert 0.006 <= seconds < 0.034
+    with pytest.raises(ValueError, match="calls=0"):
+        median_seconds(fn, 0)

@@ -31,7 +31,7 @@ import json
 import platform
 import time
 import traceback
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +40,7 @@ import torch
 from engramrt.bench.registry import Case, Tuning, all_cases
 from engramrt.errors import ValidationError
 
-__all__ = ["measure_ceilings", "run_cases"]
+__all__ = ["measure_ceilings", "median_seconds", "run_cases"]
 
 
 def _sync(device: torch.device) -> None:
@@ -102,18 +102,39 @@ def _graph_times(fn, inputs: dict[str, Any], device: torch.device) -> dict[str, 
     return res
 
 
+def median_seconds(
+    fn: Callable[[], object],
+    calls: int,
+    *,
+    warmup: int = 0,
+    sync: Callable[[], object] | None = None,
+) -> float:
+    """Median host wall time in seconds of ``calls`` calls of ``fn`` after ``warmup``
+    untimed ones; ``sync`` (e.g. a device synchronize) is called before the first and
+    after each timed call, inside its timing. The one host timer of the bench scripts."""
+    if calls < 1:
+        raise ValueError(f"calls={calls}; expected >= 1")
+    for _ in range(warmup):
+        fn()
+    if sync is not None:
+        sync()
+    times = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        fn()
+        if sync is not None:
+            sync()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
 def _median_us(fn, inputs: dict[str, Any], device: torch.device) -> float:
     """Median device time per call: ``do_bench`` on CUDA, host wall time elsewhere."""
     if device.type == "cuda":
         from triton.testing import do_bench
 
         return do_bench(lambda: fn(inputs), warmup=25, rep=200, return_mode="median") * 1e3
-    times = []
-    for _ in range(5):
-        start = time.perf_counter()
-        fn(inputs)
-        times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2] * 1e6
+    return median_seconds(lambda: fn(inputs), 5) * 1e6
 
 
 def _eager_wall_us(fn, inputs: dict[str, Any], device: torch.device, calls: int = 200) -> float:
