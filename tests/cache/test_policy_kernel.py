@@ -269,3 +269,28 @@ def test_bad_backends_and_batches_are_named(device) -> None:
     ids = torch.arange(6, device=device)
     with pytest.raises(ValidationError, match=r"slots has shape \(5,\); expected one per row id"):
         policy.plan_batch(ids, torch.full((5,), MISS, device=device))
+
+
+def test_one_compiled_kernel_serves_every_batch_size(device, monkeypatch) -> None:
+    """No kernel's constexprs (its compile-time values) depend on the number of ids: each
+    new value would compile a kernel in the middle of serving, once per size met. Every
+    launch's constexprs are recorded while the three steps run at sizes of 1 to 10 bits."""
+    from engramrt._launch import CachedLauncher
+
+    seen: dict[str, set[tuple]] = {}
+    launch = CachedLauncher.__call__
+
+    def recording(self, grid, *args, **constexprs):
+        seen.setdefault(self.kernel.__name__, set()).add(tuple(sorted(constexprs.items())))
+        return launch(self, grid, *args, **constexprs)
+
+    monkeypatch.setattr(CachedLauncher, "__call__", recording)
+    policy = SetAssociativeLfu(64, 4, device, backend="triton")
+    for count in (1, 3, 17, 130, 700):
+        ids = torch.arange(count, device=device) * 7
+        slots = torch.full((count,), MISS, device=device)
+        policy.record(ids, slots)
+        policy.plan(ids)
+        policy.plan_batch(ids, slots)
+    assert {"_record_kernel", "_choose_victims_kernel", "_batch_victims_kernel"} <= set(seen)
+    assert {name: len(values) for name, values in seen.items() if len(values) > 1} == {}

@@ -181,7 +181,7 @@ def _candidate_keys_kernel(
     tl.store(keys_ptr + index, sets * 2147483648 + (COUNT_MAX - estimate), mask=ok)
 
 
-@triton.jit(do_not_specialize=["n", "scratch"])
+@triton.jit(do_not_specialize=["n", "scratch", "search_steps"])
 def _choose_victims_kernel(
     sorted_keys_ptr,  # [n] int64, ascending
     order_ptr,  # [n] int64: input position of each sorted key
@@ -196,9 +196,9 @@ def _choose_victims_kernel(
     out_evicted_ptr,  # [n] bool as uint8
     n,
     scratch,
+    search_steps,  # >= log2(n + 1); a runtime bound: one compiled kernel for every n
     WAYS: tl.constexpr,
     COUNT_MAX: tl.constexpr,
-    SEARCH_STEPS: tl.constexpr,  # >= log2(n + 1)
     HAS_VALID: tl.constexpr,
     RECHECK: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -214,12 +214,14 @@ def _choose_victims_kernel(
     low = tl.zeros([BLOCK], tl.int64)
     high = tl.zeros([BLOCK], tl.int64) + n
     bound = sets * 2147483648
-    for _ in tl.static_range(SEARCH_STEPS):
+    step = 0
+    while step < search_steps:
         mid = (low + high) >> 1
         probe = tl.load(sorted_keys_ptr + mid, mask=ok & (mid < high), other=0)
         below = probe < bound
         low = tl.where((mid < high) & below, mid + 1, low)
         high = tl.where((mid < high) & ~below, mid, high)
+        step += 1
     rank = index - low
 
     victim, victim_count, resident = choose_victim(sets, rank, ids, ok, tags_ptr, counts_ptr, WAYS)
@@ -316,9 +318,9 @@ def plan_triton(
         *_written(outputs),
         count,
         policy.scratch,
+        max(1, count.bit_length()),
         WAYS=ways,
         COUNT_MAX=count_max,
-        SEARCH_STEPS=max(1, count.bit_length()),
         HAS_VALID=valid is not None,
         RECHECK=recheck,
         BLOCK=block,
