@@ -111,9 +111,13 @@ More placements and levers:
   lookups); the cache keeps its rows from run to run,
   as a serving engine's would, and each result holds its hit rate over the
   timed steps (``cache_hit_rate``, per layer: the median over rounds, each
-  round's in ``cache_hit_rate_rounds``). The variants of a tier
-  (priorities, worker modes) run over the tier's one set of stores, so the
-  ``host-cache`` variants share one cache; ``host-cache-torch`` is the same
+  round's in ``cache_hit_rate_rounds``). With ``--cache-scope workload`` (the
+  default) each decode workload (id kind) has its own caches over the tier's
+  one set of host tables, so a cache only ever sees one kind of traffic, as a
+  serving engine's does; ``placement`` shares one cache between the workloads,
+  each block starting where the last one, of whatever kind, left it. The
+  variants of a tier (priorities, worker modes) share its caches;
+  ``host-cache-torch`` is the same
   cache with its policy run as the torch reference (many small launches per
   update) instead of the policy's Triton kernels; ``host-mixed-cache`` puts the
   cache in front of the default placement's tables (layer 0's misses read by the
@@ -864,6 +868,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="host-cache: the hot-row cache's share of each table's bytes",
     )
     parser.add_argument(
+        "--cache-scope",
+        choices=("workload", "placement"),
+        default="workload",
+        help="cache tiers: caches of their own per workload (id kind), over the tier's one "
+        "set of host tables, or one cache shared by the workloads' blocks",
+    )
+    parser.add_argument(
         "--cache-update-every",
         type=int,
         default=1,
@@ -966,22 +977,26 @@ def build_stores(tier: str, cfg, layout, device, cache: CacheSettings, backend: 
     for li, store in enumerate(stores):
         if tier == "host-cpu" or (tier in ("host-mixed", "host-mixed-cache") and li > 0):
             store.gpu_reads = False  # before a cache is built over it: its misses follow
-    if cached:
-        policy = {"policy_backend": "reference"} if tier == "host-cache-torch" else {}
-        stores = [
-            CachedRowStore(
-                store,
-                int(cache.fraction * store.nbytes),
-                n_heads=cfg.n_heads,
-                layer_id=cfg.layer_ids[li],
-                max_pending=max(4, cache.update_every),
-                **backend,
-                **policy,
-            )
-            for li, store in enumerate(stores)
-        ]
-        for store in stores:
-            store.update_every = cache.update_every
+    return caches_over(tier, stores, cfg, cache, backend) if cached else stores
+
+
+def caches_over(tier: str, backings: list, cfg, cache: CacheSettings, backend: dict) -> list:
+    """A cache tier's hot-row caches in front of each layer's ``backings`` store."""
+    policy = {"policy_backend": "reference"} if tier == "host-cache-torch" else {}
+    stores = [
+        CachedRowStore(
+            store,
+            int(cache.fraction * store.nbytes),
+            n_heads=cfg.n_heads,
+            layer_id=cfg.layer_ids[li],
+            max_pending=max(4, cache.update_every),
+            **backend,
+            **policy,
+        )
+        for li, store in enumerate(backings)
+    ]
+    for store in stores:
+        store.update_every = cache.update_every
     return stores
 
 
@@ -996,7 +1011,15 @@ class StorePool:
         self.built: dict[str, list] = {}
         self.grids: dict[int, tuple] = {}  # id(store) -> (max_programs, rows_per_program) as built
 
-    def stores_of(self, tier: str) -> list:
+    def stores_of(self, tier: str, scope: str | None = None) -> list:
+        """The tier's stores; with a ``scope`` (a cache tier's workload), caches of their
+        own over the tier's host tables."""
+        if scope is not None:
+            key = f"{tier}@{scope}"
+            if key not in self.built:
+                backings = [store.backing for store in self.stores_of(tier)]
+                self.built[key] = caches_over(tier, backings, self.cfg, self.cache, self.backend)
+            return self.built[key]
         if tier not in self.built:
             self.built[tier] = build_stores(
                 tier, self.cfg, self.layout, self.device, self.cache, self.backend
@@ -1045,15 +1068,29 @@ class Setup:
     with its graphed backbones by decode workload (``graphed``; ``whole``, filled by
     :func:`build_whole_graphs`, for ``--backbones whole``)."""
 
-    def __init__(self, label: str, tier: str, priority, workers, stores: list, runtime, graphed):
+    def __init__(
+        self,
+        label: str,
+        tier: str,
+        priority,
+        workers,
+        stores: list,
+        runtime,
+        graphed,
+        workloads: tuple[str, ...] | None = None,
+    ):
         self.label, self.tier, self.priority, self.workers = label, tier, priority, workers
         self.stores, self.runtime = stores, runtime
         self.graphed: dict[str, GraphedBackbone] = graphed
         self.whole: dict[str, WholeStepGraph] = {}
+        self.workloads = workloads  # the only workloads it runs (None: every one)
 
 
-def build_placement(tier: str, priority, workers, pool: StorePool, make_hasher) -> tuple:
-    """(stores, runtime) of one placement: a baseline or an :class:`EngramRuntime`."""
+def build_placement(
+    tier: str, priority, workers, pool: StorePool, make_hasher, scope: str | None = None
+) -> tuple:
+    """(stores, runtime) of one placement: a baseline or an :class:`EngramRuntime`
+    (``scope``: a cache tier's workload, for caches of its own)."""
     stores: list = []
     runtime: Any
     if tier == "none":
@@ -1074,7 +1111,7 @@ def build_placement(tier: str, priority, workers, pool: StorePool, make_hasher) 
         stores = pool.stores_of("host-mixed")
         runtime = HostIdsRuntime(new_runtime(make_hasher(), stores, priority, workers))
     else:
-        stores = pool.stores_of(tier)
+        stores = pool.stores_of(tier, scope)
         runtime = new_runtime(make_hasher(), stores, priority, workers)
     return stores, runtime
 
@@ -1089,23 +1126,32 @@ def build_setups(
     workloads: dict[str, list[HashBatch]],
     backbones: list[str],
     engram_at: dict[int, int],
+    cache_scope: str = "workload",
 ) -> list[Setup]:
-    """Every placement of ``--tiers`` in order, each variant with its graphed backbones."""
+    """Every placement of ``--tiers`` in order, each variant with its graphed backbones;
+    a cache tier's once per workload with ``cache_scope="workload"``."""
     setups = []
     for tier in tiers:
         variants = tier_variants(tier, priorities, worker_modes)
+        scopes: list[str | None] = [None]
+        if tier in CACHE_TIERS and cache_scope == "workload":
+            scopes = list(workloads)
         for priority, workers in variants:
             label = tier
             if priority not in (None, priorities[0]) or workers not in (None, worker_modes[0]):
                 label = f"{tier} priority={priority} workers={workers}"
-            stores, runtime = build_placement(tier, priority, workers, pool, make_hasher)
-            graphed = {}
-            for name, batches in workloads.items():
-                if name.startswith("decode") and "graph" in backbones:
-                    graphed[name] = GraphedBackbone(
-                        runtime, backbone, batches[0].num_tokens, pool.device, engram_at
-                    )
-            setups.append(Setup(label, tier, priority, workers, stores, runtime, graphed))
+            for scope in scopes:
+                stores, runtime = build_placement(tier, priority, workers, pool, make_hasher, scope)
+                graphed = {}
+                for name, batches in workloads.items():
+                    if scope not in (None, name):
+                        continue
+                    if name.startswith("decode") and "graph" in backbones:
+                        graphed[name] = GraphedBackbone(
+                            runtime, backbone, batches[0].num_tokens, pool.device, engram_at
+                        )
+                only = None if scope is None else (scope,)
+                setups.append(Setup(label, tier, priority, workers, stores, runtime, graphed, only))
     return setups
 
 
@@ -1138,6 +1184,8 @@ def enumerate_configs(
             settings += [(settings[0][0], m) for m in max_programs[1:]]
         for threads, programs in settings:
             for name in workloads:
+                if setup.workloads is not None and name not in setup.workloads:
+                    continue  # a cache of its own for another workload
                 if (threads, programs) != settings[0] and not name.startswith("decode"):
                     continue  # other settings are compared on decode only
                 for kind in backbones if name.startswith("decode") else ["eager"]:
@@ -1239,6 +1287,7 @@ def build(args: argparse.Namespace) -> Bench:
         workloads,
         backbones,
         engram_at,
+        args.cache_scope,
     )
     eager = eager_forward(backbone, device, engram_at)
     configs = enumerate_configs(
@@ -1435,6 +1484,7 @@ def report(args, cfg, device, engram_at, results: list[dict], rounds_completed: 
         "ids": args.ids,
         "cache_fraction": args.cache_fraction,
         "cache_update_every": args.cache_update_every,
+        "cache_scope": args.cache_scope,
         "sync_steps": args.sync_steps,
         "model_priority": parse_priorities(args.model_priority),
         "method": "interleaved blocks, shuffled per round; losses paired within rounds",

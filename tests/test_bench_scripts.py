@@ -662,3 +662,30 @@ def test_profile_cache_update_runs_on_cpu(tmp_path) -> None:
     assert torch_policy["policy"] == "torch" and torch_policy["update"]["calls"] == 2
     with pytest.raises(SystemExit):
         bench.main(["--device", "cpu", "--policy", "numpy"])
+
+
+@pytest.mark.parametrize("scope", ["workload", "placement"])
+def test_runtime_bench_cache_scope(scope) -> None:
+    """``--cache-scope workload``: each id kind's blocks run through caches of their own,
+    in front of the one set of host tables; ``placement``: one cache for every id kind."""
+    bench = _load("runtime_overhead")
+    argv = "--smoke --device cpu --table-gib 0.001 --backbones eager --decode-steps 2"
+    argv += f" --workloads decode --ids random,zipf --tiers device,host-cache --cache-scope {scope}"
+    built = bench.build(bench.parse_args(argv.split()))
+    cached = [s for s in built.setups if s.tier == "host-cache"]
+    runs = {
+        i: {c.workload for c in built.configs if built.setups[c.setup] is s}
+        for i, s in enumerate(cached)
+    }
+    workloads = set(built.workloads)
+    assert len(workloads) == 2
+    if scope == "placement":
+        assert len(cached) == 1 and runs[0] == workloads
+        return
+    assert len(cached) == 2
+    assert [runs[0], runs[1]] == [{w} for w in built.workloads]  # one workload each
+    for li in range(2):
+        first, second = cached[0].stores[li], cached[1].stores[li]
+        assert first is not second and first.backing is second.backing
+    (device,) = [s for s in built.setups if s.tier == "device"]
+    assert {c.workload for c in built.configs if built.setups[c.setup] is device} == workloads
