@@ -111,12 +111,14 @@ More placements and levers:
   lookups); the cache keeps its rows from run to run,
   as a serving engine's would, and each result holds its hit rate over the
   timed steps (``cache_hit_rate``, per layer: the median over rounds, each
-  round's in ``cache_hit_rate_rounds``). With ``--cache-scope workload`` (the
-  default) each decode workload (id kind) has its own caches over the tier's
-  one set of host tables, so a cache only ever sees one kind of traffic, as a
-  serving engine's does; ``placement`` shares one cache between the workloads,
-  each block starting where the last one, of whatever kind, left it. The
-  variants of a tier (priorities, worker modes) share its caches;
+  round's in ``cache_hit_rate_rounds``). With ``--cache-scope config`` (the
+  default) each (workload, backbone, prefetch) has caches of its own over the
+  tier's one set of host tables, so a cache sees one kind of traffic and each
+  timed step once, as a serving engine's does (the configurations of a round
+  time the same window of steps: a cache shared by two of them would time the
+  second on steps it has just seen); ``placement`` shares one cache between
+  them all. The variants of a tier (priorities, worker modes, grids) share its
+  caches;
   ``host-cache-torch`` is the same
   cache with its policy run as the torch reference (many small launches per
   update) instead of the policy's Triton kernels; ``host-mixed-cache`` puts the
@@ -869,10 +871,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--cache-scope",
-        choices=("workload", "placement"),
-        default="workload",
-        help="cache tiers: caches of their own per workload (id kind), over the tier's one "
-        "set of host tables, or one cache shared by the workloads' blocks",
+        choices=("config", "placement"),
+        default="config",
+        help="cache tiers: caches of their own per (workload, backbone, prefetch), over the "
+        "tier's one set of host tables, each timed step new to its cache; or one cache "
+        "shared by every configuration's blocks",
     )
     parser.add_argument(
         "--cache-update-every",
@@ -1011,9 +1014,9 @@ class StorePool:
         self.built: dict[str, list] = {}
         self.grids: dict[int, tuple] = {}  # id(store) -> (max_programs, rows_per_program) as built
 
-    def stores_of(self, tier: str, scope: str | None = None) -> list:
-        """The tier's stores; with a ``scope`` (a cache tier's workload), caches of their
-        own over the tier's host tables."""
+    def stores_of(self, tier: str, scope: tuple | None = None) -> list:
+        """The tier's stores; with a ``scope`` (a cache tier's (workload, backbone,
+        prefetch)), caches of their own over the tier's host tables."""
         if scope is not None:
             key = f"{tier}@{scope}"
             if key not in self.built:
@@ -1077,20 +1080,20 @@ class Setup:
         stores: list,
         runtime,
         graphed,
-        workloads: tuple[str, ...] | None = None,
+        only: set[tuple[str, str, bool]] | None = None,
     ):
         self.label, self.tier, self.priority, self.workers = label, tier, priority, workers
         self.stores, self.runtime = stores, runtime
         self.graphed: dict[str, GraphedBackbone] = graphed
         self.whole: dict[str, WholeStepGraph] = {}
-        self.workloads = workloads  # the only workloads it runs (None: every one)
+        self.only = only  # the only (workload, backbone, prefetch) it runs (None: all)
 
 
 def build_placement(
-    tier: str, priority, workers, pool: StorePool, make_hasher, scope: str | None = None
+    tier: str, priority, workers, pool: StorePool, make_hasher, scope: tuple | None = None
 ) -> tuple:
     """(stores, runtime) of one placement: a baseline or an :class:`EngramRuntime`
-    (``scope``: a cache tier's workload, for caches of its own)."""
+    (``scope``: a cache tier's (workload, backbone, prefetch), for caches of its own)."""
     stores: list = []
     runtime: Any
     if tier == "none":
@@ -1126,16 +1129,22 @@ def build_setups(
     workloads: dict[str, list[HashBatch]],
     backbones: list[str],
     engram_at: dict[int, int],
-    cache_scope: str = "workload",
+    cache_scope: str = "config",
 ) -> list[Setup]:
     """Every placement of ``--tiers`` in order, each variant with its graphed backbones;
-    a cache tier's once per workload with ``cache_scope="workload"``."""
+    a cache tier's once per (workload, backbone, prefetch) with ``cache_scope="config"``."""
     setups = []
     for tier in tiers:
         variants = tier_variants(tier, priorities, worker_modes)
-        scopes: list[str | None] = [None]
-        if tier in CACHE_TIERS and cache_scope == "workload":
-            scopes = list(workloads)
+        scopes: list[tuple[str, str, bool] | None] = [None]
+        if tier in CACHE_TIERS and cache_scope == "config":
+            scopes = [
+                (name, kind, prefetch)
+                for name in workloads
+                for kind in (backbones if name.startswith("decode") else ["eager"])
+                if kind != "whole"  # no cache tier is captured whole (WHOLE_TIERS)
+                for prefetch in (False, True)
+            ]
         for priority, workers in variants:
             label = tier
             if priority not in (None, priorities[0]) or workers not in (None, worker_modes[0]):
@@ -1144,13 +1153,13 @@ def build_setups(
                 stores, runtime = build_placement(tier, priority, workers, pool, make_hasher, scope)
                 graphed = {}
                 for name, batches in workloads.items():
-                    if scope not in (None, name):
+                    if scope is not None and scope[:2] != (name, "graph"):
                         continue
                     if name.startswith("decode") and "graph" in backbones:
                         graphed[name] = GraphedBackbone(
                             runtime, backbone, batches[0].num_tokens, pool.device, engram_at
                         )
-                only = None if scope is None else (scope,)
+                only = None if scope is None else {scope}
                 setups.append(Setup(label, tier, priority, workers, stores, runtime, graphed, only))
     return setups
 
@@ -1184,14 +1193,14 @@ def enumerate_configs(
             settings += [(settings[0][0], m) for m in max_programs[1:]]
         for threads, programs in settings:
             for name in workloads:
-                if setup.workloads is not None and name not in setup.workloads:
-                    continue  # a cache of its own for another workload
                 if (threads, programs) != settings[0] and not name.startswith("decode"):
                     continue  # other settings are compared on decode only
                 for kind in backbones if name.startswith("decode") else ["eager"]:
                     if kind == "whole" and setup.tier not in WHOLE_TIERS:
                         continue
                     for prefetch in (False,) if kind == "whole" else (False, True):
+                        if setup.only is not None and (name, kind, prefetch) not in setup.only:
+                            continue  # caches of its own for another configuration
                         for priority in model_priorities:
                             configs.append(
                                 Config(index, threads, programs, name, kind, prefetch, priority)

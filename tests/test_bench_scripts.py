@@ -664,28 +664,33 @@ def test_profile_cache_update_runs_on_cpu(tmp_path) -> None:
         bench.main(["--device", "cpu", "--policy", "numpy"])
 
 
-@pytest.mark.parametrize("scope", ["workload", "placement"])
+@pytest.mark.parametrize("scope", ["config", "placement"])
 def test_runtime_bench_cache_scope(scope) -> None:
-    """``--cache-scope workload``: each id kind's blocks run through caches of their own,
-    in front of the one set of host tables; ``placement``: one cache for every id kind."""
+    """``--cache-scope config``: each (id kind, prefetch) runs through caches of its own, in
+    front of the one set of host tables (a round's configurations time the same steps: a
+    shared cache would see them twice); ``placement``: one cache for every configuration."""
     bench = _load("runtime_overhead")
     argv = "--smoke --device cpu --table-gib 0.001 --backbones eager --decode-steps 2"
     argv += f" --workloads decode --ids random,zipf --tiers device,host-cache --cache-scope {scope}"
     built = bench.build(bench.parse_args(argv.split()))
+
+    def runs(setup) -> set:
+        return {
+            (c.workload, c.backbone, c.prefetch)
+            for c in built.configs
+            if built.setups[c.setup] is setup
+        }
+
     cached = [s for s in built.setups if s.tier == "host-cache"]
-    runs = {
-        i: {c.workload for c in built.configs if built.setups[c.setup] is s}
-        for i, s in enumerate(cached)
-    }
-    workloads = set(built.workloads)
-    assert len(workloads) == 2
-    if scope == "placement":
-        assert len(cached) == 1 and runs[0] == workloads
-        return
-    assert len(cached) == 2
-    assert [runs[0], runs[1]] == [{w} for w in built.workloads]  # one workload each
-    for li in range(2):
-        first, second = cached[0].stores[li], cached[1].stores[li]
-        assert first is not second and first.backing is second.backing
     (device,) = [s for s in built.setups if s.tier == "device"]
-    assert {c.workload for c in built.configs if built.setups[c.setup] is device} == workloads
+    every = runs(device)
+    assert len(every) == 4  # two id kinds, with and without prefetch
+    if scope == "placement":
+        assert len(cached) == 1 and runs(cached[0]) == every
+        return
+    assert sorted(len(runs(s)) for s in cached) == [1, 1, 1, 1]
+    assert set().union(*(runs(s) for s in cached)) == every
+    for li in range(2):
+        stores = [s.stores[li] for s in cached]
+        assert len({id(store) for store in stores}) == 4
+        assert len({id(store.backing) for store in stores}) == 1
