@@ -117,7 +117,10 @@ More placements and levers:
   timed step once, as a serving engine's does (the configurations of a round
   time the same window of steps: a cache shared by two of them would time the
   second on steps it has just seen); ``placement`` shares one cache between
-  them all. The variants of a tier (priorities, worker modes, grids) share its
+  them all. ``--cache-warm-steps`` first runs that many untimed decode steps
+  of the same kind of ids, from other requests, through each cache, so that
+  the rounds time a cache that has seen traffic before rather than one
+  filling up. The variants of a tier (priorities, worker modes, grids) share its
   caches;
   ``host-cache-torch`` is the same
   cache with its policy run as the torch reference (many small launches per
@@ -282,15 +285,17 @@ def decode_batches_from(streams, device, start=3):
     return out
 
 
-def text_streams(docs, requests, length):
-    """``[requests, length]`` token ids: the documents concatenated, cut into equal slices."""
+def text_streams(docs, requests, length, offset=0):
+    """``[requests, length]`` token ids: the documents concatenated, cut into equal slices,
+    each request reading its slice from token ``offset`` on."""
     tokens = np.concatenate(docs)
     per = tokens.shape[0] // requests
-    if per < length:
+    if per < offset + length:
         raise SystemExit(
-            f"the corpus has {tokens.shape[0]} tokens; {requests} requests of {length} need more"
+            f"the corpus has {tokens.shape[0]} tokens; {requests} requests of {length} "
+            f"from token {offset} of their slices need more"
         )
-    return tokens[: per * requests].reshape(requests, per)[:, :length]
+    return tokens[: per * requests].reshape(requests, per)[:, offset : offset + length]
 
 
 def stdlib_docs():
@@ -878,6 +883,13 @@ def build_parser() -> argparse.ArgumentParser:
         "shared by every configuration's blocks",
     )
     parser.add_argument(
+        "--cache-warm-steps",
+        type=int,
+        default=0,
+        help="cache tiers: untimed decode steps of the same kind of ids (other requests) "
+        "through each cache before the rounds",
+    )
+    parser.add_argument(
         "--cache-update-every",
         type=int,
         default=1,
@@ -923,7 +935,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     for option in ("rounds", "block_steps", "prefill_chunks", "decode_steps"):
         if getattr(args, option) < 1:
             raise SystemExit(f"--{option.replace('_', '-')}={getattr(args, option)}; expected >= 1")
-    for option in ("prefill_rounds", "warmup_steps"):
+    for option in ("prefill_rounds", "warmup_steps", "cache_warm_steps"):
         if getattr(args, option) < 0:
             raise SystemExit(f"--{option.replace('_', '-')}={getattr(args, option)}; expected >= 0")
     return args
@@ -935,28 +947,62 @@ def use_smoke_backbone() -> None:
     D, FFN, BLOCKS = 64, 128, 16
 
 
-def build_workloads(args, vocab_size: int, device) -> dict[str, list[HashBatch]]:
-    """The workloads by name: a decode workload per ``--ids`` kind, then prefill."""
-    rng = np.random.default_rng(0)
+def build_workloads(
+    args, vocab_size: int, device, warm: bool = False
+) -> dict[str, list[HashBatch]]:
+    """The workloads by name: a decode workload per ``--ids`` kind, then prefill.
+
+    ``warm``: instead, ``--cache-warm-steps`` decode steps per kind from the same
+    distribution but other requests (other seeds; the second half of each request's
+    slice of the text), to fill the caches before the rounds."""
+    rng = np.random.default_rng(2 if warm else 0)
+    steps = args.cache_warm_steps if warm else args.decode_steps
     workloads = {}
     if "decode" in args.workloads:
         for ids in args.ids.split(","):
             if ids == "random":
-                batches = decode_batches(rng, vocab_size, args.decode_steps, device)
+                batches = decode_batches(rng, vocab_size, steps, device)
             elif ids == "text":
-                streams = text_streams(stdlib_docs(), 256, args.decode_steps + 3)
-                batches = decode_batches_from(streams, device)
+                docs = stdlib_docs()
+                offset = sum(len(d) for d in docs) // 256 // 2 if warm else 0
+                batches = decode_batches_from(text_streams(docs, 256, steps + 3, offset), device)
             elif ids == "zipf":
                 streams = zipf_streams(
-                    np.random.default_rng(1), vocab_size, 256, args.decode_steps + 3
+                    np.random.default_rng(3 if warm else 1), vocab_size, 256, steps + 3
                 )
                 batches = decode_batches_from(streams, device)
             else:
                 raise SystemExit(f"--ids: {ids!r}; expected random, text or zipf")
             workloads["decode 256x1" + ("" if ids == "random" else f" {ids}")] = batches
-    if "prefill" in args.workloads:
+    if "prefill" in args.workloads and not warm:
         workloads["prefill 512 seqs 100-1024"] = prefill_batches(rng, vocab_size, device)
     return workloads
+
+
+def warm_caches(bench) -> None:
+    """``--cache-warm-steps`` untimed decode steps through every cache placement, per
+    decode workload it runs (a serving engine's cache has seen the traffic before)."""
+    args = bench.args
+    if args.cache_warm_steps == 0:
+        return
+    warm = build_workloads(args, bench.vocab_size, bench.device, warm=True)
+    for index, setup in enumerate(bench.setups):
+        if setup.tier not in CACHE_TIERS:
+            continue
+        runs = {(c.workload, c.backbone) for c in bench.configs if c.setup == index}
+        for name, kind in sorted(runs):
+            if name not in warm:
+                continue
+            forward = setup.graphed[name].step if kind == "graph" else bench.eager
+            start = time.perf_counter()
+            run(setup.runtime, warm[name], forward, prefetch=False)
+            rates = [stats.hit_rate for stats in setup.runtime.cache_stats() if stats]
+            print(
+                f"warmed {setup.label} for {name} ({kind}): {len(warm[name])} steps in "
+                f"{time.perf_counter() - start:.1f} s, hit rate "
+                + "/".join(f"{rate:.2f}" for rate in rates),
+                flush=True,
+            )
 
 
 GATHER_TIERS = ("host", "host-cpu", "host-mixed", "host-inline", "host-ids", "disk")
@@ -1260,6 +1306,7 @@ class Bench(NamedTuple):
     configs: list[Config]
     grids: dict[int, tuple]
     eager: Any  # the eager backbone, as forward(handle, batch[, stalls])
+    vocab_size: int = 0
 
 
 def build(args: argparse.Namespace) -> Bench:
@@ -1309,7 +1356,18 @@ def build(args: argparse.Namespace) -> Bench:
     )
     if "whole" in backbones:
         build_whole_graphs(setups, backbone, workloads, device, engram_at, max_programs, pool.grids)
-    return Bench(args, device, cfg, engram_at, workloads, setups, configs, pool.grids, eager)
+    return Bench(
+        args,
+        device,
+        cfg,
+        engram_at,
+        workloads,
+        setups,
+        configs,
+        pool.grids,
+        eager,
+        token_map.vocab_size,
+    )
 
 
 def describe(config: Config, setups: list[Setup]) -> str:
@@ -1494,6 +1552,7 @@ def report(args, cfg, device, engram_at, results: list[dict], rounds_completed: 
         "cache_fraction": args.cache_fraction,
         "cache_update_every": args.cache_update_every,
         "cache_scope": args.cache_scope,
+        "cache_warm_steps": args.cache_warm_steps,
         "sync_steps": args.sync_steps,
         "model_priority": parse_priorities(args.model_priority),
         "method": "interleaved blocks, shuffled per round; losses paired within rounds",
@@ -1606,6 +1665,7 @@ def main(argv=None) -> None:
     # once as a short block, in a freshly shuffled order, and each is compared
     # with the reference of the same round (see the module docstring).
     bench = build(parse_args(argv))
+    warm_caches(bench)
     results, rounds_completed = run_rounds(bench)
     for setup in bench.setups:
         setup.runtime.close()

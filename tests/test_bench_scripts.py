@@ -694,3 +694,30 @@ def test_runtime_bench_cache_scope(scope) -> None:
         stores = [s.stores[li] for s in cached]
         assert len({id(store) for store in stores}) == 4
         assert len({id(store.backing) for store in stores}) == 1
+
+
+def test_runtime_bench_warms_each_cache_first(tmp_path, capsys) -> None:
+    """``--cache-warm-steps``: each cache runs that many steps of other requests' ids of
+    the same kind before the rounds (the timed blocks' counters start after them)."""
+    report = _runtime_smoke(
+        tmp_path,
+        *[
+            "--decode-steps",
+            "3",
+            "--block-steps",
+            "2",
+            "--warmup-steps",
+            "0",
+            "--workloads",
+            "decode",
+            "--ids",
+            "zipf",
+        ],
+        *["--tiers", "device,host-cache", "--rounds", "1", "--cache-warm-steps", "4"],
+    )
+    warmed = [line for line in capsys.readouterr().out.splitlines() if line.startswith("warmed")]
+    assert len(warmed) == 2  # with and without prefetch: a cache each
+    assert all("4 steps" in line for line in warmed)
+    assert report["cache_warm_steps"] == 4
+    (cached,) = [r for r in report["results"] if r["tier"] == "host-cache" and not r["prefetch"]]
+    assert all(0.0 <= rate <= 1.0 for rate in cached["cache_hit_rate"])
