@@ -312,10 +312,12 @@ def stdlib_docs():
     return [np.asarray(e.ids, dtype=np.int64) for e in encoded]
 
 
-def zipf_streams(rng, vocab, requests, length, exponent=1.2):
+def zipf_streams(rng, vocab, requests, length, exponent=1.2, ranking=None):
     """``[requests, length]`` token ids drawn from a Zipf law over a random ranking of the
-    vocabulary (rank k has weight ``k**-exponent``)."""
-    ranking = rng.permutation(vocab)
+    vocabulary (rank k has weight ``k**-exponent``): ``ranking`` (a permutation of the
+    vocabulary: other draws of the same law), else one drawn from ``rng`` first."""
+    if ranking is None:
+        ranking = rng.permutation(vocab)
     ranks = np.minimum(rng.zipf(exponent, (requests, length)), vocab) - 1
     return ranking[ranks]
 
@@ -953,8 +955,8 @@ def build_workloads(
     """The workloads by name: a decode workload per ``--ids`` kind, then prefill.
 
     ``warm``: instead, ``--cache-warm-steps`` decode steps per kind from the same
-    distribution but other requests (other seeds; the second half of each request's
-    slice of the text), to fill the caches before the rounds."""
+    distribution but other requests (other draws of the same Zipf law; the second half
+    of each request's slice of the text), to fill the caches before the rounds."""
     rng = np.random.default_rng(2 if warm else 0)
     steps = args.cache_warm_steps if warm else args.decode_steps
     workloads = {}
@@ -967,9 +969,10 @@ def build_workloads(
                 offset = sum(len(d) for d in docs) // 256 // 2 if warm else 0
                 batches = decode_batches_from(text_streams(docs, 256, steps + 3, offset), device)
             elif ids == "zipf":
-                streams = zipf_streams(
-                    np.random.default_rng(3 if warm else 1), vocab_size, 256, steps + 3
-                )
+                timed = np.random.default_rng(1)  # its ranking first, then the draws
+                ranking = timed.permutation(vocab_size)
+                draws = np.random.default_rng(3) if warm else timed
+                streams = zipf_streams(draws, vocab_size, 256, steps + 3, ranking=ranking)
                 batches = decode_batches_from(streams, device)
             else:
                 raise SystemExit(f"--ids: {ids!r}; expected random, text or zipf")

@@ -721,3 +721,23 @@ def test_runtime_bench_warms_each_cache_first(tmp_path, capsys) -> None:
     assert report["cache_warm_steps"] == 4
     (cached,) = [r for r in report["results"] if r["tier"] == "host-cache" and not r["prefetch"]]
     assert all(0.0 <= rate <= 1.0 for rate in cached["cache_hit_rate"])
+
+
+def test_runtime_bench_warm_ids_follow_the_timed_law() -> None:
+    """The warm-up's Zipf ids are other draws of the timed ids' law (the same ranking of
+    the vocabulary: the same hot ids), not the same draws; its text is other text."""
+    import numpy as np
+    import torch
+
+    bench = _load("runtime_overhead")
+    argv = ["--workloads", "decode", "--ids", "zipf,text", "--decode-steps", "40"]
+    args = bench.parse_args([*argv, "--cache-warm-steps", "40"])
+    timed = bench.build_workloads(args, 129_280, "cpu")
+    warm = bench.build_workloads(args, 129_280, "cpu", warm=True)
+    for name in timed:
+        a = torch.stack([batch.input_ids for batch in timed[name]]).numpy().ravel()
+        b = torch.stack([batch.input_ids for batch in warm[name]]).numpy().ravel()
+        assert not np.array_equal(a, b), name
+        if name.endswith("zipf"):
+            top = [np.argsort(np.bincount(x, minlength=129_280))[::-1][:3] for x in (a, b)]
+            np.testing.assert_array_equal(top[0], top[1])
