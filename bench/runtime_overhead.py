@@ -120,11 +120,10 @@ More placements and levers:
   them all. ``--cache-warm-steps`` first runs that many untimed decode steps
   of the same kind of ids, from other requests, through each cache, so that
   the rounds time a cache that has seen traffic before rather than one
-  filling up. The variants of a tier (priorities, worker modes, grids) share its
-  caches;
-  ``host-cache-torch`` is the same
-  cache with its policy run as the torch reference (many small launches per
-  update) instead of the policy's Triton kernels; ``host-mixed-cache`` puts the
+  filling up. The variants of a tier (priorities, worker modes, grids) share
+  its caches; ``host-cache-torch`` is the same cache with its policy run as
+  the torch reference (many small launches per update) instead of the
+  policy's Triton kernels; ``host-mixed-cache`` puts the
   cache in front of the default placement's tables (layer 0's misses read by the
   GPU in the probe, layer 1's gathered by the CPU on the cache's miss path);
   ``engine-uva`` reads the ``uva``
