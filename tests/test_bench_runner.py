@@ -145,28 +145,31 @@ def test_record_format_with_graph_times(monkeypatch: pytest.MonkeyPatch) -> None
     assert [c.strip() for c in base_row.strip("|").split("|")][3:5] == ["—", "—"]
 
 
-def test_median_seconds_times_each_call_with_its_sync() -> None:
+def test_median_seconds_times_each_call_with_its_sync(monkeypatch: pytest.MonkeyPatch) -> None:
     """The median of the timed calls (warm-up calls untimed), each timed to the end of
-    its sync; a call count below 1 is refused by name."""
+    its sync, on a clock that the calls themselves advance; a call count below 1 is
+    refused by name."""
     import time
 
     from engramrt.bench.runner import median_seconds
 
+    clock = [0.0]
     calls: list[str] = []
-    delays = iter([0.0, 0.0, 0.03, 0.001, 0.002])  # two warm-ups, then three timed calls
+    costs = iter([5.0, 5.0, 30.0, 1.0, 2.0])  # two warm-ups, then three timed calls
 
     def fn() -> None:
         calls.append("fn")
-        time.sleep(next(delays))
+        clock[0] += next(costs)
 
     def sync() -> None:
         calls.append("sync")
-        time.sleep(0.004)
+        clock[0] += 4.0
 
+    monkeypatch.setattr(time, "perf_counter", lambda: clock[0])
     seconds = median_seconds(fn, 3, warmup=2, sync=sync)
     assert calls == ["fn", "fn", "sync"] + ["fn", "sync"] * 3
-    # Timed: 0.034, 0.005 and 0.006 s (fn's sleep and its sync's): the median is the
-    # third, sync included; the mean would be 0.015.
-    assert 0.006 <= seconds < 0.034
+    # Timed: 34, 5 and 6 (each call's cost and its sync's): the median is 6; the mean
+    # would be 15, a timing without the sync 2.
+    assert seconds == 6.0
     with pytest.raises(ValueError, match="calls=0"):
         median_seconds(fn, 0)
