@@ -701,19 +701,9 @@ def test_runtime_bench_warms_each_cache_first(tmp_path, capsys) -> None:
     the same kind before the rounds (the timed blocks' counters start after them)."""
     report = _runtime_smoke(
         tmp_path,
-        *[
-            "--decode-steps",
-            "3",
-            "--block-steps",
-            "2",
-            "--warmup-steps",
-            "0",
-            "--workloads",
-            "decode",
-            "--ids",
-            "zipf",
-        ],
-        *["--tiers", "device,host-cache", "--rounds", "1", "--cache-warm-steps", "4"],
+        *_ONE_DECODE_STEP,
+        *["--ids", "zipf", "--tiers", "device,host-cache", "--rounds", "1"],
+        *["--cache-warm-steps", "4"],
     )
     warmed = [line for line in capsys.readouterr().out.splitlines() if line.startswith("warmed")]
     assert len(warmed) == 2  # with and without prefetch: a cache each
@@ -721,6 +711,11 @@ def test_runtime_bench_warms_each_cache_first(tmp_path, capsys) -> None:
     assert report["cache_warm_steps"] == 4
     (cached,) = [r for r in report["results"] if r["tier"] == "host-cache" and not r["prefetch"]]
     assert all(0.0 <= rate <= 1.0 for rate in cached["cache_hit_rate"])
+    bench = _load("runtime_overhead")
+    with pytest.raises(SystemExit, match="--cache-warm-steps=-1; expected >= 0"):
+        bench.parse_args(["--cache-warm-steps", "-1"])
+    with pytest.raises(SystemExit):  # argparse names the choices
+        bench.parse_args(["--cache-scope", "workload"])
 
 
 def test_runtime_bench_warm_ids_follow_the_timed_law() -> None:
