@@ -17,6 +17,7 @@ def _load(name: str):
     spec = importlib.util.spec_from_file_location(name, ROOT / "bench" / f"{name}.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up while it executes
     spec.loader.exec_module(module)
     return module
 
@@ -736,3 +737,54 @@ def test_runtime_bench_warm_ids_follow_the_timed_law() -> None:
         if name.endswith("zipf"):
             top = [np.argsort(np.bincount(x, minlength=129_280))[::-1][:3] for x in (a, b)]
             np.testing.assert_array_equal(top[0], top[1])
+
+
+def test_step_cost_pairs_each_case_with_the_gpu_tables_of_its_round(tmp_path, monkeypatch) -> None:
+    """bench/step_cost.py on a CPU (--smoke: eager only): every case is checked before it is
+    timed, and each cost is the per-round pairing with the GPU-memory placement of the same
+    mode, workload, loop and ids, recomputed here from the raw per-round times. The plumbing
+    runs on the references (the kernels' own tests cover them under the interpreter)."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    step_cost = _load("step_cost")
+    out = tmp_path / "step-cost.json"
+    report = step_cost.main(
+        ["--smoke", "--table-gib", "0.001", "--rounds", "2", "--steps", "1", "--warmup-steps",
+         "0", "--placements", "aa,queued", "--loops", "sync,queued", "--out", str(out)]
+    )  # fmt: skip
+    assert json.loads(out.read_text()) == report
+    cases = report["cases"]
+    assert {(c["placement"], c["loop"]) for c in cases} == {
+        (p, loop) for p in ("device", "aa", "queued") for loop in ("sync", "queued")
+    }
+    by = {(c["placement"], c["loop"]): c for c in cases}
+    for case in cases:
+        assert case["mode"] == "eager" and case["workload"] == "decode" and case["ids"] == "random"
+        assert case["table_gib"] == 0.001 and case["check"]["passed"]
+        if case["placement"] == "device":
+            continue
+        ref = by[("device", case["loop"])]
+        expected = [
+            100 * (1 - r / m) for m, r in zip(case["ms_rounds"], ref["ms_rounds"], strict=True)
+        ]
+        assert case["pct_rounds"] == pytest.approx(expected)
+        assert case["rounds"] == 2
+        assert case["median_pct"] == pytest.approx(sum(expected) / 2)  # median of two
+        assert case["p25_pct"] <= case["median_pct"] <= case["p75_pct"]
+        assert case["ref_ms"] == pytest.approx(sum(ref["ms_rounds"]) / 2)
+
+
+def test_step_cost_leaves_unpaired_rounds_out() -> None:
+    step_cost = _load("step_cost")
+    stats = step_cost.paired_case_stats([2.0, None, 4.0], [1.0, 1.0, None])
+    assert stats["pct_rounds"] == [50.0, None, None] and stats["rounds"] == 1
+    assert stats["median_pct"] == 50.0 and stats["ms"] == 3.0 and stats["ref_ms"] == 1.0
+    with pytest.raises(ValueError, match="expected the same rounds"):
+        step_cost.paired_case_stats([1.0], [1.0, 2.0])
+
+
+def test_step_cost_refuses_bad_lists() -> None:
+    step_cost = _load("step_cost")
+    with pytest.raises(SystemExit, match="--modes='eager,fast'"):
+        step_cost.parse_args(["--smoke", "--modes", "eager,fast"])
+    with pytest.raises(SystemExit, match="--rounds=0"):
+        step_cost.parse_args(["--smoke", "--rounds", "0"])

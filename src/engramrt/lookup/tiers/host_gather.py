@@ -64,6 +64,19 @@ GPU reads any of them, and only a batch that holds such an id pays for
 masking it; the GPU's direct reads of a small batch mask them in the
 kernel, as on the device and UVA tiers.
 
+Queued gathers (``gather="queued"``, on a CUDA device): the CPU's gather is queued
+on the lookup's stream instead of run by the calling thread. The ids' copy to
+pinned memory, the gather (a host function, :mod:`engramrt.lookup.host_function`,
+that CUDA runs on its own thread once the ids have landed), the rows' copy back
+and the dequantisation are all queued at once, in stream order: nothing waits
+for the device, so the store has no :attr:`host_sync`, a scheduler runs it on a
+side stream like GPU-memory tables, and a step that uses it can be captured in
+one CUDA graph. Every batch is gathered as it comes (no deduplication, which
+would need the unique count on the host), into buffers at fixed addresses sized
+by the largest batch seen (or ``queued_rows``). The lookups of one store must be
+queued on one stream, as a scheduler's side stream does (its buffers are reused
+in stream order).
+
 A store is meant to be used from one thread at a time (it owns the
 staging buffer).
 """
@@ -82,6 +95,7 @@ import torch
 from engramrt import memory
 from engramrt.errors import CapacityError, ValidationError
 from engramrt.lookup import lookup_rows
+from engramrt.lookup.host_function import HostFunction, host_functions_available
 from engramrt.lookup.mapped import MappedHostRows, gather_mapped_rows
 from engramrt.lookup.settings import tuned_lookup_config
 from engramrt.lookup.tiers.base import KernelRowStore, register_tier
@@ -91,6 +105,8 @@ from engramrt.packed import word_dtype_for
 __all__ = [
     "DEDUP",
     "DEFAULT_CHUNK_ROWS",
+    "GATHER",
+    "GATHER_MODES",
     "GPU_SHARE",
     "HOST_READ_KERNEL",
     "HostGatherRowStore",
@@ -140,6 +156,15 @@ DEDUP = True
 """Default of :class:`HostOptions` ``dedup``: large batches are deduplicated on the
 device before the CPU gathers them. Chosen by measurement:
 BENCHMARKS.md#the-host-tier-where-the-time-goes."""
+
+
+GATHER_MODES = ("thread", "queued")
+"""How the CPU's gathers are driven (:class:`HostOptions` ``gather``): ``"thread"``, by
+the thread that calls the lookup once it has waited for the ids; ``"queued"``, by a
+host function queued on the lookup's stream (see the module doc)."""
+
+GATHER = "thread"
+"""Default of :class:`HostOptions` ``gather``."""
 
 
 def _word_view(rows: torch.Tensor) -> torch.Tensor:
@@ -207,6 +232,12 @@ class HostOptions(KernelTierOptions):
             (``backend`` for the final dequantise-and-scatter; ``kernel`` for
             the GPU's reads of a small batch, default :data:`HOST_READ_KERNEL`,
             a bounded grid).
+        gather: ``"thread"`` or ``"queued"`` (see :data:`GATHER_MODES` and the
+            module doc); ``"queued"`` needs a CUDA device and its driver, and
+            elsewhere gathers as ``"thread"`` does.
+        queued_rows: rows the queued gather's fixed buffers hold from the start
+            (None: sized by the first batch and grown, outside a CUDA graph's
+            capture, by a larger one).
         validate, check_ids: see :class:`~engramrt.lookup.tiers.options.TierOptions`.
     """
 
@@ -216,6 +247,8 @@ class HostOptions(KernelTierOptions):
     gpu_reads: bool | None = None
     gpu_share: float = GPU_SHARE
     dedup: bool = DEDUP
+    gather: str = GATHER
+    queued_rows: int | None = None
 
     def _check(self) -> None:
         super()._check()
@@ -229,6 +262,9 @@ class HostOptions(KernelTierOptions):
             raise self.error("gpu_share", "a fraction in [0, 1]")
         if not isinstance(self.dedup, bool):
             raise self.error("dedup", "True or False")
+        if self.gather not in GATHER_MODES:
+            raise self.error("gather", " or ".join(repr(mode) for mode in GATHER_MODES))
+        check_int(self, "queued_rows", 1, optional=True)
 
 
 @register_tier
@@ -276,6 +312,20 @@ class HostGatherRowStore(KernelRowStore):
         self._staging: torch.Tensor | None = None
         self._copy_stream: torch.cuda.Stream | None = None
         self._staging_free: torch.cuda.Event | None = None
+        # The queued gather (gather="queued" on a CUDA device): fixed buffers and the
+        # host function that gathers into them.
+        self._queued: _QueuedGather | None = None
+        if options.gather == "queued":
+            if self.device.type == "cpu" or host_functions_available(self.device):
+                self._queued = _QueuedGather(self, options.queued_rows)
+                self.host_sync = False  # every lookup is queued: nothing waits for the device
+            else:
+                warnings.warn(
+                    f"gather='queued' on {self.device}, where CUDA host functions are not "
+                    f"available; the calling thread gathers (gather='thread')",
+                    RuntimeWarning,
+                    stacklevel=4,
+                )
 
     def _write(self, start: int, packed: torch.Tensor) -> None:
         self.host_rows.check_writable()
@@ -307,9 +357,18 @@ class HostGatherRowStore(KernelRowStore):
         self.gpu_reads = on
         return True
 
+    @property
+    def queued(self) -> bool:
+        """Whether the CPU's gathers are queued on the lookup's stream (``gather="queued"``
+        on a CUDA device): no lookup of ids on the device makes the host wait."""
+        return self._queued is not None
+
     def waits_on_host(self, row_ids: torch.Tensor) -> bool:
         """No wait for a batch the GPU reads itself (below :attr:`dedup_min_rows` owned ids,
-        with :attr:`gpu_reads`); the CPU's gather waits for the ids."""
+        with :attr:`gpu_reads`) or one whose gather is queued; the CPU's gather waits for
+        the ids."""
+        if self._queued is not None:
+            return False
         col_end = row_ids.shape[1] if self.col_end is None else self.col_end
         return not self._gpu_reads_batch(row_ids.shape[0] * max(0, col_end - self.col_begin))
 
@@ -472,6 +531,11 @@ class HostGatherRowStore(KernelRowStore):
             )
         row_ids = row_ids.to(self.device, non_blocking=True)
         owned = row_ids[:, self.col_begin : col_end]
+        if self._queued is not None and self.num_rows and owned.numel():
+            if self._gpu_reads_batch(owned.numel()):
+                assert self._mapped is not None
+                return self._read_mapped(self._mapped, row_ids, col_end, out)
+            return self._queued.lookup(row_ids, owned, col_end, out)
         if self._gpu_reads_batch(owned.numel()):
             assert self._mapped is not None
             # Small batches: the lookup kernel reads the rows from host
@@ -639,3 +703,105 @@ class HostGatherRowStore(KernelRowStore):
 
     def _empty_rows(self) -> torch.Tensor:
         return torch.zeros((1, self.row_bytes), dtype=torch.uint8, device=self.device)
+
+
+class _QueuedGather:
+    """The queued gather of a :class:`HostGatherRowStore` (``gather="queued"``).
+
+    One lookup queues, on the current stream: the owned ids made local (ids outside
+    the shard point at row 0 and their slots read zeros), their copy into pinned
+    memory, the host function that gathers those rows into pinned staging, the
+    staging's copy to the device and the lookup kernel that dequantises and
+    scatters them. Buffers sit at fixed addresses (capturable) and are reused in
+    stream order.
+    """
+
+    def __init__(self, store: HostGatherRowStore, rows: int | None) -> None:
+        self.store = store
+        self.capacity = 0
+        self._source = _word_view(store.source)
+        # count -> (ids, staged words) views for the host function, made on the queuing
+        # thread so the function itself only indexes a dict and gathers.
+        self._views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._gather = HostFunction(self._gather_rows, name=f"the {store.tier} tier's gather")
+        self._ids_host = self._staging = self._rows = self._positions = torch.empty(0)
+        if rows is not None:
+            self._grow(rows)
+
+    def _grow(self, count: int) -> None:
+        """Buffers for ``count`` rows (called outside any capture: it synchronises)."""
+        store = self.store
+        cuda = store.device.type == "cuda"
+        if cuda and torch.cuda.is_current_stream_capturing():
+            raise ValidationError(
+                f"a queued host gather of {count} rows during CUDA-graph capture, but its "
+                f"buffers hold {self.capacity}; expected a capture after a step of the largest "
+                f"size, or HostOptions(queued_rows=) at least {count}"
+            )
+        if cuda:
+            torch.cuda.synchronize(store.device)  # no queued gather still uses the old buffers
+        self.capacity = count
+        self._views.clear()
+        self._ids_host = torch.empty(count, dtype=torch.int64, pin_memory=cuda)
+        self._staging = torch.empty((count, store.row_bytes), dtype=torch.uint8, pin_memory=cuda)
+        self._rows = torch.empty((count, store.row_bytes), dtype=torch.uint8, device=store.device)
+        self._positions = torch.arange(count, dtype=torch.int64, device=store.device)
+
+    def _gather_rows(self, count: int) -> None:
+        """The host function: rows ``source[ids]`` into the staging (CUDA's thread).
+
+        A gather that fails leaves all-ones bytes in the staging (NaN in fp8 e4m3 and
+        in the ue8m0 scales), so the step's rows are NaN rather than another step's;
+        the error is raised at the store's next lookup."""
+        ids, staged = self._views[count]
+        try:
+            with _intra_op_threads(self.store._gather_threads(count)):
+                torch.index_select(self._source, 0, ids, out=staged)
+        except BaseException:
+            self._staging[:count].fill_(255)
+            raise
+
+    def lookup(
+        self, row_ids: torch.Tensor, owned: torch.Tensor, col_end: int, out: torch.Tensor | None
+    ) -> torch.Tensor:
+        store = self.store
+        num_tokens, num_cols = row_ids.shape
+        owned_cols = col_end - store.col_begin
+        count = num_tokens * owned_cols
+        if count > self.capacity:
+            self._grow(count)
+        if count not in self._views:
+            self._views[count] = (self._ids_host[:count], _word_view(self._staging[:count]))
+        flat = owned.reshape(-1)
+        inside = (flat >= store.row_begin) & (flat < store.row_end)
+        local = torch.where(inside, flat - store.row_begin, 0)
+        # Slot ``i`` reads row ``i`` of the gathered rows; a slot outside the shard reads
+        # past their end, which the kernel reads as zeros.
+        positions = torch.where(inside, self._positions[:count], count).view(num_tokens, -1)
+        if store.col_begin == 0 and col_end == num_cols:
+            compact_ids = positions
+        else:
+            compact_ids = torch.zeros(
+                (num_tokens, num_cols), dtype=torch.int64, device=store.device
+            )
+            compact_ids[:, store.col_begin : col_end] = positions
+        self._ids_host[:count].copy_(local, non_blocking=True)
+        if store.device.type == "cuda":
+            self._gather.launch(torch.cuda.current_stream(store.device), count)
+        else:  # no stream to queue on: the same function, now
+            self._gather.call_now(count)
+        rows = self._rows[:count]
+        rows.copy_(self._staging[:count], non_blocking=True)
+        return lookup_rows(
+            compact_ids,
+            rows,
+            col_begin=store.col_begin,
+            col_end=col_end,
+            row_begin=0,
+            out=out,
+            backend=store.backend,
+            validate=False,  # checked once, by lookup()
+        )
+
+    def raise_failure(self) -> None:
+        self._gather.raise_failure()

@@ -1,0 +1,565 @@
+"""What host-memory tables cost a model step, in each way engines run one (a GPU machine).
+
+    python bench/step_cost.py [--table-gib 8] [--modes eager,compiled,piecewise,graph]
+        [--placements aa,default,thread,queued,gpu-reads] [--workloads decode,prefill]
+        [--loops sync,queued] [--ids random,text,zipf] [--rounds 10] [--out PATH]
+
+The synthetic 30-block backbone of ``bench/runtime_overhead.py`` (hidden 4096,
+bf16 MLP blocks, ~6 B parameters held as ``nn.Parameter`` as an engine's model
+holds them), Engram at the start of blocks 1 and 14 as in V4.1-Flash, V4.1 row
+shapes, tables scaled to ``--table-gib`` GiB per layer, run through an
+:class:`~engramrt.runtime.EngramRuntime` with heads in four modes:
+
+- ``eager``: blocks launched from Python, ``runtime.run`` at each Engram layer;
+- ``compiled``: the forward under ``torch.compile(fullgraph=True)`` (Inductor, no
+  CUDA graphs), each Engram layer the ``engramrt::run_layer`` operator;
+- ``piecewise``: the pieces between Engram layers captured in CUDA graphs and
+  ``runtime.run`` eager between them (vLLM's splitting-op way);
+- ``graph``: the whole decode step, ``runtime.plan`` included, in one CUDA graph per
+  staging slot, the step's ids copied into fixed inputs first (SGLang's way). Only
+  placements whose sources need no host thread can be captured; the others are
+  reported as skipped, with the reason.
+
+Loops: ``sync`` waits for each step before planning the next (the next tokens come
+from this step's sampling); ``queued`` plans each step as soon as the last was
+launched. Workloads: ``decode`` (256 requests x 1 token, ``--ids`` random, text or
+Zipf) and ``prefill`` (8,192-token chunks of 512 sequences, eager and compiled
+only, the next chunk prefetched).
+
+Placements, each a runtime over its own tables: ``device`` (GPU memory, the
+reference), ``aa`` (a second runtime over the same GPU tables: the A/A control),
+``default`` (host memory, everything as shipped), ``thread`` (host memory, the
+CPU's gathers driven by a worker thread: ``HostOptions(gather="thread")``),
+``queued`` (host memory, gathers queued in stream order:
+``HostOptions(gather="queued")``), ``gpu-reads`` (host memory, every layer read
+by the GPU: ``EngramRuntime(gpu_reads="all")``). The host placements share one
+copy of the tables in host memory.
+
+Method: paired rounds. Each round times every case (placement x mode x workload x
+loop x ids) as a short block (warm-up steps, then timed steps, synchronised at both
+ends) in an order shuffled per round; a case's cost in a round is
+``100 * (1 - ms_device / ms_case)`` against the ``device`` placement of the same
+mode, workload, loop and ids in the same round; the report gives the median and
+quartiles over rounds. Before timing, every case's step is checked: its staged rows
+equal the GPU-memory tables' rows of the same batch bit for bit and its output is
+finite; a case that fails is not timed.
+
+The report (``--out``, default ``bench/results/step-cost-<UTC>.json``, written
+atomically after every round) has a top-level ``cases`` list: ``mode``,
+``placement``, ``table_gib``, ``workload``, ``loop``, ``ids``, ``rounds``,
+``median_pct``, ``p25_pct``, ``p75_pct``, ``ref_ms`` (the reference's median step),
+``ms`` (the case's), and the per-round lists.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import runtime_overhead as ro
+from engramrt import custom_ops
+from engramrt.distributed.stores import SharedRows
+from engramrt.hashing import HashBatch, HashConstants, NgramHasher
+from engramrt.layer import EngramHead
+from engramrt.layout import EngramLayout
+from engramrt.lookup.tiers import HostGatherRowStore, HostOptions, TablePlacement
+from engramrt.runtime import EngramRuntime, synthetic_stores
+from engramrt.tokenmap import TokenMap
+
+MODES = ("eager", "compiled", "piecewise", "graph")
+PLACEMENTS = ("aa", "default", "thread", "queued", "gpu-reads")
+LOOPS = ("sync", "queued")
+WORKLOADS = ("decode", "prefill")
+IDS = ("random", "text", "zipf")
+PREFILL_MODES = ("eager", "compiled")
+DECODE_TOKENS, PREFILL_TOKENS = 256, 8192
+
+
+class Backbone(nn.Module):
+    """The runtime bench's dense blocks, their weights as parameters (Inductor's CUDA
+    graphs treat parameters as static; plain tensors would be copied into the graph's
+    inputs at every replay)."""
+
+    def __init__(self, blocks: list[tuple[torch.Tensor, ...]]) -> None:
+        super().__init__()
+        self.weights = nn.ParameterList(
+            [nn.Parameter(w, requires_grad=False) for block in blocks for w in block]
+        )
+        self.n_blocks = len(blocks)
+
+    def block(self, x: torch.Tensor, b: int) -> torch.Tensor:
+        """Block ``b``, its output RMS-normalised (as the next block's input norm would), so
+        thirty blocks of random weights stay finite."""
+        x = ro.run_block(x, tuple(self.weights[4 * b + i] for i in range(4)))
+        return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + 1e-6).to(x.dtype)
+
+    def blocks(self, x: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+        for b in range(lo, hi):
+            x = self.block(x, b)
+        return x
+
+
+def engram_input(x: torch.Tensor) -> torch.Tensor:
+    """The backbone's one stream copied to the ``hc`` hyper-connection streams."""
+    return x.unsqueeze(1).expand(x.shape[0], ro.HC, x.shape[1]).contiguous()
+
+
+def forward_fn(backbone: Backbone, runtime: EngramRuntime, compiled_ops: bool) -> Callable:
+    """``x [T, D] -> [T, D]``: the blocks, each Engram layer at its block (the first stream of
+    its output carried on)."""
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        for b in range(backbone.n_blocks):
+            if b in ro.ENGRAM_AT:
+                li = ro.ENGRAM_AT[b]
+                hidden = engram_input(x)
+                if compiled_ops:
+                    x = custom_ops.run_layer(runtime, li, hidden)[:, 0]
+                else:
+                    x = runtime.run(li, hidden)[:, 0]
+            x = backbone.block(x, b)
+        return x
+
+    return forward
+
+
+class Runner:
+    """One case's way of running steps: ``plan(batch)`` then ``step()``."""
+
+    def __init__(self, runtime: EngramRuntime, x: torch.Tensor) -> None:
+        self.runtime, self.x = runtime, x
+
+    def plan(self, batch: HashBatch) -> Any:
+        return self.runtime.plan(batch)
+
+    def step(self) -> None:
+        raise NotImplementedError
+
+    def staged(self, plan: Any, li: int, num_tokens: int) -> torch.Tensor:
+        return self.runtime.staged_rows(plan.slot, li)[:num_tokens]
+
+
+class Eager(Runner):
+    def __init__(self, runtime, x, backbone, compiled: bool) -> None:
+        super().__init__(runtime, x)
+        fn = forward_fn(backbone, runtime, compiled_ops=compiled)
+        self.forward = torch.compile(fn, fullgraph=True) if compiled else fn
+
+    def step(self) -> None:
+        self.out = self.forward(self.x)
+
+
+class Piecewise(Runner):
+    """Pieces between Engram layers replayed from CUDA graphs, ``runtime.run`` eager between
+    them, reading and writing the fixed buffers the pieces were captured with."""
+
+    def __init__(self, runtime, x, backbone) -> None:
+        super().__init__(runtime, x)
+        (first, li0), (second, li1) = sorted(ro.ENGRAM_AT.items())
+        T = x.shape[0]
+        self.li = (li0, li1)
+        self.g0, self.h0 = ro.capture(lambda: engram_input(backbone.blocks(x, 0, first)))
+        out0 = runtime.output_buffer(li0)[:T]
+        self.g1, self.h1 = ro.capture(
+            lambda: engram_input(backbone.blocks(out0[:, 0], first, second))
+        )
+        out1 = runtime.output_buffer(li1)[:T]
+        self.g2, self.out = ro.capture(
+            lambda: backbone.blocks(out1[:, 0], second, backbone.n_blocks)
+        )
+
+    def step(self) -> None:
+        self.g0.replay()
+        self.runtime.run(self.li[0], self.h0)
+        self.g1.replay()
+        self.runtime.run(self.li[1], self.h1)
+        self.g2.replay()
+
+
+class WholeStep(Runner):
+    """The whole step (plan included) in one CUDA graph per staging slot."""
+
+    FIELDS = ("input_ids", "positions", "query_start_loc", "lookback_token_ids")
+
+    def __init__(self, runtime, x, backbone, batch: HashBatch) -> None:
+        super().__init__(runtime, x)
+        self.inputs = HashBatch(**{f: getattr(batch, f).clone() for f in self.FIELDS})
+        forward = forward_fn(backbone, runtime, compiled_ops=False)
+        slots: list[int] = []
+
+        def whole() -> torch.Tensor:
+            slots.append(runtime.plan(self.inputs).slot)
+            return forward(x)
+
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outs: dict[int, torch.Tensor] = {}
+        for _ in range(runtime.num_slots):  # each capture runs whole() thrice: slots alternate
+            graph, out = ro.capture(whole)
+            self.graphs[slots[-1]], self.outs[slots[-1]] = graph, out
+        if len(self.graphs) != runtime.num_slots:
+            raise RuntimeError(f"captured slots {sorted(self.graphs)}; expected every slot")
+        self._next = 0
+
+    def plan(self, batch: HashBatch) -> Any:
+        for name in self.FIELDS:
+            getattr(self.inputs, name).copy_(getattr(batch, name), non_blocking=True)
+        slot, self._next = self._next, (self._next + 1) % len(self.graphs)
+        return _Slot(slot)
+
+    def step(self) -> None:
+        raise NotImplementedError  # replays need the slot: see run_steps
+
+    def replay(self, plan: _Slot) -> None:
+        self.graphs[plan.slot].replay()
+        self.out = self.outs[plan.slot]
+
+
+@dataclass
+class _Slot:
+    slot: int
+
+
+def synchronize() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def run_steps(runner: Runner, batches: list[HashBatch], loop: str, prefetch: bool) -> float:
+    """ms per step of ``runner`` over ``batches``."""
+    sync = loop == "sync"
+    synchronize()
+    start = time.perf_counter()
+    plan = runner.plan(batches[0])
+    for i in range(len(batches)):
+        nxt = runner.plan(batches[i + 1]) if prefetch and i + 1 < len(batches) else None
+        if isinstance(runner, WholeStep):
+            runner.replay(plan)
+        else:
+            runner.step()
+        if i + 1 < len(batches):
+            if sync:
+                synchronize()
+            plan = nxt if nxt is not None else runner.plan(batches[i + 1])
+    synchronize()
+    return 1e3 * (time.perf_counter() - start) / len(batches)
+
+
+@dataclass
+class Case:
+    placement: str
+    mode: str
+    workload: str
+    loop: str
+    ids: str
+    runner: Runner | None = None
+    skipped: str | None = None
+    check: dict = field(default_factory=dict)
+    ms: list[float | None] = field(default_factory=list)
+
+    @property
+    def key(self) -> tuple[str, str, str, str]:
+        return self.mode, self.workload, self.loop, self.ids
+
+    def label(self) -> str:
+        return f"{self.placement}/{self.mode}/{self.workload}/{self.loop}/{self.ids}"
+
+
+def paired_case_stats(case_ms: list[float | None], ref_ms: list[float | None]) -> dict[str, Any]:
+    """A case's cost against its reference, round by round (see the module doc)."""
+    stats = ro.paired_stats("pct", case_ms, ref_ms)
+    timed = [m for m in case_ms if m is not None]
+    ref = [m for m in ref_ms if m is not None]
+    return {
+        "rounds": sum(v is not None for v in stats["pct_rounds"]),
+        "median_pct": stats["pct"],
+        "p25_pct": stats["pct_p25"],
+        "p75_pct": stats["pct_p75"],
+        "pct_rounds": stats["pct_rounds"],
+        "ms": float(np.median(timed)) if timed else None,
+        "ref_ms": float(np.median(ref)) if ref else None,
+        "ms_rounds": case_ms,
+    }
+
+
+class AlreadyMapped(SharedRows):
+    """Rows another live store holds and has already mapped for the GPU."""
+
+    def map_for_device(self, rows: torch.Tensor, holder: object, what: str) -> None:
+        return None
+
+
+def host_stores(layout, device, gather: str, base: list | None) -> list:
+    """Each layer's host store with ``gather``, over ``base``'s rows when given."""
+    options = HostOptions(gather=gather, queued_rows=PREFILL_TOKENS * layout.config.n_cols)
+    if base is None:
+        return synthetic_stores(layout, TablePlacement(options, device), seed=1)
+    return [
+        HostGatherRowStore(
+            store.num_rows,
+            store.E,
+            options,
+            device=device,
+            host_rows=AlreadyMapped(store.source, owner=store),
+        )
+        for store in base
+    ]
+
+
+def parse_list(text: str, choices: tuple[str, ...], name: str) -> list[str]:
+    values = [v for v in text.split(",") if v]
+    unknown = [v for v in values if v not in choices]
+    if unknown or not values:
+        raise SystemExit(f"--{name}={text!r}; expected a comma-separated list of {choices}")
+    return values
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--table-gib", type=float, default=8.0)
+    p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--placements", default=",".join(PLACEMENTS))
+    p.add_argument("--workloads", default="decode")
+    p.add_argument("--loops", default=",".join(LOOPS))
+    p.add_argument("--ids", default="random")
+    p.add_argument("--rounds", type=int, default=10)
+    p.add_argument("--steps", type=int, default=20, help="timed decode steps per block")
+    p.add_argument("--prefill-steps", type=int, default=4, help="timed prefill chunks per block")
+    p.add_argument("--warmup-steps", type=int, default=2)
+    p.add_argument("--max-seconds", type=float, default=0.0, help="start no round after (0: none)")
+    p.add_argument("--smoke", action="store_true", help="a CPU-sized backbone (plumbing only)")
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    args.modes = parse_list(args.modes, MODES, "modes")
+    args.placements = parse_list(args.placements, PLACEMENTS, "placements")
+    args.workloads = parse_list(args.workloads, WORKLOADS, "workloads")
+    args.loops = parse_list(args.loops, LOOPS, "loops")
+    args.ids = parse_list(args.ids, IDS, "ids")
+    for name in ("rounds", "steps", "prefill_steps"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"--{name.replace('_', '-')}={getattr(args, name)}; expected >= 1")
+    if args.warmup_steps < 0:
+        raise SystemExit(f"--warmup-steps={args.warmup_steps}; expected >= 0")
+    if not args.smoke and not torch.cuda.is_available():
+        raise SystemExit("step_cost: needs a CUDA device (or --smoke for the plumbing on a CPU)")
+    if args.out is None:
+        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+        args.out = os.path.join("bench", "results", f"step-cost-{stamp}.json")
+    return args
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    if args.smoke:
+        ro.use_smoke_backbone()
+        args.modes = [m for m in args.modes if m == "eager"]  # no CUDA: eager only
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    cfg = ro.scaled_config(args.table_gib)
+    layout = EngramLayout(cfg)
+    token_map = TokenMap.from_tokenizer_file()
+    consts = HashConstants.from_layout(layout, token_map.pad_id(cfg))
+    blocks, _ = ro.make_backbone(cfg, device)
+    backbone = Backbone(blocks).to(device)
+    del blocks
+    heads = []
+    g = torch.Generator(device=device).manual_seed(1)
+    for _ in range(2):
+        head = EngramHead(
+            cfg,
+            device=device,
+            backend="auto" if device.type == "cuda" else "reference",
+            validate=False,
+        )
+        head.load_weights(
+            wkv=(
+                torch.randn(
+                    (ro.HC + 1) * ro.D, cfg.n_cols * cfg.head_dim, generator=g, device=device
+                )
+                * 0.02
+            ).bfloat16(),
+            q_weight=torch.ones(ro.HC, ro.D, dtype=torch.bfloat16, device=device),
+            k_weight=torch.ones(ro.HC, ro.D, dtype=torch.bfloat16, device=device),
+        )
+        heads.append(head)
+
+    device_stores = synthetic_stores(layout, TablePlacement("device", device), seed=1)
+    stores: dict[str, list] = {"device": device_stores, "aa": device_stores}
+    host_names = [p for p in args.placements if p not in ("aa",)]
+    base = None
+    for name in host_names:
+        gather = "queued" if name == "queued" else "thread"
+        if name in ("default", "gpu-reads"):
+            gather = HostOptions().gather  # as shipped
+        stores[name] = host_stores(layout, device, gather, base)
+        base = base or stores[name]
+    checker = EngramRuntime(
+        NgramHasher(consts, token_map, device), device_stores,
+        max_tokens=PREFILL_TOKENS, max_requests=512, validate=False,
+    )  # fmt: skip
+
+    rng = np.random.default_rng(0)
+    workloads: dict[tuple[str, str], list[HashBatch]] = {}
+    decode_steps = args.rounds * args.steps + args.warmup_steps + 4
+    for ids in args.ids if "decode" in args.workloads else []:
+        ns = argparse.Namespace(workloads=["decode"], ids=ids, decode_steps=decode_steps)
+        (batches,) = ro.build_workloads(ns, token_map.vocab_size, device).values()
+        workloads[("decode", ids)] = batches
+    if "prefill" in args.workloads:
+        chunks = ro.prefill_batches(rng, token_map.vocab_size, device)
+        workloads[("prefill", "random")] = [b for b in chunks if b.num_tokens == PREFILL_TOKENS]
+
+    cases: list[Case] = []
+    runtimes: list[EngramRuntime] = []
+    for (workload, ids), batches in workloads.items():
+        T = DECODE_TOKENS if workload == "decode" else PREFILL_TOKENS
+        x = torch.randn(T, ro.D, device=device, dtype=torch.bfloat16)
+        modes = (
+            args.modes if workload == "decode" else [m for m in args.modes if m in PREFILL_MODES]
+        )
+        for placement in ["device", *args.placements]:
+            for mode in modes:
+                runtime = EngramRuntime(
+                    NgramHasher(consts, token_map, device),
+                    stores[placement],
+                    heads=heads,
+                    max_tokens=T,
+                    max_requests=512,
+                    validate=False,
+                    gpu_reads="all" if placement == "gpu-reads" else "first",
+                )
+                runtimes.append(runtime)
+                runner, skipped, check = None, None, {}
+                if mode == "graph" and any(src.host_sync for src in runtime.sources):
+                    skipped = "a source needs a host thread (host_sync): no whole-step capture"
+                else:
+                    try:
+                        runner = make_runner(mode, runtime, x, backbone, batches[0])
+                        check = check_case(runner, checker, batches[1])
+                        skipped = None if check["passed"] else "check failed"
+                    except Exception as error:  # a mode this placement cannot run: say why
+                        skipped = f"{type(error).__name__}: {error}"[:400]
+                        runtime.abandon()
+                label = f"{placement}/{mode}/{workload}/{ids}"
+                print(f"check {label}: {skipped} {check}", flush=True)
+                for loop in args.loops:
+                    cases.append(Case(placement, mode, workload, loop, ids, runner, skipped, check))
+
+    timed = [c for c in cases if c.skipped is None]
+    order_rng = np.random.default_rng(1)
+    started = time.perf_counter()
+    report: dict = {}
+    for round_index in range(args.rounds):
+        if round_index and args.max_seconds and time.perf_counter() - started > args.max_seconds:
+            break
+        for ci in order_rng.permutation(len(timed)):
+            case = timed[ci]
+            batches = workloads[(case.workload, case.ids)]
+            steps = args.steps if case.workload == "decode" else args.prefill_steps
+            warm, window = ro.block_window(len(batches), round_index, steps, args.warmup_steps)
+            prefetch = case.workload == "prefill"
+            assert case.runner is not None
+            if warm:
+                run_steps(case.runner, [batches[i] for i in warm], case.loop, prefetch)
+            ms = run_steps(case.runner, [batches[i] for i in window], case.loop, prefetch)
+            case.ms.append(ms)
+            print(f"round {round_index:2d} {case.label():45s} {ms:.3f} ms/step", flush=True)
+        for case in cases:
+            if case.skipped is not None or len(case.ms) <= round_index:
+                case.ms.append(None)
+        report = summarize(args, cfg, cases, round_index + 1)
+        ro.write_report(args.out, report)
+    for row in report.get("cases", []):
+        if row.get("median_pct") is not None:
+            print(
+                f"{row['placement']:9s} {row['mode']:9s} {row['workload']:7s} {row['loop']:6s} "
+                f"{row['ids']:6s} {row['median_pct']:+6.2f}% ({row['p25_pct']:+.2f}, "
+                f"{row['p75_pct']:+.2f})  ref {row['ref_ms']:.3f} ms"
+            )
+    for runtime in runtimes:
+        runtime.close()
+    return report
+
+
+def make_runner(mode: str, runtime, x, backbone, batch) -> Runner:
+    if mode in ("eager", "compiled"):
+        return Eager(runtime, x, backbone, compiled=mode == "compiled")
+    if mode == "piecewise":
+        return Piecewise(runtime, x, backbone)
+    return WholeStep(runtime, x, backbone, batch)
+
+
+def check_case(runner: Runner, checker: EngramRuntime, batch: HashBatch) -> dict:
+    """The runner's step of ``batch`` (twice: warm-up, then checked): its staged rows bit for
+    bit the GPU-memory tables' rows, and a finite output."""
+    T = batch.num_tokens
+    for _ in range(2):
+        plan = runner.plan(batch)
+        if isinstance(runner, WholeStep):
+            runner.replay(plan)
+        else:
+            runner.step()
+    synchronize()
+    expected = checker.plan(batch)
+    rows_equal = all(
+        torch.equal(
+            runner.staged(plan, li, T).view(torch.int16), expected.rows(li).view(torch.int16)
+        )
+        for li in range(checker.n_layers)
+    )
+    finite = bool(torch.isfinite(runner.out.float()).all())
+    return {"rows_equal": rows_equal, "finite": finite, "passed": rows_equal and finite}
+
+
+def summarize(args, cfg, cases: list[Case], rounds_done: int) -> dict:
+    refs = {c.key: c for c in cases if c.placement == "device"}
+    rows = []
+    for case in cases:
+        row: dict[str, Any] = {
+            "mode": case.mode,
+            "placement": case.placement,
+            "table_gib": args.table_gib,
+            "workload": case.workload,
+            "loop": case.loop,
+            "ids": case.ids,
+            "tokens": DECODE_TOKENS if case.workload == "decode" else PREFILL_TOKENS,
+            "check": case.check,
+        }
+        if case.skipped is not None:
+            row["skipped"] = case.skipped
+        ref = refs[case.key]
+        if case.placement == "device":
+            timed = [m for m in case.ms if m is not None]
+            row.update({"rounds": len(timed), "ms": float(np.median(timed)) if timed else None})
+            row["ms_rounds"] = case.ms
+        elif case.skipped is None and ref.skipped is None:
+            row.update(paired_case_stats(case.ms, ref.ms))
+        rows.append(row)
+    return {
+        "bench": "step_cost",
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "torch": torch.__version__,
+        "triton": __import__("triton").__version__,
+        "table_gib_per_layer": args.table_gib,
+        "config": cfg.name,
+        "engram_at_blocks": sorted(ro.ENGRAM_AT),
+        "backbone": {"hidden": ro.D, "ffn": ro.FFN, "blocks": ro.BLOCKS},
+        "steps_per_block": {"decode": args.steps, "prefill": args.prefill_steps},
+        "warmup_steps": args.warmup_steps,
+        "rounds_completed": rounds_done,
+        "smoke": args.smoke,
+        "cases": rows,
+    }
+
+
+if __name__ == "__main__":
+    main()
