@@ -46,6 +46,7 @@ import time
 
 import numpy as np
 import torch
+from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from engramrt import custom_ops
@@ -167,6 +168,10 @@ def build(args, device):
     token_map = TokenMap.from_tokenizer_file()
     consts = HashConstants.from_layout(layout, token_map.pad_id(cfg))
     blocks, heads = make_backbone(cfg, device)
+    # Held as parameters, as an engine's model holds them: Inductor's CUDA graphs take
+    # parameters as static inputs, but copy plain tensors a graph closes over into its
+    # inputs at every replay (the thirty blocks' weights, about 12 GB a step).
+    blocks = [tuple(nn.Parameter(w, requires_grad=False) for w in block) for block in blocks]
     stores = {
         tier: synthetic_stores(layout, TablePlacement(tier, device)) for tier in ("device", "host")
     }

@@ -192,14 +192,20 @@ def parse_engram_at(text: str) -> dict[int, int]:
     return {b: li for li, b in enumerate(blocks)}
 
 
-def scaled_config(table_gib: float):
+def scaled_config(table_gib: float, layer_ids: tuple[int, ...] | None = None):
     """The V4.1-Flash config with hidden size D and vocabularies scaled so each
-    layer's table holds ``table_gib`` GiB (the primes still follow the layout rules)."""
+    layer's table holds ``table_gib`` GiB (the primes still follow the layout rules);
+    ``layer_ids`` replaces its Engram blocks."""
     base = PRESETS["dsv41-flash"]
+    if layer_ids is not None:
+        base = base.replace(layer_ids=layer_ids, num_embeddings=(1,) * len(layer_ids))
     rows = int(table_gib * 2**30) // base.row_bytes
     vocab = rows // base.n_cols
     cfg = base.replace(
-        vocab_size=(vocab,) * 3, num_embeddings=(1, 1), hidden_size=D, name=f"v41-{table_gib}GiB"
+        vocab_size=(vocab,) * 3,
+        num_embeddings=(1,) * base.n_layers,
+        hidden_size=D,
+        name=f"v41-{table_gib}GiB",
     )
     needed = EngramLayout(cfg, check_num_embeddings=False).num_embeddings
     return cfg.replace(num_embeddings=needed)

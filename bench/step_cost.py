@@ -54,6 +54,7 @@ atomically after every round) has a top-level ``cases`` list: ``mode``,
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import sys
 import time
@@ -160,41 +161,44 @@ class Eager(Runner):
 
 
 class Piecewise(Runner):
-    """Pieces between Engram layers replayed from CUDA graphs, ``runtime.run`` eager between
-    them, reading and writing the fixed buffers the pieces were captured with."""
+    """The pieces between Engram layers compiled by Inductor and captured in CUDA graphs,
+    ``runtime.run`` eager between them (vLLM's way), each piece reading the fixed buffer the
+    Engram layer before it writes."""
 
     def __init__(self, runtime, x, backbone) -> None:
         super().__init__(runtime, x)
-        (first, li0), (second, li1) = sorted(ro.ENGRAM_AT.items())
         T = x.shape[0]
-        self.li = (li0, li1)
-        self.g0, self.h0 = ro.capture(lambda: engram_input(backbone.blocks(x, 0, first)))
-        out0 = runtime.output_buffer(li0)[:T]
-        self.g1, self.h1 = ro.capture(
-            lambda: engram_input(backbone.blocks(out0[:, 0], first, second))
-        )
-        out1 = runtime.output_buffer(li1)[:T]
-        self.g2, self.out = ro.capture(
-            lambda: backbone.blocks(out1[:, 0], second, backbone.n_blocks)
-        )
+        self.pieces: list[tuple[torch.cuda.CUDAGraph, int | None, torch.Tensor | None]] = []
+        source, lo = x, 0
+        for block, li in [*sorted(ro.ENGRAM_AT.items()), (backbone.n_blocks, None)]:
+            piece = torch.compile(
+                lambda h, lo=lo, hi=block: backbone.blocks(h, lo, hi), fullgraph=True
+            )
+            if li is None:  # the last piece: the step's output
+                graph, self.out = ro.capture(lambda piece=piece, h=source: piece(h))
+                self.pieces.append((graph, None, None))
+            else:  # ends with the Engram layer's input
+                graph, hidden = ro.capture(lambda piece=piece, h=source: engram_input(piece(h)))
+                self.pieces.append((graph, li, hidden))
+                source, lo = runtime.output_buffer(li)[:T][:, 0], block
 
     def step(self) -> None:
-        self.g0.replay()
-        self.runtime.run(self.li[0], self.h0)
-        self.g1.replay()
-        self.runtime.run(self.li[1], self.h1)
-        self.g2.replay()
+        for graph, li, hidden in self.pieces:
+            graph.replay()
+            if li is not None:
+                self.runtime.run(li, hidden)
 
 
 class WholeStep(Runner):
-    """The whole step (plan included) in one CUDA graph per staging slot."""
+    """The whole step (plan included) in one CUDA graph per staging slot, the blocks
+    compiled by Inductor and each Engram layer the ``engramrt::run_layer`` operator."""
 
     FIELDS = ("input_ids", "positions", "query_start_loc", "lookback_token_ids")
 
     def __init__(self, runtime, x, backbone, batch: HashBatch) -> None:
         super().__init__(runtime, x)
         self.inputs = HashBatch(**{f: getattr(batch, f).clone() for f in self.FIELDS})
-        forward = forward_fn(backbone, runtime, compiled_ops=False)
+        forward = torch.compile(forward_fn(backbone, runtime, compiled_ops=True), fullgraph=True)
         slots: list[int] = []
 
         def whole() -> torch.Tensor:
@@ -238,6 +242,8 @@ def run_steps(runner: Runner, batches: list[HashBatch], loop: str, prefetch: boo
     """ms per step of ``runner`` over ``batches``."""
     sync = loop == "sync"
     synchronize()
+    gc.collect()
+    gc.disable()  # a collection inside a block is noise, not the placement's cost
     start = time.perf_counter()
     plan = runner.plan(batches[0])
     for i in range(len(batches)):
@@ -251,7 +257,9 @@ def run_steps(runner: Runner, batches: list[HashBatch], loop: str, prefetch: boo
                 synchronize()
             plan = nxt if nxt is not None else runner.plan(batches[i + 1])
     synchronize()
-    return 1e3 * (time.perf_counter() - start) / len(batches)
+    elapsed = time.perf_counter() - start
+    gc.enable()
+    return 1e3 * elapsed / len(batches)
 
 
 @dataclass
@@ -326,6 +334,12 @@ def parse_list(text: str, choices: tuple[str, ...], name: str) -> list[str]:
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--table-gib", type=float, default=8.0)
+    p.add_argument(
+        "--engram-blocks",
+        default="1,14",
+        help="the blocks that start with an Engram layer (V4.1-Flash: 1,14; 1 alone for one "
+        "full-size layer on one GPU)",
+    )
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--placements", default=",".join(PLACEMENTS))
     p.add_argument("--workloads", default="decode")
@@ -347,6 +361,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     for name in ("rounds", "steps", "prefill_steps"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')}={getattr(args, name)}; expected >= 1")
+    try:
+        args.engram_blocks = sorted({int(b) for b in args.engram_blocks.split(",")})
+    except ValueError:
+        raise SystemExit(
+            f"--engram-blocks={args.engram_blocks!r}; expected comma-separated block indices"
+        ) from None
+    if not args.engram_blocks or not all(0 < b < 30 for b in args.engram_blocks):
+        raise SystemExit(f"--engram-blocks={args.engram_blocks}; expected blocks in 1..29")
     if args.warmup_steps < 0:
         raise SystemExit(f"--warmup-steps={args.warmup_steps}; expected >= 0")
     if not args.smoke and not torch.cuda.is_available():
@@ -363,7 +385,10 @@ def main(argv=None) -> dict:
         ro.use_smoke_backbone()
         args.modes = [m for m in args.modes if m == "eager"]  # no CUDA: eager only
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    cfg = ro.scaled_config(args.table_gib)
+    if max(args.engram_blocks) >= ro.BLOCKS:
+        raise SystemExit(f"--engram-blocks={args.engram_blocks}; the backbone has {ro.BLOCKS}")
+    ro.ENGRAM_AT = {b: li for li, b in enumerate(args.engram_blocks)}
+    cfg = ro.scaled_config(args.table_gib, layer_ids=tuple(args.engram_blocks))
     layout = EngramLayout(cfg)
     token_map = TokenMap.from_tokenizer_file()
     consts = HashConstants.from_layout(layout, token_map.pad_id(cfg))
@@ -372,7 +397,7 @@ def main(argv=None) -> dict:
     del blocks
     heads = []
     g = torch.Generator(device=device).manual_seed(1)
-    for _ in range(2):
+    for _ in range(cfg.n_layers):
         head = EngramHead(
             cfg,
             device=device,

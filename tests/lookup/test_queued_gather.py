@@ -3,6 +3,7 @@ order, bit for bit the reference, at fixed addresses, failures never silent."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -23,8 +24,12 @@ from engramrt.runtime.runtime import worker_plan
 
 def build(tier: str, table: torch.Tensor, tmp_path: Path, **kwargs: object) -> HostGatherRowStore:
     options = {k: v for k, v in kwargs.items() if k not in ("row_begin", "col_begin", "col_end")}
+    options_type = tier_class(tier).options_type
+    if "gpu_reads" in {f.name for f in dataclasses.fields(options_type)}:
+        # On a GPU, small batches would otherwise be read by the GPU, not gathered.
+        options.setdefault("gpu_reads", False)
     store = store_of(
-        tier_class(tier).options_type(gather="queued", **options),  # type: ignore[arg-type]
+        options_type(gather="queued", **options),  # type: ignore[arg-type]
         table,
         device=DEVICE,
         row_begin=int(kwargs.get("row_begin", 0)),  # type: ignore[call-overload]
