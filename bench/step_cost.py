@@ -31,7 +31,8 @@ reference), ``aa`` (a second runtime over the same GPU tables: the A/A control),
 ``default`` (host memory, everything as shipped), ``thread`` (host memory, the
 CPU's gathers driven by a worker thread: ``HostOptions(gather="thread")``),
 ``queued`` (host memory, gathers queued in stream order:
-``HostOptions(gather="queued")``), ``gpu-reads`` (host memory, every layer read
+``HostOptions(gather="queued")``), ``queued-cpu`` (the same with no GPU reads: every
+layer's rows gathered by the CPU in stream order), ``gpu-reads`` (host memory, every layer read
 by the GPU: ``EngramRuntime(gpu_reads="all")``). The host placements share one
 copy of the tables in host memory.
 
@@ -78,7 +79,7 @@ from engramrt.runtime import EngramRuntime, synthetic_stores
 from engramrt.tokenmap import TokenMap
 
 MODES = ("eager", "compiled", "piecewise", "graph")
-PLACEMENTS = ("aa", "default", "thread", "queued", "gpu-reads")
+PLACEMENTS = ("aa", "default", "thread", "queued", "queued-cpu", "gpu-reads")
 LOOPS = ("sync", "queued")
 WORKLOADS = ("decode", "prefill")
 IDS = ("random", "text", "zipf")
@@ -306,9 +307,13 @@ class AlreadyMapped(SharedRows):
         return None
 
 
-def host_stores(layout, device, gather: str, base: list | None) -> list:
+def host_stores(layout, device, gather: str, base: list | None, gpu_reads: bool = True) -> list:
     """Each layer's host store with ``gather``, over ``base``'s rows when given."""
-    options = HostOptions(gather=gather, queued_rows=PREFILL_TOKENS * layout.config.n_cols)
+    options = HostOptions(
+        gather=gather,
+        queued_rows=PREFILL_TOKENS * layout.config.n_cols,
+        gpu_reads=None if gpu_reads else False,
+    )
     if base is None:
         return synthetic_stores(layout, TablePlacement(options, device), seed=1)
     return [
@@ -418,13 +423,14 @@ def main(argv=None) -> dict:
 
     device_stores = synthetic_stores(layout, TablePlacement("device", device), seed=1)
     stores: dict[str, list] = {"device": device_stores, "aa": device_stores}
-    host_names = [p for p in args.placements if p not in ("aa",)]
+    # The first host placement maps the shared rows for GPU reads; queued-cpu reads none.
+    host_names = sorted((p for p in args.placements if p != "aa"), key="queued-cpu".__eq__)
     base = None
     for name in host_names:
-        gather = "queued" if name == "queued" else "thread"
+        gather = "queued" if name.startswith("queued") else "thread"
         if name in ("default", "gpu-reads"):
             gather = HostOptions().gather  # as shipped
-        stores[name] = host_stores(layout, device, gather, base)
+        stores[name] = host_stores(layout, device, gather, base, gpu_reads=name != "queued-cpu")
         base = base or stores[name]
     checker = EngramRuntime(
         NgramHasher(consts, token_map, device), device_stores,
@@ -459,7 +465,7 @@ def main(argv=None) -> dict:
                     max_tokens=T,
                     max_requests=512,
                     validate=False,
-                    gpu_reads="all" if placement == "gpu-reads" else "first",
+                    gpu_reads={"gpu-reads": "all", "queued-cpu": "sources"}.get(placement, "first"),
                 )
                 runtimes.append(runtime)
                 runner, skipped, check = None, None, {}
