@@ -281,6 +281,25 @@ def _host_variant(gpu_reads: bool, gpu_share: float | None = None) -> Callable[[
     return _store_variant(gpu_reads=gpu_reads, gpu_share=gpu_share)
 
 
+def _queued_lookup(inputs: Inputs) -> torch.Tensor:
+    """The host tier's CPU gather queued in stream order (``HostOptions(gather="queued")``,
+    no GPU reads) over the same rows, timed as one lookup."""
+    from engramrt.distributed.stores import SharedRows
+    from engramrt.lookup.tiers import HostGatherRowStore, HostOptions
+
+    queued = inputs.get("queued")
+    if queued is None:
+        store = inputs["store"]
+        queued = inputs["queued"] = HostGatherRowStore(
+            store.num_rows,
+            E,
+            HostOptions(gather="queued", gpu_reads=False, backend="triton"),
+            device=store.device,
+            host_rows=SharedRows(store.source, owner=store),
+        )
+    return queued.lookup(inputs["row_ids"], out=inputs["out"])
+
+
 def _device_torch_eager(inputs: Inputs) -> torch.Tensor:
     """index_select of packed rows, then the reference dequantise, on the GPU."""
     return lookup_rows_reference(inputs["row_ids"], inputs["store"].table, E)
@@ -323,6 +342,7 @@ def lookup_cases(quick: bool) -> list[Case]:
                 impls = {tier: _tier_lookup, "torch-eager": _host_torch_eager}
                 if tier == "host" and torch.cuda.is_available():
                     impls["host[cpu gather]"] = _host_variant(gpu_reads=False)
+                    impls["host[queued gather]"] = _queued_lookup
                     if num_tokens == 8192:
                         for share in _GPU_SHARES:
                             impls[f"host[gpu_share={share}]"] = _host_variant(True, share)
@@ -356,7 +376,9 @@ def lookup_cases(quick: bool) -> list[Case]:
             # The host tier's GPU reads of a decode batch need no host synchronisation.
             capturable = tier in ("device", "uva") or (tier == "host" and num_tokens == 256)
             graph_impls = tuple(
-                name for name in impls if name not in ("torch-eager", "host[cpu gather]")
+                name
+                for name in impls
+                if name not in ("torch-eager", "host[cpu gather]", "host[queued gather]")
             )
             cases.append(
                 Case(
