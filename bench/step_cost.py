@@ -355,6 +355,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--prefill-steps", type=int, default=4, help="timed prefill chunks per block")
     p.add_argument("--warmup-steps", type=int, default=2)
     p.add_argument("--max-seconds", type=float, default=0.0, help="start no round after (0: none)")
+    p.add_argument(
+        "--profile-steps",
+        type=int,
+        default=0,
+        help="before the rounds, profile this many synchronous steps of every case "
+        "(torch.profiler; the top operations by device and host time go in the report)",
+    )
     p.add_argument("--smoke", action="store_true", help="a CPU-sized backbone (plumbing only)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
@@ -485,6 +492,13 @@ def main(argv=None) -> dict:
                     cases.append(Case(placement, mode, workload, loop, ids, runner, skipped, check))
 
     timed = [c for c in cases if c.skipped is None]
+    profiles = {}
+    if args.profile_steps:
+        for case in timed:
+            if case.loop == "sync":
+                batches = workloads[(case.workload, case.ids)][: args.profile_steps + 1]
+                assert case.runner is not None
+                profiles[case.label()] = profile_case(case.runner, batches)
     order_rng = np.random.default_rng(1)
     started = time.perf_counter()
     report: dict = {}
@@ -507,6 +521,8 @@ def main(argv=None) -> dict:
             if case.skipped is not None or len(case.ms) <= round_index:
                 case.ms.append(None)
         report = summarize(args, cfg, cases, round_index + 1)
+        if profiles:
+            report["profiles"] = profiles
         ro.write_report(args.out, report)
     for row in report.get("cases", []):
         if row.get("median_pct") is not None:
@@ -526,6 +542,41 @@ def make_runner(mode: str, runtime, x, backbone, batch) -> Runner:
     if mode == "piecewise":
         return Piecewise(runtime, x, backbone)
     return WholeStep(runtime, x, backbone, batch)
+
+
+def profile_case(runner: Runner, batches: list[HashBatch], top: int = 12) -> dict:
+    """What a case's synchronous steps spend, by operation: the first batch as a warm-up,
+    then the rest under ``torch.profiler``; per step, microseconds of device time and of
+    host time (each operation's own, its children excluded)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    run_steps(runner, batches[:1], "sync", prefetch=False)
+    steps = batches[1:]
+    activities = [ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(ProfilerActivity.CUDA)
+    with profile(activities=activities) as prof:
+        ms = run_steps(runner, steps, "sync", prefetch=False)
+    events = prof.key_averages()
+
+    def ranked(attr: str) -> list[dict]:
+        rows = sorted(events, key=lambda e: getattr(e, attr, 0.0), reverse=True)[:top]
+        return [
+            {
+                "name": e.key[:120],
+                "us_per_step": getattr(e, attr, 0.0) / len(steps),
+                "calls_per_step": e.count / len(steps),
+            }
+            for e in rows
+            if getattr(e, attr, 0.0) > 0
+        ]
+
+    return {
+        "steps": len(steps),
+        "ms_per_step_profiled": ms,
+        "device": ranked("self_device_time_total"),
+        "host": ranked("self_cpu_time_total"),
+    }
 
 
 def check_case(runner: Runner, checker: EngramRuntime, batch: HashBatch) -> dict:
