@@ -66,8 +66,8 @@ def _vllm_step() -> dict:
         "slot_mapping": torch.tensor(slots),
         "block_table": table,
         "block_size": bs,
-        "num_actual_tokens": 5,
-        "num_reqs": 2,
+        "num_tokens_unpadded": 5,
+        "num_reqs_unpadded": 2,
         "pad_slot_id": 0,
     }
 
@@ -97,7 +97,7 @@ def test_vllm_short_buffers_are_padded() -> None:
 def test_vllm_defaults_take_the_boundaries_as_given() -> None:
     step = _vllm_step()
     step["query_start_loc"] = torch.tensor([0, 3, 5, 5, 5], dtype=torch.int32)
-    del step["num_actual_tokens"], step["num_reqs"]
+    del step["num_tokens_unpadded"], step["num_reqs_unpadded"]
     batch = from_vllm_step(**step)
     assert batch.query_start_loc.tolist() == [0, 3, 5, 5, 5]
     assert batch.slot_mapping is not None
@@ -108,8 +108,8 @@ _VLLM_INVALID = [
     ({"input_ids": torch.zeros(8)}, "input_ids has dtype torch.float32"),
     ({"positions": torch.zeros(7, dtype=torch.int64)}, r"positions has shape \[7\]"),
     ({"query_start_loc": torch.zeros(2, 3, dtype=torch.int32)}, "query_start_loc has shape"),
-    ({"num_actual_tokens": 9}, r"num_actual_tokens=9 must be in \[0, 8\]"),
-    ({"num_reqs": 5}, r"num_reqs=5 must be in \[0, 4\]"),
+    ({"num_tokens_unpadded": 9}, r"num_tokens_unpadded=9 must be in \[0, 8\]"),
+    ({"num_reqs_unpadded": 5}, r"num_reqs_unpadded=5 must be in \[0, 4\]"),
     ({"block_table": torch.zeros(1, 3, dtype=torch.int32)}, "block_table has 1 rows"),
     ({"block_table": torch.zeros(2, 3, dtype=torch.float32)}, "block_table has dtype"),
     (
@@ -118,19 +118,22 @@ _VLLM_INVALID = [
     ),
     ({"block_size": 0}, r"block_size=0 must be in \[1, "),
     ({"block_size": 8}, r"slot_mapping\[0\]=13 but block_table\[0\] with block_size=8"),
-    ({"num_actual_tokens": 4}, r"query_start_loc\[num_reqs=2\]=5; expected num_actual_tokens=4"),
+    (
+        {"num_tokens_unpadded": 4},
+        r"query_start_loc\[num_reqs_unpadded=2\]=5; expected num_tokens_unpadded=4",
+    ),
     ({"slot_mapping": torch.tensor([13, 14])}, "slot_mapping has 2 entries"),
     ({"dead_mask": torch.zeros(7, dtype=torch.bool)}, r"dead_mask has shape \[7\]"),
     (
         {"lookback_token_ids": torch.zeros(2, 3, dtype=torch.int64)},
-        r"lookback_token_ids has shape \[2, 3\]; expected \[4, N-1\]",
+        r"lookback_token_ids has shape \[2, 3\]; expected at least 4 rows",
     ),
     (
         {"dead_mask": torch.zeros(8, dtype=torch.uint8)},
         "dead_mask has dtype torch.uint8; expected bool",
     ),
     ({"positions": torch.zeros(8, dtype=torch.int64, device="meta")}, "positions is on meta"),
-    ({"num_reqs": 2.0}, "num_reqs=2.0 must be a Python int"),
+    ({"num_reqs_unpadded": 2.0}, "num_reqs_unpadded=2.0 must be a Python int"),
 ]
 
 
@@ -192,7 +195,7 @@ def test_vllm_negative_slots_other_than_minus_one_are_refused() -> None:
 
 
 def test_vllm_validate_false_skips_the_checks() -> None:
-    step = {**_vllm_step(), "num_actual_tokens": 4}
+    step = {**_vllm_step(), "num_tokens_unpadded": 4}
     with pytest.raises(ValidationError):
         from_vllm_step(**step)
     batch = from_vllm_step(**step, validate=False)
