@@ -310,3 +310,171 @@ def test_ambiguous_count_names_are_deprecated() -> None:
     assert old.query_start_loc.tolist() == new.query_start_loc.tolist()
     with pytest.raises(ValidationError, match="pass only num_tokens_unpadded"):
         from_vllm_step(**step.adapter_args(), num_actual_tokens=2, num_tokens_unpadded=2)
+
+
+# One request in two rows -----------------------------------------------------------
+
+
+def test_one_request_in_two_rows_is_refused() -> None:
+    """Prefill context parallel puts two chunks of one request in one step (DualChunkSwap).
+
+    vLLM writes its slot cache before hashing, so the second row reads the
+    first row's tokens; engramrt reads history before the step writes it, so
+    the second row's history would be empty. ``req_idx`` (the metadata's host
+    array) lets validation refuse the step, naming the rows.
+    """
+    table = _block_table()
+    table.add_row([3, 5, 6], 0)
+    table.add_row([3, 5, 6], 1)  # the request's row, repeated for its second chunk
+    tokens = _tokens(8, 4)
+    rows = [(0, list(range(4)), tokens[:4]), (1, list(range(4, 8)), tokens[4:])]
+    step = _step(table, rows, req_idx=[0, 0])
+    cache = vllm_slot_cache(NUM_BLOCKS, BLOCK_SIZE, DEVICE)
+    with pytest.raises(ValidationError, match=r"rows 0 and 1 both belong to request 0"):
+        from_vllm_step(**step.adapter_args(), req_idx=step.meta.req_idx, cache=cache)
+    # Control: vLLM's hasher gets the second row right, the slot cache path does not.
+    theirs = _vllm_ids(_vllm_hash_state(), step)
+    ours = _hasher()(from_vllm_step(**step.adapter_args(), cache=cache), cache).cpu().numpy()
+    one_shot = _one_shot(tokens)
+    assert np.array_equal(theirs, one_shot)
+    assert not np.array_equal(ours[4:7], one_shot[4:7])
+    assert np.array_equal(ours[:4], one_shot[:4])
+    # One row per request passes.
+    table.add_row([9], 1)
+    other = _step(table, [rows[0], (1, [0, 1], _tokens(2, 5))], req_idx=[0, 1])
+    from_vllm_step(**other.adapter_args(), req_idx=other.meta.req_idx)
+
+
+# Decode context parallel -----------------------------------------------------------
+
+
+def test_decode_context_parallel_is_refused() -> None:
+    """DCP > 1: vLLM's slot mapping addresses virtual blocks of ``block_size * W`` and holds
+    -1 for the tokens another rank stores; engramrt's slot cache cannot hold that history."""
+    table = _block_table(dcp_world_size=2)
+    table.add_row([3, 5], 0)
+    step = _step(table, [(0, list(range(8)), _tokens(8, 6))])
+    slots = step.meta.slot_mapping[:8].tolist()
+    # Control: the real mapping is not table[p // bs] * bs + p % bs for DCP.
+    assert slots == [12, -1, 13, -1, 14, -1, 15, -1]
+    with pytest.raises(ValidationError, match=r"dcp_world_size=2; only 1 is supported"):
+        from_vllm_step(**step.adapter_args(), dcp_world_size=2)
+    with pytest.raises(ValidationError, match=r"dcp_world_size=2"):
+        from_vllm_step(**step.adapter_args(), dcp_world_size=2, validate=False)
+
+
+# The lookback buffer ---------------------------------------------------------------
+
+
+def test_lookback_buffer_of_max_num_reqs_rows_is_sliced() -> None:
+    """The runner's lookback buffer is ``[max_num_reqs, N-1]``; the step uses its first R_pad rows.
+
+    A request whose first 5 tokens came from elsewhere (a KV connector) and
+    whose slot cache is empty: the lookback ids give it the right history.
+    """
+    table = _block_table()
+    table.add_row([3, 5], 0)
+    table.add_row([9], 1)
+    tokens = _tokens(7, 7)
+    step = _step(
+        table, [(0, [5, 6], tokens[5:]), (1, [0], tokens[:1])], pad_requests=1, pad_tokens=1
+    )
+    step.lookback.np[0] = tokens[4::-1][: N - 1]  # column j: position 5 - 1 - j
+    lookback = step.lookback.copy_to_gpu()
+    assert lookback.shape == (MAX_REQS, N - 1)
+    cache = vllm_slot_cache(NUM_BLOCKS, BLOCK_SIZE, DEVICE)
+    batch = from_vllm_step(
+        **step.adapter_args(),
+        num_reqs_unpadded=step.num_reqs,
+        num_tokens_unpadded=step.num_tokens,
+        lookback_token_ids=lookback,
+        cache=cache,
+    )
+    assert batch.lookback_token_ids is not None
+    assert batch.lookback_token_ids.shape == (3, N - 1)
+    ours = _hasher()(batch, cache).cpu().numpy()
+    theirs = _vllm_ids(_vllm_hash_state(), step, lookback=lookback)
+    assert np.array_equal(ours[:2], _one_shot(tokens)[5:])
+    assert np.array_equal(ours[:3], theirs[:3])
+    with pytest.raises(ValidationError, match=r"lookback_token_ids has shape \[2, 3\]"):
+        from_vllm_step(**step.adapter_args(), lookback_token_ids=lookback[:2])
+
+
+# Image placeholders ----------------------------------------------------------------
+
+
+def test_image_placeholder_id_makes_dead_positions() -> None:
+    """vLLM's vision model puts id 129264 (inside the vocabulary) at every image position
+    and hashes them as dead; ``image_token_id`` does the same, in the step and in the
+    lookback ids."""
+    table = _block_table()
+    table.add_row([3, 5], 0)
+    tokens = _tokens(8, 8)
+    tokens[2:4] = [IMAGE_SENTINEL_BASE_ID] * 2
+    tokens[6] = IMAGE_SENTINEL_BASE_ID
+    step = _step(table, [(0, list(range(4, 8)), tokens[4:])])
+    step.lookback.np[0] = tokens[3::-1][: N - 1]
+    lookback = step.lookback.copy_to_gpu()
+    cache = vllm_slot_cache(NUM_BLOCKS, BLOCK_SIZE, DEVICE)
+    args = {**step.adapter_args(), "lookback_token_ids": lookback, "cache": cache}
+    batch = from_vllm_step(**args, image_token_id=IMAGE_SENTINEL_BASE_ID)
+    assert batch.dead_mask is not None and batch.lookback_dead is not None
+    assert batch.dead_mask.tolist() == [False, False, True, False]
+    assert batch.lookback_dead[0].tolist() == [True, True, False]
+    ours = _hasher()(batch, cache).cpu().numpy()
+    image = step.input_ids == IMAGE_SENTINEL_BASE_ID
+    theirs = _vllm_ids(_vllm_hash_state(), step, lookback=lookback, image_mask=image)
+    assert np.array_equal(ours, theirs)
+    dead = np.array([t == IMAGE_SENTINEL_BASE_ID for t in tokens])
+    one_shot = hash_sequence(_token_map().compress(np.array(tokens)), _consts(), dead)
+    assert np.array_equal(ours, one_shot[4:])
+    # Control: without the id the placeholders hash as text, silently.
+    fresh = vllm_slot_cache(NUM_BLOCKS, BLOCK_SIZE, DEVICE)
+    text = _hasher()(from_vllm_step(**{**args, "cache": fresh}), fresh).cpu().numpy()
+    assert not np.array_equal(text, one_shot[4:])
+
+
+# Never-written slots ---------------------------------------------------------------
+
+
+def test_never_written_slot_hashes_as_pad_where_vllm_reads_id_zero() -> None:
+    """History nobody wrote (KV from elsewhere, no lookback ids): engramrt's cache starts
+    EMPTY and hashes it as pad, the one-shot hash of a sequence start; vLLM's starts at
+    zeros and hashes it as compressed id 0. Wherever history was written both agree."""
+    table = _block_table()
+    table.add_row([3, 5], 0)
+    tokens = _tokens(7, 9)
+    step = _step(table, [(0, [5, 6], tokens[5:])])
+    cache = vllm_slot_cache(NUM_BLOCKS, BLOCK_SIZE, DEVICE)
+    ours = _hasher()(from_vllm_step(**step.adapter_args(), cache=cache), cache).cpu().numpy()
+    theirs = _vllm_ids(_vllm_hash_state(), step)
+    consts, compressed = _consts(), _token_map().compress(np.array(tokens[5:]))
+    as_pad = hash_sequence(np.array([consts.pad_id] * 3 + list(compressed)), consts)[3:]
+    as_zero = hash_sequence(np.array([0] * 3 + list(compressed)), consts)[3:]
+    assert np.array_equal(ours, as_pad)
+    assert np.array_equal(theirs, as_zero)
+    assert not np.array_equal(as_pad, as_zero)
+
+
+# Slot mapping length ---------------------------------------------------------------
+
+
+def test_slot_mapping_shorter_than_the_tokens_is_refused() -> None:
+    """6 slots for 8 tokens and no count of real tokens: tokens 6-7 would never be
+    written and the next decode step would read pad for them."""
+    table = _block_table()
+    table.add_row([3, 5], 0)
+    tokens = _tokens(9, 10)
+    step = _step(table, [(0, list(range(8)), tokens[:8])])
+    args = {**step.adapter_args(), "slot_mapping": step.meta.slot_mapping[:6]}
+    cache = vllm_slot_cache(NUM_BLOCKS, BLOCK_SIZE, DEVICE)
+    with pytest.raises(ValidationError, match=r"slot_mapping has 6 entries; expected at least"):
+        from_vllm_step(**args, cache=cache)
+    with pytest.raises(ValidationError, match="num_tokens_unpadded=8"):
+        from_vllm_step(**args, num_tokens_unpadded=8)
+    # Control: converted without the check, the next decode step reads pad for 6-7.
+    hasher = _hasher()
+    hasher(from_vllm_step(**args, validate=False), cache)
+    decode = _step(table, [(0, [8], tokens[8:])])
+    ids = hasher(from_vllm_step(**decode.adapter_args(), cache=cache), cache).cpu().numpy()
+    assert not np.array_equal(ids[0], _one_shot(tokens)[8])
