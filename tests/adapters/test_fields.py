@@ -202,6 +202,70 @@ def test_vllm_validate_false_skips_the_checks() -> None:
     assert batch.query_start_loc.tolist() == [0, 3, 4, 4, 4]
 
 
+def test_vllm_counts_have_unambiguous_names() -> None:
+    """``num_reqs`` / ``num_actual_tokens`` are padded in vLLM's metadata: the old names
+    still work, with a warning; both names at once are refused."""
+    step = _vllm_step()
+    counts = {"num_reqs": step.pop("num_reqs_unpadded"), "num_actual_tokens": 5}
+    del step["num_tokens_unpadded"]
+    with pytest.warns(DeprecationWarning) as warned:
+        old = from_vllm_step(**step, **counts)
+    assert sorted(str(w.message).split(")")[0] for w in warned) == [
+        "from_vllm_step(num_actual_tokens=...",
+        "from_vllm_step(num_reqs=...",
+    ]
+    assert old.query_start_loc.tolist() == [0, 3, 5, 5, 5]
+    with pytest.raises(ValidationError, match="pass only num_reqs_unpadded"):
+        from_vllm_step(**step, num_reqs=2, num_reqs_unpadded=2)
+
+
+def test_vllm_slot_mapping_length_does_not_depend_on_optional_counts() -> None:
+    step = _vllm_step()
+    del step["num_tokens_unpadded"]
+    step["slot_mapping"] = step["slot_mapping"][:6]
+    with pytest.raises(ValidationError, match=r"slot_mapping has 6 entries; .* the 8 rows"):
+        from_vllm_step(**step)
+    from_vllm_step(**step, num_tokens_unpadded=5)
+
+
+def test_vllm_image_token_id_marks_dead_positions() -> None:
+    step = _vllm_step()
+    step["input_ids"] = torch.tensor([11, 129264, 13, 21, 22, 129264, 98, 97])
+    lookback = torch.tensor([[129264, 4, 5], [6, 129264, 7], [1, 2, 3], [1, 2, 3]])
+    batch = from_vllm_step(**step, lookback_token_ids=lookback, image_token_id=129264)
+    assert batch.dead_mask is not None and batch.lookback_dead is not None
+    assert batch.dead_mask.tolist() == [False, True, False, False, False, True, False, False]
+    assert batch.lookback_dead.tolist()[:2] == [[True, False, False], [False, True, False]]
+    given = torch.zeros(8, dtype=torch.bool)
+    given[2] = True
+    both = from_vllm_step(**step, dead_mask=given, image_token_id=129264)
+    assert both.dead_mask is not None
+    assert both.dead_mask.nonzero().flatten().tolist() == [1, 2, 5]
+    assert from_vllm_step(**step).dead_mask is None
+    with pytest.raises(ValidationError, match="image_token_id=-1 must be in"):
+        from_vllm_step(**step, image_token_id=-1)
+
+
+def test_vllm_lookback_buffer_rows_past_the_step_are_dropped() -> None:
+    step = _vllm_step()
+    lookback = torch.arange(8 * 3).reshape(8, 3)  # [max_num_reqs, N-1]
+    batch = from_vllm_step(**step, lookback_token_ids=lookback)
+    assert batch.lookback_token_ids is not None
+    assert batch.lookback_token_ids.data_ptr() == lookback.data_ptr()  # a view
+    assert batch.lookback_token_ids.tolist() == lookback[:4].tolist()
+
+
+def test_vllm_two_rows_of_one_request_and_dcp_are_refused() -> None:
+    step = _vllm_step()
+    with pytest.raises(ValidationError, match="rows 0 and 1 both belong to request 7"):
+        from_vllm_step(**step, req_idx=np.array([7, 7, 3, 3]))
+    from_vllm_step(**step, req_idx=np.array([7, 3, 3, 3]))  # rows past num_reqs: padding
+    with pytest.raises(ValidationError, match=r"req_idx has shape \[1\]"):
+        from_vllm_step(**step, req_idx=np.array([7]))
+    with pytest.raises(ValidationError, match="dcp_world_size=4; only 1 is supported"):
+        from_vllm_step(**step, dcp_world_size=4, validate=False)
+
+
 # SGLang --------------------------------------------------------------------------
 
 
