@@ -488,9 +488,13 @@ def _on(device: str, step: dict) -> dict:
 @pytest.mark.parametrize("validate", [True, False])
 def test_adapters_read_no_values_meta(validate) -> None:
     """Meta tensors carry no data: any .item(), .tolist() or data-dependent shape would raise."""
-    vllm = from_vllm_step(**_on("meta", _vllm_step()), validate=validate)
+    lookback = torch.zeros(8, N - 1, dtype=torch.int64)  # a [max_num_reqs, N-1] buffer
+    step = _on("meta", {**_vllm_step(), "lookback_token_ids": lookback})
+    vllm = from_vllm_step(**step, image_token_id=129264, validate=validate)
     assert [vllm.num_tokens, vllm.num_requests] == [8, 4]
     assert vllm.slot_mapping is not None and vllm.slot_mapping.device.type == "meta"
+    assert vllm.dead_mask is not None and vllm.dead_mask.device.type == "meta"
+    assert vllm.lookback_dead is not None and list(vllm.lookback_dead.shape) == [4, N - 1]
     sglang = from_sglang_batch(**_on("meta", _sglang_extend()), validate=validate)
     assert [sglang.num_tokens, sglang.num_requests] == [8, 3]
     assert sglang.block_table is not None and list(sglang.block_table.shape) == [3, N]
@@ -508,7 +512,13 @@ def test_adapters_do_not_synchronise_cuda() -> None:
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        from_vllm_step(**vllm_step, cache=vllm_slot_cache(16, 4, "cuda"))
+        from_vllm_step(
+            **vllm_step,
+            lookback_token_ids=torch.zeros(8, N - 1, dtype=torch.int64, device="cuda"),
+            image_token_id=129264,
+            req_idx=np.arange(4),
+            cache=vllm_slot_cache(16, 4, "cuda"),
+        )
         from_sglang_batch(**sglang_step, cache=cache)
     finally:
         torch.cuda.set_sync_debug_mode("default")
