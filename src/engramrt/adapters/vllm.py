@@ -178,65 +178,23 @@ def from_vllm_step(
             f"rank's slot cache would hold only some of each request's history"
         )
     if validate:
-        device, t_len = check_input_ids(input_ids)
-        check_tensor("positions", positions, dims=1, device=device)
-        if positions.shape[0] != t_len:
-            raise ValidationError(
-                f"positions has shape {list(positions.shape)}; expected [{t_len}] like input_ids"
-            )
-        check_tensor("query_start_loc", query_start_loc, dims=1, device=device)
-        if query_start_loc.shape[0] < 1:
-            raise ValidationError("query_start_loc has shape [0]; expected [R_pad + 1] boundaries")
-        r_pad = int(query_start_loc.shape[0]) - 1
-        n_real = check_request_counts(
-            num_reqs_unpadded,
-            num_tokens_unpadded,
-            num_requests=r_pad,
-            num_tokens=t_len,
-            names=("num_reqs_unpadded", "num_tokens_unpadded"),
-        )
-        check_tensor("slot_mapping", slot_mapping, dims=1, device=device)
-        _check_slot_mapping_length(slot_mapping, t_len, num_tokens_unpadded)
-        check_tensor("block_table", block_table, dims=2, device=device)
-        if block_table.shape[0] < n_real:
-            label = (
-                f"num_reqs_unpadded={n_real}"
-                if num_reqs_unpadded is not None
-                else f"R_pad={n_real} (no num_reqs_unpadded)"
-            )
-            raise ValidationError(
-                f"block_table has {block_table.shape[0]} rows; expected at least {label}"
-            )
-        check_count("block_size", block_size, 1, 2**31 - 1)
-        if isinstance(pad_slot_id, bool) or not isinstance(pad_slot_id, int):
-            raise ValidationError(f"pad_slot_id={pad_slot_id!r} must be a Python int")
-        if image_token_id is not None:
-            check_count("image_token_id", image_token_id, 0, 2**31 - 1)
-        _check_lookback_rows(lookback_token_ids, lookback_dead, r_pad)
-        check_dead_and_lookback(
-            dead_mask,
-            _rows(lookback_token_ids, r_pad),
-            _rows(lookback_dead, r_pad),
-            num_tokens=t_len,
-            num_requests=r_pad,
-            width=None,
-            device=device,
-        )
-        _check_one_row_per_request(req_idx, n_real)
-        history_window = None if hasher is None else hash_constants_of(hasher).max_ngram_size - 1
-        check_cache(cache, block_size=block_size, device=device, why=_CACHE_BLOCK_SIZE)
-        _check_vllm_values(
-            query_start_loc,
+        _check_step(
+            input_ids,
             positions,
+            query_start_loc,
             slot_mapping,
             block_table,
-            t_len=t_len,
-            n_real=n_real,
             block_size=block_size,
-            num_actual_tokens=num_tokens_unpadded,
+            num_tokens_unpadded=num_tokens_unpadded,
+            num_reqs_unpadded=num_reqs_unpadded,
             pad_slot_id=pad_slot_id,
+            dead_mask=dead_mask,
+            lookback_token_ids=lookback_token_ids,
+            lookback_dead=lookback_dead,
+            image_token_id=image_token_id,
+            req_idx=req_idx,
             cache=cache,
-            history_window=history_window,
+            hasher=hasher,
         )
     device, t_len = input_ids.device, int(input_ids.shape[0])
     r_pad = int(query_start_loc.shape[0]) - 1
@@ -256,6 +214,88 @@ def from_vllm_step(
         lookback_dead=lookback_dead,
         slot_mapping=_written_slots(slot_mapping, t_len, end, pad_slot_id, device),
         block_table=_request_rows(block_table, r_pad, device),
+    )
+
+
+def _check_step(
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_table: torch.Tensor,
+    *,
+    block_size: int,
+    num_tokens_unpadded: int | None,
+    num_reqs_unpadded: int | None,
+    pad_slot_id: int,
+    dead_mask: torch.Tensor | None,
+    lookback_token_ids: torch.Tensor | None,
+    lookback_dead: torch.Tensor | None,
+    image_token_id: int | None,
+    req_idx: np.ndarray | None,
+    cache: SlotHashCache | None,
+    hasher: NgramHasher | HashConstants | None,
+) -> None:
+    """The checks of :func:`from_vllm_step` (its ``validate=True``)."""
+    device, t_len = check_input_ids(input_ids)
+    check_tensor("positions", positions, dims=1, device=device)
+    if positions.shape[0] != t_len:
+        raise ValidationError(
+            f"positions has shape {list(positions.shape)}; expected [{t_len}] like input_ids"
+        )
+    check_tensor("query_start_loc", query_start_loc, dims=1, device=device)
+    if query_start_loc.shape[0] < 1:
+        raise ValidationError("query_start_loc has shape [0]; expected [R_pad + 1] boundaries")
+    r_pad = int(query_start_loc.shape[0]) - 1
+    n_real = check_request_counts(
+        num_reqs_unpadded,
+        num_tokens_unpadded,
+        num_requests=r_pad,
+        num_tokens=t_len,
+        names=("num_reqs_unpadded", "num_tokens_unpadded"),
+    )
+    check_tensor("slot_mapping", slot_mapping, dims=1, device=device)
+    _check_slot_mapping_length(slot_mapping, t_len, num_tokens_unpadded)
+    check_tensor("block_table", block_table, dims=2, device=device)
+    if block_table.shape[0] < n_real:
+        label = (
+            f"num_reqs_unpadded={n_real}"
+            if num_reqs_unpadded is not None
+            else f"R_pad={n_real} (no num_reqs_unpadded)"
+        )
+        raise ValidationError(
+            f"block_table has {block_table.shape[0]} rows; expected at least {label}"
+        )
+    check_count("block_size", block_size, 1, 2**31 - 1)
+    if isinstance(pad_slot_id, bool) or not isinstance(pad_slot_id, int):
+        raise ValidationError(f"pad_slot_id={pad_slot_id!r} must be a Python int")
+    if image_token_id is not None:
+        check_count("image_token_id", image_token_id, 0, 2**31 - 1)
+    _check_lookback_rows(lookback_token_ids, lookback_dead, r_pad)
+    check_dead_and_lookback(
+        dead_mask,
+        _rows(lookback_token_ids, r_pad),
+        _rows(lookback_dead, r_pad),
+        num_tokens=t_len,
+        num_requests=r_pad,
+        width=None,
+        device=device,
+    )
+    _check_one_row_per_request(req_idx, n_real)
+    history_window = None if hasher is None else hash_constants_of(hasher).max_ngram_size - 1
+    check_cache(cache, block_size=block_size, device=device, why=_CACHE_BLOCK_SIZE)
+    _check_vllm_values(
+        query_start_loc,
+        positions,
+        slot_mapping,
+        block_table,
+        t_len=t_len,
+        n_real=n_real,
+        block_size=block_size,
+        num_actual_tokens=num_tokens_unpadded,
+        pad_slot_id=pad_slot_id,
+        cache=cache,
+        history_window=history_window,
     )
 
 
