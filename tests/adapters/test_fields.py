@@ -66,8 +66,8 @@ def _vllm_step() -> dict:
         "slot_mapping": torch.tensor(slots),
         "block_table": table,
         "block_size": bs,
-        "num_actual_tokens": 5,
-        "num_reqs": 2,
+        "num_tokens_unpadded": 5,
+        "num_reqs_unpadded": 2,
         "pad_slot_id": 0,
     }
 
@@ -97,7 +97,7 @@ def test_vllm_short_buffers_are_padded() -> None:
 def test_vllm_defaults_take_the_boundaries_as_given() -> None:
     step = _vllm_step()
     step["query_start_loc"] = torch.tensor([0, 3, 5, 5, 5], dtype=torch.int32)
-    del step["num_actual_tokens"], step["num_reqs"]
+    del step["num_tokens_unpadded"], step["num_reqs_unpadded"]
     batch = from_vllm_step(**step)
     assert batch.query_start_loc.tolist() == [0, 3, 5, 5, 5]
     assert batch.slot_mapping is not None
@@ -108,8 +108,8 @@ _VLLM_INVALID = [
     ({"input_ids": torch.zeros(8)}, "input_ids has dtype torch.float32"),
     ({"positions": torch.zeros(7, dtype=torch.int64)}, r"positions has shape \[7\]"),
     ({"query_start_loc": torch.zeros(2, 3, dtype=torch.int32)}, "query_start_loc has shape"),
-    ({"num_actual_tokens": 9}, r"num_actual_tokens=9 must be in \[0, 8\]"),
-    ({"num_reqs": 5}, r"num_reqs=5 must be in \[0, 4\]"),
+    ({"num_tokens_unpadded": 9}, r"num_tokens_unpadded=9 must be in \[0, 8\]"),
+    ({"num_reqs_unpadded": 5}, r"num_reqs_unpadded=5 must be in \[0, 4\]"),
     ({"block_table": torch.zeros(1, 3, dtype=torch.int32)}, "block_table has 1 rows"),
     ({"block_table": torch.zeros(2, 3, dtype=torch.float32)}, "block_table has dtype"),
     (
@@ -118,19 +118,22 @@ _VLLM_INVALID = [
     ),
     ({"block_size": 0}, r"block_size=0 must be in \[1, "),
     ({"block_size": 8}, r"slot_mapping\[0\]=13 but block_table\[0\] with block_size=8"),
-    ({"num_actual_tokens": 4}, r"query_start_loc\[num_reqs=2\]=5; expected num_actual_tokens=4"),
+    (
+        {"num_tokens_unpadded": 4},
+        r"query_start_loc\[num_reqs_unpadded=2\]=5; expected num_tokens_unpadded=4",
+    ),
     ({"slot_mapping": torch.tensor([13, 14])}, "slot_mapping has 2 entries"),
     ({"dead_mask": torch.zeros(7, dtype=torch.bool)}, r"dead_mask has shape \[7\]"),
     (
         {"lookback_token_ids": torch.zeros(2, 3, dtype=torch.int64)},
-        r"lookback_token_ids has shape \[2, 3\]; expected \[4, N-1\]",
+        r"lookback_token_ids has shape \[2, 3\]; expected at least 4 rows",
     ),
     (
         {"dead_mask": torch.zeros(8, dtype=torch.uint8)},
         "dead_mask has dtype torch.uint8; expected bool",
     ),
     ({"positions": torch.zeros(8, dtype=torch.int64, device="meta")}, "positions is on meta"),
-    ({"num_reqs": 2.0}, "num_reqs=2.0 must be a Python int"),
+    ({"num_reqs_unpadded": 2.0}, "num_reqs_unpadded=2.0 must be a Python int"),
 ]
 
 
@@ -192,11 +195,75 @@ def test_vllm_negative_slots_other_than_minus_one_are_refused() -> None:
 
 
 def test_vllm_validate_false_skips_the_checks() -> None:
-    step = {**_vllm_step(), "num_actual_tokens": 4}
+    step = {**_vllm_step(), "num_tokens_unpadded": 4}
     with pytest.raises(ValidationError):
         from_vllm_step(**step)
     batch = from_vllm_step(**step, validate=False)
     assert batch.query_start_loc.tolist() == [0, 3, 4, 4, 4]
+
+
+def test_vllm_counts_have_unambiguous_names() -> None:
+    """``num_reqs`` / ``num_actual_tokens`` are padded in vLLM's metadata: the old names
+    still work, with a warning; both names at once are refused."""
+    step = _vllm_step()
+    counts = {"num_reqs": step.pop("num_reqs_unpadded"), "num_actual_tokens": 5}
+    del step["num_tokens_unpadded"]
+    with pytest.warns(DeprecationWarning) as warned:
+        old = from_vllm_step(**step, **counts)
+    assert sorted(str(w.message).split(")")[0] for w in warned) == [
+        "from_vllm_step(num_actual_tokens=...",
+        "from_vllm_step(num_reqs=...",
+    ]
+    assert old.query_start_loc.tolist() == [0, 3, 5, 5, 5]
+    with pytest.raises(ValidationError, match="pass only num_reqs_unpadded"):
+        from_vllm_step(**step, num_reqs=2, num_reqs_unpadded=2)
+
+
+def test_vllm_slot_mapping_length_does_not_depend_on_optional_counts() -> None:
+    step = _vllm_step()
+    del step["num_tokens_unpadded"]
+    step["slot_mapping"] = step["slot_mapping"][:6]
+    with pytest.raises(ValidationError, match=r"slot_mapping has 6 entries; .* the 8 rows"):
+        from_vllm_step(**step)
+    from_vllm_step(**step, num_tokens_unpadded=5)
+
+
+def test_vllm_image_token_id_marks_dead_positions() -> None:
+    step = _vllm_step()
+    step["input_ids"] = torch.tensor([11, 129264, 13, 21, 22, 129264, 98, 97])
+    lookback = torch.tensor([[129264, 4, 5], [6, 129264, 7], [1, 2, 3], [1, 2, 3]])
+    batch = from_vllm_step(**step, lookback_token_ids=lookback, image_token_id=129264)
+    assert batch.dead_mask is not None and batch.lookback_dead is not None
+    assert batch.dead_mask.tolist() == [False, True, False, False, False, True, False, False]
+    assert batch.lookback_dead.tolist()[:2] == [[True, False, False], [False, True, False]]
+    given = torch.zeros(8, dtype=torch.bool)
+    given[2] = True
+    both = from_vllm_step(**step, dead_mask=given, image_token_id=129264)
+    assert both.dead_mask is not None
+    assert both.dead_mask.nonzero().flatten().tolist() == [1, 2, 5]
+    assert from_vllm_step(**step).dead_mask is None
+    with pytest.raises(ValidationError, match="image_token_id=-1 must be in"):
+        from_vllm_step(**step, image_token_id=-1)
+
+
+def test_vllm_lookback_buffer_rows_past_the_step_are_dropped() -> None:
+    step = _vllm_step()
+    lookback = torch.arange(8 * 3).reshape(8, 3)  # [max_num_reqs, N-1]
+    batch = from_vllm_step(**step, lookback_token_ids=lookback)
+    assert batch.lookback_token_ids is not None
+    assert batch.lookback_token_ids.data_ptr() == lookback.data_ptr()  # a view
+    assert batch.lookback_token_ids.tolist() == lookback[:4].tolist()
+
+
+def test_vllm_two_rows_of_one_request_and_dcp_are_refused() -> None:
+    step = _vllm_step()
+    with pytest.raises(ValidationError, match="rows 0 and 1 both belong to request 7"):
+        from_vllm_step(**step, req_idx=np.array([7, 7, 3, 3]))
+    from_vllm_step(**step, req_idx=np.array([7, 3, 3, 3]))  # rows past num_reqs: padding
+    with pytest.raises(ValidationError, match=r"req_idx has shape \[1\]"):
+        from_vllm_step(**step, req_idx=np.array([7]))
+    with pytest.raises(ValidationError, match="dcp_world_size=4; only 1 is supported"):
+        from_vllm_step(**step, dcp_world_size=4, validate=False)
 
 
 # SGLang --------------------------------------------------------------------------
@@ -421,9 +488,13 @@ def _on(device: str, step: dict) -> dict:
 @pytest.mark.parametrize("validate", [True, False])
 def test_adapters_read_no_values_meta(validate) -> None:
     """Meta tensors carry no data: any .item(), .tolist() or data-dependent shape would raise."""
-    vllm = from_vllm_step(**_on("meta", _vllm_step()), validate=validate)
+    lookback = torch.zeros(8, N - 1, dtype=torch.int64)  # a [max_num_reqs, N-1] buffer
+    step = _on("meta", {**_vllm_step(), "lookback_token_ids": lookback})
+    vllm = from_vllm_step(**step, image_token_id=129264, validate=validate)
     assert [vllm.num_tokens, vllm.num_requests] == [8, 4]
     assert vllm.slot_mapping is not None and vllm.slot_mapping.device.type == "meta"
+    assert vllm.dead_mask is not None and vllm.dead_mask.device.type == "meta"
+    assert vllm.lookback_dead is not None and list(vllm.lookback_dead.shape) == [4, N - 1]
     sglang = from_sglang_batch(**_on("meta", _sglang_extend()), validate=validate)
     assert [sglang.num_tokens, sglang.num_requests] == [8, 3]
     assert sglang.block_table is not None and list(sglang.block_table.shape) == [3, N]
@@ -441,7 +512,13 @@ def test_adapters_do_not_synchronise_cuda() -> None:
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        from_vllm_step(**vllm_step, cache=vllm_slot_cache(16, 4, "cuda"))
+        from_vllm_step(
+            **vllm_step,
+            lookback_token_ids=torch.zeros(8, N - 1, dtype=torch.int64, device="cuda"),
+            image_token_id=129264,
+            req_idx=np.arange(4),
+            cache=vllm_slot_cache(16, 4, "cuda"),
+        )
         from_sglang_batch(**sglang_step, cache=cache)
     finally:
         torch.cuda.set_sync_debug_mode("default")

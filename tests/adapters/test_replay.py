@@ -156,9 +156,9 @@ def _block_table_row_dropped(adapter):
     return wrong
 
 
-def _padding_ignored(adapter):
+def _padding_ignored(adapter, counts=("num_reqs", "num_actual_tokens")):
     def wrong(**step) -> HashBatch:
-        return adapter(**{**step, "num_reqs": None, "num_actual_tokens": None, "validate": False})
+        return adapter(**{**step, **dict.fromkeys(counts), "validate": False})
 
     return wrong
 
@@ -191,7 +191,8 @@ def test_control_vllm_padding_as_requests_breaks_rows(adapter, consts, token_map
     """Padded requests that own padding tokens (as a uniform-decode graph pads them),
     taken as real requests, read stale block table rows: padding rows stop hashing as
     padding. The real adapter on the same schedules stays exact."""
-    wrong = _padding_ignored(from_vllm_step) if adapter == "wrong" else None
+    counts = ("num_reqs_unpadded", "num_tokens_unpadded")
+    wrong = _padding_ignored(from_vllm_step, counts) if adapter == "wrong" else None
     replays = [
         _replay("vllm", s, consts, token_map, adapter=wrong, worst_padding=True) for s in range(3)
     ]

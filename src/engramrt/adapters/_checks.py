@@ -60,15 +60,19 @@ def check_input_ids(input_ids: object) -> tuple[torch.device, int]:
 
 
 def check_request_counts(
-    num_reqs: object, num_actual_tokens: object, *, num_requests: int, num_tokens: int
+    num_reqs: object,
+    num_actual_tokens: object,
+    *,
+    num_requests: int,
+    num_tokens: int,
+    names: tuple[str, str] = ("num_reqs", "num_actual_tokens"),
 ) -> int:
     """The real requests of a step: ``num_reqs`` in ``[0, num_requests]`` (None: all of
-    them); ``num_actual_tokens``, when given, in ``[0, num_tokens]``."""
-    n_real = (
-        num_requests if num_reqs is None else check_count("num_reqs", num_reqs, 0, num_requests)
-    )
+    them); ``num_actual_tokens``, when given, in ``[0, num_tokens]``. ``names`` are the
+    caller's names of the two counts, for the errors."""
+    n_real = num_requests if num_reqs is None else check_count(names[0], num_reqs, 0, num_requests)
     if num_actual_tokens is not None:
-        check_count("num_actual_tokens", num_actual_tokens, 0, num_tokens)
+        check_count(names[1], num_actual_tokens, 0, num_tokens)
     return n_real
 
 

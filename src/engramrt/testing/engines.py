@@ -185,8 +185,8 @@ class VllmView(EngineView):
             "slot_mapping": torch.from_numpy(self.slot_mapping[:slot_len].copy()).to(device),
             "block_table": torch.from_numpy(self.block_table[:rows].copy()).to(device),
             "block_size": bs,
-            "num_actual_tokens": num_tokens,
-            "num_reqs": num_reqs,
+            "num_tokens_unpadded": num_tokens,
+            "num_reqs_unpadded": num_reqs,
             "pad_slot_id": self.pad_slot_id,
             "dead_mask": torch.from_numpy(dead_mask).to(device),
         }
