@@ -232,7 +232,7 @@ def test_a_damaged_gate_file_falls_back_to_the_rule_with_a_warning(
         text = str(caught[0].message)
         assert str(tmp_path / "engram_gate.default.json") in text
         assert rf"entries[0].config: {message}" in text
-        assert "built-in defaults of GateKernelConfig" in text
+        assert "the built-in choice (GateKernelConfig) serves instead" in text
         assert chosen == _GATE_RULE_4_5120
     tuning.clear_cache()
     with pytest.raises(ValidationError, match=re.escape(message)):
@@ -271,7 +271,7 @@ def test_a_device_field_naming_another_gpu_is_set_aside(tmp_path: Path) -> None:
         text = str(caught[0].message)
         assert "engram_gate.NVIDIA_H200.json: device: 'NVIDIA A100-SXM4-80GB'" in text
         assert "expected the device the file is named for ('NVIDIA_H200'" in text
-        assert str(tmp_path / "engram_gate.default.json") in text
+        assert f"the default file {tmp_path / 'engram_gate.default.json'} serves instead" in text
         default_entry = _shipped("engram_gate")["entries"][0]["config"]
         assert chosen == GateKernelConfig(**default_entry)
         assert chosen.block_d == 1024

@@ -276,10 +276,10 @@ def _usable_entries(kernel: str, path: Path) -> tuple[TunedEntry, ...] | None:
         fallback = (
             f"the default file {shipped_default}"
             if path != shipped_default
-            else f"the built-in defaults of {config_type(kernel).__name__}"
+            else f"the built-in choice ({config_type(kernel).__name__})"
         )
         warnings.warn(
-            f"{exc}; this file is ignored and {fallback} serve(s) instead",
+            f"{exc}; the file is set aside and {fallback} serves instead",
             TunedConfigWarning,
             stacklevel=5,
         )

@@ -421,8 +421,8 @@ def _stores(cfg: Any, checkpoint: Path | None, tier: str, dev: Any, cache_mib: f
     if checkpoint is not None:
         from engramrt.checkpoint import load_table
 
+        placement = TablePlacement(tier, device=dev)  # a bad tier is refused first
         _check_checkpoint_shapes(checkpoint, cfg)
-        placement = TablePlacement(tier, device=dev)
         stores = [load_table(checkpoint, cfg, li, placement) for li in range(cfg.n_layers)]
     else:
         stores = [
