@@ -9,18 +9,22 @@ same block sizes, warps and grids come out for every shape tried.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from unittest.mock import patch
 
 import pytest
 
 from engramrt import tuning
+from engramrt.errors import ValidationError
 from engramrt.gate.config import GateKernelConfig, default_gate_config
 from engramrt.hashing.config import HashKernelConfig, kernel_config_for
 from engramrt.lookup.settings import LookupKernelConfig, tuned_lookup_config
 from engramrt.tuning import (
     TUNED_DIR,
     TunedConfigError,
+    TunedConfigWarning,
+    load_tuned_file,
     normalize_device_name,
     tuned_config,
     tuned_file,
@@ -171,10 +175,12 @@ def test_a_malformed_file_names_the_file_and_the_field(
     tmp_path: Path, data: object, field: str
 ) -> None:
     _write(tmp_path, "ngram_hash", data)
+    with pytest.raises(TunedConfigError, match=rf"ngram_hash\.default\.json: {field}"):
+        load_tuned_file("ngram_hash", tmp_path / "ngram_hash.default.json")
     with patch.object(tuning, "TUNED_DIR", tmp_path):
         tuning.clear_cache()
-        with pytest.raises(TunedConfigError, match=rf"ngram_hash\.default\.json: {field}"):
-            tuned_config("ngram_hash", None, {"num_tokens": 1})
+        with pytest.warns(TunedConfigWarning, match=rf"ngram_hash\.default\.json: {field}"):
+            assert tuned_config("ngram_hash", None, {"num_tokens": 1}) is None
     tuning.clear_cache()
 
 
@@ -182,10 +188,99 @@ def test_unreadable_and_missing_files(tmp_path: Path) -> None:
     (tmp_path / "ngram_hash.default.json").write_text("{not json")
     with patch.object(tuning, "TUNED_DIR", tmp_path):
         tuning.clear_cache()
+        with pytest.warns(TunedConfigWarning, match=r"ngram_hash\.default\.json: not readable"):
+            assert tuned_config("ngram_hash", None, {"num_tokens": 1}) is None
+        with pytest.warns(TunedConfigWarning, match=r"lookup_rows\.default\.json: no such file"):
+            assert tuned_config("lookup_rows", None, {"tier": "uva"}) is None
         with pytest.raises(TunedConfigError, match=r"ngram_hash\.default\.json: not readable"):
-            tuned_config("ngram_hash", None, {"num_tokens": 1})
-        with pytest.raises(TunedConfigError, match=r"lookup_rows\.default\.json: no such file"):
-            tuned_config("lookup_rows", None, {"tier": "uva"})
+            load_tuned_file("ngram_hash", tmp_path / "ngram_hash.default.json")
+    tuning.clear_cache()
+
+
+def _shipped(kernel: str, device: str = "default") -> dict:
+    return json.loads((TUNED_DIR / f"{kernel}.{normalize_device_name(device)}.json").read_text())
+
+
+# The gate's rule when no file serves (as it read before the settings moved), written out.
+_GATE_RULE_4_5120 = GateKernelConfig(block_d=1024, num_warps=4, programs_per_sm=None)
+
+
+@pytest.mark.parametrize(
+    ("field", "bad", "message"),
+    [
+        ("block_d", 0, "block_d = 0; expected a power of two >= 8"),
+        ("block_d", -64, "block_d = -64; expected a power of two >= 8"),
+        ("block_d", 100, "block_d = 100; expected a power of two >= 8"),
+        ("block_d", "256", "block_d = '256'; expected a power of two >= 8"),
+        ("block_d", True, "block_d = True; expected a power of two >= 8"),
+        ("num_warps", 0, "num_warps = 0; expected one of 1, 2, 4, 8, 16, 32"),
+        ("num_warps", 3, "num_warps = 3; expected one of 1, 2, 4, 8, 16, 32"),
+        ("num_stages", 0, "num_stages = 0; expected an int >= 1"),
+        ("programs_per_sm", 0, "programs_per_sm = 0; expected None or an int >= 1"),
+    ],
+)
+def test_a_damaged_gate_file_falls_back_to_the_rule_with_a_warning(
+    tmp_path: Path, field: str, bad: object, message: str
+) -> None:
+    data = _shipped("engram_gate")
+    data["entries"][0]["config"][field] = bad
+    _write(tmp_path, "engram_gate", data)
+    with patch.object(tuning, "TUNED_DIR", tmp_path):
+        tuning.clear_cache()
+        with pytest.warns(TunedConfigWarning) as caught:
+            chosen = default_gate_config(4, 5120, 2)
+        text = str(caught[0].message)
+        assert str(tmp_path / "engram_gate.default.json") in text
+        assert rf"entries[0].config: {message}" in text
+        assert "the built-in choice (GateKernelConfig) serves instead" in text
+        assert chosen == _GATE_RULE_4_5120
+    tuning.clear_cache()
+    with pytest.raises(ValidationError, match=re.escape(message)):
+        GateKernelConfig(**{**data["entries"][0]["config"]})
+
+
+@pytest.mark.parametrize("flag", ["ring_commit", "fast_mod", "speculate_decode"])
+@pytest.mark.parametrize("bad", ["false", 0, None, 1])
+def test_hash_flags_must_be_bools(tmp_path: Path, flag: str, bad: object) -> None:
+    data = _shipped("ngram_hash")
+    data["entries"][1]["config"][flag] = bad
+    _write(tmp_path, "ngram_hash", data)
+    with patch.object(tuning, "TUNED_DIR", tmp_path):
+        tuning.clear_cache()
+        with pytest.warns(TunedConfigWarning, match=rf"entries\[1\]\.config: {flag}="):
+            chosen = kernel_config_for(256)
+        # every field the type's default: block_t 64, 4 warps, scan tile 8192, flags on
+        assert (chosen.block_t, chosen.num_warps, chosen.scan_tile) == (64, 4, 8192)
+        assert (chosen.ring_commit, chosen.fast_mod, chosen.speculate_decode) == (True,) * 3
+    tuning.clear_cache()
+
+
+def test_a_device_field_naming_another_gpu_is_set_aside(tmp_path: Path) -> None:
+    """A device's own file whose ``device`` field names another GPU falls back to the
+    default file (its entry, not the rule)."""
+    for kernel in KERNELS:
+        _write(tmp_path, kernel, _shipped(kernel))
+    own = _shipped("engram_gate", H200)
+    own["device"] = "NVIDIA A100-SXM4-80GB"
+    own["entries"][0]["config"]["block_d"] = 2048  # would differ from the default file's
+    (tmp_path / "engram_gate.NVIDIA_H200.json").write_text(json.dumps(own))
+    with patch.object(tuning, "TUNED_DIR", tmp_path):
+        tuning.clear_cache()
+        with pytest.warns(TunedConfigWarning) as caught:
+            chosen = default_gate_config(4, 5120, 2, device=H200)
+        text = str(caught[0].message)
+        assert "engram_gate.NVIDIA_H200.json: device: 'NVIDIA A100-SXM4-80GB'" in text
+        assert "expected the device the file is named for ('NVIDIA_H200'" in text
+        assert f"the default file {tmp_path / 'engram_gate.default.json'} serves instead" in text
+        default_entry = _shipped("engram_gate")["entries"][0]["config"]
+        assert chosen == GateKernelConfig(**default_entry)
+        assert chosen.block_d == 1024
+        # a device field missing altogether is set aside the same way
+        del own["device"]
+        (tmp_path / "engram_gate.NVIDIA_H200.json").write_text(json.dumps(own))
+        tuning.clear_cache()
+        with pytest.warns(TunedConfigWarning, match=r"NVIDIA_H200\.json: device: None"):
+            assert default_gate_config(4, 5120, 2, device=H200).block_d == 1024
     tuning.clear_cache()
     with pytest.raises(Exception, match=r"kernel = 'nope'; expected one of"):
         tuned_config("nope", None, {})

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
-__all__ = ["default_compute_device", "resolve_device"]
+from engramrt.errors import ValidationError
+
+__all__ = ["check_device", "default_compute_device", "resolve_device"]
 
 
 def default_compute_device() -> torch.device:
@@ -23,4 +27,39 @@ def resolve_device(device: torch.device | str | None = None) -> torch.device:
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def check_device(name: str, value: Any, *, allow_auto: bool = False) -> torch.device:
+    """``value`` as a ``torch.device`` engramrt can compute on, or one
+    :class:`~engramrt.errors.ValidationError` naming ``name``: ``cpu``, ``cuda`` or
+    ``cuda:N`` (``auto`` too when ``allow_auto``: :func:`default_compute_device`) on a
+    device this machine has. ``"cuda"`` stays without an index (the current device at use).
+
+    Refused up front: a string torch cannot parse (``"tpu"``, ``""``), a value that is no
+    device (``5``), another device type (``"meta"`` holds no data, ``"mps"``), and a CUDA
+    device this process cannot see.
+    """
+    choices = "auto, cpu, cuda or cuda:N" if allow_auto else "cpu, cuda or cuda:N"
+    if allow_auto and value == "auto":
+        return default_compute_device()
+    if not isinstance(value, (str, torch.device)):
+        raise ValidationError(
+            f"{name}={value!r} ({type(value).__name__}); expected a device: {choices}"
+        )
+    try:
+        device = torch.device(value)
+    except (RuntimeError, ValueError, TypeError):
+        raise ValidationError(f"{name}={value!r} is not a device; expected {choices}") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ValidationError(f"{name}={value!r}: engramrt runs on {choices}, not {device.type!r}")
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise ValidationError(f"{name}={value!r} but no CUDA device is visible; use cpu")
+        if device.index is not None and device.index >= count:
+            raise ValidationError(
+                f"{name}={value!r} but only {count} CUDA device(s) are visible "
+                f"(cuda:0 to cuda:{count - 1})"
+            )
     return device

@@ -8,6 +8,7 @@ can catch everything engramrt raises about bad input in one place.
 
 from __future__ import annotations
 
+import errno
 from collections.abc import Sequence
 from typing import Any
 
@@ -22,6 +23,7 @@ __all__ = [
     "TokenizerError",
     "UntrustedFileError",
     "ValidationError",
+    "os_error",
 ]
 
 
@@ -83,3 +85,17 @@ def check_choice(name: str, value: object, choices: Sequence[str]) -> None:
     one of ``choices``."""
     if value not in choices:
         raise ValidationError(f"{name}={value!r}; expected one of {', '.join(choices)}")
+
+
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
+def os_error(what: str, exc: OSError) -> EngramError:
+    """``exc`` as one line about ``what``: ``<what>: <reason> (<file>)``, a
+    :class:`CapacityError` for a full disk or quota, else a :class:`ValidationError`
+    (a permission, a read-only file system, a file where a directory should be)."""
+    reason = exc.strerror or str(exc)
+    where = f" ({exc.filename})" if exc.filename else ""
+    if exc.errno in _NO_SPACE:
+        return CapacityError(f"{what}: {reason}{where}; free some space or choose another path")
+    return ValidationError(f"{what}: {reason}{where}")

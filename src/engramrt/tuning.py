@@ -42,6 +42,7 @@ import functools
 import importlib
 import json
 import re
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar, cast
@@ -52,11 +53,13 @@ __all__ = [
     "DEFAULT_DEVICE",
     "TUNED_DIR",
     "TunedConfigError",
+    "TunedConfigWarning",
     "TunedEntry",
     "cached_choice",
     "clear_cache",
     "config_type",
     "device_name",
+    "load_tuned_file",
     "normalize_device_name",
     "register_tuned",
     "tuned_config",
@@ -86,6 +89,11 @@ _CHOICE_CACHES: list[Any] = []
 class TunedConfigError(EngramError):
     """A tuned-config file is missing, unreadable or malformed (the message names
     the file and the field)."""
+
+
+class TunedConfigWarning(UserWarning):
+    """A tuned-config file is damaged and was set aside: the launch uses the default
+    file, or the kernel's built-in rule (the message names the file and the field)."""
 
 
 def register_tuned(kernel: str) -> Callable[[C], C]:
@@ -232,12 +240,61 @@ def _load(kernel: str, path: Path) -> tuple[TunedEntry, ...]:
         match = _parse_match(path, f"{where}.match", entry["match"], key_fields)
         config = _parse_config(path, f"{where}.config", cls, entry["config"])
         parsed.append(TunedEntry(match, config))
+    # Checked last, so that a file's structure is reported first. The field must name
+    # the device the file is named for: a file copied from another GPU's name would
+    # serve that GPU's measurements here.
+    named_for = path.name[len(kernel) + 1 : -len(".json")]
+    device = data.get("device")
+    if not isinstance(device, str) or normalize_device_name(device) != named_for:
+        raise _fail(
+            path,
+            "device",
+            f"{device!r}; expected the device the file is named for "
+            f"({named_for!r}, as normalize_device_name gives it)",
+        )
     return tuple(parsed)
+
+
+def load_tuned_file(kernel: str, path: Path) -> tuple[TunedEntry, ...]:
+    """The entries of one tuned file, checked field by field.
+
+    Raises:
+        TunedConfigError: the file is missing, not JSON or malformed; the
+            message names the file and the field.
+    """
+    return _load(kernel, Path(path))
+
+
+@functools.lru_cache(maxsize=64)
+def _usable_entries(kernel: str, path: Path) -> tuple[TunedEntry, ...] | None:
+    """``path``'s entries, or None (with a :class:`TunedConfigWarning`, once per file
+    until :func:`clear_cache`) when the file is damaged: the caller then falls back."""
+    try:
+        return _load(kernel, path)
+    except TunedConfigError as exc:
+        shipped_default = TUNED_DIR / f"{kernel}.{DEFAULT_DEVICE}.json"
+        fallback = (
+            f"the default file {shipped_default}"
+            if path != shipped_default
+            else f"the built-in choice ({config_type(kernel).__name__})"
+        )
+        warnings.warn(
+            f"{exc}; the file is set aside and {fallback} serves instead",
+            TunedConfigWarning,
+            stacklevel=5,
+        )
+        return None
 
 
 @functools.lru_cache(maxsize=4096)
 def _lookup(kernel: str, name: str, key: tuple[tuple[str, Any], ...]) -> Any:
-    entries = _load(kernel, tuned_file(kernel, name))
+    path = tuned_file(kernel, name)
+    entries = _usable_entries(kernel, path)
+    shipped_default = TUNED_DIR / f"{kernel}.{DEFAULT_DEVICE}.json"
+    if entries is None and path != shipped_default:
+        entries = _usable_entries(kernel, shipped_default)
+    if entries is None:
+        return None  # the caller's built-in rule
     fields = dict(key)
     return next((entry.config for entry in entries if entry.matches(fields)), None)
 
@@ -254,11 +311,15 @@ def tuned_config(kernel: str, device: Any, key: Mapping[str, Any]) -> Any:
 
     Returns:
         An instance of the kernel's config type (the same object for the
-        same file and entry), or None. Files are read once and cached.
+        same file and entry), or None (the caller's built-in rule). Files
+        are read once and cached.
 
-    Raises:
-        TunedConfigError: the file is malformed (the message names the file
-            and the field).
+    A damaged file (missing, not JSON, or any field out of range: a
+    ``block_d`` that is no power of two, ``num_warps`` 3, a flag given as
+    ``"false"`` or ``0``, a ``device`` field naming another GPU) is set aside
+    with a :class:`TunedConfigWarning` naming the file and the field: a
+    device's own file falls back to the default file, the default file to
+    None. :func:`load_tuned_file` raises :class:`TunedConfigError` instead.
     """
     return _lookup(kernel, device_name(device), tuple(key.items()))
 
@@ -350,6 +411,7 @@ def clear_cache() -> None:
     """Forget every file read so far, and every choice made from them (after a file
     changed on disk)."""
     _load.cache_clear()
+    _usable_entries.cache_clear()
     _lookup.cache_clear()
     for memoised in _CHOICE_CACHES:
         memoised.cache_clear()

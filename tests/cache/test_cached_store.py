@@ -262,6 +262,38 @@ def test_capacity_is_checked_against_memory(
 
 
 @pytest.mark.parametrize(
+    ("kwargs", "needed"),
+    [
+        # (2**62 // 33 // 8 * 8 + 1) slots x (33 + 12) B + a 4 x 2**24 sketch of int32
+        ({"capacity_bytes": 2**62}, (2**62 // 33 // 8 * 8 + 1) * 45 + 16 * 2**24),
+        # 2**16 // 33 // 8 * 8 = 1984 slots (+1 scratch) x 45 B + a 4 x 2**40 sketch
+        ({"sketch_width": 2**40}, 1985 * 45 + 16 * 2**40),
+    ],
+)
+def test_sizes_beyond_memory_are_refused_before_any_allocation(
+    kwargs: dict[str, object], needed: int, device: torch.device, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The memory check comes before the policy's tags, counters and sketch exist (was:
+    a raw allocator error from torch, the check after it)."""
+    from engramrt.cache import store as store_module
+
+    backing = make_store(
+        TablePlacement("device", device=device), packed=random_packed_table(10, 32, seed=12)
+    )
+    assert backing.row_bytes == 33  # 32 fp8 values and one scale byte
+
+    def no_policy(*args: object, **kw: object) -> None:
+        raise AssertionError("the policy was built before the memory check")
+
+    monkeypatch.setattr(store_module, "SetAssociativeLfu", no_policy)
+    args: dict[str, object] = {"capacity_bytes": 2**16, **kwargs}
+    with pytest.raises(CapacityError) as info:
+        CachedRowStore(backing, **args)  # type: ignore[arg-type]
+    assert str(info.value).startswith("CachedRowStore (")
+    assert f"needs {needed} bytes" in str(info.value)
+
+
+@pytest.mark.parametrize(
     ("kwargs", "message"),
     [
         ({"ways": 3}, r"ways = 3; expected a power of two in 1\.\.64"),
@@ -270,6 +302,11 @@ def test_capacity_is_checked_against_memory(
         ({"capacity_bytes": 1.5e6}, r"capacity_bytes = 1500000\.0; expected an int"),
         ({"n_heads": 0}, r"n_heads = 0; expected a positive int"),
         ({"sketch_width": 1000}, r"sketch_width = 1000; expected a power of two"),
+        ({"sketch_width": 1024.0}, r"sketch_width = 1024\.0; expected a power of two \(int\)"),
+        ({"sketch_width": True}, r"sketch_width = True; expected a power of two \(int\)"),
+        ({"sketch_depth": 2.5}, r"sketch_depth = 2\.5; expected an int in 1\.\.6"),
+        ({"sketch_depth": True}, r"sketch_depth = True; expected an int in 1\.\.6"),
+        ({"sketch_depth": 0}, r"sketch_depth = 0; expected an int in 1\.\.6"),
         ({"decay_period": 0}, r"decay_period = 0; expected 1\.\.536870912 accesses"),
         ({"max_pending": 0}, r"max_pending = 0; expected >= 1"),
     ],

@@ -102,7 +102,7 @@ def test_geometry_errors() -> None:
         SetAssociativeLfu(0, 8)
     with pytest.raises(ValidationError, match="ways = 6"):
         SetAssociativeLfu(2, 6)
-    with pytest.raises(ValidationError, match=r"sketch_depth = 9; expected 1\.\.6"):
+    with pytest.raises(ValidationError, match=r"sketch_depth = 9; expected an int in 1\.\.6"):
         SetAssociativeLfu(2, 8, sketch_depth=9)
 
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import shutil
 from collections import namedtuple
 
@@ -445,3 +447,65 @@ def test_a_shard_of_another_layer_is_refused(tmp_path, small, small_tables) -> N
     assert sum(b.shape[0] for b in rows) == own.num_rows
     with pytest.raises(ValidationError, match=r"expected layer \d+'s shard of rank 1 of tp=2"):
         next(iter_packed_rows(path, small, 0, shard=other))
+
+
+def _failing_open(code: int):
+    def fake_open(*args, **kwargs):
+        raise OSError(code, os.strerror(code), str(args[0]))
+
+    return fake_open
+
+
+@pytest.mark.parametrize(
+    ("code", "error", "reason"),
+    [
+        (errno.EROFS, ValidationError, "Read-only file system"),
+        (errno.EACCES, ValidationError, "Permission denied"),
+        (errno.ENOSPC, CapacityError, "No space left on device; free some space"),
+    ],
+)
+def test_the_disk_tier_in_an_unwritable_directory_is_one_clean_error(
+    tmp_path, tiny, tiny_tables, monkeypatch, code, error, reason
+) -> None:
+    """load_tables with tier disk, its packed-row files refused by the file system
+    (injected: the tests run as root, whom a read-only mode does not stop)."""
+    from engramrt.lookup.tiers import host_rows
+
+    _, packed = tiny_tables
+    path = write_deepseek_checkpoint(tmp_path / "m.safetensors", tiny, packed)
+    placement = TablePlacement("disk", device="cpu", disk_dir=tmp_path / "rows")
+    monkeypatch.setattr(host_rows, "open", _failing_open(code), raising=False)
+    with pytest.raises(error) as info:
+        load_tables(path, tiny, placement)
+    message = str(info.value)
+    first = placement.disk_path(tiny.layer_ids[0])
+    assert (
+        message.startswith("tier='disk' (")
+        and f"file {str(first)!r} cannot be created: " in message
+    )
+    assert all(part in message for part in reason.split("; "))
+    assert "\n" not in message
+
+
+def test_the_disk_tier_under_a_regular_file_is_one_clean_error(tmp_path, tiny, tiny_tables):
+    """A disk_dir that is a file, or lies under one (the real file system, no injection)."""
+    _, packed = tiny_tables
+    path = write_deepseek_checkpoint(tmp_path / "m.safetensors", tiny, packed)
+    blocker = tmp_path / "blocker"
+    blocker.write_bytes(b"x")
+    for disk_dir in (blocker, blocker / "rows"):
+        placement = TablePlacement("disk", device="cpu", disk_dir=disk_dir)
+        with pytest.raises(ValidationError) as info:
+            load_tables(path, tiny, placement)
+        message = str(info.value)
+        assert (
+            f"file {str(placement.disk_path(tiny.layer_ids[0]))!r} cannot be created: " in message
+        )
+        assert "Not a directory" in message or "File exists" in message
+    assert blocker.read_bytes() == b"x"
+    # the control: a writable directory serves the checkpoint's bytes
+    stores = load_tables(path, tiny, TablePlacement("disk", device="cpu", disk_dir=tmp_path / "ok"))
+    layout = EngramLayout(tiny)
+    for layer_index, store in enumerate(stores):
+        shard = layout.column_shard(layer_index, 1, 0)
+        assert torch.equal(store.source, packed[layer_index][shard.row_begin : shard.row_end])

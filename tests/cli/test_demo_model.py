@@ -130,8 +130,33 @@ def test_quick_default_with_a_one_token_prompt(tmp_path, monkeypatch) -> None:
     assert result["heldout_here"]["checked_against_record"] is False
     assert 0 < result["heldout_here"]["sequences"] < result["heldout_here"]["sample_sequences"]
     assert result["requests"][0]["prompt_tokens"] == 2  # document start + "x"
-    assert result["requests"][1]["prefix_hit_tokens"] >= 1
     assert "plot" not in result and list(tmp_path.iterdir()) == []
+
+    # Independent of the demo's verdict: both requests' continuations recomputed here by
+    # the eager reference, from prompts built here (B: A's first half, one 1-token block,
+    # then the suffix), and B's prefix hit from the prompts' common prefix.
+    from engramrt.cli.demo_model import SECOND_REQUEST_SUFFIX
+    from engramrt.lookup.tiers import TablePlacement
+    from engramrt.models.packaged import packaged_model_dir
+    from engramrt.models.serve import load_model
+
+    model = load_model(
+        packaged_model_dir(), TablePlacement("device", device="cpu"), load_baseline=False
+    )
+    prompt_a = model.encode("x")
+    prompt_b = prompt_a[:1] + model.encode(SECOND_REQUEST_SUFFIX)[1:]
+    common = next(
+        (i for i, (a, b) in enumerate(zip(prompt_a, prompt_b, strict=False)) if a != b),
+        min(len(prompt_a), len(prompt_b)),
+    )
+    assert common == 1
+    for request, prompt in zip(result["requests"], (prompt_a, prompt_b), strict=True):
+        assert request["prompt_tokens"] == len(prompt)
+        want = model.reference_generate(prompt, 4).tokens
+        assert len(want) == 4
+        assert request["generated_text"] == model.decode(want)
+    assert result["generated_text"] == result["requests"][0]["generated_text"]
+    assert result["requests"][1]["prefix_hit_tokens"] == common
 
 
 def test_model_demo_checks_fail_on_wrong_tokens_and_losses(monkeypatch) -> None:

@@ -181,3 +181,38 @@ def test_demo_serves_rows_from_a_checkpoint(capsys, tmp_path, monkeypatch) -> No
         capsys, text, "--checkpoint", str(tmp_path / "missing"), "--plot", str(tmp_path / "d.png")
     )
     assert code == 2 and "does not exist" in err
+
+
+def test_a_checkpoint_of_another_config_reports_its_shape_not_memory(capsys, tmp_path) -> None:
+    """A tiny model's checkpoint under ``-c dsv41-flash``: the shape mismatch is the
+    error, read from the headers before tier auto sizes memory for the flash tables
+    (was: ``tier='auto' needs ... (94.42 GiB)``)."""
+    from engramrt.checkpoint import save_tables
+    from engramrt.config import PRESETS
+    from engramrt.lookup.synthetic import random_packed_rows
+
+    tiny, flash = PRESETS["tiny"], PRESETS["dsv41-flash"]
+    assert tiny.head_dim != flash.head_dim
+    gen = torch.Generator().manual_seed(0)
+    tables = [random_packed_rows(n, tiny.head_dim, "cpu", gen) for n in tiny.num_embeddings]
+    ckpt = save_tables(tmp_path / "engram.safetensors", tables, tiny)
+    code, _, err = _run(
+        capsys,
+        "demo",
+        "--synthetic",
+        "-c",
+        "dsv41-flash",
+        "--checkpoint",
+        str(ckpt),
+        "--device",
+        "cpu",
+    )
+    assert code == 2
+    first = flash.layer_ids[0]
+    rows = tables[0].shape[0]
+    assert err.strip() == (
+        f"error: tensor 'layers.{first}.engram.embed.weight' in engram.safetensors (layer "
+        f"{first} weight) has shape [{rows}, {tiny.head_dim}]; expected "
+        f"[{rows}, {flash.head_dim}] (engram_head_dim = {flash.head_dim})"
+    )
+    assert "GiB" not in err

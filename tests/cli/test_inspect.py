@@ -42,10 +42,62 @@ def test_inspect_memory_plan_follows_head_sharding(capsys) -> None:
     assert plan["disk"]["disk_bytes_per_node"] == sum(per_rank)
 
 
-def test_inspect_human_output(capsys) -> None:
+def _is_prime(n: int) -> bool:
+    return n > 1 and all(n % d for d in range(2, int(n**0.5) + 1))
+
+
+def _spec_primes(layers: int, orders: int, heads: int, vocab: int) -> list[list[int]]:
+    """SPEC §3's primes by trial division: per (layer, order), from ``vocab - 1`` up, the
+    smallest prime not used before, one per head; a layer's list in column order."""
+    used: set[int] = set()
+    primes: list[list[int]] = []
+    for _ in range(layers):
+        layer: list[int] = []
+        for _ in range(orders):
+            cur = vocab - 1
+            for _ in range(heads):
+                cur += 1
+                while not _is_prime(cur) or cur in used:
+                    cur += 1
+                used.add(cur)
+                layer.append(cur)
+        primes.append(layer)
+    return primes
+
+
+def test_inspect_human_output(capsys, token_map) -> None:
+    """The printed tables hold the SPEC's layout for the tiny config, recomputed here
+    (primes by trial division, offsets as running sums, multipliers from numpy's
+    generator), and the memory plan's host bytes from the rows."""
+    import re
+
+    import numpy as np
+
     code, out, _ = _run(capsys, "inspect", "--config", "tiny", "--tp", "2")
     assert code == 0
-    assert "memory plan at tp=2" in out and "multipliers" in out
+    # tiny: layers (1, 3), N=4 (orders 2..4), H=4, vocab 4096 per order, seed 0, E=64
+    rows = re.findall(r"│\s*(\d+)\s*│\s*(\d+)\s*│\s*(\d+)\s*│\s*([\d,]+)\s*│\s*([\d,]+)\s*│", out)
+    printed = [tuple(int(v.replace(",", "")) for v in row) for row in rows]
+    assert len(printed) == 2 * 12
+    primes = _spec_primes(2, 3, 4, 4096)
+    for layer in range(2):
+        offset = 0
+        for col in range(12):
+            want = (col, 2 + col // 4, col % 4, primes[layer][col], offset)
+            assert printed[layer * 12 + col] == want, (layer, col)
+            offset += primes[layer][col]
+        assert f"{offset:,} rows needed" in out
+    bound = max(1, (2**63 - 1) // token_map.num_compressed // 2)
+    multipliers = re.findall(r"multipliers \(shift 0\.\.3\):\s*((?:\d+,\s*){3}\d+)", out)
+    for layer_id, line in zip((1, 3), multipliers, strict=True):
+        rng = np.random.default_rng(10007 * layer_id + 0)
+        want_m = rng.integers(0, bound, size=4, dtype=np.int64) * 2 + 1
+        assert [int(m.strip()) for m in line.split(",")] == want_m.tolist()
+    # Memory plan: every row of both layers once per node, 66 B each (64 fp8 + 2 scales).
+    assert "memory plan at tp=2" in out
+    host_row = re.search(r"│ host\s*│[^│]*│[^│]*│\s*([\d.]+) GiB │", out)
+    assert host_row is not None
+    assert host_row.group(1) == f"{(49_796 + 50_980) * 66 / 2**30:.2f}"
 
 
 @pytest.mark.parametrize(

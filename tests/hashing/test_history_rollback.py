@@ -64,7 +64,9 @@ def test_rollback_many_equals_one_rollback_per_request(device, as_tensors) -> No
 
 def test_rollback_many_checks_sequences(device) -> None:
     history = _filled(device)
-    with pytest.raises(ValidationError, match=r"request_slot=5 must be in \[0, 5\)"):
+    with pytest.raises(
+        ValidationError, match=r"request_slots\[1\]=5; expected a request slot, an integer in "
+    ):
         history.rollback_many([0, 5], [1, 1])
     with pytest.raises(ValidationError, match=r"request_slots=\[2, 2\] names a slot twice"):
         history.rollback_many([2, 2], [1, 1])
@@ -74,18 +76,49 @@ def test_rollback_many_checks_sequences(device) -> None:
     np.testing.assert_array_equal(history.tags.cpu().numpy(), _filled(device).tags.cpu().numpy())
 
 
+@pytest.mark.parametrize(
+    ("slots", "counts", "message"),
+    [
+        (
+            [9],
+            [1],
+            r"request_slots\[0\]=9; expected a request slot, an integer in \[0, "
+            r"max_requests=5\)",
+        ),
+        ([-1], [1], r"request_slots\[0\]=-1; expected a request slot"),
+        ([1, 1], [1, 2], r"request_slots=\[1, 1\] names a slot twice"),
+        ([1], [-1], r"num_tokens\[0\]=-1 \(int\); expected a token count"),
+    ],
+)
+def test_rollback_many_checks_tensors_by_default(device, slots, counts, message) -> None:
+    """Tensors are checked like sequences unless validate=False (was: a raw IndexError for
+    slot 9 or -1, and a negative count erasing the slot silently)."""
+    history = _filled(device)
+    before = history.tags.cpu().numpy().copy(), history.slots.cpu().numpy().copy()
+    with pytest.raises(ValidationError, match=message):
+        history.rollback_many(
+            torch.tensor(slots, device=device), torch.tensor(counts, device=device)
+        )
+    np.testing.assert_array_equal(history.tags.cpu().numpy(), before[0])  # nothing forgotten
+    np.testing.assert_array_equal(history.slots.cpu().numpy(), before[1])
+    with pytest.raises(ValidationError, match=r"request_slots is a torch.float32 tensor"):
+        history.rollback_many(torch.tensor([1.0], device=device), torch.tensor([1], device=device))
+    with pytest.raises(ValidationError, match=r"num_tokens has shape \[1, 1\]; expected a 1-D"):
+        history.rollback_many(torch.tensor([1], device=device), torch.tensor([[1]], device=device))
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="synchronisation is a CUDA notion")
 def test_rollbacks_never_synchronise() -> None:
     history = _filled(torch.device("cuda"))
     slots = torch.tensor([1, 3], device="cuda")
     counts = torch.tensor([12, 35], device="cuda")
     history.rollback(0, 3)
-    history.rollback_many(slots, counts)  # first use outside the check
+    history.rollback_many(slots, counts, validate=False)  # first use outside the check
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
         history.rollback(2, 22)
-        history.rollback_many(slots, counts)
+        history.rollback_many(slots, counts, validate=False)
     finally:
         torch.cuda.set_sync_debug_mode("default")
 

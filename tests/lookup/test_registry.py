@@ -169,11 +169,58 @@ def test_unknown_tiers_and_wrong_options_are_named() -> None:
         (lambda: TablePlacement(tp=0), r"TablePlacement.tp = 0; expected an int >= 1"),
         (lambda: TablePlacement(tp=2, rank=2), r"TablePlacement.rank = 2; expected 0 <= rank <"),
         (lambda: TablePlacement(HostOptions), r"TablePlacement.tier = <class .*; expected 'auto'"),
+        (
+            lambda: TablePlacement("host", "tpu"),
+            r"^TablePlacement\.device='tpu' is not a device; expected cpu, cuda or cuda:N$",
+        ),
+        (
+            lambda: TablePlacement("host", ""),
+            r"^TablePlacement\.device='' is not a device; expected cpu, cuda or cuda:N$",
+        ),
+        (
+            lambda: TablePlacement("host", 5),
+            r"^TablePlacement\.device=5 \(int\); expected a device: cpu, cuda or cuda:N$",
+        ),
+        (
+            lambda: TablePlacement("host", "meta"),
+            r"^TablePlacement\.device='meta': engramrt runs on cpu, cuda or cuda:N, not 'meta'$",
+        ),
+        (
+            lambda: TablePlacement("host", torch.device("meta")),
+            r"^TablePlacement\.device=device\(type='meta'\): engramrt runs on .*, not 'meta'$",
+        ),
+        (
+            lambda: TablePlacement("disk", "cpu", disk_dir=5),
+            r"^TablePlacement\.disk_dir = 5; expected None or a directory path",
+        ),
+        (
+            lambda: TablePlacement("disk", "cpu", disk_dir=""),
+            r"^TablePlacement\.disk_dir = ''; expected None or a directory path",
+        ),
     ],
 )
 def test_options_and_placements_are_checked_when_made(make: object, message: str) -> None:
     with pytest.raises(ValidationError, match=message):
         make()  # type: ignore[operator]
+
+
+def test_a_cuda_device_this_machine_lacks_is_refused_when_made() -> None:
+    """Not a raw AssertionError at the first lookup: the placement names the device."""
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count == 0:
+        for device in ("cuda", "cuda:0", torch.device("cuda", 1)):
+            with pytest.raises(
+                ValidationError, match=r"^TablePlacement\.device=.* but no CUDA device is visible"
+            ):
+                TablePlacement("host", device)
+    else:
+        assert TablePlacement("host", "cuda").compute_device.type == "cuda"
+    with pytest.raises(
+        ValidationError,
+        match=rf"^TablePlacement\.device='cuda:{count + 7}' but (no CUDA device is visible|"
+        rf"only {count} CUDA device\(s\) are visible)",
+    ):
+        TablePlacement("host", f"cuda:{count + 7}")
 
 
 def test_options_and_placements_are_frozen_values() -> None:

@@ -97,9 +97,21 @@ def test_sweep_variant_writes_the_reference_bytes(
 
 @pytest.mark.parametrize("kernel", SWEEP[:3] + SWEEP[8:10])
 def test_sweep_variant_with_an_empty_batch(kernel: LookupKernelConfig, table: torch.Tensor) -> None:
+    """Zero tokens into the front of a poisoned buffer: nothing is written. The control,
+    one token through the same buffer, is written with the reference's bytes (computed
+    from the packed table in the test) and leaves the row after it poisoned."""
+    poison = 0x7FA5  # a NaN payload the kernel never writes (its NaN is 0x7FC0)
+    buffer = torch.full((2, 24, E), poison, dtype=torch.int16, device=DEVICE).view(torch.bfloat16)
     row_ids = torch.empty((0, 24), dtype=torch.int32, device=DEVICE)
-    got = lookup_rows(row_ids, table, row_begin=ROW_BEGIN, backend="triton", kernel=kernel)
-    assert got.shape == (0, 24, E)
+    got = lookup_rows(
+        row_ids, table, row_begin=ROW_BEGIN, out=buffer[:0], backend="triton", kernel=kernel
+    )
+    assert (got.shape, got.dtype) == ((0, 24, E), torch.bfloat16)
+    assert bool((buffer.view(torch.int16) == poison).all()), "an empty batch wrote rows"
+    one = shard_ids(1, 24, seed=8).to(DEVICE)
+    lookup_rows(one, table, row_begin=ROW_BEGIN, out=buffer[:1], backend="triton", kernel=kernel)
+    assert_same_bits(buffer[:1], lookup_rows_reference(one, table, E, 0, 24, ROW_BEGIN))
+    assert bool((buffer[1].view(torch.int16) == poison).all())
 
 
 def test_the_sweep_can_fail(table: torch.Tensor) -> None:

@@ -159,3 +159,22 @@ def test_the_undamaged_copy_loads(trained_dir: Path, tmp_path: Path) -> None:
     shutil.copytree(trained_dir, directory)
     model = load_model(directory, ON_CPU, head_backend="reference")
     assert torch.isfinite(next(model.lm.parameters())).all()
+
+
+def test_the_disk_tier_under_a_regular_file_is_one_clean_error(
+    trained_dir: Path, tmp_path: Path
+) -> None:
+    """load_model with tier disk whose disk_dir is a file: one ValidationError naming the
+    packed-row file (was: a raw NotADirectoryError / FileExistsError)."""
+    from engramrt.errors import ValidationError
+    from engramrt.models.serve import load_model
+
+    blocker = tmp_path / "blocker"
+    blocker.write_bytes(b"x")
+    placement = TablePlacement("disk", device="cpu", disk_dir=blocker / "rows")
+    with pytest.raises(ValidationError) as info:
+        load_model(trained_dir, placement, head_backend="reference")
+    message = str(info.value)
+    assert message.startswith("tier='disk' (") and str(blocker / "rows") in message
+    assert "cannot be created: Not a directory" in message
+    assert blocker.read_bytes() == b"x"

@@ -354,12 +354,33 @@ def test_round_trip_error_bound() -> None:
     assert bool((err <= bound).all()), f"worst excess over the bound: {worst.values.tolist()}"
 
 
-def test_empty_rows() -> None:
-    x = torch.empty((0, 64), device=DEVICE)
-    for backend in ("reference", "triton"):
-        values, scales = quantize_rows(x, backend=backend)
-        assert values.shape == (0, 64) and scales.shape == (0, 2)
-        assert dequantize_rows(values, scales, backend=backend).shape == (0, 64)
+POISON_BF16 = 0x7FA5  # a NaN payload neither kernel writes (their NaN is 0x7FC0)
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_empty_rows(backend: str) -> None:
+    """Zero rows quantise to zero rows of the right dtypes, and dequantising them into
+    a poisoned buffer writes nothing; the control, one row through the same buffer, is
+    written and equals the exact products (so the check would see a stray write)."""
+    gen = torch.Generator().manual_seed(17)
+    x = (torch.randn(3, 64, generator=gen) * 5).to(DEVICE)  # fresh, never zeros
+    values, scales = quantize_rows(x[:0], backend=backend)
+    assert (values.shape, values.dtype, values.device) == ((0, 64), torch.float8_e4m3fn, x.device)
+    assert (scales.shape, scales.dtype, scales.device) == ((0, 2), torch.uint8, x.device)
+    buffer = torch.full((2, 64), POISON_BF16, dtype=torch.int16, device=DEVICE).view(torch.bfloat16)
+    got = dequantize_rows(values, scales, out=buffer[:0], backend=backend)
+    assert (got.shape, got.dtype) == ((0, 64), torch.bfloat16)
+    assert bool((buffer.view(torch.int16) == POISON_BF16).all()), "an empty batch wrote rows"
+    # Control: one row through the same path and buffer; its bytes are the oracle's.
+    one_values, one_scales = quantize_rows(x[:1], backend=backend)
+    codes, exponents = oracle_quantize(x[:1].cpu())
+    assert np.array_equal(as_bytes(one_values), codes)
+    assert np.array_equal(one_scales.cpu().numpy(), exponents)
+    dequantize_rows(one_values, one_scales, out=buffer[:1], backend=backend)
+    exact = CODE_VALUES[codes] * np.exp2(np.repeat(exponents.astype(np.float64) - 127, 32, -1))
+    want = torch.from_numpy(exact).to(torch.bfloat16)  # bf16 rounding of the exact product
+    assert torch.equal(buffer[:1].cpu().view(torch.int16), want.view(torch.int16))
+    assert bool((buffer[1:].view(torch.int16) == POISON_BF16).all())
 
 
 def test_negative_controls() -> None:

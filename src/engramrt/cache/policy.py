@@ -40,7 +40,7 @@ The Triton probe computes the same bits.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -56,6 +56,7 @@ __all__ = [
     "Access",
     "AdmissionPlan",
     "SetAssociativeLfu",
+    "check_sketch",
     "fixed_candidates",
     "mix32",
     "probe_slots",
@@ -180,6 +181,29 @@ def _is_power_of_two(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
+def check_sketch(num_slots: int, sketch_width: Any, sketch_depth: Any) -> tuple[int, int]:
+    """The sketch's ``(width, depth)`` for a cache of ``num_slots`` (width None: a power
+    of two from ``2**10`` to ``2**24`` near ``num_slots``), or a ValidationError naming the
+    bad one. Checked before anything is allocated, so a caller can size the memory first."""
+    if sketch_width is None:
+        sketch_width = 1 << max(10, min(24, (num_slots - 1).bit_length()))
+    if (
+        isinstance(sketch_width, bool)
+        or not isinstance(sketch_width, int)
+        or not _is_power_of_two(sketch_width)
+    ):
+        raise ValidationError(f"sketch_width = {sketch_width!r}; expected a power of two (int)")
+    if (
+        isinstance(sketch_depth, bool)
+        or not isinstance(sketch_depth, int)
+        or not 1 <= sketch_depth <= len(SKETCH_SEEDS)
+    ):
+        raise ValidationError(
+            f"sketch_depth = {sketch_depth!r}; expected an int in 1..{len(SKETCH_SEEDS)}"
+        )
+    return sketch_width, sketch_depth
+
+
 class SetAssociativeLfu:
     """Tags, per-slot counters and the frequency sketch of a set-associative cache.
 
@@ -220,14 +244,7 @@ class SetAssociativeLfu:
         if not isinstance(num_sets, int) or num_sets < 1:
             raise CapacityError(f"num_sets = {num_sets!r}; expected at least 1 set")
         num_slots = num_sets * ways
-        if sketch_width is None:
-            sketch_width = 1 << max(10, min(24, (num_slots - 1).bit_length()))
-        if not _is_power_of_two(sketch_width):
-            raise ValidationError(f"sketch_width = {sketch_width!r}; expected a power of two")
-        if not 1 <= sketch_depth <= len(SKETCH_SEEDS):
-            raise ValidationError(
-                f"sketch_depth = {sketch_depth!r}; expected 1..{len(SKETCH_SEEDS)}"
-            )
+        sketch_width, sketch_depth = check_sketch(num_slots, sketch_width, sketch_depth)
         if decay_period is None:
             decay_period = min(10 * num_slots, MAX_DECAY_PERIOD)
         if not 1 <= decay_period <= MAX_DECAY_PERIOD:

@@ -74,6 +74,7 @@ from engramrt.cache.policy import (
     MISS,
     AdmissionPlan,
     SetAssociativeLfu,
+    check_sketch,
     fixed_candidates,
 )
 from engramrt.cache.reference import probe_gather_reference
@@ -267,6 +268,23 @@ class CachedRowStore(RowStore):
                     f"expected the Triton probe over a backing whose rows the device reads in "
                     f"place (device, uva, or host with gpu_reads)"
                 )
+        # Sized before anything is allocated: the policy's tags, counters and sketch
+        # are as large as the cache can make them (capacity_bytes=2**62 would fail
+        # inside torch's allocator otherwise).
+        if ways > 64:
+            raise ValidationError(f"ways = {ways!r}; expected a power of two in 1..64")
+        num_slots = num_sets * ways
+        sketch_width, sketch_depth = check_sketch(num_slots, sketch_width, sketch_depth)
+        slots = num_slots + 1  # + the scratch slot
+        needed = slots * (self.row_bytes + 12) + 4 * sketch_depth * sketch_width
+        what = (
+            f"CachedRowStore ({num_slots} slots = {num_sets} sets x {ways} ways of "
+            f"{self.row_bytes} B, plus index, and a {sketch_depth} x {sketch_width} sketch)"
+        )
+        if self.device.type == "cuda":
+            memory.require(what, needed, memory.device_free_bytes(self.device), str(self.device))
+        else:
+            memory.require(what, needed, memory.host_available_bytes(), "host memory")
         self.policy = SetAssociativeLfu(
             num_sets,
             ways,
@@ -276,16 +294,6 @@ class CachedRowStore(RowStore):
             decay_period=decay_period,
             backend=backend if policy_backend is None else policy_backend,
         )
-        slots = self.policy.num_slots + 1  # + the scratch slot
-        needed = slots * (self.row_bytes + 12) + 4 * sketch_depth * self.policy.sketch_width
-        what = (
-            f"CachedRowStore ({self.policy.num_slots} slots = {num_sets} sets x {ways} ways of "
-            f"{self.row_bytes} B, plus index)"
-        )
-        if self.device.type == "cuda":
-            memory.require(what, needed, memory.device_free_bytes(self.device), str(self.device))
-        else:
-            memory.require(what, needed, memory.host_available_bytes(), "host memory")
         self.cache_rows = torch.zeros(
             (slots, self.row_bytes), dtype=torch.uint8, device=self.device
         )

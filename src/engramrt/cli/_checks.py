@@ -7,11 +7,10 @@ whose message names the option, the value given and what was expected;
 
 from __future__ import annotations
 
-import errno
 from pathlib import Path
 from typing import Any
 
-from engramrt.errors import CapacityError, EngramError, ValidationError
+from engramrt.errors import ValidationError, os_error
 
 __all__ = [
     "INT64_MAX",
@@ -30,7 +29,6 @@ __all__ = [
 
 INT64_MIN = -(2**63)
 INT64_MAX = 2**63 - 1
-_NO_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 
 def parse_int(option: str, text: str) -> int:
@@ -73,32 +71,11 @@ def parse_int_list(option: str, text: str, *, allow_empty: bool = False) -> list
 
 
 def parse_device(option: str, value: str, *, allow_auto: bool = False) -> Any:
-    """A ``torch.device`` for ``cpu``, ``cuda`` or ``cuda:N`` that exists on this machine."""
-    import torch
+    """A ``torch.device`` for ``cpu``, ``cuda`` or ``cuda:N`` that exists on this machine
+    (:func:`engramrt._device.check_device`)."""
+    from engramrt._device import check_device
 
-    choices = "auto, cpu, cuda or cuda:N" if allow_auto else "cpu, cuda or cuda:N"
-    if allow_auto and value == "auto":
-        from engramrt._device import default_compute_device
-
-        return default_compute_device()
-    try:
-        device = torch.device(value)
-    except (RuntimeError, ValueError, TypeError):
-        raise ValidationError(f"{option}={value!r} is not a device; expected {choices}") from None
-    if device.type not in ("cpu", "cuda"):
-        raise ValidationError(
-            f"{option}={value!r}: engramrt runs on {choices}, not {device.type!r}"
-        )
-    if device.type == "cuda":
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if count == 0:
-            raise ValidationError(f"{option}={value!r} but no CUDA device is visible; use cpu")
-        if device.index is not None and device.index >= count:
-            raise ValidationError(
-                f"{option}={value!r} but only {count} CUDA device(s) are visible "
-                f"(cuda:0 to cuda:{count - 1})"
-            )
-    return device
+    return check_device(option, value, allow_auto=allow_auto)
 
 
 def check_tp(option: str, tp: int, n_cols: int) -> int:
@@ -129,15 +106,6 @@ def check_output_path(option: str, path: Path) -> Path:
             f"path in a directory"
         )
     return path
-
-
-def os_error(what: str, exc: OSError) -> EngramError:
-    """``exc`` as a one-line error about ``what`` (CapacityError for a full disk)."""
-    reason = exc.strerror or str(exc)
-    where = f" ({exc.filename})" if exc.filename else ""
-    if exc.errno in _NO_SPACE:
-        return CapacityError(f"{what}: {reason}{where}; free some space or choose another path")
-    return ValidationError(f"{what}: {reason}{where}")
 
 
 def write_output(option: str, path: Path, data: bytes) -> None:

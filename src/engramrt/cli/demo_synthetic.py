@@ -395,6 +395,23 @@ def _print_compressed_ids(
     return repeats
 
 
+def _check_checkpoint_shapes(checkpoint: Path, cfg: Any) -> None:
+    """Refuse a checkpoint whose tables do not have the config's shapes (a tiny model's
+    checkpoint under ``-c dsv41-flash``) from its headers alone, before tier ``auto``
+    sizes memory for the config's tables: the mismatch is the error to report, not the
+    memory the config would need."""
+    from engramrt.checkpoint.names import TensorNames
+    from engramrt.checkpoint.reader import SafetensorsCheckpoint, plan_layer_read
+    from engramrt.layout import EngramLayout
+
+    layout = EngramLayout(cfg)
+    names = TensorNames.from_spec(None)
+    with SafetensorsCheckpoint(checkpoint) as opened:
+        for layer_index in range(cfg.n_layers):
+            shard = layout.column_shard(layer_index, 1, 0)
+            plan_layer_read(opened, cfg, layout, layer_index, shard, names)
+
+
 def _stores(cfg: Any, checkpoint: Path | None, tier: str, dev: Any, cache_mib: float) -> list[Any]:
     """Each layer's rows: a checkpoint's (on ``tier``) or a synthetic table, behind a hot-row
     cache when ``cache_mib`` > 0."""
@@ -404,7 +421,8 @@ def _stores(cfg: Any, checkpoint: Path | None, tier: str, dev: Any, cache_mib: f
     if checkpoint is not None:
         from engramrt.checkpoint import load_table
 
-        placement = TablePlacement(tier, device=dev)
+        placement = TablePlacement(tier, device=dev)  # a bad tier is refused first
+        _check_checkpoint_shapes(checkpoint, cfg)
         stores = [load_table(checkpoint, cfg, li, placement) for li in range(cfg.n_layers)]
     else:
         stores = [

@@ -24,6 +24,9 @@ VEC = 8
 """Elements per 16-byte bf16 vector: the innermost tile dimension."""
 
 
+_NUM_WARPS = (1, 2, 4, 8, 16, 32)
+
+
 def _next_power_of_2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
@@ -65,6 +68,29 @@ class GateKernelConfig:
     unroll: bool = False
 
     def __post_init__(self) -> None:
+        # Triton needs power-of-two tile widths and warp counts; a chunk narrower than
+        # one 16-byte vector (VEC elements) has no layout.
+        block_d = self.block_d
+        if (
+            isinstance(block_d, bool)
+            or not isinstance(block_d, int)
+            or block_d < VEC
+            or block_d & (block_d - 1)
+        ):
+            raise ValidationError(
+                f"block_d = {block_d!r}; expected a power of two >= {VEC} (an int)"
+            )
+        num_warps = self.num_warps
+        if isinstance(num_warps, bool) or num_warps not in _NUM_WARPS:
+            raise ValidationError(
+                f"num_warps = {num_warps!r}; expected one of {', '.join(map(str, _NUM_WARPS))}"
+            )
+        pps = self.programs_per_sm
+        if pps is not None and (isinstance(pps, bool) or not isinstance(pps, int) or pps < 1):
+            raise ValidationError(f"programs_per_sm = {pps!r}; expected None or an int >= 1")
+        stages = self.num_stages
+        if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1:
+            raise ValidationError(f"num_stages = {stages!r}; expected an int >= 1")
         spp = self.streams_per_program
         if spp is not None and (isinstance(spp, bool) or not isinstance(spp, int) or spp < 1):
             raise ValidationError(f"streams_per_program = {spp!r}; expected None or an int >= 1")

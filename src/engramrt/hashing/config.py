@@ -73,6 +73,10 @@ class HashKernelConfig:
             raise ValidationError(f"scan_tile={self.scan_tile!r} must be an integer")
         if self.scan_tile < 0:
             raise ValidationError(f"scan_tile={self.scan_tile} must be >= 0 (0: binary search)")
+        for name in ("ring_commit", "fast_mod", "speculate_decode"):
+            flag = getattr(self, name)
+            if not isinstance(flag, bool):
+                raise ValidationError(f"{name}={flag!r} must be a bool (true or false)")
 
     def scan_width(self, num_requests: int) -> int:
         """``SCAN_R`` for a batch of ``num_requests``: the qsl tile width, 0 for a binary search.

@@ -20,6 +20,7 @@ Codes: a compressed id (>= 0), ``EMPTY`` (-1, unknown: hashes as pad) or
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -42,6 +43,15 @@ def _check_count(name: str, value: object) -> int:
             f"in [0, 2**63)"
         )
     return int(value)  # type: ignore[call-overload]
+
+
+def _host_ints(name: str, values: torch.Tensor) -> list[int]:
+    """A 1-D integer tensor's values on the host (one synchronisation), for checking."""
+    if values.dtype.is_floating_point or values.dtype.is_complex or values.dtype == torch.bool:
+        raise ValidationError(f"{name} is a {values.dtype} tensor; expected an integer tensor")
+    if values.ndim != 1:
+        raise ValidationError(f"{name} has shape {list(values.shape)}; expected a 1-D tensor")
+    return [int(v) for v in values.tolist()]
 
 
 class SlotHashCache:
@@ -230,30 +240,57 @@ class RequestHistory:
         self.tags[ring].masked_fill_(stale, -1)
 
     def rollback_many(
-        self, request_slots: torch.Tensor | Sequence[int], num_tokens: torch.Tensor | Sequence[int]
+        self,
+        request_slots: torch.Tensor | Sequence[int],
+        num_tokens: torch.Tensor | Sequence[int],
+        *,
+        validate: bool = True,
     ) -> None:
         """:meth:`rollback` of several requests at once: request ``request_slots[i]`` keeps
         its positions ``< num_tokens[i]``.
 
         One gather, two ``where`` and two ``index_copy_`` on the ring's device,
-        whatever the number of requests, with no host synchronisation: what an
-        engine calls once per step after verifying every request's drafts.
-        Given as sequences, the slots are checked (in range, no slot twice);
-        given as tensors, they are used as they are (on the ring's device,
-        distinct, in range: a repeated slot is written in no defined order).
+        whatever the number of requests. Sequences are always checked (slots
+        in ``[0, max_requests)``, no slot twice, counts in ``[0, 2**63)``).
+        Tensors are checked the same way when ``validate`` (the default), which
+        reads them to the host once: a slot of 9 or -1 would otherwise index
+        another request's ring or fail inside torch, and a negative count would
+        erase history. An engine that keeps its step free of host
+        synchronisation passes ``validate=False`` with tensors it built itself
+        (on the ring's device, distinct, in range: a repeated slot is then
+        written in no defined order); nothing then waits for the device.
         """
-        if not isinstance(request_slots, torch.Tensor):
-            for s in request_slots:
-                self._check_slot(s)
-            slots_list = [int(s) for s in request_slots]
+        if isinstance(request_slots, torch.Tensor) and validate:
+            slot_values: list[Any] | None = _host_ints("request_slots", request_slots)
+        elif isinstance(request_slots, torch.Tensor):
+            slot_values = None
+        else:
+            slot_values = list(request_slots)
+        if isinstance(num_tokens, torch.Tensor) and validate:
+            count_values: list[Any] | None = _host_ints("num_tokens", num_tokens)
+        elif isinstance(num_tokens, torch.Tensor):
+            count_values = None
+        else:
+            count_values = list(num_tokens)
+        if slot_values is not None:
+            for i, slot in enumerate(slot_values):
+                if not _is_int(slot) or not 0 <= slot < self.max_requests:
+                    raise ValidationError(
+                        f"request_slots[{i}]={slot!r}; expected a request slot, an integer in "
+                        f"[0, max_requests={self.max_requests})"
+                    )
+            slots_list = [int(s) for s in slot_values]
             if len(set(slots_list)) != len(slots_list):
                 raise ValidationError(
                     f"request_slots={slots_list} names a slot twice; expected distinct slots"
                 )
-            request_slots = torch.tensor(slots_list, dtype=torch.int64)
-        if not isinstance(num_tokens, torch.Tensor):
-            counts = [_check_count(f"num_tokens[{i}]", n) for i, n in enumerate(num_tokens)]
-            num_tokens = torch.tensor(counts, dtype=torch.int64)
+            if not isinstance(request_slots, torch.Tensor):
+                request_slots = torch.tensor(slots_list, dtype=torch.int64)
+        if count_values is not None:
+            counts = [_check_count(f"num_tokens[{i}]", n) for i, n in enumerate(count_values)]
+            if not isinstance(num_tokens, torch.Tensor):
+                num_tokens = torch.tensor(counts, dtype=torch.int64)
+        assert isinstance(request_slots, torch.Tensor) and isinstance(num_tokens, torch.Tensor)
         if request_slots.ndim != 1 or num_tokens.shape != request_slots.shape:
             raise ValidationError(
                 f"request_slots has shape {list(request_slots.shape)} and num_tokens "

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from engramrt import memory
-from engramrt.errors import CapacityError, ValidationError
+from engramrt.errors import CapacityError, ValidationError, os_error
 
 __all__ = ["HostRows", "MappedFileRows", "PrivateHostRows"]
 
@@ -105,23 +105,28 @@ class MappedFileRows(HostRows):
     def rows(self, num_rows: int, row_bytes: int, what: str) -> torch.Tensor:
         shape = (num_rows, row_bytes)
         nbytes = num_rows * row_bytes
-        if self.create:
-            existing = self.path.stat().st_size if self.path.is_file() else 0
-            memory.require(
-                f"{what} file {self.path}",
-                nbytes - existing,
-                memory.disk_free_bytes(self.path),
-                "its file system",
-            )
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            with open(self.path, "wb") as handle:  # sparse until written
-                handle.truncate(nbytes)
-        if nbytes == 0:  # mmap cannot map zero bytes
-            return torch.empty(shape, dtype=torch.uint8)
-        if self.writable:
-            self._memmap = np.memmap(self.path, dtype=np.uint8, mode="r+", shape=shape)
-        else:
-            self._memmap = np.memmap(self.path, dtype=np.uint8, mode="r", shape=shape)
+        try:
+            if self.create:
+                existing = self.path.stat().st_size if self.path.is_file() else 0
+                memory.require(
+                    f"{what} file {self.path}",
+                    nbytes - existing,
+                    memory.disk_free_bytes(self.path),
+                    "its file system",
+                )
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                with open(self.path, "wb") as handle:  # sparse until written
+                    handle.truncate(nbytes)
+            if nbytes == 0:  # mmap cannot map zero bytes
+                return torch.empty(shape, dtype=torch.uint8)
+            if self.writable:
+                self._memmap = np.memmap(self.path, dtype=np.uint8, mode="r+", shape=shape)
+            else:
+                self._memmap = np.memmap(self.path, dtype=np.uint8, mode="r", shape=shape)
+        except OSError as exc:
+            # An unwritable, read-only or file-blocked directory: one line naming the file.
+            action = "created" if self.create else "mapped"
+            raise os_error(f"{what} file {str(self.path)!r} cannot be {action}", exc) from exc
         with warnings.catch_warnings():
             # A read-only mapping is not writable; the store never writes through it then.
             warnings.filterwarnings("ignore", message="The given NumPy array is not writable")

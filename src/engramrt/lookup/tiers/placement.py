@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from engramrt import memory
-from engramrt._device import resolve_device
+from engramrt._device import check_device, resolve_device
 from engramrt.errors import CapacityError, ValidationError
 from engramrt.layout import ColumnShard, EngramLayout
 from engramrt.lookup.tiers.base import tier_class
@@ -68,13 +68,19 @@ class TablePlacement:
         tier: ``"auto"`` (see :func:`choose_tier`), a tier's name (its default
             settings) or a tier's settings, e.g. ``HostOptions(chunk_rows=4096)``
             (the settings say which tier they configure).
-        device: the compute device lookups write to (None: the current CUDA
-            device when there is one, else the CPU).
+        device: the compute device lookups write to: ``cpu``, ``cuda`` or
+            ``cuda:N`` that this process can see (None: the current CUDA device
+            when there is one, else the CPU); anything else (``"tpu"``,
+            ``"meta"``, ``5``, a GPU this machine lacks) is refused when the
+            placement is made (:func:`engramrt._device.check_device`).
         tp, rank: the tensor-parallel rank whose hash columns the tables serve
             (SPEC §7); each layer's rows are :meth:`shard`. ``tp=1``: whole tables.
         disk_dir: where a file-backed tier (``"disk"``, or ``"auto"`` falling
             back to it) writes each layer's packed rows, one file per layer
-            and rank (:meth:`disk_path`).
+            and rank (:meth:`disk_path`). A directory the file system refuses
+            (read-only, no permission, a file in the way, full) is one
+            ``ValidationError`` (``CapacityError`` when full) naming the file,
+            raised by the load.
 
     Example::
 
@@ -97,7 +103,7 @@ class TablePlacement:
                 f"tier's options (e.g. HostOptions())"
             )
         if self.device is not None:
-            object.__setattr__(self, "device", torch.device(self.device))
+            object.__setattr__(self, "device", check_device("TablePlacement.device", self.device))
         if isinstance(self.tp, bool) or not isinstance(self.tp, int) or self.tp < 1:
             raise ValidationError(f"TablePlacement.tp = {self.tp!r}; expected an int >= 1")
         if isinstance(self.rank, bool) or not isinstance(self.rank, int):
@@ -107,6 +113,11 @@ class TablePlacement:
                 f"TablePlacement.rank = {self.rank}; expected 0 <= rank < tp = {self.tp}"
             )
         if self.disk_dir is not None:
+            if not isinstance(self.disk_dir, (str, os.PathLike)) or self.disk_dir == "":
+                raise ValidationError(
+                    f"TablePlacement.disk_dir = {self.disk_dir!r}; expected None or a "
+                    f"directory path (str or os.PathLike)"
+                )
             object.__setattr__(self, "disk_dir", Path(self.disk_dir))
 
     @property
