@@ -16,7 +16,7 @@ import pytest
 import torch
 from tests.engines.helpers import import_engine, requires_engine
 
-from engramrt.adapters import from_sglang_batch, sglang_slot_cache
+from engramrt.adapters import from_sglang_batch, sglang_request_history, sglang_slot_cache
 from engramrt.adapters.sglang import MM_PAD_SHIFT_VALUE
 from engramrt.config import PRESETS
 from engramrt.hashing import HashConstants, NgramHasher, hash_sequence
@@ -98,6 +98,10 @@ class SGLangPools:
             extend_seq_lens_cpu=lens.tolist(),
             extend_prefix_lens_cpu=prefix,
         )
+
+    def reject(self, row: int, num_tokens: int) -> None:
+        """Drop a request's last ``num_tokens`` (rejected drafts)."""
+        del self.tokens[row][len(self.tokens[row]) - num_tokens :]
 
     def sglang_hash(self, batch, consts: HashConstants, token_map, *, commit: bool = True):
         """Hash ids of an extend batch by SGLang's kernel, on its history rows."""
@@ -248,3 +252,36 @@ def test_verify_chunk_starts_at_positions(sg, consts, token_map, hasher) -> None
         cache=cache,
     )
     assert not np.array_equal(hasher(wrong, cache).numpy(), want)
+
+
+def test_history_rows_mode(sg, consts, token_map, hasher) -> None:
+    # SGLang's own design: a history row per pool row (req_pool_indices), no slots.
+    fbi = sg.forward_batch_info
+    pools = SGLangPools(sg, consts.max_ngram_size)
+    history = sglang_request_history(pools.req_pool._alloc_size, hasher)
+    a, b = pools.new_request(), pools.new_request()
+
+    def check(batch, decode: bool = False) -> None:
+        hash_batch = from_sglang_batch(
+            input_ids=batch.input_ids,
+            req_pool_indices=batch.req_pool_indices,
+            req_to_token=pools.req_pool.req_to_token,
+            hasher=hasher,
+            positions=batch.positions,
+            extend_seq_lens=None if decode else batch.extend_seq_lens,
+            history="rows",
+        )
+        assert hash_batch.request_slots.tolist() == batch.req_pool_indices.tolist()
+        want = expected(pools, batch, consts, token_map)
+        np.testing.assert_array_equal(hasher(hash_batch, history).numpy(), want)
+
+    check(pools.extend([a, b], [[11, 12, 13, 14, 15], [21, 22]]))  # chunked prefill
+    check(pools.extend([a, b], [[16, 17], [23]]))  # a's next chunk, b's first decode
+    verify = pools.extend([a, b], [[31, 32, 33], [41, 42, 43]], fbi.ForwardMode.TARGET_VERIFY)
+    check(verify)
+    pools.reject(a, 2)  # a accepts one draft, b two
+    pools.reject(b, 1)
+    for row in (a, b):  # the accepted tokens' KV slots are the pool row's
+        pools.req_pool.req_to_token[row, len(pools.tokens[row]) :] = 0
+    check(pools.extend([a, b], [[34], [44]]), decode=True)
+    check(pools.extend([a, b], [[35], [45]]), decode=True)

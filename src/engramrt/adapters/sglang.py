@@ -39,13 +39,18 @@ from engramrt.adapters._checks import (
     host_values,
 )
 from engramrt.errors import ValidationError
-from engramrt.hashing.history import SlotHashCache
+from engramrt.hashing.history import RequestHistory, SlotHashCache
 from engramrt.hashing.types import HashBatch, HashConstants
 
 if TYPE_CHECKING:
     from engramrt.hashing.ops import NgramHasher
 
-__all__ = ["MM_PAD_SHIFT_VALUE", "from_sglang_batch", "sglang_slot_cache"]
+__all__ = [
+    "MM_PAD_SHIFT_VALUE",
+    "from_sglang_batch",
+    "sglang_request_history",
+    "sglang_slot_cache",
+]
 
 MM_PAD_SHIFT_VALUE = 1_000_000
 """SGLang's multimodal pad ids: image tokens in ``ForwardBatch.input_ids`` hold values at
@@ -68,6 +73,27 @@ def sglang_slot_cache(num_kv_slots: int, device: torch.device | str = "cpu") -> 
     return SlotHashCache(num_kv_slots, 1, device)
 
 
+def sglang_request_history(
+    num_pool_rows: int,
+    hasher: NgramHasher | HashConstants,
+    max_draft_tokens: int = 16,
+    device: torch.device | str = "cpu",
+) -> RequestHistory:
+    """SGLang's own history design: one row per ``req_to_token`` row, for batches of
+    ``from_sglang_batch(..., history="rows")``.
+
+    ``num_pool_rows`` counts every row ``req_pool_indices`` may name, the reserved
+    padding row 0 included (``ReqToTokenPool.size + 1``). Each row remembers the last
+    N-1 + ``max_draft_tokens`` positions, so a verify step's rejected drafts never
+    overwrite accepted history and need no commit (entries are tagged with their
+    position); call ``reset(row)`` when a row is given to a new request and pass
+    ``lookback_token_ids`` in a request's first step when its chunk does not start
+    at 0 (radix-cache hits, KV from elsewhere).
+    """
+    n = hash_constants_of(hasher).max_ngram_size
+    return RequestHistory(num_pool_rows, n, n - 1 + max_draft_tokens, device)
+
+
 def from_sglang_batch(
     *,
     input_ids: torch.Tensor,
@@ -85,6 +111,7 @@ def from_sglang_batch(
     lookback_dead: torch.Tensor | None = None,
     cache: SlotHashCache | None = None,
     mm_pad_shift: int | None = MM_PAD_SHIFT_VALUE,
+    history: str = "slots",
     validate: bool = True,
 ) -> HashBatch:
     """The :class:`HashBatch` of one forward batch, for :func:`sglang_slot_cache`.
@@ -120,6 +147,10 @@ def from_sglang_batch(
         cache: the :class:`SlotHashCache` the batch will be hashed with; only
             used by validation (block size 1, slots in range, device).
         mm_pad_shift: SGLang's ``MM_PAD_SHIFT_VALUE`` (None: ids pass through).
+        history: ``"slots"``, for :func:`sglang_slot_cache` (fields below), or
+            ``"rows"``: SGLang's own design, one history row per pool row, for
+            :func:`sglang_request_history` (true positions, ``request_slots =
+            req_pool_indices``, no slots).
         validate: check the batch first (see Raises); False skips every check
             but those the conversion cannot do without: the hasher, a decode
             step's ``seq_lens``, an ``extend_seq_lens`` with its
@@ -164,14 +195,13 @@ def from_sglang_batch(
             lookback_dead=lookback_dead,
             cache=cache,
             mm_pad_shift=mm_pad_shift,
+            history=history,
         )
     max_ngram_size = hash_constants_of(hasher).max_ngram_size
     device = input_ids.device
     t_len = int(input_ids.shape[0])
     n_req = int(req_pool_indices.shape[0])
     n_real = n_req if num_reqs is None else num_reqs
-    window = max_ngram_size  # N-1 history positions, then the chunk start
-    max_context = int(req_to_token.shape[1])
 
     if mm_pad_shift is not None:
         input_ids, dead_mask = _mm_pads_dead(input_ids, dead_mask, mm_pad_shift)
@@ -189,25 +219,20 @@ def from_sglang_batch(
         extend_seq_lens=extend_seq_lens,
         num_actual_tokens=num_actual_tokens,
     )
-    base = (chunk_start - (max_ngram_size - 1)).clamp(min=0)  # [R]
     pool_rows = torch.where(live, req_pool_indices.to(torch.int64), 0)  # [R]
-
-    token = torch.arange(t_len, device=device)
-    owner = torch.searchsorted(qsl[1:].contiguous(), token, right=True)  # [T]; R: padding
-    padding_row = owner >= n_req
-    if n_req == 0:
-        batch_positions = torch.zeros(t_len, dtype=torch.int64, device=device)
-        slot_mapping = torch.full((t_len,), -1, dtype=torch.int64, device=device)
-    else:
-        owner = owner.clamp(max=n_req - 1)
-        position = chunk_start[owner] + (token - qsl[owner])  # [T] in the request
-        column = position.clamp(0, max_context - 1)
-        slot = req_to_token[pool_rows[owner], column].to(torch.int64)
-        batch_positions = torch.where(padding_row, 0, position - base[owner])
-        slot_mapping = torch.where(padding_row, -1, slot)
-    columns = (base[:, None] + torch.arange(window, device=device)).clamp(max=max_context - 1)
-    block_table = req_to_token[pool_rows[:, None], columns]  # [R, N]
-
+    position, batch_positions, slot_mapping, block_table = _sglang_slots(
+        req_to_token, qsl, chunk_start, pool_rows, window=max_ngram_size, t_len=t_len
+    )
+    if history == "rows":  # a RequestHistory row per pool row: true positions, no slots
+        return HashBatch(
+            input_ids=input_ids,
+            positions=position,
+            query_start_loc=qsl,
+            dead_mask=dead_mask,
+            lookback_token_ids=lookback_token_ids,
+            lookback_dead=lookback_dead,
+            request_slots=pool_rows,
+        )
     return HashBatch(
         input_ids=input_ids,
         positions=batch_positions,
@@ -218,6 +243,39 @@ def from_sglang_batch(
         slot_mapping=slot_mapping,
         block_table=block_table,
     )
+
+
+def _sglang_slots(
+    req_to_token: torch.Tensor,
+    qsl: torch.Tensor,
+    chunk_start: torch.Tensor,
+    pool_rows: torch.Tensor,
+    *,
+    window: int,
+    t_len: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each token's position (0 on padding rows), its window-relative position, its
+    slot (-1 on padding rows) and the ``[R, N]`` window of pool columns of
+    :func:`from_sglang_batch`."""
+    device, n_req = qsl.device, int(pool_rows.shape[0])
+    max_context = int(req_to_token.shape[1])
+    base = (chunk_start - (window - 1)).clamp(min=0)  # [R]
+    token = torch.arange(t_len, device=device)
+    owner = torch.searchsorted(qsl[1:].contiguous(), token, right=True)  # [T]; R: padding
+    padding_row = owner >= n_req
+    if n_req == 0:
+        zeros = torch.zeros(t_len, dtype=torch.int64, device=device)
+        slot_mapping = torch.full((t_len,), -1, dtype=torch.int64, device=device)
+        return zeros, zeros, slot_mapping, req_to_token[:0, :window]
+    owner = owner.clamp(max=n_req - 1)
+    position = chunk_start[owner] + (token - qsl[owner])  # [T] in the request
+    column = position.clamp(0, max_context - 1)
+    slot = req_to_token[pool_rows[owner], column].to(torch.int64)
+    batch_positions = torch.where(padding_row, 0, position - base[owner])
+    slot_mapping = torch.where(padding_row, -1, slot)
+    columns = (base[:, None] + torch.arange(window, device=device)).clamp(max=max_context - 1)
+    block_table = req_to_token[pool_rows[:, None], columns]  # [R, N]
+    return torch.where(padding_row, 0, position), batch_positions, slot_mapping, block_table
 
 
 def _sglang_chunks(
@@ -284,6 +342,7 @@ def _check_sglang_batch(
     lookback_dead: torch.Tensor | None,
     cache: SlotHashCache | None,
     mm_pad_shift: int | None,
+    history: str,
 ) -> None:
     """The checks of :func:`from_sglang_batch` (its Raises says which)."""
     device, t_len = check_input_ids(input_ids)
@@ -296,14 +355,14 @@ def _check_sglang_batch(
         )
     max_ngram_size = hash_constants_of(hasher).max_ngram_size
     n_real = check_request_counts(num_reqs, num_actual_tokens, num_requests=n_req, num_tokens=t_len)
-    if mm_pad_shift is not None:
-        check_count("mm_pad_shift", mm_pad_shift, 1, 2**31 - 1)
-    if positions is not None:
-        check_tensor("positions", positions, dims=1, device=device)
-        if positions.shape[0] != t_len:
-            raise ValidationError(
-                f"positions has shape {list(positions.shape)}; expected [{t_len}] like input_ids"
-            )
+    _check_sglang_options(
+        positions,
+        history=history,
+        cache=cache,
+        mm_pad_shift=mm_pad_shift,
+        device=device,
+        t_len=t_len,
+    )
     if extend_prefix_lens is not None and extend_seq_lens is None:
         raise ValidationError(
             "extend_prefix_lens was given alone; expected extend_prefix_lens and "
@@ -412,6 +471,34 @@ def _check_sglang_batch(
         max_ngram_size=max_ngram_size,
         cache=cache,
     )
+
+
+def _check_sglang_options(
+    positions: torch.Tensor | None,
+    *,
+    history: str,
+    cache: SlotHashCache | None,
+    mm_pad_shift: int | None,
+    device: torch.device,
+    t_len: int,
+) -> None:
+    """The checks of :func:`from_sglang_batch`'s ``history``, ``mm_pad_shift`` and
+    ``positions [T]``."""
+    if history not in ("slots", "rows"):
+        raise ValidationError(f"history={history!r}; expected 'slots' or 'rows'")
+    if history == "rows" and cache is not None:
+        raise ValidationError(
+            "cache is a SlotHashCache with history='rows'; expected None (the batch is "
+            "hashed with a RequestHistory)"
+        )
+    if mm_pad_shift is not None:
+        check_count("mm_pad_shift", mm_pad_shift, 1, 2**31 - 1)
+    if positions is not None:
+        check_tensor("positions", positions, dims=1, device=device)
+        if positions.shape[0] != t_len:
+            raise ValidationError(
+                f"positions has shape {list(positions.shape)}; expected [{t_len}] like input_ids"
+            )
 
 
 def _check_sglang_rows(
