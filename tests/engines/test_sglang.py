@@ -11,6 +11,11 @@ hashing every request's whole sequence at once.
 
 from __future__ import annotations
 
+import dataclasses
+import importlib.util
+import re
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -285,3 +290,50 @@ def test_history_rows_mode(sg, consts, token_map, hasher) -> None:
         pools.req_pool.req_to_token[row, len(pools.tokens[row]) :] = 0
     check(pools.extend([a, b], [[34], [44]]), decode=True)
     check(pools.extend([a, b], [[35], [45]]), decode=True)
+
+
+def sglang_source(module: str) -> str:
+    """The text of an sglang module, read without importing it."""
+    spec = importlib.util.find_spec(module)
+    assert spec is not None and spec.origin is not None, module
+    return Path(spec.origin).read_text()
+
+
+def test_plugin_instructions_name_real_code(sg) -> None:
+    # docs/adapters.md, "In SGLang's model runner": every call site and field it names.
+    doc = (Path(__file__).parents[2] / "docs" / "adapters.md").read_text()
+    section = doc.split("### In SGLang's model runner", 1)[1]
+    sources = {
+        "sglang.srt.models.deepseek_v4": [
+            "class DeepseekV4Model",
+            "self.engram_hasher(input_ids, forward_batch)",
+        ],
+        "sglang.srt.model_executor.model_runner_components.ngram_embedding_manager": [
+            "class NgramEmbeddingManager",
+            "init_history(req_to_token_pool.req_to_token.shape[0], device)",
+        ],
+        "sglang.srt.model_executor.model_runner": [
+            "def _forward_raw",
+            "self.decode_cuda_graph_runner",
+            "self.req_to_token_pool =",
+            "self.token_to_kv_pool_allocator =",
+        ],
+        "sglang.srt.model_executor.runner.decode_cuda_graph_runner": ["raw_bs", "raw_num_token"],
+        "sglang.srt.layers.engram": ["class EngramHasher", "class Engram("],
+        "sglang.srt.model_executor.runner_backend_utils.breakable_cuda_graph.breakable_cuda_graph": [
+            "def eager_on_graph"
+        ],
+    }
+    for module, needles in sources.items():
+        text = sglang_source(module)
+        for needle in needles:
+            assert needle in text, f"{module} has no {needle!r}"
+    fields = {f.name for f in dataclasses.fields(sg.forward_batch_info.ForwardBatch)}
+    named = set(re.findall(r"forward_batch\.(\w+)", section))
+    assert named and named <= fields | {"forward_mode"}, named - fields
+    mode = sg.forward_batch_info.ForwardMode
+    for method in re.findall(r"forward_mode\.(\w+)\(\)", section):
+        assert hasattr(mode, method), method
+    pools = SGLangPools(sg, 4)
+    assert pools.req_pool.req_to_token.shape[0] == pools.req_pool.size + 1
+    assert pools.kv.size == 256
