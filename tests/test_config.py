@@ -33,6 +33,19 @@ def test_hf_round_trip_and_extra_fields_ignored(tmp_path) -> None:
     assert load_config(data) == cfg
 
 
+@pytest.mark.parametrize("name", ["tiny", "dsv41-flash"])
+def test_hf_dict_writes_vocab_size_as_engines_read_it(name: str) -> None:
+    # SGLang's and vLLM's config readers compute config.engram_vocab_size - 1: an int
+    # (tests/engines/ runs both readers on this dict).
+    cfg = PRESETS[name]
+    data = json.loads(json.dumps(cfg.to_hf_dict()))
+    assert data["engram_vocab_size"] == cfg.vocab_size[0]
+    assert type(data["engram_vocab_size"]) is int
+    assert EngramConfig.from_hf_dict(data) == cfg
+    mixed = cfg.replace(vocab_size=(cfg.vocab_size[0], *[v + 1 for v in cfg.vocab_size[1:]]))
+    assert EngramConfig.from_hf_dict(mixed.to_hf_dict()) == mixed
+
+
 def test_vocab_size_int_is_broadcast_per_order() -> None:
     data = PRESETS["tiny"].to_hf_dict() | {"engram_vocab_size": 4096}
     assert EngramConfig.from_hf_dict(data).vocab_size == (4096, 4096, 4096)

@@ -193,10 +193,18 @@ class EngramConfig:
         return cls(**kwargs, name=name)
 
     def to_hf_dict(self) -> dict[str, Any]:
-        """The HF ``config.json`` fields of this config (round-trips through from_hf_dict)."""
+        """The HF ``config.json`` fields of this config (round-trips through from_hf_dict).
+
+        ``engram_vocab_size`` is written as one int when every n-gram order shares it,
+        as SGLang and vLLM read it (both compute ``config.engram_vocab_size - 1``); a
+        list only when the orders differ, which neither engine can load.
+        """
+        vocab_size = set(self.vocab_size)
         return {
             "engram_layer_ids": list(self.layer_ids),
-            "engram_vocab_size": list(self.vocab_size),
+            "engram_vocab_size": vocab_size.pop()
+            if len(vocab_size) == 1
+            else list(self.vocab_size),
             "engram_num_embeddings": list(self.num_embeddings),
             "engram_max_ngram_size": self.max_ngram_size,
             "engram_n_heads": self.n_heads,

@@ -45,6 +45,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "FINGERPRINT_FORMAT",
+    "IMAGE_PLACEHOLDER_ID",
     "PROBE_TEXT",
     "TokenMap",
     "TokenMapFingerprint",
@@ -60,6 +61,11 @@ __all__ = [
 _MAP_VERSION = 1
 _SENTINEL = "\ue000"
 _REPLACEMENT_CHAR = "\ufffd"
+
+IMAGE_PLACEHOLDER_ID = 129264
+"""The id every image position carries in DeepSeek-V4.1 prompts (the config's
+``image_token_id``; vLLM names it ``<｜deepseek_image｜>``, the bundled tokenizer
+``<｜image2｜>``). It lies inside the vocabulary, so only a dead mask marks it."""
 
 PROBE_TEXT = "The Engram hash contract: THE the café Café, 0123 深度求索."
 """The text whose row ids a fingerprint records (19 DeepSeek-V4 tokens).

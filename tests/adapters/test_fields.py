@@ -372,7 +372,10 @@ def test_sglang_rebased_window_hashes_like_whole_pool_rows(seed, consts, token_m
 
 _SGLANG_INVALID = [
     ({"extend_seq_lens": None}, "extend_prefix_lens was given alone"),
-    ({"extend_seq_lens": None, "extend_prefix_lens": None}, "seq_lens is None in a decode step"),
+    (
+        {"extend_seq_lens": None, "extend_prefix_lens": None},
+        "seq_lens and positions are None in a decode step",
+    ),
     ({"req_pool_indices": torch.tensor([2, 9, 1])}, r"req_pool_indices\[1\]=9"),
     (
         {"req_pool_indices": torch.tensor([2, 0])},

@@ -160,6 +160,26 @@ def test_inspect_prints_the_token_map_fingerprint(capsys, token_map) -> None:
     assert f"row ids sha256 {report['probe_row_ids_sha256']}" in out
 
 
+def test_inspect_names_the_image_placeholder(capsys, token_map) -> None:
+    # Id 129264 is what every image position carries (vLLM's <｜deepseek_image｜>).
+    import json as json_module
+
+    from engramrt.tokenmap import default_tokenizer_path
+
+    code, out, _ = _run(capsys, "inspect", "--config", "tiny", "--json")
+    assert code == 0
+    image = json_module.loads(out)["image_placeholder"]
+    vocab = json_module.loads(default_tokenizer_path().read_text())
+    added = {t["id"]: t["content"] for t in vocab["added_tokens"]}
+    assert image == {
+        "id": 129264,
+        "token": added[129264],
+        "compressed_id": int(token_map.map[129264]),
+    }
+    code, out, _ = _run(capsys, "inspect", "--config", "tiny")
+    assert f"image placeholder id 129264: {added[129264]!r} -> compressed" in out
+
+
 # -- inspect PATH: a checkpoint's headers ---------------------------------------
 
 

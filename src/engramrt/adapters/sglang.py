@@ -30,6 +30,7 @@ import torch
 
 from engramrt.adapters._checks import (
     check_cache,
+    check_count,
     check_dead_and_lookback,
     check_input_ids,
     check_request_counts,
@@ -38,13 +39,22 @@ from engramrt.adapters._checks import (
     host_values,
 )
 from engramrt.errors import ValidationError
-from engramrt.hashing.history import SlotHashCache
+from engramrt.hashing.history import RequestHistory, SlotHashCache
 from engramrt.hashing.types import HashBatch, HashConstants
 
 if TYPE_CHECKING:
     from engramrt.hashing.ops import NgramHasher
 
-__all__ = ["from_sglang_batch", "sglang_slot_cache"]
+__all__ = [
+    "MM_PAD_SHIFT_VALUE",
+    "from_sglang_batch",
+    "sglang_request_history",
+    "sglang_slot_cache",
+]
+
+MM_PAD_SHIFT_VALUE = 1_000_000
+"""SGLang's multimodal pad ids: image tokens in ``ForwardBatch.input_ids`` hold values at
+or above it (``sglang.srt.managers.schedule_batch.MM_PAD_SHIFT_VALUE``)."""
 
 # The error for a SlotHashCache of another block size ({found}: its, {expected}: ours).
 _CACHE_BLOCK_SIZE = (
@@ -63,6 +73,27 @@ def sglang_slot_cache(num_kv_slots: int, device: torch.device | str = "cpu") -> 
     return SlotHashCache(num_kv_slots, 1, device)
 
 
+def sglang_request_history(
+    num_pool_rows: int,
+    hasher: NgramHasher | HashConstants,
+    max_draft_tokens: int = 16,
+    device: torch.device | str = "cpu",
+) -> RequestHistory:
+    """SGLang's own history design: one row per ``req_to_token`` row, for batches of
+    ``from_sglang_batch(..., history="rows")``.
+
+    ``num_pool_rows`` counts every row ``req_pool_indices`` may name, the reserved
+    padding row 0 included (``ReqToTokenPool.size + 1``). Each row remembers the last
+    N-1 + ``max_draft_tokens`` positions, so a verify step's rejected drafts never
+    overwrite accepted history and need no commit (entries are tagged with their
+    position); call ``reset(row)`` when a row is given to a new request and pass
+    ``lookback_token_ids`` in a request's first step when its chunk does not start
+    at 0 (radix-cache hits, KV from elsewhere).
+    """
+    n = hash_constants_of(hasher).max_ngram_size
+    return RequestHistory(num_pool_rows, n, n - 1 + max_draft_tokens, device)
+
+
 def from_sglang_batch(
     *,
     input_ids: torch.Tensor,
@@ -70,6 +101,7 @@ def from_sglang_batch(
     req_to_token: torch.Tensor,
     hasher: NgramHasher | HashConstants,
     seq_lens: torch.Tensor | None = None,
+    positions: torch.Tensor | None = None,
     extend_prefix_lens: torch.Tensor | None = None,
     extend_seq_lens: torch.Tensor | None = None,
     num_reqs: int | None = None,
@@ -78,16 +110,18 @@ def from_sglang_batch(
     lookback_token_ids: torch.Tensor | None = None,
     lookback_dead: torch.Tensor | None = None,
     cache: SlotHashCache | None = None,
+    mm_pad_shift: int | None = MM_PAD_SHIFT_VALUE,
+    history: str = "slots",
     validate: bool = True,
 ) -> HashBatch:
     """The :class:`HashBatch` of one forward batch, for :func:`sglang_slot_cache`.
 
-    Request r's chunk is positions ``extend_prefix_lens[r] ..
-    extend_prefix_lens[r] + extend_seq_lens[r] - 1`` (extend steps), or the
-    single position ``seq_lens[r] - 1`` (decode steps: leave both extend
-    fields None). A chain-draft verify step is an extend step with
-    ``extend_prefix_lens = seq_lens`` (committed tokens) and
-    ``extend_seq_lens`` = the draft tokens per request.
+    Request r's chunk is ``extend_seq_lens[r]`` tokens (extend and verify
+    steps; one in decode steps: leave both extend fields None) starting at
+    ``positions[query_start_loc[r]]`` (``ForwardBatch.positions``, right in
+    every mode), else at ``extend_prefix_lens[r]`` or ``seq_lens[r] - 1``
+    (decode): in a verify step ``seq_lens`` counts the drafts too. Ids at or
+    above ``mm_pad_shift`` (image pads) become dead positions with id 0.
 
     Never synchronises with the device: a binary search of each token's
     request, gathers and ``torch.where``, all of shapes known from tensor
@@ -101,7 +135,8 @@ def from_sglang_batch(
         hasher: the :class:`~engramrt.hashing.NgramHasher` the batch will be
             hashed with (or its :class:`~engramrt.hashing.HashConstants`):
             its N sets the history window, N-1 positions before each chunk.
-        seq_lens: ``[R]`` lengths after this step; used by decode steps only.
+        seq_lens: ``[R]`` lengths after this step (decode, no ``positions``).
+        positions: ``[T]`` position of each token (``ForwardBatch.positions``).
         extend_prefix_lens, extend_seq_lens: ``[R]`` each (extend steps).
         num_reqs: real requests (CUDA-graph padding adds requests after them,
             which become empty); default R.
@@ -111,6 +146,11 @@ def from_sglang_batch(
             the first step of a request whose KV came from elsewhere needs them.
         cache: the :class:`SlotHashCache` the batch will be hashed with; only
             used by validation (block size 1, slots in range, device).
+        mm_pad_shift: SGLang's ``MM_PAD_SHIFT_VALUE`` (None: ids pass through).
+        history: ``"slots"``, for :func:`sglang_slot_cache` (fields below), or
+            ``"rows"``: SGLang's own design, one history row per pool row, for
+            :func:`sglang_request_history` (true positions, ``request_slots =
+            req_pool_indices``, no slots).
         validate: check the batch first (see Raises); False skips every check
             but those the conversion cannot do without: the hasher, a decode
             step's ``seq_lens``, an ``extend_seq_lens`` with its
@@ -145,6 +185,7 @@ def from_sglang_batch(
             req_to_token=req_to_token,
             hasher=hasher,
             seq_lens=seq_lens,
+            positions=positions,
             extend_prefix_lens=extend_prefix_lens,
             extend_seq_lens=extend_seq_lens,
             num_reqs=num_reqs,
@@ -153,52 +194,48 @@ def from_sglang_batch(
             lookback_token_ids=lookback_token_ids,
             lookback_dead=lookback_dead,
             cache=cache,
+            mm_pad_shift=mm_pad_shift,
+            history=history,
         )
     max_ngram_size = hash_constants_of(hasher).max_ngram_size
     device = input_ids.device
     t_len = int(input_ids.shape[0])
     n_req = int(req_pool_indices.shape[0])
     n_real = n_req if num_reqs is None else num_reqs
-    window = max_ngram_size  # N-1 history positions, then the chunk start
-    max_context = int(req_to_token.shape[1])
 
+    if mm_pad_shift is not None:
+        input_ids, dead_mask = _mm_pads_dead(input_ids, dead_mask, mm_pad_shift)
+    if mm_pad_shift is not None and lookback_token_ids is not None:
+        lookback_token_ids, lookback_dead = _mm_pads_dead(
+            lookback_token_ids, lookback_dead, mm_pad_shift
+        )
     live = torch.arange(n_req, device=device) < n_real  # [R]
-    if extend_seq_lens is None:  # decode: one token per request, at seq_lens - 1
-        if seq_lens is None:  # checked even without validate: it costs nothing
-            raise ValidationError("seq_lens is None in a decode step; expected [R] lengths")
-        chunk_start = seq_lens.to(torch.int64) - 1
-        chunk_len = live.to(torch.int64)
-    else:
-        if extend_prefix_lens is None:
-            raise ValidationError("extend_seq_lens was given alone; expected extend_prefix_lens")
-        chunk_start = extend_prefix_lens.to(torch.int64)
-        chunk_len = torch.where(live, extend_seq_lens.to(torch.int64), 0)
-    chunk_start = torch.where(live, chunk_start, 0)
-    qsl = torch.cat([torch.zeros(1, dtype=torch.int64, device=device), chunk_len.cumsum(0)])
-    if num_actual_tokens is not None:
-        qsl = qsl.clamp(max=num_actual_tokens)
-    base = (chunk_start - (max_ngram_size - 1)).clamp(min=0)  # [R]
+    qsl, chunk_start = _sglang_chunks(
+        live,
+        t_len=t_len,
+        seq_lens=seq_lens,
+        positions=positions,
+        extend_prefix_lens=extend_prefix_lens,
+        extend_seq_lens=extend_seq_lens,
+        num_actual_tokens=num_actual_tokens,
+    )
     pool_rows = torch.where(live, req_pool_indices.to(torch.int64), 0)  # [R]
-
-    token = torch.arange(t_len, device=device)
-    owner = torch.searchsorted(qsl[1:].contiguous(), token, right=True)  # [T]; R: padding
-    padding_row = owner >= n_req
-    if n_req == 0:
-        positions = torch.zeros(t_len, dtype=torch.int64, device=device)
-        slot_mapping = torch.full((t_len,), -1, dtype=torch.int64, device=device)
-    else:
-        owner = owner.clamp(max=n_req - 1)
-        position = chunk_start[owner] + (token - qsl[owner])  # [T] in the request
-        column = position.clamp(0, max_context - 1)
-        slot = req_to_token[pool_rows[owner], column].to(torch.int64)
-        positions = torch.where(padding_row, 0, position - base[owner])
-        slot_mapping = torch.where(padding_row, -1, slot)
-    columns = (base[:, None] + torch.arange(window, device=device)).clamp(max=max_context - 1)
-    block_table = req_to_token[pool_rows[:, None], columns]  # [R, N]
-
+    position, batch_positions, slot_mapping, block_table = _sglang_slots(
+        req_to_token, qsl, chunk_start, pool_rows, window=max_ngram_size, t_len=t_len
+    )
+    if history == "rows":  # a RequestHistory row per pool row: true positions, no slots
+        return HashBatch(
+            input_ids=input_ids,
+            positions=position,
+            query_start_loc=qsl,
+            dead_mask=dead_mask,
+            lookback_token_ids=lookback_token_ids,
+            lookback_dead=lookback_dead,
+            request_slots=pool_rows,
+        )
     return HashBatch(
         input_ids=input_ids,
-        positions=positions,
+        positions=batch_positions,
         query_start_loc=qsl,
         dead_mask=dead_mask,
         lookback_token_ids=lookback_token_ids,
@@ -208,6 +245,86 @@ def from_sglang_batch(
     )
 
 
+def _sglang_slots(
+    req_to_token: torch.Tensor,
+    qsl: torch.Tensor,
+    chunk_start: torch.Tensor,
+    pool_rows: torch.Tensor,
+    *,
+    window: int,
+    t_len: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each token's position (0 on padding rows), its window-relative position, its
+    slot (-1 on padding rows) and the ``[R, N]`` window of pool columns of
+    :func:`from_sglang_batch`."""
+    device, n_req = qsl.device, int(pool_rows.shape[0])
+    max_context = int(req_to_token.shape[1])
+    base = (chunk_start - (window - 1)).clamp(min=0)  # [R]
+    token = torch.arange(t_len, device=device)
+    owner = torch.searchsorted(qsl[1:].contiguous(), token, right=True)  # [T]; R: padding
+    padding_row = owner >= n_req
+    if n_req == 0:
+        zeros = torch.zeros(t_len, dtype=torch.int64, device=device)
+        slot_mapping = torch.full((t_len,), -1, dtype=torch.int64, device=device)
+        return zeros, zeros, slot_mapping, req_to_token[:0, :window]
+    owner = owner.clamp(max=n_req - 1)
+    position = chunk_start[owner] + (token - qsl[owner])  # [T] in the request
+    column = position.clamp(0, max_context - 1)
+    slot = req_to_token[pool_rows[owner], column].to(torch.int64)
+    batch_positions = torch.where(padding_row, 0, position - base[owner])
+    slot_mapping = torch.where(padding_row, -1, slot)
+    columns = (base[:, None] + torch.arange(window, device=device)).clamp(max=max_context - 1)
+    block_table = req_to_token[pool_rows[:, None], columns]  # [R, N]
+    return torch.where(padding_row, 0, position), batch_positions, slot_mapping, block_table
+
+
+def _sglang_chunks(
+    live: torch.Tensor,
+    *,
+    t_len: int,
+    seq_lens: torch.Tensor | None,
+    positions: torch.Tensor | None,
+    extend_prefix_lens: torch.Tensor | None,
+    extend_seq_lens: torch.Tensor | None,
+    num_actual_tokens: int | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``query_start_loc [R+1]`` and each request's chunk start ``[R]`` (0 for padded
+    requests) of :func:`from_sglang_batch`, on the device of ``live [R]``."""
+    device = live.device
+    if extend_seq_lens is None:  # decode: one token per request, at seq_lens - 1
+        chunk_len = live.to(torch.int64)
+        if positions is None:
+            if seq_lens is None:  # checked even without validate: it costs nothing
+                raise ValidationError("seq_lens is None in a decode step; expected [R] lengths")
+            chunk_start = seq_lens.to(torch.int64) - 1
+    else:
+        chunk_len = torch.where(live, extend_seq_lens.to(torch.int64), 0)
+        if positions is None:
+            if extend_prefix_lens is None:
+                raise ValidationError(
+                    "extend_seq_lens was given alone; expected extend_prefix_lens or positions"
+                )
+            chunk_start = extend_prefix_lens.to(torch.int64)
+    qsl = torch.cat([torch.zeros(1, dtype=torch.int64, device=device), chunk_len.cumsum(0)])
+    if num_actual_tokens is not None:
+        qsl = qsl.clamp(max=num_actual_tokens)
+    if positions is not None:  # each chunk starts at its first token's position
+        first = qsl[:-1].clamp(max=max(t_len - 1, 0))
+        chunk_start = positions.to(torch.int64)[first] if t_len else torch.zeros_like(first)
+        chunk_start = torch.where(qsl[1:] > qsl[:-1], chunk_start, 0)
+    chunk_start = torch.where(live, chunk_start, 0)
+    return qsl, chunk_start
+
+
+def _mm_pads_dead(
+    ids: torch.Tensor, dead: torch.Tensor | None, mm_pad_shift: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``ids`` with every multimodal pad id (``>= mm_pad_shift``) replaced by 0, and
+    ``dead`` with those positions set: device ops of fixed shapes, no host read."""
+    pad = ids >= mm_pad_shift
+    return torch.where(pad, 0, ids), pad if dead is None else dead | pad
+
+
 def _check_sglang_batch(
     *,
     input_ids: torch.Tensor,
@@ -215,6 +332,7 @@ def _check_sglang_batch(
     req_to_token: torch.Tensor,
     hasher: NgramHasher | HashConstants,
     seq_lens: torch.Tensor | None,
+    positions: torch.Tensor | None,
     extend_prefix_lens: torch.Tensor | None,
     extend_seq_lens: torch.Tensor | None,
     num_reqs: int | None,
@@ -223,6 +341,8 @@ def _check_sglang_batch(
     lookback_token_ids: torch.Tensor | None,
     lookback_dead: torch.Tensor | None,
     cache: SlotHashCache | None,
+    mm_pad_shift: int | None,
+    history: str,
 ) -> None:
     """The checks of :func:`from_sglang_batch` (its Raises says which)."""
     device, t_len = check_input_ids(input_ids)
@@ -235,16 +355,29 @@ def _check_sglang_batch(
         )
     max_ngram_size = hash_constants_of(hasher).max_ngram_size
     n_real = check_request_counts(num_reqs, num_actual_tokens, num_requests=n_req, num_tokens=t_len)
-    if (extend_prefix_lens is None) != (extend_seq_lens is None):
-        given = "extend_prefix_lens" if extend_seq_lens is None else "extend_seq_lens"
+    _check_sglang_options(
+        positions,
+        history=history,
+        cache=cache,
+        mm_pad_shift=mm_pad_shift,
+        device=device,
+        t_len=t_len,
+    )
+    if extend_prefix_lens is not None and extend_seq_lens is None:
         raise ValidationError(
-            f"{given} was given alone; expected extend_prefix_lens and extend_seq_lens "
-            f"together (extend steps) or neither (decode steps)"
+            "extend_prefix_lens was given alone; expected extend_prefix_lens and "
+            "extend_seq_lens together (extend steps) or neither (decode steps)"
+        )
+    if extend_seq_lens is not None and extend_prefix_lens is None and positions is None:
+        raise ValidationError(
+            "extend_seq_lens was given alone; expected extend_prefix_lens or positions "
+            "with it (extend steps)"
         )
     decode = extend_seq_lens is None
-    if decode and seq_lens is None:
+    if decode and seq_lens is None and positions is None:
         raise ValidationError(
-            "seq_lens is None in a decode step (no extend_seq_lens); expected [R] lengths"
+            "seq_lens and positions are None in a decode step (no extend_seq_lens); "
+            "expected positions [T] or seq_lens [R]"
         )
     for name, lengths in (
         ("seq_lens", seq_lens),
@@ -279,7 +412,28 @@ def _check_sglang_batch(
     )
     check_cache(cache, block_size=1, device=device, why=_CACHE_BLOCK_SIZE)
 
-    if decode:
+    if positions is not None:
+        pos = host_values(positions)
+        extend = np.ones(n_real, np.int64) if decode else host_values(extend_seq_lens)
+        if pos is None or extend is None:
+            return
+        if n_real and int(extend[:n_real].min()) < 0:
+            r = int(extend[:n_real].argmin())
+            raise ValidationError(f"extend_seq_lens[{r}]={int(extend[r])}; expected >= 0")
+        counts = extend[:n_real].tolist()
+        first = np.concatenate([[0], np.cumsum(counts)])[:-1].astype(np.int64)
+        if int(sum(counts)) > t_len:
+            raise ValidationError(
+                f"extend_seq_lens of the {n_real} real requests add up to {int(sum(counts))}; "
+                f"input_ids has {t_len} rows"
+            )
+        starts = np.where(np.asarray(counts) > 0, pos[np.minimum(first, max(t_len - 1, 0))], 0)
+        if n_real and int(starts.min()) < 0:
+            r = int(starts.argmin())
+            raise ValidationError(
+                f"positions[{int(first[r])}]={int(starts[r])} starts request {r}; expected >= 0"
+            )
+    elif decode:
         seq = host_values(seq_lens)
         if seq is None:
             return
@@ -317,6 +471,34 @@ def _check_sglang_batch(
         max_ngram_size=max_ngram_size,
         cache=cache,
     )
+
+
+def _check_sglang_options(
+    positions: torch.Tensor | None,
+    *,
+    history: str,
+    cache: SlotHashCache | None,
+    mm_pad_shift: int | None,
+    device: torch.device,
+    t_len: int,
+) -> None:
+    """The checks of :func:`from_sglang_batch`'s ``history``, ``mm_pad_shift`` and
+    ``positions [T]``."""
+    if history not in ("slots", "rows"):
+        raise ValidationError(f"history={history!r}; expected 'slots' or 'rows'")
+    if history == "rows" and cache is not None:
+        raise ValidationError(
+            "cache is a SlotHashCache with history='rows'; expected None (the batch is "
+            "hashed with a RequestHistory)"
+        )
+    if mm_pad_shift is not None:
+        check_count("mm_pad_shift", mm_pad_shift, 1, 2**31 - 1)
+    if positions is not None:
+        check_tensor("positions", positions, dims=1, device=device)
+        if positions.shape[0] != t_len:
+            raise ValidationError(
+                f"positions has shape {list(positions.shape)}; expected [{t_len}] like input_ids"
+            )
 
 
 def _check_sglang_rows(

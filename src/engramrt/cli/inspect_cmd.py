@@ -20,7 +20,7 @@ def inspect_report(config: str, tokenizer: Path | None, tp: int) -> dict[str, An
     from engramrt.hashing.fingerprint import fingerprint as token_map_fingerprint
     from engramrt.layout import EngramLayout
     from engramrt.plan import memory_plan, rank_rows
-    from engramrt.tokenmap import TokenMap
+    from engramrt.tokenmap import IMAGE_PLACEHOLDER_ID, TokenMap, load_tokenizer
 
     cfg = load_config(config)
     check_tp("--tp", tp, cfg.n_cols)
@@ -29,6 +29,8 @@ def inspect_report(config: str, tokenizer: Path | None, tp: int) -> dict[str, An
     pad_id = token_map.pad_id(cfg)
     fingerprint = token_map_fingerprint(token_map, cfg)
     plans = memory_plan(layout, tp)
+    image = IMAGE_PLACEHOLDER_ID
+    inside = image < token_map.vocab_size
     return {
         "config": cfg.name,
         "tokenizer": str(token_map.tokenizer_path),
@@ -38,6 +40,13 @@ def inspect_report(config: str, tokenizer: Path | None, tp: int) -> dict[str, An
         "pad_id": pad_id,
         "token_map_fingerprint": fingerprint.to_dict(),
         "probe_row_ids_sha256": fingerprint.probe_row_ids_sha256,
+        "image_placeholder": {
+            "id": image,
+            "token": load_tokenizer(token_map.tokenizer_path).id_to_token(image)
+            if inside
+            else None,
+            "compressed_id": int(token_map.map[image]) if inside else None,
+        },
         "layer_ids": list(cfg.layer_ids),
         "max_ngram_size": cfg.max_ngram_size,
         "n_heads": cfg.n_heads,
@@ -99,6 +108,17 @@ def _print_report(report: dict[str, Any]) -> None:
         f"  map sha256 {fingerprint['map_sha256']}\n"
         f"  probe {fingerprint['probe_text']!r}: {len(fingerprint['probe_token_ids'])} tokens, "
         f"row ids sha256 {report['probe_row_ids_sha256']}",
+        highlight=False,
+        soft_wrap=True,
+    )
+    image = report["image_placeholder"]
+    console.print(
+        f"image placeholder id {image['id']}: "
+        + (
+            f"{image['token']!r} -> compressed {image['compressed_id']} (mark it dead)"
+            if image["token"] is not None
+            else "outside this tokenizer"
+        ),
         highlight=False,
         soft_wrap=True,
     )
