@@ -51,7 +51,13 @@ CLASSES = {
 
 
 def _text() -> str:
-    return "\n".join((DOCS / page).read_text() for page in PAGES)
+    """The pages without their SGLang sections (SGLang has classes of the same names)."""
+    kept = []
+    for page in PAGES:
+        for section in re.split(r"(?m)^(?=#{2,3} )", (DOCS / page).read_text()):
+            if "SGLang" not in section.partition("\n")[0]:
+                kept.append(section)
+    return "".join(kept)
 
 
 def _has_member(cls: type, name: str) -> bool:
