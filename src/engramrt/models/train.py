@@ -1117,7 +1117,7 @@ def _write_model_dir(run: _TrainRun, record: dict[str, Any], wide_cfg: LMConfig)
         "training": record,
     }
     model_json["checksums"] = artifacts.file_checksums(out, files)
-    artifacts.write_json(out / artifacts.MODEL_JSON, model_json)
+    artifacts.write_model_json(out / artifacts.MODEL_JSON, model_json)
     artifacts.write_json(out / artifacts.CONFIG_JSON, cfg.to_hf_dict())
     shipped = {name: (out / name).stat().st_size for name in artifacts.SHIPPED_FILES}
     total_bytes = sum(shipped.values())
@@ -1128,7 +1128,7 @@ def _write_model_dir(run: _TrainRun, record: dict[str, Any], wide_cfg: LMConfig)
     served = _served_sample_loss(out, run.device, run.say)
     record["heldout"]["sample_losses"]["engram_fp8_served"] = served
     record["seconds_total"] = round(time.perf_counter() - run.began, 1)
-    artifacts.write_json(out / artifacts.MODEL_JSON, model_json)
+    artifacts.write_model_json(out / artifacts.MODEL_JSON, model_json)
     run.results["heldout"] = record["heldout"]
     run.results["package_heldout"] = record.get("package_heldout")
     run.save_results()
