@@ -1,4 +1,4 @@
-"""One rank of the 2-process gloo world of tests/checkpoint/test_rank_agreement.py.
+"""One rank of the 2-process world (gloo, or NCCL on two GPUs) of tests/checkpoint/test_rank_agreement.py.
 
 The test process converts source A into ``dst`` and writes source B beside it;
 each scenario runs here once, in order, and each rank saves what it saw to
@@ -39,7 +39,9 @@ def _wait_for(flag: Path) -> None:
         time.sleep(0.01)
 
 
-def run(rank: int, world_size: int, init_file: str, out_dir_name: str, work: str) -> None:
+def run(
+    rank: int, world_size: int, init_file: str, out_dir_name: str, work: str, backend: str
+) -> None:
     out_dir = Path(out_dir_name)
     try:
         import torch
@@ -56,8 +58,10 @@ def run(rank: int, world_size: int, init_file: str, out_dir_name: str, work: str
         from engramrt.lookup.tiers import TablePlacement
 
         warnings.simplefilter("ignore")  # the test tables record no token map
+        if backend == "nccl":  # the ids travel through the GPU: one device per rank
+            torch.cuda.set_device(rank)
         dist.init_process_group(
-            "gloo",
+            backend,
             init_method=f"file://{init_file}",
             rank=rank,
             world_size=world_size,

@@ -1,9 +1,9 @@
 """Ranks loading one checkpoint with ``group=`` hold the same conversion, or refuse.
 
-Two gloo processes (tests/checkpoint/agree_worker.py) load a tp=2 conversion
-while conversions commit into its directory between the ranks' opens; the
-rows each rank served are compared here with the reference quantisation of
-the source it should hold.
+Two processes (tests/checkpoint/agree_worker.py; gloo, and NCCL where two GPUs
+are visible) load a tp=2 conversion while conversions commit into its
+directory between the ranks' opens; the rows each rank served are compared
+here with the reference quantisation of the source it should hold.
 """
 
 from __future__ import annotations
@@ -25,8 +25,21 @@ WORLD = 2
 DEADLINE_S = 120.0  # start-up included (about 20 s on 2 cores)
 
 
-@pytest.fixture(scope="module")
-def world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+@pytest.fixture(
+    scope="module",
+    params=[
+        "gloo",
+        pytest.param(
+            "nccl",
+            marks=pytest.mark.skipif(
+                torch.cuda.device_count() < 2, reason="NCCL needs two CUDA devices"
+            ),
+        ),
+    ],
+)
+def world(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, Any]:
     from .conftest import synthetic_config
 
     config = synthetic_config()
@@ -37,7 +50,10 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     convert_checkpoint(work / "a.safetensors", work / "dst", config, tp=WORLD)
     id_a = read_manifest(work / "dst").conversion_id  # type: ignore[union-attr]
     out = tmp_path_factory.mktemp("agree-out")
-    spawn_world(agree_worker.run, WORLD, out, str(work), deadline_s=DEADLINE_S, label="agree")
+    backend = request.param
+    spawn_world(
+        agree_worker.run, WORLD, out, str(work), backend, deadline_s=DEADLINE_S, label=backend
+    )
     results = {rank: torch.load(out / f"rank{rank}.pt") for rank in range(WORLD)}
     return {
         "config": config,

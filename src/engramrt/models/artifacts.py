@@ -74,7 +74,8 @@ __all__ = [
 
 MODEL_JSON = "model.json"
 MODEL_JSON_SHA256 = "model_json_sha256"
-"""The field of ``model.json`` holding the SHA-256 of its other fields (:func:`model_json_digest`)."""
+"""The field of ``model.json`` holding the SHA-256 of its other fields
+(:func:`model_json_digest`)."""
 CONFIG_JSON = "config.json"
 ENGRAM_TABLES = "engram.safetensors"
 ENGRAM_WEIGHTS = "engram_model.safetensors"

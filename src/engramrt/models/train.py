@@ -148,6 +148,9 @@ class TrainSettings:
     batch_size: int = 64
     seq_len: int = 512
     vocab_k: int = 4096
+    vocab_k_given: bool = False
+    """Whether ``--vocab-k`` was given: then a training split with fewer distinct ids is an
+    error; with the default, the vocabulary keeps what the split holds (and says so)."""
     dim: int = LMConfig.dim
     n_blocks: int = LMConfig.n_blocks
     mlp_dim: int = LMConfig.mlp_dim
@@ -845,7 +848,7 @@ def _prepare(settings: TrainSettings, began: float, out: Path) -> _TrainRun:
     results["corpus"] = corpus_record
     counts = np.bincount(corpus.train.tokens, minlength=token_map.vocab_size)
     vocab = Vocab.from_counts(counts, settings.vocab_k)
-    if vocab.num_kept < settings.vocab_k:
+    if vocab.num_kept < settings.vocab_k and settings.vocab_k_given:
         raise FlagError(
             f"--vocab-k={settings.vocab_k} but the training split holds {vocab.num_kept:,} "
             f"distinct token ids; expected at most {vocab.num_kept:,} (the vocabulary would "
@@ -1423,9 +1426,9 @@ def _size_problem(args: argparse.Namespace) -> str | None:
     if activations > MAX_ACTIVATION_BYTES:
         return (
             f"--dim={args.dim}, --mlp-dim={args.mlp_dim}, --n-blocks={args.n_blocks}, "
-            f"--vocab-k={args.vocab_k} at {tokens:,} tokens per step (--batch-size x --seq-len) keep about "
-            f"{activations / 2**30:,.1f} GiB of activations; expected at most "
-            f"{MAX_ACTIVATION_BYTES / 2**30:g} GiB (MAX_ACTIVATION_BYTES): a smaller "
+            f"--vocab-k={args.vocab_k} at {tokens:,} tokens per step (--batch-size x "
+            f"--seq-len) keep about {activations / 2**30:,.1f} GiB of activations; expected "
+            f"at most {MAX_ACTIVATION_BYTES / 2**30:g} GiB (MAX_ACTIVATION_BYTES): a smaller "
             f"--batch-size or --seq-len"
         )
     if args.head_dim > MAX_HEAD_DIM:
@@ -1617,7 +1620,9 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainSettings:
     )
     for name in (*_POSITIVE_INTS, "seed"):
         parser.add_argument(
-            f"--{name.replace('_', '-')}", type=int, default=getattr(defaults, name)
+            f"--{name.replace('_', '-')}",
+            type=int,
+            default=None if name == "vocab_k" else getattr(defaults, name),
         )
     for name in ("lr", "table_lr", "weight_decay"):
         parser.add_argument(
@@ -1675,6 +1680,9 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainSettings:
         "the interpreter's; empty for none)",
     )
     args = parser.parse_args(argv)
+    args.vocab_k_given = args.vocab_k is not None
+    if args.vocab_k is None:
+        args.vocab_k = defaults.vocab_k
     problem = _settings_problem(args)
     if problem is not None:
         parser.error(problem)
