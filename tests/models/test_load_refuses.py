@@ -23,7 +23,11 @@ def _json(directory: Path) -> dict:
     return json.loads((directory / artifacts.MODEL_JSON).read_text())
 
 
-def _write_json(directory: Path, data: dict) -> None:
+def _write_json(directory: Path, data: dict, *, seal: bool = True) -> None:
+    """Write ``data`` as model.json; ``seal``: with its own checksum recomputed, so that
+    only the check of the field edited can refuse it."""
+    if seal:
+        data = artifacts.seal_model_json(data)
     (directory / artifacts.MODEL_JSON).write_text(json.dumps(data))
 
 
@@ -42,13 +46,18 @@ def _truncate(name: str, keep: float = 0.5) -> Callable[[Path], None]:
     return apply
 
 
-def _edit(change: Callable[[dict], None]) -> Callable[[Path], None]:
+def _edit(change: Callable[[dict], None], *, seal: bool = True) -> Callable[[Path], None]:
     def apply(directory: Path) -> None:
         data = _json(directory)
         change(data)
-        _write_json(directory, data)
+        _write_json(directory, data, seal=seal)
 
     return apply
+
+
+def _swap_vocab(data: dict) -> None:
+    ids = data["vocab"]["token_ids"]
+    ids[3], ids[4] = ids[4], ids[3]
 
 
 def _nan_weight(directory: Path) -> None:
@@ -129,6 +138,31 @@ CASES = [
         "checksums.engram_model.safetensors is missing",
     ),
     (
+        "two vocab ids swapped",
+        _edit(_swap_vocab, seal=False),
+        "field 'model_json_sha256' records",
+    ),
+    (
+        "a recorded loss edited",
+        _edit(lambda data: data["training"]["heldout"]["losses"].update(engram=0.5), seal=False),
+        "model.json changed after training",
+    ),
+    (
+        "checksums deleted",
+        _edit(lambda data: data.pop("checksums"), seal=False),
+        "model.json changed after training",
+    ),
+    (
+        "checksums deleted and model.json resealed",
+        _edit(lambda data: data.pop("checksums")),
+        "field 'checksums' is missing",
+    ),
+    (
+        "model.json's own checksum deleted",
+        _edit(lambda data: data.pop(artifacts.MODEL_JSON_SHA256), seal=False),
+        "field 'model_json_sha256' is missing",
+    ),
+    (
         "a NaN recorded loss",
         _edit(lambda data: data["training"]["heldout"]["losses"].update(engram=float("nan"))),
         "training.heldout.losses.engram=nan",
@@ -178,3 +212,102 @@ def test_the_disk_tier_under_a_regular_file_is_one_clean_error(
     assert message.startswith("tier='disk' (") and str(blocker / "rows") in message
     assert "cannot be created: Not a directory" in message
     assert blocker.read_bytes() == b"x"
+
+
+def test_reformatting_model_json_keeps_it_valid(trained_dir: Path, tmp_path: Path) -> None:
+    """The checksum covers the values, not the layout: the same object written with
+    other indentation and key order loads."""
+    from engramrt.models.serve import load_model
+
+    directory = tmp_path / "model"
+    shutil.copytree(trained_dir, directory)
+    data = _json(directory)
+    (directory / artifacts.MODEL_JSON).write_text(
+        json.dumps(dict(reversed(data.items())), indent=3)
+    )
+    load_model(directory, ON_CPU, load_baseline=False, head_backend="reference")
+
+
+def test_unchecked_directories_load_only_when_the_caller_opts_out(
+    trained_dir: Path, tmp_path: Path
+) -> None:
+    from engramrt.models.serve import load_model
+
+    directory = tmp_path / "model"
+    shutil.copytree(trained_dir, directory)
+    data = _json(directory)
+    data.pop("checksums")
+    data.pop(artifacts.MODEL_JSON_SHA256)
+    _write_json(directory, data, seal=False)
+    with pytest.raises(CheckpointError, match="require_checksums=False"):
+        load_model(directory, ON_CPU, load_baseline=False, head_backend="reference")
+    with pytest.warns(UserWarning, match="unchecked"):
+        load_model(
+            directory,
+            ON_CPU,
+            load_baseline=False,
+            head_backend="reference",
+            require_checksums=False,
+        )
+    # Opting out does not switch off a checksum that is recorded.
+    sealed = tmp_path / "sealed"
+    shutil.copytree(trained_dir, sealed)
+    _edit(_swap_vocab, seal=False)(sealed)
+    with pytest.raises(CheckpointError, match=r"model\.json changed after training"):
+        load_model(sealed, ON_CPU, load_baseline=False, require_checksums=False)
+
+
+REFUSE_SCRIPT = """
+import gc, sys, warnings
+from engramrt.errors import CheckpointError
+from engramrt.lookup.tiers import TablePlacement
+from engramrt.models.serve import load_model
+warnings.simplefilter("error", ResourceWarning)
+try:
+    load_model(sys.argv[1], TablePlacement("device", device="cpu"), head_backend="reference")
+except CheckpointError as exc:
+    print("refused:", exc)
+gc.collect()
+"""
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [_edit(_swap_vocab, seal=False), _truncate(artifacts.MODEL_JSON), _edit(lambda d: d.pop("lm"))],
+    ids=["edited", "truncated", "field missing"],
+)
+def test_a_refused_model_json_leaves_no_file_open(
+    trained_dir: Path, tmp_path: Path, damage
+) -> None:
+    """In a real process with ResourceWarning as an error (``-X dev`` reports every
+    unclosed file, also those only the garbage collector finds)."""
+    import os
+    import subprocess
+    import sys
+
+    directory = tmp_path / "model"
+    shutil.copytree(trained_dir, directory)
+    damage(directory)
+    root = Path(__file__).resolve().parents[2]
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(root / "src"), os.environ.get("PYTHONPATH", "")]),
+    }
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-X",
+            "dev",
+            "-W",
+            "error::ResourceWarning",
+            "-c",
+            REFUSE_SCRIPT,
+            str(directory),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0 and "refused:" in done.stdout, done.stderr[-2000:]
+    assert "ResourceWarning" not in done.stderr and "unclosed" not in done.stderr, done.stderr

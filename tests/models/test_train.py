@@ -73,6 +73,10 @@ def test_packaged_model_fits_the_size_budget() -> None:
     data = json.loads((directory / artifacts.MODEL_JSON).read_text())
     for name, digest in data["checksums"].items():
         assert hashlib.sha256((directory / name).read_bytes()).hexdigest() == digest, name
+    # model.json itself: SHA-256 of its other fields, keys sorted, no spaces.
+    fields = {k: v for k, v in data.items() if k != "model_json_sha256"}
+    canonical = json.dumps(fields, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    assert data["model_json_sha256"] == hashlib.sha256(canonical.encode()).hexdigest()
 
 
 def test_heldout_rule_is_the_documented_hash() -> None:

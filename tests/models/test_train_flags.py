@@ -43,6 +43,24 @@ BAD_FLAGS = [
     (["--device", "cuda:x"], "--device='cuda:x'"),
     (["--steps", "abc"], "--steps: invalid int value: 'abc'"),
     (["--stdlib-root", "/nonexistent/lib"], "--stdlib-root names '/nonexistent/lib'"),
+    # Flags that size memory: refused with their bound before any work.
+    (["--seq-len", "1000000000"], "--seq-len=1000000000 must be at most 16,384"),
+    (["--batch-size", "4096"], "2,097,152 tokens per step; expected at most 262,144"),
+    (["--dim", "2147483648"], "--dim=2147483648 must be at most 16,384"),
+    (["--mlp-dim", "100000"], "--mlp-dim=100000 must be at most 16,384"),
+    (["--n-blocks", "1000"], "--n-blocks=1000 must be at most 64"),
+    (["--head-dim", "2048"], "--head-dim=2048 must be at most 1,024"),
+    (["--dim", "16384"], "expected at most 48 GiB (MAX_ACTIVATION_BYTES)"),
+    (
+        ["--dim", "2048", "--mlp-dim", "16384", "--n-blocks", "64", "--batch-size", "1"],
+        "dense parameters; expected at most 500,000,000",
+    ),
+    (["--buckets", "4611686018427387904,2,2"], "expected at most 16 GiB (MAX_TABLE_BYTES)"),
+    (["--buckets", "400000000,2,2"], "expected at most 16 GiB (MAX_TABLE_BYTES)"),
+    (["--memory-sweep", "1,100000"], "--memory-sweep 100000 gives Engram tables of 3,515.6 GiB"),
+    (["--vocab-k", "10000000"], "--vocab-k=10000000 must be at most 129,280"),
+    (["--eval-sequences", "1000000"], "--eval-sequences=1000000 must be at most 65,536"),
+    (["--seed", str(2**64)], "--seed=18446744073709551616 must be in [0, 2**63 - 1]"),
 ]
 
 
@@ -111,3 +129,123 @@ def test_a_nan_loss_writes_no_model(capsys, tmp_path: Path, tiny_sources, monkey
     assert code == 1 and "the training loss is nan" in err and "no model is written" in err
     assert len(err.strip().splitlines()) == 1
     assert not any(out.glob("*.safetensors")) and not (out / "model.json").exists()
+
+
+def test_a_failed_run_leaves_the_earlier_model_intact(
+    capsys, tmp_path: Path, trained_dir: Path, tiny_sources, monkeypatch
+) -> None:
+    """A run into a directory holding a complete model dies after the tables and weights
+    of the new one were written (a full disk at the held-out sample): the directory still
+    holds the earlier model, byte for byte, and it loads with every checksum checked."""
+    import shutil
+
+    from engramrt.lookup.tiers import TablePlacement
+    from engramrt.models import artifacts
+    from engramrt.models.serve import load_model
+    from engramrt.models.train import main
+
+    from .conftest import TRAIN_ARGS
+
+    out = tmp_path / "model"
+    shutil.copytree(trained_dir, out)
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    written = []
+    real_save = artifacts.save_weights
+
+    def save_then_count(path, model, *args):
+        written.append(path)
+        return real_save(path, model, *args)
+
+    def full_disk(path, segments):
+        raise OSError(28, "No space left on device", str(path))
+
+    monkeypatch.setattr(artifacts, "save_weights", save_then_count)
+    monkeypatch.setattr(artifacts, "save_sample", full_disk)
+    stdlib, site = tiny_sources
+    sources = ["--stdlib-root", str(stdlib), "--site-dirs", str(site)]
+    results = ["--seed", "7", "--results", str(out / "results.json")]
+    code = main(["--out", str(out), *TRAIN_ARGS, *sources, *results])
+    err = capsys.readouterr().err
+    assert code == 1 and "No space left on device" in err and "left as it was" in err, err
+    assert len(written) == 3  # the new weights were written (elsewhere) before the failure
+    assert all(path.parent != out for path in written)
+    after = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    before.pop("results.json")  # rewritten while the run went on: not part of the model
+    after.pop("results.json")
+    assert after == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]  # no staging left
+    model = load_model(out, TablePlacement("host", "cpu"), head_backend="reference")
+    assert model.record == artifacts.read_model_json(out)["training"]
+
+
+def test_out_holding_other_files_is_refused(capsys, tmp_path: Path) -> None:
+    """The new model replaces --out whole: a directory holding anything but a model's
+    files is refused before any work, and keeps its files."""
+    from engramrt.models.train import main
+
+    out = tmp_path / "notes"
+    out.mkdir()
+    (out / "thesis.tex").write_text("mine")
+    with pytest.raises(SystemExit) as info:
+        main(["--out", str(out)])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and "'thesis.tex'" in err and "replaces the directory" in err
+    assert (out / "thesis.tex").read_text() == "mine"
+
+
+def test_an_empty_stdlib_root_is_refused_up_front(capsys, tmp_path: Path) -> None:
+    from engramrt.models.train import main
+
+    empty = tmp_path / "lib"
+    (empty / "pkg").mkdir(parents=True)
+    (empty / "pkg" / "README.txt").write_text("no sources")
+    out = tmp_path / "model"
+    with pytest.raises(SystemExit) as info:
+        main(["--out", str(out), "--stdlib-root", str(empty)])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and "which holds no .py file" in err, err
+    assert len(err.strip().splitlines()) == 1 and not out.exists()
+
+
+def _one_split_root(base: Path, tiny_sources, split: str) -> Path:
+    from engramrt.models.corpus import split_of
+
+    stdlib, _site = tiny_sources
+    root = base / f"only-{split}"
+    root.mkdir()
+    for path in sorted(stdlib.rglob("*.py")):
+        name = str(path.relative_to(stdlib))
+        if split_of(name) == split:
+            (root / name).parent.mkdir(parents=True, exist_ok=True)
+            (root / name).write_bytes(path.read_bytes())
+    return root
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--vocab-k", "100000"], "--vocab-k=100000 but the training split holds"),
+        (["--only-train"], "give no heldout file"),
+    ],
+    ids=["vocab-k above the corpus", "no held-out file"],
+)
+def test_flags_the_corpus_refuses_stop_before_training(
+    capsys, tmp_path: Path, tiny_sources, args, needle
+) -> None:
+    """Known only once the corpus is read, still before any model: one line, exit 2
+    (was: --vocab-k silently kept fewer ids; a sources tree without held-out files
+    raised ZeroDivisionError after minutes)."""
+    from engramrt.models.train import main
+
+    from .conftest import TRAIN_ARGS
+
+    stdlib, site = tiny_sources
+    if args == ["--only-train"]:
+        stdlib, args = _one_split_root(tmp_path, tiny_sources, "train"), []
+    out = tmp_path / "model"
+    sources = ["--stdlib-root", str(stdlib), "--site-dirs", str(site)]
+    code = main(["--out", str(out), *TRAIN_ARGS, *sources, *args])
+    err = capsys.readouterr().err
+    assert code == 2 and needle in err, err
+    assert len(err.strip().splitlines()) == 1 and not out.exists()
+    assert not any(tmp_path.glob(".model.staging-*"))

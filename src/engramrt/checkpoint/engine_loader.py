@@ -65,13 +65,13 @@ import torch
 
 from engramrt.checkpoint.finite import check_head_weight, check_packed_rows_finite
 from engramrt.checkpoint.names import DEFAULT_HEAD_NAMES, TensorNames, head_name_templates
+from engramrt.checkpoint.ranks import agreed_checkpoint
 from engramrt.checkpoint.reader import (
     ConfigSource,
     LayerRead,
     NamesSpec,
     SafetensorsCheckpoint,
     _iter_plan,
-    _opened,
     _resolve,
     check_block_rows,
     check_plan_token_map,
@@ -234,6 +234,9 @@ class EngramWeightLoader:
         self._head_names: dict[int, dict[str, str]] = {i: {} for i in self._tables}
         self._head_loaded = dict.fromkeys(self._tables, not with_heads)
         self._finished = False
+        self.conversion_id: str | None = None
+        """The :attr:`~SafetensorsCheckpoint.conversion_id` of the checkpoint
+        :meth:`read_checkpoint` read (None before, or when filled by :meth:`load_weights`)."""
 
     def _per_layer(self, what: str, values: Sequence[Any] | None) -> list[Any] | None:
         """``values`` as a list of one per owned layer (None stays None)."""
@@ -345,6 +348,7 @@ class EngramWeightLoader:
         *,
         token_map: TokenMap | None = None,
         verify_checksums: bool = False,
+        group: Any = None,
     ) -> None:
         """Fill the owned layers' stores (and heads) from a safetensors checkpoint.
 
@@ -362,13 +366,25 @@ class EngramWeightLoader:
             verify_checksums: first check the content checksum of every file the
                 rows come from (:meth:`SafetensorsCheckpoint.verify`: each file
                 read whole once per checkpoint, so off by default).
+            group: a ``torch.distributed`` process group of the ranks loading this
+                checkpoint (e.g. the tensor-parallel group): before any row is read,
+                every rank's :attr:`~SafetensorsCheckpoint.conversion_id` is
+                all-gathered and the ranks go on only when they hold the same
+                conversion (a path is opened again, up to
+                :data:`~engramrt.checkpoint.ranks.AGREE_ATTEMPTS` times, while a
+                conversion commits meanwhile). None: no comparison. Every rank of
+                the group must call this.
+
+        Sets :attr:`conversion_id` to the id of the set read.
 
         Raises:
             CheckpointError: a tensor is missing, has the wrong dtype or shape,
-                or holds NaN or inf (naming it).
+                or holds NaN or inf (naming it); with ``group``, the ranks hold
+                different conversions (naming each rank's id).
             TokenizerError: the checkpoint was hashed with another token map.
         """
-        with _opened(checkpoint) as ckpt:
+        with agreed_checkpoint(checkpoint, group) as ckpt:
+            self.conversion_id = ckpt.conversion_id
             plans = [self._plan_table(ckpt, index, token_map) for index in self._tables]
             if verify_checksums:
                 files = {

@@ -51,6 +51,7 @@ def load_table(
     layout: EngramLayout | None = None,
     token_map: TokenMap | None = None,
     verify_checksums: bool = False,
+    group: Any = None,
 ) -> RowStore:
     """Load the placement's rank's rows of layer ``layer_index``'s table into a :class:`RowStore`.
 
@@ -67,9 +68,13 @@ def load_table(
         block_rows: rows per block (default: about 64 MiB).
         layout: the config's layout, if already built.
         token_map, verify_checksums: see :meth:`EngramWeightLoader.read_checkpoint`.
+        group: the process group of the ranks loading this checkpoint: they
+            compare conversion ids before reading (see
+            :meth:`EngramWeightLoader.read_checkpoint`); every rank must call this.
 
     Raises:
-        CheckpointError: a tensor is missing or has the wrong dtype or shape.
+        CheckpointError: a tensor is missing or has the wrong dtype or shape;
+            with ``group``, the ranks hold different conversions (naming each id).
         CapacityError: the chosen memory or disk is too small.
         TokenizerError: the checkpoint was hashed with another token map.
     """
@@ -84,7 +89,9 @@ def load_table(
         block_rows=block_rows,
         layout=layout,
     )
-    loader.read_checkpoint(checkpoint, token_map=token_map, verify_checksums=verify_checksums)
+    loader.read_checkpoint(
+        checkpoint, token_map=token_map, verify_checksums=verify_checksums, group=group
+    )
     return loader.finish()[0]
 
 
@@ -97,18 +104,29 @@ def load_tables(
     block_rows: int | None = None,
     token_map: TokenMap | None = None,
     verify_checksums: bool = False,
+    group: Any = None,
 ) -> list[RowStore]:
     """:func:`load_table` for every Engram layer, in ``config.layer_ids`` order.
 
     Tier ``"disk"`` (or ``"auto"`` falling back to it) writes
     ``engram-layer<id>-rank<r>-of-<tp>.rows`` files under the placement's
     ``disk_dir``. Every layer is checked against ``token_map`` (default: the
-    DeepSeek-V4 map, built once per process).
+    DeepSeek-V4 map, built once per process). With ``group`` (the process group
+    of the ranks loading the checkpoint, e.g. the tensor-parallel group), the
+    ranks compare conversion ids first and refuse to serve different
+    conversions (see :meth:`EngramWeightLoader.read_checkpoint`). To know
+    which conversion was read, open it first and read its id::
+
+        with SafetensorsCheckpoint(path) as checkpoint:
+            stores = load_tables(checkpoint, config, placement, group=group)
+            served = checkpoint.conversion_id
     """
     loader = EngramWeightLoader(
         config, placement, with_heads=False, table_names=names, block_rows=block_rows
     )
-    loader.read_checkpoint(checkpoint, token_map=token_map, verify_checksums=verify_checksums)
+    loader.read_checkpoint(
+        checkpoint, token_map=token_map, verify_checksums=verify_checksums, group=group
+    )
     return loader.finish()
 
 
@@ -121,6 +139,7 @@ def load_layer(
     max_tokens: int,
     group: Any = None,
     collective: str = "reduce_scatter",
+    agree_group: Any = None,
     table_names: NamesSpec = None,
     weight_names: Mapping[str, str | Sequence[str]] | None = None,
     token_map: TokenMap | None = None,
@@ -135,7 +154,12 @@ def load_layer(
         max_tokens: sizes the layer's staging buffers.
         group, collective: under sequence parallelism, the group to exchange
             rows over and how (a :class:`~engramrt.exchange.SequenceParallelExchange`
-            becomes the layer's source); None: the store is the source.
+            becomes the layer's source); None: the store is the source. The
+            group's ranks also compare conversion ids before reading (see
+            :meth:`EngramWeightLoader.read_checkpoint`).
+        agree_group: the group whose ranks compare conversion ids when there
+            is no exchange ``group`` (e.g. plain tensor parallelism); default
+            ``group``.
         table_names: names of the table tensors (see :mod:`engramrt.checkpoint.names`).
         weight_names: overrides of :data:`DEFAULT_LAYER_WEIGHT_NAMES`.
         token_map: see :meth:`EngramWeightLoader.read_checkpoint`.
@@ -159,7 +183,9 @@ def load_layer(
         weight_names=weight_names,
         layout=layout,
     )
-    loader.read_checkpoint(checkpoint, token_map=token_map)
+    loader.read_checkpoint(
+        checkpoint, token_map=token_map, group=group if agree_group is None else agree_group
+    )
     (store,) = loader.finish()
     (weights,) = loader.head_weights
     source: RowSource = store

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import itertools
 import json
 import os
@@ -196,6 +197,7 @@ class SafetensorsCheckpoint:
         self.weight_map: dict[str, str] = {}
         self.index_files: list[Path] = []
         self._held: dict[Path, int] = {}  # file -> descriptor held open (see the module doc)
+        self._manifest_id: str | None = None  # the conversion id of the manifest resolved
         if self.path.is_file():
             self.files = [self.path]
             self._hold(self.path)
@@ -213,6 +215,7 @@ class SafetensorsCheckpoint:
         self._headers: dict[Path, SafetensorsHeader] = {}
         self._ranges: dict[Path, dict[str, RowRange]] = {}
         self._verified: dict[Path, str | None] = {}
+        self._conversion_id: str | None = None
 
     # -- the held set --------------------------------------------------------------------
 
@@ -296,6 +299,7 @@ class SafetensorsCheckpoint:
                 changes.append(str(exc))
                 continue
             if mixed is None:
+                self._manifest_id = None if manifest is None else manifest.conversion_id
                 return files
             self._release()
             changes.append(mixed)
@@ -382,6 +386,36 @@ class SafetensorsCheckpoint:
                 )
         self._verified[file] = recorded
         return recorded
+
+    @property
+    def conversion_id(self) -> str:
+        """An id of the set this checkpoint holds, equal on every rank that opened the same set.
+
+        The conversion id of an engramrt conversion (the manifest's, or the one
+        id its files carry); for other checkpoints (a DeepSeek release, files
+        engramrt did not write), ``"headers:<sha256>"`` of every held file's
+        name, tensors (name, dtype, shape, offsets) and metadata: the same on
+        every host holding the same files, different once any is rewritten.
+        Compared across ranks by the loaders' ``group=`` (see
+        :mod:`engramrt.checkpoint.ranks`).
+        """
+        if self._conversion_id is None:
+            self._conversion_id = self._manifest_id or self._own_conversion_id()
+        return self._conversion_id
+
+    def _own_conversion_id(self) -> str:
+        headers = {f: self.header(f) for f in sorted(self.files)}
+        ids = {h.metadata.get(META_CONVERSION_ID) for h in headers.values()}
+        if len(ids) == 1 and None not in ids:
+            return str(ids.pop())
+        digest = hashlib.sha256()
+        for file, header in headers.items():
+            tensors = sorted(
+                (e.name, e.dtype, list(e.shape), e.begin, e.end) for e in header.tensors.values()
+            )
+            record = [file.name, tensors, sorted(header.metadata.items()), header.file_size]
+            digest.update(json.dumps(record).encode() + b"\n")
+        return f"headers:{digest.hexdigest()}"
 
     def header(self, file: Path) -> SafetensorsHeader:
         """The parsed header of ``file`` (cached)."""

@@ -17,8 +17,14 @@ file                           content
 Every file is written atomically (:mod:`engramrt._io`). ``model.json``
 records a SHA-256 of every other file it names (``checksums``), checked
 when the directory is loaded; its file names must be plain names inside
-the directory. Every way a directory can be damaged is refused with a
-:class:`~engramrt.errors.CheckpointError` naming the file and the field.
+the directory. ``model.json`` itself is covered by ``model_json_sha256``:
+the SHA-256 of its other fields in a canonical form (:func:`model_json_digest`:
+sorted keys, no spaces), so an edit of any value (two vocabulary ids
+swapped, a checksum deleted) is refused while a reformatting is not. A
+directory without either field is refused unless the caller opts out
+(``require_checksums=False``: loaded with a warning). Every way a directory
+can be damaged is refused with a :class:`~engramrt.errors.CheckpointError`
+naming the file and the field.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -47,21 +54,28 @@ __all__ = [
     "HELDOUT_SAMPLE",
     "LOSS_CURVES",
     "MODEL_JSON",
+    "MODEL_JSON_SHA256",
     "SHIPPED_FILES",
     "TRAIN_LOG",
     "file_checksums",
     "load_sample",
     "load_weights",
     "model_file",
+    "model_json_digest",
     "parse_field",
     "read_model_json",
     "save_sample",
     "save_weights",
+    "seal_model_json",
     "verify_checksum",
     "write_json",
+    "write_model_json",
 ]
 
 MODEL_JSON = "model.json"
+MODEL_JSON_SHA256 = "model_json_sha256"
+"""The field of ``model.json`` holding the SHA-256 of its other fields
+(:func:`model_json_digest`)."""
 CONFIG_JSON = "config.json"
 ENGRAM_TABLES = "engram.safetensors"
 ENGRAM_WEIGHTS = "engram_model.safetensors"
@@ -245,13 +259,30 @@ def parse_field(directory: Path, data: Mapping[str, Any], key: str, parse: Any) 
         ) from exc
 
 
-def verify_checksum(directory: Path, data: Mapping[str, Any], path: Path) -> None:
-    """Refuse a file whose SHA-256 is not the one ``model.json`` records (directories
-    written before checksums were recorded have none: nothing to check)."""
+def verify_checksum(
+    directory: Path, data: Mapping[str, Any], path: Path, *, required: bool = True
+) -> None:
+    """Refuse a file whose SHA-256 is not the one ``model.json`` records.
+
+    A ``model.json`` without ``checksums`` (written before they were recorded,
+    or with the field deleted) is refused unless ``required`` is False: then
+    the file is used unchecked, with a warning.
+    """
     sums = data.get("checksums")
-    if sums is None:
-        return
     where = str(Path(directory) / MODEL_JSON)
+    if sums is None:
+        if required:
+            raise CheckpointError(
+                f"{where!r}: field 'checksums' is missing, so {path.name} cannot be checked; "
+                f"expected a directory written by python -m engramrt.models.train (train "
+                f"again), or load it with require_checksums=False to use it unchecked"
+            )
+        warnings.warn(
+            f"{where!r} records no checksums: {path.name} is used unchecked "
+            f"(require_checksums=False)",
+            stacklevel=2,
+        )
+        return
     if not isinstance(sums, Mapping) or not isinstance(sums.get(path.name), str):
         raise CheckpointError(f"{where!r}: field checksums.{path.name} is missing")
     if _sha256(path) != sums[path.name]:
@@ -265,6 +296,26 @@ def write_json(path: Path, data: Any) -> None:
     atomic_write_bytes(path, (json.dumps(data, indent=1) + "\n").encode("utf-8"))
 
 
+def model_json_digest(data: Mapping[str, Any]) -> str:
+    """SHA-256 (hex) of a ``model.json`` object without its ``model_json_sha256`` field, in
+    a canonical form: keys sorted, no spaces, UTF-8 (floats as Python writes them, which
+    read back bit for bit). Layout and key order do not change it; any value does."""
+    fields = {k: v for k, v in data.items() if k != MODEL_JSON_SHA256}
+    text = json.dumps(fields, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def seal_model_json(data: Mapping[str, Any]) -> dict[str, Any]:
+    """``data`` with its ``model_json_sha256`` field (re)computed."""
+    fields = {k: v for k, v in data.items() if k != MODEL_JSON_SHA256}
+    return {**fields, MODEL_JSON_SHA256: model_json_digest(fields)}
+
+
+def write_model_json(path: Path, data: Mapping[str, Any]) -> None:
+    """Write a ``model.json`` atomically, sealed by :func:`seal_model_json`."""
+    write_json(path, seal_model_json(data))
+
+
 _REQUIRED = {
     "format": str,
     "lm": dict,
@@ -276,9 +327,14 @@ _REQUIRED = {
 }
 
 
-def read_model_json(directory: Path) -> dict[str, Any]:
+def read_model_json(directory: Path, *, require_checksums: bool = True) -> dict[str, Any]:
     """``model.json`` of a model directory, refused (naming the field) unless it is a
-    UTF-8 JSON object with every section the loader reads."""
+    UTF-8 JSON object whose ``model_json_sha256`` matches its content, with every
+    section the loader reads.
+
+    ``require_checksums=False`` accepts a ``model.json`` that records no
+    ``model_json_sha256`` (with a warning); a recorded one is always checked.
+    """
     path = Path(directory) / MODEL_JSON
     if not path.is_file():
         raise CheckpointError(
@@ -290,6 +346,7 @@ def read_model_json(directory: Path) -> dict[str, Any]:
         raise CheckpointError(
             f"{str(path)!r} holds a JSON {type(data).__name__}; expected an object"
         )
+    _check_own_checksum(path, data, require_checksums)
     for key, kind in _REQUIRED.items():
         if key not in data:
             raise CheckpointError(f"{str(path)!r}: field {key!r} is missing")
@@ -300,6 +357,31 @@ def read_model_json(directory: Path) -> dict[str, Any]:
             )
     _check_numbers(path, data["training"], "training")
     return data
+
+
+def _check_own_checksum(path: Path, data: dict[str, Any], required: bool) -> None:
+    recorded = data.get(MODEL_JSON_SHA256)
+    if recorded is None:
+        if required:
+            raise CheckpointError(
+                f"{str(path)!r}: field {MODEL_JSON_SHA256!r} is missing, so its content (the "
+                f"vocabulary, the configs, the other files' checksums) cannot be checked; "
+                f"expected a directory written by python -m engramrt.models.train (train "
+                f"again), or load it with require_checksums=False to use it unchecked"
+            )
+        warnings.warn(
+            f"{str(path)!r} records no {MODEL_JSON_SHA256}: its content is used unchecked "
+            f"(require_checksums=False)",
+            stacklevel=3,
+        )
+        return
+    found = model_json_digest(data)
+    if recorded != found:
+        raise CheckpointError(
+            f"{str(path)!r}: its content gives SHA-256 {found} but field "
+            f"{MODEL_JSON_SHA256!r} records {recorded!r}: model.json changed after training "
+            f"(edited or corrupted); expected the file as training wrote it"
+        )
 
 
 def _check_numbers(path: Path, value: Any, where: str) -> None:

@@ -401,6 +401,14 @@ def build_corpus(
         chosen["train"] = chosen["train"][:max_files]
         for name in ("heldout", "validation", "package_heldout"):
             chosen[name] = chosen[name][: max(1, max_files // 10)]
+    for name in ("train", "heldout", "validation"):
+        if not chosen[name]:
+            raise ValidationError(
+                f"the sources under {str(base)!r} (and {len(dirs)} site directories) give no "
+                f"{name} file ({len(files)} files found, {sum(keep)} after deduplication); "
+                f"expected Python sources of every split (the split of a file is "
+                f"sha256(name) % 20, see split_of)"
+            )
     kept_digest = hashlib.sha256()
     for name in _SPLITS:
         for index in chosen[name]:

@@ -552,6 +552,7 @@ def load_model(
     token_map: TokenMap | None = None,
     load_baseline: bool = True,
     head_backend: str = "auto",
+    require_checksums: bool = True,
 ) -> TinyEngramModel:
     """Load a directory written by ``python -m engramrt.models.train``, or the shipped
     model by its name.
@@ -569,6 +570,14 @@ def load_model(
         token_map: the DeepSeek-V4 token map (default: built or read once per process).
         load_baseline: also load the baseline backbone.
         head_backend: the Engram heads' gate backend (``auto``, ``triton``, ``reference``).
+        require_checksums: refuse a ``model.json`` that records no checksum of itself
+            (``model_json_sha256``) or of the files it names (``checksums``); False loads
+            such a directory unchecked, with a warning (recorded checksums are always
+            checked). See :mod:`engramrt.models.artifacts`.
+
+    Raises:
+        CheckpointError: a damaged directory, naming the file and the field (a
+            ``model.json`` edited after training among them).
     """
     from engramrt.checkpoint import load_tables, read_table
     from engramrt.layer import EngramHead
@@ -578,7 +587,7 @@ def load_model(
     directory = Path(path)
     if str(path) == PACKAGED_MODEL and not directory.exists():
         directory = packaged_model_dir()
-    data = artifacts.read_model_json(directory)
+    data = artifacts.read_model_json(directory, require_checksums=require_checksums)
     if data.get("format") != "engramrt-tiny-lm/1":
         raise ValidationError(
             f"{str(directory / artifacts.MODEL_JSON)!r} has format {data.get('format')!r}; "
@@ -608,7 +617,7 @@ def load_model(
 
     def checked(key: str) -> Path:
         file = artifacts.model_file(directory, data, key)
-        artifacts.verify_checksum(directory, data, file)
+        artifacts.verify_checksum(directory, data, file, required=require_checksums)
         return file
 
     lm = TinyLM(lm_config)

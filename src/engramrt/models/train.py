@@ -49,7 +49,14 @@ What it does, in order (every stage prints a line, flushed):
 
 Every flag is checked before any work (a bad one: one line, exit status 2);
 a non-finite training loss stops the run (exit status 1) and no model is
-written. Nothing is cached outside DIR (the token map is built in memory).
+written. The model directory is written into a hidden staging directory
+beside DIR (``.DIR.staging-*``) and swapped in for DIR in one rename only
+when it is complete (stage 7): a run that fails or is killed before leaves
+DIR as it was, an earlier model in it intact (a killed run's staging
+directory is removed by the next run). DIR may hold only a model's files
+(and the ``--results`` file); anything else is refused up front, since the
+swap replaces the directory whole. Nothing is cached outside DIR (the
+token map is built in memory).
 """
 
 from __future__ import annotations
@@ -73,6 +80,7 @@ import torch
 import torch.nn.functional as F
 
 from engramrt._device import resolve_device
+from engramrt._io import staged_directory
 from engramrt.config import PRESETS, EngramConfig
 from engramrt.errors import ValidationError
 from engramrt.hashing import HashBatch, HashConstants
@@ -89,6 +97,39 @@ SIZE_BUDGET_BYTES = 50_000_000
 FILE_LIMIT_BYTES = 40 * 2**20
 TODAY_BUCKETS = 4096
 """Buckets per head and order of the ``tiny`` preset: the memory sweep's unit."""
+
+# Bounds of the flags that size memory, checked before any work (see the module doc).
+# Each is far above what this command is for (a tiny LM on one GPU) and far below what
+# exhausts a machine: a bad value is one line, not an allocation that grows for minutes.
+MAX_SEQ_LEN = 16_384
+"""--seq-len: 32 times the default window (a Python file is a few thousand tokens)."""
+MAX_TOKENS_PER_STEP = 2**18
+"""--batch-size times --seq-len: 8 times the default step's 32,768 tokens; the logits
+alone take ``tokens x (K + 1) x 4`` bytes (4.3 GB at K = 4,096)."""
+MAX_WIDTH = 16_384
+"""--dim and --mlp-dim each (the default backbone is 256 wide, its MLP 448)."""
+MAX_BLOCKS = 64
+"""--n-blocks."""
+MAX_HEAD_DIM = 1024
+"""--head-dim (E; DeepSeek-V4.1 uses 128)."""
+MAX_DENSE_PARAMETERS = 500_000_000
+"""Dense parameters of one model (the wide baseline is the largest): with AdamW's two
+moments and the gradient, 16 bytes each, 8 GB."""
+MAX_TABLE_BYTES = 16 * 2**30
+"""One Engram model's fp32 tables with :class:`SparseRowAdam`'s two moments (12 bytes per
+value; the default tables take 0.3 GB): --buckets, --head-dim, --engram-layers and each
+--memory-sweep multiple."""
+MAX_ACTIVATION_BYTES = 48 * 2**30
+"""A step's activations kept for the backward pass, estimated as 4 bytes x tokens per step x
+(per block: 10 tensors of the ``hc x D`` streams and 3 of the MLP width; plus the logits and
+their gradient, 2 x (K + 1)): 7 GB with the defaults; --dim, --mlp-dim, --n-blocks,
+--batch-size, --seq-len and --vocab-k together."""
+MAX_SEQUENCES = 65_536
+"""--eval-sequences, --val-sequences, --sample-sequences (the default is 128)."""
+TOKENIZER_IDS = 129_280
+"""Ids of the DeepSeek-V4 tokenizer: --vocab-k keeps at most that many."""
+MAX_SEED = 2**63 - 1
+"""--seed: torch's generators take a 64-bit seed."""
 
 RowsOf = Callable[[int, torch.Tensor], torch.Tensor]
 """``(engram layer index, row ids [T, C]) -> rows [T, C, E]`` float."""
@@ -107,6 +148,9 @@ class TrainSettings:
     batch_size: int = 64
     seq_len: int = 512
     vocab_k: int = 4096
+    vocab_k_given: bool = False
+    """Whether ``--vocab-k`` was given: then a training split with fewer distinct ids is an
+    error; with the default, the vocabulary keeps what the split holds (and says so)."""
     dim: int = LMConfig.dim
     n_blocks: int = LMConfig.n_blocks
     mlp_dim: int = LMConfig.mlp_dim
@@ -284,6 +328,11 @@ def _lr_factor(step: int, warmup: int, total: int) -> float:
         return (step + 1) / warmup
     progress = min(1.0, (step - warmup) / max(1, total - warmup))
     return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+class FlagError(ValidationError):
+    """A flag that only the corpus shows to be wrong (read before the models are built):
+    one line, exit status 2, no model written."""
 
 
 class TrainingDiverged(ValidationError):
@@ -758,28 +807,33 @@ def _compare_with_packaged_corpus(
         say(f"corpus: no packaged record to compare with ({type(exc).__name__})")
 
 
-def _prepare(settings: TrainSettings, began: float) -> _TrainRun:
-    """The corpus, the vocabulary and the evaluation sets of a run."""
+def _prepare(settings: TrainSettings, began: float, out: Path) -> _TrainRun:
+    """The corpus, the vocabulary and the evaluation sets of a run that writes its model
+    directory into ``out`` (the staging directory of ``settings.out``)."""
     from engramrt.tokenmap import TokenMap, load_tokenizer
 
-    out = Path(settings.out)
     device = _resolve_device(settings.device)
-    out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(settings.seed)
     say = settings.say
-    say(f"engramrt.models.train: out {out}, device {device}, torch {torch.__version__}")
+    say(
+        f"engramrt.models.train: out {settings.out} (written in {out.name}, swapped in when "
+        f"complete), device {device}, torch {torch.__version__}"
+    )
     results: dict[str, Any] = {"command": " ".join(sys.argv) if sys.argv else "", "models": {}}
     tokenizer = load_tokenizer()
     token_map = TokenMap.from_tokenizer_file(use_cache=False)
     cfg = engram_config(settings.dim, settings.buckets, settings.engram_layers, settings.head_dim)
-    corpus: Corpus = build_corpus(
-        tokenizer,
-        max_files=settings.max_files,
-        max_train_chars=settings.max_train_chars,
-        root=settings.stdlib_root,
-        sites=settings.site_dirs,
-        say=say,
-    )
+    try:
+        corpus: Corpus = build_corpus(
+            tokenizer,
+            max_files=settings.max_files,
+            max_train_chars=settings.max_train_chars,
+            root=settings.stdlib_root,
+            sites=settings.site_dirs,
+            say=say,
+        )
+    except ValidationError as exc:
+        raise FlagError(f"--stdlib-root/--site-dirs/--max-files: {exc}") from exc
     corpus_record = corpus.record()
     say(
         f"corpus: python {corpus.python_version}, {len(corpus.train.files):,} train files "
@@ -794,6 +848,12 @@ def _prepare(settings: TrainSettings, began: float) -> _TrainRun:
     results["corpus"] = corpus_record
     counts = np.bincount(corpus.train.tokens, minlength=token_map.vocab_size)
     vocab = Vocab.from_counts(counts, settings.vocab_k)
+    if vocab.num_kept < settings.vocab_k and settings.vocab_k_given:
+        raise FlagError(
+            f"--vocab-k={settings.vocab_k} but the training split holds {vocab.num_kept:,} "
+            f"distinct token ids; expected at most {vocab.num_kept:,} (the vocabulary would "
+            f"silently be smaller)"
+        )
     covered = counts[list(vocab.token_ids)].sum() / max(1, counts.sum())
     say(f"vocab: K = {vocab.num_kept} kept ids + <other>, covering {covered:.2%} of train tokens")
 
@@ -1117,7 +1177,7 @@ def _write_model_dir(run: _TrainRun, record: dict[str, Any], wide_cfg: LMConfig)
         "training": record,
     }
     model_json["checksums"] = artifacts.file_checksums(out, files)
-    artifacts.write_json(out / artifacts.MODEL_JSON, model_json)
+    artifacts.write_model_json(out / artifacts.MODEL_JSON, model_json)
     artifacts.write_json(out / artifacts.CONFIG_JSON, cfg.to_hf_dict())
     shipped = {name: (out / name).stat().st_size for name in artifacts.SHIPPED_FILES}
     total_bytes = sum(shipped.values())
@@ -1128,7 +1188,7 @@ def _write_model_dir(run: _TrainRun, record: dict[str, Any], wide_cfg: LMConfig)
     served = _served_sample_loss(out, run.device, run.say)
     record["heldout"]["sample_losses"]["engram_fp8_served"] = served
     record["seconds_total"] = round(time.perf_counter() - run.began, 1)
-    artifacts.write_json(out / artifacts.MODEL_JSON, model_json)
+    artifacts.write_model_json(out / artifacts.MODEL_JSON, model_json)
     run.results["heldout"] = record["heldout"]
     run.results["package_heldout"] = record.get("package_heldout")
     run.save_results()
@@ -1138,7 +1198,7 @@ def _write_model_dir(run: _TrainRun, record: dict[str, Any], wide_cfg: LMConfig)
         record["heldout"]["losses"],
         {name: outcomes[name].run.val_curve for name in _MODEL_NAMES},
     )
-    run.say(f"model directory written in {record['seconds_total']} s: {out}")
+    run.say(f"model directory written in {record['seconds_total']} s")
     artifacts.write_json(
         out / artifacts.TRAIN_LOG,
         {
@@ -1198,8 +1258,28 @@ def _run_extras(run: _TrainRun, wins: Callable[[], dict[str, Any]]) -> None:
 
 
 def train(settings: TrainSettings) -> dict[str, Any]:
-    """Run every stage (see the module docstring); returns the training record."""
-    run = _prepare(settings, time.perf_counter())
+    """Run every stage (see the module docstring); returns the training record.
+
+    The model directory is written into a staging directory beside ``settings.out``
+    (:func:`engramrt._io.staged_directory`) and put in its place in one rename once it
+    is complete; a run that fails (or is killed) before that leaves ``settings.out``
+    as it was, an earlier model included.
+    """
+    began = time.perf_counter()
+    with staged_directory(settings.out) as staging:
+        run = _prepare(settings, began, staging)
+        record, wins = _train_and_write(run)
+    run.out = Path(settings.out)
+    run.say(f"model directory in place: {run.out}")
+    _run_extras(run, wins)
+    run.results["seconds_total"] = round(time.perf_counter() - run.began, 1)
+    run.save_results()
+    run.say(f"done in {run.results['seconds_total']} s")
+    return record
+
+
+def _train_and_write(run: _TrainRun) -> tuple[dict[str, Any], Callable[[], dict[str, Any]]]:
+    """The three models, their fp8 check and the model directory, into ``run.out``."""
     run.keep(_run_engram(run, "engram", run.cfg))
     run.keep(_run_dense(run, "baseline", run.lm_cfg.baseline()))
     wide_cfg = dataclasses.replace(run.lm_cfg.baseline(), mlp_dim=wide_mlp_dim(run.lm_cfg))
@@ -1224,11 +1304,7 @@ def train(settings: TrainSettings) -> dict[str, Any]:
     )
     record = _training_record(run, fp8, fp8_rel)
     _write_model_dir(run, record, wide_cfg)
-    _run_extras(run, wins)
-    run.results["seconds_total"] = round(time.perf_counter() - run.began, 1)
-    run.save_results()
-    run.say(f"done in {run.results['seconds_total']} s")
-    return record
+    return record, wins
 
 
 def _jsonable(value: Any) -> Any:
@@ -1317,6 +1393,113 @@ _POSITIVE_INTS = (
 )
 
 
+def _table_bytes(buckets: Sequence[int], layers: Sequence[int], head_dim: int) -> int:
+    """fp32 table bytes with the optimiser's two moments of an Engram model, from the
+    bucket counts (each head's prime is just above its bucket count; the layout's exact
+    rows are not needed for a bound, and computing them for 2**62 buckets fails)."""
+    heads = PRESETS["tiny"].n_heads
+    return len(layers) * heads * sum(int(b) for b in buckets) * head_dim * 12
+
+
+def _size_problem(args: argparse.Namespace) -> str | None:
+    """The first flag whose value would exhaust memory (bounds: the ``MAX_*`` constants)."""
+    if args.seq_len > MAX_SEQ_LEN:
+        return f"--seq-len={args.seq_len} must be at most {MAX_SEQ_LEN:,} (MAX_SEQ_LEN)"
+    if args.vocab_k > TOKENIZER_IDS:
+        return (
+            f"--vocab-k={args.vocab_k} must be at most {TOKENIZER_IDS:,} (the tokenizer's ids; "
+            f"the training split decides how many it holds)"
+        )
+    tokens = args.batch_size * args.seq_len
+    if tokens > MAX_TOKENS_PER_STEP:
+        return (
+            f"--batch-size={args.batch_size} x --seq-len={args.seq_len} = {tokens:,} tokens per "
+            f"step; expected at most {MAX_TOKENS_PER_STEP:,} (MAX_TOKENS_PER_STEP)"
+        )
+    for name, bound in (("dim", MAX_WIDTH), ("mlp_dim", MAX_WIDTH), ("n_blocks", MAX_BLOCKS)):
+        if getattr(args, name) > bound:
+            flag = "--" + name.replace("_", "-")
+            return f"{flag}={getattr(args, name)} must be at most {bound:,}"
+    hc = PRESETS["tiny"].hc_mult
+    per_token = args.n_blocks * (10 * hc * args.dim + 3 * args.mlp_dim) + 2 * (args.vocab_k + 1)
+    activations = 4 * tokens * per_token
+    if activations > MAX_ACTIVATION_BYTES:
+        return (
+            f"--dim={args.dim}, --mlp-dim={args.mlp_dim}, --n-blocks={args.n_blocks}, "
+            f"--vocab-k={args.vocab_k} at {tokens:,} tokens per step (--batch-size x "
+            f"--seq-len) keep about {activations / 2**30:,.1f} GiB of activations; expected "
+            f"at most {MAX_ACTIVATION_BYTES / 2**30:g} GiB (MAX_ACTIVATION_BYTES): a smaller "
+            f"--batch-size or --seq-len"
+        )
+    if args.head_dim > MAX_HEAD_DIM:
+        return f"--head-dim={args.head_dim} must be at most {MAX_HEAD_DIM:,}"
+    for name, value in (
+        ("--eval-sequences", args.eval_sequences),
+        ("--val-sequences", args.val_sequences),
+        ("--sample-sequences", args.sample_sequences),
+    ):
+        if value > MAX_SEQUENCES:
+            return f"{name}={value} must be at most {MAX_SEQUENCES:,}"
+    from engramrt.models.lm import dense_parameters
+
+    config = LMConfig(
+        vocab_size=args.vocab_k + 1,
+        dim=args.dim,
+        n_blocks=args.n_blocks,
+        mlp_dim=args.mlp_dim,
+        max_seq_len=args.seq_len,
+        engram_layer_ids=tuple(args.engram_layers),
+        engram_cols=PRESETS["tiny"].n_cols,
+        engram_head_dim=args.head_dim,
+    )
+    largest = dense_parameters(dataclasses.replace(config.baseline(), mlp_dim=wide_mlp_dim(config)))
+    largest = max(largest, dense_parameters(config))
+    if largest > MAX_DENSE_PARAMETERS:
+        return (
+            f"--dim={args.dim}, --mlp-dim={args.mlp_dim}, --n-blocks={args.n_blocks}, "
+            f"--vocab-k={args.vocab_k} give a model of {largest:,} dense parameters; expected "
+            f"at most {MAX_DENSE_PARAMETERS:,} (MAX_DENSE_PARAMETERS: 16 bytes each with AdamW)"
+        )
+    tables = [("--buckets", args.buckets, args.engram_layers)]
+    tables += [
+        (f"--memory-sweep {m:g}", sweep_buckets(args.buckets, m), args.engram_layers)
+        for m in args.memory_sweep
+    ]
+    if args.compare_layers is not None:
+        tables.append(("--compare-layers", args.buckets, args.compare_layers))
+    for name, buckets, layers in tables:
+        size = _table_bytes(buckets, layers, args.head_dim)
+        if max(buckets) > 2**31 - 1 or size > MAX_TABLE_BYTES:
+            return (
+                f"{name} gives Engram tables of {size / 2**30:,.1f} GiB with their optimiser "
+                f"state (buckets per head {','.join(map(str, buckets))}, {len(layers)} layer(s), "
+                f"--head-dim={args.head_dim}); expected at most {MAX_TABLE_BYTES / 2**30:g} GiB "
+                f"(MAX_TABLE_BYTES) and buckets below 2**31"
+            )
+    return None
+
+
+_MODEL_DIR_ENTRIES = frozenset(
+    {*artifacts.SHIPPED_FILES, artifacts.LOSS_CURVES, artifacts.TRAIN_LOG, "_work"}
+)
+"""What a model directory this command wrote may hold (``_work``: a killed run's)."""
+
+
+def _foreign_entries(out: Path, results: Path | None) -> list[str]:
+    """Entries of an existing ``--out`` that the swap would discard: neither model files,
+    their atomic writers' temporaries, nor the ``--results`` file."""
+    allowed = set(_MODEL_DIR_ENTRIES)
+    if results is not None and Path(results).parent.resolve() == out.resolve():
+        allowed.add(Path(results).name)
+    foreign = []
+    for entry in sorted(out.iterdir()):
+        name = entry.name
+        temporary = name.startswith(".") and name.endswith(".tmp")
+        if name not in allowed and not temporary:
+            foreign.append(name)
+    return foreign
+
+
 def _settings_problem(args: argparse.Namespace) -> str | None:
     """The first flag that cannot work, as one sentence naming it and its value."""
 
@@ -1338,8 +1521,8 @@ def _settings_problem(args: argparse.Namespace) -> str | None:
         return f"--max-files={args.max_files} must be at least 1"
     if args.max_train_chars is not None and args.max_train_chars < 1:
         return f"--max-train-chars={args.max_train_chars} must be at least 1"
-    if args.seed < 0:
-        return f"--seed={args.seed} must be >= 0"
+    if not 0 <= args.seed <= MAX_SEED:
+        return f"--seed={args.seed} must be in [0, 2**63 - 1]"
     for name in ("lr", "table_lr"):
         value = getattr(args, name)
         if not math.isfinite(value) or value <= 0:
@@ -1363,12 +1546,20 @@ def _settings_problem(args: argparse.Namespace) -> str | None:
     for multiple in args.memory_sweep:
         if not math.isfinite(multiple) or multiple <= 0:
             return f"--memory-sweep holds {multiple}; expected finite positive multiples"
+    problem = _size_problem(args)
+    if problem is not None:
+        return problem
     for name, root in [
         ("--stdlib-root", args.stdlib_root),
         *(("--site-dirs", d) for d in (args.site_dirs or ())),
     ]:
         if root is not None and not Path(root).is_dir():
             return f"{name} names {str(root)!r}, which is not a directory"
+    if args.stdlib_root is not None and next(Path(args.stdlib_root).rglob("*.py"), None) is None:
+        return (
+            f"--stdlib-root names {str(args.stdlib_root)!r}, which holds no .py file; expected "
+            f"a directory of Python sources (the held-out and validation files come from it)"
+        )
     device = args.device
     if device not in ("auto", "cpu") and not (
         device == "cuda" or (device.startswith("cuda:") and device[5:].isdigit())
@@ -1386,6 +1577,15 @@ def _settings_problem(args: argparse.Namespace) -> str | None:
         target = Path(path)
         if name == "--out" and target.exists() and not target.is_dir():
             return f"--out={str(target)!r} exists and is not a directory"
+        if name == "--out" and target.is_dir():
+            foreign = _foreign_entries(target, args.results)
+            if foreign:
+                listed = ", ".join(repr(n) for n in foreign[:5])
+                return (
+                    f"--out={str(target)!r} holds {listed}, which a model directory does not "
+                    f"hold; expected a new or empty directory, or one written by this command "
+                    f"(the new model replaces the directory whole)"
+                )
         if name == "--results" and target.is_dir():
             return f"--results={str(target)!r} is a directory; expected a file path"
         for parent in target.parents:
@@ -1420,7 +1620,9 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainSettings:
     )
     for name in (*_POSITIVE_INTS, "seed"):
         parser.add_argument(
-            f"--{name.replace('_', '-')}", type=int, default=getattr(defaults, name)
+            f"--{name.replace('_', '-')}",
+            type=int,
+            default=None if name == "vocab_k" else getattr(defaults, name),
         )
     for name in ("lr", "table_lr", "weight_decay"):
         parser.add_argument(
@@ -1478,6 +1680,9 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainSettings:
         "the interpreter's; empty for none)",
     )
     args = parser.parse_args(argv)
+    args.vocab_k_given = args.vocab_k is not None
+    if args.vocab_k is None:
+        args.vocab_k = defaults.vocab_k
     problem = _settings_problem(args)
     if problem is not None:
         parser.error(problem)
@@ -1490,6 +1695,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         train(settings)
     except TrainingDiverged as exc:
         sys.stderr.write(f"python -m engramrt.models.train: error: {exc}\n")
+        return 1
+    except FlagError as exc:
+        sys.stderr.write(f"python -m engramrt.models.train: error: {exc}\n")
+        return 2
+    except OSError as exc:  # a full or read-only disk, mid-run: the staged model is dropped
+        sys.stderr.write(
+            f"python -m engramrt.models.train: error: writing the model failed: {exc}; "
+            f"--out={str(settings.out)!r} is left as it was\n"
+        )
         return 1
     return 0
 

@@ -58,6 +58,17 @@ that runs its own head builds the runtime without heads). With heads, at most
 ``num_slots`` planned steps may have layers not yet run: a further ``plan``
 would overwrite their rows, and is refused.
 
+Threads. A runtime is one engine's step loop: its staging slots alternate
+per ``plan``, so plans from two threads at once would hash into the same
+slot and hand each other's row ids back. The first thread that calls
+:meth:`EngramRuntime.plan` owns the runtime; ``plan`` from any other thread
+is refused (a :class:`~engramrt.errors.ValidationError` naming both threads)
+before it touches a buffer. An engine that moves its step loop to another
+thread (a new scheduler thread, a restarted worker) calls
+:meth:`EngramRuntime.bind_thread` from that thread once the old one has
+stopped planning. :meth:`~EngramRuntime.run` and :meth:`StepPlan.rows`
+belong to the same step loop.
+
 Custom operators (:mod:`engramrt.custom_ops`) reach the same object through
 :attr:`EngramRuntime.handle`: a compiled model calls the same ``plan`` and
 ``run``.
@@ -66,6 +77,7 @@ Custom operators (:mod:`engramrt.custom_ops`) reach the same object through
 from __future__ import annotations
 
 import itertools
+import threading
 import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -467,6 +479,9 @@ class EngramRuntime:
             index for index, s in enumerate(self.sources) if s.host_ids and not s.collective
         )
         self._updates: list[Future[None]] = []
+        self._plan_thread: int | None = None  # threading.get_ident() of the planning thread
+        self._plan_thread_name = ""
+        self._bind_lock = threading.Lock()
         self.handle = next(_NEXT_HANDLE)
         _HANDLES[self.handle] = self
 
@@ -596,7 +611,13 @@ class EngramRuntime:
         With ``validate`` the runtime checks that the host batch matches the step's
         shape and that its lookback ids cover every position a history store would
         supply (host arrays only).
+
+        The first thread that plans owns the runtime (see the module doc, "Threads");
+        a plan from another thread is refused before any buffer is touched, unless
+        that thread called :meth:`bind_thread`.
         """
+        if self._plan_thread != threading.get_ident():
+            self._claim_thread()
         self._check(batch)
         if host_batch is not None:
             self._check_host_batch(host_batch, batch, self.history if history is None else history)
@@ -644,6 +665,41 @@ class EngramRuntime:
         if self.heads:
             self._planned.append(step)
         return step
+
+    def _claim_thread(self) -> None:
+        """Bind the calling thread when no thread owns the runtime yet; refuse any other."""
+        current = threading.current_thread()
+        with self._bind_lock:  # two threads planning first at once: one of them wins
+            if self._plan_thread is None:
+                self._plan_thread = current.ident
+                self._plan_thread_name = current.name
+                return
+            owner, owner_name = self._plan_thread, self._plan_thread_name
+        if owner != current.ident:
+            raise ValidationError(
+                f"plan() called from thread {current.name!r} (ident {current.ident}) but this "
+                f"EngramRuntime plans on thread {owner_name!r} (ident {owner}): its staging "
+                f"slots alternate per plan, so plans from two threads would overwrite each "
+                f"other's row ids; expected one step loop per runtime (call bind_thread() "
+                f"from the new thread when the engine moves its step loop there)"
+            )
+
+    def bind_thread(self) -> None:
+        """Make the calling thread the one that plans (see the module doc, "Threads").
+
+        For an engine that moves its step loop to another thread: call it from the
+        new thread, after the old one has stopped planning (its planned steps stay
+        valid and are run in order).
+        """
+        current = threading.current_thread()
+        with self._bind_lock:
+            self._plan_thread = current.ident
+            self._plan_thread_name = current.name
+
+    @property
+    def plan_thread(self) -> int | None:
+        """``threading.get_ident()`` of the thread that plans (None before the first plan)."""
+        return self._plan_thread
 
     prefetch = plan
     """Plan the next step now, right after sampling (an alias of :meth:`plan`: the
