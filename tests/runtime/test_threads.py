@@ -121,3 +121,19 @@ def test_bind_thread_moves_the_step_loop(token_map, device) -> None:
     with pytest.raises(ValidationError, match="'new-loop'"):
         runtime.plan(batch)  # this (main) thread is not the one bound now
     runtime.close()
+
+
+def test_a_new_thread_with_a_finished_owners_ident_is_still_refused(token_map, device) -> None:
+    """Thread idents are reused once a thread ends (on a GPU machine the next thread often
+    gets the same one): ownership is the thread object, not its ident."""
+    runtime = _runtime(token_map, device, num_slots=1)
+    ids, _ = _sequence(token_map, 3)
+    gone = threading.Thread(name="finished-step-loop")
+    gone._ident = threading.get_ident()  # type: ignore[attr-defined]  # as if reused
+    runtime._bind(gone)
+    assert runtime.plan_thread == threading.get_ident()
+    with pytest.raises(ValidationError, match="'finished-step-loop'"):
+        runtime.plan(HashBatch.single(ids, device=device))
+    runtime.bind_thread()
+    runtime.plan(HashBatch.single(ids, device=device))
+    runtime.close()

@@ -479,7 +479,8 @@ class EngramRuntime:
             index for index, s in enumerate(self.sources) if s.host_ids and not s.collective
         )
         self._updates: list[Future[None]] = []
-        self._plan_thread: int | None = None  # threading.get_ident() of the planning thread
+        self._plan_owner: threading.Thread | None = None  # the planning thread
+        self._plan_thread: int | None = None  # its threading.get_ident()
         self._plan_thread_name = ""
         self._bind_lock = threading.Lock()
         self.handle = next(_NEXT_HANDLE)
@@ -616,7 +617,7 @@ class EngramRuntime:
         a plan from another thread is refused before any buffer is touched, unless
         that thread called :meth:`bind_thread`.
         """
-        if self._plan_thread != threading.get_ident():
+        if self._plan_owner is not threading.current_thread():
             self._claim_thread()
         self._check(batch)
         if host_batch is not None:
@@ -670,12 +671,12 @@ class EngramRuntime:
         """Bind the calling thread when no thread owns the runtime yet; refuse any other."""
         current = threading.current_thread()
         with self._bind_lock:  # two threads planning first at once: one of them wins
-            if self._plan_thread is None:
-                self._plan_thread = current.ident
-                self._plan_thread_name = current.name
+            if self._plan_owner is None:
+                self._bind(current)
                 return
             owner, owner_name = self._plan_thread, self._plan_thread_name
-        if owner != current.ident:
+        # Threads compared as objects: a new thread may reuse a finished one's ident.
+        if self._plan_owner is not current:
             raise ValidationError(
                 f"plan() called from thread {current.name!r} (ident {current.ident}) but this "
                 f"EngramRuntime plans on thread {owner_name!r} (ident {owner}): its staging "
@@ -691,10 +692,13 @@ class EngramRuntime:
         new thread, after the old one has stopped planning (its planned steps stay
         valid and are run in order).
         """
-        current = threading.current_thread()
         with self._bind_lock:
-            self._plan_thread = current.ident
-            self._plan_thread_name = current.name
+            self._bind(threading.current_thread())
+
+    def _bind(self, thread: threading.Thread) -> None:
+        self._plan_owner = thread
+        self._plan_thread = thread.ident
+        self._plan_thread_name = thread.name
 
     @property
     def plan_thread(self) -> int | None:
