@@ -178,3 +178,22 @@ def test_host_function_keeps_the_first_failure_and_raises_it_once() -> None:
 @pytest.mark.skipif(CUDA, reason="checks the refusal on a machine without a GPU")
 def test_no_host_functions_without_a_gpu() -> None:
     assert not host_functions_available(torch.device("cpu"))
+
+
+def test_calls_queued_after_a_failure_still_run() -> None:
+    """Calls the driver makes before the host sees a failure (steps queued ahead, graph
+    replays) still run, so each writes its own output; the first failure is the one raised."""
+    seen: list[int] = []
+
+    def record(arg: int) -> None:
+        if arg in (3, 4):
+            raise KeyError(arg)
+        seen.append(arg)
+
+    function = HostFunction(record, name="recording")
+    for arg in (3, 1, 4, 2):  # as the driver's thread calls them, in stream order
+        function._call(arg)
+    assert seen == [1, 2]
+    with pytest.raises(HostFunctionError, match="KeyError: 3"):
+        function.raise_failure()
+    function.raise_failure()  # raised once

@@ -92,12 +92,13 @@ class HostFunction:
         self._callback = _CALLBACK(self._call)
 
     def _call(self, arg: int | None) -> None:
-        if self._failure is not None:
-            return  # the first failure is kept; later calls would only repeat it
+        # Every call runs, also after a failure not yet raised (a later call of another
+        # size must still write its own output, NaN or rows); the first failure is kept.
         try:
             self._fn(arg or 0)
         except BaseException as error:  # nothing may cross into the driver
-            self._failure = error
+            if self._failure is None:
+                self._failure = error
 
     def raise_failure(self) -> None:
         """Raise (once) the error of a call that failed since the last check."""
