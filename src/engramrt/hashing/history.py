@@ -54,6 +54,14 @@ def _host_ints(name: str, values: torch.Tensor) -> list[int]:
     return [int(v) for v in values.tolist()]
 
 
+def _values_to_check(name: str, values: Any, validate: bool) -> list[Any] | None:
+    """A sequence's values, or a tensor's read to the host when ``validate`` (None when
+    not: a tensor is then used as given, without a synchronisation)."""
+    if not isinstance(values, torch.Tensor):
+        return list(values)
+    return _host_ints(name, values) if validate else None
+
+
 class SlotHashCache:
     """Compressed id of the token in every KV-cache slot.
 
@@ -260,18 +268,8 @@ class RequestHistory:
         (on the ring's device, distinct, in range: a repeated slot is then
         written in no defined order); nothing then waits for the device.
         """
-        if isinstance(request_slots, torch.Tensor) and validate:
-            slot_values: list[Any] | None = _host_ints("request_slots", request_slots)
-        elif isinstance(request_slots, torch.Tensor):
-            slot_values = None
-        else:
-            slot_values = list(request_slots)
-        if isinstance(num_tokens, torch.Tensor) and validate:
-            count_values: list[Any] | None = _host_ints("num_tokens", num_tokens)
-        elif isinstance(num_tokens, torch.Tensor):
-            count_values = None
-        else:
-            count_values = list(num_tokens)
+        slot_values = _values_to_check("request_slots", request_slots, validate)
+        count_values = _values_to_check("num_tokens", num_tokens, validate)
         if slot_values is not None:
             for i, slot in enumerate(slot_values):
                 if not _is_int(slot) or not 0 <= slot < self.max_requests:
