@@ -105,39 +105,51 @@ def test_ids_outside_the_shard_read_as_zeros(tier: str, tmp_path: Path) -> None:
 def test_buffers_sit_at_fixed_addresses_and_grow_for_a_larger_batch(tmp_path: Path) -> None:
     table = random_packed_table(50, 32, seed=5)
     store = build("host", table, tmp_path, queued_rows=12)
-    queued = store._queued
-    assert queued is not None and queued.capacity == 12
-    addresses = queued._rows.data_ptr(), queued._staging.data_ptr()
+
+    def buffers() -> tuple[int, int, int]:
+        assert store.queued_buffers is not None
+        staging, rows = store.queued_buffers
+        assert staging.shape == rows.shape and staging.device.type == "cpu"
+        return staging.shape[0], staging.data_ptr(), rows.data_ptr()
+
+    capacity, *addresses = buffers()
+    assert capacity == 12
     g = torch.Generator().manual_seed(6)
     for T in (1, 4, 2, 4):  # at most 12 rows: the buffers stay where they are
         ids = torch.randint(0, 50, (T, 3), generator=g)
         assert_same_bits(store.lookup(ids.to(DEVICE)), lookup_rows_reference(ids, table, 32))
-        assert (queued._rows.data_ptr(), queued._staging.data_ptr()) == addresses
+        assert buffers() == (12, *addresses)
     ids = torch.randint(0, 50, (9, 3), generator=g)  # 27 rows: grown once
     assert_same_bits(store.lookup(ids.to(DEVICE)), lookup_rows_reference(ids, table, 32))
-    assert queued.capacity == 27
+    assert buffers()[0] == 27
 
 
-def test_a_failed_gather_gives_nan_rows_and_raises_at_the_next_lookup(tmp_path: Path) -> None:
+def test_a_failed_gather_gives_nan_rows_and_raises_at_the_next_lookup(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     table = random_packed_table(20, 32, seed=7)
     store = build("host", table, tmp_path)
     ids = torch.randint(0, 20, (4, 3), generator=torch.Generator().manual_seed(8))
     assert_same_bits(store.lookup(ids.to(DEVICE)), lookup_rows_reference(ids, table, 32))
-    queued = store._queued
-    assert queued is not None
-    good_source = queued._source
-    queued._source = good_source[:0]  # every id now lies past the end: index_select fails
+    index_select = torch.index_select
+
+    def failing(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("the host's gather failed")
+
+    monkeypatch.setattr(torch, "index_select", failing)
     if CUDA:  # queued: the step's rows are NaN, and the next lookup raises
         rows = store.lookup(ids.to(DEVICE)).cpu()
         assert torch.isnan(rows.float()).all()
-        queued._source = good_source
+        monkeypatch.setattr(torch, "index_select", index_select)
         with pytest.raises(HostFunctionError, match="gather failed on CUDA's host-function"):
             store.lookup(ids.to(DEVICE))
     else:  # no stream: the same function runs at once and its lookup raises
         with pytest.raises(HostFunctionError, match="gather failed on CUDA's host-function"):
             store.lookup(ids.to(DEVICE))
-        assert bool((queued._staging[:12] == 255).all())  # NaN bytes, never stale rows
-        queued._source = good_source
+        assert store.queued_buffers is not None
+        staging, _ = store.queued_buffers
+        assert bool((staging[:12] == 255).all())  # NaN bytes, never stale rows
+        monkeypatch.setattr(torch, "index_select", index_select)
     # Reported once; the store serves again afterwards.
     assert_same_bits(store.lookup(ids.to(DEVICE)), lookup_rows_reference(ids, table, 32))
 
@@ -192,7 +204,7 @@ def test_calls_queued_after_a_failure_still_run() -> None:
 
     function = HostFunction(record, name="recording")
     for arg in (3, 1, 4, 2):  # as the driver's thread calls them, in stream order
-        function._call(arg)
+        function.call_deferred(arg)
     assert seen == [1, 2]
     with pytest.raises(HostFunctionError, match="KeyError: 3"):
         function.raise_failure()

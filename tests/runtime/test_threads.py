@@ -128,9 +128,18 @@ def test_a_new_thread_with_a_finished_owners_ident_is_still_refused(token_map, d
     gets the same one): ownership is the thread object, not its ident."""
     runtime = _runtime(token_map, device, num_slots=1)
     ids, _ = _sequence(token_map, 3)
-    gone = threading.Thread(name="finished-step-loop")
-    gone._ident = threading.get_ident()  # type: ignore[attr-defined]  # as if reused
-    runtime._bind(gone)
+
+    class Finished(threading.Thread):
+        """A thread that ended, whose ident the calling thread has been given again."""
+
+        @property
+        def ident(self) -> int:  # type: ignore[override]
+            return threading.get_ident()
+
+    gone = Finished(name="finished-step-loop")
+    with pytest.MonkeyPatch.context() as patch:  # bind_thread() called from that thread
+        patch.setattr(threading, "current_thread", lambda: gone)
+        runtime.bind_thread()
     assert runtime.plan_thread == threading.get_ident()
     with pytest.raises(ValidationError, match="'finished-step-loop'"):
         runtime.plan(HashBatch.single(ids, device=device))

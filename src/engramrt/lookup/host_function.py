@@ -89,11 +89,13 @@ class HostFunction:
         self._failure: BaseException | None = None
         # The C callable must outlive every launch queued or captured with it: it is
         # held here, for the life of this object.
-        self._callback = _CALLBACK(self._call)
+        self._callback = _CALLBACK(self.call_deferred)
 
-    def _call(self, arg: int | None) -> None:
-        # Every call runs, also after a failure not yet raised (a later call of another
-        # size must still write its own output, NaN or rows); the first failure is kept.
+    def call_deferred(self, arg: int | None) -> None:
+        """``fn(arg)`` as CUDA's thread calls it: a failure is kept, for the next
+        :meth:`raise_failure`, not raised. Every call runs, also after a failure not yet
+        raised (a later call of another size must still write its own output, NaN or
+        rows); the first failure is the one kept."""
         try:
             self._fn(arg or 0)
         except BaseException as error:  # nothing may cross into the driver
@@ -113,7 +115,7 @@ class HostFunction:
         """``fn(arg)`` on the calling thread, with the same failure handling (a device
         without streams: the CPU)."""
         self.raise_failure()
-        self._call(arg)
+        self.call_deferred(arg)
         self.raise_failure()
 
     def launch(self, stream: torch.cuda.Stream, arg: int) -> None:

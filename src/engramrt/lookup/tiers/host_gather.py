@@ -363,6 +363,15 @@ class HostGatherRowStore(KernelRowStore):
         on a CUDA device): no lookup of ids on the device makes the host wait."""
         return self._queued is not None
 
+    @property
+    def queued_buffers(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The queued gather's fixed buffers, ``(staging, rows)``: ``[capacity, row_bytes]``
+        uint8, in pinned host memory and on the device (``None`` unless :attr:`queued`).
+        A graph captures their addresses; they grow only outside a capture."""
+        if self._queued is None:
+            return None
+        return self._queued.buffers
+
     def waits_on_host(self, row_ids: torch.Tensor) -> bool:
         """No wait for a batch the GPU reads itself (below :attr:`dedup_min_rows` owned ids,
         with :attr:`gpu_reads`) or one whose gather is queued; the CPU's gather waits for
@@ -746,6 +755,10 @@ class _QueuedGather:
         self._staging = torch.empty((count, store.row_bytes), dtype=torch.uint8, pin_memory=cuda)
         self._rows = torch.empty((count, store.row_bytes), dtype=torch.uint8, device=store.device)
         self._positions = torch.arange(count, dtype=torch.int64, device=store.device)
+
+    @property
+    def buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._staging, self._rows
 
     def _gather_rows(self, count: int) -> None:
         """The host function: rows ``source[ids]`` into the staging (CUDA's thread).
