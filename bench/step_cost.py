@@ -56,8 +56,10 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import os
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -362,6 +364,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="before the rounds, profile this many synchronous steps of every case "
         "(torch.profiler; the top operations by device and host time go in the report)",
     )
+    p.add_argument("--trace-dir", default=None, help="keep each profiled case's Chrome trace here")
     p.add_argument("--smoke", action="store_true", help="a CPU-sized backbone (plumbing only)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
@@ -493,12 +496,20 @@ def main(argv=None) -> dict:
 
     timed = [c for c in cases if c.skipped is None]
     profiles = {}
+    if args.trace_dir:
+        os.makedirs(args.trace_dir, exist_ok=True)
     if args.profile_steps:
         for case in timed:
             if case.loop == "sync":
                 batches = workloads[(case.workload, case.ids)][: args.profile_steps + 1]
                 assert case.runner is not None
-                profiles[case.label()] = profile_case(case.runner, batches)
+                trace = (
+                    os.path.join(args.trace_dir, case.label().replace("/", "-") + ".json")
+                    if args.trace_dir
+                    else None
+                )
+                profiles[case.label()] = profile_case(case.runner, batches, trace_path=trace)
+                print(f"profile {case.label()}: {profiles[case.label()]['timeline']}", flush=True)
     order_rng = np.random.default_rng(1)
     started = time.perf_counter()
     report: dict = {}
@@ -544,10 +555,13 @@ def make_runner(mode: str, runtime, x, backbone, batch) -> Runner:
     return WholeStep(runtime, x, backbone, batch)
 
 
-def profile_case(runner: Runner, batches: list[HashBatch], top: int = 12) -> dict:
+def profile_case(
+    runner: Runner, batches: list[HashBatch], top: int = 12, trace_path: str | None = None
+) -> dict:
     """What a case's synchronous steps spend, by operation: the first batch as a warm-up,
     then the rest under ``torch.profiler``; per step, microseconds of device time and of
-    host time (each operation's own, its children excluded)."""
+    host time (each operation's own, its children excluded), and on a GPU the steps'
+    timeline (:func:`step_timeline`; the Chrome trace kept at ``trace_path`` if given)."""
     from torch.profiler import ProfilerActivity, profile
 
     run_steps(runner, batches[:1], "sync", prefetch=False)
@@ -558,6 +572,16 @@ def profile_case(runner: Runner, batches: list[HashBatch], top: int = 12) -> dic
     with profile(activities=activities) as prof:
         ms = run_steps(runner, steps, "sync", prefetch=False)
     events = prof.key_averages()
+    timeline = None
+    if torch.cuda.is_available():
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "trace.json")
+            prof.export_chrome_trace(path)
+            with open(path) as f:
+                trace = json.load(f)
+        if trace_path is not None:
+            ro.write_report(trace_path, trace)
+        timeline = step_timeline(trace.get("traceEvents", []))
 
     def ranked(attr: str) -> list[dict]:
         rows = sorted(events, key=lambda e: getattr(e, attr, 0.0), reverse=True)[:top]
@@ -576,6 +600,86 @@ def profile_case(runner: Runner, batches: list[HashBatch], top: int = 12) -> dic
         "ms_per_step_profiled": ms,
         "device": ranked("self_device_time_total"),
         "host": ranked("self_cpu_time_total"),
+        "timeline": timeline,
+    }
+
+
+STEP_KERNEL = "_ngram_hash_kernel"  # one launch per step, its first device work
+LOOKUP_KERNEL = "_lookup_rows_kernel"
+DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
+def step_timeline(events: list[dict]) -> dict[str, Any] | None:
+    """Where a profiled run's synchronous steps spend device time, from a Chrome trace's
+    events: steps split at each hash kernel's start; per step (medians, microseconds)
+    ``span`` (from one step's hash to the next's, or to the last kernel), ``busy`` (the
+    union of every stream's device work in it), ``idle`` (the rest: the GPU waiting for
+    the host), ``lookups`` (each lookup kernel's duration, in launch order), ``stall0``
+    (how long the step's stream sat waiting for the first lookup: from its last kernel
+    before that lookup ended to the lookup's end, when its next kernel starts within
+    10 us of it) and ``host_gap`` (from the end of the host's previous synchronisation
+    to the step's hash kernel). None when the trace holds no step."""
+    kernels = sorted(
+        (
+            (float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0)), e.get("name", ""),
+             (e.get("args") or {}).get("stream"))
+            for e in events
+            if e.get("ph") == "X" and e.get("cat") in DEVICE_CATS
+        ),
+        key=lambda k: k[0],
+    )  # fmt: skip
+    syncs = sorted(
+        float(e["ts"]) + float(e.get("dur", 0.0))
+        for e in events
+        if e.get("ph") == "X"
+        and e.get("name") in ("cudaDeviceSynchronize", "cudaStreamSynchronize")
+    )
+    starts = [k for k in kernels if k[2].startswith(STEP_KERNEL)]
+    if not starts:
+        return None
+    main = starts[0][3]
+    rows: list[dict[str, Any]] = []
+    for i, first in enumerate(starts):
+        t0 = first[0]
+        t1 = starts[i + 1][0] if i + 1 < len(starts) else max(k[1] for k in kernels)
+        inside = [k for k in kernels if t0 <= k[0] < t1]
+        busy, edge = 0.0, t0
+        for s, e, _, _ in inside:
+            if e > edge:
+                busy += e - max(s, edge)
+                edge = e
+        lookups = [k for k in inside if k[2].startswith(LOOKUP_KERNEL)]
+        stall0 = 0.0
+        if lookups:
+            end0 = lookups[0][1]
+            on_main = [k for k in inside if k[3] == main]
+            before = [k[1] for k in on_main if k[1] <= end0]
+            after = [k[0] for k in on_main if k[0] >= end0]
+            if before and after and after[0] - end0 <= 10.0:
+                stall0 = end0 - max(before)
+        prior = [t for t in syncs if t <= t0]
+        rows.append(
+            {
+                "span": t1 - t0,
+                "busy": busy,
+                "idle": t1 - t0 - busy,
+                "lookups": [k[1] - k[0] for k in lookups],
+                "stall0": stall0,
+                "host_gap": t0 - prior[-1] if prior else None,
+            }
+        )
+
+    def med(values: list[float]) -> float | None:
+        return float(np.median(values)) if values else None
+
+    n_lookups = max(len(r["lookups"]) for r in rows)
+    return {
+        "steps": len(rows),
+        **{k: med([r[k] for r in rows]) for k in ("span", "busy", "idle", "stall0")},
+        "host_gap": med([r["host_gap"] for r in rows if r["host_gap"] is not None]),
+        "lookups": [
+            med([r["lookups"][j] for r in rows if len(r["lookups"]) > j]) for j in range(n_lookups)
+        ],
     }
 
 

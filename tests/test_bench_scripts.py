@@ -800,3 +800,44 @@ def test_step_cost_refuses_bad_lists() -> None:
     with pytest.raises(SystemExit, match=r"--engram-blocks=\[0\]; expected blocks in 1..29"):
         step_cost.parse_args(["--smoke", "--engram-blocks", "0"])
     assert step_cost.parse_args(["--smoke", "--engram-blocks", "14,1,14"]).engram_blocks == [1, 14]
+
+
+def test_step_timeline_splits_steps_and_finds_the_stall() -> None:
+    """step_timeline on a hand-made trace of two steps: the busy union counts overlapping
+    streams once, the idle time is the span's rest, the stall is the main stream's wait
+    for the first lookup, and the host gap runs from the last synchronisation."""
+    step_cost = _load("step_cost")
+
+    def kernel(name: str, ts: float, dur: float, stream: int) -> dict:
+        return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur,
+                "args": {"stream": stream}}  # fmt: skip
+
+    sync = {"ph": "X", "cat": "cuda_runtime", "name": "cudaDeviceSynchronize", "ts": 0, "dur": 90}
+    events = [
+        sync,
+        # step 1 (t0 = 100): the hash, block 0 on stream 7 beside the lookup on stream 9,
+        # then the head waiting for the lookup (main idle 150..180), then block 1.
+        kernel("_ngram_hash_kernel_0d1d", 100, 10, 7),
+        kernel("_lookup_rows_kernel", 110, 70, 9),  # 110..180
+        kernel("gemm", 110, 40, 7),  # 110..150
+        kernel("mm_head", 182, 8, 7),  # starts 2 us after the lookup: it waited
+        kernel("gemm", 200, 50, 7),  # 200..250 (190..200 idle)
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaDeviceSynchronize", "ts": 240, "dur": 20},
+        # step 2 (t0 = 300): the lookup ends before the main stream needs it: no stall.
+        kernel("_ngram_hash_kernel_0d1d", 300, 10, 7),
+        kernel("_lookup_rows_kernel", 310, 20, 9),  # 310..330
+        kernel("gemm", 310, 60, 7),  # 310..370
+        kernel("mm_head", 370, 10, 7),
+    ]
+    t = step_cost.step_timeline(events)
+    assert t is not None and t["steps"] == 2
+    # step 1: span 200 (100..300), busy 100..180, 182..190 and 200..250 = 138; step 2:
+    # span 80 (300..380, the last kernel's end), busy 80.
+    assert t["span"] == pytest.approx((200 + 80) / 2)
+    assert t["busy"] == pytest.approx((138 + 80) / 2)
+    assert t["idle"] == pytest.approx((62 + 0) / 2)
+    assert t["lookups"] == [pytest.approx((70 + 20) / 2)]
+    assert t["stall0"] == pytest.approx((180 - 150 + 0) / 2)  # step 2's head did not wait
+    assert t["host_gap"] == pytest.approx(((100 - 90) + (300 - 260)) / 2)
+    # Negative control: without a hash kernel there are no steps.
+    assert step_cost.step_timeline([e for e in events if "hash" not in e["name"]]) is None
