@@ -33,7 +33,9 @@ CPU's gathers driven by a worker thread: ``HostOptions(gather="thread")``),
 ``queued`` (host memory, gathers queued in stream order:
 ``HostOptions(gather="queued")``), ``queued-cpu`` (the same with no GPU reads: every
 layer's rows gathered by the CPU in stream order), ``gpu-reads`` (host memory, every layer read
-by the GPU: ``EngramRuntime(gpu_reads="all")``). The host placements share one
+by the GPU: ``EngramRuntime(gpu_reads="all")``), ``default-worker`` and ``gpu-reads-worker``
+(the same two with GPU-read batches sent through the worker thread, as the runtime did before
+it started them beside it). The host placements share one
 copy of the tables in host memory.
 
 Method: paired rounds. Each round times every case (placement x mode x workload x
@@ -81,7 +83,10 @@ from engramrt.runtime import EngramRuntime, synthetic_stores
 from engramrt.tokenmap import TokenMap
 
 MODES = ("eager", "compiled", "piecewise", "graph")
-PLACEMENTS = ("aa", "default", "thread", "queued", "queued-cpu", "gpu-reads")
+PLACEMENTS = (
+    "aa", "default", "thread", "queued", "queued-cpu", "gpu-reads", "default-worker",
+    "gpu-reads-worker",
+)  # fmt: skip
 LOOPS = ("sync", "queued")
 WORKLOADS = ("decode", "prefill")
 IDS = ("random", "text", "zipf")
@@ -302,6 +307,15 @@ def paired_case_stats(case_ms: list[float | None], ref_ms: list[float | None]) -
     }
 
 
+class WorkerRuntime(EngramRuntime):
+    """The runtime with every lookup of a source that has a worker thread sent through it,
+    GPU reads included (placements ``*-worker``: the control for starting GPU-read batches
+    beside the worker, from the planning thread)."""
+
+    def _beside(self, index, source, ids) -> bool:
+        return False
+
+
 class AlreadyMapped(SharedRows):
     """Rows another live store holds and has already mapped for the GPU."""
 
@@ -438,7 +452,7 @@ def main(argv=None) -> dict:
     base = None
     for name in host_names:
         gather = "queued" if name.startswith("queued") else "thread"
-        if name in ("default", "gpu-reads"):
+        if name in ("default", "gpu-reads", "default-worker", "gpu-reads-worker"):
             gather = HostOptions().gather  # as shipped
         stores[name] = host_stores(layout, device, gather, base, gpu_reads=name != "queued-cpu")
         base = base or stores[name]
@@ -468,15 +482,17 @@ def main(argv=None) -> dict:
         )
         for placement in ["device", *args.placements]:
             for mode in modes:
-                runtime = EngramRuntime(
+                kind = WorkerRuntime if placement.endswith("-worker") else EngramRuntime
+                runtime = kind(
                     NgramHasher(consts, token_map, device),
                     stores[placement],
                     heads=heads,
                     max_tokens=T,
                     max_requests=512,
                     validate=False,
-                    gpu_reads={"gpu-reads": "all", "queued-cpu": "sources"}.get(placement, "first"),
-                )
+                    gpu_reads="all" if placement.startswith("gpu-reads") else
+                    {"queued-cpu": "sources"}.get(placement, "first"),
+                )  # fmt: skip
                 runtimes.append(runtime)
                 runner, skipped, check = None, None, {}
                 if mode == "graph" and any(src.host_sync for src in runtime.sources):

@@ -562,6 +562,62 @@ def test_lookups_on_the_step_stream_give_the_same_rows(tier, layout, token_map, 
     runtime.close()
 
 
+def test_gpu_read_batches_start_beside_the_worker(layout, token_map, device, monkeypatch) -> None:
+    """A host-tier batch the GPU reads itself (a decode step of the first layer) starts on
+    the side stream from the planning thread, with no worker hand-off; a batch the CPU
+    gathers goes to the worker, and so does any batch of a source whose earlier lookup is
+    still on its worker. The rows equal the reference every time."""
+    if device.type != "cuda":
+        pytest.skip("worker threads and GPU reads of host memory need a CUDA device")
+    import threading
+
+    runtime = _runtime(layout, token_map, device, tier="host")
+    first = runtime.sources[0]
+    first.dedup_min_rows = 100  # 4 tokens x 12 columns read by the GPU, 19 x 12 gathered
+    rng = np.random.default_rng(13)
+
+    def check(step) -> None:
+        for li, store in enumerate(runtime.sources):
+            want = lookup_rows_reference(
+                step.row_ids[:, li].cpu(), _packed(store), CFG.head_dim, row_begin=store.row_begin
+            )
+            assert torch.equal(step.rows(li).cpu().view(torch.int16), want.view(torch.int16))
+
+    def batch(n: int) -> HashBatch:
+        return HashBatch.single(rng.integers(0, token_map.vocab_size, n), device=device)
+
+    small = runtime.plan(batch(4))
+    assert small.pending[0].future is None  # beside: no thread
+    assert small.pending[1].future is not None  # layer 1: the CPU's gather, on the worker
+    check(small)
+    large = runtime.plan(batch(19))
+    assert large.pending[0].future is not None  # the CPU gathers it: on the worker
+    check(large)
+
+    # A lookup of the first layer held on its worker: the next small batch queues behind it.
+    release, entered = threading.Event(), threading.Event()
+    fetch = first.fetch
+
+    def held_fetch(row_ids, out=None):
+        entered.set()
+        assert release.wait(30)
+        return fetch(row_ids, out)
+
+    monkeypatch.setattr(first, "fetch", held_fetch)
+    held = runtime.plan(batch(19))
+    assert entered.wait(30)
+    monkeypatch.setattr(first, "fetch", fetch)
+    behind = runtime.plan(batch(4))
+    assert behind.pending[0].future is not None  # not beside: the worker is still busy
+    release.set()
+    check(held)
+    check(behind)
+    after = runtime.plan(batch(4))
+    assert after.pending[0].future is None  # the worker is idle again
+    check(after)
+    runtime.close()
+
+
 def test_lookup_overlap_is_checked(layout, token_map, device) -> None:
     with pytest.raises(
         ValidationError, match=r"lookup_overlap='after'; expected one of side, none"

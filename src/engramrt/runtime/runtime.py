@@ -45,7 +45,13 @@ How a layer's rows are started depends on its source's capability flags
   a stream of its own; ``run`` joins the thread's lookup, then waits on its
   event. A source's :meth:`~engramrt.source.RowSource.update` runs on the
   same thread and stream after every threaded lookup of the step
-  (:func:`worker_jobs`), as a job of its own that ``run`` does not join;
+  (:func:`worker_jobs`), as a job of its own that ``run`` does not join.
+  A batch such a source serves without a host wait (the host tier's GPU
+  reads of a decode step: :meth:`~engramrt.source.RowSource.waits_on_host`
+  False) starts on the side stream from the planning thread instead, when
+  the source has no update and no lookup of it is still on its worker: the
+  hand-off to the thread and back would cost the step more than the read
+  (BENCHMARKS.md, "Step cost in each engine mode");
 - :attr:`~engramrt.source.RowSource.collective` (exchanges): every rank
   must issue the collectives in the same order, so all collective sources
   run in layer order on one side stream, or, when any of them needs a host
@@ -479,6 +485,7 @@ class EngramRuntime:
             index for index, s in enumerate(self.sources) if s.host_ids and not s.collective
         )
         self._updates: list[Future[None]] = []
+        self._last_fetch: dict[int, Future[None]] = {}  # each threaded layer's newest lookup
         self._plan_owner: threading.Thread | None = None  # the planning thread
         self._plan_thread: int | None = None  # its threading.get_ident()
         self._plan_thread_name = ""
@@ -634,18 +641,22 @@ class EngramRuntime:
             ready.record(torch.cuda.current_stream(self.device))
         host_ids = self._host_ids(host_batch) if host_batch is not None else {}
         pending: list[PendingRows | None] = [None] * self.n_layers
+        side = list(self._side_layers)
         for index, source in enumerate(self.sources):
             if index not in self._side_layers:
                 ids = host_ids.get(index, layer_ids[index])
-                pending[index] = self._start(index, source, ids, outs[index], ready)
-        if self._side_layers:
+                if self._beside(index, source, ids):
+                    side.append(index)
+                else:
+                    pending[index] = self._start(index, source, ids, outs[index], ready)
+        if side:
             # Every side-stream lookup behind one wait, in one stream context: on a slow
             # host each costs about as much as a launch.
             assert ready is not None and self._lookup_stream is not None
             stream = self._lookup_stream
             stream.wait_event(ready)  # after the step's hashing and the slots' last readers
             with torch.cuda.stream(stream):
-                for index in self._side_layers:
+                for index in sorted(side):
                     ids = host_ids.get(index, layer_ids[index])
                     pending[index] = self.sources[index].start_on(ids, outs[index], stream)
         for job, index in self._jobs:
@@ -845,6 +856,24 @@ class EngramRuntime:
         ids = self.hasher.hash_on_host(host_batch, layers)  # type: ignore[attr-defined]
         return {index: torch.from_numpy(ids[:, at]) for at, index in enumerate(layers)}
 
+    def _beside(self, index: int, source: RowSource, ids: torch.Tensor) -> bool:
+        """Whether layer ``index``, whose source has a worker thread, starts this batch on
+        the side stream from the planning thread: the batch makes the host wait for
+        nothing (GPU reads), the source has no update to queue behind it, and no lookup
+        of this source is still on its worker (whose staging the source would share
+        with this thread)."""
+        if (
+            self._lookup_stream is None
+            or index not in self._worker_of
+            or source.has_update
+            or source.collective
+            or ids.device != self.device
+            or source.waits_on_host(ids)
+        ):
+            return False
+        last = self._last_fetch.get(index)
+        return last is None or last.done()
+
     def _start(
         self,
         index: int,
@@ -872,6 +901,7 @@ class EngramRuntime:
         future = self._workers[key].submit(
             self._run_on_worker, source, ids, out, ready, self._worker_streams[key], done
         )
+        self._last_fetch[index] = future
         return PendingRows(out, ids.shape[0], event=done, future=future, keep_alive=(ids,))
 
     def _run_on_worker(
