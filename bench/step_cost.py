@@ -35,7 +35,9 @@ CPU's gathers driven by a worker thread: ``HostOptions(gather="thread")``),
 layer's rows gathered by the CPU in stream order), ``gpu-reads`` (host memory, every layer read
 by the GPU: ``EngramRuntime(gpu_reads="all")``), ``default-worker`` and ``gpu-reads-worker``
 (the same two with GPU-read batches sent through the worker thread, as the runtime did before
-it started them beside it). The host placements share one
+it started them beside it), ``first`` and ``queued-first`` (host memory, GPU reads for the
+first Engram layer only and the CPU's gather, on a worker or queued, for the later ones:
+``EngramRuntime(gpu_reads="first")``, the default before 2026-12-04). The host placements share one
 copy of the tables in host memory.
 
 Method: paired rounds. Each round times every case (placement x mode x workload x
@@ -85,8 +87,13 @@ from engramrt.tokenmap import TokenMap
 MODES = ("eager", "compiled", "piecewise", "graph")
 PLACEMENTS = (
     "aa", "default", "thread", "queued", "queued-cpu", "gpu-reads", "default-worker",
-    "gpu-reads-worker",
+    "gpu-reads-worker", "first", "queued-first",
 )  # fmt: skip
+# EngramRuntime(gpu_reads=...) of the placements that set it (the others take the default).
+GPU_READS_OF = {
+    "gpu-reads": "all", "gpu-reads-worker": "all", "first": "first", "queued-first": "first",
+    "queued-cpu": "sources",
+}  # fmt: skip
 LOOPS = ("sync", "queued")
 WORKLOADS = ("decode", "prefill")
 IDS = ("random", "text", "zipf")
@@ -452,7 +459,7 @@ def main(argv=None) -> dict:
     base = None
     for name in host_names:
         gather = "queued" if name.startswith("queued") else "thread"
-        if name in ("default", "gpu-reads", "default-worker", "gpu-reads-worker"):
+        if name in ("default", "gpu-reads", "default-worker", "gpu-reads-worker", "first"):
             gather = HostOptions().gather  # as shipped
         stores[name] = host_stores(layout, device, gather, base, gpu_reads=name != "queued-cpu")
         base = base or stores[name]
@@ -490,9 +497,8 @@ def main(argv=None) -> dict:
                     max_tokens=T,
                     max_requests=512,
                     validate=False,
-                    gpu_reads="all" if placement.startswith("gpu-reads") else
-                    {"queued-cpu": "sources"}.get(placement, "first"),
-                )  # fmt: skip
+                    **({"gpu_reads": GPU_READS_OF[placement]} if placement in GPU_READS_OF else {}),
+                )
                 runtimes.append(runtime)
                 runner, skipped, check = None, None, {}
                 if mode == "graph" and any(src.host_sync for src in runtime.sources):

@@ -136,9 +136,10 @@ class RowSource(ABC):
 
         GPU reads need no host synchronisation and finish sooner, but while they are
         in flight they slow the model running beside them; the CPU's gather costs the
-        GPU only a bulk copy but must wait for the ids. A scheduler
-        (:class:`~engramrt.runtime.EngramRuntime`) asks for GPU reads where the rows
-        are needed soon (the first Engram layer) and for the CPU's gather elsewhere.
+        GPU only a bulk copy but must wait for the ids, on a thread beside the one
+        launching the model. A scheduler (:class:`~engramrt.runtime.EngramRuntime`,
+        ``gpu_reads``) asks for GPU reads in every layer, or only where the rows are
+        needed soonest (the first Engram layer) and for the CPU's gather elsewhere.
         """
         return False
 

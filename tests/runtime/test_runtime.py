@@ -528,6 +528,24 @@ def test_gpu_reads_policy_per_layer(policy, on_cuda, layout, token_map, device) 
     built.close()
 
 
+def test_gpu_reads_default_reads_every_layers_small_batches(layout, token_map, device) -> None:
+    """The default (``gpu_reads="all"``): on a GPU every layer's small batches are read by
+    the GPU and started from the planning thread (no worker), with the reference's rows."""
+    runtime = _runtime(layout, token_map, device, tier="host")
+    assert runtime.gpu_reads == "all"
+    on_cuda = device.type == "cuda"
+    assert [s.gpu_reads for s in runtime.sources] == [on_cuda, on_cuda]
+    rng = np.random.default_rng(14)
+    step = runtime.plan(HashBatch.single(rng.integers(0, token_map.vocab_size, 5), device=device))
+    assert all(p.future is None for p in step.pending)  # on a GPU: no worker hand-off
+    for li, store in enumerate(runtime.sources):
+        want = lookup_rows_reference(
+            step.row_ids[:, li].cpu(), _packed(store), CFG.head_dim, row_begin=store.row_begin
+        )
+        assert torch.equal(step.rows(li).cpu().view(torch.int16), want.view(torch.int16))
+    runtime.close()
+
+
 def test_gpu_reads_policy_is_checked(layout, token_map, device) -> None:
     with pytest.raises(ValidationError, match=r"gpu_reads='none'; expected one of first, all"):
         _runtime(layout, token_map, device, tier="host", gpu_reads="none")
@@ -537,7 +555,9 @@ def test_gpu_reads_policy_is_checked(layout, token_map, device) -> None:
 def test_lookups_on_the_step_stream_give_the_same_rows(tier, layout, token_map, device) -> None:
     """``lookup_overlap="none"``: the lookups run inside plan on the step's stream; the rows
     are the reference's, as on the side stream."""
-    runtime = _runtime(layout, token_map, device, tier=tier, lookup_overlap="none")
+    runtime = _runtime(
+        layout, token_map, device, tier=tier, lookup_overlap="none", gpu_reads="first"
+    )
     assert runtime.lookup_overlap == "none"
     rng = np.random.default_rng(12)
     ids = rng.integers(0, token_map.vocab_size, 19)
@@ -571,7 +591,7 @@ def test_gpu_read_batches_start_beside_the_worker(layout, token_map, device, mon
         pytest.skip("worker threads and GPU reads of host memory need a CUDA device")
     import threading
 
-    runtime = _runtime(layout, token_map, device, tier="host")
+    runtime = _runtime(layout, token_map, device, tier="host", gpu_reads="first")
     first = runtime.sources[0]
     first.dedup_min_rows = 100  # 4 tokens x 12 columns read by the GPU, 19 x 12 gathered
     rng = np.random.default_rng(13)

@@ -320,15 +320,18 @@ class EngramRuntime:
         gpu_reads: for sources that can read a small batch's rows from host
             memory either with the GPU or by a CPU gather and a bulk copy
             (:meth:`~engramrt.source.RowSource.use_gpu_reads`: the ``host``
-            tier): ``"first"`` (default), GPU reads for the first Engram layer
-            only, whose rows have the fewest blocks to hide behind, and the
-            CPU's gather for the later ones, which have time for it; ``"all"``:
-            GPU reads everywhere; ``"sources"``: each source as it was built.
-            The choice is set on the sources when the runtime is built
-            (sources shared with another runtime take the later one's). GPU
-            reads in flight slow the blocks running beside them, so the
-            default keeps them where waiting would cost most (measured in
-            BENCHMARKS.md, "Step cost with host-memory tables").
+            tier): ``"all"`` (default), GPU reads for every Engram layer's small
+            batches (a decode step), started from the planning thread with no
+            host wait; ``"first"``, GPU reads for the first Engram layer only,
+            whose rows have the fewest blocks to hide behind, and the CPU's
+            gather on a worker thread for the later ones; ``"sources"``: each
+            source as it was built. Large batches (prefill) are gathered by the
+            CPU either way. The choice is set on the sources when the runtime is
+            built (sources shared with another runtime take the later one's).
+            GPU reads in flight slow the blocks running beside them, but the
+            CPU's gather costs the thread launching the model more where the
+            engine's host time is on the step's path (compiled and piecewise
+            modes): measured in BENCHMARKS.md, "Step cost in each engine mode".
         lookup_overlap: where lookups that make the host wait for nothing (GPU
             memory; a batch the GPU reads from host memory itself, see
             :meth:`~engramrt.source.RowSource.waits_on_host`) run: ``"side"``
@@ -361,7 +364,7 @@ class EngramRuntime:
         num_slots: int = 2,
         lookup_priority: int = 0,
         lookup_workers: str = "shared",
-        gpu_reads: str = "first",
+        gpu_reads: str = "all",
         lookup_overlap: str = "side",
     ) -> None:
         if not isinstance(hasher, RowIdMaker):
