@@ -517,21 +517,7 @@ def main(argv=None) -> dict:
                     cases.append(Case(placement, mode, workload, loop, ids, runner, skipped, check))
 
     timed = [c for c in cases if c.skipped is None]
-    profiles = {}
-    if args.trace_dir:
-        os.makedirs(args.trace_dir, exist_ok=True)
-    if args.profile_steps:
-        for case in timed:
-            if case.loop == "sync":
-                batches = workloads[(case.workload, case.ids)][: args.profile_steps + 1]
-                assert case.runner is not None
-                trace = (
-                    os.path.join(args.trace_dir, case.label().replace("/", "-") + ".json")
-                    if args.trace_dir
-                    else None
-                )
-                profiles[case.label()] = profile_case(case.runner, batches, trace_path=trace)
-                print(f"profile {case.label()}: {profiles[case.label()]['timeline']}", flush=True)
+    profiles = profile_cases(args, timed, workloads) if args.profile_steps else {}
     order_rng = np.random.default_rng(1)
     started = time.perf_counter()
     report: dict = {}
@@ -567,6 +553,27 @@ def main(argv=None) -> dict:
     for runtime in runtimes:
         runtime.close()
     return report
+
+
+def profile_cases(args: argparse.Namespace, timed: list[Case], workloads: dict) -> dict:
+    """``--profile-steps`` synchronous steps of every timed synchronous case, profiled
+    (:func:`profile_case`); each Chrome trace kept under ``--trace-dir`` when given."""
+    if args.trace_dir:
+        os.makedirs(args.trace_dir, exist_ok=True)
+    profiles = {}
+    for case in timed:
+        if case.loop != "sync":
+            continue
+        batches = workloads[(case.workload, case.ids)][: args.profile_steps + 1]
+        assert case.runner is not None
+        trace = (
+            os.path.join(args.trace_dir, case.label().replace("/", "-") + ".json")
+            if args.trace_dir
+            else None
+        )
+        profiles[case.label()] = profile_case(case.runner, batches, trace_path=trace)
+        print(f"profile {case.label()}: {profiles[case.label()]['timeline']}", flush=True)
+    return profiles
 
 
 def make_runner(mode: str, runtime, x, backbone, batch) -> Runner:

@@ -1,0 +1,232 @@
+"""A memory family as a value: what one model's hashed n-gram memory is made of.
+
+A *family* (DeepSeek's Engram, Qwen4-Exp's per-layer n-gram embeddings) is described by
+small frozen values that the runtime's pieces (memory plans, tiers, loaders, kernels)
+can read without knowing which model it is:
+
+- :class:`RowFormat`: how one table row is stored (fp8 values with ue8m0 scales per 32,
+  or bf16), with the integer :attr:`RowFormat.kernel_id` kernels take as a constexpr;
+- :class:`TableSpec`: one layer's table (rows, the width of a row, its format, the hash
+  columns and the row range each owns, how tensor parallelism splits it);
+- :class:`TensorRole`: a checkpoint tensor the family reads (role, name, dtype, shape);
+- :class:`MemoryFamily`: the family itself (its name, layer ids, tables, tensor roles,
+  the id history a request carries between steps, and a fingerprint of its hashing).
+
+Families are registered by name and resolved lazily (:func:`register_family`,
+:func:`resolve_family`): the registry holds ``"module:attribute"`` strings, so naming a
+family imports nothing until it is resolved.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+from engramrt.errors import ValidationError
+
+__all__ = [
+    "BF16",
+    "FP8_UE8M0",
+    "ROW_FORMATS",
+    "MemoryFamily",
+    "RowFormat",
+    "TableSpec",
+    "TensorRole",
+    "family_names",
+    "register_family",
+    "resolve_family",
+]
+
+SHARD_RULES = ("columns", "width")
+"""How tensor parallelism splits a table: ``"columns"``, each rank owns a contiguous run
+of hash columns and so a contiguous range of rows (DeepSeek Engram); ``"width"``, each
+rank owns a slice of every row's values (Qwen4-Exp PLE's ``embedding_colwise``)."""
+
+
+@dataclass(frozen=True)
+class RowFormat:
+    """How one row of ``width`` values is stored.
+
+    Attributes:
+        name: ``"fp8-ue8m0-32"`` or ``"bf16"``.
+        kernel_id: the constexpr kernels branch on (0 and 1).
+        value_bytes: bytes per value.
+        scale_block: values sharing one scale byte stored after them (0: no scales).
+    """
+
+    name: str
+    kernel_id: int
+    value_bytes: int
+    scale_block: int = 0
+
+    def row_bytes(self, width: int) -> int:
+        """Bytes of one stored row of ``width`` values (264 for fp8 ``E = 256``; 320 for
+        bf16 ``d = 160``)."""
+        self.check_width(width)
+        scales = width // self.scale_block if self.scale_block else 0
+        return width * self.value_bytes + scales
+
+    def check_width(self, width: int) -> None:
+        """Refuse a row width this format cannot store."""
+        if isinstance(width, bool) or not isinstance(width, int) or width <= 0:
+            raise ValidationError(f"width={width!r}; expected a positive int (values per row)")
+        if self.scale_block and width % self.scale_block:
+            raise ValidationError(
+                f"width={width} for row format {self.name!r}; expected a multiple of "
+                f"{self.scale_block} (one scale byte per {self.scale_block} values)"
+            )
+
+
+FP8_UE8M0 = RowFormat("fp8-ue8m0-32", kernel_id=0, value_bytes=1, scale_block=32)
+"""fp8 e4m3fn values, then one ue8m0 scale byte per 32 (DeepSeek Engram)."""
+BF16 = RowFormat("bf16", kernel_id=1, value_bytes=2)
+"""bf16 values, no scales (Qwen4-Exp PLE)."""
+ROW_FORMATS: dict[str, RowFormat] = {f.name: f for f in (FP8_UE8M0, BF16)}
+
+
+@dataclass(frozen=True)
+class TableSpec:
+    """One layer's table.
+
+    Attributes:
+        layer_id: the model layer the table belongs to (the family's own numbering).
+        rows: rows stored (at least the rows the columns address; padding included).
+        width: values per row (one hash column's row).
+        row_format: how a row is stored.
+        col_offsets: ``[C]`` the first row of each hash column's range.
+        col_rows: ``[C]`` rows in each column's range (the column's modulus).
+        shard: how tensor parallelism splits the table (:data:`SHARD_RULES`).
+    """
+
+    layer_id: int
+    rows: int
+    width: int
+    row_format: RowFormat
+    col_offsets: tuple[int, ...]
+    col_rows: tuple[int, ...]
+    shard: str = "columns"
+
+    def __post_init__(self) -> None:
+        self.row_format.check_width(self.width)
+        if len(self.col_offsets) != len(self.col_rows) or not self.col_rows:
+            raise ValidationError(
+                f"col_offsets has {len(self.col_offsets)} entries and col_rows "
+                f"{len(self.col_rows)}; expected one per hash column, at least one"
+            )
+        end = max(o + n for o, n in zip(self.col_offsets, self.col_rows, strict=True))
+        if self.rows < end:
+            raise ValidationError(
+                f"rows={self.rows:,} for layer {self.layer_id}; its hash columns address "
+                f"rows up to {end:,}"
+            )
+        if self.shard not in SHARD_RULES:
+            raise ValidationError(f"shard={self.shard!r}; expected one of {SHARD_RULES}")
+
+    @property
+    def num_cols(self) -> int:
+        """``C``: hash columns (rows read per token)."""
+        return len(self.col_rows)
+
+    @property
+    def row_bytes(self) -> int:
+        return self.row_format.row_bytes(self.width)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the whole table as stored."""
+        return self.rows * self.row_bytes
+
+
+@dataclass(frozen=True)
+class TensorRole:
+    """A checkpoint tensor a family reads.
+
+    Attributes:
+        role: what it holds (``"table"``, ``"scale"``, ``"key_proj"``, ...).
+        name: its checkpoint name (the first of the names tried).
+        dtypes: the dtypes it may be stored in, as torch spells them (``"float8_e4m3fn"``,
+            ``"bfloat16"``).
+        shape: its shape.
+        layer_id: the layer it belongs to.
+        optional: whether a checkpoint may leave it out (a scale that only an fp8 form has).
+    """
+
+    role: str
+    name: str
+    dtypes: tuple[str, ...]
+    shape: tuple[int, ...]
+    layer_id: int
+    optional: bool = False
+
+
+@runtime_checkable
+class MemoryFamily(Protocol):
+    """One model's hashed n-gram memory.
+
+    Attributes:
+        name: the registered name (``"deepseek-engram"``, ``"qwen4-ple"``).
+        layer_ids: the model layers with a memory layer, in the order row ids list them.
+        history_window: earlier ids of its request a token's row ids read (``N - 1``).
+    """
+
+    name: str
+    layer_ids: tuple[int, ...]
+    history_window: int
+
+    def tables(self) -> list[TableSpec]:
+        """Every memory layer's table, in :attr:`layer_ids` order."""
+        ...
+
+    def tensor_roles(self) -> list[TensorRole]:
+        """The checkpoint tensors of every memory layer (tables and the layer's weights)."""
+        ...
+
+    def fingerprint(self) -> str:
+        """A hex digest of everything that decides which row a token reads: tables built
+        for another fingerprint hold other rows."""
+        ...
+
+
+_REGISTRY: dict[str, str] = {
+    "deepseek-engram": "engramrt.families.deepseek_engram:DeepSeekEngramFamily",
+    "qwen4-ple": "engramrt.families.qwen4_ple.family:Qwen4PleFamily",
+}
+
+
+def register_family(name: str, target: str) -> None:
+    """Register the family class ``target`` (``"package.module:Class"``) under ``name``.
+    Nothing is imported until :func:`resolve_family` is called."""
+    if not isinstance(name, str) or not name:
+        raise ValidationError(f"name={name!r}; expected a non-empty family name")
+    module, sep, attr = str(target).partition(":")
+    if not sep or not module or not attr:
+        raise ValidationError(
+            f"target={target!r} for family {name!r}; expected 'package.module:Class'"
+        )
+    _REGISTRY[name] = target
+
+
+def family_names() -> list[str]:
+    """The registered family names."""
+    return sorted(_REGISTRY)
+
+
+def resolve_family(name: str) -> Any:
+    """The family class registered under ``name`` (imported now)."""
+    target = _REGISTRY.get(name)
+    if target is None:
+        raise ValidationError(f"family={name!r}; expected one of {', '.join(family_names())}")
+    module, _, attr = target.partition(":")
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as error:
+        raise ValidationError(
+            f"family {name!r} is registered as {target!r}, which cannot be imported: {error}"
+        ) from error
+
+
+def column_ranges(offsets: Sequence[int], rows: Sequence[int]) -> tuple[tuple[int, ...], ...]:
+    """``(col_offsets, col_rows)`` as tuples of Python ints (from numpy rows or lists)."""
+    return tuple(int(v) for v in offsets), tuple(int(v) for v in rows)
