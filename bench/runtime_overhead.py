@@ -1100,7 +1100,8 @@ def new_runtime(hasher, stores, priority, workers, overlap: str = "side") -> Eng
         lookup_priority=priority,
         lookup_workers=workers,
         # Each tier's stores as built: ``host`` reads with the GPU in both layers,
-        # ``host-mixed`` in the first only (the runtime's default, gpu_reads="first").
+        # ``host-mixed`` in the first only (gpu_reads="first", the runtime's default until
+        # 2026-12-04; the default now reads every layer: gpu_reads="all").
         gpu_reads="sources",
         lookup_overlap=overlap,
     )
