@@ -870,7 +870,7 @@ class EngramRuntime:
             or index not in self._worker_of
             or source.has_update
             or source.collective
-            or ids.device != self.device
+            or ids.device.type != self.device.type  # ids hashed on the host: the worker
             or source.waits_on_host(ids)
         ):
             return False
