@@ -18,6 +18,7 @@ from functools import cached_property
 
 import numpy as np
 
+from engramrt._primes import miller_rabin
 from engramrt.config import EngramConfig
 from engramrt.errors import LayoutError, ShardingError
 
@@ -31,36 +32,18 @@ __all__ = [
 ]
 
 _INT64_MAX = np.iinfo(np.int64).max
+_TRIAL_PRIMES = (2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37, 41, 43, 47, 53, 59, 61)
 
 
 def is_prime(n: int) -> bool:
-    """Deterministic Miller-Rabin primality test, exact for n < 2**32.
+    """Primality of ``n``, for ``n < 4,759,123,141``.
 
-    Bases 2, 7 and 61 have no strong pseudoprime below 4,759,123,141, which
-    covers every bucket count a config can ask for (we refuse larger ones).
+    That bound covers every bucket count a config can ask for; a larger ``n`` is refused
+    (:class:`LayoutError`). The test itself is the shared deterministic Miller-Rabin.
     """
-    if n < 2:
-        return False
-    for p in (2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37, 41, 43, 47, 53, 59, 61):
-        if n % p == 0:
-            return n == p
-    if n >= 4_759_123_141:
+    if n >= 4_759_123_141 and all(n % p for p in _TRIAL_PRIMES):  # a small factor answers
         raise LayoutError(f"primality test asked for n={n}; exact only below 4,759,123,141")
-    d, s = n - 1, 0
-    while d % 2 == 0:
-        d //= 2
-        s += 1
-    for a in (2, 7, 61):
-        x = pow(a, d, n)
-        if x in (1, n - 1):
-            continue
-        for _ in range(s - 1):
-            x = x * x % n
-            if x == n - 1:
-                break
-        else:
-            return False
-    return True
+    return miller_rabin(n)
 
 
 def next_unused_prime(after: int, used: set[int]) -> int:

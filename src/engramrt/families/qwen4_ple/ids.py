@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from engramrt._primes import miller_rabin
 from engramrt.errors import ConfigError, ValidationError
 from engramrt.families.qwen4_ple.config import PleConfig
 
@@ -48,11 +49,6 @@ SPLITMIX_GAMMA = 0x9E3779B97F4A7C15
 _SPLITMIX_M1 = 0xBF58476D1CE4E5B9
 _SPLITMIX_M2 = 0x94D049BB133111EB
 _LAYER_STRIDE = 10007  # seed offset between PLE layers (the reference's _PRIME_1)
-
-# Deterministic Miller-Rabin: the smallest composite that passes every base up to 37 is
-# 318,665,857,834,031,151,167,461 ~ 3.2e23 (Sorenson and Webster 2015), far above 2**64.
-_MR_BASES = (2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37)
-_MR_EXACT_BELOW = 318_665_857_834_031_151_167_461
 
 
 # -- hash constants (docs/families.md §2) ---------------------------------------------------------
@@ -86,28 +82,7 @@ def layer_multipliers(vocab_size: int, ngram_size: int, ple_index: int, seed: in
 def is_prime(n: int) -> bool:
     """Exact primality of ``n`` (deterministic Miller-Rabin; exact below 3.2e23, which
     covers every 64-bit integer; raises ``ValueError`` above)."""
-    if n < 2:
-        return False
-    for p in _MR_BASES:
-        if n % p == 0:
-            return n == p
-    if n >= _MR_EXACT_BELOW:
-        raise ValueError(f"is_prime(n={n}) is exact only below {_MR_EXACT_BELOW}")
-    d, s = n - 1, 0
-    while d % 2 == 0:
-        d //= 2
-        s += 1
-    for a in _MR_BASES:
-        x = pow(a, d, n)
-        if x in (1, n - 1):
-            continue
-        for _ in range(s - 1):
-            x = x * x % n
-            if x == n - 1:
-                break
-        else:
-            return False
-    return True
+    return miller_rabin(n)
 
 
 def primes_from(start: int, count: int) -> list[int]:
