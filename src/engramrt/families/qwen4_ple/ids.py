@@ -39,6 +39,7 @@ __all__ = [
     "ple_row_ids",
     "ple_row_ids_batch_reference",
     "ple_row_ids_chunk",
+    "ple_row_ids_torch",
     "primes_from",
     "splitmix64",
 ]
@@ -334,13 +335,13 @@ def _gather_raw_values(
     its request's context (column ``N - 1 + local - s``); a padding token (after
     ``query_start_loc[-1]``) reads an EOS context of its own, like a request start."""
     n_tokens, n_req = token_ids.shape[0], query_start_loc.shape[0] - 1
-    index = torch.arange(n_tokens, dtype=torch.int64)
+    index = torch.arange(n_tokens, dtype=torch.int64, device=token_ids.device)
     request = torch.searchsorted(query_start_loc[1:], index, right=True)  # [T]; R = padding
     local = index - query_start_loc[request.clamp(max=n_req)]  # position in its chunk
     local = torch.where(request >= n_req, 0, local)
     eos_row = context_token_ids.new_full((1, ngram_size - 1), eos)
     contexts = torch.cat([context_token_ids, eos_row])  # [R + 1, N - 1], row R for padding
-    raw = torch.empty((n_tokens, ngram_size), dtype=torch.int64)
+    raw = torch.empty((n_tokens, ngram_size), dtype=torch.int64, device=token_ids.device)
     for s in range(ngram_size):
         from_chunk = token_ids[(index - s).clamp(min=0)]
         column = (ngram_size - 1 + local - s).clamp(0, ngram_size - 2)  # only read if local < s
@@ -355,7 +356,7 @@ def _next_contexts(
     """``[R, N - 1]``: the last ``N - 1`` of each request's ``context ++ chunk``."""
     n_context = context_token_ids.shape[1]
     starts, lengths = query_start_loc[:-1], query_start_loc[1:] - query_start_loc[:-1]
-    columns = torch.arange(n_context, dtype=torch.int64)
+    columns = torch.arange(n_context, dtype=torch.int64, device=token_ids.device)
     joined_at = lengths[:, None] + columns[None, :]  # position in context ++ chunk, [R, N-1]
     in_chunk = joined_at >= n_context
     chunk_index = (starts[:, None] + joined_at - n_context).clamp(min=0)
@@ -363,6 +364,43 @@ def _next_contexts(
     from_chunk = readable[chunk_index.clamp(max=token_ids.shape[0])]
     from_context = context_token_ids.gather(1, joined_at.clamp(max=n_context - 1))
     return torch.where(in_chunk, from_chunk, from_context)
+
+
+def ple_row_ids_torch(
+    token_ids: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    context_token_ids: torch.Tensor,
+    packed_constants: torch.Tensor,
+    heads_per_ngram: int,
+    eos: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`ple_row_ids_batch_reference` without its checks, on the inputs' device.
+
+    Plain torch operations on int64 tensors (no host reads): what the reference computes,
+    for a caller that has already validated the step (``packed_constants`` is
+    :meth:`PleConstants.packed` on the same device).
+    """
+    n = (packed_constants.shape[1] + 2 * heads_per_ngram) // (2 * heads_per_ngram + 1)
+    n_layers, c = packed_constants.shape[0], (n - 1) * heads_per_ngram
+    ids, qsl, contexts = token_ids.long(), query_start_loc.long(), context_token_ids.long()
+    raw = _gather_raw_values(ids, qsl, contexts, n, int(eos))  # [T, N]
+    # v_s is EOS once any of v_1..v_s is EOS (a running OR along the shifts).
+    blocked = torch.cummax((raw[:, 1:] == eos).to(torch.int8), dim=1).values.bool()
+    values = raw.clone()
+    values[:, 1:] = torch.where(blocked, eos, raw[:, 1:])
+
+    multipliers = packed_constants[:, :n]
+    sizes, offsets = packed_constants[:, n : n + c], packed_constants[:, n + c :]
+    products = values[:, None, :] * multipliers[None]  # [T, L, N], int64 wrapping
+    rows = torch.empty((ids.shape[0], n_layers, c), dtype=torch.int64, device=ids.device)
+    mix = products[..., 0]
+    for order in range(2, n + 1):
+        mix = torch.bitwise_xor(mix, products[..., order - 1])
+        cols = slice((order - 2) * heads_per_ngram, (order - 1) * heads_per_ngram)
+        rows[:, :, cols] = (
+            torch.remainder(mix[..., None], sizes[None, :, cols]) + offsets[None, :, cols]
+        )
+    return rows, _next_contexts(ids, qsl, contexts)
 
 
 def ple_row_ids_batch_reference(
@@ -379,6 +417,7 @@ def ple_row_ids_batch_reference(
     oldest first; ``N - 1`` EOS at a request's start). Tokens past
     ``query_start_loc[-1]`` are padding (CUDA-graph rows): each hashes as the first
     token of a request. Equal, request by request, to :func:`ple_row_ids_chunk`.
+    Checks its inputs on the host, then computes on the CPU.
 
     Args:
         token_ids: ``[T]`` int32/int64 raw ids.
@@ -392,25 +431,12 @@ def ple_row_ids_batch_reference(
     """
     n = consts.ngram_size
     _check_batch(token_ids, query_start_loc, context_token_ids, n)
-    device = token_ids.device
-    ids, qsl = token_ids.long().cpu(), query_start_loc.long().cpu()
-    contexts = context_token_ids.long().cpu()
-    raw = _gather_raw_values(ids, qsl, contexts, n, int(eos))  # [T, N]
-    # v_s is EOS once any of v_1..v_s is EOS (a running OR along the shifts).
-    blocked = torch.cummax((raw[:, 1:] == eos).to(torch.int8), dim=1).values.bool()
-    values = raw.clone()
-    values[:, 1:] = torch.where(blocked, eos, raw[:, 1:])
-
-    packed = consts.packed()
-    c, heads = consts.n_cols, consts.heads_per_ngram
-    multipliers, sizes, offsets = packed[:, :n], packed[:, n : n + c], packed[:, n + c :]
-    products = values[:, None, :] * multipliers[None]  # [T, L, N], int64 wrapping
-    rows = torch.empty((ids.shape[0], consts.n_layers, c), dtype=torch.int64)
-    mix = products[..., 0]
-    for order in range(2, n + 1):
-        mix = torch.bitwise_xor(mix, products[..., order - 1])
-        cols = slice((order - 2) * heads, (order - 1) * heads)
-        rows[:, :, cols] = (
-            torch.remainder(mix[..., None], sizes[None, :, cols]) + offsets[None, :, cols]
-        )
-    return rows.to(device), _next_contexts(ids, qsl, contexts).to(device)
+    rows, contexts = ple_row_ids_torch(
+        token_ids.cpu(),
+        query_start_loc.cpu(),
+        context_token_ids.cpu(),
+        consts.packed(),
+        consts.heads_per_ngram,
+        eos,
+    )
+    return rows.to(token_ids.device), contexts.to(token_ids.device)
