@@ -1,5 +1,5 @@
-"""Helpers shared by the test packages: where kernel tests run, random packed tables and
-bit-for-bit comparison of rows.
+"""Helpers shared by the test packages: where kernel tests run, random packed tables (and
+bf16 ones) and bit-for-bit comparison of rows.
 
 ``tests/conftest.py`` sets ``TRITON_INTERPRET`` before any test module is imported, so
 a module that imports kernels needs no prologue of its own.
@@ -35,6 +35,14 @@ def random_packed_table(num_rows: int, E: int, seed: int, *, finite: bool = Fals
     packed = pack_rows(values.view(torch.float8_e4m3fn), scales)
     assert packed.shape[1] == row_bytes_for(E)
     return packed
+
+
+def random_bf16_rows(num_rows: int, width: int, seed: int) -> torch.Tensor:
+    """``[num_rows, 2 * width]`` uint8: bf16 rows (``row_format=BF16``) of every bit pattern
+    (NaNs, infinities, subnormals and -0.0 included), as the bytes a store holds."""
+    g = torch.Generator().manual_seed(seed)
+    bits = torch.randint(-(2**15), 2**15, (num_rows, width), generator=g, dtype=torch.int16)
+    return bits.view(torch.bfloat16).view(torch.uint8)
 
 
 def assert_same_bits(found: torch.Tensor, expected: torch.Tensor, label: str = "rows") -> None:

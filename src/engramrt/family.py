@@ -68,6 +68,22 @@ class RowFormat:
         scales = width // self.scale_block if self.scale_block else 0
         return width * self.value_bytes + scales
 
+    def width_for(self, row_bytes: int) -> int:
+        """Values in one stored row of ``row_bytes`` bytes (the inverse of :meth:`row_bytes`:
+        256 for fp8 rows of 264 B; 160 for bf16 rows of 320 B)."""
+        block = self.scale_block or 1  # values per scale byte, or a lone value
+        block_bytes = block * self.value_bytes + (1 if self.scale_block else 0)
+        if isinstance(row_bytes, bool) or row_bytes <= 0 or row_bytes % block_bytes:
+            raise ValidationError(
+                f"rows of {row_bytes} bytes; expected {self.name} rows, a positive multiple "
+                f"of {block_bytes} bytes ({block} value{'s' if block > 1 else ''} each)"
+            )
+        return row_bytes // block_bytes * block
+
+    def describe(self, width: int) -> str:
+        """``"bf16 rows of width 160"``: what a table of this format holds, for messages."""
+        return f"{self.name} rows of width {width}"
+
     def check_width(self, width: int) -> None:
         """Refuse a row width this format cannot store."""
         if isinstance(width, bool) or not isinstance(width, int) or width <= 0:

@@ -1,9 +1,10 @@
-"""How the cache reads *packed* rows out of the tier behind it.
+"""How the cache reads *stored* rows out of the tier behind it.
 
 The :class:`~engramrt.lookup.tiers.RowStore` lookup returns dequantised
-bf16 rows, but the cache needs the packed 264-byte rows twice: to
-dequantise the misses of a lookup into its output and to keep the
-admitted ones. Fetching packed rows once serves both (one trip over PCIe
+bf16 rows, but the cache needs the stored rows (264 bytes for an fp8 row of
+``E = 256``, 320 for a bf16 row of ``d = 160``) twice: to serve the misses of
+a lookup (dequantised into its output, or copied as they are) and to keep the
+admitted ones. Fetching stored rows once serves both (one trip over PCIe
 per missed row), and the dequantisation stays the lookup kernel's, so the
 bytes equal the backing tier's own lookup. Every tier offers them through
 :meth:`RowStore.gather_packed`.
@@ -24,5 +25,5 @@ PackedRowReader = Callable[[torch.Tensor], torch.Tensor]
 
 
 def packed_row_reader(store: RowStore) -> PackedRowReader:
-    """The function that reads packed rows of ``store`` by local id."""
+    """The function that reads stored rows of ``store`` by local id."""
     return store.gather_packed

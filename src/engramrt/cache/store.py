@@ -56,6 +56,12 @@ model's other work (attention, MLP, other layers' lookups), not this
 cache's probes. Tags, bytes and counters change nowhere else, except
 :meth:`~CachedRowStore.write_rows` (invalidates first) and
 :meth:`~CachedRowStore.warm_up` (the same three phases).
+
+Rows of any :class:`~engramrt.family.RowFormat` (the backing's): slots hold
+``row_bytes`` opaque bytes and every fill (update, warm-up) copies them whole.
+The probe above dequantises fp8 rows; rows of another format (bf16) are read
+through :meth:`CachedRowStore.gather_packed`, where a hit copies its slot's
+bytes and a miss the backing's, and the misses feed the same updates.
 """
 
 from __future__ import annotations
@@ -76,6 +82,7 @@ from engramrt.cache.policy import (
     SetAssociativeLfu,
     check_sketch,
     fixed_candidates,
+    probe_slots,
 )
 from engramrt.cache.reference import probe_gather_reference
 from engramrt.cache.stats import CacheStats
@@ -107,8 +114,8 @@ class _Pending:
     row_ids: torch.Tensor  # [T * C] as looked up
     slots: torch.Tensor  # [T * C] int64: slot, MISS or NOT_OWNED
     miss_ids: torch.Tensor | None  # [U] int64, distinct, sorted (None: misses read in the probe)
-    miss_rows: torch.Tensor | None  # [U, row_bytes] uint8, packed rows of miss_ids
-    num_cols: int  # C, to count hits and misses per column
+    miss_rows: torch.Tensor | None  # [U, row_bytes] uint8, stored rows of miss_ids
+    num_cols: int  # C, to count hits and misses per column (1 for gather_packed)
     counted: bool = False  # folded into the hit and miss counters yet
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
@@ -130,11 +137,12 @@ class CacheUpdate:
 
 
 class CachedRowStore(RowStore):
-    """A set-associative, frequency-managed cache of packed rows in front of ``backing``.
+    """A set-associative, frequency-managed cache of stored rows in front of ``backing``.
 
     Serves the :class:`RowStore` contract (``[T, C]`` row ids -> ``[T, C, E]``
     bf16, bit for bit what ``backing.lookup`` returns) for the same rows and
-    columns as ``backing``.
+    columns as ``backing``, and :meth:`gather_packed` (the stored bytes, bit for
+    bit the backing's) in the backing's :attr:`row_format`, whichever it is.
 
     Args:
         backing: the tier holding every row (device, uva, host or disk, or
@@ -222,6 +230,7 @@ class CachedRowStore(RowStore):
             row_begin=backing.row_begin,
             col_begin=backing.col_begin,
             col_end=backing.col_end,
+            row_format=backing.row_format,
         )
         if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int):
             raise ValidationError(
@@ -508,6 +517,55 @@ class CachedRowStore(RowStore):
             del self._pending[: -self.max_pending]
             if len(self._unfolded) >= FOLD_BATCH:  # bounded memory, launches amortised
                 self._fold()
+
+    def gather_packed(self, local_ids: torch.Tensor) -> torch.Tensor:
+        """Stored rows ``[U, row_bytes]`` uint8 of local ids ``[U]`` int64 (each in
+        ``[0, num_rows)``), read through the cache: a hit copies its slot's bytes, a miss
+        the backing's, so the rows are bit for bit ``backing.gather_packed``'s in any
+        :attr:`row_format` (the way to read bf16 rows, which :meth:`lookup` does not
+        dequantise). The probe is remembered for the next :meth:`update` as a lookup's
+        is (hits and misses counted in column 0 of :meth:`stats`).
+
+        Misses: when the probe reads them (:attr:`probe_reads_misses`) the device copies
+        them out of the backing's rows, with no host synchronisation; otherwise their
+        positions come to the host and only the distinct missed rows are read from the
+        backing (:meth:`RowStore.gather_packed`).
+        """
+        self._wait_for_update()
+        ids = local_ids.to(self.device, torch.int64) + self.row_begin  # [U] global
+        slots = probe_slots(ids, self.policy.tags, self.num_sets, self.ways)  # [U]
+        hit = slots >= 0
+        # A miss copies the scratch slot here and its own row below.
+        rows = self.cache_rows.index_select(0, torch.where(hit, slots, self.num_slots))
+        if ids.shape[0] == 0:
+            return rows
+        if self._miss_words is not None:
+            from engramrt.lookup.kernel import gather_packed_rows_triton  # imports Triton
+
+            missed = torch.empty_like(rows)
+            # A hit asks for EMPTY_TAG (-1, outside every table): a row of zeros, read
+            # from nowhere.
+            gather_packed_rows_triton(
+                torch.where(hit, EMPTY_TAG, ids),
+                self._miss_words,
+                missed,
+                row_begin=self.row_begin,
+                num_rows=self.num_rows,
+            )
+            self._remember(_Pending(ids, slots, None, None, 1))
+            return torch.where(hit[:, None], rows, missed)
+        miss_pos = torch.nonzero(~hit).squeeze(1)  # the host sync
+        miss_ids, inverse = torch.unique(
+            ids.index_select(0, miss_pos), sorted=True, return_inverse=True
+        )
+        if miss_ids.shape[0]:
+            miss_rows = self._read_packed(miss_ids - self.row_begin)  # [M, row_bytes]
+            rows.index_copy_(0, miss_pos, miss_rows.index_select(0, inverse))
+        else:
+            miss_rows = rows.new_empty((0, self.row_bytes))
+        self._rows_fetched += miss_ids.shape[0]
+        self._remember(_Pending(ids, slots, miss_ids, miss_rows, 1))
+        return rows
 
     # -- update ------------------------------------------------------------
 

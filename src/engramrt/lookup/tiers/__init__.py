@@ -1,4 +1,4 @@
-"""Storage tiers for packed tables, all behind :class:`RowStore`.
+"""Storage tiers for tables of stored rows, all behind :class:`RowStore`.
 
 =========  ==========================================================  =====================
 tier       where the rows live / how a lookup reaches them              host sync per lookup
@@ -16,7 +16,10 @@ registered in :data:`TIERS` by :func:`register_tier`, beside its settings
 (a frozen :class:`TierOptions` subclass: :class:`DeviceOptions`,
 :class:`UvaOptions`, :class:`HostOptions`, :class:`DiskOptions`,
 :class:`SyntheticOptions`); a new tier is a new module whose class carries
-the decorator (and is imported once).
+the decorator (and is imported once). Every tier but ``synthetic`` holds rows of
+any :class:`~engramrt.family.RowFormat` (``make_store(row_format=BF16)``); the
+lookup kernels dequantise fp8 rows, and other rows are read as bytes
+(:meth:`RowStore.gather_packed`).
 """
 
 from __future__ import annotations
@@ -27,12 +30,14 @@ import torch
 
 from engramrt._device import default_compute_device
 from engramrt.errors import ValidationError
+from engramrt.family import FP8_UE8M0, RowFormat
 from engramrt.layout import ColumnShard
 from engramrt.lookup.tiers.base import (
     TIERS,
     KernelRowStore,
     RowStore,
     register_tier,
+    row_bytes_of,
     tier_class,
 )
 from engramrt.lookup.tiers.device import DeviceOptions, DeviceRowStore
@@ -48,7 +53,6 @@ from engramrt.lookup.tiers.placement import (
 )
 from engramrt.lookup.tiers.synthetic import SyntheticOptions, SyntheticRowStore
 from engramrt.lookup.tiers.uva import UvaOptions, UvaRowStore
-from engramrt.packed import row_bytes_for, row_width_for
 
 __all__ = [
     "AUTO_DEVICE_HEADROOM_BYTES",
@@ -76,20 +80,25 @@ __all__ = [
     "default_compute_device",
     "make_store",
     "register_tier",
+    "row_bytes_of",
     "tier_class",
 ]
 
 
-def _check_packed(packed: torch.Tensor, num_rows: int | None, E: int | None) -> tuple[int, int]:
-    """``(num_rows, E)`` of packed rows, checked against those given."""
+def _check_packed(
+    packed: torch.Tensor, num_rows: int | None, E: int | None, row_format: RowFormat
+) -> tuple[int, int]:
+    """``(num_rows, E)`` of stored rows in ``row_format``, checked against those given."""
     if not isinstance(packed, torch.Tensor) or packed.dtype != torch.uint8 or packed.dim() != 2:
         found = (
             f"{packed.dtype} {tuple(packed.shape)}"
             if isinstance(packed, torch.Tensor)
             else type(packed).__name__
         )
-        raise ValidationError(f"packed is {found}; expected uint8 [num_rows, E + E/32]")
-    packed_width = row_width_for(packed.shape[1])
+        raise ValidationError(
+            f"packed is {found}; expected uint8 [num_rows, row_bytes] ({row_format.name} rows)"
+        )
+    packed_width = row_format.width_for(packed.shape[1])
     if E is not None and packed_width != E:
         raise ValidationError(f"E = {E} but packed rows hold E = {packed_width} values")
     if num_rows is not None and num_rows != packed.shape[0]:
@@ -106,6 +115,7 @@ def make_store(
     shard: ColumnShard | None = None,
     path: str | os.PathLike[str] | None = None,
     new_file: bool | None = None,
+    row_format: RowFormat = FP8_UE8M0,
 ) -> RowStore:
     """Build a :class:`RowStore` for one table, placed by ``placement``.
 
@@ -115,9 +125,10 @@ def make_store(
         num_rows, E: table size; taken from ``packed`` when it is given
             (then they must agree), from ``shard``, or for ``"disk"`` from
             the file.
-        packed: optional ``[num_rows, E + E/32]`` uint8 rows to fill the store
-            with (CPU or device). Without it the store is allocated, unfilled:
-            use :meth:`RowStore.write_rows`.
+        packed: optional ``[num_rows, row_bytes]`` uint8 rows to fill the store
+            with (CPU or device; ``E + E/32`` bytes per fp8 row, bf16 rows viewed
+            as bytes). Without it the store is allocated, unfilled: use
+            :meth:`RowStore.write_rows`.
         shard: the rows ``[row_begin, row_end)`` and hash columns
             ``[col_begin, col_end)`` the store serves, one of the placement's
             rank (:meth:`TablePlacement.shard`); None: the whole table from
@@ -125,6 +136,8 @@ def make_store(
         path: the packed-row file of tier ``"disk"``.
         new_file: create the file at ``path`` (after a free-space check)
             rather than open it; None: when ``packed`` is given.
+        row_format: how a row is stored (see :class:`~engramrt.family.RowFormat`);
+            fp8 + ue8m0 (DeepSeek Engram) by default.
 
     Raises:
         CapacityError: the chosen memory or disk is too small.
@@ -132,7 +145,7 @@ def make_store(
     """
     placement = check_placement(placement, "make_store(TablePlacement('host', 'cpu'), packed=rows)")
     if packed is not None:
-        num_rows, E = _check_packed(packed, num_rows, E)
+        num_rows, E = _check_packed(packed, num_rows, E, row_format)
     if shard is not None:
         placement.check_shard(shard)
         if num_rows is not None and num_rows != shard.num_rows:
@@ -148,7 +161,8 @@ def make_store(
         )
     if E is None:
         raise ValidationError("E = None; expected the values per row (or packed rows)")
-    nbytes = None if num_rows is None else num_rows * row_bytes_for(E)
+    row_bytes = row_bytes_of(row_format, E)
+    nbytes = None if num_rows is None else num_rows * row_bytes
     options = placement.tier_options(nbytes, path)
     store = tier_class(options.tier).build(
         num_rows,
@@ -160,6 +174,7 @@ def make_store(
         row_begin=0 if shard is None else shard.row_begin,
         col_begin=0 if shard is None else shard.col_begin,
         col_end=None if shard is None else shard.col_end,
+        row_format=row_format,
     )
     if packed is not None:
         store.write_rows(0, packed)

@@ -12,6 +12,13 @@ subclass decorated with :func:`register_tier`, which puts it in
 checkpoint loader and the shared-table stores to find, beside its settings
 (a frozen :class:`~engramrt.lookup.tiers.options.TierOptions` subclass,
 :attr:`RowStore.options_type`, whose ``tier`` names the same tier).
+
+Rows come in any :class:`~engramrt.family.RowFormat` (``row_format``, DeepSeek's
+fp8 + ue8m0 by default): what a tier stores and moves (:meth:`RowStore.write_rows`,
+:meth:`RowStore.gather_packed`) is ``row_bytes`` opaque bytes per row, copied
+bit for bit whatever they encode. :meth:`RowStore.lookup` dequantises, and so
+serves fp8 rows only; a store of another format refuses it and is read through
+:meth:`RowStore.gather_packed`.
 """
 
 from __future__ import annotations
@@ -23,12 +30,12 @@ import torch
 
 from engramrt._device import resolve_device
 from engramrt.errors import ValidationError
+from engramrt.family import FP8_UE8M0, ROW_FORMATS, RowFormat
 from engramrt.lookup import check_lookup_args, check_row_ids_in_shard
 from engramrt.lookup.mapped import MappedHostRows, lookup_mapped_rows
 from engramrt.lookup.settings import check_kernel_config, tuned_lookup_config
 from engramrt.lookup.tiers.host_rows import HostRows, PrivateHostRows
 from engramrt.lookup.tiers.options import KernelTierOptions, TierOptions
-from engramrt.packed import row_bytes_for
 from engramrt.quant import check_row_width
 from engramrt.source import RowSource
 
@@ -37,6 +44,7 @@ __all__ = [
     "KernelRowStore",
     "RowStore",
     "register_tier",
+    "row_bytes_of",
     "tier_class",
 ]
 
@@ -82,8 +90,21 @@ def tier_class(name: str) -> type[RowStore]:
     return cls
 
 
+def row_bytes_of(row_format: RowFormat, E: int) -> int:
+    """Bytes of one stored row of ``E`` values in ``row_format``, both checked (the one
+    place a store's row size comes from)."""
+    if not isinstance(row_format, RowFormat):
+        raise ValidationError(
+            f"row_format = {row_format!r}; expected a RowFormat (one of {', '.join(ROW_FORMATS)})"
+        )
+    if row_format == FP8_UE8M0:
+        check_row_width("E", E)  # the message every fp8 table has given
+    return row_format.row_bytes(E)
+
+
 class RowStore(RowSource):
-    """Packed table rows in one kind of memory, served through :meth:`lookup`.
+    """Table rows in one kind of memory, served through :meth:`lookup` (fp8 rows) and
+    :meth:`gather_packed` (any format).
 
     Args:
         num_rows, E: rows held and values per row.
@@ -96,12 +117,17 @@ class RowStore(RowSource):
             copy (a :class:`~engramrt.lookup.tiers.host_rows.HostRows`); only
             for tiers that take them (:attr:`takes_host_rows`; default: their
             own allocation).
+        row_format: how a row is stored (:data:`~engramrt.family.FP8_UE8M0`,
+            DeepSeek Engram's, or :data:`~engramrt.family.BF16`); a tier of
+            :attr:`row_formats` only.
 
     Attributes:
         tier: the tier's name (``"device"``, ``"uva"``, ``"host"``, ``"disk"``).
         options: the tier's settings, as given.
         num_rows: rows held (``row_end - row_begin``).
-        E: values per row; ``row_bytes = E + E/32`` bytes per packed row.
+        E: values per row.
+        row_format: how a row is stored; ``row_bytes = row_format.row_bytes(E)``
+            bytes per row (``E + E/32`` for fp8, ``2 * E`` for bf16).
         row_begin, row_end: the global row ids held, ``[row_begin, row_end)``.
         col_begin, col_end: the hash columns served; ``col_end=None`` means
             "up to the last column of each batch". Other columns read as 0.
@@ -116,6 +142,8 @@ class RowStore(RowSource):
     takes_host_rows: ClassVar[bool] = False
     """Whether the constructor takes ``host_rows=``: rows that already live in host
     memory, served without a copy (the shared-table stores)."""
+    row_formats: ClassVar[tuple[RowFormat, ...] | None] = None
+    """The row formats the tier can hold; None: any (its rows are bytes it moves)."""
 
     def __init__(
         self,
@@ -128,8 +156,15 @@ class RowStore(RowSource):
         col_begin: int = 0,
         col_end: int | None = None,
         host_rows: HostRows | None = None,
+        row_format: RowFormat = FP8_UE8M0,
     ) -> None:
-        check_row_width("E", E)
+        row_bytes = row_bytes_of(row_format, E)
+        if self.row_formats is not None and row_format not in self.row_formats:
+            held = ", ".join(f.name for f in self.row_formats)
+            raise ValidationError(
+                f"row_format = {row_format.name!r} for tier={self.tier!r}; expected one it "
+                f"can hold ({held})"
+            )
         if host_rows is not None and not self.takes_host_rows:
             takers = ", ".join(sorted(name for name, cls in TIERS.items() if cls.takes_host_rows))
             raise ValidationError(
@@ -156,7 +191,9 @@ class RowStore(RowSource):
         self.options = options
         self.num_rows = int(num_rows)
         self.E = int(E)
-        self.row_bytes = row_bytes_for(self.E)
+        self.row_format = row_format
+        self.row_bytes = row_bytes
+        self._dequantises = row_format == FP8_UE8M0  # what lookup()'s kernels read
         self.row_begin = int(row_begin)
         self.col_begin = int(col_begin)
         self.col_end = None if col_end is None else int(col_end)
@@ -186,16 +223,18 @@ class RowStore(RowSource):
         row_begin: int = 0,
         col_begin: int = 0,
         col_end: int | None = None,
+        row_format: RowFormat = FP8_UE8M0,
     ) -> RowStore:
-        """The store ``make_store`` asks for: ``num_rows`` rows of ``E`` values on ``device``,
-        serving the shard ``row_begin``, ``col_begin``, ``col_end``. ``path`` and ``new_file``
-        concern tiers that keep rows in a file (their :meth:`_build` takes them); the others
-        ignore them."""
+        """The store ``make_store`` asks for: ``num_rows`` rows of ``E`` values in
+        ``row_format`` on ``device``, serving the shard ``row_begin``, ``col_begin``,
+        ``col_end``. ``path`` and ``new_file`` concern tiers that keep rows in a file (their
+        :meth:`_build` takes them); the others ignore them."""
         shard = {
             "device": device,
             "row_begin": row_begin,
             "col_begin": col_begin,
             "col_end": col_end,
+            "row_format": row_format,
         }
         return cls._build(num_rows, E, options, path, new_file, shard)
 
@@ -210,8 +249,8 @@ class RowStore(RowSource):
         shard: dict[str, Any],
     ) -> RowStore:
         """The tier's part of :meth:`build`: its constructor, given the shard's keywords
-        (``device``, ``row_begin``, ``col_begin``, ``col_end``). A tier whose constructor
-        takes more (a file) overrides this."""
+        (``device``, ``row_begin``, ``col_begin``, ``col_end``) and ``row_format``. A tier
+        whose constructor takes more (a file) overrides this."""
         if num_rows is None:
             raise ValidationError(
                 f"num_rows = None for tier={cls.tier!r}; expected the rows to hold"
@@ -227,7 +266,7 @@ class RowStore(RowSource):
 
     @property
     def nbytes(self) -> int:
-        """Bytes of packed rows held (``num_rows * row_bytes``)."""
+        """Bytes of rows held (``num_rows * row_bytes``)."""
         return self.num_rows * self.row_bytes
 
     def lookup(self, row_ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -237,7 +276,17 @@ class RowStore(RowSource):
         given, is a contiguous ``[T, C, E]`` bf16 tensor on :attr:`device`.
         The one place a store checks its inputs (:attr:`validate`,
         :attr:`check_ids`); the tier's work below does not check again.
+        Rows are dequantised from fp8: a store of another :attr:`row_format`
+        refuses (whatever :attr:`validate` says) and is read with
+        :meth:`gather_packed`.
         """
+        if not self._dequantises:
+            raise ValidationError(
+                f"lookup() on {type(self).__name__} (tier={self.tier!r}) of "
+                f"{self.row_format.describe(self.E)}; the lookup kernel dequantises "
+                f"{FP8_UE8M0.name} rows: expected a store of row_format=FP8_UE8M0, or read "
+                f"these rows with gather_packed()"
+            )
         if self.validate:
             col_end = check_lookup_args(
                 row_ids, self.col_begin, self.col_end, E=self.E, device=self.device, out=out
@@ -262,17 +311,19 @@ class RowStore(RowSource):
         return self.lookup(row_ids, out)
 
     def device_rows(self) -> Any:
-        """The packed rows ``[num_rows, row_bytes]`` as the compute device's kernels can read
+        """The stored rows ``[num_rows, row_bytes]`` as the compute device's kernels can read
         them in place (local row ``i`` at byte ``i * row_bytes``): a device tensor, or host
         memory mapped for the device (an object with ``data_ptr()`` and ``dtype`` uint8).
         None when kernels cannot read them (the CPU gathers them, or there are none)."""
         return None
 
     def gather_packed(self, local_ids: torch.Tensor) -> torch.Tensor:
-        """Packed rows ``[U, row_bytes]`` uint8 on :attr:`device` of local ids ``[U]`` int64.
+        """Stored rows ``[U, row_bytes]`` uint8 on :attr:`device` of local ids ``[U]`` int64.
 
-        Local ids are ``row_id - row_begin``. For consumers that keep or
-        move rows themselves (a row cache): one trip per row, no dequantise.
+        Local ids are ``row_id - row_begin``, each in ``[0, num_rows)``. The
+        bytes as written, in any :attr:`row_format`: for consumers that keep or
+        move rows themselves (a row cache), and the way to read rows that
+        :meth:`lookup` does not dequantise (bf16). One trip per row.
         """
         raise ValidationError(
             f"{type(self).__name__} (tier={self.tier!r}) offers no packed rows; expected a "
@@ -284,7 +335,8 @@ class RowStore(RowSource):
         """Copy ``packed [n, row_bytes]`` (CPU or device) into local rows ``[start, start + n)``."""
 
     def write_rows(self, start: int, packed: torch.Tensor) -> None:
-        """Fill local rows ``[start, start + n)`` from packed rows ``[n, row_bytes]`` uint8.
+        """Fill local rows ``[start, start + n)`` from stored rows ``[n, row_bytes]`` uint8
+        (fp8 rows packed, bf16 rows viewed as bytes: ``rows.view(torch.uint8)``).
 
         Rows are written in pieces so a checkpoint can stream in without
         holding a whole table twice.
@@ -300,7 +352,10 @@ class RowStore(RowSource):
                 if isinstance(packed, torch.Tensor)
                 else type(packed).__name__
             )
-            raise ValidationError(f"packed is {found}; expected uint8 [n, {self.row_bytes}]")
+            raise ValidationError(
+                f"packed is {found}; expected uint8 [n, {self.row_bytes}] "
+                f"({self.row_format.describe(self.E)})"
+            )
         if not 0 <= start <= start + packed.shape[0] <= self.num_rows:
             raise ValidationError(
                 f"rows [{start}, {start + packed.shape[0]}) to write; expected a range inside "
@@ -311,7 +366,8 @@ class RowStore(RowSource):
     def __repr__(self) -> str:
         return (
             f"{type(self).__name__}(tier={self.tier!r}, rows=[{self.row_begin}, {self.row_end}), "
-            f"cols=[{self.col_begin}, {self.col_end}), E={self.E}, nbytes={self.nbytes}, "
+            f"cols=[{self.col_begin}, {self.col_end}), E={self.E}, "
+            f"row_format={self.row_format.name!r}, nbytes={self.nbytes}, "
             f"device={self.device})"
         )
 

@@ -1,7 +1,8 @@
 """Disk tier: a raw packed-row file, memory-mapped and served by host gather.
 
-The file is nothing but the packed rows back to back (``num_rows *
-(E + E/32)`` bytes, no header), opened with ``numpy.memmap``
+The file is nothing but the stored rows back to back (``num_rows * row_bytes``
+bytes, no header: ``E + E/32`` per fp8 row, ``2 * E`` per bf16 row), opened
+with ``numpy.memmap``
 (:class:`~engramrt.lookup.tiers.host_rows.MappedFileRows`); lookups run the
 host-gather path of :mod:`.host_gather` over the mapping, so only the pages
 holding the requested rows are read and a table larger than host memory
@@ -20,10 +21,10 @@ from typing import Any
 import torch
 
 from engramrt.errors import CheckpointError, ValidationError
-from engramrt.lookup.tiers.base import RowStore, register_tier
+from engramrt.family import FP8_UE8M0, RowFormat
+from engramrt.lookup.tiers.base import RowStore, register_tier, row_bytes_of
 from engramrt.lookup.tiers.host_gather import HostGatherRowStore, HostOptions
 from engramrt.lookup.tiers.host_rows import HostRows, MappedFileRows
-from engramrt.packed import row_bytes_for
 
 __all__ = ["DiskOptions", "DiskRowStore"]
 
@@ -45,7 +46,7 @@ class DiskOptions(HostOptions):
 
 @register_tier
 class DiskRowStore(HostGatherRowStore):
-    """Packed rows in a raw file on disk, gathered through a memory map.
+    """Stored rows in a raw file on disk, gathered through a memory map.
 
     Args:
         path: the packed-row file.
@@ -55,8 +56,8 @@ class DiskRowStore(HostGatherRowStore):
         options: :class:`DiskOptions`.
         create: make a new file of ``num_rows`` rows (replacing any file at
             ``path``) after checking the free disk space; otherwise open an
-            existing one, whose size must be ``num_rows * (E + E/32)``.
-        device, row_begin, col_begin, col_end: see :class:`RowStore`.
+            existing one, whose size must be ``num_rows * row_bytes``.
+        device, row_begin, col_begin, col_end, row_format: see :class:`RowStore`.
 
     Raises:
         CapacityError: ``create=True`` and the file system has less free
@@ -80,11 +81,13 @@ class DiskRowStore(HostGatherRowStore):
         row_begin: int = 0,
         col_begin: int = 0,
         col_end: int | None = None,
+        row_format: RowFormat = FP8_UE8M0,
     ) -> None:
         options = DiskOptions() if options is None else options
         writable = options.writable if isinstance(options, DiskOptions) else False
         self.path = Path(path)
-        row_bytes = row_bytes_for(E)
+        row_bytes = row_bytes_of(row_format, E)
+        rows = row_format.describe(E)
         if not create:
             if not self.path.is_file():
                 raise CheckpointError(
@@ -95,13 +98,13 @@ class DiskRowStore(HostGatherRowStore):
                 if size % row_bytes != 0:
                     raise CheckpointError(
                         f"{self.path} has {size} bytes; expected a multiple of the {row_bytes}-byte "
-                        f"rows of E={E}"
+                        f"rows ({rows})"
                     )
                 num_rows = size // row_bytes
             elif size != num_rows * row_bytes:
                 raise CheckpointError(
                     f"{self.path} has {size} bytes; expected {num_rows} rows x {row_bytes} B = "
-                    f"{num_rows * row_bytes} bytes"
+                    f"{num_rows * row_bytes} bytes ({rows})"
                 )
         elif num_rows is None:
             raise ValidationError(
@@ -118,6 +121,7 @@ class DiskRowStore(HostGatherRowStore):
             row_begin=row_begin,
             col_begin=col_begin,
             col_end=col_end,
+            row_format=row_format,
         )
 
     def _own_host_rows(self) -> HostRows:

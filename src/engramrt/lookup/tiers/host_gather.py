@@ -14,9 +14,9 @@ For tables larger than device memory. One lookup:
 3. the rows are gathered into a persistent pinned staging buffer in
    pieces of ``chunk_rows`` rows, each by one ``torch.index_select`` that
    runs on torch's intra-op thread pool (``num_threads`` threads), over the
-   widest integer view of a row (int64 words for 264-byte rows); each piece
-   is copied to the device on a side stream while the next one is
-   gathered;
+   widest integer view of a row (:func:`~engramrt.packed.word_dtype_for`:
+   int64 words for 264-byte fp8 rows and 320-byte bf16 rows); each piece is
+   copied to the device on a side stream while the next one is gathered;
 4. the lookup kernel, given the unique rows as its table and the inverse
    index as row ids, dequantises them and scatters them back to
    ``[T, C, E]`` (zeros for columns this shard does not own). A batch
@@ -763,8 +763,8 @@ class _QueuedGather:
     def _gather_rows(self, count: int) -> None:
         """The host function: rows ``source[ids]`` into the staging (CUDA's thread).
 
-        A gather that fails leaves all-ones bytes in the staging (NaN in fp8 e4m3 and
-        in the ue8m0 scales), so the step's rows are NaN rather than another step's;
+        A gather that fails leaves all-ones bytes in the staging (NaN in fp8 e4m3, in the
+        ue8m0 scales and in bf16), so the step's rows are NaN rather than another step's;
         the error is raised at the store's next lookup."""
         ids, staged = self._views[count]
         try:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from engramrt.errors import ValidationError
+from engramrt.family import FP8_UE8M0
 from engramrt.lookup.synthetic import synthetic_packed_rows
 from engramrt.lookup.tiers.base import RowStore, register_tier
 from engramrt.lookup.tiers.options import BACKENDS, TierOptions, check_int
@@ -53,6 +54,7 @@ class SyntheticRowStore(RowStore):
 
     tier = "synthetic"
     options_type = SyntheticOptions
+    row_formats = (FP8_UE8M0,)  # it computes fp8 rows
 
     def _setup(self) -> None:
         assert isinstance(self.options, SyntheticOptions)
