@@ -37,8 +37,10 @@ by the GPU: ``EngramRuntime(gpu_reads="all")``), ``default-worker`` and ``gpu-re
 (the same two with GPU-read batches sent through the worker thread, as the runtime did before
 it started them beside it), ``first`` and ``queued-first`` (host memory, GPU reads for the
 first Engram layer only and the CPU's gather, on a worker or queued, for the later ones:
-``EngramRuntime(gpu_reads="first")``, the default before 2026-12-04). The host placements share one
-copy of the tables in host memory.
+``EngramRuntime(gpu_reads="first")``, the default before 2026-12-04), and with ``--read-kernels``
+``read-R-W-P`` (the default with other settings for the GPU's reads: ``R`` rows per program,
+``W`` warps, at most ``P`` programs). The host placements share one copy of the tables in host
+memory.
 
 Method: paired rounds. Each round times every case (placement x mode x workload x
 loop x ids) as a short block (warm-up steps, then timed steps, synchronised at both
@@ -77,9 +79,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import runtime_overhead as ro
 from engramrt import custom_ops
 from engramrt.distributed.stores import SharedRows
+from engramrt.errors import ValidationError
 from engramrt.hashing import HashBatch, HashConstants, NgramHasher
 from engramrt.layer import EngramHead
 from engramrt.layout import EngramLayout
+from engramrt.lookup.settings import LookupKernelConfig
 from engramrt.lookup.tiers import HostGatherRowStore, HostOptions, TablePlacement
 from engramrt.runtime import EngramRuntime, synthetic_stores
 from engramrt.tokenmap import TokenMap
@@ -330,12 +334,21 @@ class AlreadyMapped(SharedRows):
         return None
 
 
-def host_stores(layout, device, gather: str, base: list | None, gpu_reads: bool = True) -> list:
-    """Each layer's host store with ``gather``, over ``base``'s rows when given."""
+def host_stores(
+    layout,
+    device,
+    gather: str,
+    base: list | None,
+    gpu_reads: bool = True,
+    kernel: LookupKernelConfig | None = None,
+) -> list:
+    """Each layer's host store with ``gather`` (and ``kernel`` for the GPU's reads, when
+    given), over ``base``'s rows when given."""
     options = HostOptions(
         gather=gather,
         queued_rows=PREFILL_TOKENS * layout.config.n_cols,
         gpu_reads=None if gpu_reads else False,
+        **({"kernel": kernel} if kernel is not None else {}),
     )
     if base is None:
         return synthetic_stores(layout, TablePlacement(options, device), seed=1)
@@ -349,6 +362,23 @@ def host_stores(layout, device, gather: str, base: list | None, gpu_reads: bool 
         )
         for store in base
     ]
+
+
+def parse_read_kernels(text: str) -> dict[str, LookupKernelConfig]:
+    """``--read-kernels``: placement name -> the GPU-read kernel settings it uses."""
+    kernels = {}
+    for spec in (v for v in text.split(",") if v):
+        try:
+            rows, warps, programs = (int(x) for x in spec.split(":"))
+            kernel = LookupKernelConfig(
+                rows_per_program=rows, num_warps=warps, max_programs=programs
+            )
+        except (ValueError, ValidationError) as exc:
+            raise SystemExit(
+                f"--read-kernels={text!r}: {spec!r} ({exc}); expected ROWS:WARPS:PROGRAMS"
+            ) from None
+        kernels[f"read-{rows}-{warps}-{programs}"] = kernel
+    return kernels
 
 
 def parse_list(text: str, choices: tuple[str, ...], name: str) -> list[str]:
@@ -387,10 +417,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--trace-dir", default=None, help="keep each profiled case's Chrome trace here")
     p.add_argument("--smoke", action="store_true", help="a CPU-sized backbone (plumbing only)")
+    p.add_argument(
+        "--read-kernels",
+        default="",
+        help="more placements: the default with other settings for the GPU's reads of host "
+        "memory, comma-separated ROWS:WARPS:PROGRAMS (rows per program, warps, max "
+        "programs), each a placement named read-ROWS-WARPS-PROGRAMS",
+    )
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     args.modes = parse_list(args.modes, MODES, "modes")
     args.placements = parse_list(args.placements, PLACEMENTS, "placements")
+    args.read_kernels = parse_read_kernels(args.read_kernels)
+    args.placements += list(args.read_kernels)
     args.workloads = parse_list(args.workloads, WORKLOADS, "workloads")
     args.loops = parse_list(args.loops, LOOPS, "loops")
     args.ids = parse_list(args.ids, IDS, "ids")
@@ -461,7 +500,16 @@ def main(argv=None) -> dict:
         gather = "queued" if name.startswith("queued") else "thread"
         if name in ("default", "gpu-reads", "default-worker", "gpu-reads-worker", "first"):
             gather = HostOptions().gather  # as shipped
-        stores[name] = host_stores(layout, device, gather, base, gpu_reads=name != "queued-cpu")
+        if name in args.read_kernels:
+            gather = HostOptions().gather
+        stores[name] = host_stores(
+            layout,
+            device,
+            gather,
+            base,
+            gpu_reads=name != "queued-cpu",
+            kernel=args.read_kernels.get(name),
+        )
         base = base or stores[name]
     checker = EngramRuntime(
         NgramHasher(consts, token_map, device), device_stores,

@@ -789,6 +789,20 @@ def test_step_cost_leaves_unpaired_rounds_out() -> None:
         step_cost.paired_case_stats([1.0], [1.0, 2.0])
 
 
+def test_step_cost_read_kernels_are_placements_of_their_own() -> None:
+    step_cost = _load("step_cost")
+    args = step_cost.parse_args(
+        ["--smoke", "--placements", "aa", "--read-kernels", "128:16:8,8:2:132"]
+    )
+    assert args.placements == ["aa", "read-128-16-8", "read-8-2-132"]
+    kernel = args.read_kernels["read-128-16-8"]
+    assert (kernel.rows_per_program, kernel.num_warps, kernel.max_programs) == (128, 16, 8)
+    with pytest.raises(SystemExit, match=r"'32:4'.*expected ROWS:WARPS:PROGRAMS"):
+        step_cost.parse_args(["--smoke", "--read-kernels", "32:4"])
+    with pytest.raises(SystemExit, match=r"'32:3:16'.*num_warps"):
+        step_cost.parse_args(["--smoke", "--read-kernels", "32:3:16"])
+
+
 def test_step_cost_refuses_bad_lists() -> None:
     step_cost = _load("step_cost")
     with pytest.raises(SystemExit, match="--modes='eager,fast'"):
