@@ -14,13 +14,15 @@ can read without knowing which model it is:
 
 Families are registered by name and resolved lazily (:func:`register_family`,
 :func:`resolve_family`): the registry holds ``"module:attribute"`` strings, so naming a
-family imports nothing until it is resolved.
+family imports nothing until it is resolved. Each registration may also say what marks
+an HF ``config.json`` as the family's (its ``model_type`` values, fields only it has), so
+:func:`family_of_config` names the family of a config without importing any family.
 """
 
 from __future__ import annotations
 
 import importlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -30,11 +32,13 @@ __all__ = [
     "BF16",
     "FP8_UE8M0",
     "ROW_FORMATS",
+    "ConfigMarkers",
     "MemoryFamily",
     "RowFormat",
     "TableSpec",
     "TensorRole",
     "family_names",
+    "family_of_config",
     "register_family",
     "resolve_family",
 ]
@@ -205,15 +209,43 @@ class MemoryFamily(Protocol):
         ...
 
 
+@dataclass(frozen=True)
+class ConfigMarkers:
+    """What marks an HF ``config.json`` as one family's (see :func:`family_of_config`).
+
+    Attributes:
+        model_types: ``model_type`` values of the family's configs (top level or
+            ``text_config``).
+        fields: fields only the family's configs have (top level or ``text_config``).
+    """
+
+    model_types: tuple[str, ...] = ()
+    fields: tuple[str, ...] = ()
+
+
 _REGISTRY: dict[str, str] = {
     "deepseek-engram": "engramrt.families.deepseek_engram:DeepSeekEngramFamily",
     "qwen4-ple": "engramrt.families.qwen4_ple.family:Qwen4PleFamily",
 }
+_MARKERS: dict[str, ConfigMarkers] = {
+    # DeepSeek-V4 configs carry the engram_* fields; their model_type is not the family's own.
+    "deepseek-engram": ConfigMarkers(fields=("engram_layer_ids",)),
+    "qwen4-ple": ConfigMarkers(
+        model_types=("qwen4_exp", "qwen4_exp_text"), fields=("ple_layer_ids", "ple_embed_dim")
+    ),
+}
 
 
-def register_family(name: str, target: str) -> None:
+def register_family(
+    name: str,
+    target: str,
+    *,
+    model_types: Sequence[str] = (),
+    config_fields: Sequence[str] = (),
+) -> None:
     """Register the family class ``target`` (``"package.module:Class"``) under ``name``.
-    Nothing is imported until :func:`resolve_family` is called."""
+    Nothing is imported until :func:`resolve_family` is called. ``model_types`` and
+    ``config_fields`` mark its HF configs for :func:`family_of_config`."""
     if not isinstance(name, str) or not name:
         raise ValidationError(f"name={name!r}; expected a non-empty family name")
     module, sep, attr = str(target).partition(":")
@@ -221,7 +253,13 @@ def register_family(name: str, target: str) -> None:
         raise ValidationError(
             f"target={target!r} for family {name!r}; expected 'package.module:Class'"
         )
+    for option, values in (("model_types", model_types), ("config_fields", config_fields)):
+        if isinstance(values, str) or not all(isinstance(v, str) and v for v in values):
+            raise ValidationError(
+                f"{option}={values!r} for family {name!r}; expected a list of non-empty strings"
+            )
     _REGISTRY[name] = target
+    _MARKERS[name] = ConfigMarkers(tuple(model_types), tuple(config_fields))
 
 
 def family_names() -> list[str]:
@@ -241,6 +279,44 @@ def resolve_family(name: str) -> Any:
         raise ValidationError(
             f"family {name!r} is registered as {target!r}, which cannot be imported: {error}"
         ) from error
+
+
+def family_of_config(config: Mapping[str, Any], *, what: str = "config") -> str | None:
+    """The registered family an HF ``config.json`` object describes, or None when no
+    family's markers (:class:`ConfigMarkers`) are in it.
+
+    A ``model_type`` (of the config or of its ``text_config``, where a composite config
+    keeps the language model's fields) decides first; without one a family claims, fields
+    only one family has decide. Imports no family. ``what`` names the config in errors.
+
+    Raises:
+        ValidationError: ``config`` is not an object, or it carries two families' marks.
+    """
+    if not isinstance(config, Mapping):
+        raise ValidationError(f"{what} is a {type(config).__name__}; expected a JSON object")
+    text_config = config.get("text_config")
+    parts = [config, *([text_config] if isinstance(text_config, Mapping) else [])]
+    model_types = {t for part in parts if isinstance(t := part.get("model_type"), str)}
+    by_type = {n: m for n, m in _MARKERS.items() if model_types & set(m.model_types)}
+    if len(by_type) == 1:
+        return next(iter(by_type))
+    if len(by_type) > 1:
+        raise ValidationError(
+            f"{what} has model_type {sorted(model_types)}, claimed by the families "
+            f"{sorted(by_type)}; expected a config of one family"
+        )
+    by_field = {
+        name: sorted({f for f in markers.fields for part in parts if f in part})
+        for name, markers in _MARKERS.items()
+    }
+    found = {name: fields for name, fields in by_field.items() if fields}
+    if len(found) > 1:
+        listed = "; ".join(f"{name}: {', '.join(fields)}" for name, fields in sorted(found.items()))
+        raise ValidationError(
+            f"{what} has the fields of several memory families ({listed}); expected the "
+            f"fields of one"
+        )
+    return next(iter(found), None)
 
 
 def column_ranges(offsets: Sequence[int], rows: Sequence[int]) -> tuple[tuple[int, ...], ...]:

@@ -219,7 +219,7 @@ def _subcommands() -> list[str]:
 
 
 def test_the_sweep_covers_every_subcommand() -> None:
-    assert set(_subcommands()) == {"bench", "convert", "demo", "hash", "inspect"}
+    assert set(_subcommands()) == {"bench", "convert", "demo", "hash", "inspect", "plan"}
 
 
 @pytest.mark.parametrize("command", _subcommands())

@@ -32,7 +32,7 @@ def _register() -> None:
     from engramrt.cli import inspect_cmd
 
     inspect_cmd.register(app)
-    for name in ("hash_cmd", "convert_cmd", "demo_cmd", "bench_cmd"):
+    for name in ("hash_cmd", "plan_cmd", "convert_cmd", "demo_cmd", "bench_cmd"):
         try:
             module = __import__(f"engramrt.cli.{name}", fromlist=["register"])
         except ModuleNotFoundError as exc:
