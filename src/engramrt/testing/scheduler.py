@@ -23,6 +23,7 @@ a seed; a model's generate loop schedules its own.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 __all__ = ["Chunk", "Request", "Scheduler", "Step"]
@@ -120,6 +121,10 @@ class Scheduler:
         rng: a ``numpy.random.Generator`` for block choice.
         block_offset, row_offset: where this scheduler's blocks and rows start
             (several schedulers share one KV cache and one history).
+        prefix_filter: None, or ``prefix_filter(request, hit_blocks) -> n``: how many
+            leading blocks of a prefix-cache hit the engine can use (a model with a
+            streaming state, such as PLE's conv state, can resume only where it kept
+            one: vLLM's hybrid prefix caching).
     """
 
     def __init__(
@@ -132,11 +137,13 @@ class Scheduler:
         rng,
         block_offset: int = 0,
         row_offset: int = 0,
+        prefix_filter: Callable[[Request, list[int]], int] | None = None,
     ) -> None:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.max_len = max_len
         self.rng = rng
+        self.prefix_filter = prefix_filter
         self.null_block = block_offset
         self.free_blocks = list(range(block_offset + 1, block_offset + num_blocks))
         self.refs: dict[int, int] = {}
@@ -203,6 +210,8 @@ class Scheduler:
             if block is None:
                 break
             hit.append(block)
+        if self.prefix_filter is not None:
+            hit = hit[: self.prefix_filter(request, hit)]
         request.prefix_hit = 0
         if not hit:
             return
