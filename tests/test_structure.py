@@ -1,5 +1,6 @@
-"""The package's shape: the product does not import the lab, imports form no cycle, and no
-function outside the Triton kernels runs past 150 lines.
+"""The package's shape: the product does not import the lab, the core reaches a memory
+family only through the registry, imports form no cycle, and no function outside the Triton
+kernels runs past 150 lines.
 
 The import graph is read from the source (``ast``), lazy imports inside functions
 included and ``if TYPE_CHECKING:`` blocks left out (they never run), so nothing is
@@ -21,6 +22,12 @@ BENCH = Path(__file__).resolve().parents[1] / "bench"
 LAB = ("engramrt.models", "engramrt.training", "engramrt.cli", "engramrt.bench")
 """Models, training, the CLI's commands and demos, the bench package: they may use the
 core; the core (every other module of engramrt) never imports them."""
+
+FAMILIES = "engramrt.families"
+REGISTRY = "engramrt.family"
+"""The memory families' packages, and the registry that names them: the core reaches a
+family only through :func:`engramrt.family.resolve_family` (the registry holds their names
+as strings), so a family is added without editing the core."""
 
 MAX_FUNCTION_LINES = 150
 
@@ -113,6 +120,22 @@ def core_imports_of_lab(graph: dict[str, set[str]]) -> list[str]:
     )
 
 
+def in_families(module: str) -> bool:
+    return module == FAMILIES or module.startswith(FAMILIES + ".")
+
+
+def core_imports_of_families(graph: dict[str, set[str]]) -> list[str]:
+    """Import statements from a core module (not the lab, not a family, not the
+    registry) into a family package."""
+    return sorted(
+        f"{m} imports {t}"
+        for m, targets in graph.items()
+        if not (in_lab(m) or in_families(m) or m == REGISTRY)
+        for t in targets
+        if in_families(t)
+    )
+
+
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     """Strongly connected components of more than one module (Tarjan, iterative)."""
     index: dict[str, int] = {}
@@ -187,6 +210,10 @@ def test_the_core_does_not_import_the_lab() -> None:
     assert core_imports_of_lab(import_graph(module_files())) == []
 
 
+def test_the_core_reaches_families_only_through_the_registry() -> None:
+    assert core_imports_of_families(import_graph(module_files(), strings=False)) == []
+
+
 def test_import_graph_has_no_cycles() -> None:
     assert cycles(import_graph(module_files(), strings=False)) == []
 
@@ -227,6 +254,15 @@ def test_controls_catch_a_lab_import_a_cycle_and_a_long_function(tmp_path: Path)
         "engramrt.b": {"engramrt.a"},
     }
     assert core_imports_of_lab(graph) == ["engramrt.plan imports engramrt.models.serve"]
+    families = {
+        "engramrt.plan": {"engramrt.families.qwen4_ple.family"},
+        "engramrt.family": {"engramrt.families.qwen4_ple.family"},
+        "engramrt.families.qwen4_ple.ops": {"engramrt.families.qwen4_ple.ids"},
+        "engramrt.cli.hash_ple": {"engramrt.families.qwen4_ple.ops"},
+    }
+    assert core_imports_of_families(families) == [
+        "engramrt.plan imports engramrt.families.qwen4_ple.family"
+    ]
     assert sorted(cycles(graph)) == [
         ["engramrt.a", "engramrt.b"],
         ["engramrt.models.serve", "engramrt.plan"],

@@ -166,10 +166,12 @@ def memory_plan(tables: EngramLayout | Sequence[TableSpec], tp: int = 1) -> list
         tp: tensor-parallel size.
     """
     if isinstance(tables, EngramLayout):
-        from engramrt.families.deepseek_engram import DeepSeekEngramFamily
+        from engramrt.family import resolve_family
 
-        tables = DeepSeekEngramFamily(tables.config).tables()
-    per_rank = rank_bytes(tables, tp)
+        specs: Sequence[TableSpec] = resolve_family("deepseek-engram")(tables.config).tables()
+    else:
+        specs = tables
+    per_rank = rank_bytes(specs, tp)
     biggest, total = max(per_rank), sum(per_rank)
     return [
         PlacementPlan("gpu", tp, biggest, 0, 0, 0),
