@@ -194,3 +194,261 @@ def ple_cases(quick: bool) -> list[Case]:
             )
         )
     return cases
+
+
+# --------------------------------------------------------------------------
+# The PLE layer (docs/families.md §6) at the released shapes: hidden 2048, hc 4, C 16,
+# d 160 (E 2560), N 3, K 4 (S 9).
+# --------------------------------------------------------------------------
+
+LAYER_TABLE_ROWS_ENV = "ENGRAMRT_BENCH_PLE_TABLE_ROWS"
+LAYER_TABLE_ROWS = 1 << 24
+"""Rows of the benchmark's bf16 table on the device tier: 2^24 rows of 320 B (5 GiB), far
+beyond L2, ids uniform over all of it. ``ENGRAMRT_BENCH_PLE_TABLE_ROWS=320001536`` times
+the full 95.4 GiB table of PLE layer 0 instead."""
+
+_LAYER_SHARED: dict[str, Any] = {}
+
+
+def _layer_table_rows() -> int:
+    import os
+
+    value = os.environ.get(LAYER_TABLE_ROWS_ENV, "")
+    return int(value) if value else LAYER_TABLE_ROWS
+
+
+def _layer_shared(device: torch.device) -> dict[str, Any]:
+    """One table and one set of weights for both layer cases (filling the table is the
+    slow part of making inputs)."""
+    rows = _layer_table_rows()
+    if _LAYER_SHARED.get("key") == (str(device), rows):
+        return _LAYER_SHARED
+    from engramrt.families.qwen4_ple.layer import PleLayerWeights
+    from engramrt.family import BF16
+    from engramrt.lookup.tiers import DeviceOptions, TablePlacement, make_store
+
+    _LAYER_SHARED.clear()
+    torch.cuda.empty_cache()
+    cfg = _config(1)
+    width, embed = cfg.table_width, cfg.embed_dim
+    hc_width = cfg.hc_count * cfg.hidden_size
+    generator = torch.Generator(device=device).manual_seed(2026)
+    store = make_store(
+        TablePlacement(DeviceOptions(backend="triton"), device=device),
+        num_rows=rows,
+        E=width,
+        row_format=BF16,
+    )
+    fill = 1 << 22
+    for start in range(0, rows, fill):
+        count = min(fill, rows - start)
+        block = torch.randn(count, width, device=device, generator=generator).bfloat16()
+        store.write_rows(start, block.view(torch.uint8))
+
+    def randn(*shape: int, scale: float) -> torch.Tensor:
+        return (scale * torch.randn(*shape, device=device, generator=generator)).bfloat16()
+
+    weights = PleLayerWeights(
+        key_proj=randn(hc_width, embed, scale=embed**-0.5),
+        value_proj=randn(cfg.hidden_size, embed, scale=embed**-0.5),
+        norm_key=randn(hc_width, scale=0.1),
+        norm_query=randn(hc_width, scale=0.1),
+        norm_conv=randn(hc_width, scale=0.1),
+        conv1d=randn(hc_width, 1, cfg.ple_conv_kernel_size, scale=0.5),
+    )
+    _LAYER_SHARED.update(key=(str(device), rows), cfg=cfg, store=store, weights=weights)
+    return _LAYER_SHARED
+
+
+def _layer_setup(device: torch.device, n_req: int, per: int) -> dict[str, Any]:
+    from engramrt.families.qwen4_ple.module import PleLayer
+
+    shared = _layer_shared(device)
+    cfg, store, weights = shared["cfg"], shared["store"], shared["weights"]
+    t_len = n_req * per
+    generator = torch.Generator(device=device).manual_seed(t_len)
+    # validate=False: the inputs are ours (as in a serving loop's captured step).
+    layer = PleLayer.from_config(cfg, weights, store, backend="triton", validate=False)
+    reference = PleLayer.from_config(cfg, weights, store, backend="reference", validate=False)
+    num_slots = 2 * n_req + 1
+    # Running sequences: random states, at scattered slots of a larger pool.
+    pool = torch.randn(
+        num_slots, layer.state_len, layer.width, device=device, generator=generator
+    ).bfloat16()
+    slots = torch.randperm(num_slots, device=device, generator=generator)[:n_req]
+    inputs: dict[str, Any] = {
+        "cfg": cfg,
+        "layer": layer,
+        "reference_layer": reference,
+        "weights": layer.weights,
+        "store": store,
+        "hidden": torch.randn(t_len, layer.width, device=device, generator=generator).bfloat16(),
+        "row_ids": torch.randint(
+            0,
+            store.num_rows,
+            (t_len, cfg.n_cols),
+            device=device,
+            generator=generator,
+            dtype=torch.int32,
+        ),
+        "query_start_loc": torch.arange(n_req + 1, device=device, dtype=torch.int32) * per,
+        "state_slots": slots.to(torch.int32),
+        "initial_pool": pool,
+        "shape": (n_req, per),
+    }
+    # Each implementation updates a pool of its own, so each first call (the one checked)
+    # starts from the same states; the timed calls go on from there.
+    for name in ("engramrt", "engramrt-compiled", "torch-vectorised", "reference-eager"):
+        inputs[f"pool:{name}"] = pool.clone()
+        inputs[f"out:{name}"] = torch.empty_like(inputs["hidden"])
+    return inputs
+
+
+def _layer_call(s: dict[str, Any], name: str, layer: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    pool = s[f"pool:{name}"]
+    out = layer(
+        s["hidden"],
+        s["row_ids"],
+        s["query_start_loc"],
+        pool,
+        s["state_slots"],
+        out=s[f"out:{name}"],
+    )
+    return out, pool
+
+
+def _layer_engramrt(s: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    return _layer_call(s, "engramrt", s["layer"])
+
+
+def _layer_compiled(s: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    compiled = s.get("compiled")
+    if compiled is None:
+        compiled = s["compiled"] = torch.compile(s["reference_layer"].__call__, fullgraph=True)
+    return _layer_call(s, "engramrt-compiled", compiled)
+
+
+def _layer_vectorised(s: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    return _layer_call(s, "torch-vectorised", s["reference_layer"])
+
+
+def _layer_reference(s: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference's own torch path on the device: the rows gathered with
+    ``index_select``, then ``ple_layer_reference_varlen`` (a loop over sequences that reads
+    ``query_start_loc`` on the host), its states written back to the pool."""
+    from engramrt.families.qwen4_ple.layer import ple_layer_reference_varlen
+
+    cfg, store = s["cfg"], s["store"]
+    table = store.device_rows().view(torch.bfloat16)
+    row_ids = s["row_ids"]
+    rows = table.index_select(0, row_ids.reshape(-1).long()).view(row_ids.shape[0], -1)
+    pool, slots = s["pool:reference-eager"], s["state_slots"].long()
+    out, states = ple_layer_reference_varlen(
+        s["hidden"],
+        rows,
+        s["weights"],
+        query_start_loc=s["query_start_loc"],
+        ngram_size=cfg.ngram_size,
+        eps=cfg.rms_norm_eps,
+        conv_states=pool.index_select(0, slots),
+    )
+    pool.index_copy_(0, slots, states)
+    return out, pool
+
+
+def _layer_check(inputs: dict[str, Any], outputs: dict[str, Any]) -> None:
+    """Every implementation's out and updated states against the reference's.
+
+    bf16 throughout, every step rounded alike: two implementations differ only where an
+    fp32 difference of an ulp (GEMM, norm and score sums in another order, ``exp``) moves a
+    bf16 rounding, then a step or two on. Allowed: at most 5% of the values differing in
+    their bits, each within 8 bf16 ulps of the larger magnitude plus 2^-10 (a gate whose
+    score sits at 0 takes the sign of a rounding). The derived bound of
+    ``ple_layer_tolerance`` is for fp32 implementations; the same kernels in fp32 are held
+    to it at these shapes by tests/families/qwen4_ple/test_module.py on a GPU.
+    """
+    want_out, want_pool = outputs["reference-eager"]
+    slots = inputs["state_slots"].long()
+    for name, (out, pool) in outputs.items():
+        if name == "reference-eager":
+            continue
+        for what, found, expected in (
+            ("out", out, want_out),
+            ("states", pool.index_select(0, slots), want_pool.index_select(0, slots)),
+        ):
+            a, b = found.double(), expected.double()
+            differ = found.view(torch.int16) != expected.view(torch.int16)
+            allowed = 8 * 2.0**-7 * torch.maximum(a.abs(), b.abs()) + 2.0**-10
+            far = ~((a - b).abs() <= allowed)
+            fraction = float(differ.double().mean())
+            if bool(far.any()) or fraction > 0.05:
+                worst = ((a - b).abs() - allowed).flatten().topk(min(5, a.numel())).indices
+                shown = [
+                    (i // a.shape[-1], i % a.shape[-1], float(a.flatten()[i]),
+                     float(b.flatten()[i]))
+                    for i in worst.tolist()
+                ]  # fmt: skip
+                raise AssertionError(
+                    f"{name} {what}: {int(differ.sum())} of {a.numel()} bf16 values differ from "
+                    f"the reference's ({fraction:.4f}), {int(far.sum())} beyond 8 ulps; worst "
+                    f"(token, channel, found, expected): {shown}"
+                )
+
+
+@register
+def ple_layer_cases(quick: bool) -> list[Case]:
+    cfg = _config(1)
+    rows = _layer_table_rows()
+    hc_width = cfg.hc_count * cfg.hidden_size
+    shapes = [("decode", 256, 1), ("prefill", 1, 8192)]
+    if quick:
+        shapes = [("decode", 256, 1), ("prefill", 1, 2048)]
+    cases = []
+    for kind, n_req, per in shapes:
+        t_len = n_req * per
+        bf16 = 2
+        weights_bytes = (cfg.hc_count + 1) * cfg.hidden_size * cfg.embed_dim * bf16
+        state_bytes = n_req * cfg.conv_state_len * hc_width * bf16
+        bytes_moved = (
+            t_len * cfg.n_cols * (4 + cfg.table_width * bf16)  # ids and rows read
+            + weights_bytes  # key_proj and value_proj read once
+            + 2 * t_len * hc_width * bf16  # hidden read, out written
+            + 2 * state_bytes  # states read and written
+        )
+        impls: dict[str, Callable[[dict[str, Any]], Any]] = {
+            "engramrt": _layer_engramrt,
+            "torch-vectorised": _layer_vectorised,
+            "engramrt-compiled": _layer_compiled,
+            "reference-eager": _layer_reference,
+        }
+        label = f"{t_len}" if kind == "prefill" else f"{n_req}"
+        cases.append(
+            Case(
+                name=f"ple/layer {kind} {label}",
+                params={
+                    "requests": n_req,
+                    "tokens_per_request": per,
+                    "T": t_len,
+                    "hidden": cfg.hidden_size,
+                    "hc": cfg.hc_count,
+                    "C": cfg.n_cols,
+                    "d": cfg.table_width,
+                    "E": cfg.embed_dim,
+                    "table": f"bf16 [{rows}, {cfg.table_width}] on the device tier",
+                    "table_GiB": round(rows * cfg.table_width * bf16 / 2**30, 2),
+                    "gemm_tflop": round(2 * t_len * cfg.embed_dim * hc_width * 1.25 / 1e12, 3),
+                    "targets": "SPEC_PLE §10 (BENCHMARKS.md, the PLE layer)",
+                    "engramrt-compiled": "torch.compile(fullgraph) of the vectorised torch path",
+                },
+                make=functools.partial(_layer_setup, n_req=n_req, per=per),
+                impls=impls,
+                check=_layer_check,
+                bytes_moved=bytes_moved,
+                items=t_len,
+                item_name="tokens",
+                baseline="reference-eager",
+                graph=True,
+                graph_impls=("engramrt",),
+            )
+        )
+    return cases
