@@ -1,5 +1,5 @@
-"""Helpers shared by the test packages: where kernel tests run, random packed tables (and
-bf16 ones) and bit-for-bit comparison of rows.
+"""Helpers shared by the test packages: where kernel tests run, the storage tiers and a
+store of each, random packed tables (and bf16 ones) and bit-for-bit comparison of rows.
 
 ``tests/conftest.py`` sets ``TRITON_INTERPRET`` before any test module is imported, so
 a module that imports kernels needs no prologue of its own.
@@ -9,13 +9,55 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
+import pytest
 import torch
+from tests.lookup.stores import store_of
 
 from engramrt.lookup import pack_rows, row_bytes_for
+from engramrt.lookup.tiers import RowStore, tier_class
 
 CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if CUDA else "cpu")
+
+TIERS = [
+    "device",
+    pytest.param(
+        "uva",
+        marks=pytest.mark.skipif(
+            not CUDA, reason="UVA maps host memory into a GPU's address space; no GPU here"
+        ),
+    ),
+    "host",
+    "disk",
+]
+"""Every storage tier, for ``@pytest.mark.parametrize("tier", TIERS)`` (UVA needs a GPU)."""
+
+
+def tier_store(
+    tier: str,
+    table: torch.Tensor,
+    tmp_path: Path,
+    *,
+    device: torch.device = DEVICE,
+    row_begin: int = 0,
+    col_begin: int = 0,
+    col_end: int | None = None,
+    **options: object,
+) -> RowStore:
+    """A store of ``tier`` (its options class made from ``options``) holding the packed rows
+    ``table`` as rows ``[row_begin, ...)`` that serve columns ``[col_begin, col_end)``, its
+    file (for the tiers that keep one) under ``tmp_path``."""
+    return store_of(
+        tier_class(tier).options_type(**options),  # type: ignore[arg-type]
+        table,
+        device=device,
+        row_begin=row_begin,
+        col_begin=col_begin,
+        col_end=col_end,
+        path=tmp_path / f"{tier}.rows",
+    )
 
 
 def random_packed_table(num_rows: int, E: int, seed: int, *, finite: bool = False) -> torch.Tensor:

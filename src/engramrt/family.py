@@ -39,6 +39,7 @@ __all__ = [
     "TensorRole",
     "family_names",
     "family_of_config",
+    "layer_tables",
     "register_family",
     "resolve_family",
 ]
@@ -322,3 +323,33 @@ def family_of_config(config: Mapping[str, Any], *, what: str = "config") -> str 
 def column_ranges(offsets: Sequence[int], rows: Sequence[int]) -> tuple[tuple[int, ...], ...]:
     """``(col_offsets, col_rows)`` as tuples of Python ints (from numpy rows or lists)."""
     return tuple(int(v) for v in offsets), tuple(int(v) for v in rows)
+
+
+def layer_tables(
+    layer_ids: Sequence[int],
+    rows: Sequence[int],
+    width: int,
+    row_format: RowFormat,
+    offsets: Any,
+    col_rows: Any,
+    shard: str,
+) -> list[TableSpec]:
+    """One :class:`TableSpec` per layer of ``layer_ids``, in order: layer ``i``'s table holds
+    ``rows[i]`` rows of ``width`` values stored as ``row_format``, its hash columns' ranges
+    start at ``offsets[i]`` and hold ``col_rows[i]`` rows (``[L, C]``, numpy or lists), and
+    tensor parallelism splits it by ``shard``: what every family's ``tables()`` returns."""
+    tables = []
+    for index, layer in enumerate(layer_ids):
+        col_offsets, rows_per_col = column_ranges(offsets[index], col_rows[index])
+        tables.append(
+            TableSpec(
+                layer_id=layer,
+                rows=rows[index],
+                width=width,
+                row_format=row_format,
+                col_offsets=col_offsets,
+                col_rows=rows_per_col,
+                shard=shard,
+            )
+        )
+    return tables

@@ -24,6 +24,7 @@ from engramrt.layout import EngramLayout, owned_columns
 __all__ = [
     "PLACEMENTS",
     "PlacementPlan",
+    "TableRegion",
     "TableShard",
     "memory_plan",
     "rank_bytes",
@@ -55,14 +56,34 @@ def width_slice(width: int, tp: int, rank: int) -> tuple[int, int]:
     """``(value_begin, value_end)`` of each row that ``rank`` of ``tp`` holds under the
     ``"width"`` rule: ``torch.chunk`` of the values, as a DTensor ``Shard(1)`` places them
     (``w = ceil(width / tp)`` each; when ``tp`` does not divide ``width`` the last ranks
-    get fewer values, possibly none). The rule
-    :meth:`~engramrt.families.qwen4_ple.checkpoint.PleTableRegion.width_shard` reads by."""
+    get fewer values, possibly none). The one place the rule lives:
+    :meth:`~engramrt.families.qwen4_ple.checkpoint.PleTableRegion.width_shard` reads by it."""
     per_rank = -(-width // tp)
     return min(rank * per_rank, width), min((rank + 1) * per_rank, width)
 
 
+class TableRegion:
+    """Rows ``[row_begin, row_end)`` of a table and, of each, values ``[value_begin,
+    value_end)``: what a rank holds (:class:`TableShard`) or a reader reads
+    (:class:`~engramrt.families.qwen4_ple.checkpoint.PleTableRegion`). Subclasses are
+    dataclasses that declare the four bounds."""
+
+    row_begin: int
+    row_end: int
+    value_begin: int
+    value_end: int
+
+    @property
+    def num_rows(self) -> int:
+        return self.row_end - self.row_begin
+
+    @property
+    def num_values(self) -> int:
+        return self.value_end - self.value_begin
+
+
 @dataclass(frozen=True)
-class TableShard:
+class TableShard(TableRegion):
     """The part of one table a tensor-parallel rank holds: rows ``[row_begin, row_end)``,
     values ``[value_begin, value_end)`` of each, ``nbytes`` as stored."""
 
@@ -74,14 +95,6 @@ class TableShard:
     value_begin: int
     value_end: int
     nbytes: int
-
-    @property
-    def num_rows(self) -> int:
-        return self.row_end - self.row_begin
-
-    @property
-    def num_values(self) -> int:
-        return self.value_end - self.value_begin
 
 
 def _check_tp(tp: int) -> None:

@@ -10,45 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 from tests.cache.helpers import skewed_ids
-from tests.helpers import assert_same_bits, random_packed_table
+from tests.helpers import TIERS, assert_same_bits, random_packed_table, tier_store
 from tests.lookup.stores import store_of
 
 from engramrt.cache import CachedRowStore, CacheStats, SetAssociativeLfu
 from engramrt.errors import CapacityError, EngramError, ValidationError
-from engramrt.lookup.tiers import HostOptions, RowStore, TablePlacement, make_store
-
-TIERS = [
-    "device",
-    pytest.param(
-        "uva",
-        marks=pytest.mark.skipif(
-            not torch.cuda.is_available(), reason="UVA maps host memory into a GPU; no GPU here"
-        ),
-    ),
-    "host",
-    "disk",
-]
-
-
-def backing_store(
-    tier: str,
-    table: torch.Tensor,
-    tmp_path: Path,
-    device: torch.device,
-    *,
-    row_begin: int = 0,
-    col_begin: int = 0,
-    col_end: int | None = None,
-) -> RowStore:
-    return store_of(
-        tier,
-        table,
-        device=device,
-        row_begin=row_begin,
-        col_begin=col_begin,
-        col_end=col_end,
-        path=tmp_path / f"{tier}.rows",
-    )
+from engramrt.lookup.tiers import HostOptions, TablePlacement, make_store
 
 
 @pytest.mark.parametrize("tier", TIERS)
@@ -75,8 +42,14 @@ def test_matches_backing_over_a_skewed_stream(
     num_rows = 400
     row_begin, col_begin, col_end = shard or (0, 0, None)
     table = random_packed_table(num_rows, E, seed=E + C)
-    backing = backing_store(
-        tier, table, tmp_path, device, row_begin=row_begin, col_begin=col_begin, col_end=col_end
+    backing = tier_store(
+        tier,
+        table,
+        tmp_path,
+        device=device,
+        row_begin=row_begin,
+        col_begin=col_begin,
+        col_end=col_end,
     )
     row_bytes = E + E // 32
     cache = CachedRowStore(backing, 6 * 4 * row_bytes + 17, ways=4, n_heads=2, backend=backend)
@@ -171,7 +144,7 @@ def test_hand_made_stream_statistics(backend: str, device: torch.device) -> None
 def test_warm_up_then_serve(tier: str, tmp_path: Path, device: torch.device) -> None:
     E = 64
     table = random_packed_table(300, E, seed=5)
-    backing = backing_store(tier, table, tmp_path, device)
+    backing = tier_store(tier, table, tmp_path, device=device)
     cache = CachedRowStore(backing, 16 * 8 * 66, ways=8)
     g = torch.Generator().manual_seed(6)
     corpus = [skewed_ids((16, 4), 0, 300, g, power=4.0) for _ in range(12)]
@@ -385,7 +358,7 @@ def test_read_misses_setting(tmp_path: Path, device: torch.device) -> None:
     assert CachedRowStore(device_backing, 2**16, backend="triton").probe_reads_misses
     assert not CachedRowStore(device_backing, 2**16, read_misses=False).probe_reads_misses
     assert not CachedRowStore(device_backing, 2**16, backend="reference").probe_reads_misses
-    disk = backing_store("disk", table, tmp_path, device)
+    disk = tier_store("disk", table, tmp_path, device=device)
     assert not CachedRowStore(disk, 2**16).probe_reads_misses
     with pytest.raises(ValidationError, match=r"read_misses=True with backing tier='disk'"):
         CachedRowStore(disk, 2**16, read_misses=True)

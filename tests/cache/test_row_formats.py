@@ -9,24 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 from tests.cache.helpers import skewed_ids
-from tests.helpers import random_bf16_rows, random_packed_table
+from tests.helpers import TIERS, random_bf16_rows, random_packed_table
 
 from engramrt.cache import CachedRowStore
 from engramrt.errors import ValidationError
 from engramrt.family import BF16
 from engramrt.lookup.tiers import RowStore, TablePlacement, make_store
-
-TIERS = [
-    "device",
-    pytest.param(
-        "uva",
-        marks=pytest.mark.skipif(
-            not torch.cuda.is_available(), reason="UVA maps host memory into a GPU; no GPU here"
-        ),
-    ),
-    "host",
-    "disk",
-]
 
 
 def bf16_backing(tier: str, rows: torch.Tensor, tmp_path: Path, device: torch.device) -> RowStore:

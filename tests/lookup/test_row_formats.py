@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tests.helpers import CUDA, DEVICE, random_bf16_rows, random_packed_table
+from tests.helpers import CUDA, DEVICE, TIERS, random_bf16_rows, random_packed_table
 
 from engramrt.errors import CheckpointError, ValidationError
 from engramrt.family import BF16, FP8_UE8M0
@@ -22,18 +22,6 @@ from engramrt.lookup.tiers import (
     tier_class,
 )
 from engramrt.packed import word_dtype_for
-
-TIERS = [
-    "device",
-    pytest.param(
-        "uva",
-        marks=pytest.mark.skipif(
-            not CUDA, reason="UVA maps host memory into a GPU's address space; no GPU here"
-        ),
-    ),
-    "host",
-    "disk",
-]
 
 WIDTHS = [1, 7, 12, 160]
 """bf16 row widths: 2-, 14-, 24- and 320-byte rows (int16 words, 7 int16 words, 3 int64

@@ -7,8 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tests.helpers import CUDA, DEVICE, assert_same_bits, random_packed_table
-from tests.lookup.stores import store_of
+from tests.helpers import CUDA, DEVICE, TIERS, assert_same_bits, random_packed_table, tier_store
 
 from engramrt import memory
 from engramrt.errors import CapacityError, CheckpointError, ValidationError
@@ -19,46 +18,11 @@ from engramrt.lookup.tiers import (
     DiskRowStore,
     HostGatherRowStore,
     HostOptions,
-    RowStore,
     TablePlacement,
     UvaRowStore,
     make_store,
     tier_class,
 )
-
-TIERS = [
-    "device",
-    pytest.param(
-        "uva",
-        marks=pytest.mark.skipif(
-            not CUDA, reason="UVA maps host memory into a GPU's address space; no GPU here"
-        ),
-    ),
-    "host",
-    "disk",
-]
-
-
-def build(
-    tier: str,
-    table: torch.Tensor,
-    tmp_path: Path,
-    *,
-    row_begin: int = 0,
-    col_begin: int = 0,
-    col_end: int | None = None,
-    **options: object,
-) -> RowStore:
-    """A store of ``tier`` (its options class made from ``options``) holding ``table``."""
-    return store_of(
-        tier_class(tier).options_type(**options),  # type: ignore[arg-type]
-        table,
-        device=DEVICE,
-        row_begin=row_begin,
-        col_begin=col_begin,
-        col_end=col_end,
-        path=tmp_path / f"{tier}.rows",
-    )
 
 
 @pytest.mark.parametrize("tier", TIERS)
@@ -83,7 +47,7 @@ def test_tier_matches_reference(
     num_rows = 300
     table = random_packed_table(num_rows, E, seed=T + C)
     col_begin, col_end = cols
-    store = build(
+    store = tier_store(
         tier,
         table,
         tmp_path,
@@ -119,7 +83,7 @@ def test_tier_matches_reference(
 def test_host_gather_chunking(tier: str, chunk_rows: int, num_threads: int, tmp_path: Path) -> None:
     """Chunks smaller than, equal to and larger than the unique rows all agree."""
     table = random_packed_table(2000, 32, seed=12)
-    store = build(tier, table, tmp_path, chunk_rows=chunk_rows, num_threads=num_threads)
+    store = tier_store(tier, table, tmp_path, chunk_rows=chunk_rows, num_threads=num_threads)
     row_ids = torch.randint(0, 2000, (37, 29), generator=torch.Generator().manual_seed(13))
     assert_same_bits(store.lookup(row_ids.to(DEVICE)), lookup_rows_reference(row_ids, table, 32))
 
@@ -137,7 +101,7 @@ def test_host_gather_staging_is_reused_and_grown() -> None:
 @pytest.mark.parametrize("tier", TIERS)
 def test_store_without_owned_columns_and_empty_batch(tier: str, tmp_path: Path) -> None:
     table = random_packed_table(20, 32, seed=16)
-    store = build(tier, table, tmp_path, col_begin=3, col_end=3)
+    store = tier_store(tier, table, tmp_path, col_begin=3, col_end=3)
     got = store.lookup(torch.full((4, 5), -1, dtype=torch.int64, device=DEVICE))
     assert got.shape == (4, 5, 32) and bool((got.view(torch.int16) == 0).all())
     assert store.lookup(torch.empty((0, 5), dtype=torch.int32, device=DEVICE)).shape == (0, 5, 32)
@@ -185,7 +149,7 @@ def test_disk_tier_writes_in_pieces(tmp_path: Path) -> None:
 @pytest.mark.parametrize("tier", TIERS)
 def test_checked_mode_names_column_and_id(tier: str, tmp_path: Path) -> None:
     table = random_packed_table(10, 32, seed=20)
-    store = build(tier, table, tmp_path, row_begin=100, col_begin=1, check_ids=True)
+    store = tier_store(tier, table, tmp_path, row_begin=100, col_begin=1, check_ids=True)
     row_ids = torch.full((3, 5), 104, dtype=torch.int64, device=DEVICE)
     row_ids[:, 0] = -5  # not owned
     row_ids[1, 3] = 110
@@ -204,7 +168,7 @@ def test_ids_outside_the_shard_read_as_zeros_unchecked(
     zeros (and the other rows are the reference's); with check_ids on it is refused
     (test_checked_mode_names_column_and_id)."""
     table = random_packed_table(10, 32, seed=21)
-    store = build(tier, table, tmp_path, row_begin=100, check_ids=False)
+    store = tier_store(tier, table, tmp_path, row_begin=100, check_ids=False)
     if hasattr(store, "dedup_min_rows"):
         store.dedup_min_rows = dedup_min_rows  # both paths of the host gather
     elif dedup_min_rows:
@@ -230,7 +194,7 @@ def test_host_tiers_with_and_without_deduplication(
 ) -> None:
     """Both paths of the host gather equal the reference, on a shard with repeated ids."""
     table = random_packed_table(300, 64, seed=22)
-    store = build(tier, table, tmp_path, row_begin=5000, col_begin=2, col_end=6, chunk_rows=7)
+    store = tier_store(tier, table, tmp_path, row_begin=5000, col_begin=2, col_end=6, chunk_rows=7)
     store.dedup_min_rows = dedup_min_rows
     g = torch.Generator().manual_seed(23)
     row_ids = torch.randint(5000, 5040, (19, 8), generator=g)  # many duplicates
@@ -269,7 +233,7 @@ def test_batches_gathered_as_they_come_are_dequantised_piece_by_piece(
     expected[3, 4] = 0
     expected[17, 2] = 0
     for dedup, pieces in ((False, [2] * 9 + [1]), (True, [19])):
-        store = build(
+        store = tier_store(
             tier, table, tmp_path, row_begin=5000, col_begin=2, col_end=6, chunk_rows=9,
             dedup=dedup, check_ids=False,
         )  # fmt: skip
@@ -365,7 +329,7 @@ def test_store_argument_errors(tmp_path: Path) -> None:
 @pytest.mark.parametrize("tier", TIERS)
 def test_gather_packed_returns_the_stored_bytes(tier: str, tmp_path: Path) -> None:
     table = random_packed_table(300, 32, seed=21)
-    store = build(tier, table, tmp_path, row_begin=1000)
+    store = tier_store(tier, table, tmp_path, row_begin=1000)
     local = torch.tensor([299, 0, 17, 17, 150])
     got = store.gather_packed(local)
     assert got.device == store.device and got.dtype == torch.uint8
@@ -387,7 +351,7 @@ def test_gpu_reads_match_reference(gpu_share: float, dedup_min_rows: int, tmp_pa
     """Both GPU-read paths equal the reference on a shard, with duplicates, int32 and
     int64 ids; an odd unique count splits unevenly."""
     table = random_packed_table(301, 256, seed=40)
-    store = build(
+    store = tier_store(
         "host",
         table,
         tmp_path,
@@ -414,7 +378,7 @@ def test_gpu_reads_match_reference(gpu_share: float, dedup_min_rows: int, tmp_pa
 @needs_cuda
 def test_gpu_reads_check_ids_with_check_ids(tmp_path: Path) -> None:
     table = random_packed_table(10, 32, seed=42)
-    store = build("host", table, tmp_path, row_begin=100, check_ids=True)
+    store = tier_store("host", table, tmp_path, row_begin=100, check_ids=True)
     assert isinstance(store, HostGatherRowStore) and store.gpu_reads
     row_ids = torch.full((3, 5), 104, dtype=torch.int64, device=DEVICE)
     row_ids[2, 1] = 110
@@ -440,7 +404,7 @@ def test_gpu_reads_fall_back_or_fail_when_registration_fails(
 def test_gpu_reads_settings(tmp_path: Path) -> None:
     """Off by default where they cannot or should not run; bad settings are refused."""
     table = random_packed_table(10, 32, seed=44)
-    disk = build("disk", table, tmp_path)
+    disk = tier_store("disk", table, tmp_path)
     reference = make_store(TablePlacement(HostOptions(backend="reference")), packed=table)
     assert isinstance(disk, HostGatherRowStore) and not disk.gpu_reads  # pinning a file: never
     assert isinstance(reference, HostGatherRowStore) and not reference.gpu_reads
@@ -512,7 +476,7 @@ def test_host_tiers_take_row_ids_on_the_host(
     """Row ids given on the host (``host_ids``) read the reference's rows, ids outside the
     shard as zeros, whatever the deduplication setting; on a GPU without waiting for it."""
     table = random_packed_table(300, 64, seed=27)
-    store = build(
+    store = tier_store(
         tier, table, tmp_path, row_begin=5000, col_begin=2, col_end=6, chunk_rows=9,
         check_ids=False,
     )  # fmt: skip

@@ -14,6 +14,11 @@
 - :func:`save_tables`: write fp8 tables atomically, in DeepSeek's layout.
 - :func:`convert_checkpoint`: quantise float tables (bf16/fp16/fp32) into
   fp8 files, one per rank with ``tp=N`` (``engramrt convert``).
+- The pieces other memory families' loaders and converters reuse:
+  :func:`fill_store` (stream row blocks into a store, as bytes) and
+  :func:`commit_conversion` (write a conversion's files as one atomic set);
+  Qwen4-Exp PLE's are in :mod:`engramrt.families.qwen4_ple.loading` and
+  :mod:`engramrt.families.qwen4_ple.convert`.
 
 Tensor names are configurable per role (:class:`TensorNames`); the
 defaults are in :mod:`engramrt.checkpoint.names`. The files engramrt
@@ -27,12 +32,14 @@ from __future__ import annotations
 
 from engramrt.checkpoint.convert import (
     ConversionPlan,
+    commit_conversion,
     convert_checkpoint,
     output_paths,
     plan_conversion,
     run_conversion,
 )
 from engramrt.checkpoint.engine_loader import EngramWeightLoader
+from engramrt.checkpoint.fill import fill_store
 from engramrt.checkpoint.loading import (
     DEFAULT_LAYER_WEIGHT_NAMES,
     load_layer,
@@ -80,7 +87,9 @@ __all__ = [
     "SafetensorsStreamWriter",
     "TensorNames",
     "TensorSpec",
+    "commit_conversion",
     "convert_checkpoint",
+    "fill_store",
     "iter_packed_rows",
     "load_layer",
     "load_names",

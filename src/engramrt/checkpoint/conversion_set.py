@@ -52,6 +52,7 @@ __all__ = [
     "MANIFEST_FORMAT",
     "MANIFEST_NAME",
     "META_CONVERSION_ID",
+    "OUTPUT_STEMS",
     "ConversionManifest",
     "conversion_lock",
     "is_output_name",
@@ -67,7 +68,11 @@ MANIFEST_FORMAT = "engramrt-conversion"
 META_CONVERSION_ID = "engramrt_conversion_id"
 KILL_ENV = "ENGRAMRT_TEST_KILL_AT"
 
-_OUTPUT = re.compile(r"^engram(-rank\d+-of-\d+)?\.safetensors$")
+OUTPUT_STEMS = ("engram", "ple")
+"""Stems of the files conversions write: ``engram`` (DeepSeek Engram tables) and ``ple``
+(Qwen4-Exp PLE tables); ``<stem>.safetensors`` or ``<stem>-rank<r>-of-<N>.safetensors``."""
+
+_OUTPUT = re.compile(rf"^({'|'.join(OUTPUT_STEMS)})(-rank\d+-of-\d+)?\.safetensors$")
 _TEMPORARY = re.compile(r"^\.(?P<name>.+?\.(safetensors|json))\.[^/]+\.tmp$")
 
 
@@ -85,7 +90,8 @@ def kill_point(point: str) -> None:
 
 
 def is_output_name(name: str) -> bool:
-    """``engram.safetensors`` or ``engram-rank<r>-of-<N>.safetensors``: names a conversion writes."""
+    """``<stem>.safetensors`` or ``<stem>-rank<r>-of-<N>.safetensors`` with a stem of
+    :data:`OUTPUT_STEMS`: the names conversions write."""
     return _OUTPUT.match(name) is not None
 
 

@@ -25,7 +25,7 @@ import dataclasses
 import functools
 import os
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,6 +35,7 @@ from engramrt._io import atomic_write_bytes, fsync_directory
 from engramrt.checkpoint.conversion_set import (
     MANIFEST_NAME,
     META_CONVERSION_ID,
+    OUTPUT_STEMS,
     ConversionManifest,
     conversion_lock,
     file_conversion_id,
@@ -77,6 +78,7 @@ from engramrt.tokenmap import TokenMap
 
 __all__ = [
     "ConversionPlan",
+    "commit_conversion",
     "convert_checkpoint",
     "output_paths",
     "plan_conversion",
@@ -85,25 +87,36 @@ __all__ = [
 
 SINGLE_FILE_NAME = "engram.safetensors"
 _ID_LENGTH = len(uuid.uuid4().hex)
+CONVERSION_PLACEHOLDERS = {
+    META_CONVERSION_ID: "0" * _ID_LENGTH,
+    META_DATA_SHA256: DIGEST_PLACEHOLDER,
+}
+"""Metadata a planned output carries until it is written: placeholders of the conversion id
+and the content digest, of their final lengths, so that a plan's ``nbytes`` is already exact
+(:func:`commit_conversion` sets the id, the writer the digest)."""
 
 
-def output_paths(dst: str | os.PathLike[str], tp: int) -> list[Path]:
+def output_paths(dst: str | os.PathLike[str], tp: int, *, stem: str = "engram") -> list[Path]:
     """Where a conversion writes.
 
     ``tp=1``: ``dst`` itself when it ends in ``.safetensors`` or is an
-    existing file, else ``dst/engram.safetensors``. ``tp=N``: one file per
-    rank, ``dst/engram-rank<r>-of-<N>.safetensors`` (``dst`` is a directory).
+    existing file, else ``dst/<stem>.safetensors``. ``tp=N``: one file per
+    rank, ``dst/<stem>-rank<r>-of-<N>.safetensors`` (``dst`` is a directory).
+    ``stem``: one of :data:`~engramrt.checkpoint.conversion_set.OUTPUT_STEMS`
+    (``"engram"``, ``"ple"``), so a loader recognises the files as a set.
     """
+    if stem not in OUTPUT_STEMS:
+        raise CheckpointError(f"stem={stem!r}; expected one of {OUTPUT_STEMS}")
     target = Path(dst)
     if tp == 1:
         if target.suffix == ".safetensors" or target.is_file():
             return [target]
-        return [target / SINGLE_FILE_NAME]
+        return [target / f"{stem}.safetensors"]
     if target.suffix == ".safetensors" or target.is_file():
         raise CheckpointError(
             f"DST {str(target)!r} is a file; expected a directory for tp={tp} (one file per rank)"
         )
-    return [target / f"engram-rank{rank}-of-{tp}.safetensors" for rank in range(tp)]
+    return [target / f"{stem}-rank{rank}-of-{tp}.safetensors" for rank in range(tp)]
 
 
 @dataclass(frozen=True)
@@ -170,16 +183,8 @@ def plan_conversion(
     for rank, path in enumerate(paths):
         slots = layer_slots(cfg, layout, tensor_names, tp=None if tp == 1 else tp, rank=rank)
         planned = file_layout(path, cfg, slots, scale_dtype=scale_dtype, tp=tp, rank=rank)
-        # A placeholder of the id's length, so that nbytes is already exact.
         files.append(
-            dataclasses.replace(
-                planned,
-                metadata={
-                    **planned.metadata,
-                    META_CONVERSION_ID: "0" * _ID_LENGTH,
-                    META_DATA_SHA256: DIGEST_PLACEHOLDER,  # the writer fills in the digest
-                },
-            )
+            dataclasses.replace(planned, metadata={**planned.metadata, **CONVERSION_PLACEHOLDERS})
         )
     source_names = tensor_names.per_layer("source", cfg)
     sources = []
@@ -254,10 +259,44 @@ def run_conversion(
     if backend is None:
         backend = "reference" if compute_device.type == "cpu" else "auto"
     rows_per_block = check_block_rows(block_rows, 4 * cfg.head_dim)
+
+    def fill(writers: Sequence[SafetensorsStreamWriter]) -> None:
+        _quantise_into(plan, writers, rows_per_block, compute_device, backend, on_rows)
+
+    return commit_conversion(plan.files, tp=plan.tp, directory_set=plan.directory_set, fill=fill)
+
+
+def commit_conversion(
+    files: Sequence[FileLayout],
+    *,
+    tp: int,
+    directory_set: bool,
+    fill: Callable[[Sequence[SafetensorsStreamWriter]], None],
+) -> list[Path]:
+    """Write ``files`` as one conversion set, committed together; returns their paths.
+
+    The part every conversion shares (see :mod:`engramrt.checkpoint.conversion_set`): a new
+    conversion id in every file's metadata, the directory's conversion lock, stale
+    temporaries removed, the free space checked, each file streamed into its staged
+    temporary, then (for a ``directory_set``) the manifest, the renames and the removal of
+    the files it replaces. ``fill(writers)`` appends every tensor's bytes, in the order of
+    each file's specs, to one :class:`SafetensorsStreamWriter` per file (``files`` order);
+    when it raises, the staged files are removed and nothing appears.
+
+    Args:
+        files: the outputs (from a plan: their metadata holds :data:`CONVERSION_PLACEHOLDERS`).
+        tp: tensor-parallel size of the set (recorded in the manifest).
+        directory_set: the outputs are named by engramrt inside one directory, which then
+            also gets the set's manifest.
+        fill: writes the data.
+
+    Raises:
+        CapacityError: the destination file system has too little free space.
+    """
     conversion_id = uuid.uuid4().hex
     files = tuple(
         dataclasses.replace(f, metadata={**f.metadata, META_CONVERSION_ID: conversion_id})
-        for f in plan.files
+        for f in files
     )
     directory = files[0].path.parent
     with conversion_lock(directory):
@@ -266,14 +305,14 @@ def run_conversion(
         staged = [staged_path(f.path, conversion_id) for f in files]
         committed = False
         try:
-            _write_staged(plan, files, staged, rows_per_block, compute_device, backend, on_rows)
+            _write_staged(files, staged, fill)
             kill_point("convert:staged")
-            replaced = _replaced_files(directory, files) if plan.directory_set else []
+            replaced = _replaced_files(directory, files) if directory_set else []
             manifest = None
-            if plan.directory_set:
+            if directory_set:
                 manifest = ConversionManifest(
                     conversion_id,
-                    plan.tp,
+                    tp,
                     tuple(f.path.name for f in files),
                     tuple((path.name, cid) for path, cid in replaced),
                 )
@@ -301,16 +340,11 @@ def run_conversion(
 
 
 def _write_staged(
-    plan: ConversionPlan,
     files: tuple[FileLayout, ...],
     staged: list[Path],
-    rows_per_block: int,
-    compute_device: torch.device,
-    backend: str,
-    on_rows: Callable[[int], None] | None,
+    fill: Callable[[Sequence[SafetensorsStreamWriter]], None],
 ) -> None:
-    """Quantise every block into the staged files and fsync them."""
-    cfg = plan.config
+    """Open the staged files, let ``fill`` write every tensor, finish and fsync them."""
     with contextlib.ExitStack() as stack:
         writers, handles = [], []
         for output, path in zip(files, staged, strict=True):
@@ -318,35 +352,48 @@ def _write_staged(
             handle = stack.enter_context(os.fdopen(fd, "wb"))
             handles.append(handle)
             writers.append(SafetensorsStreamWriter(handle, output.specs, output.metadata))
-        for index, pieces in enumerate(plan.sources):
-            layer_id = cfg.layer_ids[index]
-            for output, writer in zip(files, writers, strict=True):
-                slot = output.slots[index]
-                for piece in pieces:
-                    begin = max(piece.row_begin, slot.row_begin)
-                    end = min(piece.row_end, slot.row_end)
-                    if begin >= end:
-                        continue
-                    source = safe_slice(
-                        piece.location.file, piece.location.name, piece.location.open_path
-                    )
-                    for block_begin in range(begin, end, rows_per_block):
-                        block_end = min(block_begin + rows_per_block, end)
-                        block = read_rows(piece, source, block_begin, block_end)  # [n, E] float
-                        block = block.to(compute_device)
-                        _check_finite(block, piece.location.name, layer_id, block_begin)
-                        values, scales = quantize_rows(block, backend=backend, check_finite=False)
-                        writer.append(slot.weight, tensor_bytes(values))
-                        writer.append(slot.scale, tensor_bytes(scales))
-                        if on_rows is not None:
-                            on_rows(block_end - block_begin)
-                        kill_point("convert:block")
+        fill(writers)
         for index, writer in enumerate(writers):
             writer.finish()
             kill_point(f"convert:finished-{index + 1}")
         for handle in handles:
             handle.flush()
             os.fsync(handle.fileno())
+
+
+def _quantise_into(
+    plan: ConversionPlan,
+    writers: Sequence[SafetensorsStreamWriter],
+    rows_per_block: int,
+    compute_device: torch.device,
+    backend: str,
+    on_rows: Callable[[int], None] | None,
+) -> None:
+    """Quantise every block of the plan's sources into the files' writers."""
+    cfg = plan.config
+    for index, pieces in enumerate(plan.sources):
+        layer_id = cfg.layer_ids[index]
+        for output, writer in zip(plan.files, writers, strict=True):
+            slot = output.slots[index]
+            for piece in pieces:
+                begin = max(piece.row_begin, slot.row_begin)
+                end = min(piece.row_end, slot.row_end)
+                if begin >= end:
+                    continue
+                source = safe_slice(
+                    piece.location.file, piece.location.name, piece.location.open_path
+                )
+                for block_begin in range(begin, end, rows_per_block):
+                    block_end = min(block_begin + rows_per_block, end)
+                    block = read_rows(piece, source, block_begin, block_end)  # [n, E] float
+                    block = block.to(compute_device)
+                    _check_finite(block, piece.location.name, layer_id, block_begin)
+                    values, scales = quantize_rows(block, backend=backend, check_finite=False)
+                    writer.append(slot.weight, tensor_bytes(values))
+                    writer.append(slot.scale, tensor_bytes(scales))
+                    if on_rows is not None:
+                        on_rows(block_end - block_begin)
+                    kill_point("convert:block")
 
 
 def _replaced_files(

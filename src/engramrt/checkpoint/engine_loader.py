@@ -63,6 +63,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from engramrt.checkpoint.fill import fill_store
 from engramrt.checkpoint.finite import check_head_weight, check_packed_rows_finite
 from engramrt.checkpoint.names import DEFAULT_HEAD_NAMES, TensorNames, head_name_templates
 from engramrt.checkpoint.ranks import agreed_checkpoint
@@ -400,8 +401,7 @@ class EngramWeightLoader:
                     self._read_head(ckpt, index)
             for plan in plans:
                 layer = self._tables[plan.layer_index]
-                for local_row, packed in _iter_plan(plan, self.block_rows):
-                    layer.store.write_rows(local_row, packed)
+                fill_store(layer.store, _iter_plan(plan, self.block_rows))
                 layer.written = True
 
     def _plan_table(

@@ -25,6 +25,11 @@ key                         value
                             and layout the rows were hashed with, JSON of
                             :meth:`engramrt.tokenmap.TokenMapFingerprint.to_dict`
                             (written by ``engramrt convert``)
+``engramrt_family``         the memory family whose tables the file holds, for
+                            families other than DeepSeek Engram (``"qwen4-ple"``;
+                            absent: DeepSeek Engram)
+``engramrt_fingerprint``    that family's :meth:`~engramrt.family.MemoryFamily.fingerprint`
+                            (:func:`check_family`)
 ==========================  ===================================================
 
 A reader uses ``engramrt_layers`` to map a tensor's local row 0 to global
@@ -63,6 +68,8 @@ from engramrt.tokenmap import TokenMap, TokenMapFingerprint, TokenMapWarning, de
 __all__ = [
     "META_CONFIG",
     "META_CONFIG_JSON",
+    "META_FAMILY",
+    "META_FINGERPRINT",
     "META_LAYERS",
     "META_RANK",
     "META_SCALES",
@@ -72,7 +79,9 @@ __all__ = [
     "LayerSlot",
     "RowRange",
     "build_metadata",
+    "check_family",
     "check_token_map",
+    "family_metadata",
     "read_token_map_fingerprint",
     "tensor_row_ranges",
     "token_map_metadata",
@@ -86,6 +95,8 @@ META_RANK = "engramrt_rank"
 META_SCALES = "engramrt_scale_dtype"
 META_LAYERS = "engramrt_layers"
 META_TOKEN_MAP = "engramrt_token_map"
+META_FAMILY = "engramrt_family"
+META_FINGERPRINT = "engramrt_fingerprint"
 # Written by every conversion (see engramrt.checkpoint.conversion_set); repeated
 # here so that this module does not import the conversion machinery.
 _META_CONVERSION_ID = "engramrt_conversion_id"
@@ -268,3 +279,43 @@ def check_token_map(
         if token_map is None:
             token_map = default_token_map()
         check_fingerprint(token_map, recorded, config, where=str(file))
+
+
+def family_metadata(family: str, fingerprint: str, *, tp: int, rank: int) -> dict[str, str]:
+    """The ``__metadata__`` entries of a file of family ``family``'s tables: the format, the
+    engramrt version, the family and its fingerprint, and the rank of ``tp`` it serves."""
+    from engramrt import __version__
+
+    return {
+        "format": "pt",
+        META_VERSION: __version__,
+        META_FAMILY: family,
+        META_FINGERPRINT: fingerprint,
+        META_TP: str(tp),
+        META_RANK: str(rank),
+    }
+
+
+def check_family(metadata: Mapping[str, str], file: object, family: str, fingerprint: str) -> None:
+    """Refuse a file written for another family, or for the family hashed otherwise.
+
+    The fingerprint covers everything that decides which row a token reads (for Qwen4-Exp
+    PLE: the hash constants, EOS, N and H): rows written under another one are other rows.
+
+    Raises:
+        CheckpointError: naming the file, the field, the value it records and the one
+            expected.
+    """
+    recorded = metadata.get(META_FAMILY)
+    if recorded != family:
+        raise CheckpointError(
+            f"{file} records {META_FAMILY}={recorded!r}; expected {family!r} (a file converted "
+            f"for the family being loaded)"
+        )
+    recorded = metadata.get(META_FINGERPRINT)
+    if recorded != fingerprint:
+        raise CheckpointError(
+            f"{file} records {META_FINGERPRINT}={recorded!r}; the config gives {fingerprint!r}: "
+            f"its rows were hashed with other constants (another seed, EOS, vocab size or "
+            f"layer list); convert again with this config"
+        )

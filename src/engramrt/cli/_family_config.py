@@ -13,12 +13,15 @@ import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
+
+import typer
 
 from engramrt.errors import ConfigError, ValidationError
 
 __all__ = [
     "FamilyConfig",
+    "FamilyConfigOption",
     "engram_config",
     "family_config",
     "family_value",
@@ -28,6 +31,17 @@ __all__ = [
 
 DEFAULT_FAMILY = "deepseek-engram"
 """The family of the presets, and of a config.json that carries no family's marks."""
+
+FamilyConfigOption = Annotated[
+    str,
+    typer.Option(
+        "--config",
+        "-c",
+        help="Preset or config.json / model dir: DeepSeek Engram or Qwen4-Exp (PLE).",
+    ),
+]
+"""The ``--config`` option (``-c``) of every command that serves any family, read by
+:func:`load_family_config`; each command gives its default."""
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from typing import Any
 
 from engramrt.errors import ValidationError
 
-__all__ = ["HashRun", "load_ids_file", "save_row_ids"]
+__all__ = ["HashRun", "load_ids_file", "print_match", "save_row_ids"]
 
 
 @dataclass(frozen=True)
@@ -105,3 +105,21 @@ def save_row_ids(out: Path, row_ids: Any) -> None:
     buf = io.BytesIO()
     np.save(buf, row_ids)
     write_output("--out", out, buf.getvalue())
+
+
+def print_match(run: HashRun, summary: str, row_ids: Any, matches: bool) -> None:
+    """Print ``summary`` (what was hashed, how), whether streaming matched one-shot hashing
+    and, with ``--out``, where the ``[T, L, C]`` row ids went: the last lines of every
+    family's table output."""
+    from engramrt.cli._console import console
+
+    console.print(
+        f"{summary}: "
+        + (
+            "[green]matches one-shot hashing[/]"
+            if matches
+            else "[red]DIFFERS from one-shot hashing[/]"
+        )
+    )
+    if run.out is not None:
+        console.print(f"saved {list(row_ids.shape)} int64 to {run.out}")

@@ -14,8 +14,8 @@ from typing import Annotated
 
 import typer
 
-from engramrt.cli._family_config import FamilyConfig
-from engramrt.cli._hash_run import HashRun, save_row_ids
+from engramrt.cli._family_config import FamilyConfig, FamilyConfigOption
+from engramrt.cli._hash_run import HashRun, print_match, save_row_ids
 
 
 def _hash_engram(run: HashRun, loaded: FamilyConfig) -> bool:
@@ -71,17 +71,13 @@ def _hash_engram(run: HashRun, loaded: FamilyConfig) -> bool:
             *(f"{row_ids[p, 0, o * h]:,}" for o in range(cfg.max_ngram_size - 1)),
         )
     console.print(table)
-    console.print(
+    print_match(
+        run,
         f"{token_ids.shape[0]} tokens, chunks {run.chunk_sizes or 'all at once'}, history "
-        f"{history}, backend {hasher.backend}: "
-        + (
-            "[green]matches one-shot hashing[/]"
-            if matches
-            else "[red]DIFFERS from one-shot hashing[/]"
-        )
+        f"{history}, backend {hasher.backend}",
+        row_ids,
+        matches,
     )
-    if run.out is not None:
-        console.print(f"saved {list(row_ids.shape)} int64 to {run.out}")
     return matches
 
 
@@ -104,14 +100,7 @@ _RUNNERS: dict[str, Callable[[HashRun, FamilyConfig], bool]] = {
 def register(app: typer.Typer) -> None:
     @app.command("hash")
     def hash_command(
-        config: Annotated[
-            str,
-            typer.Option(
-                "--config",
-                "-c",
-                help="Preset or config.json / model dir: DeepSeek Engram or Qwen4-Exp (PLE).",
-            ),
-        ] = "dsv41-flash",
+        config: FamilyConfigOption = "dsv41-flash",
         tokenizer: Annotated[
             Path | None,
             typer.Option(help="tokenizer.json (default DeepSeek-V4; Qwen4-Exp --text needs one)."),

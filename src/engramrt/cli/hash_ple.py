@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from engramrt.cli._hash_run import HashRun, save_row_ids
+from engramrt.cli._hash_run import HashRun, print_match, save_row_ids
 from engramrt.errors import ValidationError
 
 __all__ = ["check_ple_token_ids", "hash_ple", "stream_ple"]
@@ -114,15 +114,11 @@ def _print_rows(
         cells = (f"{row_ids[p, 0, (n - 2) * heads]:,}" for n in orders)
         table.add_row(str(p), str(token_ids[p]), *cells)
     console.print(table)
-    console.print(
+    print_match(
+        run,
         f"{token_ids.shape[0]} tokens, {config.n_layers} PLE layer(s) "
         f"{list(config.ple_layer_ids)}, chunks {run.chunk_sizes or 'all at once'}, backend "
-        f"{backend}: "
-        + (
-            "[green]matches one-shot hashing[/]"
-            if matches
-            else "[red]DIFFERS from one-shot hashing[/]"
-        )
+        f"{backend}",
+        row_ids,
+        matches,
     )
-    if run.out is not None:
-        console.print(f"saved {list(row_ids.shape)} int64 to {run.out}")

@@ -12,6 +12,8 @@ from typing import Annotated, Any
 
 import typer
 
+from engramrt.cli._family_config import FamilyConfigOption
+
 __all__ = ["DEFAULT_TP", "human_bytes", "plan_report", "register"]
 
 DEFAULT_TP = (1, 2, 4, 8)
@@ -164,14 +166,7 @@ def _print_report(report: dict[str, Any]) -> None:
 def register(app: typer.Typer) -> None:
     @app.command()
     def plan(
-        config: Annotated[
-            str,
-            typer.Option(
-                "--config",
-                "-c",
-                help="Preset or config.json / model dir: DeepSeek Engram or Qwen4-Exp (PLE).",
-            ),
-        ] = "dsv41-flash",
+        config: FamilyConfigOption = "dsv41-flash",
         tp: Annotated[
             str | None,
             typer.Option(help="Tensor-parallel sizes, e.g. 1,2,4,8 (the default)."),

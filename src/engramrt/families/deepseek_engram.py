@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from engramrt.checkpoint.names import DEFAULT_HEAD_NAMES, DEFAULT_SCALE_NAME, DEFAULT_WEIGHT_NAME
 from engramrt.config import PRESETS, EngramConfig
 from engramrt.errors import ValidationError
-from engramrt.family import FP8_UE8M0, TableSpec, TensorRole, column_ranges
+from engramrt.family import FP8_UE8M0, TableSpec, TensorRole, layer_tables
 from engramrt.layout import EngramLayout
 
 if TYPE_CHECKING:
@@ -56,21 +56,15 @@ class DeepSeekEngramFamily:
     def tables(self) -> list[TableSpec]:
         """One fp8 table per Engram layer: ``engram_num_embeddings`` rows of ``E`` values and
         ``E/32`` scale bytes, split by tensor parallelism along hash columns."""
-        tables = []
-        for index, layer in enumerate(self.layer_ids):
-            offsets, rows = column_ranges(self.layout.offsets[index], self.layout.col_primes[index])
-            tables.append(
-                TableSpec(
-                    layer_id=layer,
-                    rows=self.config.num_embeddings[index],
-                    width=self.config.head_dim,
-                    row_format=FP8_UE8M0,
-                    col_offsets=offsets,
-                    col_rows=rows,
-                    shard="columns",
-                )
-            )
-        return tables
+        return layer_tables(
+            self.layer_ids,
+            self.config.num_embeddings,
+            self.config.head_dim,
+            FP8_UE8M0,
+            self.layout.offsets,
+            self.layout.col_primes,
+            "columns",
+        )
 
     def tensor_roles(self) -> list[TensorRole]:
         """Each layer's table (fp8 values and ue8m0 scale bytes) and its head's weights

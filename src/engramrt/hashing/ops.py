@@ -31,6 +31,48 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+# Shared by the launchers of every n-gram hash kernel (this one and the PLE family's).
+
+
+def check_out_dtype(out_dtype: torch.dtype, max_row_id: int) -> None:
+    """Refuse an ``out_dtype`` other than int32 or int64, or int32 when a row id reaches
+    ``max_row_id >= 2**31``."""
+    if out_dtype not in (torch.int32, torch.int64):
+        raise ValidationError(f"out_dtype={out_dtype} must be torch.int32 or torch.int64")
+    if out_dtype == torch.int32 and max_row_id >= 2**31:
+        raise ValidationError(
+            f"out_dtype=torch.int32 cannot hold row id {max_row_id:,}; use torch.int64"
+        )
+
+
+def check_kernel_config(kernel_config: object) -> None:
+    """Refuse a ``kernel_config`` that is neither a :class:`HashKernelConfig` nor None."""
+    if kernel_config is not None and not isinstance(kernel_config, HashKernelConfig):
+        raise ValidationError(f"kernel_config={kernel_config!r} must be a HashKernelConfig or None")
+
+
+def hash_shape_constexprs(n_layers: int, ngram_size: int, heads: int) -> dict[str, int]:
+    """The shape constexprs of an n-gram hash kernel: ``L``, ``N``, ``H`` and each padded
+    to a power of two (the register tiles' sizes)."""
+    return {
+        "L": n_layers,
+        "N": ngram_size,
+        "H": heads,
+        "L_PAD": _next_pow2(n_layers),
+        "N_PAD": _next_pow2(ngram_size),
+        "H_PAD": _next_pow2(heads),
+    }
+
+
+def request_search(config: HashKernelConfig, num_requests: int) -> tuple[int, int]:
+    """``(search_steps, scan_r)``: how a launch finds each token's request among
+    ``num_requests``, by a binary search of ``search_steps`` or one load of a ``scan_r``
+    tile of ``query_start_loc`` (``scan_r > 0``). Both rounded so only a few variants ever
+    compile: the search to a multiple of 4 steps, the tile to a power of two >= 16."""
+    search_steps = -(-max(1, num_requests.bit_length()) // 4) * 4
+    return search_steps, config.scan_width(num_requests)
+
+
 class NgramHasher:
     """Computes ``[T, n_layers, C]`` row ids for every Engram layer of a batch.
 
@@ -80,17 +122,9 @@ class NgramHasher:
         fits32 = consts.max_row_id < 2**31
         if out_dtype is None:
             out_dtype = torch.int32 if fits32 else torch.int64
-        if out_dtype not in (torch.int32, torch.int64):
-            raise ValidationError(f"out_dtype={out_dtype} must be torch.int32 or torch.int64")
-        if out_dtype == torch.int32 and not fits32:
-            raise ValidationError(
-                f"out_dtype=torch.int32 cannot hold row id {consts.max_row_id:,}; use torch.int64"
-            )
+        check_out_dtype(out_dtype, consts.max_row_id)
         self.out_dtype = out_dtype
-        if kernel_config is not None and not isinstance(kernel_config, HashKernelConfig):
-            raise ValidationError(
-                f"kernel_config={kernel_config!r} must be a HashKernelConfig or None"
-            )
+        check_kernel_config(kernel_config)
         self.kernel_config = kernel_config
         self.token_map_dev = torch.as_tensor(self.token_map.astype(np.int32), device=self.device)
         self.consts_dev = consts.packed(self.device)
@@ -100,14 +134,9 @@ class NgramHasher:
         inv_primes = 1.0 / consts.col_primes.astype(np.float64)  # [L, C]
         self.inv_primes_dev = torch.as_tensor(np.ascontiguousarray(inv_primes), device=self.device)
         self._launchers: tuple[Any, Any] | None = None
-        self._shape_constexprs = {
-            "L": consts.n_layers,
-            "N": consts.max_ngram_size,
-            "H": consts.n_heads,
-            "L_PAD": _next_pow2(consts.n_layers),
-            "N_PAD": _next_pow2(consts.max_ngram_size),
-            "H_PAD": _next_pow2(consts.n_heads),
-        }
+        self._shape_constexprs = hash_shape_constexprs(
+            consts.n_layers, consts.max_ngram_size, consts.n_heads
+        )
 
     @classmethod
     def from_config(
@@ -242,10 +271,7 @@ class NgramHasher:
             table, block_size = batch.request_slots, history.window
             history_rows = history.max_requests
         config = self.kernel_config or kernel_config_for(t_len, self.device)
-        # Both rounded so only a few variants ever compile: the binary search
-        # to a multiple of 4 steps, the scanned qsl tile to a power of two >= 16.
-        search_steps = -(-max(1, n_req.bit_length()) // 4) * 4
-        scan_r = config.scan_width(n_req)
+        search_steps, scan_r = request_search(config, n_req)
         ring_commit = (
             isinstance(history, RequestHistory)
             and config.ring_commit

@@ -7,6 +7,23 @@ import pytest
 
 ORACLE_VERSION = "5.23.0"
 
+ORACLE_MODEL_FIELDS = dict(
+    hc_lowrank=4,
+    num_experts=2,
+    num_experts_per_tok=1,
+    moe_intermediate_size=8,
+    shared_expert_intermediate_size=8,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=16,
+    linear_key_head_dim=8,
+    linear_value_head_dim=8,
+    linear_num_key_heads=2,
+    linear_num_value_heads=2,
+)
+"""The fields of a tiny Qwen4-Exp text config that PLE does not read but the oracle's model
+needs to be built (hyper-connections, experts, attention heads), small."""
+
 
 @pytest.fixture(scope="session")
 def oracle():

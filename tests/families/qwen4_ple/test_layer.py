@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from tests.families.qwen4_ple.conftest import ORACLE_MODEL_FIELDS
 from tests.helpers import assert_same_bits
 
 from engramrt.errors import CheckpointError, ValidationError
@@ -56,33 +57,24 @@ S = ple_conv_state_len(K, N)
 def text_fields(hc: int, embed_dim: int) -> dict:
     """A tiny Qwen4-Exp text config whose decoder layer 1 (PLE id 2) is linear attention,
     as ``DynamicCache`` needs for the PLE conv state (the oracle notes in docs/families.md)."""
-    return dict(
-        vocab_size=VOCAB,
-        hidden_size=D,
-        hc_count=hc,
-        hc_lowrank=4,
-        num_hidden_layers=2,
-        layer_types=["linear_attention", "linear_attention"],
-        ple_layer_ids=[2],
-        ple_embed_dim=embed_dim,
-        ngram_size=N,
-        heads_per_ngram=H,
-        ple_conv_kernel_size=K,
-        ngram_vocab_size_base=101,
-        make_ngram_vocab_size_divisible_by=8,
-        eos_token_id=EOS,
-        rms_norm_eps=EPS,
-        num_experts=2,
-        num_experts_per_tok=1,
-        moe_intermediate_size=8,
-        shared_expert_intermediate_size=8,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=16,
-        linear_key_head_dim=8,
-        linear_value_head_dim=8,
-        linear_num_key_heads=2,
-        linear_num_value_heads=2,
+    return (
+        dict(
+            vocab_size=VOCAB,
+            hidden_size=D,
+            hc_count=hc,
+            num_hidden_layers=2,
+            layer_types=["linear_attention", "linear_attention"],
+            ple_layer_ids=[2],
+            ple_embed_dim=embed_dim,
+            ngram_size=N,
+            heads_per_ngram=H,
+            ple_conv_kernel_size=K,
+            ngram_vocab_size_base=101,
+            make_ngram_vocab_size_divisible_by=8,
+            eos_token_id=EOS,
+            rms_norm_eps=EPS,
+        )
+        | ORACLE_MODEL_FIELDS
     )
 
 
@@ -222,7 +214,9 @@ def test_bf16_zero_score_gives_half_the_value() -> None:
         assert gate[token, stream].item() == 0.5
     out, _ = reference(o, torch.bfloat16, hidden, rows)
     assert_same_bits(out, expected, "out")
-    gated, _ = ple._gated_values(hidden, rows, o.weights(torch.bfloat16), EPS, None)
+    weights = o.weights(torch.bfloat16)
+    projections = F.linear(rows, weights.key_proj), F.linear(rows, weights.value_proj)
+    gated, _ = ple.ple_gate_norm_reference(*projections, hidden, weights, EPS, None)
     for token, stream in zeroed:
         half = (value[token].float() * 0.5).to(torch.bfloat16)
         assert_same_bits(gated[token, stream * D : (stream + 1) * D], half, "a at s = 0")

@@ -57,6 +57,7 @@ from engramrt.errors import CheckpointError, ValidationError, describe_tensor
 from engramrt.families.qwen4_ple.config import PleConfig
 from engramrt.families.qwen4_ple.ids import PleConstants
 from engramrt.families.qwen4_ple.layer import PLE_CHECKPOINT_PREFIXES, PleLayerWeights
+from engramrt.plan import TableRegion, width_slice
 
 __all__ = [
     "BUFFER_NAMES",
@@ -105,7 +106,7 @@ _SHARD = re.compile(r"shard_(\d+)\.weight")
 
 
 @dataclass(frozen=True)
-class PleTableRegion:
+class PleTableRegion(TableRegion):
     """Table rows ``[row_begin, row_end)`` and, of each, values ``[value_begin, value_end)``
     (columns of the ``[R, d]`` table; not hash columns)."""
 
@@ -122,24 +123,15 @@ class PleTableRegion:
     @classmethod
     def width_shard(cls, rows: int, width: int, tp: int, rank: int) -> PleTableRegion:
         """Rank ``rank`` of ``tp``'s part under the TP plan ``embedding_colwise``: every row,
-        values ``[rank * w, min((rank + 1) * w, width))`` with ``w = ceil(width / tp)``
-        (``torch.chunk`` along the values, as a DTensor ``Shard(1)`` places them; when
-        ``tp`` does not divide ``width`` the last ranks get fewer values, possibly none)."""
+        and the values :func:`engramrt.plan.width_slice` gives the rank (``torch.chunk``
+        along the values, as a DTensor ``Shard(1)`` places them; when ``tp`` does not divide
+        ``width`` the last ranks get fewer values, possibly none)."""
         for name, value in (("tp", tp), ("rank", rank), ("width", width)):
             if isinstance(value, bool) or not isinstance(value, int):
                 raise ValidationError(f"{name}={value!r}; expected an int")
         if tp < 1 or not 0 <= rank < tp:
             raise ValidationError(f"tp={tp}, rank={rank}; expected tp >= 1 and 0 <= rank < tp")
-        per_rank = -(-width // tp)
-        return cls(0, rows, min(rank * per_rank, width), min((rank + 1) * per_rank, width))
-
-    @property
-    def num_rows(self) -> int:
-        return self.row_end - self.row_begin
-
-    @property
-    def num_values(self) -> int:
-        return self.value_end - self.value_begin
+        return cls(0, rows, *width_slice(width, tp, rank))
 
     @property
     def shape(self) -> tuple[int, int]:

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from engramrt._io import read_json
-from engramrt.errors import ConfigError
+from engramrt.errors import ConfigError, ValidationError
 
 __all__ = [
     "INDEXED_ATTENTION",
@@ -35,6 +35,7 @@ __all__ = [
     "LINEAR_ATTENTION",
     "PleConfig",
     "default_layer_types",
+    "resolve_ple_config",
 ]
 
 _INT64_MAX = 2**63 - 1
@@ -366,6 +367,19 @@ class PleConfig:
         normalised values: ``ple_embed_dim`` stays what it resolved to (change it with
         ``hidden_size`` when both should move) and ``layer_types`` its length."""
         return dataclasses.replace(self, **changes)
+
+
+def resolve_ple_config(config: PleConfig | Mapping[str, Any] | str | Path) -> PleConfig:
+    """``config`` as a :class:`PleConfig` (an HF ``config.json`` object or path through
+    :meth:`PleConfig.from_hf`), refused with :class:`ValidationError` when PLE is off: what
+    every object that computes a PLE layer takes (``ple_layer_ids`` not empty)."""
+    if not isinstance(config, PleConfig):
+        config = PleConfig.from_hf(config)
+    if not config.enabled:
+        raise ValidationError(
+            "config has ple_layer_ids=[] (PLE off); expected at least one PLE layer"
+        )
+    return config
 
 
 def _text_config(data: Any, what: str) -> Mapping[str, Any]:

@@ -10,9 +10,9 @@ from pathlib import Path
 from typing import Any
 
 from engramrt.errors import ValidationError
-from engramrt.families.qwen4_ple.config import PleConfig
+from engramrt.families.qwen4_ple.config import PleConfig, resolve_ple_config
 from engramrt.families.qwen4_ple.ids import PleConstants
-from engramrt.family import BF16, TableSpec, TensorRole, column_ranges
+from engramrt.family import BF16, TableSpec, TensorRole, layer_tables
 
 __all__ = ["PREFIXES", "Qwen4PleFamily"]
 
@@ -40,12 +40,7 @@ class Qwen4PleFamily:
     def __init__(
         self, config: PleConfig | Mapping[str, Any] | str | Path, *, prefix: str = PREFIXES[0]
     ) -> None:
-        if not isinstance(config, PleConfig):
-            config = PleConfig.from_hf(config)
-        if not config.enabled:
-            raise ValidationError(
-                "config has ple_layer_ids=[] (PLE off); expected at least one PLE layer"
-            )
+        config = resolve_ple_config(config)
         if prefix not in PREFIXES:
             raise ValidationError(f"prefix={prefix!r}; expected one of {PREFIXES}")
         self.config = config
@@ -58,21 +53,15 @@ class Qwen4PleFamily:
         """One bf16 table per PLE layer: ``R`` rows (padded) of ``d = E / C`` values, split by
         tensor parallelism along each row's values (``embedding_colwise``)."""
         consts = self.constants
-        tables = []
-        for index, layer in enumerate(self.layer_ids):
-            offsets, rows = column_ranges(consts.offsets[index], consts.head_sizes[index])
-            tables.append(
-                TableSpec(
-                    layer_id=layer,
-                    rows=consts.table_rows[index],
-                    width=self.config.table_width,
-                    row_format=BF16,
-                    col_offsets=offsets,
-                    col_rows=rows,
-                    shard="width",
-                )
-            )
-        return tables
+        return layer_tables(
+            self.layer_ids,
+            consts.table_rows,
+            self.config.table_width,
+            BF16,
+            consts.offsets,
+            consts.head_sizes,
+            "width",
+        )
 
     def tensor_roles(self) -> list[TensorRole]:
         """Each PLE layer's table (the runtime parameter; checkpoints store it as

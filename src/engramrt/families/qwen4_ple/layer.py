@@ -45,6 +45,7 @@ Public names:
 - :func:`ple_layer_reference_varlen`: a flat batch of sequence chunks (``query_start_loc``),
   one state per sequence, built from the one-sequence computation.
 - :func:`ple_gate_reference`: step 4 and the sigmoid, ``[.., hc]``.
+- :func:`ple_gate_norm_reference`: steps 2-7 from the projections, ``(a, b)``.
 - :func:`ple_layer_tolerance`: the per-element bound on two fp32 implementations' difference
   (derivation in the comment above it).
 """
@@ -66,6 +67,7 @@ __all__ = [
     "PLE_CHECKPOINT_PREFIXES",
     "PleLayerWeights",
     "ple_conv_state_len",
+    "ple_gate_norm_reference",
     "ple_gate_reference",
     "ple_layer_reference",
     "ple_layer_reference_varlen",
@@ -338,19 +340,22 @@ def ple_gate_reference(key: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
     return torch.sigmoid(logit.to(acc)).to(dtype)
 
 
-def _gated_values(
+def ple_gate_norm_reference(
+    key: torch.Tensor,
+    value: torch.Tensor,
     hidden: torch.Tensor,
-    rows: torch.Tensor,
     weights: PleLayerWeights,
     eps: float,
     token_mask: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Steps 1-7 for tokens that need no neighbours: ``(a, b)``, each ``[T, hc*D]``."""
+    """Steps 2-7: ``(a, b)``, each ``[T, hc*D]``, from the projections ``key [T, hc*D]``
+    and ``value [T, D]`` (model dtype): the reference's own functions, step by step.
+    Unchecked (the layer's public functions check once); the reference of
+    :func:`~engramrt.families.qwen4_ple.module.ple_gate_norm`."""
     dtype, acc = weights.dtype, _compute_dtype(weights.dtype)
     hc, dim = weights.hc_count, weights.hidden_size
     num_tokens = hidden.shape[0]
-    key = _group_rms_norm(F.linear(rows, weights.key_proj), weights.norm_key, dim, eps)
-    value = F.linear(rows, weights.value_proj)  # [T, D]
+    key = _group_rms_norm(key, weights.norm_key, dim, eps)
     query = _group_rms_norm(hidden, weights.norm_query, dim, eps)
     gate = ple_gate_reference(key.view(num_tokens, hc, dim), query.view(num_tokens, hc, dim))
     gated = (gate.to(acc).unsqueeze(-1) * value.to(acc).unsqueeze(-2)).to(dtype)  # [T, hc, D]
@@ -400,7 +405,10 @@ def _ple_chunk(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Steps 1-9 for one checked sequence chunk."""
     acc = _compute_dtype(weights.dtype)
-    gated, gated_normed = _gated_values(hidden, rows, weights, eps, token_mask)
+    # Steps 1-7 need no neighbours: the projections, then (a, b), each [T, hc*D].
+    key = F.linear(rows, weights.key_proj)  # [T, hc*D]
+    value = F.linear(rows, weights.value_proj)  # [T, D]
+    gated, gated_normed = ple_gate_norm_reference(key, value, hidden, weights, eps, token_mask)
     mixed, new_state = _short_conv(gated_normed, conv_state, weights.conv1d, ngram_size)
     return (gated.to(acc) + mixed.to(acc)).to(weights.dtype), new_state
 

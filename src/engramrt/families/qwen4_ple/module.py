@@ -48,9 +48,8 @@ from engramrt.errors import ValidationError, describe_tensor
 from engramrt.families.qwen4_ple.layer import (
     PleLayerWeights,
     _compute_dtype,
-    _group_rms_norm,
     ple_conv_state_len,
-    ple_gate_reference,
+    ple_gate_norm_reference,
 )
 from engramrt.family import BF16
 from engramrt.lookup.tiers.base import RowStore
@@ -270,30 +269,6 @@ def gather_ple_rows(
 # --------------------------------------------------------------------------
 # Steps 2-7 after the projections
 # --------------------------------------------------------------------------
-
-
-def ple_gate_norm_reference(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    hidden: torch.Tensor,
-    weights: PleLayerWeights,
-    eps: float,
-    token_mask: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(a, b)``, each ``[T, hc*D]``, from the projections ``key [T, hc*D]`` and ``value
-    [T, D]`` (model dtype): the reference's own functions, step by step."""
-    dtype, acc = weights.dtype, _compute_dtype(weights.dtype)
-    hc, dim = weights.hc_count, weights.hidden_size
-    num_tokens = hidden.shape[0]
-    key = _group_rms_norm(key, weights.norm_key, dim, eps)
-    query = _group_rms_norm(hidden, weights.norm_query, dim, eps)
-    gate = ple_gate_reference(key.view(num_tokens, hc, dim), query.view(num_tokens, hc, dim))
-    gated = (gate.to(acc).unsqueeze(-1) * value.to(acc).unsqueeze(-2)).to(dtype).flatten(-2)
-    gated_normed = _group_rms_norm(gated, weights.norm_conv, dim, eps)
-    if token_mask is not None:
-        keep = token_mask.to(dtype).unsqueeze(-1)
-        gated, gated_normed = gated * keep, gated_normed * keep
-    return gated, gated_normed
 
 
 def ple_gate_norm(

@@ -17,17 +17,19 @@ import torch
 from engramrt._backend import resolve_backend
 from engramrt._device import resolve_device
 from engramrt.errors import ValidationError
-from engramrt.families.qwen4_ple.config import PleConfig
+from engramrt.families.qwen4_ple.config import PleConfig, resolve_ple_config
 from engramrt.families.qwen4_ple.ids import PleConstants, ple_row_ids_batch_reference
 from engramrt.hashing.config import HashKernelConfig, kernel_config_for
+from engramrt.hashing.ops import (
+    check_kernel_config,
+    check_out_dtype,
+    hash_shape_constexprs,
+    request_search,
+)
 
 __all__ = ["PleHasher"]
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
 
 
 def _describe(tensor: Any) -> str:
@@ -73,12 +75,7 @@ class PleHasher:
         out_dtype: torch.dtype = torch.int64,
         kernel_config: HashKernelConfig | None = None,
     ) -> None:
-        if not isinstance(config, PleConfig):
-            config = PleConfig.from_hf(config)
-        if not config.enabled:
-            raise ValidationError(
-                "config has ple_layer_ids=[] (PLE off); expected at least one PLE layer"
-            )
+        config = resolve_ple_config(config)
         self.config = config
         self.consts = PleConstants.from_config(config)
         self.eos = config.eos
@@ -90,17 +87,9 @@ class PleHasher:
         self.validate = validate
         self.check_ids = check_ids
         max_row = max(self.consts.addressed_rows) - 1
-        if out_dtype not in _INDEX_DTYPES:
-            raise ValidationError(f"out_dtype={out_dtype} must be torch.int32 or torch.int64")
-        if out_dtype == torch.int32 and max_row >= 2**31:
-            raise ValidationError(
-                f"out_dtype=torch.int32 cannot hold row id {max_row:,}; use torch.int64"
-            )
+        check_out_dtype(out_dtype, max_row)
         self.out_dtype = out_dtype
-        if kernel_config is not None and not isinstance(kernel_config, HashKernelConfig):
-            raise ValidationError(
-                f"kernel_config={kernel_config!r} must be a HashKernelConfig or None"
-            )
+        check_kernel_config(kernel_config)
         self.kernel_config = kernel_config
         self.consts_dev = self.consts.packed(self.device)
         # The float64 remainder's bound needs every head size >= 4096 (kernel._floor_mod_prime).
@@ -108,14 +97,9 @@ class PleHasher:
         inv_sizes = 1.0 / self.consts.head_sizes.astype(np.float64)  # [L, C]
         self.inv_sizes_dev = torch.as_tensor(np.ascontiguousarray(inv_sizes), device=self.device)
         self._launcher: Any = None
-        self._shape_constexprs = {
-            "L": self.n_layers,
-            "N": self.ngram_size,
-            "H": self.consts.heads_per_ngram,
-            "L_PAD": _next_pow2(self.n_layers),
-            "N_PAD": _next_pow2(self.ngram_size),
-            "H_PAD": _next_pow2(self.consts.heads_per_ngram),
-        }
+        self._shape_constexprs = hash_shape_constexprs(
+            self.n_layers, self.ngram_size, self.consts.heads_per_ngram
+        )
 
     def start_contexts(self, num_requests: int) -> torch.Tensor:
         """``[num_requests, N - 1]`` int64 contexts of fresh requests (all EOS)."""
@@ -280,10 +264,7 @@ class PleHasher:
             self._launcher = CachedLauncher(_ple_row_ids_kernel)
         n_tokens, n_req = token_ids.shape[0], query_start_loc.shape[0] - 1
         config = self.kernel_config or kernel_config_for(n_tokens, self.device)
-        # Rounded so only a few variants compile: the binary search to a multiple of 4
-        # steps, the scanned qsl tile to a power of two >= 16.
-        search_steps = -(-max(1, n_req.bit_length()) // 4) * 4
-        scan_r = config.scan_width(n_req)
+        search_steps, scan_r = request_search(config, n_req)
         block_r = config.block_t
         grid = (max(-(-n_tokens // config.block_t), -(-n_req // block_r), 1),)
         self._launcher(

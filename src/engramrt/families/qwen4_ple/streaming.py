@@ -76,7 +76,7 @@ from typing import Any
 import torch
 
 from engramrt.errors import ValidationError, describe_tensor
-from engramrt.families.qwen4_ple.config import PleConfig
+from engramrt.families.qwen4_ple.config import PleConfig, resolve_ple_config
 from engramrt.families.qwen4_ple.layer import PleLayerWeights, ple_layer_reference_varlen
 
 __all__ = [
@@ -148,12 +148,7 @@ class PleStatePool:
         device: torch.device | str = "cpu",
         validate: bool = True,
     ) -> None:
-        if not isinstance(config, PleConfig):
-            config = PleConfig.from_hf(config)
-        if not config.enabled:
-            raise ValidationError(
-                "config has ple_layer_ids=[] (PLE off); expected at least one PLE layer"
-            )
+        config = resolve_ple_config(config)
         for name, value, least in (
             ("max_requests", max_requests, 1),
             ("num_snapshots", num_snapshots, 0),
