@@ -16,7 +16,10 @@ recorded seed, steps and batch size) and the held-out sequences; splits
 every held-out prediction by whether its n-grams were seen in those windows
 (:mod:`engramrt.models.wins`), and reports the share of predictions and
 each model's mean loss per category: the Engram model on its fp8 tables
-(``engram_fp8``), ``baseline`` and ``baseline_wide``. As a check, each
+(``engram_fp8``), ``baseline`` and ``baseline_wide``; beside them the Engram
+model's mean gate per category and Engram block (the gate of the position a
+prediction is made from, averaged over the streams: how much of the memory's
+value it let in, where the context was seen and where not). As a check, each
 model's mean over all predictions must equal the held-out loss that
 ``model.json`` records (relative 2e-3: the shipped weights are bf16).
 """
@@ -73,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     from engramrt.models.corpus import EvalSegments
     from engramrt.models.lm import LMConfig, TinyLM
     from engramrt.models.serve import load_model
-    from engramrt.models.train import segment_row_ids, token_losses
+    from engramrt.models.train import segment_row_ids, token_losses, token_losses_and_gates
     from engramrt.models.wins import category_losses
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -131,14 +134,11 @@ def main(argv: list[str] | None = None) -> int:
     artifacts.load_weights(artifacts.model_file(args.model, data, "baseline_wide_weights"), wide)
     stores = model.stores
     assert model.baseline is not None
+    engram_losses, engram_gates = token_losses_and_gates(
+        model.lm, lambda index, rows: stores[index].lookup(rows).float(), tokens, lengths, ids
+    )
     losses = {
-        "engram_fp8": token_losses(
-            model.lm,
-            lambda index, rows: stores[index].lookup(rows).float(),
-            tokens,
-            lengths,
-            ids,
-        ),
+        "engram_fp8": engram_losses,
         "baseline": token_losses(model.baseline, None, tokens, lengths, None),
         "baseline_wide": token_losses(wide.to(device).float(), None, tokens, lengths, None),
     }
@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
             "recorded": recorded[name],
             "agrees": abs(mean - recorded[name]) / recorded[name] < 2e-3,
         }
-    table = category_losses(masks, losses)
+    table = category_losses(masks, losses, {"engram_fp8": engram_gates})
     result: dict[str, Any] = {
         "model": str(args.model),
         "device": str(device),
@@ -163,10 +163,11 @@ def main(argv: list[str] | None = None) -> int:
         "seconds": round(time.perf_counter() - began, 1),
     }
     for view, rows in table.items():
+        columns = [c for c in next(iter(rows.values())) if c not in ("predictions", "share")]
         print(f"\n{view}:")
-        print("| category | share | " + " | ".join(losses) + " |")
+        print("| category | share | " + " | ".join(columns) + " |")
         for cat, row in rows.items():
-            cells = " | ".join(f"{row[m]:.4f}" if row[m] is not None else "-" for m in losses)
+            cells = " | ".join(f"{row[m]:.4f}" if row[m] is not None else "-" for m in columns)
             print(f"| {cat} | {row['share']:.1%} | {cells} |")
     print(f"\nchecks: {checks}")
     if args.out is not None:

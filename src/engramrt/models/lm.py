@@ -51,7 +51,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engramrt.errors import ValidationError
-from engramrt.gate import GateInputs
+from engramrt.gate import GateInputs, gate_values_reference
 from engramrt.training import engram_gate_train
 
 __all__ = [
@@ -346,8 +346,20 @@ class TrainEngramHead(nn.Module):
         self.q_weight = nn.Parameter(torch.ones(hc, dim))
         self.k_weight = nn.Parameter(torch.ones(hc, dim))
 
-    def forward(self, streams: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """``streams [B, S, hc, D]``, ``rows [B*S, C, E]`` float -> streams (fp32)."""
+    def forward(
+        self,
+        streams: torch.Tensor,
+        rows: torch.Tensor,
+        gates: list[torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """``streams [B, S, hc, D]``, ``rows [B*S, C, E]`` float -> streams (fp32).
+
+        With ``gates`` (evaluation only), also appends the gate of every position,
+        averaged over the ``hc`` streams: ``[B, S]`` fp32 in [0, 1], detached
+        (:func:`~engramrt.gate.gate_values_reference` of the same operands, the
+        forward of :func:`~engramrt.training.engram_gate_train`). Training passes
+        none, so its step does no extra work.
+        """
         shape = streams.shape
         tokens = rows.shape[0]
         kv = self.wkv(rows.reshape(tokens, self.num_cols * self.head_dim))
@@ -360,6 +372,10 @@ class TrainEngramHead(nn.Module):
                 self.eps,
             )
             out = engram_gate_train(inputs)
+            if gates is not None:
+                with torch.no_grad():
+                    values = gate_values_reference(*inputs[:5])  # [T, hc]
+                gates.append(values.mean(dim=-1).view(shape[:-2]))
         return out.view(shape)
 
 

@@ -91,7 +91,14 @@ from engramrt.models.lm import LMConfig, TinyLM, next_token_loss_sum, next_token
 from engramrt.models.vocab import Vocab
 from engramrt.training import EngramTable, SparseRowAdam
 
-__all__ = ["TrainSettings", "main", "segment_row_ids", "train"]
+__all__ = [
+    "TrainSettings",
+    "main",
+    "segment_row_ids",
+    "token_losses",
+    "token_losses_and_gates",
+    "train",
+]
 
 SIZE_BUDGET_BYTES = 50_000_000
 FILE_LIMIT_BYTES = 40 * 2**20
@@ -236,18 +243,31 @@ def lm_configs(settings: TrainSettings, vocab_size: int, cfg: EngramConfig) -> L
     )
 
 
-def engram_fns(model: TinyLM, rows_of: RowsOf, row_ids: torch.Tensor) -> dict[int, Any]:
-    """The model's Engram layers for a batch whose row ids are ``row_ids [B, S, L, C]``."""
+def engram_fns(
+    model: TinyLM,
+    rows_of: RowsOf,
+    row_ids: torch.Tensor,
+    gates: dict[int, list[torch.Tensor]] | None = None,
+) -> dict[int, Any]:
+    """The model's Engram layers for a batch whose row ids are ``row_ids [B, S, L, C]``;
+    with ``gates`` (evaluation only), each layer appends its gate per position, mean
+    over the streams, ``[B, S]``, to ``gates[block]``
+    (:class:`~engramrt.models.lm.TrainEngramHead`)."""
     fns = {}
     cols = row_ids.shape[-1]
     for index, block in enumerate(model.config.engram_layer_ids):
         head = model.engram_head(block)
         ids = row_ids[:, :, index].reshape(-1, cols)
+        sink = None if gates is None else gates.setdefault(block, [])
 
         def apply(
-            streams: torch.Tensor, head: Any = head, ids: torch.Tensor = ids, index: int = index
+            streams: torch.Tensor,
+            head: Any = head,
+            ids: torch.Tensor = ids,
+            index: int = index,
+            sink: list[torch.Tensor] | None = sink,
         ) -> torch.Tensor:
-            return head(streams, rows_of(index, ids))
+            return head(streams, rows_of(index, ids), sink)
 
         fns[block] = apply
     return fns
@@ -301,15 +321,18 @@ def _batched_logits(
     tokens: torch.Tensor,
     row_ids: torch.Tensor | None,
     batch_size: int,
+    gates: dict[int, list[torch.Tensor]] | None = None,
 ) -> Iterator[tuple[slice, torch.Tensor]]:
     """``(rows of tokens, logits)`` of ``tokens [M, S]`` in batches of ``batch_size``
     sequences, the model in eval mode meanwhile (Engram rows from ``rows_of`` and
-    ``row_ids`` unless either is None)."""
+    ``row_ids`` unless either is None; ``gates`` as in :func:`engram_fns`)."""
     model.eval()
     for begin in range(0, tokens.shape[0], batch_size):
         chunk = slice(begin, begin + batch_size)
         fns = (
-            {} if rows_of is None or row_ids is None else engram_fns(model, rows_of, row_ids[chunk])
+            {}
+            if rows_of is None or row_ids is None
+            else engram_fns(model, rows_of, row_ids[chunk], gates)
         )
         with _autocast(tokens.device):
             logits = model(tokens[chunk], engram=fns)
@@ -701,12 +724,47 @@ def token_losses(
     batch_size: int = 16,
 ) -> np.ndarray:
     """``[M, S-1]`` float64 next-token loss of every prediction (NaN where invalid)."""
+    return token_losses_and_gates(
+        model, rows_of, tokens, lengths, row_ids, batch_size=batch_size, with_gates=False
+    )[0]
+
+
+@torch.no_grad()
+def token_losses_and_gates(
+    model: TinyLM,
+    rows_of: RowsOf | None,
+    tokens: torch.Tensor,
+    lengths: torch.Tensor,
+    row_ids: torch.Tensor | None,
+    *,
+    batch_size: int = 16,
+    with_gates: bool = True,
+) -> tuple[np.ndarray, dict[int, np.ndarray]]:
+    """:func:`token_losses` and, per Engram block, the gate of every prediction: ``{block:
+    [M, S-1]}`` float64, the gate at position ``j`` averaged over the ``hc`` streams,
+    NaN exactly where the loss is (an empty dict for a dense model or without
+    ``with_gates``). Prediction ``j`` targets token ``j + 1``; the gate at ``j`` read the
+    rows of the n-grams ending at token ``j``, i.e. of that prediction's context."""
     out = []
     seq = tokens.shape[1]
-    for chunk, logits in _batched_logits(model, rows_of, tokens, row_ids, batch_size):
+    engram = rows_of is not None and row_ids is not None and with_gates
+    blocks = model.config.engram_layer_ids if engram else ()
+    gates: dict[int, list[torch.Tensor]] = {}  # each batch's [B, S], filled by the forward
+    gate_out: dict[int, list[np.ndarray]] = {block: [] for block in blocks}
+    batches = _batched_logits(
+        model, rows_of, tokens, row_ids, batch_size, gates if engram else None
+    )
+    for chunk, logits in batches:
         losses, valid = next_token_losses(logits, tokens[chunk], lengths[chunk])
         out.append(torch.where(valid, losses.double(), torch.nan).cpu().numpy())
-    return np.concatenate(out) if out else np.zeros((0, seq - 1))
+        for block in blocks:
+            gate = gates[block].pop()[:, : seq - 1].double()  # [B, S-1]: prediction j's context
+            gate_out[block].append(torch.where(valid, gate, torch.nan).cpu().numpy())
+    empty = np.zeros((0, seq - 1))
+    return (
+        np.concatenate(out) if out else empty,
+        {block: np.concatenate(v) if v else empty for block, v in gate_out.items()},
+    )
 
 
 @dataclass
@@ -721,6 +779,9 @@ class _Outcome:
     run: TrainResult
     losses: dict[str, float] = field(default_factory=dict)
     per_token: np.ndarray | None = None
+    per_token_gates: dict[int, np.ndarray] = field(default_factory=dict)
+    """Engram models: per block, the stdlib held-out gate per prediction (see
+    :func:`token_losses_and_gates`)."""
 
     def record(self, settings: TrainSettings) -> dict[str, Any]:
         from engramrt.models.lm import flops_per_token
@@ -957,7 +1018,7 @@ def _finish(run: _TrainRun, outcome: _Outcome, rows: RowsOf | None, ids: Any) ->
     for key, data in run.eval_sets.items():
         key_ids = None if ids is None else ids[key]
         outcome.losses[key] = evaluate(model, rows, data, key_ids)
-    outcome.per_token = token_losses(
+    outcome.per_token, outcome.per_token_gates = token_losses_and_gates(
         model, rows, heldout.tokens, heldout.lengths, None if ids is None else ids["heldout"]
     )
     outcome.losses["last_step_heldout"] = outcome.run.last_heldout  # type: ignore[assignment]
@@ -1053,7 +1114,9 @@ def _where_it_wins(run: _TrainRun) -> Callable[[], dict[str, Any]]:
 
     def wins() -> dict[str, Any]:
         return category_losses(
-            masks, {k: v.per_token for k, v in run.outcomes.items() if v.per_token is not None}
+            masks,
+            {k: v.per_token for k, v in run.outcomes.items() if v.per_token is not None},
+            {k: v.per_token_gates for k, v in run.outcomes.items() if v.per_token_gates},
         )
 
     return wins

@@ -19,7 +19,12 @@ Two views, each a partition of the predictions:
   ``"context seen, continuation new"``, ``"context unseen"``.
 
 :func:`category_masks` gives the masks; :func:`category_losses` the count,
-share and each model's mean loss per category.
+share and each model's mean loss per category and, beside them, each Engram
+model's mean gate per category and Engram block (:func:`gate_column`): the
+gate of the position a prediction is made from (averaged over the ``hc``
+streams), which read the rows of that prediction's context. The gate cannot
+see the target, so the ``context`` view is the one it can answer to; in
+``longest_seen`` the seen n-gram includes the target.
 """
 
 from __future__ import annotations
@@ -28,7 +33,9 @@ from collections.abc import Mapping
 
 import numpy as np
 
-__all__ = ["category_losses", "category_masks", "ngram_keys", "training_ngrams"]
+from engramrt.errors import ValidationError
+
+__all__ = ["category_losses", "category_masks", "gate_column", "ngram_keys", "training_ngrams"]
 
 _MULT = np.uint64(0x9E3779B97F4A7C15)
 
@@ -112,11 +119,30 @@ def category_masks(
     }
 
 
+def gate_column(model: str, block: int) -> str:
+    """The key of ``model``'s mean gate at Engram block ``block`` in a category row."""
+    return f"{model} gate (block {block})"
+
+
 def category_losses(
-    masks: Mapping[str, Mapping[str, np.ndarray]], losses: Mapping[str, np.ndarray]
+    masks: Mapping[str, Mapping[str, np.ndarray]],
+    losses: Mapping[str, np.ndarray],
+    gates: Mapping[str, Mapping[int, np.ndarray]] | None = None,
 ) -> dict[str, dict[str, dict[str, float | int | None]]]:
-    """Per view and category: ``predictions``, ``share`` and each model's mean loss
-    (``losses[name]`` is ``[M, S-1]`` per prediction, NaN where invalid)."""
+    """Per view and category: ``predictions``, ``share``, each model's mean loss and
+    each Engram model's mean gate per block (key :func:`gate_column`).
+
+    ``losses[model]`` is ``[M, S-1]`` per prediction, NaN where invalid;
+    ``gates[model][block]`` the same shape, the gate of the prediction's
+    position averaged over the streams (``token_losses_and_gates`` of
+    :mod:`engramrt.models.train`). Every mean is over the same masked
+    predictions, so its count is the row's ``predictions``: a NaN inside a
+    category (a value missing for a valid prediction) is an error.
+    """
+    columns = dict(losses)
+    for model, blocks in (gates or {}).items():
+        for block, values in blocks.items():
+            columns[gate_column(model, block)] = values
     out: dict[str, dict[str, dict[str, float | int | None]]] = {}
     for view, cats in masks.items():
         total = sum(int(m.sum()) for m in cats.values())
@@ -127,7 +153,18 @@ def category_losses(
                 "predictions": n,
                 "share": round(n / total, 4) if total else 0.0,
             }
-            for model, values in losses.items():
-                row[model] = round(float(values[mask].mean()), 4) if n else None
+            for column, values in columns.items():
+                if values.shape != mask.shape:
+                    raise ValidationError(
+                        f"{column!r} has shape {values.shape}; expected the masks' {mask.shape}"
+                    )
+                chosen = values[mask]
+                missing = int(np.isnan(chosen).sum())
+                if missing:
+                    raise ValidationError(
+                        f"{column!r} is NaN at {missing} of the {n} predictions of {view} / "
+                        f"{name!r}; expected a value at every valid prediction"
+                    )
+                row[column] = round(float(chosen.mean()), 4) if n else None
             out[view][name] = row
     return out

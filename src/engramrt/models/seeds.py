@@ -1,0 +1,302 @@
+"""Every comparison of the training command over several seeds, with its spread, in one command.
+
+On a GPU (the training command's settings, once per seed)::
+
+    python -m engramrt.models.seeds --seeds 0,1,2 --out DIR --minutes 0.75 --device cuda \
+        --memory-sweep 1,4,12
+
+Any flag of ``python -m engramrt.models.train`` may follow, except ``--seed``,
+``--out`` and ``--results``, which this command sets per seed. For each seed
+``s`` in ``--seeds`` it runs that command (:func:`engramrt.models.train.main`,
+unchanged) with ``--seed s --out DIR/seed-s --results DIR/seed-s.json``: the
+model directory and the per-seed record (the ``--results`` JSON: every model's
+losses, the memory sweep, where it wins). The seed sets the models'
+initialisation and the order of the training windows. Then it writes
+
+- ``DIR/seeds.json`` (:func:`aggregate`): over the seeds, per held-out set
+  (``heldout``: the stdlib held-out files; ``package_heldout``: the held-out
+  packages) and model (``engram``, its fp8 tables ``engram_fp8``,
+  ``baseline``, the FLOP-matched ``baseline_wide``), the mean held-out loss
+  (``heldout_loss``) and its spread (``heldout_spread``: ``std``, the sample
+  standard deviation with ddof = 1, and ``min``, ``max``); the same for every
+  memory-sweep point (``sweep``, keyed by its multiple of the ``tiny`` preset's
+  buckets, the main Engram model included) and for every where-it-wins
+  category's losses and Engram gates (``unseen``: predictions split by
+  whether their n-grams were seen in training, :mod:`engramrt.models.wins`);
+  the per-seed values beside each; written atomically;
+- ``DIR/seeds.md``: the same as short Markdown tables (mean ± std [min, max]).
+
+Flags are checked for every seed before any training (a bad one: one line,
+exit status 2). A seed whose run fails stops the command with that run's exit
+status; the seeds already run keep their records, and no aggregate is written.
+With ``--minutes`` each seed fixes its own step count from its timing; with
+``--steps`` every seed trains the same steps (the aggregate lists each seed's).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from engramrt._io import atomic_write_bytes
+from engramrt.models import artifacts
+
+__all__ = ["aggregate", "main", "markdown", "spread"]
+
+PROG = "python -m engramrt.models.seeds"
+AGGREGATE_JSON = "seeds.json"
+SUMMARY_MD = "seeds.md"
+HELDOUT_SETS = ("heldout", "package_heldout")
+"""The two held-out sets: the stdlib held-out files and the held-out packages."""
+MIN_SEEDS = 2
+"""A sample standard deviation needs two values; the issue asks reports for three."""
+_SET_FLAGS = ("--seed", "--out", "--results")
+
+
+def spread(values: Sequence[float]) -> dict[str, float]:
+    """``mean``, ``std`` (sample standard deviation, ddof = 1), ``min`` and ``max`` of
+    ``values`` (at least two)."""
+    array = np.asarray(values, dtype=np.float64)
+    return {
+        "mean": float(array.mean()),
+        "std": float(array.std(ddof=1)),
+        "min": float(array.min()),
+        "max": float(array.max()),
+    }
+
+
+def _seed_dir(out: Path, seed: int) -> Path:
+    return out / f"seed-{seed}"
+
+
+def _seed_record(out: Path, seed: int) -> Path:
+    return out / f"seed-{seed}.json"
+
+
+def _sweep_key(point: Mapping[str, Any], taken: Mapping[str, Any]) -> str:
+    key = f"{point['multiple_of_tiny_buckets']:g}"
+    return key if key not in taken else f"{key} ({point['name']})"
+
+
+def aggregate(records: Mapping[int, Mapping[str, Any]]) -> dict[str, Any]:
+    """The aggregate of per-seed records (``--results`` JSONs of the training command,
+    by seed): means and spreads (:func:`spread`) of every held-out loss, sweep point and
+    where-it-wins category; see the module docstring. A value that a seed lacks (no
+    package held-out set on that machine, a sweep point or category missing) is left
+    out rather than averaged over fewer seeds."""
+    seeds = sorted(records)
+    if len(seeds) < MIN_SEEDS:
+        raise ValueError(f"records holds {len(seeds)} seed(s); expected at least {MIN_SEEDS}")
+
+    # The sweep by point name, so that every value is reached by a path of keys.
+    views = {
+        seed: {
+            **record,
+            "sweep_by_name": {p["name"]: p for p in record.get("memory_sweep") or []},
+        }
+        for seed, record in records.items()
+    }
+
+    def over_seeds(*path: str) -> dict[str, Any] | None:
+        """The spread of the value at ``path`` in every seed's record (None if a seed
+        lacks it or it is not a finite number)."""
+        values = []
+        for seed in seeds:
+            value: Any = views[seed]
+            for key in path:
+                if not isinstance(value, Mapping) or key not in value:
+                    return None
+                value = value[key]
+            if not isinstance(value, (int, float)) or not math.isfinite(value):
+                return None
+            values.append(float(value))
+        return {**spread(values), "per_seed": values}
+
+    heldout_loss: dict[str, dict[str, float]] = {}
+    heldout_spread: dict[str, dict[str, dict[str, Any]]] = {}
+    first = records[seeds[0]]
+    for split in HELDOUT_SETS:
+        models = ((first.get(split) or {}).get("losses") or {}).keys()
+        for model in models:
+            stats = over_seeds(split, "losses", model)
+            if stats is None:
+                continue
+            heldout_loss.setdefault(split, {})[model] = stats["mean"]
+            heldout_spread.setdefault(split, {})[model] = {
+                k: stats[k] for k in ("std", "min", "max", "per_seed")
+            }
+    sweep: dict[str, dict[str, Any]] = {}
+    for point in first.get("memory_sweep") or []:
+        entry: dict[str, Any] = {
+            "name": point["name"],
+            "multiple_of_tiny_buckets": point["multiple_of_tiny_buckets"],
+            "buckets_per_head": point["buckets_per_head"],
+        }
+        for split in HELDOUT_SETS:
+            stats = over_seeds("sweep_by_name", point["name"], "losses", split)
+            if stats is not None:
+                entry[split] = stats
+        sweep[_sweep_key(point, sweep)] = entry
+    unseen: dict[str, dict[str, dict[str, Any]]] = {}
+    for view, categories in (first.get("where_it_wins") or {}).items():
+        for category, row in categories.items():
+            cell: dict[str, Any] = {}
+            for column in row:
+                stats = over_seeds("where_it_wins", view, category, column)
+                if stats is not None:
+                    cell[column] = stats
+            unseen.setdefault(view, {})[category] = cell
+    return {
+        "seeds": len(seeds),
+        "seed_values": seeds,
+        "spread": "std: sample standard deviation over the seeds (ddof = 1); min, max",
+        "steps": {str(s): (records[s].get("steps") or {}).get("steps") for s in seeds},
+        "heldout_loss": heldout_loss,
+        "heldout_spread": heldout_spread,
+        "sweep": sweep,
+        "unseen": unseen,
+    }
+
+
+def _cell(stats: Mapping[str, Any] | None) -> str:
+    if stats is None:
+        return "-"
+    return f"{stats['mean']:.4f} ± {stats['std']:.4f} [{stats['min']:.4f}, {stats['max']:.4f}]"
+
+
+def markdown(summary: Mapping[str, Any]) -> str:
+    """Short Markdown tables of an :func:`aggregate`: mean ± std [min, max] over seeds."""
+    n = summary["seeds"]
+    lines = [
+        f"# Over {n} seeds ({', '.join(map(str, summary['seed_values']))})",
+        "",
+        "mean ± std [min, max]; std is the sample standard deviation (ddof = 1).",
+        "",
+        "| model | stdlib held-out | package held-out |",
+        "| --- | ---: | ---: |",
+    ]
+    means, spreads = summary["heldout_loss"], summary["heldout_spread"]
+    models = list(dict.fromkeys(m for split in means.values() for m in split))
+    for model in models:
+        cells = [
+            _cell({"mean": means[s][model], **spreads[s][model]})
+            if model in means.get(s, {})
+            else "-"
+            for s in HELDOUT_SETS
+        ]
+        lines.append(f"| {model} | " + " | ".join(cells) + " |")
+    if summary["sweep"]:
+        lines += ["", "| tables | stdlib held-out | package held-out |", "| --- | ---: | ---: |"]
+        for key, entry in summary["sweep"].items():
+            cells = [_cell(entry.get(s)) for s in HELDOUT_SETS]
+            lines.append(f"| x{key} | " + " | ".join(cells) + " |")
+    for view, categories in summary["unseen"].items():
+        columns = list(
+            dict.fromkeys(
+                c for cell in categories.values() for c in cell if c not in ("predictions",)
+            )
+        )
+        lines += [
+            "",
+            f"where it wins, {view} (stdlib held-out):",
+            "",
+            "| category | " + " | ".join(columns) + " |",
+            "| --- | " + " | ".join("---:" for _ in columns) + " |",
+        ]
+        for category, cell in categories.items():
+            cells = [_cell(cell.get(c)) for c in columns]
+            lines.append(f"| {category} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+class _Parser(argparse.ArgumentParser):
+    """Errors as one line on stderr and exit status 2 (as the training command)."""
+
+    def error(self, message: str) -> Any:  # type: ignore[override]
+        sys.stderr.write(f"{self.prog}: error: {message}\n")
+        raise SystemExit(2)
+
+
+def _seeds(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}; expected comma-separated integers, e.g. 0,1,2"
+        ) from None
+
+
+def parse_args(argv: Sequence[str] | None) -> tuple[tuple[int, ...], Path, list[list[str]]]:
+    """The seeds, ``--out`` and each seed's training command line; every seed's flags
+    are checked here by the training command's parser, before any work."""
+    from engramrt.models import train
+
+    parser = _Parser(
+        prog=PROG,
+        description="Train the tiny Engram LM and its baselines once per seed; aggregate.",
+        epilog="Any other flag goes to python -m engramrt.models.train (see its --help).",
+        allow_abbrev=False,  # else --seed would silently be read as --seeds
+    )
+    parser.add_argument("--seeds", type=_seeds, default=(0, 1, 2), help="default 0,1,2")
+    parser.add_argument("--out", type=Path, required=True, help="directory of every seed's run")
+    args, rest = parser.parse_known_args(argv)
+    taken = [a for a in rest if a.split("=")[0] in _SET_FLAGS]
+    if taken:
+        parser.error(f"{taken[0]} is set per seed by this command; leave it out")
+    seeds = args.seeds
+    if len(seeds) < MIN_SEEDS or len(set(seeds)) != len(seeds):
+        parser.error(
+            f"--seeds={','.join(map(str, seeds))}; expected at least {MIN_SEEDS} distinct seeds"
+        )
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        parser.error(f"--out={str(out)!r} exists and is not a directory")
+    commands = []
+    for seed in seeds:
+        command = [
+            *rest,
+            "--seed",
+            str(seed),
+            "--out",
+            str(_seed_dir(out, seed)),
+            "--results",
+            str(_seed_record(out, seed)),
+        ]
+        train.parse_args(command)  # exits 2, naming the flag, if it cannot work
+        commands.append(command)
+    return seeds, out, commands
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from engramrt.models import train
+
+    seeds, out, commands = parse_args(argv)
+    out.mkdir(parents=True, exist_ok=True)
+    records: dict[int, dict[str, Any]] = {}
+    for seed, command in zip(seeds, commands, strict=True):
+        print(f"{PROG}: seed {seed} ({len(records) + 1}/{len(seeds)})", flush=True)
+        status = train.main(command)
+        if status != 0:
+            sys.stderr.write(
+                f"{PROG}: error: seed {seed} failed (exit status {status}); no aggregate written\n"
+            )
+            return status
+        records[seed] = json.loads(_seed_record(out, seed).read_text(encoding="utf-8"))
+    summary = aggregate(records)
+    summary["command"] = " ".join([PROG, *(sys.argv[1:] if argv is None else argv)])
+    summary["records"] = {str(s): _seed_record(out, s).name for s in seeds}
+    artifacts.write_json(out / AGGREGATE_JSON, summary)
+    atomic_write_bytes(out / SUMMARY_MD, markdown(summary).encode("utf-8"))
+    print(markdown(summary), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,242 @@
+"""The seeds runner (every comparison over seeds, with its spread) and the Engram gate split
+by whether the n-grams were seen in training."""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from engramrt.errors import ValidationError
+from engramrt.models import seeds as seeds_mod
+from engramrt.models.wins import category_losses, gate_column
+
+from .conftest import TRAIN_ARGS
+
+# The aggregate is numpy's float64 mean/std; the test's are Python's statistics module
+# (exact rational arithmetic, rounded once): on a few values near 2, they agree to a few
+# ulps of 2, far inside 1e-12.
+TOL = 1e-12
+
+
+def _record(rng: np.random.Generator, package: bool = True) -> dict[str, Any]:
+    """A synthetic ``--results`` record with the fields :func:`aggregate` reads."""
+
+    def losses() -> dict[str, float]:
+        return {m: float(rng.uniform(1.5, 2.5)) for m in ("engram", "baseline", "baseline_wide")}
+
+    row = {"predictions": int(rng.integers(10, 20)), "share": 0.5, **losses()}
+    row[gate_column("engram", 1)] = float(rng.uniform(0, 1))
+    return {
+        "steps": {"steps": 4, "schedule_steps": 4},
+        "heldout": {"losses": losses()},
+        "package_heldout": {"losses": losses()} if package else None,
+        "memory_sweep": [
+            {"name": "engram", "multiple_of_tiny_buckets": 8.0, "buckets_per_head": [1, 2, 3]},
+            {"name": "engram_x1", "multiple_of_tiny_buckets": 1.0, "buckets_per_head": [4, 5, 6]},
+        ],
+        "where_it_wins": {"context": {"context unseen": row}},
+    }
+
+
+def _check_against_statistics(summary: dict[str, Any], records: dict[int, Any]) -> None:
+    """Every held-out mean, std, min and max of ``summary`` equals the one computed here
+    from the per-seed records."""
+    order = sorted(records)
+    assert summary["seeds"] == len(order) and summary["seed_values"] == order
+    for split in ("heldout", "package_heldout"):
+        for model, mean in summary["heldout_loss"][split].items():
+            values = [records[s][split]["losses"][model] for s in order]
+            got = summary["heldout_spread"][split][model]
+            assert abs(mean - statistics.fmean(values)) < TOL, (split, model)
+            assert abs(got["std"] - statistics.stdev(values)) < TOL, (split, model)
+            assert got["min"] == min(values) and got["max"] == max(values)
+            assert got["per_seed"] == values
+        assert set(summary["heldout_loss"][split]) == set(records[order[0]][split]["losses"])
+
+
+def test_aggregate_equals_independent_mean_and_sample_std() -> None:
+    rng = np.random.default_rng(3)
+    records = {seed: _record(rng) for seed in (5, 1, 9)}
+    for record in records.values():
+        for point in record["memory_sweep"]:
+            point["losses"] = {"heldout": float(rng.uniform(2, 3)), "package_heldout": 1.0}
+    summary = seeds_mod.aggregate(records)
+    _check_against_statistics(summary, records)
+    assert set(summary["sweep"]) == {"8", "1"}
+    values = [next(p for p in records[s]["memory_sweep"] if p["name"] == "engram_x1")
+              ["losses"]["heldout"] for s in (1, 5, 9)]  # fmt: skip
+    got = summary["sweep"]["1"]["heldout"]
+    assert abs(got["mean"] - statistics.fmean(values)) < TOL
+    assert abs(got["std"] - statistics.stdev(values)) < TOL
+    assert summary["sweep"]["1"]["package_heldout"]["std"] == 0.0  # the same value each seed
+    column = gate_column("engram", 1)
+    gates = [records[s]["where_it_wins"]["context"]["context unseen"][column] for s in (1, 5, 9)]
+    cell = summary["unseen"]["context"]["context unseen"]
+    assert abs(cell[column]["mean"] - statistics.fmean(gates)) < TOL
+    # Negative control: the population std (ddof = 0) is not what is reported.
+    assert abs(cell[column]["std"] - statistics.pstdev(gates)) > 1e-6
+    assert "ddof = 1" in summary["spread"]
+    text = seeds_mod.markdown(summary)
+    assert "± " in text and "x1" in text and "context unseen" in text
+
+
+def test_aggregate_leaves_out_what_a_seed_lacks() -> None:
+    rng = np.random.default_rng(4)
+    records = {0: _record(rng), 1: _record(rng, package=False)}
+    summary = seeds_mod.aggregate(records)
+    assert "package_heldout" not in summary["heldout_loss"]
+    with pytest.raises(ValueError, match="at least 2"):
+        seeds_mod.aggregate({0: records[0]})
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--seeds", "3"], "at least 2 distinct seeds"),
+        (["--seeds", "1,1"], "at least 2 distinct seeds"),
+        (["--seeds", "a,b"], "--seeds"),
+        (["--seed", "4"], "--seed is set per seed"),
+        (["--results", "x.json"], "--results is set per seed"),
+        (["--steps", "0"], "--steps=0"),  # the training command's own check, up front
+    ],
+)
+def test_bad_flags_are_refused_before_any_work(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], flags: list[str], message: str
+) -> None:
+    out = tmp_path / "runs"
+    with pytest.raises(SystemExit) as exc:
+        seeds_mod.main(["--out", str(out), "--device", "cpu", *flags])
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_gates_per_prediction_of_an_engram_model() -> None:
+    """The gates captured at evaluation are in [0, 1], valid exactly where the losses are,
+    leave the losses unchanged, and move with the gate's weights (a control that they are
+    the model's gates); a dense model has none."""
+    from engramrt.models.lm import LMConfig, TinyLM
+    from engramrt.models.train import token_losses, token_losses_and_gates
+    from engramrt.training import EngramTable
+
+    config = LMConfig(
+        vocab_size=50,
+        dim=32,
+        n_blocks=3,
+        n_heads=2,
+        head_dim=16,
+        mlp_dim=32,
+        engram_layer_ids=(0, 2),
+        engram_cols=2,
+        engram_head_dim=32,
+    )
+    torch.manual_seed(1)
+    model = TinyLM(config)
+    model.reset_parameters(engram_identity=False)
+    tables = [EngramTable(64, 32), EngramTable(64, 32)]
+    tokens = torch.randint(0, 50, (5, 9))
+    lengths = torch.tensor([9, 4, 1, 9, 7])
+    row_ids = torch.randint(0, 64, (5, 9, 2, 2), dtype=torch.int32)
+
+    def rows(index: int, ids: torch.Tensor) -> torch.Tensor:
+        return tables[index](ids)
+
+    losses, gates = token_losses_and_gates(model, rows, tokens, lengths, row_ids, batch_size=2)
+    assert set(gates) == {0, 2}
+    want = token_losses(model, rows, tokens, lengths, row_ids, batch_size=2)
+    np.testing.assert_array_equal(losses, want)
+    for block, values in gates.items():
+        assert values.shape == losses.shape == (5, 8)
+        np.testing.assert_array_equal(np.isnan(values), np.isnan(losses))
+        finite = values[~np.isnan(values)]
+        assert finite.size == int((lengths - 1).clamp(min=0).sum()), block
+        assert ((finite >= 0) & (finite <= 1)).all(), block
+        assert finite.std() > 0, block  # one gate per position, not a constant
+    with torch.no_grad():
+        model.engram_head(2).q_weight.mul_(-1)  # flips the sign of block 2's dot products
+    _, flipped = token_losses_and_gates(model, rows, tokens, lengths, row_ids, batch_size=2)
+    np.testing.assert_array_equal(flipped[0], gates[0])
+    assert not np.allclose(flipped[2], gates[2], equal_nan=True)
+    np.testing.assert_allclose(flipped[2], 1 - gates[2], atol=1e-6)  # sigmoid(-s) = 1 - g
+    dense = TinyLM(config.baseline())
+    assert token_losses_and_gates(dense, None, tokens, lengths, None)[1] == {}
+
+
+def test_gate_split_counts_are_the_loss_splits() -> None:
+    mask = np.array([[True, False, True], [False, True, False]])
+    masks = {"view": {"a": mask, "b": ~mask}}
+    losses = np.arange(6.0).reshape(2, 3)
+    gates = np.linspace(0, 1, 6).reshape(2, 3)
+    table = category_losses(masks, {"m": losses}, {"m": {3: gates}})
+    column = gate_column("m", 3)
+    assert table["view"]["a"][column] == round(float(gates[mask].mean()), 4)
+    assert table["view"]["b"][column] == round(float(gates[~mask].mean()), 4)
+    # Negative control: a gate missing on a prediction the loss counts is an error.
+    gates[0, 0] = np.nan
+    with pytest.raises(ValidationError, match=r"NaN at 1 of the 3 predictions"):
+        category_losses(masks, {"m": losses}, {"m": {3: gates}})
+
+
+def test_seeds_command_end_to_end(tiny_sources: tuple[Path, Path], tmp_path: Path) -> None:
+    """Three seeds of the tests' tiny training run (about 25 s on one core) (and a memory-sweep point): every seed's
+    model directory and record, an aggregate equal to the mean and sample std computed
+    here from those records, seeds that differ (the seed is applied), and the gate split
+    in [0, 1] over the loss split's predictions."""
+    stdlib, site = tiny_sources
+    out = tmp_path / "runs"
+    args = [*TRAIN_ARGS, "--stdlib-root", str(stdlib), "--site-dirs", str(site)]
+    status = seeds_mod.main(["--seeds", "0,1,7", "--out", str(out), *args, "--memory-sweep", "1"])
+    assert status == 0
+    records = {s: json.loads((out / f"seed-{s}.json").read_text()) for s in (0, 1, 7)}
+    for seed in (0, 1, 7):
+        assert (out / f"seed-{seed}" / "model.json").is_file()
+        settings = json.loads((out / f"seed-{seed}" / "model.json").read_text())["training"]
+        assert settings["settings"]["seed"] == seed
+    summary = json.loads((out / seeds_mod.AGGREGATE_JSON).read_text())
+    assert (out / seeds_mod.SUMMARY_MD).read_text().startswith("# Over 3 seeds (0, 1, 7)")
+    _check_against_statistics(summary, records)
+    assert set(summary["heldout_loss"]) == {"heldout", "package_heldout"}
+    assert set(summary["heldout_loss"]["heldout"]) == {
+        "engram",
+        "engram_fp8",
+        "baseline",
+        "baseline_wide",
+    }
+    # Negative control: the seed reaches training (different losses for every model).
+    for model, stats in summary["heldout_spread"]["heldout"].items():
+        assert len(set(stats["per_seed"])) == 3, model
+        assert stats["std"] > 0, model
+    assert set(summary["sweep"]) == {"8", "1"}
+    assert summary["sweep"]["1"]["name"] == "engram_x1"
+    for split in ("heldout", "package_heldout"):
+        values = [
+            next(p for p in records[s]["memory_sweep"] if p["name"] == "engram_x1")["losses"][split]
+            for s in (0, 1, 7)
+        ]
+        assert abs(summary["sweep"]["1"][split]["std"] - statistics.stdev(values)) < TOL
+    # The gate split: per seed, each Engram model's gate per block beside the losses, over
+    # the same predictions; in [0, 1].
+    held = records[0]["heldout"]["predictions"]
+    for record in records.values():
+        for view, rows in record["where_it_wins"].items():
+            assert sum(r["predictions"] for r in rows.values()) == held, view
+            for row in rows.values():
+                for model in ("engram", "engram_x1"):
+                    for block in (1, 2):
+                        gate = row[gate_column(model, block)]
+                        if row["predictions"]:
+                            assert 0 <= gate <= 1 and math.isfinite(gate)
+                        else:
+                            assert gate is None
+                assert gate_column("baseline", 1) not in row
+    cells = summary["unseen"]["context"]
+    for category, cell in cells.items():
+        if gate_column("engram", 1) in cell:
+            assert 0 <= cell[gate_column("engram", 1)]["min"] <= 1, category
