@@ -144,16 +144,20 @@ def _run_ple(
 
 
 def _print_ple_summary(plan: PleConversionPlan, paths: list[Path], seconds: float) -> None:
-    from engramrt.cli._console import console
-
     cfg = plan.family.config
-    console.print(
+    _print_written(
         f"wrote {len(paths)} file(s), {plan.num_rows:,} bf16 rows of PLE tables (d="
         f"{cfg.table_width}, split over tp={plan.tp}; {plan.nbytes / 2**30:,.3f} GiB) for PLE "
         f"layers {list(cfg.ple_layer_ids)} in {seconds:.1f} s:",
-        highlight=False,
-        soft_wrap=True,
+        paths,
     )
+
+
+def _print_written(summary: str, paths: list[Path]) -> None:
+    """A conversion's summary line, then each file it wrote."""
+    from engramrt.cli._console import console
+
+    console.print(summary, highlight=False, soft_wrap=True)
     for path in paths:
         console.print(f"  {path}", highlight=False, soft_wrap=True)
 
@@ -198,7 +202,6 @@ def _convert(
     """Run a conversion ``plan`` with a progress bar on a terminal, then print what it
     wrote unless ``quiet``."""
     from engramrt.checkpoint import run_conversion
-    from engramrt.cli._console import console
 
     paths, seconds = _with_progress(
         "quantising",
@@ -208,15 +211,12 @@ def _convert(
     )
     if not quiet:
         cfg = plan.config
-        console.print(
+        _print_written(
             f"wrote {len(paths)} file(s), {plan.num_rows:,} rows of E={cfg.head_dim} "
             f"({plan.nbytes / 2**30:,.3f} GiB) for layers {list(cfg.layer_ids)} of "
             f"{cfg.name} in {seconds:.1f} s:",
-            highlight=False,
-            soft_wrap=True,
+            paths,
         )
-        for path in paths:
-            console.print(f"  {path}", highlight=False, soft_wrap=True)
     return {"files": [str(p) for p in paths], "rows": plan.num_rows, "seconds": seconds}
 
 

@@ -98,7 +98,7 @@ def ple_conv_state_len(conv_kernel_size: int, ngram_size: int) -> int:
     return (conv_kernel_size - 1) * ngram_size
 
 
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+def accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
     """fp32 for 16-bit model dtypes; the model dtype itself for fp32 and float64."""
     return torch.promote_types(dtype, torch.float32)
 
@@ -310,7 +310,7 @@ class PleLayerWeights:
 def _group_rms_norm(x: torch.Tensor, weight: torch.Tensor, group: int, eps: float) -> torch.Tensor:
     """``RMS_w``: per ``group`` columns ``x * rsqrt(mean(x^2) + eps)``, times ``1 + w``,
     in the compute dtype, rounded once to ``x``'s dtype. ``[.., n*group]`` -> same."""
-    acc = _compute_dtype(x.dtype)
+    acc = accumulate_dtype(x.dtype)
     grouped = x.to(acc).unflatten(-1, (-1, group))  # [.., n, group]
     normed = grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + eps)
     return (normed.flatten(-2) * (1.0 + weight.to(acc))).to(x.dtype)
@@ -328,7 +328,7 @@ def ple_gate_reference(key: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
         bf16 then hides (``sigmoid(1e-3)`` rounds to 0.5) but fp32 does not.
     """
     dtype = key.dtype
-    acc = _compute_dtype(dtype)
+    acc = accumulate_dtype(dtype)
     dim = key.shape[-1]
     products = (key.to(acc) * query.to(acc)).to(dtype)  # [.., hc, D], k*q per element
     score = products.to(acc).sum(dim=-1).to(dtype)  # [.., hc]
@@ -352,7 +352,7 @@ def ple_gate_norm_reference(
     and ``value [T, D]`` (model dtype): the reference's own functions, step by step.
     Unchecked (the layer's public functions check once); the reference of
     :func:`~engramrt.families.qwen4_ple.module.ple_gate_norm`."""
-    dtype, acc = weights.dtype, _compute_dtype(weights.dtype)
+    dtype, acc = weights.dtype, accumulate_dtype(weights.dtype)
     hc, dim = weights.hc_count, weights.hidden_size
     num_tokens = hidden.shape[0]
     key = _group_rms_norm(key, weights.norm_key, dim, eps)
@@ -376,7 +376,7 @@ def _short_conv(
     ``window = state ++ b`` (``[S+T, hc*D]``); token t sits at window row ``S + t`` and tap
     j reads ``b_{t-(K-1-j)N}``, window row ``t + j*N``.
     """
-    dtype, acc = gated_normed.dtype, _compute_dtype(gated_normed.dtype)
+    dtype, acc = gated_normed.dtype, accumulate_dtype(gated_normed.dtype)
     num_tokens = gated_normed.shape[0]
     state_len = conv_state.shape[0]
     window = torch.cat([conv_state, gated_normed])  # [S+T, hc*D]
@@ -404,7 +404,7 @@ def _ple_chunk(
     token_mask: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Steps 1-9 for one checked sequence chunk."""
-    acc = _compute_dtype(weights.dtype)
+    acc = accumulate_dtype(weights.dtype)
     # Steps 1-7 need no neighbours: the projections, then (a, b), each [T, hc*D].
     key = F.linear(rows, weights.key_proj)  # [T, hc*D]
     value = F.linear(rows, weights.value_proj)  # [T, D]

@@ -47,7 +47,7 @@ from engramrt._backend import resolve_backend
 from engramrt.errors import ValidationError, describe_tensor
 from engramrt.families.qwen4_ple.layer import (
     PleLayerWeights,
-    _compute_dtype,
+    accumulate_dtype,
     ple_conv_state_len,
     ple_gate_norm_reference,
 )
@@ -356,7 +356,7 @@ def ple_conv_varlen_reference(
     the taps are summed as the reference's ``_short_conv`` (one rounding each in tap order,
     then the model dtype, SiLU). Padding tokens give 0.
     """
-    dtype, acc = normed.dtype, _compute_dtype(normed.dtype)
+    dtype, acc = normed.dtype, accumulate_dtype(normed.dtype)
     wide = torch.float64 if acc == torch.float32 else acc
     num_tokens, width = normed.shape
     num_seqs, state_len = state_slots.shape[0], conv_states.shape[1]
