@@ -574,7 +574,7 @@ def runtime_steps(
     tables, by paired rounds (:func:`paired_rounds`): ``--runtime-placements``, by
     default the default placement (``host``: the GPU reads the first Engram layer's
     rows, the CPU gathers the second's) and ``uva``, and on request ``host-ids`` (host
-    tables, every layer's ids hashed on the host: ``plan(batch, host_batch=)``), against
+    tables, every layer's ids hashed on the host: ``plan(batch.with_host(host))``), against
     no lookups at all (``none``, the fixed rows an Engram layer would read), with a
     second no-lookup runtime as the A/A control (``none-again``); ``--sync-steps`` makes
     the host wait for each step before planning the next."""

@@ -34,8 +34,7 @@ gathering the later layer's, whose bulk copy does not occupy the GPU's
 memory system while the blocks run; ``host-inline``: host-mixed's tables with
 the GPU's reads on the step's stream before the blocks, ``lookup_overlap="none"``,
 so no read runs beside a block; ``host-ids``: host-mixed's tables with every
-layer's ids hashed on the host from the step's host copy, ``plan(batch,
-host_batch=)``, so the CPU gathers both layers' rows without waiting for the
+layer's ids hashed on the host from the step's host mirror, ``plan(batch.with_host(host))``, so the CPU gathers both layers' rows without waiting for the
 device and nothing reads host memory beside the blocks), in pinned host
 memory read by the kernel (UVA), or on disk. ``--sync-steps`` makes the host
 wait for each step before planning the next (a synchronous engine, whose next
@@ -452,7 +451,7 @@ class EngineStyle:
 
 class HostIdsRuntime:
     """An :class:`EngramRuntime` planned with each step's host copy as well
-    (``plan(batch, host_batch=)``): the ``host-ids`` placement, an engine that keeps its
+    (``plan(batch.with_host(host))``): the ``host-ids`` placement, an engine that keeps its
     requests' token ids on the host. The host copies are made once per batch, outside
     the timing, as an engine's own arrays would be."""
 
@@ -468,7 +467,7 @@ class HostIdsRuntime:
         return kept[1]
 
     def plan(self, batch):
-        return self.runtime.plan(batch, host_batch=self.host_batch(batch))
+        return self.runtime.plan(batch.with_host(self.host_batch(batch)))
 
     prefetch = plan
 

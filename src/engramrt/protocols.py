@@ -10,7 +10,11 @@ or the custom operators:
 - :class:`~engramrt.source.RowSource` (``source.py``): row ids ``[T, C]``
   -> rows ``[T_local, C, E]`` (storage tiers, the hot-row cache, exchanges);
 - :class:`LayerHead`: rows and hidden streams -> the layer's output
-  (:class:`~engramrt.layer.EngramHead`, ``wkv`` and the fused gate).
+  (:class:`~engramrt.layer.EngramHead`, ``wkv`` and the fused gate; Qwen4-Exp's
+  :class:`~engramrt.families.qwen4_ple.serving.PleHead`, the gate and the dilated conv).
+
+Optional: :class:`HostRowIdMaker`, a row-id maker that also makes a step's ids on the
+host from the step's host mirror (:attr:`~engramrt.step.EngineStep.host`).
 
 :class:`~engramrt.runtime.EngramRuntime`, :class:`~engramrt.layer.EngramLayer`
 and :mod:`engramrt.custom_ops` use only what these declare. Both are
@@ -25,9 +29,11 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 import torch
 
 if TYPE_CHECKING:
-    from engramrt.hashing.types import HashBatch
+    import numpy as np
 
-__all__ = ["LayerHead", "RowIdMaker"]
+    from engramrt.step import EngineStep
+
+__all__ = ["HostRowIdMaker", "LayerHead", "RowIdMaker"]
 
 
 @runtime_checkable
@@ -39,6 +45,8 @@ class RowIdMaker(Protocol):
         num_cols: ``C``, row ids per token and layer (hash columns).
         device: where it writes the ids (the batch's device).
         out_dtype: the ids' dtype, ``torch.int32`` or ``torch.int64``.
+        history_window: tokens before a chunk that its ids depend on (``N - 1`` for
+            n-grams of up to ``N`` tokens): what an engine adapter must supply.
     """
 
     n_layers: int
@@ -46,9 +54,12 @@ class RowIdMaker(Protocol):
     device: torch.device
     out_dtype: torch.dtype
 
+    @property
+    def history_window(self) -> int: ...
+
     def __call__(
         self,
-        batch: HashBatch,
+        batch: EngineStep,
         history: Any = None,
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
@@ -56,6 +67,23 @@ class RowIdMaker(Protocol):
         address, ``[T, L, C]`` of :attr:`out_dtype`); updates ``history`` (the engine's
         history object, or None) with the batch's tokens. Launches work on the
         current stream and never waits on the device."""
+        ...
+
+
+@runtime_checkable
+class HostRowIdMaker(RowIdMaker, Protocol):
+    """A :class:`RowIdMaker` that also makes a step's ids on the host, from its mirror."""
+
+    def hash_on_host(self, batch: EngineStep, layers: Any = None) -> np.ndarray:
+        """``[T, len(layers), C]`` int64 row ids of ``batch`` (on the CPU, its history in
+        the batch) for ``layers`` (positions; None: all), bit for bit :meth:`__call__`'s;
+        never touches the device."""
+        ...
+
+    def check_host_step(self, host: EngineStep, step: EngineStep, *, has_history: bool) -> None:
+        """Raise a :class:`~engramrt.errors.ValidationError` unless ``host`` can stand for
+        ``step`` in :meth:`hash_on_host` (``has_history``: the device's history comes from
+        a store, so the mirror must carry it). Host arrays only."""
         ...
 
 
@@ -69,6 +97,10 @@ class LayerHead(Protocol):
         head_dim: ``E``, values per row (must match the source's ``E``).
         num_cols: ``C``, rows per token (must match the id maker's ``C``).
         device: where it computes (the source's device).
+
+    A head owns its workspace: :meth:`reserve` allocates its fixed buffers once (the
+    runtime calls it with the most tokens a step holds), so a step's addresses depend
+    on its size only (CUDA graphs).
     """
 
     hidden_size: int
@@ -77,22 +109,36 @@ class LayerHead(Protocol):
     num_cols: int
     device: torch.device
 
+    def reserve(self, max_tokens: int) -> None:
+        """Allocate the fixed buffers for steps of up to ``max_tokens`` tokens (the output
+        ``[max_tokens, hc, D]`` and whatever else a step computes into); called once,
+        before any step."""
+        ...
+
+    def output_buffer(self, num_tokens: int) -> torch.Tensor:
+        """The first ``num_tokens`` rows of the fixed output ``[max_tokens, hc, D]``."""
+        ...
+
     def compute(
         self,
         hidden: torch.Tensor,
         rows: torch.Tensor,
         token_mask: torch.Tensor | None = None,
         *,
+        step: EngineStep | None = None,
         out: torch.Tensor | None = None,
         kv_out: torch.Tensor | None = None,
         return_kv: bool = False,
     ) -> Any:
-        """``out [T, hc, D]`` bf16 from ``hidden [T, hc, D]`` and ``rows [T, C, E]`` bf16,
+        """``out [T, hc, D]`` from ``hidden [T, hc, D]`` and ``rows [T, C, E]`` bf16,
         device work only; callers checked shapes already.
 
         ``token_mask`` (bool ``[T]``): False passes the token's hidden state through.
-        ``out`` and ``kv_out`` (``[T, (hc+1)*D]`` bf16, the projected rows) are fixed
-        buffers to write; returns ``out``, or ``(out, kv)`` with ``return_kv``.
+        ``step``: the engine step the rows were planned for (a head that carries state
+        between steps reads its requests from it; others ignore it). ``out``: a fixed
+        buffer to write; ``kv_out`` (``[T, (hc+1)*D]`` bf16, the projected rows): one to
+        write the projection into instead of the head's own. Returns ``out``, or
+        ``(out, kv)`` with ``return_kv``.
         """
         ...
 

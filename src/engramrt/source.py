@@ -35,8 +35,8 @@ caller needs to know which class it holds:
 - :attr:`RowSource.host_ids`: ``fetch`` also takes row ids on the host (a
   CPU tensor) and then never waits for the device: the CPU gathers the rows
   from ids it already has (the host and disk tiers). A scheduler that can
-  hash a step on the host hands them over (``EngramRuntime.plan(batch,
-  host_batch=)``).
+  hash a step on the host hands them over (a step's host mirror,
+  :attr:`~engramrt.step.EngineStep.host`).
 
 A scheduler may also ask a source how to read small batches from host memory
 (:meth:`RowSource.use_gpu_reads`); sources with one way ignore it.

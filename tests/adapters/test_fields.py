@@ -454,9 +454,21 @@ def test_sglang_takes_n_from_the_hasher(consts, token_map) -> None:
     assert list(by_hasher.block_table.shape) == [3, consts.max_ngram_size]
     assert torch.equal(by_hasher.block_table, by_consts.block_table)
     assert torch.equal(by_hasher.positions, by_consts.positions)
-    for bad in (N, None, "tiny"):
+    for bad in (N, "tiny"):
         with pytest.raises(ValidationError, match=r"hasher=.*expected the NgramHasher"):
             from_sglang_batch(**{**_sglang_extend(), "hasher": bad})
+    step = {k: v for k, v in _sglang_extend().items() if k != "hasher"}
+    with pytest.raises(ValidationError, match=r"history_window is missing"):
+        from_sglang_batch(**step)
+    with pytest.raises(ValidationError, match=r"history_window and hasher are both given"):
+        from_sglang_batch(**step, hasher=hasher, history_window=hasher)
+    # The window itself, or any id maker that declares one, gives the same batch.
+    for window in (N - 1, hasher, consts):
+        by_window = from_sglang_batch(**step, history_window=window)
+        assert by_window.block_table is not None
+        assert torch.equal(by_window.block_table, by_consts.block_table)
+    with pytest.raises(ValidationError, match=r"history_window=-1 .*or its history window N-1"):
+        from_sglang_batch(**step, history_window=-1)
 
 
 def test_sglang_cache_is_checked() -> None:

@@ -33,6 +33,7 @@ class TokenKeyedIds:
     num_cols = N_COLS
     device = torch.device("cpu")
     out_dtype = torch.int64
+    history_window = 0  # a token's ids depend on the token alone
 
     def __init__(self, shift: int = 0) -> None:
         self.shift = shift
@@ -71,6 +72,13 @@ class MeanHead:
 
     def __init__(self) -> None:
         self.scale = torch.ones(HC)
+        self.out = torch.empty(0, HC, D, dtype=torch.bfloat16)
+
+    def reserve(self, max_tokens: int) -> None:
+        self.out = torch.full((max_tokens, HC, D), float("nan"), dtype=torch.bfloat16)
+
+    def output_buffer(self, num_tokens: int) -> torch.Tensor:
+        return self.out[:num_tokens]
 
     def load_weights(self, **weights: Any) -> None:
         self.scale = weights["scale"].float()
@@ -81,6 +89,7 @@ class MeanHead:
         rows: torch.Tensor,
         token_mask: torch.Tensor | None = None,
         *,
+        step: Any = None,
         out: torch.Tensor | None = None,
         kv_out: torch.Tensor | None = None,
         return_kv: bool = False,

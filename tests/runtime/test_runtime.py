@@ -689,43 +689,48 @@ def _decode_step(token_map, device, n_req=6, seed=21):
 
 
 @pytest.mark.parametrize("workers", ["per-layer", "shared"])
-def test_host_batch_gives_the_same_rows(workers, layout, token_map, device) -> None:
-    """Layers whose source takes host ids hash the host batch themselves; every layer's rows
-    and the step's row ids are those of the device batch alone."""
+def test_host_mirror_gives_the_same_rows(workers, layout, token_map, device) -> None:
+    """Layers whose source takes host ids hash the step's host mirror themselves; every
+    layer's rows and the step's row ids are those of the device batch alone."""
     runtime = _runtime(layout, token_map, device, tier="host", lookup_workers=workers)
     assert all(s.host_ids for s in runtime.sources)
     batch, host = _decode_step(token_map, device)
     want = runtime.plan(batch)
     want_rows = [want.rows(li).clone() for li in range(2)]
-    got = runtime.plan(batch, host_batch=host)
+    got = runtime.plan(batch.with_host(host))
     assert torch.equal(got.row_ids, want.row_ids)
     for li in range(2):
         assert torch.equal(got.rows(li).view(torch.int16), want_rows[li].view(torch.int16))
     # Negative control: a host batch of another step gives other rows.
     _, other = _decode_step(token_map, device, seed=22)
-    wrong = runtime.plan(batch, host_batch=other)
+    wrong = runtime.plan(batch.with_host(other))
     assert not torch.equal(wrong.rows(0).view(torch.int16), want_rows[0].view(torch.int16))
+    # The older keyword still works for a release, with a warning.
+    with pytest.warns(DeprecationWarning, match=r"host_batch=host\) is deprecated"):
+        old = runtime.plan(batch, host_batch=host)
+    assert torch.equal(old.rows(0).view(torch.int16), want_rows[0].view(torch.int16))
     runtime.close()
 
 
-def test_host_batch_is_checked(layout, token_map, device) -> None:
+def test_host_mirror_is_checked(layout, token_map, device) -> None:
     cache = SlotHashCache(32 * 4, 4, device)
     runtime = _runtime(layout, token_map, device, tier="host", history=cache)
     batch, host = _decode_step(token_map, device)
     with pytest.raises(ValidationError, match=r"host_batch has 5 tokens and 5 requests"):
-        runtime.plan(batch, host_batch=_decode_step(token_map, device, n_req=5)[1])
+        runtime.plan(batch.with_host(_decode_step(token_map, device, n_req=5)[1]))
     host.lookback_token_ids[2, 1] = -1
     with pytest.raises(ValidationError, match=r"lookback_token_ids\[2, 1\] = -1"):
-        runtime.plan(batch, host_batch=host)
+        runtime.plan(batch.with_host(host))
     runtime.close()
 
 
-def test_host_batch_needs_a_hasher_that_hashes_on_host(layout, token_map, device) -> None:
+def test_host_mirror_needs_an_id_maker_that_hashes_on_host(layout, token_map, device) -> None:
     class DeviceOnly:  # a row-id maker with no host path
         def __init__(self, hasher):
             self._hasher = hasher
             self.n_layers, self.num_cols = hasher.n_layers, hasher.num_cols
             self.device, self.out_dtype = hasher.device, hasher.out_dtype
+            self.history_window = hasher.history_window
 
         def __call__(self, batch, history=None, out=None):
             return self._hasher(batch, history, out)
@@ -733,7 +738,7 @@ def test_host_batch_needs_a_hasher_that_hashes_on_host(layout, token_map, device
     base = _runtime(layout, token_map, device, tier="host")
     runtime = EngramRuntime(DeviceOnly(base.hasher), base.sources, max_tokens=64, max_requests=8)
     batch, host = _decode_step(token_map, device)
-    with pytest.raises(ValidationError, match=r"\(DeviceOnly\) cannot hash on the host"):
-        runtime.plan(batch, host_batch=host)
+    with pytest.raises(ValidationError, match=r"\(DeviceOnly\) cannot make ids on the host"):
+        runtime.plan(batch.with_host(host))
     runtime.close()
     base.close()

@@ -22,8 +22,9 @@ __all__ = [
     "check_input_ids",
     "check_request_counts",
     "check_tensor",
-    "hash_constants_of",
+    "history_window_of",
     "host_values",
+    "resolve_history_window",
 ]
 
 INT_DTYPES = (torch.int32, torch.int64)
@@ -98,22 +99,46 @@ def check_count(name: str, value: object, low: int, high: int) -> int:
     return value
 
 
-def hash_constants_of(hasher: object) -> HashConstants:
-    """The :class:`HashConstants` of an ``NgramHasher`` (or the constants themselves).
+def history_window_of(value: object, name: str = "history_window") -> int:
+    """Tokens before a chunk that the step's ids depend on (``N - 1``), from ``value``: an
+    int, or anything that declares it (a :class:`~engramrt.protocols.RowIdMaker` such as
+    an ``NgramHasher`` or a ``PleRowIdMaker``, a memory family), or an Engram
+    :class:`HashConstants`.
 
-    Adapters take the hasher the batch will be hashed with, not a bare N, so
-    their history window is the model's N-1 and cannot drift from it.
+    Adapters take the window of the id maker the batch will be hashed with (or the
+    maker itself), so the window they check is the model's and cannot drift from it.
     """
-    from engramrt.hashing.ops import NgramHasher
+    if isinstance(value, HashConstants):
+        return int(value.max_ngram_size) - 1
+    # A bare int only under its own name: given as ``hasher=`` it could be N or N-1.
+    window = getattr(value, "history_window", value if name == "history_window" else None)
+    if isinstance(window, bool) or not isinstance(window, (int, np.integer)) or window < 0:
+        raise ValidationError(
+            f"{name}={value!r} ({type(value).__name__}); expected the NgramHasher the batch "
+            f"will be hashed with (or any id maker with a history_window, or its "
+            f"HashConstants)"
+            + (", or its history window N-1 (an int >= 0)" if name == "history_window" else "")
+        )
+    return int(window)
 
-    if isinstance(hasher, NgramHasher):
-        return hasher.consts
-    if isinstance(hasher, HashConstants):
-        return hasher
-    raise ValidationError(
-        f"hasher={hasher!r} ({type(hasher).__name__}); expected the NgramHasher the batch "
-        f"will be hashed with, or its HashConstants"
-    )
+
+def resolve_history_window(history_window: object, hasher: object, *, required: bool) -> int | None:
+    """The window of ``history_window``, or of ``hasher`` (the parameter's older name, which
+    takes the same values); None when neither is given and it is not ``required``."""
+    if history_window is not None and hasher is not None:
+        raise ValidationError(
+            "history_window and hasher are both given; expected one (hasher is the older name)"
+        )
+    if history_window is None and hasher is None:
+        if required:
+            raise ValidationError(
+                "history_window is missing; expected the id maker the batch will be hashed "
+                "with (e.g. an NgramHasher) or its history window N-1"
+            )
+        return None
+    if history_window is None:
+        return history_window_of(hasher, "hasher")
+    return history_window_of(history_window)
 
 
 def host_values(x: torch.Tensor | None) -> np.ndarray | None:

@@ -23,8 +23,6 @@ unchanged.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 import torch
 
@@ -35,15 +33,13 @@ from engramrt.adapters._checks import (
     check_input_ids,
     check_request_counts,
     check_tensor,
-    hash_constants_of,
+    history_window_of,
     host_values,
+    resolve_history_window,
 )
 from engramrt.errors import ValidationError
 from engramrt.hashing.history import RequestHistory, SlotHashCache
-from engramrt.hashing.types import HashBatch, HashConstants
-
-if TYPE_CHECKING:
-    from engramrt.hashing.ops import NgramHasher
+from engramrt.hashing.types import HashBatch
 
 __all__ = [
     "MM_PAD_SHIFT_VALUE",
@@ -75,7 +71,7 @@ def sglang_slot_cache(num_kv_slots: int, device: torch.device | str = "cpu") -> 
 
 def sglang_request_history(
     num_pool_rows: int,
-    hasher: NgramHasher | HashConstants,
+    history_window: object,
     max_draft_tokens: int = 16,
     device: torch.device | str = "cpu",
 ) -> RequestHistory:
@@ -88,9 +84,11 @@ def sglang_request_history(
     overwrite accepted history and need no commit (entries are tagged with their
     position); call ``reset(row)`` when a row is given to a new request and pass
     ``lookback_token_ids`` in a request's first step when its chunk does not start
-    at 0 (radix-cache hits, KV from elsewhere).
+    at 0 (radix-cache hits, KV from elsewhere). ``history_window``: the hasher the
+    batches will be hashed with (any :class:`~engramrt.protocols.RowIdMaker`), or its
+    window N-1.
     """
-    n = hash_constants_of(hasher).max_ngram_size
+    n = history_window_of(history_window) + 1
     return RequestHistory(num_pool_rows, n, n - 1 + max_draft_tokens, device)
 
 
@@ -99,7 +97,7 @@ def from_sglang_batch(
     input_ids: torch.Tensor,
     req_pool_indices: torch.Tensor,
     req_to_token: torch.Tensor,
-    hasher: NgramHasher | HashConstants,
+    history_window: object = None,
     seq_lens: torch.Tensor | None = None,
     positions: torch.Tensor | None = None,
     extend_prefix_lens: torch.Tensor | None = None,
@@ -113,6 +111,7 @@ def from_sglang_batch(
     mm_pad_shift: int | None = MM_PAD_SHIFT_VALUE,
     history: str = "slots",
     validate: bool = True,
+    hasher: object = None,
 ) -> HashBatch:
     """The :class:`HashBatch` of one forward batch, for :func:`sglang_slot_cache`.
 
@@ -132,9 +131,9 @@ def from_sglang_batch(
         input_ids: ``[T]`` token ids; rows past ``num_actual_tokens`` are padding.
         req_pool_indices: ``[R]`` pool row of each request.
         req_to_token: ``[max_reqs, max_context]`` KV slot of each (pool row, position).
-        hasher: the :class:`~engramrt.hashing.NgramHasher` the batch will be
-            hashed with (or its :class:`~engramrt.hashing.HashConstants`):
-            its N sets the history window, N-1 positions before each chunk.
+        history_window: the id maker the batch will be hashed with (any
+            :class:`~engramrt.protocols.RowIdMaker`, or HashConstants) or its window
+            N-1: the positions before each chunk the batch carries. Required.
         seq_lens: ``[R]`` lengths after this step (decode, no ``positions``).
         positions: ``[T]`` position of each token (``ForwardBatch.positions``).
         extend_prefix_lens, extend_seq_lens: ``[R]`` each (extend steps).
@@ -151,10 +150,10 @@ def from_sglang_batch(
             ``"rows"``: SGLang's own design, one history row per pool row, for
             :func:`sglang_request_history` (true positions, ``request_slots =
             req_pool_indices``, no slots).
-        validate: check the batch first (see Raises); False skips every check
-            but those the conversion cannot do without: the hasher, a decode
-            step's ``seq_lens``, an ``extend_seq_lens`` with its
-            ``extend_prefix_lens``.
+        validate: check the batch first (see Raises); False skips every check but
+            those the conversion needs: the history window, a decode step's
+            ``seq_lens``, an ``extend_seq_lens`` with its ``extend_prefix_lens``.
+        hasher: the older name of ``history_window`` (the same values).
 
     Returns:
         A batch whose fields are:
@@ -178,12 +177,13 @@ def from_sglang_batch(
             a pool row wide enough for every position, the token count, and
             slots inside the cache.
     """
+    max_ngram_size = 1 + (resolve_history_window(history_window, hasher, required=True) or 0)
     if validate:
         _check_sglang_batch(
             input_ids=input_ids,
             req_pool_indices=req_pool_indices,
             req_to_token=req_to_token,
-            hasher=hasher,
+            max_ngram_size=max_ngram_size,
             seq_lens=seq_lens,
             positions=positions,
             extend_prefix_lens=extend_prefix_lens,
@@ -197,7 +197,6 @@ def from_sglang_batch(
             mm_pad_shift=mm_pad_shift,
             history=history,
         )
-    max_ngram_size = hash_constants_of(hasher).max_ngram_size
     device = input_ids.device
     t_len = int(input_ids.shape[0])
     n_req = int(req_pool_indices.shape[0])
@@ -330,7 +329,7 @@ def _check_sglang_batch(
     input_ids: torch.Tensor,
     req_pool_indices: torch.Tensor,
     req_to_token: torch.Tensor,
-    hasher: NgramHasher | HashConstants,
+    max_ngram_size: int,
     seq_lens: torch.Tensor | None,
     positions: torch.Tensor | None,
     extend_prefix_lens: torch.Tensor | None,
@@ -353,7 +352,6 @@ def _check_sglang_batch(
         raise ValidationError(
             f"req_to_token has shape {list(req_to_token.shape)}; expected [max_reqs, max_context >= 1]"
         )
-    max_ngram_size = hash_constants_of(hasher).max_ngram_size
     n_real = check_request_counts(num_reqs, num_actual_tokens, num_requests=n_req, num_tokens=t_len)
     _check_sglang_options(
         positions,

@@ -26,7 +26,6 @@ then need nothing from the engine (see docs/adapters.md).
 from __future__ import annotations
 
 import warnings
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -38,15 +37,12 @@ from engramrt.adapters._checks import (
     check_input_ids,
     check_request_counts,
     check_tensor,
-    hash_constants_of,
     host_values,
+    resolve_history_window,
 )
 from engramrt.errors import ValidationError
 from engramrt.hashing.history import SlotHashCache
-from engramrt.hashing.types import HashBatch, HashConstants
-
-if TYPE_CHECKING:
-    from engramrt.hashing.ops import NgramHasher
+from engramrt.hashing.types import HashBatch
 
 __all__ = ["from_vllm_step", "vllm_slot_cache"]
 
@@ -86,8 +82,9 @@ def from_vllm_step(
     req_idx: np.ndarray | None = None,
     dcp_world_size: int = 1,
     cache: SlotHashCache | None = None,
-    hasher: NgramHasher | HashConstants | None = None,
+    history_window: object = None,
     validate: bool = True,
+    hasher: object = None,
     num_actual_tokens: int | None = None,
     num_reqs: int | None = None,
 ) -> HashBatch:
@@ -140,15 +137,16 @@ def from_vllm_step(
         cache: the :class:`SlotHashCache` the batch will be hashed with; only
             used by validation (geometry, device, and that every block the
             step's history window reads lies inside it).
-        hasher: the :class:`~engramrt.hashing.NgramHasher` (or its
-            :class:`~engramrt.hashing.HashConstants`) the batch will be hashed
-            with; only used by validation: its N-1 sets the history window
-            checked against ``cache`` (None: every position from 0).
+        history_window: the id maker the batch will be hashed with (any
+            :class:`~engramrt.protocols.RowIdMaker`, or HashConstants) or its window
+            N-1; only used by validation: the positions before each chunk checked
+            against ``cache`` (None: every position from 0).
         validate: check the step first (see Raises); False skips every check
             but the ``dcp_world_size`` one.
         num_actual_tokens, num_reqs: deprecated names of
             ``num_tokens_unpadded`` / ``num_reqs_unpadded`` (a
             ``DeprecationWarning``): vLLM's fields of these names are padded.
+        hasher: the older name of ``history_window`` (the same values).
 
     Returns:
         A batch with ``input_ids``, ``positions`` and ``block_table`` as views
@@ -162,9 +160,9 @@ def from_vllm_step(
             slot mapping entries that agree with the block table and
             ``block_size`` (-1 or ``pad_slot_id`` for a token not written; no
             other negative slot), and, with ``cache``, slots and the blocks of
-            the history window (the N-1 positions before each chunk, N from
-            ``hasher``; every position from 0 without it) inside the cache.
-            The hasher's own validation checks the rest of the batch contract.
+            the history window (the N-1 positions before each chunk, from
+            ``history_window``; every position from 0 without it) inside the cache.
+            The id maker's own validation checks the rest of the batch contract.
     """
     num_tokens_unpadded = _renamed(
         "num_actual_tokens", num_actual_tokens, "num_tokens_unpadded", num_tokens_unpadded
@@ -194,7 +192,7 @@ def from_vllm_step(
             image_token_id=image_token_id,
             req_idx=req_idx,
             cache=cache,
-            hasher=hasher,
+            history_window=resolve_history_window(history_window, hasher, required=False),
         )
     device, t_len = input_ids.device, int(input_ids.shape[0])
     r_pad = int(query_start_loc.shape[0]) - 1
@@ -234,7 +232,7 @@ def _check_step(
     image_token_id: int | None,
     req_idx: np.ndarray | None,
     cache: SlotHashCache | None,
-    hasher: NgramHasher | HashConstants | None,
+    history_window: int | None,
 ) -> None:
     """The checks of :func:`from_vllm_step` (its ``validate=True``)."""
     device, t_len = check_input_ids(input_ids)
@@ -282,7 +280,6 @@ def _check_step(
         device=device,
     )
     _check_one_row_per_request(req_idx, n_real)
-    history_window = None if hasher is None else hash_constants_of(hasher).max_ngram_size - 1
     check_cache(cache, block_size=block_size, device=device, why=_CACHE_BLOCK_SIZE)
     _check_vllm_values(
         query_start_loc,

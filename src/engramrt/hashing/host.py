@@ -6,7 +6,7 @@ only after the step's hashing has run, a host synchronisation that costs a
 decode step more than the rows' whole gather. An engine that keeps its
 requests' token ids on the host (most do: they detokenise them) can hand the
 step to :func:`hash_batch_host` instead, which computes the same ids, bit for
-bit, before the step is launched (``EngramRuntime.plan(batch, host_batch=)``).
+bit, before the step is launched (an :class:`~engramrt.step.EngineStep`'s host mirror).
 
 The batch's history must come from the chunk and ``lookback_token_ids``
 (``lookback_dead``): a history store lives on the device, and reading it

@@ -13,7 +13,7 @@ from engramrt._device import resolve_device
 from engramrt.errors import ValidationError
 from engramrt.hashing.config import HashKernelConfig, kernel_config_for
 from engramrt.hashing.history import RequestHistory, SlotHashCache
-from engramrt.hashing.host import hash_batch_host
+from engramrt.hashing.host import check_host_batch, hash_batch_host
 from engramrt.hashing.reference import hash_batch_reference
 from engramrt.hashing.types import HashBatch, HashConstants
 from engramrt.hashing.validate import check_batch_contents, check_batch_metadata
@@ -195,7 +195,7 @@ class NgramHasher:
         for a batch whose history comes from the chunk and its lookback ids. Never
         touches the device or a history store; ``layers`` (positions in the config,
         None: all) picks the layers to hash. For sources that gather rows on the CPU
-        (``EngramRuntime.plan(batch, host_batch=)``)."""
+        (an :class:`~engramrt.step.EngineStep`'s host mirror, ``EngramRuntime.plan``)."""
         self._check_batch(batch, None, None)
         if layers is not None and not all(
             isinstance(li, int) and 0 <= li < self.n_layers for li in layers
@@ -204,6 +204,16 @@ class NgramHasher:
                 f"layers={list(layers)!r}; expected Engram layer positions in [0, {self.n_layers})"
             )
         return hash_batch_host(batch, self.consts, self.token_map, layers)
+
+    def check_host_step(self, host: HashBatch, step: HashBatch, *, has_history: bool) -> None:
+        """Check that ``host`` (on the CPU) can stand for ``step`` in :meth:`hash_on_host`
+        (:func:`~engramrt.hashing.host.check_host_batch`): host arrays only."""
+        check_host_batch(host, step, has_history=has_history)
+
+    @property
+    def history_window(self) -> int:
+        """Tokens before a chunk its n-grams reach: ``max_ngram_size - 1``."""
+        return int(self.consts.max_ngram_size) - 1
 
     def _check_batch(
         self, batch: HashBatch, history: History | None, device: torch.device | None

@@ -74,6 +74,28 @@ class EngramHead(nn.Module):
         self.k_weight = nn.Parameter(
             torch.ones(hc, dim, dtype=torch.bfloat16, device=device), requires_grad=False
         )
+        self._out: torch.Tensor | None = None  # [max_tokens, hc, D], from reserve()
+        self._kv: torch.Tensor | None = None  # [max_tokens, (hc+1)*D]
+
+    def reserve(self, max_tokens: int) -> None:
+        """Allocate the fixed output ``[max_tokens, hc, D]`` and projection
+        ``[max_tokens, (hc+1)*D]`` bf16 buffers (NaN-poisoned, so a slice never written
+        shows), which :meth:`output_buffer` and :meth:`compute` use; the runtime calls it."""
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+            raise ValidationError(f"max_tokens={max_tokens!r}; expected a positive integer")
+        hc, dim = self.hc_mult, self.hidden_size
+        nan = float("nan")
+        self._out = torch.full((max_tokens, hc, dim), nan, dtype=torch.bfloat16, device=self.device)
+        self._kv = torch.full((max_tokens, (hc + 1) * dim), nan, dtype=torch.bfloat16,
+                              device=self.device)  # fmt: skip
+
+    def output_buffer(self, num_tokens: int) -> torch.Tensor:
+        """The first ``num_tokens`` rows of the fixed output :meth:`reserve` allocated."""
+        if self._out is None:
+            raise ValidationError(
+                "output_buffer() before reserve(max_tokens): the head has no fixed buffers yet"
+            )
+        return self._out[:num_tokens]
 
     @torch.no_grad()
     def load_weights(
@@ -133,6 +155,7 @@ class EngramHead(nn.Module):
         rows: torch.Tensor,
         token_mask: torch.Tensor | None = None,
         *,
+        step: Any = None,
         out: torch.Tensor | None = None,
         kv_out: torch.Tensor | None = None,
         return_kv: bool = False,
@@ -146,15 +169,19 @@ class EngramHead(nn.Module):
             rows: ``[T, C, E]`` bf16 rows of the same tokens, contiguous.
             token_mask: optional bool ``[T]``; False passes the token's hidden
                 state through unchanged.
+            step: the engine step (unused: an Engram head keeps no state between steps).
             out: optional contiguous bf16 ``[T, hc, D]`` to write (a fixed
                 address for CUDA graphs).
-            kv_out: optional contiguous bf16 ``[T, (hc+1)*D]`` for the projection.
+            kv_out: optional contiguous bf16 ``[T, (hc+1)*D]`` for the projection
+                (default: the fixed buffer of :meth:`reserve`, else a new tensor).
             return_kv: also return kv ``[T, (hc+1)*D]``.
 
         Returns:
             ``out`` (or a new tensor), or ``(out, kv)``.
         """
         num_tokens = rows.shape[0]
+        if kv_out is None and self._kv is not None and num_tokens <= self._kv.shape[0]:
+            kv_out = self._kv[:num_tokens]
         kv = self.wkv(rows.view(num_tokens, self.num_cols * self.head_dim), out=kv_out)
         inputs = GateInputs(hidden, kv, self.q_weight, self.k_weight, self.eps, token_mask)
         result = engram_gate(inputs, backend=self.backend, out=out, validate=self.validate)

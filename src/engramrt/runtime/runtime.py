@@ -23,8 +23,9 @@ The runtime splits an engine step in two, the way attention backends do
     ...                                  # sample, then at once:
     runtime.prefetch(next_batch)         # plan the next step into the other slot
 
-Fixed addresses. Row ids, rows, kv and outputs live in buffers allocated once
-for ``max_tokens`` and reused; a step writes leading slices of them, so its
+Fixed addresses. Row ids and rows live in buffers allocated once for
+``max_tokens`` and reused, and each head keeps its outputs the same way
+(:meth:`~engramrt.protocols.LayerHead.reserve`); a step writes leading slices of them, so its
 addresses depend only on the staging slot and ``T``:
 :meth:`~EngramRuntime.staged_row_ids`, :meth:`~EngramRuntime.staged_rows` and
 :meth:`~EngramRuntime.output_buffer` give them to an engine that captures
@@ -84,6 +85,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import warnings
 import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -95,11 +97,10 @@ from torch import nn
 
 from engramrt.config import EngramConfig
 from engramrt.errors import ValidationError, check_choice
-from engramrt.hashing.host import check_host_batch
-from engramrt.hashing.types import HashBatch
 from engramrt.layer.module import check_hidden, pair_head_with_source
-from engramrt.protocols import LayerHead, RowIdMaker
+from engramrt.protocols import HostRowIdMaker, LayerHead, RowIdMaker
 from engramrt.source import PendingRows, RowSource
+from engramrt.step import EngineStep
 
 __all__ = [
     "GPU_READS",
@@ -202,12 +203,14 @@ class StepPlan:
         num_tokens: T.
         slot: the staging slot the rows land in.
         pending: per layer, its :class:`~engramrt.source.PendingRows`.
+        step: the :class:`~engramrt.step.EngineStep` planned (the heads read it).
     """
 
     row_ids: torch.Tensor
     num_tokens: int
     slot: int
     pending: list[PendingRows]
+    step: EngineStep | None = None
     _ran: list[bool] = field(default_factory=list, repr=False)
 
     def rows(self, layer_index: int) -> torch.Tensor:
@@ -443,14 +446,9 @@ class EngramRuntime:
             [staging(s.local_tokens(max_tokens), self.n_cols, self.head_dim) for s in self.sources]
             for _ in range(num_slots)
         ]
-        self._kv = [
-            staging(s.local_tokens(max_tokens), (h.hc_mult + 1) * h.hidden_size)
-            for s, h in zip(self.sources, self.heads, strict=False)
-        ]
-        self._out = [
-            staging(s.local_tokens(max_tokens), h.hc_mult, h.hidden_size)
-            for s, h in zip(self.sources, self.heads, strict=False)
-        ]
+        # Each head owns its workspace (its output and whatever else it computes into).
+        for head, source in zip(self.heads, self.sources, strict=False):
+            head.reserve(source.local_tokens(max_tokens))
         self._planned: list[StepPlan] = []  # plans with unconsumed layers, oldest first
         self._next_slot = 0
         cuda = self.device.type == "cuda"
@@ -483,7 +481,7 @@ class EngramRuntime:
         self._view_cache: dict[
             tuple[int, int], tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]
         ] = {}
-        # Layers that take row ids hashed on the host (plan's host_batch).
+        # Layers that take row ids hashed on the host (a step's host mirror).
         self._host_id_layers = frozenset(
             index for index, s in enumerate(self.sources) if s.host_ids and not s.collective
         )
@@ -523,10 +521,12 @@ class EngramRuntime:
         return self._staging[self._slot(slot)][self._layer(layer_index)]
 
     def output_buffer(self, layer_index: int) -> torch.Tensor:
-        """The fixed ``[local_tokens(max_tokens), hc, D]`` bf16 buffer :meth:`run` writes
-        layer ``layer_index``'s output into (unless given ``out``)."""
+        """The fixed ``[local_tokens(max_tokens), hc, D]`` buffer :meth:`run` writes
+        layer ``layer_index``'s output into (unless given ``out``): the head's own
+        (:meth:`~engramrt.protocols.LayerHead.output_buffer`)."""
         self._need_heads("output_buffer")
-        return self._out[self._layer(layer_index)]
+        index = self._layer(layer_index)
+        return self.heads[index].output_buffer(self.sources[index].local_tokens(self.max_tokens))
 
     @property
     def worker_assignment(self) -> dict[int, int]:
@@ -565,11 +565,11 @@ class EngramRuntime:
 
     # -- plan ----------------------------------------------------------------
 
-    def _check(self, batch: HashBatch) -> None:
-        if not isinstance(batch, HashBatch):
+    def _check(self, batch: EngineStep) -> None:
+        if not isinstance(batch, EngineStep):
             raise ValidationError(
-                f"batch is a {type(batch).__name__}; expected a HashBatch (what the adapters in "
-                f"engramrt.adapters return)"
+                f"batch is a {type(batch).__name__}; expected an EngineStep (engramrt.step; "
+                f"HashBatch is its older name), what the adapters in engramrt.adapters return"
             )
         if batch.num_tokens > self.max_tokens:
             raise ValidationError(
@@ -591,16 +591,16 @@ class EngramRuntime:
 
     def plan(
         self,
-        batch: HashBatch,
+        batch: EngineStep,
         *,
         history: Any = None,
-        host_batch: HashBatch | None = None,
+        host_batch: EngineStep | None = None,
     ) -> StepPlan:
         """Hash ``batch`` and start every layer's rows: the host half of a step.
 
-        ``batch`` is what an adapter returns (:func:`~engramrt.adapters.from_vllm_step`,
-        :func:`~engramrt.adapters.from_sglang_batch`) or a :class:`HashBatch`. Launches
-        the hash kernel and the lookups and returns at once; nothing here waits on
+        ``batch`` is the step (:class:`~engramrt.step.EngineStep`), what an adapter
+        returns (:func:`~engramrt.adapters.from_vllm_step`,
+        :func:`~engramrt.adapters.from_sglang_batch`). Launches the hash kernel and the lookups and returns at once; nothing here waits on
         the device (a source that must learn the ids does so on its worker thread).
         Call :meth:`run` for each layer at its block, or :meth:`StepPlan.rows`.
 
@@ -608,20 +608,23 @@ class EngramRuntime:
         kind and geometry over other tensors (the custom operators pass the tensors
         the compiler sees); None uses the runtime's.
 
-        ``host_batch``: the same step on the CPU, its history in ``lookback_token_ids``
-        (an engine that keeps its requests' token ids on the host). The row ids of the
+        ``batch.host``: the step's host mirror (:attr:`~engramrt.step.EngineStep.host`:
+        the same step on the CPU, its history in ``lookback_token_ids``; an engine that
+        keeps its requests' token ids on the host). The row ids of the
         layers whose source gathers rows on the CPU
         (:attr:`~engramrt.source.RowSource.host_ids`: the host and disk tiers) are then
         hashed here, on the host, in one pass
-        (:meth:`~engramrt.hashing.NgramHasher.hash_on_host`, bit for bit the device's),
+        (the id maker's ``hash_on_host``, :class:`~engramrt.protocols.HostRowIdMaker`:
+        :meth:`~engramrt.hashing.NgramHasher.hash_on_host`, bit for bit the device's),
         and those sources gather from them at once, never waiting for the step's
         hashing on the device and never reading host memory from the GPU beside the
         blocks. The device still hashes every layer (:attr:`StepPlan.row_ids`). Whether
         it pays depends on the host: the hash and a decode step's gather are host work
         on the step's path (measured in BENCHMARKS.md, "Ids hashed on the host").
-        With ``validate`` the runtime checks that the host batch matches the step's
+        With ``validate`` the runtime checks that the host mirror matches the step's
         shape and that its lookback ids cover every position a history store would
-        supply (host arrays only).
+        supply (host arrays only). ``host_batch=`` is the older way to give the mirror
+        (deprecated: it warns, and goes in a later release).
 
         The first thread that plans owns the runtime (see the module doc, "Threads");
         a plan from another thread is refused before any buffer is touched, unless
@@ -630,8 +633,17 @@ class EngramRuntime:
         if self._plan_owner is not threading.current_thread():
             self._claim_thread()
         self._check(batch)
+        host = batch.host
         if host_batch is not None:
-            self._check_host_batch(host_batch, batch, self.history if history is None else history)
+            warnings.warn(
+                "EngramRuntime.plan(batch, host_batch=host) is deprecated; give the step its "
+                "host mirror instead: plan(batch.with_host(host))",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            host = host_batch
+        if host is not None:
+            self._check_host(host, batch, self.history if history is None else history)
         self._raise_failed_updates()
         slot = self._next_slot
         self._next_slot = (slot + 1) % self.num_slots
@@ -642,7 +654,7 @@ class EngramRuntime:
         if self._waits_for_hash:
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(self.device))
-        host_ids = self._host_ids(host_batch) if host_batch is not None else {}
+        host_ids = self._host_ids(host) if host is not None else {}
         pending: list[PendingRows | None] = [None] * self.n_layers
         side = list(self._side_layers)
         for index, source in enumerate(self.sources):
@@ -675,6 +687,7 @@ class EngramRuntime:
             num_tokens=num_tokens,
             slot=slot,
             pending=pending,  # type: ignore[arg-type]  # every layer started above
+            step=batch,
         )
         step._ran = [False] * self.n_layers
         if self.heads:
@@ -769,12 +782,13 @@ class EngramRuntime:
         rows = step.pending[index].wait()
         while self._planned and self._planned[0].done:
             self._planned.pop(0)
-        return self.heads[index].compute(
+        head = self.heads[index]
+        return head.compute(
             hidden,
             rows,
             token_mask,
-            out=self._out[index][:local] if out is None else out,
-            kv_out=self._kv[index][:local],
+            step=step.step,
+            out=head.output_buffer(local) if out is None else out,
             return_kv=return_kv,
         )
 
@@ -839,16 +853,18 @@ class EngramRuntime:
             )
         return views
 
-    def _check_host_batch(self, host_batch: HashBatch, batch: HashBatch, history: Any) -> None:
-        if not callable(getattr(self.hasher, "hash_on_host", None)):
+    def _check_host(self, host: EngineStep, batch: EngineStep, history: Any) -> None:
+        if not isinstance(self.hasher, HostRowIdMaker):
             raise ValidationError(
-                f"host_batch given, but the runtime's hasher ({type(self.hasher).__name__}) "
-                f"cannot hash on the host; expected an NgramHasher (hash_on_host)"
+                f"the step has a host mirror, but the runtime's id maker "
+                f"({type(self.hasher).__name__}) cannot make ids on the host; expected a "
+                f"HostRowIdMaker (engramrt.protocols: hash_on_host, check_host_step), e.g. "
+                f"an NgramHasher"
             )
         if self.validate:
-            check_host_batch(host_batch, batch, has_history=history is not None)
+            self.hasher.check_host_step(host, batch, has_history=history is not None)
 
-    def _host_ids(self, host_batch: HashBatch) -> dict[int, torch.Tensor]:
+    def _host_ids(self, host_batch: EngineStep) -> dict[int, torch.Tensor]:
         """``{layer: [T, C] row ids}`` of ``host_batch`` for the layers that take ids on the
         host, hashed here in one pass (on the calling thread: the hash is many small numpy
         operations that hold the interpreter's lock, which worker threads hashing at once
@@ -856,7 +872,8 @@ class EngramRuntime:
         layers = sorted(self._host_id_layers)
         if not layers:
             return {}
-        ids = self.hasher.hash_on_host(host_batch, layers)  # type: ignore[attr-defined]
+        assert isinstance(self.hasher, HostRowIdMaker)  # checked by _check_host
+        ids = self.hasher.hash_on_host(host_batch, layers)
         return {index: torch.from_numpy(ids[:, at]) for at, index in enumerate(layers)}
 
     def _beside(self, index: int, source: RowSource, ids: torch.Tensor) -> bool:

@@ -518,7 +518,10 @@ class PleLayer:
         table: a bf16 :class:`~engramrt.lookup.tiers.base.RowStore` of ``d`` values a row
             (``row_format=BF16``; device and UVA tiers are read by the kernel in place, host
             tiers through ``gather_packed``, which synchronises), or a tensor ``[R, d]`` on
-            the compute device (bf16, or the model dtype). ``C = E / d`` heads.
+            the compute device (bf16, or the model dtype). ``C = E / d`` heads. None: a
+            layer that is given its rows (:meth:`compute_rows`; the runtime's
+            :class:`~engramrt.families.qwen4_ple.serving.PleHead`), with ``table_width``.
+        table_width: ``d`` when ``table`` is None.
         ngram_size: ``N``, the conv's dilation.
         eps: ``rms_norm_eps``.
         backend: ``"auto"`` (the kernels on CUDA or under ``TRITON_INTERPRET=1``, else the
@@ -535,13 +538,14 @@ class PleLayer:
     def __init__(
         self,
         weights: PleLayerWeights,
-        table: RowStore | torch.Tensor,
+        table: RowStore | torch.Tensor | None,
         *,
         ngram_size: int,
         eps: float,
         backend: str = "auto",
         validate: bool = True,
         kernel_config: PleKernelConfig | None = None,
+        table_width: int | None = None,
     ) -> None:
         if not isinstance(weights, PleLayerWeights):
             raise ValidationError(
@@ -555,23 +559,35 @@ class PleLayer:
             raise ValidationError(
                 f"kernel_config={kernel_config!r}; expected a PleKernelConfig or None"
             )
-        self.table = PleTable(table)
+        self.table: PleTable | None = None
+        if table is None:
+            if isinstance(table_width, bool) or not isinstance(table_width, int) or table_width < 1:
+                raise ValidationError(
+                    f"table=None and table_width={table_width!r}; expected the rows' width d "
+                    f"(a positive integer) for a layer given its rows"
+                )
+            self.table_width = table_width
+        else:
+            self.table = PleTable(table)
+            self.table_width = self.table.width
         self.device = weights.device
         self.dtype = weights.dtype
         self.hidden_size, self.hc_count = weights.hidden_size, weights.hc_count
         self.width = self.hc_count * self.hidden_size
         self.embed_dim = weights.embed_dim
-        if self.embed_dim % self.table.width:
+        if self.embed_dim % self.table_width:
             raise ValidationError(
-                f"table rows have d={self.table.width} values; expected a divisor of the "
+                f"table rows have d={self.table_width} values; expected a divisor of the "
                 f"weights' E={self.embed_dim} (C = E / d heads)"
             )
-        self.num_heads = self.embed_dim // self.table.width
-        if self.table.device != self.device:
+        self.num_heads = self.embed_dim // self.table_width
+        if self.table is None:
+            pass
+        elif self.table.device != self.device:
             raise ValidationError(
                 f"table reads to {self.table.device}; expected the weights' device {self.device}"
             )
-        if self.table.dtype not in (torch.bfloat16, self.dtype):
+        elif self.table.dtype not in (torch.bfloat16, self.dtype):
             raise ValidationError(
                 f"table holds {self.table.dtype}; expected bf16 or the model dtype {self.dtype}"
             )
@@ -590,6 +606,7 @@ class PleLayer:
         self.backend = resolved if self.dtype in _KERNEL_DTYPES else "reference"
         if (
             self.backend == "triton"
+            and self.table is not None
             and self.table.dtype != self.dtype
             and self.dtype != torch.float32
         ):
@@ -613,7 +630,7 @@ class PleLayer:
         cls,
         config: Any,
         weights: PleLayerWeights,
-        table: RowStore | torch.Tensor,
+        table: RowStore | torch.Tensor | None,
         **options: Any,
     ) -> PleLayer:
         """The layer of a :class:`~engramrt.families.qwen4_ple.config.PleConfig` (``N``,
@@ -672,15 +689,73 @@ class PleLayer:
         Returns:
             ``out``: 0 at tokens past ``query_start_loc[B]``.
         """
+        if self.table is None:
+            raise ValidationError(
+                "this PleLayer has no table (table=None): give it rows with compute_rows()"
+            )
         if self.validate:
             self._check_call(hidden, row_ids, query_start_loc, conv_states, state_slots,
                              token_mask, out)  # fmt: skip
         num_tokens = hidden.shape[0]
+        rows = torch.empty((num_tokens, self.embed_dim), dtype=self.dtype, device=self.device)
+        config = self.kernel_config
+        gather_ple_rows(self.table, row_ids, rows, backend=self.backend, config=config)  # e
+        return self._from_rows(hidden, rows, query_start_loc, conv_states, state_slots,
+                               token_mask, out)  # fmt: skip
+
+    def compute_rows(
+        self,
+        hidden: torch.Tensor,
+        rows: torch.Tensor,
+        query_start_loc: torch.Tensor,
+        conv_states: torch.Tensor,
+        state_slots: torch.Tensor,
+        *,
+        token_mask: torch.Tensor | None = None,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """:meth:`__call__` for rows already gathered: ``rows [T, E]`` (each token's ``C``
+        rows of ``d`` values, concatenated) in the model dtype or bf16, unit column stride;
+        the other arguments as :meth:`__call__`'s."""
+        if self.validate:
+            self._check_call(hidden, None, query_start_loc, conv_states, state_slots,
+                             token_mask, out)  # fmt: skip
+            if (
+                not isinstance(rows, torch.Tensor)
+                or list(rows.shape) != [hidden.shape[0], self.embed_dim]
+                or rows.dtype not in (torch.bfloat16, self.dtype)
+                or rows.device != self.device
+                or (rows.shape[0] > 1 and rows.stride(1) != 1)
+            ):
+                what = (
+                    describe_tensor(rows, device=True)
+                    if isinstance(rows, torch.Tensor)
+                    else f"a {type(rows).__name__}"
+                )
+                raise ValidationError(
+                    f"rows has {what}; "
+                    f"expected [T = {hidden.shape[0]}, E = {self.embed_dim}] bf16 or "
+                    f"{self.dtype} with unit column stride on {self.device}"
+                )
+        if rows.dtype != self.dtype:
+            rows = rows.to(self.dtype)
+        return self._from_rows(hidden, rows, query_start_loc, conv_states, state_slots,
+                               token_mask, out)  # fmt: skip
+
+    def _from_rows(
+        self,
+        hidden: torch.Tensor,
+        rows: torch.Tensor,
+        query_start_loc: torch.Tensor,
+        conv_states: torch.Tensor,
+        state_slots: torch.Tensor,
+        token_mask: torch.Tensor | None,
+        out: torch.Tensor | None,
+    ) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
         if out is None:
             out = torch.empty((num_tokens, self.width), dtype=self.dtype, device=self.device)
         backend, config, weights = self.backend, self.kernel_config, self.weights
-        rows = torch.empty((num_tokens, self.embed_dim), dtype=self.dtype, device=self.device)
-        gather_ple_rows(self.table, row_ids, rows, backend=backend, config=config)  # e
         if backend == "reference":
             # The reference's two GEMMs (the same bits as one on the CPU, not promised).
             key = F.linear(rows, weights.key_proj)
@@ -744,7 +819,7 @@ class PleLayer:
         ):
             raise refuse("hidden", hidden, f"[T, hc*D = {width}] {dtype} with unit column stride")
         num_tokens = hidden.shape[0]
-        if (
+        if row_ids is not None and (
             not ok(row_ids, 2, _INDEX_DTYPES)
             or list(row_ids.shape)
             != [

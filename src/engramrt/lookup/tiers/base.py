@@ -307,8 +307,31 @@ class RowStore(RowSource):
         return self.col_begin, num_cols if self.col_end is None else min(self.col_end, num_cols)
 
     def fetch(self, row_ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """A store's rows for a step are its :meth:`lookup` (the :class:`RowSource` contract)."""
-        return self.lookup(row_ids, out)
+        """A store's rows for a step (the :class:`RowSource` contract): its :meth:`lookup`
+        for fp8 rows; bf16 rows, which need no dequantising, gathered as they are stored
+        (:meth:`gather_packed`). The same arguments and checks as :meth:`lookup`."""
+        if self._dequantises:
+            return self.lookup(row_ids, out)
+        if self.validate:
+            col_end = check_lookup_args(
+                row_ids, self.col_begin, self.col_end, E=self.E, device=self.device, out=out
+            )
+        else:
+            col_end = row_ids.shape[1] if self.col_end is None else self.col_end
+        if self.check_ids:
+            check_row_ids_in_shard(row_ids, self.col_begin, col_end, self.row_begin, self.row_end)
+        num_tokens, num_cols = row_ids.shape
+        if out is None:
+            out = torch.empty(
+                (num_tokens, num_cols, self.E), dtype=torch.bfloat16, device=self.device
+            )
+        served = slice(self.col_begin, col_end)
+        local = row_ids[:, served].to(self.device, torch.int64, non_blocking=True) - self.row_begin
+        rows = self.gather_packed(local.reshape(-1)).view(torch.bfloat16)
+        if (self.col_begin, col_end) != (0, num_cols):
+            out.zero_()  # columns this store does not serve
+        out[:, served] = rows.view(num_tokens, col_end - self.col_begin, self.E)
+        return out
 
     def device_rows(self) -> Any:
         """The stored rows ``[num_rows, row_bytes]`` as the compute device's kernels can read

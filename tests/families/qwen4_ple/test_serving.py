@@ -1,0 +1,167 @@
+"""Qwen4-Exp PLE served by :class:`EngramRuntime` (``families/qwen4_ple/serving.py``).
+
+Requests are streamed through the runtime (row ids by :class:`PleRowIdMaker`, rows from
+bf16 stores of the device tier, :class:`PleHead` per layer, ``h = h + out`` between the
+layers) in chunked prefill, interleaved decode and a padded step; every token's outputs
+are checked bit for bit against the one-shot computation of its whole sequence
+(``test_streaming.one_shot``: numpy row ids, the layer reference over the sequence), which
+the runtime takes no part in. Controls: a pool whose conv states are dropped between
+steps, and a step whose requests point at each other's slots, must both be caught.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tests.families.qwen4_ple.test_streaming import CONFIG, MODEL, differ, one_shot
+
+from engramrt.errors import ValidationError
+from engramrt.families.qwen4_ple.ops import PleHasher
+from engramrt.families.qwen4_ple.serving import PleHead, PleRowIdMaker
+from engramrt.families.qwen4_ple.streaming import PleStatePool
+from engramrt.family import BF16
+from engramrt.lookup.tiers import DeviceOptions, TablePlacement, make_store
+from engramrt.protocols import LayerHead, RowIdMaker
+from engramrt.runtime import EngramRuntime
+from engramrt.step import EngineStep
+
+MAX_REQUESTS = 4
+MAX_TOKENS = 24
+# Three requests of fixed token ids (EOS = 7 inside the second).
+PROMPTS = {0: [3, 5, 11, 2, 9, 1, 4], 1: [8, 7, 2, 2, 10, 6], 2: [1, 1, 1, 0, 3]}
+# Each step: (request, number of its next tokens), in the step's order.
+SCHEDULE = [
+    [(0, 4), (1, 3)],  # prefill chunks of two requests
+    [(1, 3), (0, 3), (2, 2)],  # their second chunks and a new request
+    [(0, 1), (1, 1), (2, 3)],  # decode beside a prefill chunk
+    [(2, 1), (0, 1)],  # decode, requests in another order
+]
+EXTRA = {0: [6, 2], 1: [5], 2: [9]}  # decode tokens after the prompts
+
+
+def build(backend: str = "reference"):
+    device = torch.device("cpu")
+    pool = PleStatePool(CONFIG, max_requests=MAX_REQUESTS, device=device)
+    maker = PleRowIdMaker(PleHasher(CONFIG, device, backend=backend))
+    stores = [
+        make_store(
+            TablePlacement(DeviceOptions(), device=device),
+            packed=table.contiguous().view(torch.uint8),
+            row_format=BF16,
+        )
+        for table in MODEL.tables
+    ]
+    heads = [
+        PleHead.from_pool(pool, index, weights, backend=backend)
+        for index, weights in enumerate(MODEL.weights)
+    ]
+    runtime = EngramRuntime(
+        maker, stores, heads=heads, max_tokens=MAX_TOKENS, max_requests=MAX_REQUESTS,
+        history=pool,
+    )  # fmt: skip
+    return runtime, pool
+
+
+def stream(backend: str = "reference", *, drop_state: bool = False, swap_slots: bool = False):
+    """Run SCHEDULE; returns (mismatched bf16 values, tokens checked)."""
+    runtime, pool = build(backend)
+    tokens = {r: PROMPTS[r] + EXTRA[r] for r in PROMPTS}
+    done = dict.fromkeys(PROMPTS, 0)
+    pool.reset(list(PROMPTS))
+    wrong = checked = 0
+    for index, entries in enumerate(SCHEDULE):
+        if drop_state:
+            pool.conv_state_pool.zero_()
+        ids, positions, qsl, slots = [], [], [0], []
+        for request, count in entries:
+            start = done[request]
+            ids += tokens[request][start : start + count]
+            positions += range(start, start + count)
+            qsl.append(qsl[-1] + count)
+            slots.append(request)
+        pad = index == 2  # a padded step: two tokens past qsl[-1], one padded request
+        if pad:
+            ids += [0, 0]
+            positions += [0, 0]
+            qsl.append(qsl[-1])
+            slots.append(pool.pad_slot)
+        if swap_slots:
+            slots = slots[1:] + slots[:1]
+        step = EngineStep(
+            input_ids=torch.tensor(ids),
+            positions=torch.tensor(positions),
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32),
+            request_slots=torch.tensor(slots, dtype=torch.int32),
+        )
+        runtime.plan(step)
+        hidden = MODEL.hidden(step.input_ids, step.positions)
+        outs = []
+        for layer in range(CONFIG.n_layers):
+            out = runtime.run(layer, hidden.view(-1, CONFIG.hc_count, CONFIG.hidden_size))
+            out = out.reshape(len(ids), -1).clone()
+            outs.append(out)
+            hidden = hidden + out
+        for n, (request, count) in enumerate(entries):
+            start = done[request]
+            expected = one_shot(tuple(tokens[request][: start + count]))
+            span = slice(qsl[n], qsl[n + 1])
+            for layer in range(CONFIG.n_layers):
+                wrong += differ(outs[layer][span], expected.outs[layer][start : start + count])
+            checked += count
+            done[request] = start + count
+        if pad:
+            assert bool((outs[0][qsl[-1] :] == 0).all()), "padding tokens get 0"
+    runtime.close()
+    return wrong, checked
+
+
+def test_protocols_are_met() -> None:
+    runtime, _ = build()
+    assert isinstance(runtime.hasher, RowIdMaker)
+    assert all(isinstance(head, LayerHead) for head in runtime.heads)
+    assert runtime.hasher.history_window == CONFIG.ngram_size - 1
+    runtime.close()
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_runtime_streams_ple_bit_for_bit(backend: str) -> None:
+    wrong, checked = stream(backend)
+    assert checked == sum(len(PROMPTS[r]) + len(EXTRA[r]) for r in PROMPTS)
+    assert wrong == 0, f"{wrong} bf16 values differ from the one-shot sequences"
+
+
+@pytest.mark.parametrize("control", ["drop_state", "swap_slots"])
+def test_control_broken_state_is_caught(control: str) -> None:
+    wrong, _ = stream(**{control: True})
+    assert wrong > 0, f"{control} went unnoticed"
+
+
+def test_steps_without_request_slots_or_pool_are_refused() -> None:
+    runtime, _ = build()
+    step = EngineStep.single([3, 5, 11])
+    with pytest.raises(ValidationError, match=r"step.request_slots is None"):
+        runtime.plan(step)
+    maker = runtime.hasher
+    with pytest.raises(ValidationError, match=r"history is a NoneType; expected the PleStatePool"):
+        maker(step, None)
+    head = runtime.heads[0]
+    rows = torch.zeros(3, head.num_cols, head.head_dim, dtype=torch.bfloat16)
+    hidden = torch.zeros(3, head.hc_mult, head.hidden_size, dtype=torch.bfloat16)
+    with pytest.raises(ValidationError, match=r"return_kv / kv_out"):
+        head.compute(hidden, rows, step=step, return_kv=True)
+    with pytest.raises(ValidationError, match=r"load_weights got \['key_proj'\]"):
+        head.load_weights(key_proj=MODEL.weights[0].key_proj)
+    runtime.close()
+
+
+def test_load_weights_writes_in_place() -> None:
+    runtime, _ = build()
+    head = runtime.heads[1]
+    address = head.layer.kv_proj.data_ptr()
+    source = MODEL.weights[0]
+    head.load_weights(**{name: getattr(source, name) for name in (
+        "key_proj", "value_proj", "norm_key", "norm_query", "norm_conv", "conv1d")})  # fmt: skip
+    assert head.layer.kv_proj.data_ptr() == address
+    assert torch.equal(head.layer.weights.key_proj, source.key_proj)
+    assert torch.equal(head.layer.weights.conv1d, source.conv1d)
+    runtime.close()
