@@ -5,8 +5,12 @@ bf16 stores of the device tier, :class:`PleHead` per layer, ``h = h + out`` betw
 layers) in chunked prefill, interleaved decode and a padded step; every token's outputs
 are checked bit for bit against the one-shot computation of its whole sequence
 (``test_streaming.one_shot``: numpy row ids, the layer reference over the sequence), which
-the runtime takes no part in. Controls: a pool whose conv states are dropped between
-steps, and a step whose requests point at each other's slots, must both be caught.
+the runtime takes no part in. On a GPU (``ENGRAMRT_TEST_DEVICE=cuda``) the kernels do not
+round like the CPU reference, so there the runtime is checked bit for bit against the same
+kernels called directly (the hasher over the pool, ``PleLayer`` gathering from the store):
+what the runtime adds (staging, side streams, slots) must change no bit. Controls: a pool
+whose conv states are dropped between steps, and a step whose requests point at each
+other's slots, must both be caught.
 """
 
 from __future__ import annotations
@@ -16,9 +20,10 @@ import torch
 from tests.families.qwen4_ple.test_streaming import CONFIG, MODEL, differ, one_shot
 
 from engramrt.errors import ValidationError
+from engramrt.families.qwen4_ple.module import PleLayer
 from engramrt.families.qwen4_ple.ops import PleHasher
 from engramrt.families.qwen4_ple.serving import PleHead, PleRowIdMaker
-from engramrt.families.qwen4_ple.streaming import PleStatePool
+from engramrt.families.qwen4_ple.streaming import PleStatePool, ple_row_ids_slots
 from engramrt.family import BF16
 from engramrt.lookup.tiers import DeviceOptions, TablePlacement, make_store
 from engramrt.protocols import LayerHead, RowIdMaker
@@ -39,11 +44,8 @@ SCHEDULE = [
 EXTRA = {0: [6, 2], 1: [5], 2: [9]}  # decode tokens after the prompts
 
 
-def build(backend: str = "reference"):
-    device = torch.device("cpu")
-    pool = PleStatePool(CONFIG, max_requests=MAX_REQUESTS, device=device)
-    maker = PleRowIdMaker(PleHasher(CONFIG, device, backend=backend))
-    stores = [
+def make_stores(device: torch.device) -> list:
+    return [
         make_store(
             TablePlacement(DeviceOptions(), device=device),
             packed=table.contiguous().view(torch.uint8),
@@ -51,6 +53,13 @@ def build(backend: str = "reference"):
         )
         for table in MODEL.tables
     ]
+
+
+def build(backend: str = "reference", device: torch.device | str = "cpu"):
+    device = torch.device(device)
+    pool = PleStatePool(CONFIG, max_requests=MAX_REQUESTS, device=device)
+    maker = PleRowIdMaker(PleHasher(CONFIG, device, backend=backend))
+    stores = make_stores(device)
     heads = [
         PleHead.from_pool(pool, index, weights, backend=backend)
         for index, weights in enumerate(MODEL.weights)
@@ -62,9 +71,56 @@ def build(backend: str = "reference"):
     return runtime, pool
 
 
-def stream(backend: str = "reference", *, drop_state: bool = False, swap_slots: bool = False):
-    """Run SCHEDULE; returns (mismatched bf16 values, tokens checked)."""
-    runtime, pool = build(backend)
+class Direct:
+    """The same kernels without the runtime: the hasher over the pool's contexts, then
+    each layer's ``PleLayer`` gathering its rows from the store itself."""
+
+    def __init__(self, backend: str, device: torch.device) -> None:
+        self.pool = PleStatePool(CONFIG, max_requests=MAX_REQUESTS, device=device)
+        self.hasher = PleHasher(CONFIG, device, backend=backend)
+        self.layers = [
+            PleLayer.from_config(CONFIG, weights, store, backend=backend)
+            for weights, store in zip(MODEL.weights, make_stores(device), strict=True)
+        ]
+        self.step: EngineStep | None = None
+
+    def plan(self, step: EngineStep) -> None:
+        self.step = step
+        self.row_ids = ple_row_ids_slots(
+            self.hasher, step.input_ids, step.query_start_loc, step.request_slots,
+            self.pool.contexts,
+        )  # fmt: skip
+
+    def run(self, layer: int, hidden: torch.Tensor) -> torch.Tensor:
+        step = self.step
+        assert step is not None and step.request_slots is not None
+        flat = hidden.reshape(hidden.shape[0], -1)
+        return self.layers[layer](
+            flat, self.row_ids[:, layer].contiguous(), step.query_start_loc,
+            self.pool.conv_states[layer], step.request_slots,
+        )  # fmt: skip
+
+    def close(self) -> None:
+        pass
+
+
+def stream(
+    backend: str = "reference",
+    *,
+    device: torch.device | str = "cpu",
+    direct: bool = False,
+    drop_state: bool = False,
+    swap_slots: bool = False,
+):
+    """Run SCHEDULE through the runtime (or :class:`Direct`); returns (mismatched bf16
+    values against the one-shot sequences, tokens checked, every step's outputs)."""
+    device = torch.device(device)
+    if direct:
+        runtime = Direct(backend, device)
+        pool = runtime.pool
+    else:
+        runtime, pool = build(backend, device)
+    steps = []
     tokens = {r: PROMPTS[r] + EXTRA[r] for r in PROMPTS}
     done = dict.fromkeys(PROMPTS, 0)
     pool.reset(list(PROMPTS))
@@ -92,15 +148,17 @@ def stream(backend: str = "reference", *, drop_state: bool = False, swap_slots: 
             positions=torch.tensor(positions),
             query_start_loc=torch.tensor(qsl, dtype=torch.int32),
             request_slots=torch.tensor(slots, dtype=torch.int32),
-        )
+        ).to(device)
         runtime.plan(step)
-        hidden = MODEL.hidden(step.input_ids, step.positions)
+        hidden = MODEL.hidden(step.input_ids.cpu(), step.positions.cpu()).to(device)
         outs = []
         for layer in range(CONFIG.n_layers):
             out = runtime.run(layer, hidden.view(-1, CONFIG.hc_count, CONFIG.hidden_size))
             out = out.reshape(len(ids), -1).clone()
             outs.append(out)
             hidden = hidden + out
+        outs = [out.cpu() for out in outs]
+        steps.append(outs)
         for n, (request, count) in enumerate(entries):
             start = done[request]
             expected = one_shot(tuple(tokens[request][: start + count]))
@@ -112,7 +170,7 @@ def stream(backend: str = "reference", *, drop_state: bool = False, swap_slots: 
         if pad:
             assert bool((outs[0][qsl[-1] :] == 0).all()), "padding tokens get 0"
     runtime.close()
-    return wrong, checked
+    return wrong, checked, steps
 
 
 def test_protocols_are_met() -> None:
@@ -125,14 +183,28 @@ def test_protocols_are_met() -> None:
 
 @pytest.mark.parametrize("backend", ["reference", "triton"])
 def test_runtime_streams_ple_bit_for_bit(backend: str) -> None:
-    wrong, checked = stream(backend)
+    wrong, checked, _ = stream(backend)
     assert checked == sum(len(PROMPTS[r]) + len(EXTRA[r]) for r in PROMPTS)
     assert wrong == 0, f"{wrong} bf16 values differ from the one-shot sequences"
 
 
+def test_runtime_changes_no_bit_of_the_kernels(device) -> None:
+    """On the test device: the runtime's outputs are the direct kernels' bit for bit."""
+    backend = "triton" if device.type == "cuda" else "reference"
+    _, _, found = stream(backend, device=device)
+    _, _, expected = stream(backend, device=device, direct=True)
+    for index, (got, want) in enumerate(zip(found, expected, strict=True)):
+        for layer in range(CONFIG.n_layers):
+            count = differ(got[layer], want[layer])
+            assert count == 0, f"step {index} layer {layer}: {count} values differ"
+    # Control: the direct path itself notices a broken pool.
+    _, _, broken = stream(backend, device=device, direct=True, drop_state=True)
+    assert any(differ(b[0], w[0]) for b, w in zip(broken, expected, strict=True))
+
+
 @pytest.mark.parametrize("control", ["drop_state", "swap_slots"])
 def test_control_broken_state_is_caught(control: str) -> None:
-    wrong, _ = stream(**{control: True})
+    wrong, _, _ = stream(**{control: True})
     assert wrong > 0, f"{control} went unnoticed"
 
 
