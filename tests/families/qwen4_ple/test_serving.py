@@ -237,3 +237,58 @@ def test_load_weights_writes_in_place() -> None:
     assert torch.equal(head.layer.weights.key_proj, source.key_proj)
     assert torch.equal(head.layer.weights.conv1d, source.conv1d)
     runtime.close()
+
+
+def test_ple_runtime_from_a_checkpoint(tmp_path) -> None:
+    """``ple_runtime`` serves a saved checkpoint: a two-request step, bit for bit against
+    the one-shot reference over the checkpoint's own tables and weights."""
+    from tests.families.qwen4_ple import ple_checkpoints as ckpt
+
+    from engramrt.families.qwen4_ple.ids import ple_row_ids
+    from engramrt.families.qwen4_ple.layer import PleLayerWeights, ple_layer_reference
+    from engramrt.families.qwen4_ple.serving import ple_runtime
+    from engramrt.lookup.tiers import HostOptions
+
+    state = ckpt.checkpoint_state(ckpt.COMPOSITE)
+    path = ckpt.save(tmp_path / "model", state, files=2)
+    runtime, pool = ple_runtime(
+        path, ckpt.FIELDS, TablePlacement(HostOptions(), device="cpu"),
+        max_tokens=16, max_requests=3, backend="reference",
+    )  # fmt: skip
+    config = ckpt.CONFIG
+    prompts = [[3, 9, 5, 14, 2], [60, 1, 1]]
+    pool.reset([0, 2])
+    ids = torch.tensor(prompts[0] + prompts[1])
+    step = EngineStep(
+        input_ids=ids,
+        positions=torch.tensor([0, 1, 2, 3, 4, 0, 1, 2]),
+        query_start_loc=torch.tensor([0, 5, 8], dtype=torch.int32),
+        request_slots=torch.tensor([0, 2], dtype=torch.int32),
+    )
+    runtime.plan(step)
+    g = torch.Generator().manual_seed(5)
+    hidden = torch.randn(8, config.hc_count * config.hidden_size, generator=g).bfloat16()
+    outs, h = [], hidden
+    for layer in range(config.n_layers):
+        out = runtime.run(layer, h.view(8, config.hc_count, config.hidden_size))
+        outs.append(out.reshape(8, -1).clone())
+        h = h + outs[-1]
+    runtime.close()
+    wrong = 0
+    for start, tokens in ((0, prompts[0]), (5, prompts[1])):
+        row_ids = torch.from_numpy(ple_row_ids(tokens, ckpt.CONSTS, config.eos))
+        h = hidden[start : start + len(tokens)]
+        for layer in range(config.n_layers):
+            table = ckpt.random_table(layer, torch.bfloat16)  # what the shards hold
+            names = PleLayerWeights.checkpoint_names(ckpt.LAYERS[layer], ckpt.COMPOSITE)
+            weights = PleLayerWeights(**{field: state[name] for field, name in names.items()})
+            rows = table[row_ids[:, layer]].flatten(1)
+            want, _ = ple_layer_reference(
+                h, rows, weights, ngram_size=config.ngram_size, eps=config.rms_norm_eps
+            )
+            wrong += differ(outs[layer][start : start + len(tokens)], want)
+            h = h + want
+    assert wrong == 0, f"{wrong} bf16 values differ from the checkpoint's one-shot reference"
+    with pytest.raises(ValidationError, match=r"placement.tp=2; expected 1"):
+        ple_runtime(path, ckpt.FIELDS, TablePlacement(HostOptions(), device="cpu", tp=2),
+                    max_tokens=16, max_requests=3)  # fmt: skip

@@ -15,7 +15,8 @@ The runtime composes a row-id maker, one row source per layer and one head per l
   <engramrt.families.qwen4_ple.module.PleLayer.compute_rows>`), its conv state in the same
   pool at the same slots.
 
-So a PLE model plans and runs like an Engram one: ``runtime.plan(step)`` after sampling,
+:func:`ple_runtime` builds all of it from a checkpoint. So a PLE model plans and runs like
+an Engram one: ``runtime.plan(step)`` after sampling,
 ``runtime.run(i, hidden)`` at PLE layer ``i``, hidden streams ``[T, hc, D]``. The step
 must carry ``request_slots`` (each request's pool row: the engine's persistent-batch row);
 the pool's other schedule rules (reset at a request's start, snapshots, rollback,
@@ -24,7 +25,8 @@ hand-off) are the engine's calls on the pool, as in docs/families.md, "Streaming
 
 from __future__ import annotations
 
-from typing import Any
+import os
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -35,7 +37,13 @@ from engramrt.families.qwen4_ple.ops import PleHasher
 from engramrt.families.qwen4_ple.streaming import PleStatePool, ple_row_ids_slots
 from engramrt.step import EngineStep
 
-__all__ = ["PleHead", "PleRowIdMaker"]
+if TYPE_CHECKING:
+    from engramrt.checkpoint.reader import SafetensorsCheckpoint
+    from engramrt.families.qwen4_ple.loading import FamilySource
+    from engramrt.lookup.tiers import TablePlacement
+    from engramrt.runtime import EngramRuntime
+
+__all__ = ["PleHead", "PleRowIdMaker", "ple_runtime"]
 
 
 def _request_slots(step: EngineStep | None, who: str) -> torch.Tensor:
@@ -217,3 +225,81 @@ class PleHead:
             out=result.view(num_tokens, layer.width),
         )
         return result
+
+
+def ple_runtime(
+    checkpoint: SafetensorsCheckpoint | str | os.PathLike[str],
+    config: FamilySource,
+    placement: TablePlacement | None = None,
+    *,
+    max_tokens: int,
+    max_requests: int,
+    num_snapshots: int = 0,
+    max_draft_tokens: int = 0,
+    dtype: torch.dtype | None = None,
+    backend: str = "auto",
+    validate: bool = True,
+    **runtime_options: Any,
+) -> tuple[EngramRuntime, PleStatePool]:
+    """An :class:`~engramrt.runtime.EngramRuntime` serving a Qwen4-Exp model's PLE layers
+    from ``checkpoint``, and the :class:`PleStatePool` its steps read and write.
+
+    The tables go into bf16 stores of ``placement``'s tier
+    (:func:`~engramrt.families.qwen4_ple.loading.load_ple_tables`), the layer weights into
+    one :class:`PleHead` each (:func:`~engramrt.families.qwen4_ple.checkpoint.
+    read_ple_layer_weights`, in ``dtype``, default the stored one), the ids from a
+    :class:`PleRowIdMaker` on the placement's device. ``runtime_options`` go to the
+    runtime (``lookup_workers``, ``gpu_reads``, ...). Each step must carry
+    ``request_slots``; the engine calls the pool for the schedule's other events.
+
+    Raises:
+        ValidationError: ``placement.tp > 1``: a rank's store holds a slice of every row's
+            values (``embedding_colwise``), which the heads cannot use until the slices are
+            gathered across ranks (not provided yet).
+        CheckpointError: what :func:`load_ple_tables` and ``read_ple_layer_weights`` raise.
+    """
+    from engramrt.families.qwen4_ple.checkpoint import read_ple_layer_weights
+    from engramrt.families.qwen4_ple.loading import load_ple_tables, ple_family
+    from engramrt.lookup.tiers import check_placement
+    from engramrt.runtime import EngramRuntime
+
+    family = ple_family(config)
+    placement = check_placement(placement, "ple_runtime(path, config, TablePlacement('host'))")
+    if placement.tp > 1:
+        raise ValidationError(
+            f"placement.tp={placement.tp}; expected 1: under tensor parallelism a rank holds "
+            f"a slice of every PLE row's values, and gathering them for the heads is not "
+            f"provided yet (load_ple_tables loads the slices)"
+        )
+    device = placement.device
+    weights = [
+        read_ple_layer_weights(checkpoint, family.config, index, dtype=dtype)
+        for index in range(family.config.n_layers)
+    ]
+    model_dtype = weights[0].dtype
+    stores = load_ple_tables(checkpoint, family, placement)
+    pool = PleStatePool(
+        family.config,
+        max_requests=max_requests,
+        num_snapshots=num_snapshots,
+        max_draft_tokens=max_draft_tokens,
+        dtype=model_dtype,
+        device=device,
+        validate=validate,
+    )
+    heads = [
+        PleHead.from_pool(pool, index, layer.to(device=device), backend=backend, validate=validate)
+        for index, layer in enumerate(weights)
+    ]
+    hasher = PleHasher(family.config, device, backend=backend, validate=validate)
+    runtime = EngramRuntime(
+        PleRowIdMaker(hasher),
+        stores,
+        heads=heads,
+        max_tokens=max_tokens,
+        max_requests=max_requests,
+        history=pool,
+        validate=validate,
+        **runtime_options,
+    )
+    return runtime, pool
