@@ -258,6 +258,7 @@ def ple_runtime(
             gathered across ranks (not provided yet).
         CheckpointError: what :func:`load_ple_tables` and ``read_ple_layer_weights`` raise.
     """
+    from engramrt._device import resolve_device
     from engramrt.families.qwen4_ple.checkpoint import read_ple_layer_weights
     from engramrt.families.qwen4_ple.loading import load_ple_tables, ple_family
     from engramrt.lookup.tiers import check_placement
@@ -271,7 +272,7 @@ def ple_runtime(
             f"a slice of every PLE row's values, and gathering them for the heads is not "
             f"provided yet (load_ple_tables loads the slices)"
         )
-    device = placement.device
+    device = resolve_device(placement.device)
     weights = [
         read_ple_layer_weights(checkpoint, family.config, index, dtype=dtype)
         for index in range(family.config.n_layers)
