@@ -17,6 +17,8 @@ operator                                  what                                  
 ``engramrt::plan_step``                   ``runtime.plan``; history from lookback  nothing
 ``engramrt::plan_step_slot_cache``        the same, history in a SlotHashCache    its slots
 ``engramrt::plan_step_request_history``   the same, history in a RequestHistory   its ring
+``engramrt::plan_step_state_pool``        the same, request contexts in a pool    its contexts
+                                          (Qwen4-Exp PLE's ``PleStatePool``)
 ``engramrt::run_layer``                   ``runtime.run(layer, hidden)``          nothing
 ``engramrt::lookup_rows``                 rows ``[T, C, E]`` of a packed table    nothing
 ``engramrt::engram_gate``                 the fused gate (SPEC §8)                nothing
@@ -101,10 +103,13 @@ def _plan(
     common: tuple[torch.Tensor | None, ...],
     history_slots: torch.Tensor | None = None,
     history_tags: torch.Tensor | None = None,
+    *,
+    history_field: str = "slots",
     **fields: torch.Tensor | None,
 ) -> torch.Tensor:
     """``runtime.plan`` of the batch of ``common`` (:data:`_COMMON_FIELDS`) and ``fields``,
-    over the history tensors given (None: the runtime's history as it is)."""
+    over the history tensors given (None: the runtime's history as it is):
+    ``history_slots`` stands for the history's ``history_field`` tensor."""
     fields.update(zip(_COMMON_FIELDS, common, strict=True))
     runtime = runtime_from_handle(handle)
     history = runtime.history
@@ -118,7 +123,7 @@ def _plan(
         # functionalisation they may be copies of the runtime's): a shallow copy
         # of the runtime's history object over them.
         history = copy.copy(history)
-        history.slots = history_slots
+        setattr(history, history_field, history_slots)
         if isinstance(history, RequestHistory) and history_tags is not None:
             history.tags = history_tags
     step = runtime.plan(HashBatch(**fields), history=history)  # type: ignore[arg-type]
@@ -206,6 +211,34 @@ def _(input_ids, positions, query_start_loc, dead_mask, lookback_token_ids, look
     return _plan_fake(handle, input_ids)
 
 
+@torch.library.custom_op("engramrt::plan_step_state_pool", mutates_args=("pool_contexts",))
+def plan_step_state_pool(
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    dead_mask: torch.Tensor | None,
+    lookback_token_ids: torch.Tensor | None,
+    lookback_dead: torch.Tensor | None,
+    request_slots: torch.Tensor,
+    pool_contexts: torch.Tensor,
+    handle: int,
+) -> torch.Tensor:
+    """:func:`plan_step` with a state pool keyed by request (a Qwen4-Exp ``PleStatePool``):
+    ``pool_contexts`` is its ``contexts`` (each request's last ids), updated in place at
+    ``request_slots``. The pool's other state (PLE conv states) belongs to the layers'
+    heads, which ``run_layer`` updates."""
+    common = (input_ids, positions, query_start_loc, dead_mask, lookback_token_ids, lookback_dead)
+    return _plan(
+        handle, common, pool_contexts, history_field="contexts", request_slots=request_slots
+    )
+
+
+@plan_step_state_pool.register_fake
+def _(input_ids, positions, query_start_loc, dead_mask, lookback_token_ids, lookback_dead,
+      request_slots, pool_contexts, handle):  # fmt: skip
+    return _plan_fake(handle, input_ids)
+
+
 def plan(runtime: EngramRuntime, batch: HashBatch) -> torch.Tensor:
     """The plan operator for ``batch`` and ``runtime``'s history; returns row ids
     ``[T, L, C]`` (a copy: pass it to :func:`run_layer` to order the layers after it)."""
@@ -230,6 +263,14 @@ def plan(runtime: EngramRuntime, batch: HashBatch) -> torch.Tensor:
         return plan_step_request_history(
             *common, batch.request_slots, history.slots, history.tags, runtime.handle
         )
+    contexts = getattr(history, "contexts", None)
+    if isinstance(contexts, torch.Tensor):  # a pool of per-request state (PleStatePool)
+        if batch.request_slots is None:
+            raise ValidationError(
+                f"the runtime's history is a {type(history).__name__}; expected the batch's "
+                f"request_slots (each request's row of the pool)"
+            )
+        return plan_step_state_pool(*common, batch.request_slots, contexts, runtime.handle)
     return plan_step(*common, runtime.handle)
 
 

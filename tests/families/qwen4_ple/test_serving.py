@@ -292,3 +292,48 @@ def test_ple_runtime_from_a_checkpoint(tmp_path) -> None:
     with pytest.raises(ValidationError, match=r"placement.tp=2; expected 1"):
         ple_runtime(path, ckpt.FIELDS, TablePlacement(HostOptions(), device="cpu", tp=2),
                     max_tokens=16, max_requests=3)  # fmt: skip
+
+
+def test_compiled_step_through_the_custom_ops() -> None:
+    """torch.compile(fullgraph=True) of a PLE step through the runtime's operators (the
+    plan op takes the pool's contexts, the layers run through ``run_layer``): the same row
+    ids, outputs and pool state as the eager runtime, bit for bit, over three steps."""
+    from engramrt import custom_ops
+
+    compiled_rt, compiled_pool = build()
+    eager_rt, eager_pool = build()
+
+    def model(step: EngineStep, hidden: torch.Tensor):
+        row_ids = custom_ops.plan(compiled_rt, step)
+        outs = []
+        for layer in range(CONFIG.n_layers):
+            out = custom_ops.run_layer(compiled_rt, layer, hidden, row_ids)
+            outs.append(out)
+            hidden = hidden + out
+        return row_ids, outs
+
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    for pool in (compiled_pool, eager_pool):
+        pool.reset([0, 1])
+    shape = (-1, CONFIG.hc_count, CONFIG.hidden_size)
+    for index, (ids, slots) in enumerate([([3, 5, 11, 2, 8, 7], [0, 1]), ([9, 4], [1, 0])]):
+        qsl = [0, len(ids) // 2, len(ids)]
+        step = EngineStep(
+            input_ids=torch.tensor(ids),
+            positions=torch.arange(len(ids)) + index,  # positions are not read by PLE
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32),
+            request_slots=torch.tensor(slots, dtype=torch.int32),
+        )
+        hidden = MODEL.hidden(step.input_ids, step.positions).view(shape)
+        row_ids, outs = compiled(step, hidden)
+        plan = eager_rt.plan(step)
+        assert torch.equal(row_ids, plan.row_ids), f"step {index}: row ids"
+        h = hidden
+        for layer in range(CONFIG.n_layers):
+            want = eager_rt.run(layer, h).clone()
+            assert differ(outs[layer], want) == 0, f"step {index} layer {layer}"
+            h = h + want
+    assert torch.equal(compiled_pool.contexts, eager_pool.contexts)
+    assert differ(compiled_pool.conv_state_pool, eager_pool.conv_state_pool) == 0
+    compiled_rt.close()
+    eager_rt.close()
