@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from engramrt.cli import main
@@ -315,3 +316,33 @@ def test_help_lists_plan_and_imports_no_torch() -> None:
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert proc.stdout.split() == ["True", "False"]
+
+
+# -- inspect of a Qwen4-Exp config ----------------------------------------------------------
+
+
+def test_inspect_ple_config_shows_its_hashing(capsys, tmp_path) -> None:
+    """``inspect -c`` of a Qwen4-Exp config: each head's prime and first row as the spec
+    derives them (primes counted here by trial division), the family's fingerprint and
+    the plan's bytes; the text output shows the same numbers."""
+    from engramrt.families.qwen4_ple.family import Qwen4PleFamily
+
+    path = _write(tmp_path, SMALL_PLE)
+    code, out, err = _run(capsys, "inspect", "-c", path, "--json")
+    assert code == 0, err
+    report = json.loads(out)
+    assert report["family"] == "qwen4-ple" and report["ple_layer_ids"] == [1, 2]
+    primes, candidate = [], 1000
+    while len(primes) < 2 * 4:
+        primes += [candidate] if _is_prime(candidate) else []
+        candidate += 1
+    assert report["head_sizes"] == [primes[:4], primes[4:]]
+    assert report["offsets"] == [[0, *np.cumsum(p[:3]).tolist()] for p in (primes[:4], primes[4:])]
+    assert report["table_rows"] == _spec_table_rows(1000, 2, 4, 64)
+    assert report["fingerprint"] == Qwen4PleFamily(SMALL_PLE).fingerprint()
+    assert report["memory_plan"]["total_bytes"] == sum(r * 20 for r in report["table_rows"])
+    code, out, _ = _run(capsys, "inspect", "-c", path)
+    assert code == 0
+    assert f"{primes[5]:,}" in out and report["fingerprint"] in out
+    code, _, err = _run(capsys, "inspect", "-c", path, "--tokenizer", path)
+    assert code != 0 and "--tokenizer and --checkpoint are for DeepSeek Engram configs" in err

@@ -1,4 +1,5 @@
-"""``engramrt inspect``: the hash layout of a config, its token map fingerprint, its memory plan."""
+"""``engramrt inspect``: the hash layout of a config, its token map fingerprint, its memory plan
+(a Qwen4-Exp config: :mod:`engramrt.cli.inspect_ple`)."""
 
 from __future__ import annotations
 
@@ -188,7 +189,10 @@ def register(app: typer.Typer) -> None:
         config: Annotated[
             str | None,
             typer.Option(
-                "--config", "-c", help="Preset name or config.json / model dir (dsv41-flash)."
+                "--config",
+                "-c",
+                help="Preset name or config.json / model dir: DeepSeek Engram (default "
+                "dsv41-flash) or Qwen4-Exp (PLE).",
             ),
         ] = None,
         tokenizer: Annotated[
@@ -230,6 +234,21 @@ def register(app: typer.Typer) -> None:
                 f"--config={config!r} is a checkpoint; --config takes a preset or a config.json. "
                 f"To look inside the checkpoint: engramrt inspect {config}"
             )
+        if config is not None:
+            from engramrt.cli._family_config import DEFAULT_FAMILY, load_family_config
+
+            loaded = load_family_config("--config", config)
+            if loaded.family != DEFAULT_FAMILY:
+                from engramrt.cli.inspect_ple import ple_inspect_report, print_ple_report
+
+                if tokenizer is not None or checkpoint is not None:
+                    raise EngramError(
+                        f"--tokenizer and --checkpoint are for DeepSeek Engram configs; "
+                        f"--config={config!r} is a {loaded.family!r} config (raw token ids)"
+                    )
+                found = ple_inspect_report(loaded, tp_value)
+                print(json.dumps(found, indent=1)) if as_json else print_ple_report(found)
+                return
         report = inspect_report("dsv41-flash" if config is None else config, tokenizer, tp_value)
         if checkpoint is not None:
             report["checkpoint_files"] = checkpoint_checksums(checkpoint)
