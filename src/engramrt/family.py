@@ -225,7 +225,7 @@ class ConfigMarkers:
 
 
 _REGISTRY: dict[str, str] = {
-    "deepseek-engram": "engramrt.families.deepseek_engram:DeepSeekEngramFamily",
+    "deepseek-engram": "engramrt.families.deepseek_engram.family:DeepSeekEngramFamily",
     "qwen4-ple": "engramrt.families.qwen4_ple.family:Qwen4PleFamily",
 }
 _MARKERS: dict[str, ConfigMarkers] = {

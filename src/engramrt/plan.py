@@ -175,7 +175,7 @@ def memory_plan(tables: EngramLayout | Sequence[TableSpec], tp: int = 1) -> list
 
     Args:
         tables: a family's tables (``family.tables()``), or an Engram layout (its
-            :class:`~engramrt.families.deepseek_engram.DeepSeekEngramFamily` tables).
+            :class:`~engramrt.families.deepseek_engram.family.DeepSeekEngramFamily` tables).
         tp: tensor-parallel size.
     """
     if isinstance(tables, EngramLayout):
