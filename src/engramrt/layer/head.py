@@ -19,6 +19,7 @@ from engramrt.config import EngramConfig
 from engramrt.errors import CheckpointError, ValidationError, describe_tensor
 from engramrt.gate import GateInputs, engram_gate
 from engramrt.layer.linear import EngramLinear
+from engramrt.layer.workspace import fixed_buffer, leading_rows
 
 __all__ = ["EngramHead"]
 
@@ -81,21 +82,13 @@ class EngramHead(nn.Module):
         """Allocate the fixed output ``[max_tokens, hc, D]`` and projection
         ``[max_tokens, (hc+1)*D]`` bf16 buffers (NaN-poisoned, so a slice never written
         shows), which :meth:`output_buffer` and :meth:`compute` use; the runtime calls it."""
-        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-            raise ValidationError(f"max_tokens={max_tokens!r}; expected a positive integer")
-        hc, dim = self.hc_mult, self.hidden_size
-        nan = float("nan")
-        self._out = torch.full((max_tokens, hc, dim), nan, dtype=torch.bfloat16, device=self.device)
-        self._kv = torch.full((max_tokens, (hc + 1) * dim), nan, dtype=torch.bfloat16,
-                              device=self.device)  # fmt: skip
+        hc, dim, device = self.hc_mult, self.hidden_size, self.device
+        self._out = fixed_buffer(max_tokens, hc, dim, dtype=torch.bfloat16, device=device)
+        self._kv = fixed_buffer(max_tokens, (hc + 1) * dim, dtype=torch.bfloat16, device=device)
 
     def output_buffer(self, num_tokens: int) -> torch.Tensor:
         """The first ``num_tokens`` rows of the fixed output :meth:`reserve` allocated."""
-        if self._out is None:
-            raise ValidationError(
-                "output_buffer() before reserve(max_tokens): the head has no fixed buffers yet"
-            )
-        return self._out[:num_tokens]
+        return leading_rows(self._out, num_tokens)
 
     @torch.no_grad()
     def load_weights(

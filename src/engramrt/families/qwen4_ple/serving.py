@@ -35,6 +35,7 @@ from engramrt.families.qwen4_ple.layer import PleLayerWeights
 from engramrt.families.qwen4_ple.module import PleLayer
 from engramrt.families.qwen4_ple.ops import PleHasher
 from engramrt.families.qwen4_ple.streaming import PleStatePool, ple_row_ids_slots
+from engramrt.layer.workspace import fixed_buffer, leading_rows
 from engramrt.step import EngineStep
 
 if TYPE_CHECKING:
@@ -152,23 +153,14 @@ class PleHead:
 
     def reserve(self, max_tokens: int) -> None:
         """Allocate the fixed output ``[max_tokens, hc, D]`` (model dtype, NaN-poisoned)."""
-        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-            raise ValidationError(f"max_tokens={max_tokens!r}; expected a positive integer")
         layer = self.layer
-        self._out = torch.full(
-            (max_tokens, layer.hc_count, layer.hidden_size),
-            float("nan"),
-            dtype=layer.dtype,
-            device=layer.device,
+        self._out = fixed_buffer(
+            max_tokens, layer.hc_count, layer.hidden_size, dtype=layer.dtype, device=layer.device
         )
 
     def output_buffer(self, num_tokens: int) -> torch.Tensor:
         """The first ``num_tokens`` rows of the fixed output :meth:`reserve` allocated."""
-        if self._out is None:
-            raise ValidationError(
-                "output_buffer() before reserve(max_tokens): the head has no fixed buffers yet"
-            )
-        return self._out[:num_tokens]
+        return leading_rows(self._out, num_tokens)
 
     @torch.no_grad()
     def load_weights(self, **weights: torch.Tensor) -> None:

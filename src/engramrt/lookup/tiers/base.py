@@ -287,6 +287,12 @@ class RowStore(RowSource):
                 f"{FP8_UE8M0.name} rows: expected a store of row_format=FP8_UE8M0, or read "
                 f"these rows with gather_packed()"
             )
+        col_end = self._checked(row_ids, out)
+        return self._lookup(row_ids, col_end, out)
+
+    def _checked(self, row_ids: torch.Tensor, out: torch.Tensor | None) -> int:
+        """The end of the hash columns served, after the checks :attr:`validate` and
+        :attr:`check_ids` ask for (the one place a store checks its inputs)."""
         if self.validate:
             col_end = check_lookup_args(
                 row_ids, self.col_begin, self.col_end, E=self.E, device=self.device, out=out
@@ -295,7 +301,7 @@ class RowStore(RowSource):
             col_end = row_ids.shape[1] if self.col_end is None else self.col_end
         if self.check_ids:
             check_row_ids_in_shard(row_ids, self.col_begin, col_end, self.row_begin, self.row_end)
-        return self._lookup(row_ids, col_end, out)
+        return col_end
 
     @abstractmethod
     def _lookup(
@@ -312,14 +318,7 @@ class RowStore(RowSource):
         (:meth:`gather_packed`). The same arguments and checks as :meth:`lookup`."""
         if self._dequantises:
             return self.lookup(row_ids, out)
-        if self.validate:
-            col_end = check_lookup_args(
-                row_ids, self.col_begin, self.col_end, E=self.E, device=self.device, out=out
-            )
-        else:
-            col_end = row_ids.shape[1] if self.col_end is None else self.col_end
-        if self.check_ids:
-            check_row_ids_in_shard(row_ids, self.col_begin, col_end, self.row_begin, self.row_end)
+        col_end = self._checked(row_ids, out)
         num_tokens, num_cols = row_ids.shape
         if out is None:
             out = torch.empty(
