@@ -615,14 +615,17 @@ class PleLayer:
                 f"bf16 rows to fp32 only (give the table in the model dtype)"
             )
         # One [(hc+1)*D, E] weight: key and value from one GEMM; the weights hold views.
+        # The layer owns copies of all of them: weights loaded in place later
+        # (PleHead.load_weights) must not reach a tensor another layer was built from.
         self.kv_proj = torch.cat([weights.key_proj, weights.value_proj]).contiguous()
+        own = torch.contiguous_format
         self.weights = PleLayerWeights(
             key_proj=self.kv_proj[: self.width],
             value_proj=self.kv_proj[self.width :],
-            norm_key=weights.norm_key.contiguous(),
-            norm_query=weights.norm_query.contiguous(),
-            norm_conv=weights.norm_conv.contiguous(),
-            conv1d=weights.conv1d.contiguous(),
+            norm_key=weights.norm_key.clone(memory_format=own),
+            norm_query=weights.norm_query.clone(memory_format=own),
+            norm_conv=weights.norm_conv.clone(memory_format=own),
+            conv1d=weights.conv1d.clone(memory_format=own),
         )
 
     @classmethod
