@@ -11,7 +11,8 @@ or in two halves, the corpus where it was trained and the models anywhere::
 
 Rebuilds the training corpus of ``DIR``'s record on this machine (the same
 rule; the manifest is compared with the record and every difference
-printed), the windows the models trained on (the one-pass order of the
+printed; a run given ``--stdlib-root`` or ``--site-dirs`` records their
+names only, so give them here too), the windows the models trained on (the one-pass order of the
 recorded seed, steps and batch size) and the held-out sequences; splits
 every held-out prediction by whether its n-grams were seen in those windows
 (:mod:`engramrt.models.wins`), and reports the share of predictions and
@@ -37,7 +38,29 @@ import numpy as np
 import torch
 
 
-def _corpus_masks(data: dict, settings: dict, record: dict) -> tuple[Any, ...]:
+def _source_roots(
+    settings: dict, stdlib_root: Path | None, site_dirs: list[Path] | None
+) -> tuple[Path | None, list[Path] | None]:
+    """Where the record's source directories are here: the flags, else the interpreter's
+    when the run read the interpreter's (recorded as null). A record names a directory the
+    run was given by its name only, so such a run needs the flag."""
+    recorded_root, recorded_sites = settings.get("stdlib_root"), settings.get("site_dirs")
+    if stdlib_root is None and recorded_root is not None:
+        raise SystemExit(
+            f"error: the run read a stdlib root named {recorded_root!r}; give --stdlib-root "
+            f"(where it is on this machine)"
+        )
+    if site_dirs is None and recorded_sites is not None:
+        raise SystemExit(
+            f"error: the run read the site directories {recorded_sites!r}; give --site-dirs "
+            f"(where they are on this machine, comma-separated; '' for none)"
+        )
+    return stdlib_root, site_dirs
+
+
+def _corpus_masks(
+    data: dict, settings: dict, record: dict, roots: tuple[Path | None, list[Path] | None]
+) -> tuple[Any, ...]:
     """The corpus part: manifest differences, trained windows, held-out arrays, masks."""
     from engramrt.config import EngramConfig
     from engramrt.models.corpus import build_corpus, eval_segments, manifest_differences
@@ -45,13 +68,13 @@ def _corpus_masks(data: dict, settings: dict, record: dict) -> tuple[Any, ...]:
     from engramrt.models.wins import category_masks, training_ngrams
     from engramrt.tokenmap import load_tokenizer
 
-    sites = settings.get("site_dirs")
+    root, sites = roots
     corpus = build_corpus(
         load_tokenizer(),
         max_files=settings.get("max_files"),
         max_train_chars=settings.get("max_train_chars"),
-        root=Path(settings["stdlib_root"]) if settings.get("stdlib_root") else None,
-        sites=[Path(p) for p in sites] if sites is not None else None,
+        root=root,
+        sites=sites,
     )
     diffs = manifest_differences(record["corpus"], corpus.record())
     print("corpus: the recorded one" if not diffs else "corpus differs: " + "; ".join(diffs))
@@ -85,6 +108,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--save-masks", type=Path, default=None)
     parser.add_argument("--masks", type=Path, default=None)
+    parser.add_argument(
+        "--stdlib-root",
+        type=Path,
+        default=None,
+        help="where the run's stdlib root is here (needed when the run was given one)",
+    )
+    parser.add_argument(
+        "--site-dirs",
+        type=lambda text: [Path(p) for p in text.split(",") if p],
+        default=None,
+        help="where the run's site directories are here, comma-separated (needed when the "
+        "run was given them)",
+    )
     args = parser.parse_args(argv)
     began = time.perf_counter()
     device = torch.device(args.device)
@@ -101,7 +137,8 @@ def main(argv: list[str] | None = None) -> int:
             for view, cats in meta["categories"].items()
         }
     else:
-        diffs, used_count, segments_arrays, masks = _corpus_masks(data, settings, record)
+        roots = _source_roots(settings, args.stdlib_root, args.site_dirs)
+        diffs, used_count, segments_arrays, masks = _corpus_masks(data, settings, record, roots)
         if args.save_masks is not None:
             flat = {f"{v}/{c}": m for v, cats in masks.items() for c, m in cats.items()}
             meta = {

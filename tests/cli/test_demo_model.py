@@ -38,10 +38,24 @@ def _record() -> dict:
     return json.loads((packaged_model_dir() / "model.json").read_text())["training"]
 
 
+NEW_TOKENS = 12
+"""Tokens the full run generates: past the 9th, where the shipped model's unmasked
+argmax after the default prompt is the document-start token."""
+
+
 @pytest.fixture(scope="module")
 def full_run(tmp_path_factory) -> tuple[int, dict, str, object]:
     chart = tmp_path_factory.mktemp("demo") / "gates.png"
-    return (*_demo("--max-new-tokens", "6", "--full-eval", "--plot", str(chart)), chart)
+    args = ("--max-new-tokens", str(NEW_TOKENS), "--full-eval", "--plot", str(chart))
+    return (*_demo(*args), chart)
+
+
+def _expected_heldout(record: dict) -> dict[str, dict[str, float]]:
+    """The held-out losses per set, read here from the record's two sections."""
+    return {
+        "stdlib": record["heldout"]["losses"],
+        "site-packages": record["package_heldout"]["losses"],
+    }
 
 
 def test_model_demo_json_matches_an_independent_reading(full_run) -> None:
@@ -64,14 +78,28 @@ def test_model_demo_json_matches_an_independent_reading(full_run) -> None:
     assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert result["plot"] == str(chart.resolve())
 
-    # The recorded losses, read straight from the shipped model.json: every model it holds.
-    losses = record["heldout"]["losses"]
-    assert result["heldout_loss"] == losses
-    assert result["heldout_lowest"] == min(losses, key=losses.get)
+    # The recorded losses, read straight from the shipped model.json: every model it holds,
+    # on both held-out sets; one seed, so no spread.
+    expected = _expected_heldout(record)
+    assert "heldout_seeds" not in record
+    assert result["heldout_loss"] == expected
+    assert {"engram", "baseline", "baseline_wide"} <= set(expected["site-packages"])
+    assert result["seeds"] == 1
+    assert result["heldout_spread"] == {
+        name: dict.fromkeys(models) for name, models in expected.items()
+    }
+    assert result["heldout_lowest"] == {
+        name: min(models, key=models.get) for name, models in expected.items()
+    }
+    sets = result["heldout_sets"]
+    assert sets["stdlib"]["predictions"] == record["heldout"]["predictions"]
+    assert sets["site-packages"]["predictions"] == record["package_heldout"]["predictions"]
+    assert "click, rich, typer" in sets["site-packages"]["what"]
     assert set(result["heldout_loss_here"]) == set(served)
     assert result["heldout_here"]["sequences"] == 32 and result["heldout_here"]["predictions"] > 0
-    fp8, float_loss = losses["engram_fp8"], losses["engram"]
+    fp8, float_loss = expected["stdlib"]["engram_fp8"], expected["stdlib"]["engram"]
     assert abs(fp8 - float_loss) / float_loss <= 0.005
+    assert not result["training"]["command"].startswith("/")
 
     # The continuation, recomputed here by the eager reference (no runtime, no demo code).
     from engramrt.cli.demo_model import DEFAULT_PROMPT
@@ -83,13 +111,29 @@ def test_model_demo_json_matches_an_independent_reading(full_run) -> None:
         packaged_model_dir(), TablePlacement("device", device="cpu"), load_baseline=False
     )
     prompt = model.encode(DEFAULT_PROMPT)
-    want = model.reference_generate(prompt, 6).tokens
+    want = model.reference_generate(prompt, NEW_TOKENS).tokens
     assert result["generated_text"] == model.decode(want)
     assert result["requests"][0]["prompt_tokens"] == len(prompt)
     # The gate values cover the prompt and the continuation but its last token, in [0, 1].
     gates = result["gates"]["values"]
-    assert len(gates) == len(prompt) + 6 - 1 and len(result["gates"]["tokens"]) == len(gates)
+    assert len(gates) == len(prompt) + NEW_TOKENS - 1
+    assert len(result["gates"]["tokens"]) == len(gates)
     assert all(0.0 <= g <= 1.0 for row in gates for g in row)
+
+    # No document-start token in the continuation: each generated token is the argmax,
+    # computed here from the logits, over the kept ids but that one.
+    from engramrt.models.vocab import BOS_TOKEN_ID
+
+    bos = model.decode([BOS_TOKEN_ID])
+    assert BOS_TOKEN_ID not in want and bos not in result["generated_text"]
+    logits, _ = model.reference_forward(prompt + want[:-1])
+    kept = logits[len(prompt) - 1 :, : model.vocab.num_kept]
+    bos_trimmed = int(model.vocab.trim([BOS_TOKEN_ID])[0])
+    masked = kept.clone()
+    masked[:, bos_trimmed] = float("-inf")
+    assert [int(t) for t in model.vocab.untrim(masked.argmax(-1).numpy())] == want
+    # Control: unmasked, the shipped model would have emitted it (the 9th token).
+    assert bos_trimmed in kept.argmax(-1).tolist()
 
 
 def test_model_demo_says_what_it_does_first_and_reports_each_stage(full_run) -> None:
@@ -111,11 +155,57 @@ def test_the_loss_table_names_every_model_and_the_lowest(full_run, capsys) -> No
     result = full_run[1]
     print_losses(result)
     text = " ".join(capsys.readouterr().out.split())
-    losses = _record()["heldout"]["losses"]
-    lowest = min(losses, key=losses.get)
-    for name, value in losses.items():
-        assert name in text and f"{value:.4f}" in text
-    assert f"lowest held-out loss: {lowest} ({losses[lowest]:.4f}" in text
+    for name, losses in _expected_heldout(_record()).items():
+        lowest = min(losses, key=losses.get)
+        for model, value in losses.items():
+            assert model in text and f"{value:.4f}" in text
+        assert f"lowest on {name}: {lowest} ({losses[lowest]:.4f})" in text
+    assert "one seed" in text and "±" not in text
+
+
+def test_the_loss_table_shows_the_spread_over_seeds(full_run, capsys) -> None:
+    """A record holding three seeds' losses: the demo's figures are their mean and sample
+    std (computed here with statistics), on both sets, and the text shows both."""
+    import statistics
+
+    from engramrt.cli.demo_model import print_losses
+    from engramrt.models.seeds import heldout_figures
+
+    record = _record()
+    per_seed = {
+        split: {
+            model: [value, value + 0.01 * (1 + i), value - 0.02 * (1 + i)]
+            for i, (model, value) in enumerate(record[split]["losses"].items())
+        }
+        for split in ("heldout", "package_heldout")
+    }
+    record["heldout_seeds"] = {"seeds": [0, 1, 2], "steps": {}, "losses": per_seed}
+    figures = heldout_figures(record)
+    assert figures["seeds"] == 3
+    for split, name in (("heldout", "stdlib"), ("package_heldout", "site-packages")):
+        for model, values in per_seed[split].items():
+            assert figures["loss"][name][model] == pytest.approx(statistics.mean(values), abs=1e-12)
+            assert figures["spread"][name][model] == pytest.approx(
+                statistics.stdev(values), abs=1e-12
+            )
+    result = {
+        **full_run[1],
+        "heldout_loss": figures["loss"],
+        "heldout_spread": figures["spread"],
+        "seeds": 3,
+        "heldout_lowest": {
+            name: min(models, key=models.get) for name, models in figures["loss"].items()
+        },
+    }
+    print_losses(result)
+    text = " ".join(capsys.readouterr().out.split())
+    assert "mean ± sample std over 3 seeds" in text
+    for name, models in figures["loss"].items():
+        lowest = min(models, key=models.get)
+        mean, std = models[lowest], figures["spread"][name][lowest]
+        assert f"lowest on {name}: {lowest} ({mean:.4f} ± {std:.4f}, 3 seeds)" in text
+        for model, value in models.items():  # the table's cells (wrapped at the console's width)
+            assert f"{value:.4f}" in text and f"{figures['spread'][name][model]:.4f}" in text
 
 
 def test_quick_default_with_a_one_token_prompt(tmp_path, monkeypatch) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import statistics
 from pathlib import Path
 from typing import Any
@@ -13,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from engramrt.errors import ValidationError
+from engramrt.errors import CheckpointError, ValidationError
 from engramrt.models import seeds as seeds_mod
 from engramrt.models.wins import category_losses, gate_column
 
@@ -202,6 +203,22 @@ def test_seeds_command_end_to_end(tiny_sources: tuple[Path, Path], tmp_path: Pat
     summary = json.loads((out / seeds_mod.AGGREGATE_JSON).read_text())
     assert (out / seeds_mod.SUMMARY_MD).read_text().startswith("# Over 3 seeds (0, 1, 7)")
     _check_against_statistics(summary, records)
+    # Every seed's model.json carries every seed's held-out losses (still sealed), and the
+    # figures a report shows from it are the mean and sample std computed here.
+    from engramrt.models import artifacts
+
+    for seed in (0, 1, 7):
+        record = artifacts.read_model_json(out / f"seed-{seed}")["training"]
+        folded = record[seeds_mod.HELDOUT_SEEDS]
+        assert folded["seeds"] == [0, 1, 7]
+        figures = seeds_mod.heldout_figures(record)
+        assert figures["seeds"] == 3
+        for split, name in seeds_mod.HELDOUT_SET_NAMES.items():
+            for model in records[0][split]["losses"]:
+                values = [records[s][split]["losses"][model] for s in (0, 1, 7)]
+                assert folded["losses"][split][model] == values
+                assert abs(figures["loss"][name][model] - statistics.fmean(values)) < TOL
+                assert abs(figures["spread"][name][model] - statistics.stdev(values)) < TOL
     assert set(summary["heldout_loss"]) == {"heldout", "package_heldout"}
     assert set(summary["heldout_loss"]["heldout"]) == {
         "engram",
@@ -240,3 +257,84 @@ def test_seeds_command_end_to_end(tiny_sources: tuple[Path, Path], tmp_path: Pat
     for category, cell in cells.items():
         if gate_column("engram", 1) in cell:
             assert 0 <= cell[gate_column("engram", 1)]["min"] <= 1, category
+
+
+def _summary_with(record: dict[str, Any], seed: int, other: int) -> dict[str, Any]:
+    """An aggregate of ``record``'s own held-out losses (as seed ``seed``) and another
+    seed's (each loss 0.1 higher)."""
+    records = {}
+    for value, shift in ((seed, 0.0), (other, 0.1)):
+        records[value] = {
+            "steps": {"steps": 4},
+            **{
+                split: {"losses": {m: v + shift for m, v in record[split]["losses"].items()}}
+                for split in seeds_mod.HELDOUT_SETS
+            },
+        }
+    return seeds_mod.aggregate(records)
+
+
+def test_fold_into_a_model_directory(trained_dir: Path, tmp_path: Path) -> None:
+    """fold_into_model_dir writes the per-seed losses into model.json, still sealed (the
+    loader reads it); the figures are the mean and sample std of the two seeds. Refused,
+    with model.json left byte for byte, for a directory that is not one of the seeds."""
+    from engramrt.models import artifacts
+
+    directory = tmp_path / "model"
+    shutil.copytree(trained_dir, directory)
+    record = artifacts.read_model_json(directory)["training"]
+    assert seeds_mod.heldout_figures(record)["seeds"] == 1  # before: the run's own losses
+    assert all(
+        v is None
+        for models in seeds_mod.heldout_figures(record)["spread"].values()
+        for v in models.values()
+    )
+    seed = record["settings"]["seed"]
+    summary = _summary_with(record, seed, seed + 1)
+
+    before = (directory / artifacts.MODEL_JSON).read_bytes()
+    wrong_seed = _summary_with(record, seed + 2, seed + 1)
+    with pytest.raises(CheckpointError, match=r"settings\.seed=0 is not one of"):
+        seeds_mod.fold_into_model_dir(directory, wrong_seed)
+    other_losses = json.loads(json.dumps(summary))
+    other_losses["heldout_spread"]["heldout"]["baseline"]["per_seed"][0] += 1e-9
+    with pytest.raises(CheckpointError, match=r"training\.heldout\.losses\.baseline="):
+        seeds_mod.fold_into_model_dir(directory, other_losses)
+    assert (directory / artifacts.MODEL_JSON).read_bytes() == before
+
+    folded = seeds_mod.fold_into_model_dir(directory, summary)
+    data = artifacts.read_model_json(directory)  # the seal was recomputed
+    assert data["training"][seeds_mod.HELDOUT_SEEDS] == folded
+    figures = seeds_mod.heldout_figures(data["training"])
+    assert figures["seeds"] == 2
+    for split, name in seeds_mod.HELDOUT_SET_NAMES.items():
+        for model, own in record[split]["losses"].items():
+            values = [own, own + 0.1]
+            assert abs(figures["loss"][name][model] - statistics.fmean(values)) < TOL
+            assert abs(figures["spread"][name][model] - statistics.stdev(values)) < TOL
+    # The other files are untouched: every checksum still holds where the loader checks.
+    from engramrt.lookup.tiers import TablePlacement
+    from engramrt.models.serve import load_model
+
+    load_model(directory, TablePlacement("device", device="cpu"), load_baseline=False)
+
+
+@pytest.mark.parametrize(
+    ("change", "needle"),
+    [
+        (lambda f: f.update(seeds=[0]), r"heldout_seeds\.seeds=\[0\]"),
+        (lambda f: f.update(seeds=[0, 0]), r"heldout_seeds\.seeds="),
+        (lambda f: f["losses"]["heldout"]["engram"].pop(), r"losses\.heldout\.engram="),
+        (lambda f: f["losses"]["heldout"]["engram"].__setitem__(0, float("nan")), r"finite"),
+        (lambda f: f["losses"].update(other={}), r"heldout_seeds\.losses="),
+    ],
+)
+def test_heldout_figures_refuse_a_malformed_record(change, needle) -> None:
+    record = {
+        "heldout": {"losses": {"engram": 2.0}},
+        seeds_mod.HELDOUT_SEEDS: {"seeds": [0, 1], "losses": {"heldout": {"engram": [2.0, 2.2]}}},
+    }
+    assert seeds_mod.heldout_figures(record)["loss"]["stdlib"]["engram"] == pytest.approx(2.1)
+    change(record[seeds_mod.HELDOUT_SEEDS])
+    with pytest.raises(CheckpointError, match=needle):
+        seeds_mod.heldout_figures(record)

@@ -79,6 +79,86 @@ def test_packaged_model_fits_the_size_budget() -> None:
     assert data["model_json_sha256"] == hashlib.sha256(canonical.encode()).hexdigest()
 
 
+def _absolute_paths(value: object) -> list[str]:
+    """Every word of every string in ``value`` (a JSON value, keys included) that is an
+    absolute path, POSIX or Windows, quotes and brackets stripped."""
+    import re
+    from pathlib import PurePosixPath, PureWindowsPath
+
+    found: list[str] = []
+    if isinstance(value, dict):
+        for key, item in value.items():
+            found += _absolute_paths(key) + _absolute_paths(item)
+    elif isinstance(value, list):
+        for item in value:
+            found += _absolute_paths(item)
+    elif isinstance(value, str):
+        for word in re.split(r"[\s,=]+", value):
+            word = word.strip("'\"()[]<>")
+            if PurePosixPath(word).is_absolute() or PureWindowsPath(word).drive:
+                found.append(word)
+    return found
+
+
+def test_absolute_paths_are_found() -> None:
+    """Control for the two tests below: the record this package once shipped is caught."""
+    old = {
+        "command": "/work/x/train.py --out /tmp/model --results /root/out/results.json",
+        "corpus": {"stdlib_root": "/usr/lib/python3.12", "site_dirs": ["C:\\Python\\Lib"]},
+        "rule": "stdlib: int(sha256(relative_path)) % 20 == 0",
+    }
+    assert _absolute_paths(old) == [
+        "/work/x/train.py",
+        "/tmp/model",
+        "/root/out/results.json",
+        "/usr/lib/python3.12",
+        "C:\\Python\\Lib",
+    ]
+
+
+def test_the_shipped_model_json_holds_no_absolute_path() -> None:
+    """The shipped record says how the model was trained, not where: its command is the
+    training command without --out and --results, its corpus roots are names."""
+    from engramrt.models.packaged import packaged_model_dir
+
+    data = json.loads((packaged_model_dir() / artifacts.MODEL_JSON).read_text())
+    assert _absolute_paths(data) == []
+    record = data["training"]
+    assert record["command"] == (
+        "python -m engramrt.models.train --device cuda --minutes 0.75 --memory-sweep 1,4,12 "
+        "--compare-layers 1,3"
+    )
+    assert record["corpus"]["stdlib_root"] == "python3.12"
+    assert record["corpus"]["site_dirs"] == ["site-packages"]
+
+
+def test_the_trained_record_holds_no_absolute_path(
+    trained_dir: Path, tiny_sources, tmp_path: Path
+) -> None:
+    """A run given --out, --results, --stdlib-root and --site-dirs (absolute temporary
+    paths) records none of them: the command parses back to the same settings once an
+    --out and the roots are given again."""
+    import shlex
+
+    from engramrt.models.train import parse_args, settings_record
+
+    data = json.loads((trained_dir / artifacts.MODEL_JSON).read_text())
+    results = json.loads((trained_dir / "results.json").read_text())
+    assert _absolute_paths(data) == [] and _absolute_paths(results) == []
+    record = data["training"]
+    stdlib, site = tiny_sources
+    assert record["corpus"]["stdlib_root"] == stdlib.name
+    assert record["settings"]["site_dirs"] == [site.name]
+    words = shlex.split(record["command"])
+    assert words[:3] == ["python", "-m", "engramrt.models.train"]
+    assert "--out" not in words and "--results" not in words
+    assert words[words.index("--stdlib-root") + 1] == f"<{stdlib.name}>"
+    words[words.index("--stdlib-root") + 1] = str(stdlib)
+    words[words.index("--site-dirs") + 1] = str(site)
+    again = parse_args([*words[3:], "--out", str(tmp_path / "again")])
+    assert settings_record(again) == record["settings"]
+
+
 def test_heldout_rule_is_the_documented_hash() -> None:
     import hashlib
 

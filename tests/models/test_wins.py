@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from engramrt.models.wins import category_losses, category_masks, ngram_keys, training_ngrams
 
@@ -63,7 +64,7 @@ def test_keys_mark_missing_tokens() -> None:
     assert ngram_keys(np.array([[1, 2]]), 2)[0, 0] != ngram_keys(np.array([[2, 1]]), 2)[0, 0]
 
 
-def test_where_it_wins_script_on_a_trained_directory(trained_dir, tmp_path) -> None:
+def test_where_it_wins_script_on_a_trained_directory(trained_dir, tiny_sources, tmp_path) -> None:
     """bench/where_it_wins.py rebuilds the run's corpus (the manifest matches), its
     per-model means equal the recorded held-out losses (exit 0), and the two-half mode
     (masks saved, then read) gives the same table."""
@@ -77,7 +78,12 @@ def test_where_it_wins_script_on_a_trained_directory(trained_dir, tmp_path) -> N
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
     whole, half = tmp_path / "whole.json", tmp_path / "half.json"
+    stdlib, site = tiny_sources
     args = ["--model", str(trained_dir), "--device", "cpu"]
+    # The record names the run's source directories only: without the flags, one error.
+    with pytest.raises(SystemExit, match="give --stdlib-root"):
+        script.main([*args, "--out", str(whole)])
+    args += ["--stdlib-root", str(stdlib), "--site-dirs", str(site)]
     assert script.main([*args, "--out", str(whole)]) == 0
     assert script.main([*args, "--save-masks", str(tmp_path / "m.npz")]) == 0
     assert script.main([*args, "--masks", str(tmp_path / "m.npz"), "--out", str(half)]) == 0

@@ -17,11 +17,16 @@ The demo:
    prompt and continuation, no runtime, no KV cache, rows read from the
    checkpoint's bytes), and against a second placement (another tier with a
    hot-row cache in front, another history mode);
-3. evaluates every model of the record on held-out sequences on this
-   machine: the first :data:`QUICK_SEQUENCES` of the shipped sample by
-   default, the whole sample with ``--full-eval``, which also compares each
-   loss with the value recorded for the same sequences where the model was
-   trained; the losses on the full held-out set are shown as recorded;
+3. reports every model's loss on both held-out sets as the record holds
+   them (:func:`~engramrt.models.seeds.heldout_figures`): ``stdlib``, CPython
+   standard-library files never trained on, and ``site-packages``, whole
+   top-level packages (click, rich, typer) never trained on; over every seed
+   the record holds (mean ± sample standard deviation) when it holds
+   several, and names the lowest model of each set. Then it evaluates every
+   served model on held-out sequences on this machine: the first
+   :data:`QUICK_SEQUENCES` of the shipped (stdlib) sample by default, the
+   whole sample with ``--full-eval``, which also compares each loss with
+   the value recorded for the same sequences where the model was trained;
 4. shows where the gate opens: per generated or prompt token, the gate of
    each Engram layer (mean over the hyper-connection streams).
 
@@ -108,15 +113,19 @@ def run_model_demo(
 
     The JSON object (``--json``) holds ``checks`` (``{name, passed,
     compared}``), ``prompt``, ``generated_text`` (request A's continuation),
-    ``requests``, ``heldout_loss`` (every held-out loss the model's record
-    holds, on the full held-out set, as recorded where it was trained: the
-    same keys as ``model.json``), ``heldout_lowest`` (the name of the lowest
-    of them), ``heldout_loss_here`` (the models evaluated on this machine,
-    on ``heldout_here["sequences"]`` sequences of the shipped sample),
+    ``requests``, ``heldout_loss`` (``{set: {model: loss}}``: every model's
+    loss on each held-out set, ``"stdlib"`` and ``"site-packages"``, as
+    recorded where it was trained; the mean over the seeds when the record
+    holds several), ``heldout_spread`` (the same shape: the sample standard
+    deviation over the seeds, None for one seed), ``seeds`` (how many seeds
+    the figures rest on), ``heldout_lowest`` (``{set: model}``, the lowest
+    mean), ``heldout_sets`` (``{set: {what, sequences, predictions}}``),
+    ``heldout_loss_here`` (the models evaluated on this machine, on
+    ``heldout_here["sequences"]`` sequences of the shipped stdlib sample),
     ``heldout_sample_recorded`` (the record's losses on the whole sample),
     ``gates``, ``tier``, ``history``, ``device``, ``data`` (what is real),
-    ``training`` (the record), ``plot`` (the chart's absolute path, with
-    ``--plot``) and ``seconds``.
+    ``training`` (the record: its path-free command, the corpus, the steps),
+    ``plot`` (the chart's absolute path, with ``--plot``) and ``seconds``.
     """
     from engramrt.cli._console import console, err_console
     from engramrt.cli._stages import Stages
@@ -377,6 +386,8 @@ def _report(
     """The demo's JSON object (see :func:`run_model_demo`), less ``plot`` and ``seconds``."""
     import numpy as np
 
+    from engramrt.models.seeds import heldout_figures
+
     tier, history, device = placement
     prompt_text, prompt_a, prompt_b = prompts
     here, count, predictions, full_eval = heldout
@@ -385,8 +396,9 @@ def _report(
     recorded = record["heldout"]
     recorded_sample = recorded.get("sample_losses", {})
     corpus = record["corpus"]
-    losses = {name: float(value) for name, value in recorded["losses"].items()}
-    trained = [name for name in losses if isinstance(record.get(name), dict)]  # per-model records
+    figures = heldout_figures(record)
+    losses = figures["loss"]
+    trained = [name for name in recorded["losses"] if isinstance(record.get(name), dict)]
     return {
         "model": str(directory),
         "data": {
@@ -412,9 +424,15 @@ def _report(
         ],
         "checks": checks,
         "heldout_loss": losses,
-        "heldout_lowest": min(losses, key=losses.__getitem__),
+        "heldout_spread": figures["spread"],
+        "seeds": figures["seeds"],
+        "heldout_lowest": {
+            name: min(models, key=models.__getitem__) for name, models in losses.items()
+        },
+        "heldout_sets": _heldout_sets(record),
         "heldout_loss_here": {k: round(float(v), 6) for k, v in here.items()},
         "heldout_here": {
+            "set": "stdlib",
             "sequences": count,
             "sample_sequences": model.sample.num_sequences,
             "predictions": predictions,
@@ -427,14 +445,38 @@ def _report(
             "values": np.round(gate_values, 4).tolist(),
         },
         "training": {
+            "command": record.get("command"),
             "corpus": corpus,
             "device": record.get("device"),
             "steps": {name: record[name]["steps"] for name in trained},
             "kept_steps": {name: record[name].get("kept_step") for name in trained},
             "tokens_seen": {name: record[name].get("tokens_seen") for name in trained},
             "seconds": {name: record[name].get("seconds") for name in trained},
-            "heldout_predictions": recorded["predictions"],
         },
+    }
+
+
+def _heldout_sets(record: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """What each held-out set of the record is: ``{set: {what, sequences, predictions}}``."""
+    from engramrt.models.seeds import HELDOUT_SET_NAMES
+
+    corpus = record["corpus"]
+    what = {
+        "heldout": f"{corpus.get('heldout_files', '?')} files of CPython "
+        f"{corpus.get('python_version', '?')}'s standard library never trained on "
+        f"(held out by {str(corpus.get('heldout_rule', 'a hash of the path')).split(': ')[-1]})",
+        "package_heldout": "the top-level packages "
+        f"{', '.join((record.get('package_heldout') or {}).get('packages', []))} of "
+        f"site-packages, never trained on ({corpus.get('package_heldout_files', '?')} files)",
+    }
+    return {
+        name: {
+            "what": what[split],
+            "sequences": record[split]["sequences"],
+            "predictions": record[split]["predictions"],
+        }
+        for split, name in HELDOUT_SET_NAMES.items()
+        if isinstance(record.get(split), dict)
     }
 
 
@@ -477,9 +519,9 @@ def _print_tables(out: dict[str, Any], gates: Any, pieces: list[str], prompt_len
     training = out["training"]
     console.print(
         f"[bold]the model[/]: the tiny Engram LM shipped with engramrt (trained on "
-        f"{training['device']} on CPython {training['corpus']['python_version']} stdlib "
-        f"sources; fp8 tables), served with tier {out['tier']}, history {out['history']}, "
-        f"device {out['device']}"
+        f"{training['device']} on CPython {training['corpus']['python_version']}'s standard "
+        f"library and site-packages sources; fp8 tables), served with tier {out['tier']}, "
+        f"history {out['history']}, device {out['device']}"
     )
     console.print(f"real: {out['data']['real']}; synthetic: {out['data']['synthetic']}")
     console.print("[bold]prompt[/] (request A):")
@@ -517,7 +559,8 @@ def _print_tables(out: dict[str, Any], gates: Any, pieces: list[str], prompt_len
     kept = ", ".join(f"{name} {step}" for name, step in training["kept_steps"].items())
     console.print(
         f"trained steps per model: {steps}; each keeps its step of lowest validation loss "
-        f"({kept}); full held-out set: {training['heldout_predictions']:,} predictions"
+        f"({kept}); trained by: {training['command']}",
+        highlight=False,
     )
 
     checks = Table(title="checks: what each compared", title_justify="left")
@@ -533,51 +576,63 @@ def _print_tables(out: dict[str, Any], gates: Any, pieces: list[str], prompt_len
 
 
 def print_losses(out: dict[str, Any]) -> None:
-    """The held-out losses: every model of the record, recorded and measured here, and
-    which is lowest, in words."""
+    """The held-out losses: every model on both held-out sets as recorded (with the spread
+    over the seeds when there are several), the lowest of each set in words, and the
+    losses measured here."""
     from rich.table import Table
 
     from engramrt.cli._console import console
 
-    recorded = out["heldout_loss"]
+    recorded, spreads, seeds = out["heldout_loss"], out["heldout_spread"], out["seeds"]
+    sets = out["heldout_sets"]
     sample = out["heldout_sample_recorded"]
     here = out["heldout_loss_here"]
     counted = out["heldout_here"]
-    table = Table(title="held-out loss (nats / token; lower is better)", title_justify="left")
-    table.add_column("model")
-    table.add_column(
-        f"full held-out set, recorded ({out['training']['heldout_predictions']:,} predictions)",
-        justify="right",
+    over = (
+        f"mean ± sample std over {seeds} seeds"
+        if seeds > 1
+        else "one seed: no spread to show; python -m engramrt.models.seeds gives it"
     )
+    table = Table(
+        title=f"held-out loss (nats / token; lower is better; {over})", title_justify="left"
+    )
+    table.add_column("model")
+    for name in recorded:
+        table.add_column(f"{name} ({sets[name]['predictions']:,} predictions)", justify="right")
     table.add_column(
-        f"shipped sample, recorded ({counted['sample_sequences']} sequences)", justify="right"
+        f"stdlib sample, recorded ({counted['sample_sequences']} sequences)", justify="right"
     )
     table.add_column(
         f"here, {counted['sequences']} of {counted['sample_sequences']} sample sequences",
         justify="right",
     )
-    for name in dict.fromkeys([*recorded, *sample, *here]):
+    models = dict.fromkeys([*(m for s in recorded.values() for m in s), *sample, *here])
+    for model in models:
         table.add_row(
-            name,
-            f"{recorded[name]:.4f}" if name in recorded else "—",
-            f"{sample[name]:.4f}" if name in sample else "—",
-            f"{here[name]:.4f}" if name in here else NOT_SERVED.get(name, "—"),
+            model,
+            *(_mean_and_spread(recorded[s].get(model), spreads[s].get(model)) for s in recorded),
+            f"{sample[model]:.4f}" if model in sample else "—",
+            f"{here[model]:.4f}" if model in here else NOT_SERVED.get(model, "—"),
         )
     console.print(table)
-    lowest = out["heldout_lowest"]
-    others = ", ".join(
-        f"{name} {value:.4f} ({value / recorded[lowest] - 1:+.1%})"
-        for name, value in sorted(recorded.items(), key=lambda item: item[1])
-        if name != lowest
-    )
-    console.print(
-        f"[bold]lowest held-out loss: {lowest}[/] ({recorded[lowest]:.4f} on the full held-out "
-        f"set, as recorded); then {others}"
-    )
+    for name, what in sets.items():
+        console.print(f"{name}: {what['what']}", highlight=False)
+    for name, losses in recorded.items():
+        lowest = out["heldout_lowest"][name]
+        others = ", ".join(
+            f"{model} {value:.4f} ({value / losses[lowest] - 1:+.1%})"
+            for model, value in sorted(losses.items(), key=lambda item: item[1])
+            if model != lowest
+        )
+        console.print(
+            f"[bold]lowest on {name}: {lowest}[/] "
+            f"({_mean_and_spread(losses[lowest], spreads[name][lowest])}"
+            f"{f', {seeds} seeds' if seeds > 1 else ''}); then {others}"
+        )
     if here:
         best_here = min(here, key=here.__getitem__)
         console.print(
-            f"lowest here, on {counted['sequences']} sample sequences: {best_here} "
+            f"lowest here, on {counted['sequences']} stdlib sample sequences: {best_here} "
             f"({here[best_here]:.4f})"
         )
     if not counted["checked_against_record"]:
@@ -586,6 +641,12 @@ def print_losses(out: dict[str, Any]) -> None:
             "sample; --full-eval evaluates all of it and checks each model within "
             f"{LOSS_TOLERANCE:.0%}"
         )
+
+
+def _mean_and_spread(mean: float | None, std: float | None) -> str:
+    if mean is None:
+        return "—"
+    return f"{mean:.4f}" if std is None else f"{mean:.4f} ± {std:.4f}"
 
 
 def _write_gate_chart(

@@ -24,7 +24,7 @@
   characters or more, stripped) and at least :data:`NEAR_DUP_FRACTION` of
   them already occur in earlier kept files. So no training file repeats a
   held-out file, and code trees' copies of one file train once.
-- Manifest (:meth:`Corpus.record`): the roots, the distributions found in
+- Manifest (:meth:`Corpus.record`): the roots (by name only), the distributions found in
   the site directories (name and version), the file counts and a SHA-256
   of the kept names and contents: :func:`manifest_differences` says
   whether another machine's corpus is the same.
@@ -79,6 +79,7 @@ __all__ = [
     "eval_segments",
     "is_heldout",
     "manifest_differences",
+    "root_name",
     "site_dirs",
     "source_files",
     "split_of",
@@ -139,6 +140,12 @@ def stdlib_files(root: Path | None = None) -> tuple[Path, list[str]]:
     """The stdlib root and its ``*.py`` files (relative POSIX paths, sorted), no site-packages."""
     base = Path(root) if root is not None else Path(sysconfig.get_paths()["stdlib"])
     return base, _py_files(base)
+
+
+def root_name(path: Path | str) -> str:
+    """What a record keeps of a source directory: its name (``python3.12``,
+    ``site-packages``), not where the machine that read it keeps it."""
+    return Path(path).name or str(path)
 
 
 def site_dirs() -> list[Path]:
@@ -267,12 +274,13 @@ class Corpus:
     stats: dict[str, Any] = field(default_factory=dict)
 
     def record(self) -> dict[str, Any]:
-        """What the training record keeps about the corpus (its manifest included)."""
+        """What the training record keeps about the corpus (its manifest included; the
+        source directories by name, :func:`root_name`)."""
         return {
             "source": "python stdlib *.py plus the site directories' *.py, near-duplicates "
             "removed before the split",
             "python_version": self.python_version,
-            "stdlib_root": self.root,
+            "stdlib_root": root_name(self.root),
             "heldout_rule": f"stdlib: int(sha256(relative_path)) % {HELDOUT_MODULUS} == "
             f"{_HELDOUT_RESIDUE}",
             "validation_rule": f"stdlib: int(sha256(relative_path)) % {HELDOUT_MODULUS} == "
@@ -426,7 +434,7 @@ def build_corpus(
             tops[top] = tops.get(top, 0) + 1
     version = ".".join(str(v) for v in sys.version_info[:3])
     stats = {
-        "site_dirs": [str(d) for d in dirs],
+        "site_dirs": [root_name(d) for d in dirs],
         "distributions": _distributions(dirs),
         "files_found": len(files),
         "file_list_sha256": list_digest,

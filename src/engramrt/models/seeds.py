@@ -24,7 +24,11 @@ initialisation and the order of the training windows. Then it writes
   category's losses and Engram gates (``unseen``: predictions split by
   whether their n-grams were seen in training, :mod:`engramrt.models.wins`);
   the per-seed values beside each; written atomically;
-- ``DIR/seeds.md``: the same as short Markdown tables (mean ± std [min, max]).
+- ``DIR/seeds.md``: the same as short Markdown tables (mean ± std [min, max]);
+- into every seed's ``model.json``, the per-seed held-out losses
+  (:func:`fold_into_model_dir`: the training record's ``heldout_seeds``), so
+  that the directory shipped as the demo's model carries the spread it is
+  reported with (:func:`heldout_figures`).
 
 Flags are checked for every seed before any training (a bad one: one line,
 exit status 2). A seed whose run fails stops the command with that run's exit
@@ -46,15 +50,33 @@ from typing import Any
 import numpy as np
 
 from engramrt._io import atomic_write_bytes
+from engramrt.errors import CheckpointError
 from engramrt.models import artifacts
 
-__all__ = ["aggregate", "main", "markdown", "spread"]
+__all__ = [
+    "HELDOUT_SEEDS",
+    "HELDOUT_SET_NAMES",
+    "aggregate",
+    "fold_into_model_dir",
+    "heldout_figures",
+    "heldout_seeds_record",
+    "main",
+    "markdown",
+    "spread",
+]
 
 PROG = "python -m engramrt.models.seeds"
 AGGREGATE_JSON = "seeds.json"
 SUMMARY_MD = "seeds.md"
 HELDOUT_SETS = ("heldout", "package_heldout")
 """The two held-out sets: the stdlib held-out files and the held-out packages."""
+HELDOUT_SET_NAMES = {"heldout": "stdlib", "package_heldout": "site-packages"}
+"""How reports name each held-out set of a training record: ``stdlib``, the held-out
+files of the standard library; ``site-packages``, the held-out top-level packages
+(:data:`~engramrt.models.corpus.HELDOUT_PACKAGES`) of the site directories."""
+HELDOUT_SEEDS = "heldout_seeds"
+"""The field of a ``model.json`` training record that holds every seed's held-out losses
+(:func:`heldout_seeds_record`)."""
 MIN_SEEDS = 2
 """A sample standard deviation needs two values; the issue asks reports for three."""
 _SET_FLAGS = ("--seed", "--out", "--results")
@@ -163,6 +185,134 @@ def aggregate(records: Mapping[int, Mapping[str, Any]]) -> dict[str, Any]:
         "sweep": sweep,
         "unseen": unseen,
     }
+
+
+def heldout_seeds_record(summary: Mapping[str, Any]) -> dict[str, Any]:
+    """What a training record keeps of an :func:`aggregate` (``seeds.json``): ``seeds``
+    (the seed values), ``steps`` (each seed's, by seed) and ``losses`` (per held-out set
+    of :data:`HELDOUT_SETS` and model, the held-out loss of every seed, in the order of
+    ``seeds``)."""
+    return {
+        "seeds": list(summary["seed_values"]),
+        "steps": dict(summary["steps"]),
+        "spread": "reports: mean and sample standard deviation (ddof = 1) of the seeds' losses",
+        "losses": {
+            split: {model: list(stats["per_seed"]) for model, stats in models.items()}
+            for split, models in summary["heldout_spread"].items()
+        },
+    }
+
+
+def fold_into_model_dir(directory: Path, summary: Mapping[str, Any]) -> dict[str, Any]:
+    """Write the per-seed held-out losses of an :func:`aggregate` into the training record
+    of ``directory/model.json`` (field :data:`HELDOUT_SEEDS`), atomically and sealed again
+    (:func:`~engramrt.models.artifacts.write_model_json`); returns that field.
+
+    Refused (:class:`~engramrt.errors.CheckpointError`) unless the directory's model is
+    one of the seeds: its record's seed is among ``summary``'s, and every held-out loss
+    the aggregate holds for that seed is the one its record holds. The other files and
+    their checksums are left as they are.
+    """
+    data = artifacts.read_model_json(directory)
+    record = data["training"]
+    where = str(Path(directory) / artifacts.MODEL_JSON)
+    folded = heldout_seeds_record(summary)
+    seed = (record.get("settings") or {}).get("seed")
+    if seed not in folded["seeds"]:
+        raise CheckpointError(
+            f"{where!r}: training.settings.seed={seed!r} is not one of the aggregate's seeds "
+            f"{folded['seeds']}; expected the model directory of one of them"
+        )
+    index = folded["seeds"].index(seed)
+    for split, models in folded["losses"].items():
+        for model, values in models.items():
+            own = ((record.get(split) or {}).get("losses") or {}).get(model)
+            if own != values[index]:
+                raise CheckpointError(
+                    f"{where!r}: training.{split}.losses.{model}={own!r} but the aggregate "
+                    f"records {values[index]!r} for seed {seed}; expected the model directory "
+                    f"that seed's run wrote"
+                )
+    record[HELDOUT_SEEDS] = folded
+    artifacts.write_model_json(Path(directory) / artifacts.MODEL_JSON, data)
+    return folded
+
+
+def heldout_figures(record: Mapping[str, Any]) -> dict[str, Any]:
+    """The held-out losses a training record reports, per set (named as
+    :data:`HELDOUT_SET_NAMES`) and model: over every seed of its :data:`HELDOUT_SEEDS`
+    when it holds several, else its own run's.
+
+    Returns ``{"seeds": n, "loss": {set: {model: mean}}, "spread": {set: {model: sample
+    std, or None for one seed}}, "per_seed": {set: {model: [loss, ...]}}}``; a set the
+    record lacks (no held-out package on the machine that trained) is left out. A
+    malformed :data:`HELDOUT_SEEDS` is refused (:class:`~engramrt.errors.CheckpointError`
+    naming the field).
+    """
+    folded = record.get(HELDOUT_SEEDS)
+    if folded is None:
+        per_seed = {
+            split: {model: [float(value)] for model, value in record[split]["losses"].items()}
+            for split in HELDOUT_SETS
+            if isinstance(record.get(split), Mapping)
+        }
+        count = 1
+    else:
+        per_seed, count = _checked_seeds(folded)
+    loss: dict[str, dict[str, float]] = {}
+    spreads: dict[str, dict[str, float | None]] = {}
+    for split, models in per_seed.items():
+        name = HELDOUT_SET_NAMES[split]
+        for model, values in models.items():
+            stats = spread(values) if count >= MIN_SEEDS else None
+            loss.setdefault(name, {})[model] = stats["mean"] if stats else values[0]
+            spreads.setdefault(name, {})[model] = stats["std"] if stats else None
+    return {
+        "seeds": count,
+        "loss": loss,
+        "spread": spreads,
+        "per_seed": {HELDOUT_SET_NAMES[split]: models for split, models in per_seed.items()},
+    }
+
+
+def _checked_seeds(folded: Any) -> tuple[dict[str, dict[str, list[float]]], int]:
+    """The per-seed losses of a :data:`HELDOUT_SEEDS` field and the seed count."""
+
+    def refuse(field: str, found: Any, expected: str) -> CheckpointError:
+        name = ".".join(("training", HELDOUT_SEEDS, *([field] if field else [])))
+        return CheckpointError(f"model.json: {name}={found!r}; expected {expected}")
+
+    if not isinstance(folded, Mapping):
+        raise refuse("", folded, "an object (written by fold_into_model_dir)")
+    seeds = folded.get("seeds")
+    if (
+        not isinstance(seeds, list)
+        or len(seeds) < MIN_SEEDS
+        or not all(isinstance(s, int) for s in seeds)
+        or len(set(seeds)) != len(seeds)
+    ):
+        raise refuse("seeds", seeds, f"at least {MIN_SEEDS} distinct integer seeds")
+    losses = folded.get("losses")
+    if not isinstance(losses, Mapping) or not set(losses) <= set(HELDOUT_SETS) or not losses:
+        raise refuse("losses", losses, f"losses per held-out set of {list(HELDOUT_SETS)}")
+    per_seed: dict[str, dict[str, list[float]]] = {}
+    for split, models in losses.items():
+        if not isinstance(models, Mapping):
+            raise refuse(f"losses.{split}", models, "losses per model")
+        for model, values in models.items():
+            if (
+                not isinstance(values, list)
+                or len(values) != len(seeds)
+                or not all(
+                    isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+                    for v in values
+                )
+            ):
+                raise refuse(
+                    f"losses.{split}.{model}", values, f"{len(seeds)} finite losses, one per seed"
+                )
+            per_seed.setdefault(split, {})[model] = [float(v) for v in values]
+    return per_seed, len(seeds)
 
 
 def _cell(stats: Mapping[str, Any] | None) -> str:
@@ -294,6 +444,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     summary["records"] = {str(s): _seed_record(out, s).name for s in seeds}
     artifacts.write_json(out / AGGREGATE_JSON, summary)
     atomic_write_bytes(out / SUMMARY_MD, markdown(summary).encode("utf-8"))
+    for seed in seeds:
+        fold_into_model_dir(_seed_dir(out, seed), summary)
     print(markdown(summary), flush=True)
     return 0
 

@@ -30,8 +30,11 @@ backbone (keeping a KV cache per request) calls
   :class:`~engramrt.hashing.RequestHistory` (``"request"``); the rest is
   prefilled in chunks, then greedy decode.
 
-Greedy means argmax over the K kept ids (``<other>`` has no text: it is
-never emitted). :meth:`TinyEngramModel.reference_generate` is the eager
+Greedy means argmax over the K kept ids but the document-start token
+(:data:`~engramrt.models.vocab.BOS_TOKEN_ID`: it starts a prompt, and after
+one the model would begin another document; a model that saw few documents
+end predicts runs of it) and ``<other>`` (it has no text): neither is ever
+emitted. :meth:`TinyEngramModel.reference_generate` is the eager
 reference of the same fp8 model: each new token from a full-sequence
 forward, row ids from :func:`~engramrt.hashing.hash_sequence`, rows from
 :func:`~engramrt.lookup.lookup_rows_reference` of the packed rows read
@@ -71,7 +74,7 @@ from engramrt.lookup.tiers import TablePlacement, check_placement
 from engramrt.models import artifacts
 from engramrt.models.corpus import EvalSegments
 from engramrt.models.lm import KVCache, LMConfig, TinyLM, next_token_loss_sum
-from engramrt.models.vocab import Vocab
+from engramrt.models.vocab import BOS_TOKEN_ID, Vocab
 from engramrt.testing import Chunk, Request, VllmEngine
 from engramrt.tokenmap import TokenMap
 
@@ -196,6 +199,8 @@ class TinyEngramModel:
         self.record = record
         self.device = device
         self._trim = torch.as_tensor(np.array(vocab.trim_map), device=device)
+        bos = int(vocab.trim([BOS_TOKEN_ID])[0])
+        self._not_emitted = [bos] if bos < vocab.num_kept else []  # trimmed ids
         self._tokenizer: Any = None
         self.load_heads()
 
@@ -496,8 +501,12 @@ class TinyEngramModel:
     # -- helpers ------------------------------------------------------------------
 
     def _greedy(self, logits: torch.Tensor) -> list[int]:
-        """Tokenizer ids of the argmax over the kept ids of ``logits [S, K+1]``."""
-        best = logits[:, : self.vocab.num_kept].argmax(dim=-1).cpu().numpy()
+        """Tokenizer ids of the argmax of ``logits [S, K+1]`` over the ids greedy
+        decoding may emit: the kept ids but the document-start token (masked to -inf;
+        ``<other>``, id K, is left out)."""
+        scores = logits[:, : self.vocab.num_kept].clone()
+        scores[:, self._not_emitted] = float("-inf")
+        best = scores.argmax(dim=-1).cpu().numpy()
         return [int(t) for t in self.vocab.untrim(best)]
 
     def _cache(self, max_len: int) -> KVCache:
@@ -535,8 +544,6 @@ class TinyEngramModel:
 
     def encode(self, text: str) -> list[int]:
         """Tokenizer ids of a text, starting with the document-start token (as in training)."""
-        from engramrt.models.vocab import BOS_TOKEN_ID
-
         return [BOS_TOKEN_ID, *self.tokenizer.encode(text, add_special_tokens=False).ids]
 
     def decode(self, token_ids: Sequence[int]) -> str:

@@ -43,7 +43,9 @@ What it does, in order (every stage prints a line, flushed):
    :func:`~engramrt.checkpoint.load_tables`, and the Engram model evaluated
    again on those fp8 rows (the relative change is reported);
 7. the model directory (:mod:`engramrt.models.artifacts`), with a SHA-256 of
-   every file in ``model.json``;
+   every file in ``model.json``; its training record holds no path of this
+   machine (:func:`training_command`, :func:`settings_record`; the corpus
+   roots by name);
 8. ``--memory-sweep`` and ``--compare-layers``: more Engram models, the same
    steps and windows, their results in ``--results`` (tables not kept).
 
@@ -67,6 +69,7 @@ import dataclasses
 import io
 import itertools
 import math
+import shlex
 import shutil
 import sys
 import time
@@ -86,7 +89,14 @@ from engramrt.errors import ValidationError
 from engramrt.hashing import HashBatch, HashConstants
 from engramrt.hashing.vectorized import hash_batch_torch
 from engramrt.models import artifacts
-from engramrt.models.corpus import Corpus, EvalSegments, build_corpus, corpus_row_ids, eval_segments
+from engramrt.models.corpus import (
+    Corpus,
+    EvalSegments,
+    build_corpus,
+    corpus_row_ids,
+    eval_segments,
+    root_name,
+)
 from engramrt.models.lm import LMConfig, TinyLM, next_token_loss_sum, next_token_losses
 from engramrt.models.vocab import Vocab
 from engramrt.training import EngramTable, SparseRowAdam
@@ -95,9 +105,11 @@ __all__ = [
     "TrainSettings",
     "main",
     "segment_row_ids",
+    "settings_record",
     "token_losses",
     "token_losses_and_gates",
     "train",
+    "training_command",
 ]
 
 SIZE_BUDGET_BYTES = 50_000_000
@@ -880,7 +892,7 @@ def _prepare(settings: TrainSettings, began: float, out: Path) -> _TrainRun:
         f"engramrt.models.train: out {settings.out} (written in {out.name}, swapped in when "
         f"complete), device {device}, torch {torch.__version__}"
     )
-    results: dict[str, Any] = {"command": " ".join(sys.argv) if sys.argv else "", "models": {}}
+    results: dict[str, Any] = {"command": training_command(settings), "models": {}}
     tokenizer = load_tokenizer()
     token_map = TokenMap.from_tokenizer_file(use_cache=False)
     cfg = engram_config(settings.dim, settings.buckets, settings.engram_layers, settings.head_dim)
@@ -1188,7 +1200,7 @@ def _training_record(run: _TrainRun, fp8: dict[str, float], fp8_rel: float) -> d
         "device": str(run.device),
         "torch": torch.__version__,
         "corpus": run.corpus_record,
-        "settings": {k: _jsonable(v) for k, v in vars(settings).items() if k != "log"},
+        "settings": settings_record(settings),
         **{name: outcomes[name].record(settings) for name in _MODEL_NAMES},
         "heldout": {
             "sequences": segments.num_sequences,
@@ -1368,6 +1380,60 @@ def _train_and_write(run: _TrainRun) -> tuple[dict[str, Any], Callable[[], dict[
     record = _training_record(run, fp8, fp8_rel)
     _write_model_dir(run, record, wide_cfg)
     return record, wins
+
+
+PROG = "python -m engramrt.models.train"
+_WHERE_FILES_GO = ("out", "results")
+"""Settings a training record leaves out: where this machine put the files."""
+_ROOTS = ("stdlib_root", "site_dirs")
+"""Settings a training record keeps by directory name only (:func:`~engramrt.models.corpus.root_name`)."""
+
+
+def settings_record(settings: TrainSettings) -> dict[str, Any]:
+    """The ``settings`` of a training record: every setting as JSON but ``out``,
+    ``results`` and the log; the source roots by name (:func:`~engramrt.models.corpus.root_name`)."""
+    record: dict[str, Any] = {}
+    for name, value in vars(settings).items():
+        if name in (*_WHERE_FILES_GO, "log"):
+            continue
+        if name == "stdlib_root" and value is not None:
+            value = root_name(value)
+        elif name == "site_dirs" and value is not None:
+            value = [root_name(directory) for directory in value]
+        record[name] = _jsonable(value)
+    return record
+
+
+def _flag_value(value: Any) -> str:
+    if isinstance(value, (tuple, list)):
+        return ",".join(_flag_value(v) for v in value)
+    if isinstance(value, float):
+        return str(int(value)) if value.is_integer() else repr(value)
+    return str(value)
+
+
+def training_command(settings: TrainSettings) -> str:
+    """The command line of ``settings`` as a record keeps it: ``python -m
+    engramrt.models.train`` and every flag whose setting differs from its default, but
+    ``--out`` and ``--results`` (where this machine put the files); ``--stdlib-root`` and
+    ``--site-dirs`` name their directories in angle brackets (``'<python3.12>'``),
+    placeholders for where they are on another machine. With ``--out DIR`` added it
+    trains the same models (the tests parse it back)."""
+    defaults = TrainSettings(out=Path("."))
+    words = [*PROG.split()]
+    for item in dataclasses.fields(TrainSettings):
+        name = item.name
+        if name in (*_WHERE_FILES_GO, "log", "vocab_k_given"):
+            continue
+        value = getattr(settings, name)
+        given = settings.vocab_k_given if name == "vocab_k" else False
+        if not given and value == getattr(defaults, name):
+            continue
+        if name in _ROOTS:
+            names = [value] if name == "stdlib_root" else list(value)
+            value = [f"<{root_name(path)}>" for path in names]
+        words += [f"--{name.replace('_', '-')}", _flag_value(value)]
+    return shlex.join(words)
 
 
 def _jsonable(value: Any) -> Any:
