@@ -14,7 +14,11 @@ can read without knowing which model it is:
 
 Families are registered by name and resolved lazily (:func:`register_family`,
 :func:`resolve_family`): the registry holds ``"module:attribute"`` strings, so naming a
-family imports nothing until it is resolved. Each registration may also say what marks
+family imports nothing until it is resolved. A family outside engramrt registers itself
+from its own distribution through an ``engramrt.families`` entry point (a function that
+calls :func:`register_family`), read the first time the registry is asked, and names the
+module of its command-line hooks (:func:`command_line_hooks`), so that ``engramrt hash``,
+``plan`` and ``inspect`` take its configs without an edit to engramrt. Each registration may also say what marks
 an HF ``config.json`` as the family's (its ``model_type`` values, fields only it has), so
 :func:`family_of_config` names the family of a config without importing any family.
 """
@@ -37,11 +41,13 @@ __all__ = [
     "RowFormat",
     "TableSpec",
     "TensorRole",
+    "command_line_hooks",
     "family_names",
     "family_of_config",
     "layer_tables",
     "register_family",
     "resolve_family",
+    "unregister_family",
 ]
 
 SHARD_RULES = ("columns", "width")
@@ -235,6 +241,32 @@ _MARKERS: dict[str, ConfigMarkers] = {
         model_types=("qwen4_exp", "qwen4_exp_text"), fields=("ple_layer_ids", "ple_embed_dim")
     ),
 }
+_COMMAND_LINE: dict[str, str] = {}
+"""Per family registered with one, the module of its command-line hooks (engramrt's own
+families' hooks live in its command line)."""
+
+ENTRY_POINT_GROUP = "engramrt.families"
+"""The entry-point group of families registered by other distributions: each entry is a
+function of no arguments that calls :func:`register_family`."""
+_entry_points_loaded = False
+
+
+def _load_entry_points() -> None:
+    """Run every ``engramrt.families`` entry point once (a failing one names itself)."""
+    global _entry_points_loaded
+    if _entry_points_loaded:
+        return
+    _entry_points_loaded = True
+    from importlib.metadata import entry_points
+
+    for point in entry_points(group=ENTRY_POINT_GROUP):
+        try:
+            point.load()()
+        except Exception as error:
+            raise ValidationError(
+                f"the {ENTRY_POINT_GROUP} entry point {point.name!r} ({point.value}) failed to "
+                f"register its family: {error}"
+            ) from error
 
 
 def register_family(
@@ -243,10 +275,12 @@ def register_family(
     *,
     model_types: Sequence[str] = (),
     config_fields: Sequence[str] = (),
+    command_line: str | None = None,
 ) -> None:
     """Register the family class ``target`` (``"package.module:Class"``) under ``name``.
     Nothing is imported until :func:`resolve_family` is called. ``model_types`` and
-    ``config_fields`` mark its HF configs for :func:`family_of_config`."""
+    ``config_fields`` mark its HF configs for :func:`family_of_config`; ``command_line``
+    names the module of its command-line hooks (:func:`command_line_hooks`)."""
     if not isinstance(name, str) or not name:
         raise ValidationError(f"name={name!r}; expected a non-empty family name")
     module, sep, attr = str(target).partition(":")
@@ -259,17 +293,57 @@ def register_family(
             raise ValidationError(
                 f"{option}={values!r} for family {name!r}; expected a list of non-empty strings"
             )
+    if command_line is not None and (not isinstance(command_line, str) or not command_line):
+        raise ValidationError(
+            f"command_line={command_line!r} for family {name!r}; expected a module name"
+        )
     _REGISTRY[name] = target
     _MARKERS[name] = ConfigMarkers(tuple(model_types), tuple(config_fields))
+    if command_line is None:
+        _COMMAND_LINE.pop(name, None)
+    else:
+        _COMMAND_LINE[name] = command_line
+
+
+def unregister_family(name: str) -> None:
+    """Forget family ``name`` (a test's, or one registered by mistake)."""
+    for table in (_REGISTRY, _MARKERS, _COMMAND_LINE):
+        table.pop(name, None)
 
 
 def family_names() -> list[str]:
     """The registered family names."""
+    _load_entry_points()
     return sorted(_REGISTRY)
+
+
+def command_line_hooks(name: str) -> Any:
+    """The module of family ``name``'s command-line hooks (imported now), or None.
+
+    The hooks, each optional (a command the family does not serve says so):
+    ``read_config(loaded) -> config`` (what the family class takes, from the
+    ``--config`` value: ``loaded.text``, ``loaded.data``, the parsed config.json),
+    ``hash_run(run, loaded) -> bool`` (``engramrt hash``: print or save the row ids of
+    ``run.token_ids()`` streamed in ``run.chunk_sizes``; whether they equal one-shot
+    hashing), ``inspect_report(loaded, tp) -> dict`` and ``print_inspect(report)``
+    (``engramrt inspect -c``).
+    """
+    _load_entry_points()
+    module = _COMMAND_LINE.get(name)
+    if module is None:
+        return None
+    try:
+        return importlib.import_module(module)
+    except ImportError as error:
+        raise ValidationError(
+            f"family {name!r} names {module!r} for its command-line hooks, which cannot be "
+            f"imported: {error}"
+        ) from error
 
 
 def resolve_family(name: str) -> Any:
     """The family class registered under ``name`` (imported now)."""
+    _load_entry_points()
     target = _REGISTRY.get(name)
     if target is None:
         raise ValidationError(f"family={name!r}; expected one of {', '.join(family_names())}")
@@ -295,6 +369,7 @@ def family_of_config(config: Mapping[str, Any], *, what: str = "config") -> str 
     """
     if not isinstance(config, Mapping):
         raise ValidationError(f"{what} is a {type(config).__name__}; expected a JSON object")
+    _load_entry_points()
     text_config = config.get("text_config")
     parts = [config, *([text_config] if isinstance(text_config, Mapping) else [])]
     model_types = {t for part in parts if isinstance(t := part.get("model_type"), str)}

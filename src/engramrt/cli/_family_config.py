@@ -116,22 +116,36 @@ def ple_config(loaded: FamilyConfig) -> Any:
     return config
 
 
-_CONFIG_READERS: dict[str, Callable[[FamilyConfig], Any]] = {
-    "deepseek-engram": engram_config,
-    "qwen4-ple": ple_config,
-}
-"""Per family, the config its class takes (:func:`~engramrt.family.resolve_family`)."""
+_OWN_HOOKS = {"qwen4-ple": "engramrt.cli.family_ple"}
+"""The command-line hooks of engramrt's own families beside DeepSeek Engram (whose
+commands are the CLI's own); other families name theirs when they register."""
+
+
+def family_hook(loaded: FamilyConfig, hook: str, command: str) -> Callable[..., Any]:
+    """Hook ``hook`` of the family of ``loaded`` (:func:`engramrt.family.command_line_hooks`);
+    the error says which command the family does not serve."""
+    import importlib
+
+    from engramrt.family import command_line_hooks
+
+    own = _OWN_HOOKS.get(loaded.family)
+    hooks = importlib.import_module(own) if own else command_line_hooks(loaded.family)
+    found = getattr(hooks, hook, None) if hooks is not None else None
+    if not callable(found):
+        raise ValidationError(
+            f"{loaded.option}={loaded.text!r} is a {loaded.family!r} config, and that family "
+            f"gives {command} no {hook}() (its command-line hooks: "
+            f"{'none' if hooks is None else hooks.__name__})"
+        )
+    return found
 
 
 def family_config(loaded: FamilyConfig) -> Any:
-    """The config object the family's class is built from."""
-    reader = _CONFIG_READERS.get(loaded.family)
-    if reader is None:
-        raise ValidationError(
-            f"{loaded.option}={loaded.text!r} is a {loaded.family!r} config; the command line "
-            f"reads configs of {', '.join(sorted(_CONFIG_READERS))}"
-        )
-    return reader(loaded)
+    """The config object the family's class is built from: DeepSeek Engram's
+    :class:`~engramrt.config.EngramConfig`, else the family's ``read_config`` hook."""
+    if loaded.family == DEFAULT_FAMILY:
+        return engram_config(loaded)
+    return family_hook(loaded, "read_config", "the command line")(loaded)
 
 
 def family_value(loaded: FamilyConfig) -> Any:

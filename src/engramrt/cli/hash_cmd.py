@@ -1,8 +1,8 @@
 """``engramrt hash``: row ids of one sequence, streamed in chunks like an engine.
 
 The family of ``--config`` (:func:`engramrt.cli._family_config.load_family_config`, through
-the family registry) picks the runner: DeepSeek Engram here, Qwen4-Exp PLE in
-:mod:`engramrt.cli.hash_ple`. Each takes the run's options as one :class:`HashRun`.
+the family registry) picks the runner: DeepSeek Engram here, any other family its
+command-line hooks' ``hash_run`` (Qwen4-Exp PLE: :mod:`engramrt.cli.family_ple`). Each takes the run's options as one :class:`HashRun`.
 """
 
 from __future__ import annotations
@@ -81,20 +81,10 @@ def _hash_engram(run: HashRun, loaded: FamilyConfig) -> bool:
     return matches
 
 
-def _hash_ple(run: HashRun, loaded: FamilyConfig) -> bool:
-    """Qwen4-Exp PLE: raw ids through :class:`PleHasher`, each chunk carrying the request's
-    last ``N - 1`` ids (:mod:`engramrt.cli.hash_ple`)."""
-    from engramrt.cli._family_config import ple_config
-    from engramrt.cli.hash_ple import hash_ple
-
-    return hash_ple(run, ple_config(loaded))
-
-
 _RUNNERS: dict[str, Callable[[HashRun, FamilyConfig], bool]] = {
     "deepseek-engram": _hash_engram,
-    "qwen4-ple": _hash_ple,
 }
-"""Per registered family, the runner that hashes a run under its config."""
+"""The CLI's own runner; other families' are their command-line hooks' ``hash_run``."""
 
 
 def register(app: typer.Typer) -> None:
@@ -127,7 +117,7 @@ def register(app: typer.Typer) -> None:
         """Hash one sequence through the streaming path and check it against one-shot hashing
         (DeepSeek Engram: compressed ids; Qwen4-Exp: the PLE row ids of every PLE layer)."""
         from engramrt.cli._checks import check_output_path, parse_device, parse_int_list
-        from engramrt.cli._family_config import load_family_config
+        from engramrt.cli._family_config import family_hook, load_family_config
         from engramrt.errors import ValidationError
 
         if sum(x is not None for x in (text, ids, ids_file)) != 1:
@@ -136,12 +126,7 @@ def register(app: typer.Typer) -> None:
             check_output_path("--out", out)
         dev = parse_device("--device", device)
         loaded = load_family_config("--config", config)
-        runner = _RUNNERS.get(loaded.family)
-        if runner is None:
-            raise ValidationError(
-                f"--config={config!r} is a {loaded.family!r} config; engramrt hash hashes "
-                f"{', '.join(sorted(_RUNNERS))} configs"
-            )
+        runner = _RUNNERS.get(loaded.family) or family_hook(loaded, "hash_run", "engramrt hash")
         chunk_sizes = parse_int_list("--chunks", chunks) if chunks is not None else None
         run = HashRun(
             config, text, ids, ids_file, tokenizer, chunk_sizes, history, backend, dev, out, as_json

@@ -1,5 +1,5 @@
 """``engramrt inspect``: the hash layout of a config, its token map fingerprint, its memory plan
-(a Qwen4-Exp config: :mod:`engramrt.cli.inspect_ple`)."""
+(another family's config: its command-line hooks, e.g. :mod:`engramrt.cli.family_ple`)."""
 
 from __future__ import annotations
 
@@ -239,15 +239,18 @@ def register(app: typer.Typer) -> None:
 
             loaded = load_family_config("--config", config)
             if loaded.family != DEFAULT_FAMILY:
-                from engramrt.cli.inspect_ple import ple_inspect_report, print_ple_report
+                from engramrt.cli._family_config import family_hook
 
                 if tokenizer is not None or checkpoint is not None:
                     raise EngramError(
                         f"--tokenizer and --checkpoint are for DeepSeek Engram configs; "
-                        f"--config={config!r} is a {loaded.family!r} config (raw token ids)"
+                        f"--config={config!r} is a {loaded.family!r} config"
                     )
-                found = ple_inspect_report(loaded, tp_value)
-                print(json.dumps(found, indent=1)) if as_json else print_ple_report(found)
+                found = family_hook(loaded, "inspect_report", "engramrt inspect")(loaded, tp_value)
+                if as_json:
+                    print(json.dumps(found, indent=1))
+                else:
+                    family_hook(loaded, "print_inspect", "engramrt inspect")(found)
                 return
         report = inspect_report("dsv41-flash" if config is None else config, tokenizer, tp_value)
         if checkpoint is not None:

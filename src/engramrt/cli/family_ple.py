@@ -1,9 +1,13 @@
-"""``engramrt inspect -c CONFIG`` for a Qwen4-Exp (PLE) config: its hashing and memory plan.
+"""The command-line hooks of Qwen4-Exp PLE (:func:`engramrt.family.command_line_hooks`).
 
-What the model's row ids are made of (docs/families.md §2): per PLE layer, the
-multipliers, each head's prime bucket count and first row, the table's rows; the family's
-fingerprint (what a converted checkpoint records), and the memory plan of
-``engramrt plan``.
+- ``read_config``: the :class:`PleConfig` of a ``--config`` (PLE on);
+- ``hash_run``: ``engramrt hash`` (:mod:`engramrt.cli.hash_ple`);
+- ``inspect_report``, ``print_inspect``: ``engramrt inspect -c``, what the model's row ids
+  are made of (docs/families.md §2): per PLE layer, the multipliers, each head's prime
+  bucket count and first row, the table's rows; the family's fingerprint (what a
+  converted checkpoint records), and the memory plan of ``engramrt plan``.
+
+A family from another distribution gives a module like this one (see docs/architecture.md).
 """
 
 from __future__ import annotations
@@ -11,9 +15,20 @@ from __future__ import annotations
 from typing import Any
 
 from engramrt.cli._family_config import FamilyConfig, family_value, ple_config
+from engramrt.cli._hash_run import HashRun
+
+read_config = ple_config
 
 
-def ple_inspect_report(loaded: FamilyConfig, tp: int) -> dict[str, Any]:
+def hash_run(run: HashRun, loaded: FamilyConfig) -> bool:
+    """Raw ids through :class:`PleHasher`, each chunk carrying the request's last ``N - 1``
+    ids (:mod:`engramrt.cli.hash_ple`); whether they equal one-shot hashing."""
+    from engramrt.cli.hash_ple import hash_ple
+
+    return hash_ple(run, ple_config(loaded))
+
+
+def inspect_report(loaded: FamilyConfig, tp: int) -> dict[str, Any]:
     """Everything ``inspect`` prints for a Qwen4-Exp config, as one JSON-able object."""
     from engramrt.cli.plan_cmd import plan_report
     from engramrt.families.qwen4_ple.ids import PleConstants
@@ -45,7 +60,7 @@ def ple_inspect_report(loaded: FamilyConfig, tp: int) -> dict[str, Any]:
     }
 
 
-def print_ple_report(report: dict[str, Any]) -> None:
+def print_inspect(report: dict[str, Any]) -> None:
     from rich.table import Table
 
     from engramrt.cli._console import console
