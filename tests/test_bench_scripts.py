@@ -855,3 +855,16 @@ def test_step_timeline_splits_steps_and_finds_the_stall() -> None:
     assert t["host_gap"] == pytest.approx(((100 - 90) + (300 - 260)) / 2)
     # Negative control: without a hash kernel there are no steps.
     assert step_cost.step_timeline([e for e in events if "hash" not in e["name"]]) is None
+
+
+def test_copy_engine_reads_addresses_rows_and_needs_a_gpu(capsys) -> None:
+    """The study's one computed input (each row's address) and, without CUDA, its refusal."""
+    import numpy as np
+    import torch
+
+    study = _load("copy_engine_reads")
+    ids = np.array([0, 3, 1_000_000_007])
+    assert study.row_addresses(4096, ids) == [4096, 4096 + 3 * 264, 4096 + 1_000_000_007 * 264]
+    if not torch.cuda.is_available():
+        assert study.main(["--rows", "4"]) == 2
+        assert "needs a CUDA device" in capsys.readouterr().err
