@@ -48,6 +48,9 @@ Public names:
 - :func:`ple_gate_norm_reference`: steps 2-7 from the projections, ``(a, b)``.
 - :func:`ple_layer_tolerance`: the per-element bound on two fp32 implementations' difference
   (derivation in the comment above it).
+- :func:`ple_layer_enclosure`: for bf16 and fp16, an interval per value that holds every
+  implementation rounding at the reference's steps (derivation in the comment above it);
+  :func:`assert_within_enclosure` checks an implementation's values against it.
 """
 
 from __future__ import annotations
@@ -65,10 +68,13 @@ from engramrt.errors import CheckpointError, ValidationError, describe_tensor
 __all__ = [
     "MIN_ABS_SCORE",
     "PLE_CHECKPOINT_PREFIXES",
+    "PleLayerEnclosure",
     "PleLayerWeights",
+    "assert_within_enclosure",
     "ple_conv_state_len",
     "ple_gate_norm_reference",
     "ple_gate_reference",
+    "ple_layer_enclosure",
     "ple_layer_reference",
     "ple_layer_reference_varlen",
     "ple_layer_tolerance",
@@ -473,6 +479,48 @@ def _check_state(
         )
 
 
+def _check_starts(query_start_loc: torch.Tensor, num_tokens: int) -> list[int]:
+    """``query_start_loc`` read on the host: an integer ``[B+1]`` from 0 to ``num_tokens``."""
+    if (
+        not isinstance(query_start_loc, torch.Tensor)
+        or query_start_loc.dim() != 1
+        or (query_start_loc.dtype.is_floating_point or query_start_loc.dtype == torch.bool)
+    ):
+        found = (
+            describe_tensor(query_start_loc)
+            if isinstance(query_start_loc, torch.Tensor)
+            else type(query_start_loc).__name__
+        )
+        raise ValidationError(f"query_start_loc has {found}; expected an integer [B+1]")
+    starts = [int(v) for v in query_start_loc.tolist()]
+    if (
+        not starts
+        or starts[0] != 0
+        or starts[-1] != num_tokens
+        or any(later < earlier for earlier, later in itertools.pairwise(starts))
+    ):
+        raise ValidationError(
+            f"query_start_loc={starts}; expected non-decreasing values from 0 to T={num_tokens}"
+        )
+    return starts
+
+
+def _varlen_states(
+    conv_states: torch.Tensor | None,
+    num_seqs: int,
+    hidden: torch.Tensor,
+    weights: PleLayerWeights,
+    ngram_size: int,
+) -> torch.Tensor:
+    """``conv_states [B, S, hc*D]`` checked, or zeros for B fresh sequences."""
+    width = weights.hc_count * weights.hidden_size
+    state_len = ple_conv_state_len(weights.conv_kernel_size, ngram_size)
+    if conv_states is None:
+        return hidden.new_zeros(num_seqs, state_len, width)
+    _check_state("conv_states", conv_states, [num_seqs, state_len, width], weights)
+    return conv_states
+
+
 def ple_layer_reference(
     hidden: torch.Tensor,
     rows: torch.Tensor,
@@ -539,35 +587,8 @@ def ple_layer_reference_varlen(
         :func:`ple_layer_reference` on its chunk alone, bit for bit.
     """
     _check_tokens(hidden, rows, weights, ngram_size, eps, token_mask)
-    if (
-        not isinstance(query_start_loc, torch.Tensor)
-        or query_start_loc.dim() != 1
-        or (query_start_loc.dtype.is_floating_point or query_start_loc.dtype == torch.bool)
-    ):
-        found = (
-            describe_tensor(query_start_loc)
-            if isinstance(query_start_loc, torch.Tensor)
-            else type(query_start_loc).__name__
-        )
-        raise ValidationError(f"query_start_loc has {found}; expected an integer [B+1]")
-    starts = [int(v) for v in query_start_loc.tolist()]
-    num_tokens = hidden.shape[0]
-    if (
-        not starts
-        or starts[0] != 0
-        or starts[-1] != num_tokens
-        or any(later < earlier for earlier, later in itertools.pairwise(starts))
-    ):
-        raise ValidationError(
-            f"query_start_loc={starts}; expected non-decreasing values from 0 to T={num_tokens}"
-        )
-    num_seqs = len(starts) - 1
-    width = weights.hc_count * weights.hidden_size
-    state_len = ple_conv_state_len(weights.conv_kernel_size, ngram_size)
-    if conv_states is None:
-        conv_states = hidden.new_zeros(num_seqs, state_len, width)
-    else:
-        _check_state("conv_states", conv_states, [num_seqs, state_len, width], weights)
+    starts = _check_starts(query_start_loc, hidden.shape[0])
+    conv_states = _varlen_states(conv_states, len(starts) - 1, hidden, weights, ngram_size)
     outs, states = [], []
     for seq, (start, stop) in enumerate(itertools.pairwise(starts)):
         mask = None if token_mask is None else token_mask[start:stop]
@@ -576,6 +597,7 @@ def ple_layer_reference_varlen(
         )
         outs.append(out)
         states.append(state)
+    width = weights.hc_count * weights.hidden_size
     out = torch.cat(outs) if outs else hidden.new_empty(0, width)
     return out, torch.stack(states) if states else conv_states.clone()
 
@@ -727,3 +749,350 @@ def ple_layer_tolerance(
     exact = gated + mixed
     bound = dgated + dmixed + _U32 * exact.abs()
     return exact, 2 * 1.01 * bound + _FP32_FLOOR
+
+
+# --------------------------------------------------------------------------
+# Where a 16-bit implementation of the layer may land: an interval per value.
+#
+# Two bf16 (or fp16) implementations that round at the reference's steps (the module doc:
+# each step computed in fp32, its result rounded to the model dtype) differ only through
+# their fp32 arithmetic: the order of the GEMMs' and the reductions' sums, FMA or not,
+# rsqrt / sqrt / exp within a few fp32 ulps. Such a difference moves a 16-bit result only
+# where it carries the fp32 value across a rounding boundary (the midpoint between two
+# 16-bit neighbours), and then by one 16-bit ulp, which the next steps carry on (a norm
+# through its mean, the score through its D-sum, the gate through a square root whose
+# slope is 500 at |s| = 1e-6). A first-order bound charges every step with that ulp and is
+# vacuous (ple_layer_tolerance's derivation at u = 2^-9), and "a few values differ by a few
+# ulps" is a count, not a bound. Instead, the set of values any such implementation can
+# produce is followed step by step as an interval per value, from the exact inputs:
+#
+#  a. the step's exact result over its input intervals, in float64: monotone functions at
+#     the ends; a product from the four corners; a sum from the ends' sums (worst case,
+#     no assumption about signs or independence); RMS_w from the squares' interval, its
+#     mean's and rsqrt's (one interval per stream, applied to each element); the gate
+#     g = sign(s) sqrt(max(|s|, 1e-6)) then sigmoid, rounded at each step, is
+#     non-decreasing in s, so its ends are the chain at the score's ends; SiLU takes its
+#     minimum -0.2785 at z* = -1.2785 when the interval holds z*;
+#  b. widened by that step's fp32 evaluation error (u = 2^-24):
+#       a sum of n terms in any order, each addition rounded to nearest or toward zero
+#       (tensor cores): below 2u each, 2 (n + 2) u sum|terms| with the division by n and
+#       the + eps (Higham's gamma_n, doubled) -- key_proj and value_proj (n = E), the norms'
+#       mean of squares (n = D), the score (n = D), the conv (n = K);
+#       rsqrt and sqrt within 2 ulps (4u relative); the division by sqrt(D) (or a product
+#       with its fp32 reciprocal) 4u; x r (1 + w) 3u; each 16-bit product u (exact in fact);
+#       sigmoid 1 / (1 + exp(-g)) with a fast exp, (1.5 |g| + 8) u absolute; SiLU
+#       z sigmoid(z), (2.5 |z| + 10) u |SiLU(z)|; a + c u;
+#  c. rounded: rounding to nearest is monotone, so every implementation's rounded value
+#     lies between the rounded ends (a double rounding, float64 to fp32 to 16 bits, is
+#     monotone too), and the ends are 16-bit values again.
+#
+# Masked tokens are 0 on both sides, exactly; a sequence's state rows are its exact inputs
+# or b's intervals. Every implementation of this kind (the reference on any device, the
+# kernels, transformers' layer, torch.compile with eager's casts kept) gives values inside
+# the enclosure, so two of them differ by at most its width. Where no rounding boundary
+# lies within a step's fp32 band the interval is one value and stays one value downstream:
+# at the test sizes (D = 32, E = 32) most outputs' enclosure is a single value, and a conv
+# rounded per tap, a gate computed in fp32 and rounded once, a wrong tap, a wrong state or
+# torch.compile's elided casts fall outside it. The worst-case sums grow with E and D where
+# real errors grow like their square roots: at the released sizes (E = 2560, D = 2048) the
+# GEMM's band 2 (E + 2) u sum|W e| is a few bf16 ulps of a typical key, so the score's and
+# the gate's intervals widen and outputs get enclosures tens of ulps wide, too wide for a
+# gate's rounding mistake; a wrong or reversed tap or another sequence's state still leave
+# it (tests/families/qwen4_ple/test_module.py holds both sizes to these statements).
+# --------------------------------------------------------------------------
+
+_ENCLOSURE_DTYPES = (torch.bfloat16, torch.float16)
+_ADD_ULP = 2 * _U32  # one fp32 addition, rounded to nearest or toward zero
+_SILU_ARGMIN = -1.2784645427610738  # z* with SiLU'(z*) = 0
+_ENCLOSURE_BLOCK = 1024
+"""Tokens per block of the float64 per-token steps (the memory of a few ``[block, hc*D]``
+float64 tensors, not of ``[T, hc*D]``)."""
+
+
+@dataclass(frozen=True, eq=False)
+class PleLayerEnclosure:
+    """The values a 16-bit implementation of the layer that rounds at the reference's steps
+    may give (derivation in the comment above :func:`ple_layer_enclosure`): every value of
+    such an implementation lies in ``[low, high]``, ends included; all four in the model
+    dtype (each end is a model-dtype value).
+
+    Attributes:
+        out_low, out_high: ``[T, hc*D]`` the layer's increment.
+        states_low, states_high: ``[B, S, hc*D]`` each sequence's new conv state.
+    """
+
+    out_low: torch.Tensor
+    out_high: torch.Tensor
+    states_low: torch.Tensor
+    states_high: torch.Tensor
+
+
+def _round_ends(
+    low: torch.Tensor, high: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step c: both ends rounded to the model dtype (back in float64, exactly)."""
+    return low.to(dtype).double(), high.to(dtype).double()
+
+
+def _widened(
+    low: torch.Tensor, high: torch.Tensor, relative: float, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Steps b and c for an error of ``relative`` times the larger magnitude."""
+    slack = relative * torch.maximum(low.abs(), high.abs())
+    return _round_ends(low - slack, high + slack, dtype)
+
+
+def _interval_product(
+    a_low: torch.Tensor, a_high: torch.Tensor, b_low: torch.Tensor, b_high: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``a * b`` over intervals (broadcasting): the smallest and largest corner."""
+    corners = (a_low * b_low, a_low * b_high, a_high * b_low, a_high * b_high)
+    low, high = corners[0], corners[0]
+    for corner in corners[1:]:
+        low, high = torch.minimum(low, corner), torch.maximum(high, corner)
+    return low, high
+
+
+def _rms_enclosure(
+    low: torch.Tensor, high: torch.Tensor, weight: torch.Tensor, group: int, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``RMS_w`` over intervals ``[.., n*group]`` (float64), unrounded: ``x``'s interval
+    times the stream's ``rsqrt`` interval times ``1 + w``, widened by steps b."""
+    lo, hi = low.unflatten(-1, (-1, group)), high.unflatten(-1, (-1, group))
+    square_high = torch.maximum(lo * lo, hi * hi)
+    square_low = torch.where((lo <= 0) & (hi >= 0), 0.0, torch.minimum(lo * lo, hi * hi))
+    slack = (group + 2) * _ADD_ULP
+    mean_low = square_low.sum(-1, keepdim=True) * (1 - slack) / group + eps
+    mean_high = square_high.sum(-1, keepdim=True) * (1 + slack) / group + eps
+    inv_low = torch.rsqrt(mean_high) * (1 - _FUNCTION_ULPS)
+    inv_high = torch.rsqrt(mean_low) * (1 + _FUNCTION_ULPS)
+    y_low, y_high = _interval_product(lo, hi, inv_low, inv_high)
+    scale = (1.0 + weight.double()).view(-1, group)
+    y_low, y_high = (
+        torch.minimum(y_low * scale, y_high * scale),
+        torch.maximum(y_low * scale, y_high * scale),
+    )
+    slack_y = 3 * _U32 * torch.maximum(y_low.abs(), y_high.abs())
+    return (y_low - slack_y).flatten(-2), (y_high + slack_y).flatten(-2)
+
+
+def _gate_end(
+    score_sum: torch.Tensor, direction: int, dim: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """One end of the gate's interval: the rounded chain of :func:`ple_gate_reference` from
+    the rounded D-sum ``score_sum`` (an end of its interval), each fp32 error taken in
+    ``direction`` (-1 low, +1 high). Every step is non-decreasing in the score."""
+    score = score_sum / math.sqrt(dim)
+    score = (score + direction * _FUNCTION_ULPS * score.abs()).to(dtype).double()
+    magnitude = score.abs().to(dtype).double()
+    sign = torch.sign(score)
+    toward = direction * sign  # +1: the root's larger value moves the gate this way
+    floor = MIN_ABS_SCORE * (1 + toward * 2.0**-20)  # 1e-6 as fp32 or float64
+    magnitude = torch.maximum(magnitude, floor).to(dtype).double()
+    root = (magnitude.sqrt() * (1 + toward * _FUNCTION_ULPS)).to(dtype).double()
+    logit = (root * sign).to(dtype).double()
+    gate = torch.sigmoid(logit) + direction * (1.5 * logit.abs() + 8) * _U32
+    return gate.to(dtype).double()
+
+
+def _silu_interval(low: torch.Tensor, high: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """SiLU over ``[low, high]``, unrounded: the ends' values, and its minimum where the
+    interval holds the argmin."""
+    at_low, at_high = F.silu(low), F.silu(high)
+    minimum = F.silu(torch.tensor(_SILU_ARGMIN, dtype=torch.float64))
+    holds = (low <= _SILU_ARGMIN) & (high >= _SILU_ARGMIN)
+    return torch.where(holds, minimum, torch.minimum(at_low, at_high)), torch.maximum(
+        at_low, at_high
+    )
+
+
+def _gate_norm_enclosure(
+    hidden: torch.Tensor, rows: torch.Tensor, weights: PleLayerWeights, eps: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Steps 2-7 for a block of tokens: ``(a_low, a_high, b_low, b_high)`` ``[t, hc*D]``
+    float64, rounded (each end a model-dtype value)."""
+    dtype = weights.dtype
+    hc, dim, emb = weights.hc_count, weights.hidden_size, weights.embed_dim
+    num_tokens = hidden.shape[0]
+    e, h = rows.double(), hidden.double()
+
+    def projected(proj: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        proj = proj.double()
+        exact = e @ proj.t()
+        slack = (emb + 2) * _ADD_ULP * (e.abs() @ proj.abs().t())
+        return _round_ends(exact - slack, exact + slack, dtype)
+
+    key_low, key_high = projected(weights.key_proj)
+    value_low, value_high = projected(weights.value_proj)
+    key_low, key_high = _round_ends(
+        *_rms_enclosure(key_low, key_high, weights.norm_key, dim, eps), dtype
+    )
+    query_low, query_high = _round_ends(*_rms_enclosure(h, h, weights.norm_query, dim, eps), dtype)
+    product_low, product_high = _widened(
+        *_interval_product(key_low, key_high, query_low, query_high), _U32, dtype
+    )
+    split = (num_tokens, hc, dim)
+    product_low, product_high = product_low.view(split), product_high.view(split)
+    magnitude = torch.maximum(product_low.abs(), product_high.abs()).sum(-1)
+    slack = (dim + 2) * _ADD_ULP * magnitude
+    sum_low, sum_high = _round_ends(
+        product_low.sum(-1) - slack, product_high.sum(-1) + slack, dtype
+    )
+    gate_low = _gate_end(sum_low, -1, dim, dtype).unsqueeze(-1)  # [t, hc, 1]
+    gate_high = _gate_end(sum_high, +1, dim, dtype).unsqueeze(-1)
+    gated_low, gated_high = _interval_product(
+        gate_low, gate_high, value_low.unsqueeze(-2), value_high.unsqueeze(-2)
+    )
+    gated_low, gated_high = _widened(gated_low.flatten(-2), gated_high.flatten(-2), _U32, dtype)
+    normed_low, normed_high = _round_ends(
+        *_rms_enclosure(gated_low, gated_high, weights.norm_conv, dim, eps), dtype
+    )
+    return gated_low, gated_high, normed_low, normed_high
+
+
+def ple_layer_enclosure(
+    hidden: torch.Tensor,
+    rows: torch.Tensor,
+    weights: PleLayerWeights,
+    *,
+    query_start_loc: torch.Tensor,
+    ngram_size: int,
+    eps: float,
+    conv_states: torch.Tensor | None = None,
+    token_mask: torch.Tensor | None = None,
+) -> PleLayerEnclosure:
+    """Intervals that hold every value of a bf16/fp16 implementation that rounds at the
+    reference's steps, whatever order its fp32 sums take (derivation in the comment above).
+
+    Arguments as :func:`ple_layer_reference_varlen` (model dtype bf16 or fp16; used
+    exactly). The reference itself, the kernels of
+    :class:`~engramrt.families.qwen4_ple.module.PleLayer` and transformers' layer are such
+    implementations; one that skips roundings (``torch.compile`` without
+    ``emulate_precision_casts``) is not. A sequence streamed in chunks is held to this
+    over the whole sequence at once: its carried state rows are its own ``b``, inside
+    their intervals here. Float64 work of a few ``[1024, hc*D]`` tensors at a time, on the
+    inputs' device.
+
+    Raises:
+        ValidationError: naming the input, what it is and what was expected.
+    """
+    _check_tokens(hidden, rows, weights, ngram_size, eps, token_mask)
+    if weights.dtype not in _ENCLOSURE_DTYPES:
+        raise ValidationError(
+            f"weights have dtype {weights.dtype}; expected bf16 or fp16 (fp32 models have "
+            f"ple_layer_tolerance)"
+        )
+    starts = _check_starts(query_start_loc, hidden.shape[0])
+    conv_states = _varlen_states(conv_states, len(starts) - 1, hidden, weights, ngram_size)
+    dtype, device = weights.dtype, hidden.device
+    num_tokens, width = hidden.shape[0], weights.hc_count * weights.hidden_size
+    num_seqs, state_len = conv_states.shape[0], conv_states.shape[1]
+    taps = weights.conv_kernel_size
+    # Steps 2-7 per token, in blocks; the ends kept in the model dtype (exact).
+    ends = [torch.empty((num_tokens, width), dtype=dtype, device=device) for _ in range(4)]
+    for start in range(0, num_tokens, _ENCLOSURE_BLOCK):
+        block = slice(start, start + _ENCLOSURE_BLOCK)
+        for end, value in zip(
+            ends, _gate_norm_enclosure(hidden[block], rows[block], weights, eps), strict=True
+        ):
+            end[block] = value.to(dtype)
+    gated_low, gated_high, normed_low, normed_high = ends
+    if token_mask is not None:
+        keep = token_mask.to(dtype).unsqueeze(-1)
+        gated_low, gated_high = gated_low * keep, gated_high * keep
+        normed_low, normed_high = normed_low * keep, normed_high * keep
+    # Steps 8-9 over the flat batch: window rows are every sequence's state (sequence i's
+    # at i*S), then the tokens' b; token t of sequence i at position p reads tap j from
+    # b[t - (K-1-j)*N] when p >= (K-1-j)*N, else from its state's row S + p - (K-1-j)*N.
+    counts = torch.tensor(
+        [b - a for a, b in itertools.pairwise(starts)], dtype=torch.int64, device=device
+    )
+    chunk_starts = torch.tensor(starts[:-1], dtype=torch.int64, device=device)
+    seq = torch.repeat_interleave(torch.arange(num_seqs, device=device), counts)
+    tokens = torch.arange(num_tokens, device=device)
+    position = tokens - chunk_starts[seq]
+    states = conv_states.reshape(num_seqs * state_len, width)
+    window_low = torch.cat([states, normed_low])
+    window_high = torch.cat([states, normed_high])
+    chunk_base = num_seqs * state_len
+    conv_low = torch.zeros((num_tokens, width), dtype=torch.float64, device=device)
+    conv_high = torch.zeros_like(conv_low)
+    magnitude = torch.zeros_like(conv_low)
+    for tap in range(taps):
+        back = (taps - 1 - tap) * ngram_size
+        source = position - back
+        index = torch.where(
+            source >= 0, chunk_base + tokens - back, seq * state_len + state_len + source
+        )
+        weight = weights.conv1d[:, 0, tap].double()
+        low, high = _interval_product(
+            weight, weight, window_low.index_select(0, index).double(),
+            window_high.index_select(0, index).double(),
+        )  # fmt: skip
+        conv_low, conv_high = conv_low + low, conv_high + high
+        magnitude = magnitude + torch.maximum(low.abs(), high.abs())
+    slack = (taps + 2) * _ADD_ULP * magnitude
+    conv_low, conv_high = _round_ends(conv_low - slack, conv_high + slack, dtype)
+    mixed_low, mixed_high = _silu_interval(conv_low, conv_high)
+    slack = (2.5 * torch.maximum(conv_low.abs(), conv_high.abs()) + 10) * _U32
+    slack = slack * torch.maximum(mixed_low.abs(), mixed_high.abs())
+    mixed_low, mixed_high = _round_ends(mixed_low - slack, mixed_high + slack, dtype)
+    out_low, out_high = _widened(
+        gated_low.double() + mixed_low, gated_high.double() + mixed_high, _U32, dtype
+    )
+    # New states: row r of sequence i is row r + count_i of (state ++ chunk).
+    source = torch.arange(state_len, device=device).unsqueeze(0) + counts.unsqueeze(1)
+    index = torch.where(
+        source < state_len,
+        torch.arange(num_seqs, device=device).unsqueeze(1) * state_len + source,
+        chunk_base + chunk_starts.unsqueeze(1) + source - state_len,
+    ).reshape(-1)
+    shape = (num_seqs, state_len, width)
+    return PleLayerEnclosure(
+        out_low=out_low.to(dtype),
+        out_high=out_high.to(dtype),
+        states_low=window_low.index_select(0, index).view(shape),
+        states_high=window_high.index_select(0, index).view(shape),
+    )
+
+
+def assert_within_enclosure(
+    found: torch.Tensor,
+    low: torch.Tensor,
+    high: torch.Tensor,
+    *,
+    label: str,
+    reference: torch.Tensor | None = None,
+    show: int = 6,
+) -> None:
+    """Raise ``AssertionError`` unless every value of ``found`` lies in ``[low, high]`` (NaN
+    never does), listing the worst values outside (index, value, interval, and the
+    ``reference``'s value when given). How many values differ from the ``reference``'s
+    bits is reported as information only: it is not the criterion."""
+    if found.shape != low.shape:
+        raise AssertionError(f"{label} has shape {tuple(found.shape)}; expected {tuple(low.shape)}")
+    value, lo, hi = found.double(), low.double(), high.double()
+    bad = ~((value >= lo) & (value <= hi))
+    if not bool(bad.any()):
+        return
+    distance = torch.where(value < lo, lo - value, value - hi).nan_to_num(nan=math.inf)
+    excess = torch.where(bad, distance, -math.inf)
+    worst = torch.topk(excess.flatten(), k=min(show, int(bad.sum()))).indices.tolist()
+    lines = [
+        f"{label}: {int(bad.sum())} of {found.numel()} values lie outside the enclosure of "
+        f"the reference's rounding steps (ple_layer_enclosure)"
+    ]
+    if reference is not None:
+        bits = {2: torch.int16, 4: torch.int32}[found.element_size()]
+        differ = int((found.view(bits) != reference.to(found.dtype).view(bits)).sum())
+        lines[0] += f"; {differ} differ from the reference's bits (information)"
+    for flat in worst:
+        index = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), found.shape))
+        line = (
+            f"  {index}: {found[index].item()!r} not in [{low[index].item()!r}, "
+            f"{high[index].item()!r}]"
+        )
+        if reference is not None:
+            line += f", reference {reference[index].item()!r}"
+        lines.append(line)
+    raise AssertionError("\n".join(lines))

@@ -29,7 +29,8 @@ each, in tap order, rounded once to the model dtype); they differ from it only w
 reference's order is the machine's (the norms' and the score's sums, the GEMMs) or its
 functions' (``exp`` in the sigmoid and SiLU): the gathered rows and the conv states' copy
 are bit for bit, the output within
-:func:`~engramrt.families.qwen4_ple.layer.ple_layer_tolerance` in fp32.
+:func:`~engramrt.families.qwen4_ple.layer.ple_layer_tolerance` in fp32 and within
+:func:`~engramrt.families.qwen4_ple.layer.ple_layer_enclosure` in bf16.
 
 Tokens past ``query_start_loc[B]`` are padding (rows a CUDA graph was captured with): their
 ``out`` rows are 0 and they touch no state. ``state_slots`` must be distinct.
