@@ -16,10 +16,13 @@ the device (:meth:`~engramrt.runtime.EngramRuntime.plan`). ``HashBatch``
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, fields
 
 import numpy as np
 import torch
+
+from engramrt.errors import ValidationError
 
 __all__ = ["EngineStep"]
 
@@ -88,9 +91,11 @@ class EngineStep:
         copied to the CPU (a synchronising copy when they live on a device: for tests
         and tools; an engine builds the mirror from the ids it already has)."""
         mirror = self.to("cpu") if host is None else host
-        if mirror.host is not None:
-            mirror = EngineStep(**{f.name: getattr(mirror, f.name) for f in fields(mirror)[:-1]})
-        return EngineStep(**{f.name: getattr(self, f.name) for f in fields(self)[:-1]}, host=mirror)
+        if not isinstance(mirror, EngineStep):
+            raise ValidationError(
+                f"host is a {type(mirror).__name__}; expected an EngineStep on the CPU"
+            )
+        return dataclasses.replace(self, host=dataclasses.replace(mirror, host=None))
 
     @classmethod
     def single(

@@ -25,8 +25,8 @@ The runtime splits an engine step in two, the way attention backends do
 
 Fixed addresses. Row ids and rows live in buffers allocated once for
 ``max_tokens`` and reused, and each head keeps its outputs the same way
-(:meth:`~engramrt.protocols.LayerHead.reserve`); a step writes leading slices of them, so its
-addresses depend only on the staging slot and ``T``:
+(:meth:`~engramrt.protocols.LayerHead.reserve`); a step writes leading slices of
+them, so its addresses depend only on the staging slot and ``T``:
 :meth:`~EngramRuntime.staged_row_ids`, :meth:`~EngramRuntime.staged_rows` and
 :meth:`~EngramRuntime.output_buffer` give them to an engine that captures
 graphs. Pieces of a model captured between Engram layers replay around
@@ -410,6 +410,8 @@ class EngramRuntime:
                 f"heads has {len(heads)} entries; expected one per Engram layer ({n_layers})"
             )
         self.hasher = hasher
+        # Checked once: isinstance against a protocol costs microseconds a call.
+        self._hashes_on_host = isinstance(hasher, HostRowIdMaker)
         self.sources = list(sources)
         self.gpu_reads = gpu_reads
         self.lookup_overlap = lookup_overlap
@@ -600,8 +602,8 @@ class EngramRuntime:
 
         ``batch`` is the step (:class:`~engramrt.step.EngineStep`), what an adapter
         returns (:func:`~engramrt.adapters.from_vllm_step`,
-        :func:`~engramrt.adapters.from_sglang_batch`). Launches the hash kernel and the lookups and returns at once; nothing here waits on
-        the device (a source that must learn the ids does so on its worker thread).
+        :func:`~engramrt.adapters.from_sglang_batch`). Launches the hash kernel and the
+        lookups and returns at once; nothing here waits on the device (a source that must learn the ids does so on its worker thread).
         Call :meth:`run` for each layer at its block, or :meth:`StepPlan.rows`.
 
         ``history``: this step's history object instead of the runtime's, of the same
@@ -854,7 +856,7 @@ class EngramRuntime:
         return views
 
     def _check_host(self, host: EngineStep, batch: EngineStep, history: Any) -> None:
-        if not isinstance(self.hasher, HostRowIdMaker):
+        if not self._hashes_on_host:
             raise ValidationError(
                 f"the step has a host mirror, but the runtime's id maker "
                 f"({type(self.hasher).__name__}) cannot make ids on the host; expected a "
@@ -862,7 +864,9 @@ class EngramRuntime:
                 f"an NgramHasher"
             )
         if self.validate:
-            self.hasher.check_host_step(host, batch, has_history=history is not None)
+            self.hasher.check_host_step(  # type: ignore[attr-defined]  # _hashes_on_host
+                host, batch, has_history=history is not None
+            )
 
     def _host_ids(self, host_batch: EngineStep) -> dict[int, torch.Tensor]:
         """``{layer: [T, C] row ids}`` of ``host_batch`` for the layers that take ids on the
@@ -872,8 +876,7 @@ class EngramRuntime:
         layers = sorted(self._host_id_layers)
         if not layers:
             return {}
-        assert isinstance(self.hasher, HostRowIdMaker)  # checked by _check_host
-        ids = self.hasher.hash_on_host(host_batch, layers)
+        ids = self.hasher.hash_on_host(host_batch, layers)  # type: ignore[attr-defined]
         return {index: torch.from_numpy(ids[:, at]) for at, index in enumerate(layers)}
 
     def _beside(self, index: int, source: RowSource, ids: torch.Tensor) -> bool:
