@@ -78,6 +78,46 @@ def test_render_takes_each_cases_newest_full_size_record(tmp_path, monkeypatch) 
     assert "2026-01-01" in text and "2026-01-02" in text  # each table keeps its run's header
 
 
+def _run_script(script: Path, *args: str) -> str:
+    """``python SCRIPT ARGS`` with this checkout's package; its stdout, or a failure."""
+    import os
+    import subprocess
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)])}
+    done = subprocess.run(
+        [sys.executable, str(script), *args], capture_output=True, text=True, env=env, timeout=300
+    )
+    if done.returncode != 0:
+        pytest.fail(f"{script.name} {args} exited {done.returncode}:\n{done.stderr[-3000:]}")
+    return done.stdout
+
+
+def test_cache_hit_study_writes_docs_only_when_told(tmp_path) -> None:
+    """``bench/cache_hit_study.py`` (run from a copy, so its docs/cache.md is a scratch file)
+    prints its table and leaves the docs alone; ``--write-docs`` replaces the marked table,
+    from a run or from ``--render`` of a recorded JSON."""
+    (tmp_path / "bench").mkdir()
+    (tmp_path / "docs").mkdir()
+    script = tmp_path / "bench" / "cache_hit_study.py"
+    script.write_bytes((ROOT / "bench" / "cache_hit_study.py").read_bytes())
+    docs = tmp_path / "docs" / "cache.md"
+    before = "# Cache\n\n<!-- hit-study:begin -->\nthe table\n<!-- hit-study:end -->\ntail\n"
+    docs.write_text(before)
+    out = tmp_path / "study.json"
+    quick = ["--max-tokens", "20000", "--fractions", "0.001", "--uniform-fractions", "0.001"]
+    printed = _run_script(script, *quick, "--threads", "1", "--out", str(out))
+    assert docs.read_text() == before  # the default: no docs written
+    assert "| natural | 0.1% |" in printed and json.loads(out.read_text())["runs"]["natural"]
+    printed = _run_script(script, "--render", str(out))
+    assert docs.read_text() == before and "| natural | 0.1% |" in printed
+    _run_script(script, "--render", str(out), "--write-docs")
+    written = docs.read_text()
+    assert written.startswith("# Cache\n\n<!-- hit-study:begin -->\nCorpus: ")
+    assert "| natural | 0.1% |" in written and written.endswith("<!-- hit-study:end -->\ntail\n")
+    recorded = ROOT / "bench" / "results" / "cache-hit-study-20261129.json"  # docs/cache.md's run
+    assert "| natural | 5% | 19,200,304 |" in _run_script(script, "--render", str(recorded))
+
+
 def test_multi_gpu_script_on_gloo(tmp_path) -> None:
     """Two gloo processes: TP, sequence-parallel, all-to-all, a shared host table and the layer
     equal one process; the shared table is loaded once and removed afterwards."""
