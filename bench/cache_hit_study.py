@@ -2,8 +2,8 @@
 
     python bench/cache_hit_study.py [--fractions 0.001 0.005 0.01 0.05 0.1]
         [--uniform-fractions 0.01 0.05 0.1] [--batch-tokens 8192] [--max-tokens N]
-        [--layer 0] [--threads 2] [--no-docs] [--out PATH]
-    python bench/cache_hit_study.py --render bench/results/cache-hit-study-<date>.json
+        [--layer 0] [--threads 2] [--write-docs] [--out PATH]
+    python bench/cache_hit_study.py --render bench/results/cache-hit-study-20261129.json
 
 Corpus: the CPython standard library's top-level modules shipped with the
 interpreter running this script (``<stdlib>/*.py``, sorted by name; for
@@ -35,8 +35,10 @@ Reported, per cache size and per n-gram order (columns ``col // 8 + 2``):
   rows, same count), and an *unbounded* cache (a row hits when any earlier
   step used it: the compulsory-miss bound no cache size can beat).
 
-Writes ``bench/results/cache-hit-study-<date>.json`` and the table between
-the markers in ``docs/cache.md``.
+Writes ``bench/results/cache-hit-study-<date>.json`` (or ``--out``) and prints
+the table; only with ``--write-docs`` does it also replace the table between
+the markers in ``docs/cache.md``. ``--render JSON`` prints the table of an
+earlier run (into ``docs/cache.md`` with ``--write-docs``) without running it.
 """
 
 from __future__ import annotations
@@ -380,17 +382,27 @@ def main() -> None:
     )
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument(
-        "--render", type=Path, default=None, help="only rewrite docs/cache.md from this JSON"
+        "--render",
+        type=Path,
+        default=None,
+        help="print the table of this JSON (docs/cache.md too with --write-docs); run nothing",
     )
     parser.add_argument("--batch-tokens", type=int, default=8192)
     parser.add_argument("--max-tokens", type=int, default=None, help="subsample: first N tokens")
     parser.add_argument("--layer", type=int, default=0, help="index into engram_layer_ids")
-    parser.add_argument("--no-docs", action="store_true", help="do not rewrite docs/cache.md")
+    parser.add_argument(
+        "--write-docs",
+        action="store_true",
+        help="also replace the table in docs/cache.md (default: only print it)",
+    )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     if args.render is not None:
-        write_docs(markdown(json.loads(args.render.read_text())))
-        print(f"updated {DOCS} from {args.render}")
+        table = markdown(json.loads(args.render.read_text()))
+        print(table)
+        if args.write_docs:
+            write_docs(table)
+            print(f"updated {DOCS} from {args.render}")
         return
     if args.threads is not None:
         torch.set_num_threads(args.threads)
@@ -453,7 +465,7 @@ def main() -> None:
     table = markdown(result)
     print(table)
     print(f"wrote {out}")
-    if not args.no_docs:
+    if args.write_docs:
         write_docs(table)
         print(f"updated {DOCS}")
 

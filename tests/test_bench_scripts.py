@@ -78,6 +78,125 @@ def test_render_takes_each_cases_newest_full_size_record(tmp_path, monkeypatch) 
     assert "2026-01-01" in text and "2026-01-02" in text  # each table keeps its run's header
 
 
+def test_benchmarks_md_is_its_rendering(tmp_path) -> None:
+    """BENCHMARKS.md's results tables and targets summary are what the renderer writes from
+    bench/results and bench/targets.json; each summary row is dated and names a section that
+    exists. A hand edit of either part, left unrendered, is caught."""
+    import re
+    import shutil
+
+    render = _load("render_benchmarks")
+    results, benchmarks = ROOT / "bench" / "results", ROOT / "BENCHMARKS.md"
+    assert render.main([str(results), str(benchmarks), "--check"]) == 0
+    text = benchmarks.read_text()
+    summary = text.split(render.TARGETS_START)[1].split(render.TARGETS_END)[0]
+    rows = [line for line in summary.strip().splitlines()[2:]]
+    targets = json.loads((ROOT / "bench" / "targets.json").read_text())["targets"]
+    assert len(rows) == len(targets) >= 10
+    headings = {render.slug(line.lstrip("#")) for line in text.splitlines() if line.startswith("#")}
+    for row, target in zip(rows, targets, strict=True):
+        cells = [cell.strip() for cell in row.strip("|").split(" | ")]
+        newest = max(m["date"] for m in target["measurements"])
+        assert cells[0] == target["what"] and cells[4] == newest, row
+        link = re.fullmatch(r"\[(.+)\]\((.*)#([\w-]+)\)", cells[5])
+        assert link is not None, row
+        if link.group(2) == "":
+            assert link.group(3) in headings, row
+        else:
+            assert f"## {link.group(1)}" in (ROOT / link.group(2)).read_text(), row
+    # Stale hand edits, in a copy (with the doc a row cites): one number of the summary, one
+    # of the results tables; each is caught by --check and undone by rendering.
+    (tmp_path / "docs").mkdir()
+    shutil.copy(ROOT / "docs" / "cache.md", tmp_path / "docs" / "cache.md")
+    copy = tmp_path / "BENCHMARKS.md"
+    first = rows[0].split(" | ")[2]
+    edited = first.replace(re.findall(r"\d+\.\d", first)[0], "1.0", 1)
+    for old, new in ((first, edited), ("| 64.9 |", "| 63.9 |")):
+        assert text.count(old) == 1, old
+        copy.write_text(text.replace(old, new))
+        assert render.main([str(results), str(copy), "--check"]) == 1
+        assert render.main([str(results), str(copy)]) == 0 and copy.read_text() == text
+
+
+def test_targets_summary_takes_the_newest_and_checks_its_section() -> None:
+    render = _load("render_benchmarks")
+    doc = (
+        "# B\n\n## Old run (2026-01-01)\n\nhash 9.5 µs\n\n"
+        "## New run (2026-01-03)\n\nhash 7.25 µs, gate 12 µs\n\n### Detail\n\ngate 11.5 µs\n"
+    )
+
+    def measured(date: str, section: str, result: str) -> dict:
+        return {"date": date, "section": section, "result": result, "verdict": "v"}
+
+    old = measured("2026-01-01", "Old run (2026-01-01)", "9.5 µs")
+    new = measured("2026-01-03", "New run (2026-01-03)", "7.25 µs")
+    detail = measured("2026-01-03", "Detail", "11.5 µs")  # dated by the heading above it
+    table = render.targets_table(
+        [
+            {"what": "hash", "goal": "< 8 µs", "measurements": [new, old]},
+            {"what": "gate", "goal": "< 12 µs", "measurements": [new, detail]},
+        ],
+        {"BENCHMARKS.md": doc},
+    )
+    assert table.splitlines()[2:] == [
+        "| hash | < 8 µs | 7.25 µs | v | 2026-01-03 | [New run (2026-01-03)](#new-run-2026-01-03) |",
+        "| gate | < 12 µs | 11.5 µs | v | 2026-01-03 | [Detail](#detail) |",  # same date: the last
+    ]
+    for wrong, error in (
+        (measured("2026-01-03", "New run (2026-01-03)", "7.3 µs"), r"does not hold \['7.3'\]"),
+        # Part of a number of the section is not that number: 7.2 or 25 of its 7.25.
+        (measured("2026-01-03", "New run (2026-01-03)", "7.2 µs"), r"does not hold \['7.2'\]"),
+        (measured("2026-01-03", "New run (2026-01-03)", "25 µs"), r"does not hold \['25'\]"),
+        (measured("2026-01-02", "New run (2026-01-03)", "7.25 µs"), "does not hold the date"),
+        (measured("2026-01-03", "Newer run", "7.25 µs"), "0 headings 'Newer run'"),
+    ):
+        with pytest.raises(ValueError, match=error):
+            render.targets_table(
+                [{"what": "hash", "goal": "-", "measurements": [old, wrong]}],
+                {"BENCHMARKS.md": doc},
+            )
+
+
+def _run_script(script: Path, *args: str) -> str:
+    """``python SCRIPT ARGS`` with this checkout's package; its stdout, or a failure."""
+    import os
+    import subprocess
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)])}
+    done = subprocess.run(
+        [sys.executable, str(script), *args], capture_output=True, text=True, env=env, timeout=300
+    )
+    if done.returncode != 0:
+        pytest.fail(f"{script.name} {args} exited {done.returncode}:\n{done.stderr[-3000:]}")
+    return done.stdout
+
+
+def test_cache_hit_study_writes_docs_only_when_told(tmp_path) -> None:
+    """``bench/cache_hit_study.py`` (run from a copy, so its docs/cache.md is a scratch file)
+    prints its table and leaves the docs alone; ``--write-docs`` replaces the marked table,
+    from a run or from ``--render`` of a recorded JSON."""
+    (tmp_path / "bench").mkdir()
+    (tmp_path / "docs").mkdir()
+    script = tmp_path / "bench" / "cache_hit_study.py"
+    script.write_bytes((ROOT / "bench" / "cache_hit_study.py").read_bytes())
+    docs = tmp_path / "docs" / "cache.md"
+    before = "# Cache\n\n<!-- hit-study:begin -->\nthe table\n<!-- hit-study:end -->\ntail\n"
+    docs.write_text(before)
+    out = tmp_path / "study.json"
+    quick = ["--max-tokens", "20000", "--fractions", "0.001", "--uniform-fractions", "0.001"]
+    printed = _run_script(script, *quick, "--threads", "1", "--out", str(out))
+    assert docs.read_text() == before  # the default: no docs written
+    assert "| natural | 0.1% |" in printed and json.loads(out.read_text())["runs"]["natural"]
+    printed = _run_script(script, "--render", str(out))
+    assert docs.read_text() == before and "| natural | 0.1% |" in printed
+    _run_script(script, "--render", str(out), "--write-docs")
+    written = docs.read_text()
+    assert written.startswith("# Cache\n\n<!-- hit-study:begin -->\nCorpus: ")
+    assert "| natural | 0.1% |" in written and written.endswith("<!-- hit-study:end -->\ntail\n")
+    recorded = ROOT / "bench" / "results" / "cache-hit-study-20261129.json"  # docs/cache.md's run
+    assert "| natural | 5% | 19,200,304 |" in _run_script(script, "--render", str(recorded))
+
+
 def test_multi_gpu_script_on_gloo(tmp_path) -> None:
     """Two gloo processes: TP, sequence-parallel, all-to-all, a shared host table and the layer
     equal one process; the shared table is loaded once and removed afterwards."""

@@ -225,6 +225,34 @@ def environment(device: torch.device) -> dict[str, Any]:
     return env
 
 
+def select_cases(
+    groups: Iterable[str] | None = None,
+    *,
+    quick: bool = False,
+    names: Iterable[str] | None = None,
+) -> list[Case]:
+    """The registered cases of ``groups`` whose name matches one of the shell-style
+    patterns ``names`` (every case when None).
+
+    Raises:
+        ValidationError: a pattern that matches no case (a typo would otherwise drop
+            that part of the run without a word), naming every such pattern.
+    """
+    groups = list(groups) if groups is not None else None
+    cases = all_cases(quick, groups)
+    if names is None:
+        return cases
+    patterns = list(names)
+    unmatched = [p for p in patterns if not any(fnmatch.fnmatchcase(c.name, p) for c in cases)]
+    if unmatched:
+        where = f" of group(s) {', '.join(groups)}" if groups else ""
+        raise ValidationError(
+            f"case patterns {unmatched} match no benchmark case{where}; expected names like "
+            "'lookup/host/T=8192' (see the markdown table)"
+        )
+    return [c for c in cases if any(fnmatch.fnmatchcase(c.name, p) for p in patterns)]
+
+
 def run_cases(
     groups: Iterable[str] | None = None,
     *,
@@ -239,15 +267,7 @@ def run_cases(
     patterns (``lookup/host/*``).
     """
     device = torch.device(device)
-    cases = all_cases(quick, groups)
-    if names is not None:
-        patterns = list(names)
-        cases = [c for c in cases if any(fnmatch.fnmatchcase(c.name, p) for p in patterns)]
-        if not cases:
-            raise ValidationError(
-                f"case patterns {patterns} match no benchmark case; expected names like "
-                "'lookup/host/T=8192' (see the markdown table)"
-            )
+    cases = select_cases(groups, quick=quick, names=names)
     ceilings = measure_ceilings(device)
     report: dict[str, Any] = {
         "environment": environment(device),

@@ -54,8 +54,7 @@ def register(app: typer.Typer) -> None:
         """
         import torch
 
-        from engramrt.bench.registry import all_cases
-        from engramrt.bench.runner import markdown_table, run_cases
+        from engramrt.bench.runner import markdown_table, run_cases, select_cases
         from engramrt.cli._checks import check_output_path, parse_device, write_output
         from engramrt.errors import ValidationError
 
@@ -70,8 +69,16 @@ def register(app: typer.Typer) -> None:
         for option, path in (("--out", out), ("--markdown", markdown)):
             if path is not None:
                 check_output_path(option, path)
+        # Before any device check too: a pattern that selects nothing is named on every machine.
+        selected = select_cases(group, quick=quick, names=case)
+        if write_config is not None and not any(c.tuning is not None for c in selected):
+            tuned = sorted({c.group for c in select_cases(quick=quick) if c.tuning is not None})
+            raise ValidationError(
+                f"--write-config={str(write_config)!r}: none of the {len(selected)} selected "
+                f"benchmark cases tunes a kernel, so no file would be written; expected cases "
+                f"of the groups {', '.join(tuned)}"
+            )
         if device == "cpu" or (device.startswith("cuda") and not torch.cuda.is_available()):
-            selected = all_cases(quick, group)
             runnable = [c for c in selected if not c.requires_cuda]
             if not runnable:
                 raise ValidationError(

@@ -70,19 +70,37 @@ def inspect_report(config: str, tokenizer: Path | None, tp: int) -> dict[str, An
 def checkpoint_checksums(path: Path) -> list[dict[str, Any]]:
     """Per file of the checkpoint: its name, conversion id and checked content checksum.
 
+    Every file must record a checksum: ``--checkpoint`` asks for each file to be
+    verified, and a file that records none cannot be, so it is an error rather
+    than a line saying so under exit status 0.
+
     Raises:
-        CheckpointError: a file's bytes do not give its recorded checksum.
+        CheckpointError: a file records no content checksum (checked from the
+            headers, before any file is read whole), or a file's bytes do not
+            give its recorded checksum.
     """
     from engramrt.checkpoint import SafetensorsCheckpoint
     from engramrt.checkpoint.conversion_set import META_CONVERSION_ID
+    from engramrt.checkpoint.safetensors_format import META_DATA_SHA256
+    from engramrt.errors import CheckpointError
 
     with SafetensorsCheckpoint(path) as ckpt:
+        unrecorded = [f.name for f in ckpt.files if META_DATA_SHA256 not in ckpt.header(f).metadata]
+        if unrecorded:
+            nothing = len(unrecorded) == len(ckpt.files)
+            raise CheckpointError(
+                f"--checkpoint {str(path)!r}: {len(unrecorded)} of {len(ckpt.files)} file(s) "
+                f"record no content checksum ({', '.join(unrecorded)}), so "
+                + ("nothing" if nothing else "not every file")
+                + f" could be verified (none was read); expected files written by engramrt "
+                f"convert, which records {META_DATA_SHA256} in each file's metadata"
+            )
         return [
             {
                 "file": file.name,
                 "conversion_id": ckpt.header(file).metadata.get(META_CONVERSION_ID),
                 "data_sha256": ckpt.verify(file),
-                "checked": ckpt.verify(file) is not None,
+                "checked": True,
             }
             for file in ckpt.files
         ]
@@ -168,11 +186,7 @@ def _print_checksums(report: dict[str, Any]) -> None:
 
     console = Console()
     for entry in report.get("checkpoint_files", []):
-        status = (
-            f"content sha256 {entry['data_sha256']} verified"
-            if entry["checked"]
-            else "no content checksum recorded (not checked)"
-        )
+        status = f"content sha256 {entry['data_sha256']} verified"
         console.print(f"{entry['file']}: {status}", highlight=False, soft_wrap=True)
 
 

@@ -8,7 +8,8 @@ header. Reported: every tensor whose name holds ``engram``, by Engram layer
 (the number after ``layers.``), with its shape, dtype and bytes; the token
 map fingerprint each file records and whether it matches the tokenizer in
 use (checked against a config: ``--config``, else the ``config.json`` beside
-the files); and which tiers the Engram tensors fit on this machine.
+the files); and which tiers the Engram tensors fit on this machine. A
+checkpoint with no Engram tensor is refused: there is nothing to report.
 """
 
 from __future__ import annotations
@@ -103,6 +104,13 @@ def inspect_path(path: Path, config: str | None) -> dict[str, Any]:
                 }
             )
     engram = [t for t in tensors if t["engram_layer"] is not None]
+    if not engram:
+        raise CheckpointError(
+            f"PATH={str(path)!r} ({kind}, {len(files)} file(s), {len(tensors)} tensor(s)) holds "
+            f"no Engram tensor: nothing to inspect; expected a name with 'engram' and a "
+            f"'layers.<i>.' part, as DeepSeek-V4.1 checkpoints and engramrt convert write "
+            f"(layers.<i>.engram.embed.weight)"
+        )
     engram_bytes = sum(t["bytes"] for t in engram)
     report: dict[str, Any] = {
         "path": str(path.resolve()),
