@@ -70,7 +70,7 @@ def test_inspect_path_without_engram_tensors_is_refused(capsys, tmp_path) -> Non
     path = tmp_path / "other.safetensors"
     save_file({"model.layers.0.mlp.weight": torch.randn(4, 4)}, str(path))
     code, out, err = _run(capsys, "inspect", path)
-    _refused(code, err, f"PATH='{path}'", "1 tensor(s)", "holds no Engram tensor")
+    _refused(code, err, f"PATH='{path}'", "1 tensor(s)", "holds no memory tensor")
     assert out == ""
     # Control: an Engram tensor beside it is reported.
     save_file(

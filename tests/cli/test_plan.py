@@ -346,3 +346,16 @@ def test_inspect_ple_config_shows_its_hashing(capsys, tmp_path) -> None:
     assert f"{primes[5]:,}" in out and report["fingerprint"] in out
     code, _, err = _run(capsys, "inspect", "-c", path, "--tokenizer", path)
     assert code != 0 and "--tokenizer and --checkpoint are for DeepSeek Engram configs" in err
+
+
+def test_inspect_path_of_a_ple_checkpoint(capsys, tmp_path) -> None:
+    """``inspect PATH`` lists a Qwen4-Exp checkpoint's PLE tensors, by family and layer."""
+    from tests.families.qwen4_ple import ple_checkpoints as ckpt
+
+    state = ckpt.checkpoint_state(ckpt.COMPOSITE)
+    path = ckpt.save(tmp_path / "model", state)
+    code, out, err = _run(capsys, "inspect", path, "--json")
+    assert code == 0, err
+    report = json.loads(out)
+    assert report["families"] == ["qwen4-ple"] and report["engram_layers"] == [0, 2]
+    assert {t["name"] for t in report["engram_tensors"]} == set(state)

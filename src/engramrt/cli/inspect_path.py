@@ -91,13 +91,13 @@ def inspect_path(path: Path, config: str | None) -> dict[str, Any]:
             for dim in info["shape"]:
                 count *= int(dim)
             layer = _LAYER.search(name)
+            family = _family_of_tensor(name) if layer else None
             tensors.append(
                 {
                     "name": name,
                     "file": file.name,
-                    "engram_layer": int(layer.group(1))
-                    if layer and "engram" in name.lower()
-                    else None,
+                    "engram_layer": int(layer.group(1)) if family else None,
+                    "family": family,
                     "dtype": info["dtype"],
                     "shape": [int(d) for d in info["shape"]],
                     "bytes": count * DTYPE_BYTES.get(info["dtype"], 0),
@@ -107,9 +107,9 @@ def inspect_path(path: Path, config: str | None) -> dict[str, Any]:
     if not engram:
         raise CheckpointError(
             f"PATH={str(path)!r} ({kind}, {len(files)} file(s), {len(tensors)} tensor(s)) holds "
-            f"no Engram tensor: nothing to inspect; expected a name with 'engram' and a "
+            f"no memory tensor: nothing to inspect; expected a name with 'engram' and a "
             f"'layers.<i>.' part, as DeepSeek-V4.1 checkpoints and engramrt convert write "
-            f"(layers.<i>.engram.embed.weight)"
+            f"(layers.<i>.engram.embed.weight), or a Qwen4-Exp PLE tensor (layers.<i>.ple.)"
         )
     engram_bytes = sum(t["bytes"] for t in engram)
     report: dict[str, Any] = {
@@ -118,6 +118,7 @@ def inspect_path(path: Path, config: str | None) -> dict[str, Any]:
         "files": [f.name for f in files],
         "tensors": len(tensors),
         "bytes": sum(t["bytes"] for t in tensors),
+        "families": sorted({t["family"] for t in engram}),
         "engram_layers": sorted({t["engram_layer"] for t in engram}),
         "engram_tensors": engram,
         "engram_bytes": engram_bytes,
@@ -137,6 +138,16 @@ def inspect_path(path: Path, config: str | None) -> dict[str, Any]:
         tier: {"free_bytes": free, "fits": engram_bytes <= free} for tier, free in room.items()
     }
     return report
+
+
+def _family_of_tensor(name: str) -> str | None:
+    """The memory family a checkpoint tensor of a decoder layer belongs to, by its name:
+    DeepSeek Engram's (``...engram...``), Qwen4-Exp PLE's (``.ple.``), or None."""
+    if "engram" in name.lower():
+        return "deepseek-engram"
+    if ".ple." in name:
+        return "qwen4-ple"
+    return None
 
 
 def _token_map_check(
@@ -182,7 +193,8 @@ def print_path_report(report: dict[str, Any]) -> None:
         soft_wrap=True,
     )
     table = Table(
-        title=f"Engram tensors: layers {report['engram_layers']}, "
+        title=f"memory tensors ({', '.join(report['families'])}): decoder layers "
+        f"{report['engram_layers']}, "
         f"{format_bytes(report['engram_bytes'])}",
         title_justify="left",
     )
@@ -202,4 +214,4 @@ def print_path_report(report: dict[str, Any]) -> None:
         f"{tier} {'fits' if v['fits'] else 'does not fit'} ({format_bytes(v['free_bytes'])} free)"
         for tier, v in report["tiers_that_fit"].items()
     )
-    console.print(f"the Engram tensors on this machine: {fits}", soft_wrap=True)
+    console.print(f"the memory tensors on this machine: {fits}", soft_wrap=True)
