@@ -96,7 +96,7 @@ def inspect_path(path: Path, config: str | None) -> dict[str, Any]:
                 {
                     "name": name,
                     "file": file.name,
-                    "engram_layer": int(layer.group(1)) if family else None,
+                    "engram_layer": int(layer.group(1)) if layer and family else None,
                     "family": family,
                     "dtype": info["dtype"],
                     "shape": [int(d) for d in info["shape"]],
