@@ -48,8 +48,9 @@ def _batch_copier(base: int, staging: torch.Tensor, ids: np.ndarray) -> Any:
     attr = driver.CUmemcpyAttributes()
     attr.srcAccessOrder = driver.CUmemcpySrcAccessOrder.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
     attr.flags = driver.CUmemcpyFlags.CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE
-    srcs = row_addresses(base, ids)
-    dsts = row_addresses(staging.data_ptr(), np.arange(len(ids)))
+    pointer = driver.CUdeviceptr
+    srcs = [pointer(a) for a in row_addresses(base, ids)]
+    dsts = [pointer(a) for a in row_addresses(staging.data_ptr(), np.arange(len(ids)))]
     sizes = [ROW_BYTES] * len(ids)
 
     def copy(stream: torch.cuda.Stream) -> None:

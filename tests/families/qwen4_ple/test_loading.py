@@ -317,7 +317,8 @@ def test_a_killed_conversion_leaves_no_file_that_loads(
         "convert_ple_checkpoint(sys.argv[1], sys.argv[2], CONFIG, tp=2, block_rows=100)"
     )
     root = Path(__file__).resolve().parents[3]
-    env = {**os.environ, KILL_ENV: "convert:block", "PYTHONPATH": str(root)}
+    path = os.pathsep.join([str(root), str(root / "src"), os.environ.get("PYTHONPATH", "")])
+    env = {**os.environ, KILL_ENV: "convert:block", "PYTHONPATH": path}
     done = subprocess.run(
         [sys.executable, "-c", script, str(sharded_source), str(dst)], env=env, check=False
     )
