@@ -6,7 +6,7 @@
         docs/img/tiny-lm-memory-curve.png
 
 Reads the ``memory_sweep`` and ``models`` of a ``--results`` JSON of
-``python -m engramrt.models.train`` (every point trained for the same steps on
+``python -m engramrt_lab.models.train`` (every point trained for the same steps on
 the same windows) and plots each point's loss on both held-out sets against
 its fp8 table bytes, with the two baselines (no table) as horizontal lines.
 Prints the points as a Markdown table.

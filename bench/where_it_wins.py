@@ -15,7 +15,7 @@ printed; a run given ``--stdlib-root`` or ``--site-dirs`` records their
 names only, so give them here too), the windows the models trained on (the one-pass order of the
 recorded seed, steps and batch size) and the held-out sequences; splits
 every held-out prediction by whether its n-grams were seen in those windows
-(:mod:`engramrt.models.wins`), and reports the share of predictions and
+(:mod:`engramrt_lab.models.wins`), and reports the share of predictions and
 each model's mean loss per category: the Engram model on its fp8 tables
 (``engram_fp8``), ``baseline`` and ``baseline_wide``; beside them the Engram
 model's mean gate per category and Engram block (the gate of the position a
@@ -63,10 +63,10 @@ def _corpus_masks(
 ) -> tuple[Any, ...]:
     """The corpus part: manifest differences, trained windows, held-out arrays, masks."""
     from engramrt.config import EngramConfig
-    from engramrt.models.corpus import build_corpus, eval_segments, manifest_differences
-    from engramrt.models.train import OnePassWindows
-    from engramrt.models.wins import category_masks, training_ngrams
     from engramrt.tokenmap import load_tokenizer
+    from engramrt_lab.models.corpus import build_corpus, eval_segments, manifest_differences
+    from engramrt_lab.models.train import OnePassWindows
+    from engramrt_lab.models.wins import category_masks, training_ngrams
 
     root, sites = roots
     corpus = build_corpus(
@@ -95,12 +95,12 @@ def _corpus_masks(
 def main(argv: list[str] | None = None) -> int:
     from engramrt.hashing import HashConstants
     from engramrt.lookup.tiers import TablePlacement
-    from engramrt.models import artifacts
-    from engramrt.models.corpus import EvalSegments
-    from engramrt.models.lm import LMConfig, TinyLM
-    from engramrt.models.serve import load_model
-    from engramrt.models.train import segment_row_ids, token_losses, token_losses_and_gates
-    from engramrt.models.wins import category_losses
+    from engramrt_lab.models import artifacts
+    from engramrt_lab.models.corpus import EvalSegments
+    from engramrt_lab.models.lm import LMConfig, TinyLM
+    from engramrt_lab.models.serve import load_model
+    from engramrt_lab.models.train import segment_row_ids, token_losses, token_losses_and_gates
+    from engramrt_lab.models.wins import category_losses
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", type=Path, required=True)

@@ -1,4 +1,5 @@
-"""The package's shape: the product does not import the lab, the core reaches a memory
+"""The package's shape: the product (``src/engramrt``) never imports the lab distribution
+(``engramrt_lab``), the core does not import the CLI or the bench, the core reaches a memory
 family only through the registry, imports form no cycle, and no function outside the Triton
 kernels runs past 150 lines.
 
@@ -18,10 +19,15 @@ import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 BENCH = Path(__file__).resolve().parents[1] / "bench"
+LAB_SRC = Path(__file__).resolve().parents[1] / "lab" / "src"
 
-LAB = ("engramrt.models", "engramrt.training", "engramrt.cli", "engramrt.bench")
-"""Models, training, the CLI's commands and demos, the bench package: they may use the
-core; the core (every other module of engramrt) never imports them."""
+LAB_DISTRIBUTION = "engramrt_lab"
+"""The lab's package (``lab/src/engramrt_lab``: models, training, the demo): it uses the
+product; no module of the product imports it, lazily or by a string naming it."""
+
+LAB = ("engramrt.cli", "engramrt.bench")
+"""The CLI's commands and the bench package: they may use the core; the core (every other
+module of engramrt) never imports them."""
 
 FAMILIES = "engramrt.families"
 REGISTRY = "engramrt.family"
@@ -97,6 +103,38 @@ def imports_of(
                 name = f"{base}.{alias.name}"
                 found.add(name if name in modules else base)
     return found
+
+
+_LAB_STRING = re.compile(rf"{LAB_DISTRIBUTION}(\.\w+)*(:\w+)?")
+
+
+def lab_imports_of(source: str) -> set[str]:
+    """The ``engramrt_lab`` modules ``source`` imports at run time, or names whole in a
+    string (``"engramrt_lab.models"``, ``"engramrt_lab.cli:register"``)."""
+    found: set[str] = set()
+    for node in _runtime_nodes(ast.parse(source)):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            if _LAB_STRING.fullmatch(node.value):
+                found.add(node.value.partition(":")[0])
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.split(".")[0] == LAB_DISTRIBUTION)
+        elif (
+            isinstance(node, ast.ImportFrom)
+            and not node.level
+            and (node.module or "").split(".")[0] == LAB_DISTRIBUTION
+        ):
+            found.add(node.module or "")
+    return found
+
+
+def product_imports_of_lab_distribution(sources: dict[str, str]) -> list[str]:
+    """``"<module> imports <lab module>"`` for every product module (``{name: source}``)
+    that imports the lab distribution."""
+    return sorted(
+        f"{module} imports {target}"
+        for module, source in sources.items()
+        for target in lab_imports_of(source)
+    )
 
 
 def import_graph(modules: dict[str, Path], *, strings: bool = True) -> dict[str, set[str]]:
@@ -206,7 +244,13 @@ def long_functions(source: str, limit: int = MAX_FUNCTION_LINES) -> list[tuple[s
 # -- the rules -------------------------------------------------------------------
 
 
-def test_the_core_does_not_import_the_lab() -> None:
+def test_the_product_does_not_import_the_lab_distribution() -> None:
+    sources = {m: p.read_text() for m, p in module_files().items()}
+    assert product_imports_of_lab_distribution(sources) == []
+    assert not (SRC / LAB_DISTRIBUTION).exists(), "the lab's package lies under lab/src"
+
+
+def test_the_core_does_not_import_the_cli_or_the_bench() -> None:
     assert core_imports_of_lab(import_graph(module_files())) == []
 
 
@@ -218,7 +262,7 @@ def test_import_graph_has_no_cycles() -> None:
     assert cycles(import_graph(module_files(), strings=False)) == []
 
 
-@pytest.mark.parametrize("root", [SRC, BENCH], ids=["src", "bench"])
+@pytest.mark.parametrize("root", [SRC, LAB_SRC, BENCH], ids=["src", "lab", "bench"])
 def test_no_function_runs_past_the_limit(root: Path) -> None:
     too_long = {
         f"{path.relative_to(root.parent)}:{name}": lines
@@ -231,29 +275,48 @@ def test_no_function_runs_past_the_limit(root: Path) -> None:
 # -- controls: each rule sees a violation ------------------------------------------
 
 
+def test_control_catches_an_import_of_the_lab_distribution() -> None:
+    """A fake product whose modules import the lab every way the rule must see: at the top,
+    lazily, by ``from``, by a string; a ``TYPE_CHECKING`` import and a docstring that
+    merely names the lab are not imports."""
+    sources = {
+        "engramrt.plan": "import engramrt_lab.models\n",
+        "engramrt.layer": "def f():\n    from engramrt_lab.models.serve import load_model\n",
+        "engramrt.cli": 'import importlib\nimportlib.import_module("engramrt_lab.cli")\n',
+        "engramrt.gate": '"""Used by ``engramrt_lab.training`` for its gate."""\n',
+        "engramrt.step": (
+            "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import engramrt_lab\n"
+        ),
+        "engramrt.lookup": "import engramrt_labels\nfrom engramrt import lab\n",
+    }
+    assert product_imports_of_lab_distribution(sources) == [
+        "engramrt.cli imports engramrt_lab.cli",
+        "engramrt.layer imports engramrt_lab.models.serve",
+        "engramrt.plan imports engramrt_lab.models",
+    ]
+
+
 def test_controls_catch_a_lab_import_a_cycle_and_a_long_function(tmp_path: Path) -> None:
     modules = {
         "engramrt.plan": Path("plan.py"),
-        "engramrt.models": Path("__init__.py"),
-        "engramrt.models.serve": Path("serve.py"),
+        "engramrt.cli": Path("__init__.py"),
+        "engramrt.cli.serve": Path("serve.py"),
         "engramrt.a": Path("a.py"),
         "engramrt.b": Path("b.py"),
     }
-    lazy_lab = "def f():\n    from engramrt.models.serve import TinyEngramModel\n"
-    typing_only = (
-        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import engramrt.models\n"
-    )
-    assert imports_of("engramrt.plan", lazy_lab, modules) == {"engramrt.models.serve"}
+    lazy_lab = "def f():\n    from engramrt.cli.serve import serve\n"
+    typing_only = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import engramrt.cli\n"
+    assert imports_of("engramrt.plan", lazy_lab, modules) == {"engramrt.cli.serve"}
     assert imports_of("engramrt.plan", typing_only, modules) == set()
-    by_name = 'import importlib\nimportlib.import_module("engramrt.models.serve")\n'
-    assert imports_of("engramrt.plan", by_name, modules) == {"engramrt.models.serve"}
+    by_name = 'import importlib\nimportlib.import_module("engramrt.cli.serve")\n'
+    assert imports_of("engramrt.plan", by_name, modules) == {"engramrt.cli.serve"}
     graph = {
-        "engramrt.plan": {"engramrt.models.serve"},
-        "engramrt.models.serve": {"engramrt.plan"},
+        "engramrt.plan": {"engramrt.cli.serve"},
+        "engramrt.cli.serve": {"engramrt.plan"},
         "engramrt.a": {"engramrt.b"},
         "engramrt.b": {"engramrt.a"},
     }
-    assert core_imports_of_lab(graph) == ["engramrt.plan imports engramrt.models.serve"]
+    assert core_imports_of_lab(graph) == ["engramrt.plan imports engramrt.cli.serve"]
     families = {
         "engramrt.plan": {"engramrt.families.qwen4_ple.family"},
         "engramrt.family": {"engramrt.families.qwen4_ple.family"},
@@ -265,7 +328,7 @@ def test_controls_catch_a_lab_import_a_cycle_and_a_long_function(tmp_path: Path)
     ]
     assert sorted(cycles(graph)) == [
         ["engramrt.a", "engramrt.b"],
-        ["engramrt.models.serve", "engramrt.plan"],
+        ["engramrt.cli.serve", "engramrt.plan"],
     ]
     assert cycles({"engramrt.a": {"engramrt.b"}, "engramrt.b": set()}) == []
     body = "\n".join(f"    x{i} = {i}" for i in range(MAX_FUNCTION_LINES))

@@ -33,7 +33,7 @@ def _demo(*args: str) -> tuple[int, dict, str]:
 
 
 def _record() -> dict:
-    from engramrt.models.packaged import packaged_model_dir
+    from engramrt_lab.models.packaged import packaged_model_dir
 
     return json.loads((packaged_model_dir() / "model.json").read_text())["training"]
 
@@ -61,7 +61,7 @@ def _expected_heldout(record: dict) -> dict[str, dict[str, float]]:
 def test_model_demo_json_matches_an_independent_reading(full_run) -> None:
     code, result, _, chart = full_run
     record = _record()
-    from engramrt.cli.demo_model import NOT_SERVED
+    from engramrt_lab.cli.demo_model import NOT_SERVED
 
     served = [name for name in record["heldout"]["sample_losses"] if name not in NOT_SERVED]
     assert code == 0
@@ -102,10 +102,10 @@ def test_model_demo_json_matches_an_independent_reading(full_run) -> None:
     assert not result["training"]["command"].startswith("/")
 
     # The continuation, recomputed here by the eager reference (no runtime, no demo code).
-    from engramrt.cli.demo_model import DEFAULT_PROMPT
     from engramrt.lookup.tiers import TablePlacement
-    from engramrt.models.packaged import packaged_model_dir
-    from engramrt.models.serve import load_model
+    from engramrt_lab.cli.demo_model import DEFAULT_PROMPT
+    from engramrt_lab.models.packaged import packaged_model_dir
+    from engramrt_lab.models.serve import load_model
 
     model = load_model(
         packaged_model_dir(), TablePlacement("device", device="cpu"), load_baseline=False
@@ -122,7 +122,7 @@ def test_model_demo_json_matches_an_independent_reading(full_run) -> None:
 
     # No document-start token in the continuation: each generated token is the argmax,
     # computed here from the logits, over the kept ids but that one.
-    from engramrt.models.vocab import BOS_TOKEN_ID
+    from engramrt_lab.models.vocab import BOS_TOKEN_ID
 
     bos = model.decode([BOS_TOKEN_ID])
     assert BOS_TOKEN_ID not in want and bos not in result["generated_text"]
@@ -141,7 +141,7 @@ def test_model_demo_says_what_it_does_first_and_reports_each_stage(full_run) -> 
     lines = err.splitlines()
     assert lines[0].startswith("engramrt demo: serving the tiny Engram LM")
     assert any(line.strip().startswith("loading torch:") for line in lines)
-    from engramrt.cli.demo_model import NOT_SERVED
+    from engramrt_lab.cli.demo_model import NOT_SERVED
 
     evaluated = [line for line in lines if line.strip().startswith("held-out loss of")]
     recorded = _record()["heldout"]["sample_losses"]
@@ -150,7 +150,7 @@ def test_model_demo_says_what_it_does_first_and_reports_each_stage(full_run) -> 
 
 def test_the_loss_table_names_every_model_and_the_lowest(full_run, capsys) -> None:
     """The text output of the same result: each recorded model and, in words, the lowest."""
-    from engramrt.cli.demo_model import print_losses
+    from engramrt_lab.cli.demo_model import print_losses
 
     result = full_run[1]
     print_losses(result)
@@ -168,8 +168,8 @@ def test_the_loss_table_shows_the_spread_over_seeds(full_run, capsys) -> None:
     std (computed here with statistics), on both sets, and the text shows both."""
     import statistics
 
-    from engramrt.cli.demo_model import print_losses
-    from engramrt.models.seeds import heldout_figures
+    from engramrt_lab.cli.demo_model import print_losses
+    from engramrt_lab.models.seeds import heldout_figures
 
     record = _record()
     per_seed = {
@@ -225,10 +225,10 @@ def test_quick_default_with_a_one_token_prompt(tmp_path, monkeypatch) -> None:
     # Independent of the demo's verdict: both requests' continuations recomputed here by
     # the eager reference, from prompts built here (B: A's first half, one 1-token block,
     # then the suffix), and B's prefix hit from the prompts' common prefix.
-    from engramrt.cli.demo_model import SECOND_REQUEST_SUFFIX
     from engramrt.lookup.tiers import TablePlacement
-    from engramrt.models.packaged import packaged_model_dir
-    from engramrt.models.serve import load_model
+    from engramrt_lab.cli.demo_model import SECOND_REQUEST_SUFFIX
+    from engramrt_lab.models.packaged import packaged_model_dir
+    from engramrt_lab.models.serve import load_model
 
     model = load_model(
         packaged_model_dir(), TablePlacement("device", device="cpu"), load_baseline=False
@@ -251,7 +251,7 @@ def test_quick_default_with_a_one_token_prompt(tmp_path, monkeypatch) -> None:
 
 def test_model_demo_checks_fail_on_wrong_tokens_and_losses(monkeypatch) -> None:
     """Controls: a corrupted served token and a held-out loss off by 5% are both reported."""
-    from engramrt.models import serve
+    from engramrt_lab.models import serve
 
     real_generate = serve.TinyEngramModel.generate
     sample = _record()["heldout"]["sample_losses"]

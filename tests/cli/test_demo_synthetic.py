@@ -42,7 +42,7 @@ def test_demo_runs_and_checks_every_step(capsys, tmp_path) -> None:
     # It says what is synthetic: the rows, the weights and the hidden states.
     assert "synthetic: rows computed from their row ids" in out
     assert "the wkv, q and k weights and the hidden states (random" in out
-    from engramrt.cli.demo_synthetic import DEFAULT_TEXT
+    from engramrt_lab.cli.demo_synthetic import DEFAULT_TEXT
 
     assert _first_tokens_rows(capsys.raw) == _independent_first_tokens(DEFAULT_TEXT)
 
@@ -113,7 +113,7 @@ def test_demo_without_a_cache(capsys, tmp_path, monkeypatch) -> None:
     )
     assert code == 0 and "checks passed" in out and "hot-row cache (" not in out
     assert "chart:" not in out  # no --plot, no chart
-    from engramrt.cli.demo_synthetic import DEFAULT_TEXT
+    from engramrt_lab.cli.demo_synthetic import DEFAULT_TEXT
 
     # Independent of the demo's verdict: its token table from the tokenizer and the map here.
     assert _first_tokens_rows(capsys.raw) == _independent_first_tokens(DEFAULT_TEXT)

@@ -229,7 +229,7 @@ def test_inspect_path_reads_a_sharded_checkpoint(capsys, tmp_path) -> None:
 
 
 def test_inspect_path_checks_a_converted_directory_against_the_tokenizer(capsys) -> None:
-    from engramrt.models.packaged import packaged_model_dir
+    from engramrt_lab.models.packaged import packaged_model_dir
 
     report = _inspect_json(capsys, str(packaged_model_dir()))
     assert report["kind"] == "converted engramrt directory"

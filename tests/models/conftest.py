@@ -31,7 +31,7 @@ def make_sources(base: Path) -> tuple[Path, Path]:
     40 kB) and a fake site directory: a package ``toolkit`` of 3 other stdlib files plus
     an exact copy of a training file and a near copy (lines reindented) of another, and
     a package ``click`` (held out) of 2 more."""
-    from engramrt.models.corpus import split_of, stdlib_files
+    from engramrt_lab.models.corpus import split_of, stdlib_files
 
     root, names = stdlib_files()
     small = [n for n in names if (root / n).stat().st_size < 40_000 and "/" not in n]
@@ -67,8 +67,8 @@ def tiny_sources(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 @pytest.fixture(scope="session")
 def trained_dir(tmp_path_factory: pytest.TempPathFactory, tiny_sources) -> Path:
-    """``python -m engramrt.models.train`` (in process) on the tiny sources, 4 steps."""
-    from engramrt.models.train import main
+    """``python -m engramrt_lab.models.train`` (in process) on the tiny sources, 4 steps."""
+    from engramrt_lab.models.train import main
 
     stdlib, site = tiny_sources
     out = tmp_path_factory.mktemp("tiny-lm")

@@ -9,14 +9,14 @@ import pytest
 import torch
 
 from engramrt.errors import ValidationError
-from engramrt.models.corpus import (
+from engramrt_lab.models.corpus import (
     LONG_LINE_CHARS,
     build_corpus,
     deduplicate,
     manifest_differences,
     split_of,
 )
-from engramrt.models.train import OnePassWindows
+from engramrt_lab.models.train import OnePassWindows
 
 
 def _lines(prefix: str, count: int) -> list[str]:
@@ -113,8 +113,8 @@ def test_one_pass_windows_see_each_token_at_most_once() -> None:
 
 
 def test_training_stops_at_one_pass(tmp_path: Path) -> None:
-    from engramrt.models.lm import LMConfig, TinyLM
-    from engramrt.models.train import TrainSettings, train_model
+    from engramrt_lab.models.lm import LMConfig, TinyLM
+    from engramrt_lab.models.train import TrainSettings, train_model
 
     settings = TrainSettings(out=tmp_path, batch_size=2, seq_len=8)
     config = LMConfig(vocab_size=50, dim=32, n_blocks=1, n_heads=2, head_dim=16, mlp_dim=32)

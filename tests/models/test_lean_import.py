@@ -7,4 +7,6 @@ from tests.helpers import assert_import_is_lean
 
 
 def test_models_import_is_lean():
-    assert_import_is_lean("engramrt.models", "engramrt.models.train", "engramrt.models.serve")
+    assert_import_is_lean(
+        "engramrt_lab.models", "engramrt_lab.models.train", "engramrt_lab.models.serve"
+    )

@@ -14,7 +14,7 @@ import torch
 
 from engramrt.errors import CheckpointError
 from engramrt.lookup.tiers import TablePlacement
-from engramrt.models import artifacts
+from engramrt_lab.models import artifacts
 
 ON_CPU = TablePlacement("device", device="cpu")
 
@@ -174,7 +174,7 @@ CASES = [
 def test_damaged_directory_is_refused(
     trained_dir: Path, tmp_path: Path, label, damage, needle
 ) -> None:
-    from engramrt.models.serve import load_model
+    from engramrt_lab.models.serve import load_model
 
     directory = tmp_path / "model"
     shutil.copytree(trained_dir, directory)
@@ -187,7 +187,7 @@ def test_damaged_directory_is_refused(
 
 def test_the_undamaged_copy_loads(trained_dir: Path, tmp_path: Path) -> None:
     """Control: the same copy, undamaged, loads (so each case above fails for its damage)."""
-    from engramrt.models.serve import load_model
+    from engramrt_lab.models.serve import load_model
 
     directory = tmp_path / "model"
     shutil.copytree(trained_dir, directory)
@@ -201,7 +201,7 @@ def test_the_disk_tier_under_a_regular_file_is_one_clean_error(
     """load_model with tier disk whose disk_dir is a file: one ValidationError naming the
     packed-row file (was: a raw NotADirectoryError / FileExistsError)."""
     from engramrt.errors import ValidationError
-    from engramrt.models.serve import load_model
+    from engramrt_lab.models.serve import load_model
 
     blocker = tmp_path / "blocker"
     blocker.write_bytes(b"x")
@@ -217,7 +217,7 @@ def test_the_disk_tier_under_a_regular_file_is_one_clean_error(
 def test_reformatting_model_json_keeps_it_valid(trained_dir: Path, tmp_path: Path) -> None:
     """The checksum covers the values, not the layout: the same object written with
     other indentation and key order loads."""
-    from engramrt.models.serve import load_model
+    from engramrt_lab.models.serve import load_model
 
     directory = tmp_path / "model"
     shutil.copytree(trained_dir, directory)
@@ -231,7 +231,7 @@ def test_reformatting_model_json_keeps_it_valid(trained_dir: Path, tmp_path: Pat
 def test_unchecked_directories_load_only_when_the_caller_opts_out(
     trained_dir: Path, tmp_path: Path
 ) -> None:
-    from engramrt.models.serve import load_model
+    from engramrt_lab.models.serve import load_model
 
     directory = tmp_path / "model"
     shutil.copytree(trained_dir, directory)
@@ -261,7 +261,7 @@ REFUSE_SCRIPT = """
 import gc, sys, warnings
 from engramrt.errors import CheckpointError
 from engramrt.lookup.tiers import TablePlacement
-from engramrt.models.serve import load_model
+from engramrt_lab.models.serve import load_model
 warnings.simplefilter("error", ResourceWarning)
 try:
     load_model(sys.argv[1], TablePlacement("device", device="cpu"), head_backend="reference")

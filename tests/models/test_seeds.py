@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from engramrt.errors import CheckpointError, ValidationError
-from engramrt.models import seeds as seeds_mod
-from engramrt.models.wins import category_losses, gate_column
+from engramrt_lab.models import seeds as seeds_mod
+from engramrt_lab.models.wins import category_losses, gate_column
 
 from .conftest import TRAIN_ARGS
 
@@ -123,9 +123,9 @@ def test_gates_per_prediction_of_an_engram_model() -> None:
     """The gates captured at evaluation are in [0, 1], valid exactly where the losses are,
     leave the losses unchanged, and move with the gate's weights (a control that they are
     the model's gates); a dense model has none."""
-    from engramrt.models.lm import LMConfig, TinyLM
-    from engramrt.models.train import token_losses, token_losses_and_gates
-    from engramrt.training import EngramTable
+    from engramrt_lab.models.lm import LMConfig, TinyLM
+    from engramrt_lab.models.train import token_losses, token_losses_and_gates
+    from engramrt_lab.training import EngramTable
 
     config = LMConfig(
         vocab_size=50,
@@ -205,7 +205,7 @@ def test_seeds_command_end_to_end(tiny_sources: tuple[Path, Path], tmp_path: Pat
     _check_against_statistics(summary, records)
     # Every seed's model.json carries every seed's held-out losses (still sealed), and the
     # figures a report shows from it are the mean and sample std computed here.
-    from engramrt.models import artifacts
+    from engramrt_lab.models import artifacts
 
     for seed in (0, 1, 7):
         record = artifacts.read_model_json(out / f"seed-{seed}")["training"]
@@ -278,7 +278,7 @@ def test_fold_into_a_model_directory(trained_dir: Path, tmp_path: Path) -> None:
     """fold_into_model_dir writes the per-seed losses into model.json, still sealed (the
     loader reads it); the figures are the mean and sample std of the two seeds. Refused,
     with model.json left byte for byte, for a directory that is not one of the seeds."""
-    from engramrt.models import artifacts
+    from engramrt_lab.models import artifacts
 
     directory = tmp_path / "model"
     shutil.copytree(trained_dir, directory)
@@ -314,7 +314,7 @@ def test_fold_into_a_model_directory(trained_dir: Path, tmp_path: Path) -> None:
             assert abs(figures["spread"][name][model] - statistics.stdev(values)) < TOL
     # The other files are untouched: every checksum still holds where the loader checks.
     from engramrt.lookup.tiers import TablePlacement
-    from engramrt.models.serve import load_model
+    from engramrt_lab.models.serve import load_model
 
     load_model(directory, TablePlacement("device", device="cpu"), load_baseline=False)
 

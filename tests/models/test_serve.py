@@ -20,7 +20,7 @@ import torch
 
 from engramrt.errors import EngramError
 from engramrt.lookup.tiers import TablePlacement
-from engramrt.models.serve import TinyEngramModel, load_model
+from engramrt_lab.models.serve import TinyEngramModel, load_model
 
 MAX_NEW = 5
 HOST = TablePlacement("host", device="cpu")
@@ -230,7 +230,7 @@ def test_the_shipped_model_loads_by_name(tmp_path, monkeypatch) -> None:
     from the file); a directory of that name in the working directory still wins."""
     import json
 
-    from engramrt.models.packaged import PACKAGED_MODEL, packaged_model_dir
+    from engramrt_lab.models.packaged import PACKAGED_MODEL, packaged_model_dir
 
     monkeypatch.chdir(tmp_path)
     model = load_model(PACKAGED_MODEL, ON_CPU, load_baseline=False)

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from engramrt.models import artifacts
-from engramrt.models.corpus import Split, corpus_row_ids, eval_segments, is_heldout
-from engramrt.models.vocab import BOS_TOKEN_ID, Vocab
+from engramrt_lab.models import artifacts
+from engramrt_lab.models.corpus import Split, corpus_row_ids, eval_segments, is_heldout
+from engramrt_lab.models.vocab import BOS_TOKEN_ID, Vocab
 
 
 def test_training_writes_every_artifact(trained_dir: Path) -> None:
@@ -64,7 +64,7 @@ def test_packaged_model_fits_the_size_budget() -> None:
     model.json names carries the SHA-256 recorded there."""
     import hashlib
 
-    from engramrt.models.packaged import packaged_model_dir
+    from engramrt_lab.models.packaged import packaged_model_dir
 
     directory = packaged_model_dir()
     sizes = {name: (directory / name).stat().st_size for name in artifacts.SHIPPED_FILES}
@@ -119,11 +119,13 @@ def test_absolute_paths_are_found() -> None:
 def test_the_shipped_model_json_holds_no_absolute_path() -> None:
     """The shipped record says how the model was trained, not where: its command is the
     training command without --out and --results, its corpus roots are names."""
-    from engramrt.models.packaged import packaged_model_dir
+    from engramrt_lab.models.packaged import packaged_model_dir
 
     data = json.loads((packaged_model_dir() / artifacts.MODEL_JSON).read_text())
     assert _absolute_paths(data) == []
     record = data["training"]
+    # The command as it ran: the module was engramrt.models.train before the lab became a
+    # distribution of its own (engramrt_lab.models.train); model.json is kept as trained.
     assert record["command"] == (
         "python -m engramrt.models.train --device cuda --minutes 0.75 --memory-sweep 1,4,12 "
         "--compare-layers 1,3"
@@ -140,7 +142,7 @@ def test_the_trained_record_holds_no_absolute_path(
     --out and the roots are given again."""
     import shlex
 
-    from engramrt.models.train import parse_args, settings_record
+    from engramrt_lab.models.train import parse_args, settings_record
 
     data = json.loads((trained_dir / artifacts.MODEL_JSON).read_text())
     results = json.loads((trained_dir / "results.json").read_text())
@@ -150,7 +152,7 @@ def test_the_trained_record_holds_no_absolute_path(
     assert record["corpus"]["stdlib_root"] == stdlib.name
     assert record["settings"]["site_dirs"] == [site.name]
     words = shlex.split(record["command"])
-    assert words[:3] == ["python", "-m", "engramrt.models.train"]
+    assert words[:3] == ["python", "-m", "engramrt_lab.models.train"]
     assert "--out" not in words and "--results" not in words
     assert words[words.index("--stdlib-root") + 1] == f"<{stdlib.name}>"
     words[words.index("--stdlib-root") + 1] = str(stdlib)
@@ -231,9 +233,9 @@ def test_time_budget_fixes_the_schedule_and_the_baseline_follows(tmp_path: Path)
     """With a wall-clock budget the step count is fixed after the probe steps and the
     run ends near the budget; the baseline then runs exactly as many steps with the
     same schedule length."""
-    from engramrt.models.lm import LMConfig, TinyLM
-    from engramrt.models.train import TrainSettings, train_model
-    from engramrt.training import EngramTable
+    from engramrt_lab.models.lm import LMConfig, TinyLM
+    from engramrt_lab.models.train import TrainSettings, train_model
+    from engramrt_lab.training import EngramTable
 
     settings = TrainSettings(out=tmp_path, batch_size=2, seq_len=8)
     config = LMConfig(
@@ -295,7 +297,7 @@ def test_time_budget_fixes_the_schedule_and_the_baseline_follows(tmp_path: Path)
     ],
 )
 def test_train_command_refuses_bad_numbers(capsys, args, needle) -> None:
-    from engramrt.models.train import parse_args
+    from engramrt_lab.models.train import parse_args
 
     with pytest.raises(SystemExit) as info:
         parse_args(["--out", "x", *args])
@@ -306,7 +308,7 @@ def test_engram_layers_start_as_the_identity() -> None:
     """The value part of wkv starts at zero: each Engram layer returns its input streams
     exactly, whatever the rows; the key part (so the gate) is random. Control: with
     engram_identity=False the same layer changes the streams."""
-    from engramrt.models.lm import LMConfig, TinyLM
+    from engramrt_lab.models.lm import LMConfig, TinyLM
 
     config = LMConfig(
         vocab_size=50, dim=32, n_blocks=2, n_heads=2, head_dim=16, mlp_dim=32,

@@ -66,7 +66,7 @@ BAD_FLAGS = [
 
 @pytest.mark.parametrize(("args", "needle"), BAD_FLAGS)
 def test_a_bad_flag_is_one_line_and_exit_2(capsys, tmp_path: Path, args, needle) -> None:
-    from engramrt.models.train import main
+    from engramrt_lab.models.train import main
 
     out = tmp_path / "model"
     with pytest.raises(SystemExit) as info:
@@ -79,7 +79,7 @@ def test_a_bad_flag_is_one_line_and_exit_2(capsys, tmp_path: Path, args, needle)
 
 
 def test_out_that_is_a_file_or_under_one(capsys, tmp_path: Path) -> None:
-    from engramrt.models.train import main
+    from engramrt_lab.models.train import main
 
     afile = tmp_path / "afile"
     afile.write_text("x")
@@ -96,7 +96,7 @@ def test_out_that_is_a_file_or_under_one(capsys, tmp_path: Path) -> None:
 def test_cuda_without_cuda_is_refused(capsys, tmp_path: Path, monkeypatch) -> None:
     import torch
 
-    from engramrt.models.train import main
+    from engramrt_lab.models.train import main
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(SystemExit) as info:
@@ -108,8 +108,8 @@ def test_cuda_without_cuda_is_refused(capsys, tmp_path: Path, monkeypatch) -> No
 def test_a_nan_loss_writes_no_model(capsys, tmp_path: Path, tiny_sources, monkeypatch) -> None:
     """The first model's loss is NaN (its embedding poisoned at initialisation): the
     command stops with one line and exit status 1, and no model file exists."""
-    from engramrt.models import lm
-    from engramrt.models.train import main
+    from engramrt_lab.models import lm
+    from engramrt_lab.models.train import main
 
     from .conftest import TRAIN_ARGS
 
@@ -140,9 +140,9 @@ def test_a_failed_run_leaves_the_earlier_model_intact(
     import shutil
 
     from engramrt.lookup.tiers import TablePlacement
-    from engramrt.models import artifacts
-    from engramrt.models.serve import load_model
-    from engramrt.models.train import main
+    from engramrt_lab.models import artifacts
+    from engramrt_lab.models.serve import load_model
+    from engramrt_lab.models.train import main
 
     from .conftest import TRAIN_ARGS
 
@@ -181,7 +181,7 @@ def test_a_failed_run_leaves_the_earlier_model_intact(
 def test_out_holding_other_files_is_refused(capsys, tmp_path: Path) -> None:
     """The new model replaces --out whole: a directory holding anything but a model's
     files is refused before any work, and keeps its files."""
-    from engramrt.models.train import main
+    from engramrt_lab.models.train import main
 
     out = tmp_path / "notes"
     out.mkdir()
@@ -194,7 +194,7 @@ def test_out_holding_other_files_is_refused(capsys, tmp_path: Path) -> None:
 
 
 def test_an_empty_stdlib_root_is_refused_up_front(capsys, tmp_path: Path) -> None:
-    from engramrt.models.train import main
+    from engramrt_lab.models.train import main
 
     empty = tmp_path / "lib"
     (empty / "pkg").mkdir(parents=True)
@@ -208,7 +208,7 @@ def test_an_empty_stdlib_root_is_refused_up_front(capsys, tmp_path: Path) -> Non
 
 
 def _one_split_root(base: Path, tiny_sources, split: str) -> Path:
-    from engramrt.models.corpus import split_of
+    from engramrt_lab.models.corpus import split_of
 
     stdlib, _site = tiny_sources
     root = base / f"only-{split}"
@@ -235,7 +235,7 @@ def test_flags_the_corpus_refuses_stop_before_training(
     """Known only once the corpus is read, still before any model: one line, exit 2
     (was: --vocab-k silently kept fewer ids; a sources tree without held-out files
     raised ZeroDivisionError after minutes)."""
-    from engramrt.models.train import main
+    from engramrt_lab.models.train import main
 
     from .conftest import TRAIN_ARGS
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engramrt.models.wins import category_losses, category_masks, ngram_keys, training_ngrams
+from engramrt_lab.models.wins import category_losses, category_masks, ngram_keys, training_ngrams
 
 
 def test_categories_match_a_brute_force_count() -> None:

@@ -15,8 +15,8 @@ from engramrt.gate.reference import (
     gate_tolerance,
     gate_values_reference,
 )
-from engramrt.training import engram_gate_train
-from engramrt.training import gate as gate_module
+from engramrt_lab.training import engram_gate_train
+from engramrt_lab.training import gate as gate_module
 
 EPS = 1e-6
 

@@ -6,4 +6,4 @@ from tests.helpers import assert_import_is_lean
 
 
 def test_training_import_is_lean():
-    assert_import_is_lean("engramrt.training")
+    assert_import_is_lean("engramrt_lab.training")

@@ -8,8 +8,8 @@ import torch
 from engramrt.errors import ValidationError
 from engramrt.lookup.reference import lookup_rows_reference
 from engramrt.quant.reference import dequantize_rows_reference, quantize_rows_reference
-from engramrt.training import EngramTable, lookup_master_rows
-from engramrt.training import lookup as lookup_module
+from engramrt_lab.training import EngramTable, lookup_master_rows
+from engramrt_lab.training import lookup as lookup_module
 
 
 def _row_ids(num_tokens, num_cols, low, high, seed):

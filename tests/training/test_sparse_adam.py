@@ -9,7 +9,7 @@ import torch
 
 from engramrt.errors import ValidationError
 from engramrt.gate import GateInputs
-from engramrt.training import EngramTable, SparseRowAdam, engram_gate_train
+from engramrt_lab.training import EngramTable, SparseRowAdam, engram_gate_train
 
 LR, BETAS, EPS = 1e-2, (0.9, 0.99), 1e-8
 NUM_ROWS, DIM, STEPS = 12, 5, 4

@@ -1,12 +1,17 @@
 """The ``engramrt`` command line.
 
 Each subcommand lives in its own module and imports what it needs (torch,
-kernels) only when it runs, so ``engramrt --help`` is instant.
+kernels) only when it runs, so ``engramrt --help`` is instant. Other
+distributions add commands through the entry point group
+:data:`COMMANDS_GROUP`: each entry point names a function that takes the
+typer app and registers its commands on it (the lab, ``engramrt-lab``, adds
+``engramrt demo`` this way).
 """
 
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 
 import typer
 
@@ -14,9 +19,19 @@ from engramrt.cli._console import console as console
 from engramrt.cli._console import err_console
 from engramrt.errors import EngramError
 
+COMMANDS_GROUP = "engramrt.commands"
+"""The entry point group whose functions ``register(app)`` add commands to ``engramrt``."""
+
+HELP = "The Engram runtime: exact n-gram hashing, fp8 table lookups and a fused gate."
+WITHOUT_LAB = (
+    "\n\n`engramrt demo` (a trained tiny Engram LM served through the runtime) comes with the "
+    "lab: `pip install -e lab` in a checkout of engramrt, or `pip install engramrt-lab`."
+)
+"""Added to the help when no installed distribution registers commands."""
+
 app = typer.Typer(
     name="engramrt",
-    help="The Engram runtime: exact n-gram hashing, fp8 table lookups and a fused gate.",
+    help=HELP,
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
@@ -32,7 +47,7 @@ def _register() -> None:
     from engramrt.cli import inspect_cmd
 
     inspect_cmd.register(app)
-    for name in ("hash_cmd", "plan_cmd", "convert_cmd", "demo_cmd", "bench_cmd"):
+    for name in ("hash_cmd", "plan_cmd", "convert_cmd", "bench_cmd"):
         try:
             module = __import__(f"engramrt.cli.{name}", fromlist=["register"])
         except ModuleNotFoundError as exc:
@@ -40,6 +55,20 @@ def _register() -> None:
                 raise
             continue
         module.register(app)
+    plugins = command_plugins()
+    for register in plugins:
+        register(app)
+    if not plugins:
+        app.info.help = HELP + WITHOUT_LAB
+
+
+def command_plugins() -> list[Callable[[typer.Typer], None]]:
+    """The ``register(app)`` functions of every installed entry point in
+    :data:`COMMANDS_GROUP`, sorted by entry point name (none: the product's commands only)."""
+    from importlib.metadata import entry_points
+
+    points = sorted(entry_points(group=COMMANDS_GROUP), key=lambda point: point.name)
+    return [point.load() for point in points]
 
 
 _register()

@@ -50,7 +50,7 @@ class GateInputs(NamedTuple):
     """The operands of one gate call (SPEC §8).
 
     :func:`engramrt.gate.engram_gate` (inference) and
-    :func:`engramrt.training.engram_gate_train` take it whole, check it once
+    the lab's training gate (``engramrt_lab.training``) take it whole, check it once
     and hand it unchanged to the implementation they run. Its fields are
     :func:`engram_gate_reference`'s parameters in order, so
     ``engram_gate_reference(*inputs)`` is the definition of both.

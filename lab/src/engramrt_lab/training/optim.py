@@ -19,7 +19,7 @@ the bias correction uses the global ``t``. On rows touched at every step the
 two are the same algorithm. No weight decay (it would have to touch every row).
 
 Gradients must be sparse COO tensors of the parameter's shape whose indices
-are rows (as :class:`engramrt.training.EngramTable` produces); a dense
+are rows (as :class:`engramrt_lab.training.EngramTable` produces); a dense
 gradient is refused rather than silently updating every row.
 """
 

@@ -1,8 +1,8 @@
 """``engramrt demo``: the shipped tiny Engram LM (default) or the V4.1 layout on synthetic rows.
 
-The default (:mod:`engramrt.cli.demo_model`) serves a real trained model
+The default (:mod:`engramrt_lab.cli.demo_model`) serves a real trained model
 through the runtime and checks it; ``--synthetic``
-(:mod:`engramrt.cli.demo_synthetic`) streams a text through the real
+(:mod:`engramrt_lab.cli.demo_synthetic`) streams a text through the real
 V4.1-Flash layout with synthetic rows and random weights.
 
 Options one demo does not use are refused, not ignored: the defaults below
@@ -83,7 +83,7 @@ def register(app: typer.Typer) -> None:
         ] = None,
         model: Annotated[
             Path | None,
-            typer.Option(help="A model directory from python -m engramrt.models.train."),
+            typer.Option(help="A model directory from python -m engramrt_lab.models.train."),
         ] = None,
         full_eval: Annotated[
             bool,
@@ -140,7 +140,7 @@ def register(app: typer.Typer) -> None:
             "--checkpoint": checkpoint is not None,
         }
         if synthetic:
-            from engramrt.cli.demo_synthetic import run_synthetic
+            from engramrt_lab.cli.demo_synthetic import run_synthetic
 
             _refuse(given, MODEL_ONLY, "for the model demo; leave it out with --synthetic")
             if tier is not None and checkpoint is None:
@@ -162,7 +162,7 @@ def register(app: typer.Typer) -> None:
             )
             return
         _refuse(given, SYNTHETIC_ONLY, "for --synthetic; the model demo takes --model")
-        from engramrt.cli.demo_model import run_model_demo
+        from engramrt_lab.cli.demo_model import run_model_demo
 
         resolved = _resolve_text(text, file)
         result = run_model_demo(

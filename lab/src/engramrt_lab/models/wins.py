@@ -84,7 +84,7 @@ def category_masks(
     """Masks ``[M, S-1]`` (prediction ``j`` targets token ``j + 1``) per view and category.
 
     ``tokens [M, S]``, ``lengths [M]`` and ``lookback [M, 3]`` as in
-    :class:`~engramrt.models.corpus.EvalSegments` (tokenizer ids); ``seen``
+    :class:`~engramrt_lab.models.corpus.EvalSegments` (tokenizer ids); ``seen``
     from :func:`training_ngrams`. Invalid predictions are in no category.
     """
     seq = tokens.shape[1]
@@ -135,7 +135,7 @@ def category_losses(
     ``losses[model]`` is ``[M, S-1]`` per prediction, NaN where invalid;
     ``gates[model][block]`` the same shape, the gate of the prediction's
     position averaged over the streams (``token_losses_and_gates`` of
-    :mod:`engramrt.models.train`). Every mean is over the same masked
+    :mod:`engramrt_lab.models.train`). Every mean is over the same masked
     predictions, so its count is the row's ``predictions``: a NaN inside a
     category (a value missing for a valid prediction) is an error.
     """

@@ -9,7 +9,7 @@ file                           content
 ``engram_model.safetensors``   the Engram model's backbone incl. its Engram heads, bf16
 ``baseline_model.safetensors`` the baseline's backbone, bf16
 ``baseline_wide_model.safetensors`` the FLOP-matched baseline (wider MLP), bf16
-``heldout_sample.safetensors`` held-out sequences (:class:`~engramrt.models.corpus.EvalSegments`)
+``heldout_sample.safetensors`` held-out sequences (:class:`~engramrt_lab.models.corpus.EvalSegments`)
 ``loss_curves.png``            training loss of both models
 ``train_log.json``             the full per-step losses and the printed log
 =============================  =====================================================
@@ -43,7 +43,7 @@ from torch import nn
 
 from engramrt._io import atomic_write_bytes, read_json
 from engramrt.errors import CheckpointError
-from engramrt.models.corpus import EvalSegments
+from engramrt_lab.models.corpus import EvalSegments
 
 __all__ = [
     "BASELINE_WEIGHTS",
@@ -274,7 +274,7 @@ def verify_checksum(
         if required:
             raise CheckpointError(
                 f"{where!r}: field 'checksums' is missing, so {path.name} cannot be checked; "
-                f"expected a directory written by python -m engramrt.models.train (train "
+                f"expected a directory written by python -m engramrt_lab.models.train (train "
                 f"again), or load it with require_checksums=False to use it unchecked"
             )
         warnings.warn(
@@ -339,7 +339,7 @@ def read_model_json(directory: Path, *, require_checksums: bool = True) -> dict[
     if not path.is_file():
         raise CheckpointError(
             f"{str(path)!r} does not exist; expected a directory written by "
-            f"python -m engramrt.models.train"
+            f"python -m engramrt_lab.models.train"
         )
     data = read_json(path, CheckpointError, repr(str(path)))
     if not isinstance(data, dict):
@@ -366,7 +366,7 @@ def _check_own_checksum(path: Path, data: dict[str, Any], required: bool) -> Non
             raise CheckpointError(
                 f"{str(path)!r}: field {MODEL_JSON_SHA256!r} is missing, so its content (the "
                 f"vocabulary, the configs, the other files' checksums) cannot be checked; "
-                f"expected a directory written by python -m engramrt.models.train (train "
+                f"expected a directory written by python -m engramrt_lab.models.train (train "
                 f"again), or load it with require_checksums=False to use it unchecked"
             )
         warnings.warn(

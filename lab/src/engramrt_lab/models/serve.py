@@ -31,7 +31,7 @@ backbone (keeping a KV cache per request) calls
   prefilled in chunks, then greedy decode.
 
 Greedy means argmax over the K kept ids but the document-start token
-(:data:`~engramrt.models.vocab.BOS_TOKEN_ID`: it starts a prompt, and after
+(:data:`~engramrt_lab.models.vocab.BOS_TOKEN_ID`: it starts a prompt, and after
 one the model would begin another document; a model that saw few documents
 end predicts runs of it) and ``<other>`` (it has no text): neither is ever
 emitted. :meth:`TinyEngramModel.reference_generate` is the eager
@@ -71,12 +71,12 @@ from engramrt.hashing import (
 from engramrt.layer import EngramHead
 from engramrt.lookup import lookup_rows_reference
 from engramrt.lookup.tiers import TablePlacement, check_placement
-from engramrt.models import artifacts
-from engramrt.models.corpus import EvalSegments
-from engramrt.models.lm import KVCache, LMConfig, TinyLM, next_token_loss_sum
-from engramrt.models.vocab import BOS_TOKEN_ID, Vocab
 from engramrt.testing import Chunk, Request, VllmEngine
 from engramrt.tokenmap import TokenMap
+from engramrt_lab.models import artifacts
+from engramrt_lab.models.corpus import EvalSegments
+from engramrt_lab.models.lm import KVCache, LMConfig, TinyLM, next_token_loss_sum
+from engramrt_lab.models.vocab import BOS_TOKEN_ID, Vocab
 
 __all__ = [
     "HISTORY_MODES",
@@ -561,11 +561,11 @@ def load_model(
     head_backend: str = "auto",
     require_checksums: bool = True,
 ) -> TinyEngramModel:
-    """Load a directory written by ``python -m engramrt.models.train``, or the shipped
+    """Load a directory written by ``python -m engramrt_lab.models.train``, or the shipped
     model by its name.
 
     Args:
-        path: the model directory, or ``"tiny-lm"`` (:data:`~engramrt.models.packaged.PACKAGED_MODEL`):
+        path: the model directory, or ``"tiny-lm"`` (:data:`~engramrt_lab.models.packaged.PACKAGED_MODEL`):
             the model ``engramrt demo`` serves, from the package data of any install.
         placement: where the fp8 tables live and the compute device (see
             :class:`~engramrt.lookup.tiers.TablePlacement`: tier ``auto``,
@@ -580,7 +580,7 @@ def load_model(
         require_checksums: refuse a ``model.json`` that records no checksum of itself
             (``model_json_sha256``) or of the files it names (``checksums``); False loads
             such a directory unchecked, with a warning (recorded checksums are always
-            checked). See :mod:`engramrt.models.artifacts`.
+            checked). See :mod:`engramrt_lab.models.artifacts`.
 
     Raises:
         CheckpointError: a damaged directory, naming the file and the field (a
@@ -588,8 +588,8 @@ def load_model(
     """
     from engramrt.checkpoint import load_tables, read_table
     from engramrt.layer import EngramHead
-    from engramrt.models.packaged import PACKAGED_MODEL, packaged_model_dir
     from engramrt.tokenmap import default_token_map
+    from engramrt_lab.models.packaged import PACKAGED_MODEL, packaged_model_dir
 
     directory = Path(path)
     if str(path) == PACKAGED_MODEL and not directory.exists():

@@ -7,9 +7,9 @@ touched rows only; the gate's backward is written out in torch ops.
 
 from __future__ import annotations
 
-from engramrt.training.gate import engram_gate_train, rms_norm_backward
-from engramrt.training.lookup import EngramTable, lookup_master_rows, sum_rows_by_id
-from engramrt.training.optim import SparseRowAdam
+from engramrt_lab.training.gate import engram_gate_train, rms_norm_backward
+from engramrt_lab.training.lookup import EngramTable, lookup_master_rows, sum_rows_by_id
+from engramrt_lab.training.optim import SparseRowAdam
 
 __all__ = [
     "EngramTable",

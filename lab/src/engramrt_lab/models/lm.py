@@ -3,7 +3,7 @@
 The backbone (one class for training and serving, the Engram model and its
 baseline):
 
-- token embedding over the trimmed vocabulary (:mod:`engramrt.models.vocab`),
+- token embedding over the trimmed vocabulary (:mod:`engramrt_lab.models.vocab`),
   tied with the output projection;
 - ``hc`` hyper-connection residual streams ``[..., hc, D]``: the embedding
   is copied into every stream; after the last block the streams are summed,
@@ -25,8 +25,8 @@ baseline):
 - Engram, at the blocks of ``engram_layer_ids``: the block first replaces
   its streams ``[T, hc, D]`` by the Engram layer's output (SPEC §8), then
   runs its sub-layers. In training that layer is :class:`TrainEngramHead`
-  (float rows from an :class:`~engramrt.training.EngramTable`, the gate of
-  :func:`~engramrt.training.engram_gate_train`); in serving it is the
+  (float rows from an :class:`~engramrt_lab.training.EngramTable`, the gate of
+  :func:`~engramrt_lab.training.engram_gate_train`); in serving it is the
   runtime's :class:`~engramrt.layer.EngramLayer`, or an
   :class:`~engramrt.layer.EngramHead` given reference rows. The model's
   forward takes it as a callable per block, so the backbone never knows
@@ -52,7 +52,7 @@ from torch import nn
 
 from engramrt.errors import ValidationError
 from engramrt.gate import GateInputs, gate_values_reference
-from engramrt.training import engram_gate_train
+from engramrt_lab.training import engram_gate_train
 
 __all__ = [
     "EngramFn",
@@ -357,7 +357,7 @@ class TrainEngramHead(nn.Module):
         With ``gates`` (evaluation only), also appends the gate of every position,
         averaged over the ``hc`` streams: ``[B, S]`` fp32 in [0, 1], detached
         (:func:`~engramrt.gate.gate_values_reference` of the same operands, the
-        forward of :func:`~engramrt.training.engram_gate_train`). Training passes
+        forward of :func:`~engramrt_lab.training.engram_gate_train`). Training passes
         none, so its step does no extra work.
         """
         shape = streams.shape

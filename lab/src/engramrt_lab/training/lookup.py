@@ -149,7 +149,7 @@ class EngramTable(nn.Module):
     ``[row_begin, row_begin + num_rows)`` serving hash columns ``[col_begin,
     col_end)``. ``forward(row_ids [T, C]) -> [T, C, E]`` fp32. After backward,
     ``weight.grad`` is a sparse COO tensor holding the touched rows only
-    (each once); update it with :class:`engramrt.training.SparseRowAdam`.
+    (each once); update it with :class:`engramrt_lab.training.SparseRowAdam`.
     """
 
     def __init__(

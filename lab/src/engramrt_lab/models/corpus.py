@@ -64,7 +64,7 @@ import torch
 from engramrt.errors import ValidationError
 from engramrt.hashing import HashBatch, HashConstants, NgramHasher, hash_sequence
 from engramrt.hashing.vectorized import hash_batch_torch
-from engramrt.models.vocab import BOS_TOKEN_ID
+from engramrt_lab.models.vocab import BOS_TOKEN_ID
 
 __all__ = [
     "HELDOUT_MODULUS",

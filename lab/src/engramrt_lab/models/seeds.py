@@ -2,12 +2,12 @@
 
 On a GPU (the training command's settings, once per seed)::
 
-    python -m engramrt.models.seeds --seeds 0,1,2 --out DIR --minutes 0.75 --device cuda \
+    python -m engramrt_lab.models.seeds --seeds 0,1,2 --out DIR --minutes 0.75 --device cuda \
         --memory-sweep 1,4,12
 
-Any flag of ``python -m engramrt.models.train`` may follow, except ``--seed``,
+Any flag of ``python -m engramrt_lab.models.train`` may follow, except ``--seed``,
 ``--out`` and ``--results``, which this command sets per seed. For each seed
-``s`` in ``--seeds`` it runs that command (:func:`engramrt.models.train.main`,
+``s`` in ``--seeds`` it runs that command (:func:`engramrt_lab.models.train.main`,
 unchanged) with ``--seed s --out DIR/seed-s --results DIR/seed-s.json``: the
 model directory and the per-seed record (the ``--results`` JSON: every model's
 losses, the memory sweep, where it wins). The seed sets the models'
@@ -22,7 +22,7 @@ initialisation and the order of the training windows. Then it writes
   memory-sweep point (``sweep``, keyed by its multiple of the ``tiny`` preset's
   buckets, the main Engram model included) and for every where-it-wins
   category's losses and Engram gates (``unseen``: predictions split by
-  whether their n-grams were seen in training, :mod:`engramrt.models.wins`);
+  whether their n-grams were seen in training, :mod:`engramrt_lab.models.wins`);
   the per-seed values beside each; written atomically;
 - ``DIR/seeds.md``: the same as short Markdown tables (mean ± std [min, max]);
 - into every seed's ``model.json``, the per-seed held-out losses
@@ -51,7 +51,7 @@ import numpy as np
 
 from engramrt._io import atomic_write_bytes
 from engramrt.errors import CheckpointError
-from engramrt.models import artifacts
+from engramrt_lab.models import artifacts
 
 __all__ = [
     "HELDOUT_SEEDS",
@@ -65,7 +65,7 @@ __all__ = [
     "spread",
 ]
 
-PROG = "python -m engramrt.models.seeds"
+PROG = "python -m engramrt_lab.models.seeds"
 AGGREGATE_JSON = "seeds.json"
 SUMMARY_MD = "seeds.md"
 HELDOUT_SETS = ("heldout", "package_heldout")
@@ -73,7 +73,7 @@ HELDOUT_SETS = ("heldout", "package_heldout")
 HELDOUT_SET_NAMES = {"heldout": "stdlib", "package_heldout": "site-packages"}
 """How reports name each held-out set of a training record: ``stdlib``, the held-out
 files of the standard library; ``site-packages``, the held-out top-level packages
-(:data:`~engramrt.models.corpus.HELDOUT_PACKAGES`) of the site directories."""
+(:data:`~engramrt_lab.models.corpus.HELDOUT_PACKAGES`) of the site directories."""
 HELDOUT_SEEDS = "heldout_seeds"
 """The field of a ``model.json`` training record that holds every seed's held-out losses
 (:func:`heldout_seeds_record`)."""
@@ -206,7 +206,7 @@ def heldout_seeds_record(summary: Mapping[str, Any]) -> dict[str, Any]:
 def fold_into_model_dir(directory: Path, summary: Mapping[str, Any]) -> dict[str, Any]:
     """Write the per-seed held-out losses of an :func:`aggregate` into the training record
     of ``directory/model.json`` (field :data:`HELDOUT_SEEDS`), atomically and sealed again
-    (:func:`~engramrt.models.artifacts.write_model_json`); returns that field.
+    (:func:`~engramrt_lab.models.artifacts.write_model_json`); returns that field.
 
     Refused (:class:`~engramrt.errors.CheckpointError`) unless the directory's model is
     one of the seeds: its record's seed is among ``summary``'s, and every held-out loss
@@ -386,12 +386,12 @@ def _seeds(text: str) -> tuple[int, ...]:
 def parse_args(argv: Sequence[str] | None) -> tuple[tuple[int, ...], Path, list[list[str]]]:
     """The seeds, ``--out`` and each seed's training command line; every seed's flags
     are checked here by the training command's parser, before any work."""
-    from engramrt.models import train
+    from engramrt_lab.models import train
 
     parser = _Parser(
         prog=PROG,
         description="Train the tiny Engram LM and its baselines once per seed; aggregate.",
-        epilog="Any other flag goes to python -m engramrt.models.train (see its --help).",
+        epilog="Any other flag goes to python -m engramrt_lab.models.train (see its --help).",
         allow_abbrev=False,  # else --seed would silently be read as --seeds
     )
     parser.add_argument("--seeds", type=_seeds, default=(0, 1, 2), help="default 0,1,2")
@@ -425,7 +425,7 @@ def parse_args(argv: Sequence[str] | None) -> tuple[tuple[int, ...], Path, list[
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from engramrt.models import train
+    from engramrt_lab.models import train
 
     seeds, out, commands = parse_args(argv)
     out.mkdir(parents=True, exist_ok=True)

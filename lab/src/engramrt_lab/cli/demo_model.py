@@ -1,7 +1,7 @@
 """``engramrt demo``: the shipped tiny Engram LM, served through the runtime and checked.
 
 What is real here: the DeepSeek-V4 tokenizer, its token map and the exact
-hashing; the model (:mod:`engramrt.models.packaged`), trained on an H200 on
+hashing; the model (:mod:`engramrt_lab.models.packaged`), trained on an H200 on
 CPython's standard library sources, with its Engram tables converted to fp8
 by ``engramrt convert``'s code; the prompt. Nothing is synthetic.
 
@@ -9,7 +9,7 @@ The demo:
 
 1. generates greedily from the prompt through :class:`~engramrt.runtime.EngramRuntime`
    as an engine would (:meth:`TinyEngramModel.generate
-   <engramrt.models.serve.TinyEngramModel.generate>`): request A prefilled in
+   <engramrt_lab.models.serve.TinyEngramModel.generate>`): request A prefilled in
    chunks, decode steps, one speculative step whose drafts are rejected and
    rolled back; request B shares A's first KV blocks (a prefix-cache hit);
 2. checks both requests' tokens against the eager reference of the same
@@ -18,7 +18,7 @@ The demo:
    checkpoint's bytes), and against a second placement (another tier with a
    hot-row cache in front, another history mode);
 3. reports every model's loss on both held-out sets as the record holds
-   them (:func:`~engramrt.models.seeds.heldout_figures`): ``stdlib``, CPython
+   them (:func:`~engramrt_lab.models.seeds.heldout_figures`): ``stdlib``, CPython
    standard-library files never trained on, and ``site-packages``, whole
    top-level packages (click, rich, typer) never trained on; over every seed
    the record holds (mean ± sample standard deviation) when it holds
@@ -136,7 +136,7 @@ def run_model_demo(
     stages = Stages(err_console if as_json else console)
     sequences = "the whole shipped held-out sample" if full_eval else "a held-out sample"
     stages.say(
-        "[bold]engramrt demo[/]: serving the tiny Engram LM shipped with engramrt through "
+        "[bold]engramrt demo[/]: serving the tiny Engram LM shipped with engramrt-lab through "
         "EngramRuntime (2 requests, as an engine would), checking its tokens against an eager "
         f"reference and a second placement, then the held-out loss of each model on {sequences}"
     )
@@ -145,8 +145,8 @@ def run_model_demo(
 
         from engramrt.cli._checks import parse_device
         from engramrt.lookup.tiers import TIERS, TablePlacement
-        from engramrt.models.packaged import packaged_model_dir
-        from engramrt.models.serve import HISTORY_MODES, load_model
+        from engramrt_lab.models.packaged import packaged_model_dir
+        from engramrt_lab.models.serve import HISTORY_MODES, load_model
 
         tiers = ["auto", *(name for name in TIERS if name != "synthetic")]  # real rows only
         if tier not in tiers:
@@ -265,7 +265,7 @@ def _check_options(
     if model_dir is not None and not (Path(model_dir) / "model.json").is_file():
         raise EngramError(
             f"--model={str(model_dir)!r} holds no model.json (or does not exist); expected a "
-            f"directory written by python -m engramrt.models.train"
+            f"directory written by python -m engramrt_lab.models.train"
         )
 
 
@@ -386,7 +386,7 @@ def _report(
     """The demo's JSON object (see :func:`run_model_demo`), less ``plot`` and ``seconds``."""
     import numpy as np
 
-    from engramrt.models.seeds import heldout_figures
+    from engramrt_lab.models.seeds import heldout_figures
 
     tier, history, device = placement
     prompt_text, prompt_a, prompt_b = prompts
@@ -458,7 +458,7 @@ def _report(
 
 def _heldout_sets(record: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """What each held-out set of the record is: ``{set: {what, sequences, predictions}}``."""
-    from engramrt.models.seeds import HELDOUT_SET_NAMES
+    from engramrt_lab.models.seeds import HELDOUT_SET_NAMES
 
     corpus = record["corpus"]
     what = {
@@ -518,7 +518,7 @@ def _print_tables(out: dict[str, Any], gates: Any, pieces: list[str], prompt_len
 
     training = out["training"]
     console.print(
-        f"[bold]the model[/]: the tiny Engram LM shipped with engramrt (trained on "
+        f"[bold]the model[/]: the tiny Engram LM shipped with engramrt-lab (trained on "
         f"{training['device']} on CPython {training['corpus']['python_version']}'s standard "
         f"library and site-packages sources; fp8 tables), served with tier {out['tier']}, "
         f"history {out['history']}, device {out['device']}"
@@ -591,7 +591,7 @@ def print_losses(out: dict[str, Any]) -> None:
     over = (
         f"mean ± sample std over {seeds} seeds"
         if seeds > 1
-        else "one seed: no spread to show; python -m engramrt.models.seeds gives it"
+        else "one seed: no spread to show; python -m engramrt_lab.models.seeds gives it"
     )
     table = Table(
         title=f"held-out loss (nats / token; lower is better; {over})", title_justify="left"

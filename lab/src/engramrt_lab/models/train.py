@@ -3,28 +3,28 @@
 One command (on one H200, about 3.5 minutes for the three models; the sweep
 and the placement comparison add about a minute per model)::
 
-    python -m engramrt.models.train --out DIR --minutes 0.75 --device cuda \
+    python -m engramrt_lab.models.train --out DIR --minutes 0.75 --device cuda \
         --memory-sweep 1,4,12 --compare-layers 1,3 --results DIR.json
 
 A small end-to-end run on a CPU (what the tests do, on a tiny source tree)::
 
-    python -m engramrt.models.train --out DIR --device cpu --max-files 20 --steps 5 \
+    python -m engramrt_lab.models.train --out DIR --device cpu --max-files 20 --steps 5 \
         --batch-size 2 --seq-len 64 --eval-sequences 8 --site-dirs ""
 
 What it does, in order (every stage prints a line, flushed):
 
-1. corpus (:mod:`engramrt.models.corpus`): the stdlib and the site
+1. corpus (:mod:`engramrt_lab.models.corpus`): the stdlib and the site
    directories' ``*.py`` files, near-duplicates removed before the split,
    the stdlib held-out and validation files by ``sha256(path) % 20``, whole
    held-out packages, DeepSeek-V4 tokenizer batch encoding, one document
    per file; the manifest is compared with the packaged model's;
-2. trimmed vocabulary (:mod:`engramrt.models.vocab`) from the training split;
+2. trimmed vocabulary (:mod:`engramrt_lab.models.vocab`) from the training split;
 3. per Engram configuration, the row ids of every position, once, with the
    exact hasher (the Triton kernel on CUDA, checked against the torch hashing);
 4. the Engram model (E = 32, 49,152 / 32,768 / 16,384 buckets per head for
    2/3/4-grams, Engram at blocks 1 and 2, the value part of ``wkv`` zero at
    start; backbone D = 256, 4 blocks, hc = 4): AdamW for the dense weights,
-   :class:`~engramrt.training.SparseRowAdam` for the fp32 tables, linear
+   :class:`~engramrt_lab.training.SparseRowAdam` for the fp32 tables, linear
    warmup then cosine to 10%, bf16 autocast on CUDA; one pass at most over
    shuffled non-overlapping windows (:class:`OnePassWindows`), for
    ``--minutes`` of wall clock (the step count is fixed after 20 timed
@@ -42,7 +42,7 @@ What it does, in order (every stage prints a line, flushed):
    :func:`~engramrt.checkpoint.run_conversion`), loaded back with
    :func:`~engramrt.checkpoint.load_tables`, and the Engram model evaluated
    again on those fp8 rows (the relative change is reported);
-7. the model directory (:mod:`engramrt.models.artifacts`), with a SHA-256 of
+7. the model directory (:mod:`engramrt_lab.models.artifacts`), with a SHA-256 of
    every file in ``model.json``; its training record holds no path of this
    machine (:func:`training_command`, :func:`settings_record`; the corpus
    roots by name);
@@ -88,8 +88,8 @@ from engramrt.config import PRESETS, EngramConfig
 from engramrt.errors import ValidationError
 from engramrt.hashing import HashBatch, HashConstants
 from engramrt.hashing.vectorized import hash_batch_torch
-from engramrt.models import artifacts
-from engramrt.models.corpus import (
+from engramrt_lab.models import artifacts
+from engramrt_lab.models.corpus import (
     Corpus,
     EvalSegments,
     build_corpus,
@@ -97,9 +97,9 @@ from engramrt.models.corpus import (
     eval_segments,
     root_name,
 )
-from engramrt.models.lm import LMConfig, TinyLM, next_token_loss_sum, next_token_losses
-from engramrt.models.vocab import Vocab
-from engramrt.training import EngramTable, SparseRowAdam
+from engramrt_lab.models.lm import LMConfig, TinyLM, next_token_loss_sum, next_token_losses
+from engramrt_lab.models.vocab import Vocab
+from engramrt_lab.training import EngramTable, SparseRowAdam
 
 __all__ = [
     "TrainSettings",
@@ -234,7 +234,7 @@ def wide_mlp_dim(lm_cfg: LMConfig) -> int:
     """The MLP width at which the baseline's dense parameters (and matmul FLOPs per
     token) match the Engram model's: the Engram heads' parameters spread over the
     blocks' SwiGLU (3 D parameters per unit of width per block)."""
-    from engramrt.models.lm import dense_parameters
+    from engramrt_lab.models.lm import dense_parameters
 
     extra = dense_parameters(lm_cfg) - dense_parameters(lm_cfg.baseline())
     return lm_cfg.mlp_dim + round(extra / (3 * lm_cfg.dim * lm_cfg.n_blocks))
@@ -264,7 +264,7 @@ def engram_fns(
     """The model's Engram layers for a batch whose row ids are ``row_ids [B, S, L, C]``;
     with ``gates`` (evaluation only), each layer appends its gate per position, mean
     over the streams, ``[B, S]``, to ``gates[block]``
-    (:class:`~engramrt.models.lm.TrainEngramHead`)."""
+    (:class:`~engramrt_lab.models.lm.TrainEngramHead`)."""
     fns = {}
     cols = row_ids.shape[-1]
     for index, block in enumerate(model.config.engram_layer_ids):
@@ -796,7 +796,7 @@ class _Outcome:
     :func:`token_losses_and_gates`)."""
 
     def record(self, settings: TrainSettings) -> dict[str, Any]:
-        from engramrt.models.lm import flops_per_token
+        from engramrt_lab.models.lm import flops_per_token
 
         data = _run_record(self.run, settings)
         data["dense_parameters"] = sum(p.numel() for p in self.model.parameters())
@@ -863,10 +863,10 @@ def _compare_with_packaged_corpus(
     corpus_record: dict[str, Any], say: Callable[[str], None]
 ) -> None:
     """Say whether the corpus is the packaged model's (informative only)."""
-    from engramrt.models.corpus import manifest_differences
+    from engramrt_lab.models.corpus import manifest_differences
 
     try:
-        from engramrt.models.packaged import packaged_model_dir
+        from engramrt_lab.models.packaged import packaged_model_dir
 
         shipped = artifacts.read_model_json(packaged_model_dir())["training"]["corpus"]
         if "kept_sha256" in shipped:
@@ -889,7 +889,7 @@ def _prepare(settings: TrainSettings, began: float, out: Path) -> _TrainRun:
     torch.manual_seed(settings.seed)
     say = settings.say
     say(
-        f"engramrt.models.train: out {settings.out} (written in {out.name}, swapped in when "
+        f"engramrt_lab.models.train: out {settings.out} (written in {out.name}, swapped in when "
         f"complete), device {device}, torch {torch.__version__}"
     )
     results: dict[str, Any] = {"command": training_command(settings), "models": {}}
@@ -1110,7 +1110,7 @@ def _run_dense(run: _TrainRun, name: str, model_cfg: LMConfig) -> _Outcome:
 def _where_it_wins(run: _TrainRun) -> Callable[[], dict[str, Any]]:
     """The held-out predictions by what the trained windows held: returns the function that
     computes the losses per category for the models trained so far."""
-    from engramrt.models.wins import category_losses, category_masks, training_ngrams
+    from engramrt_lab.models.wins import category_losses, category_masks, training_ngrams
 
     settings, segments = run.settings, run.heldout.segments
     windows = OnePassWindows(
@@ -1382,16 +1382,16 @@ def _train_and_write(run: _TrainRun) -> tuple[dict[str, Any], Callable[[], dict[
     return record, wins
 
 
-PROG = "python -m engramrt.models.train"
+PROG = "python -m engramrt_lab.models.train"
 _WHERE_FILES_GO = ("out", "results")
 """Settings a training record leaves out: where this machine put the files."""
 _ROOTS = ("stdlib_root", "site_dirs")
-"""Settings a training record keeps by directory name only (:func:`~engramrt.models.corpus.root_name`)."""
+"""Settings a training record keeps by directory name only (:func:`~engramrt_lab.models.corpus.root_name`)."""
 
 
 def settings_record(settings: TrainSettings) -> dict[str, Any]:
     """The ``settings`` of a training record: every setting as JSON but ``out``,
-    ``results`` and the log; the source roots by name (:func:`~engramrt.models.corpus.root_name`)."""
+    ``results`` and the log; the source roots by name (:func:`~engramrt_lab.models.corpus.root_name`)."""
     record: dict[str, Any] = {}
     for name, value in vars(settings).items():
         if name in (*_WHERE_FILES_GO, "log"):
@@ -1414,7 +1414,7 @@ def _flag_value(value: Any) -> str:
 
 def training_command(settings: TrainSettings) -> str:
     """The command line of ``settings`` as a record keeps it: ``python -m
-    engramrt.models.train`` and every flag whose setting differs from its default, but
+    engramrt_lab.models.train`` and every flag whose setting differs from its default, but
     ``--out`` and ``--results`` (where this machine put the files); ``--stdlib-root`` and
     ``--site-dirs`` name their directories in angle brackets (``'<python3.12>'``),
     placeholders for where they are on another machine. With ``--out DIR`` added it
@@ -1451,12 +1451,12 @@ def _rounded(values: dict[str, Any]) -> dict[str, Any]:
 def _served_sample_loss(
     out: Path, device: torch.device, say: Callable[[str], None]
 ) -> float | None:
-    """The sample's loss through the serving path (:func:`engramrt.models.serve.load_model`
+    """The sample's loss through the serving path (:func:`engramrt_lab.models.serve.load_model`
     of the directory just written); None, and a printed reason, if that fails: the
     directory is complete either way."""
     try:
         from engramrt.lookup.tiers import DeviceOptions, TablePlacement
-        from engramrt.models.serve import load_model
+        from engramrt_lab.models.serve import load_model
 
         began = time.perf_counter()
         backend = "auto" if device.type == "cuda" else "reference"
@@ -1569,7 +1569,7 @@ def _size_problem(args: argparse.Namespace) -> str | None:
     ):
         if value > MAX_SEQUENCES:
             return f"{name}={value} must be at most {MAX_SEQUENCES:,}"
-    from engramrt.models.lm import dense_parameters
+    from engramrt_lab.models.lm import dense_parameters
 
     config = LMConfig(
         vocab_size=args.vocab_k + 1,
@@ -1729,7 +1729,7 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainSettings:
     """The settings of a command line; every flag is checked here, before any work (a
     bad one: one line on stderr, exit status 2)."""
     parser = _Parser(
-        prog="python -m engramrt.models.train",
+        prog="python -m engramrt_lab.models.train",
         description="Train the tiny Engram LM and its baselines; write the model directory.",
     )
     defaults = TrainSettings(out=Path("."))
@@ -1823,14 +1823,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         train(settings)
     except TrainingDiverged as exc:
-        sys.stderr.write(f"python -m engramrt.models.train: error: {exc}\n")
+        sys.stderr.write(f"python -m engramrt_lab.models.train: error: {exc}\n")
         return 1
     except FlagError as exc:
-        sys.stderr.write(f"python -m engramrt.models.train: error: {exc}\n")
+        sys.stderr.write(f"python -m engramrt_lab.models.train: error: {exc}\n")
         return 2
     except OSError as exc:  # a full or read-only disk, mid-run: the staged model is dropped
         sys.stderr.write(
-            f"python -m engramrt.models.train: error: writing the model failed: {exc}; "
+            f"python -m engramrt_lab.models.train: error: writing the model failed: {exc}; "
             f"--out={str(settings.out)!r} is left as it was\n"
         )
         return 1
