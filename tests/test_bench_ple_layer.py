@@ -44,7 +44,8 @@ SMALL = {"decode": {"n_req": 6, "per": 1}, "prefill": {"n_req": 1, "per": 23}}
 than S (its conv reads both the state and the chunk)."""
 
 IMPLS = ("transformers", "reference-eager", "engramrt", "torch-vectorised")
-"""The implementations run here (``engramrt-compiled`` needs inductor's C++ toolchain)."""
+"""The implementations run here (``engramrt-compiled`` and ``engramrt-inductor`` need
+Inductor's C++ toolchain; the GPU runs them)."""
 
 
 def layer_cases() -> dict[str, Any]:

@@ -212,7 +212,13 @@ LAYER_TABLE_ROWS = 1 << 24
 beyond L2, ids uniform over all of it. ``ENGRAMRT_BENCH_PLE_TABLE_ROWS=320001536`` times
 the full 95.4 GiB table of PLE layer 0 instead."""
 
-LAYER_IMPLS = ("engramrt", "engramrt-compiled", "torch-vectorised", "reference-eager")
+LAYER_IMPLS = (
+    "engramrt",
+    "engramrt-inductor",
+    "engramrt-compiled",
+    "torch-vectorised",
+    "reference-eager",
+)
 """The layer's implementations that update a pool of conv states of their own
 (``transformers`` keeps its states in a ``DynamicCache``)."""
 
@@ -405,6 +411,14 @@ def _layer_compiled(s: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
     return _layer_call(s, "engramrt-compiled", compiled)
 
 
+def _layer_inductor(s: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    compiled = s.get("inductor")
+    if compiled is None:
+        # As an engine compiles its model: the kernels stay opaque operators (layer_ops).
+        compiled = s["inductor"] = torch.compile(s["layer"].__call__, fullgraph=True)
+    return _layer_call(s, "engramrt-inductor", compiled)
+
+
 def _layer_vectorised(s: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
     return _layer_call(s, "torch-vectorised", s["reference_layer"])
 
@@ -516,6 +530,7 @@ def ple_layer_cases(quick: bool) -> list[Case]:
     oracle = _oracle_available()
     impls: dict[str, Callable[[dict[str, Any]], Any]] = {
         "engramrt": _layer_engramrt,
+        "engramrt-inductor": _layer_inductor,
         "torch-vectorised": _layer_vectorised,
         "engramrt-compiled": _layer_compiled,
         "reference-eager": _layer_reference,
@@ -548,6 +563,10 @@ def ple_layer_cases(quick: bool) -> list[Case]:
             "table_GiB": round(rows * cfg.table_width * bf16 / 2**30, 2),
             "gemm_tflop": round(2 * t_len * cfg.embed_dim * hc_width * 1.25 / 1e12, 3),
             "targets": "SPEC_PLE §10 (BENCHMARKS.md, the PLE layer)",
+            "engramrt-inductor": (
+                "the engramrt layer inside torch.compile(fullgraph): its kernels opaque "
+                "operators (engramrt::ple_*), the GEMM Inductor's"
+            ),
             "engramrt-compiled": (
                 "torch.compile(fullgraph) of the vectorised torch path, eager's bf16 casts "
                 "kept (emulate_precision_casts); timed, not checked on CUDA: Inductor leaves "

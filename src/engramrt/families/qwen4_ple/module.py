@@ -46,6 +46,7 @@ import torch.nn.functional as F
 
 from engramrt._backend import resolve_backend
 from engramrt.errors import ValidationError, describe_tensor
+from engramrt.families.qwen4_ple import layer_ops  # noqa: F401  (registers engramrt::ple_*)
 from engramrt.families.qwen4_ple.layer import (
     PleLayerWeights,
     accumulate_dtype,
@@ -124,8 +125,9 @@ DEFAULT_KERNEL_CONFIG = PleKernelConfig()
 
 
 # --------------------------------------------------------------------------
-# Launching: CachedLauncher in eager mode, kernel[grid] under torch.compile (which
-# traces user Triton kernels; it cannot trace the cached launcher's raw launch).
+# Launching: a CachedLauncher per kernel. Under torch.compile each launcher runs inside
+# its custom operator (engramrt::ple_*, layer_ops), opaque to the compiler: Inductor
+# does not trace these kernels.
 # --------------------------------------------------------------------------
 
 _LAUNCHERS: dict[str, Any] = {}
@@ -134,15 +136,11 @@ _LAUNCHERS: dict[str, Any] = {}
 def _launch(name: str, grid: tuple[int, ...], *args: Any, **constexprs: Any) -> None:
     from engramrt.families.qwen4_ple import layer_kernel
 
-    kernel = getattr(layer_kernel, name)
-    if torch.compiler.is_compiling():
-        kernel[grid](*args, **constexprs)
-        return
     launcher = _LAUNCHERS.get(name)
     if launcher is None:
         from engramrt._launch import CachedLauncher
 
-        launcher = _LAUNCHERS[name] = CachedLauncher(kernel)
+        launcher = _LAUNCHERS[name] = CachedLauncher(getattr(layer_kernel, name))
     launcher(grid, *args, **constexprs)
 
 
@@ -242,29 +240,54 @@ def gather_ple_rows(
     if backend == "reference" or table.values is None:
         out.copy_(gather_ple_rows_reference(table, row_ids, out.dtype))
         return out
+    if torch.compiler.is_compiling():  # opaque to the compiler (layer_ops)
+        if isinstance(table.values, torch.Tensor):
+            torch.ops.engramrt.ple_gather_rows(out, table.values, row_ids, table.row_begin,
+                                               config.gather_pairs, config.gather_warps)  # fmt: skip
+        else:
+            torch.ops.engramrt.ple_gather_mapped_rows(
+                out, row_ids, int(table.values.data_ptr()), int(table.values.num_rows),
+                table.row_begin, table.row_stride,
+                table.width, config.gather_pairs, config.gather_warps,
+            )  # fmt: skip
+        return out
+    _gather_launch(out, table.values, row_ids, table.row_begin, table.row_stride, table.width,
+                   table.dtype, config.gather_pairs, config.gather_warps)  # fmt: skip
+    return out
+
+
+def _gather_launch(
+    out: torch.Tensor,
+    values: Any,
+    row_ids: torch.Tensor,
+    row_begin: int,
+    row_stride: int,
+    width: int,
+    values_dtype: torch.dtype,
+    pairs: int,
+    warps: int,
+) -> None:
     num_tokens, num_heads = row_ids.shape
     num_pairs = num_tokens * num_heads
     if num_pairs == 0:
-        return out
-    grid = (-(-num_pairs // config.gather_pairs),)
+        return
     _launch(
         "_ple_gather_rows_kernel",
-        grid,
+        (-(-num_pairs // pairs),),
         out,
-        table.values,
+        values,
         row_ids,
         num_pairs,
-        table.row_begin,
+        row_begin,
         row_ids.stride(0),
-        table.row_stride,
+        row_stride,
         C=num_heads,
-        WIDTH=table.width,
-        BLOCK_P=config.gather_pairs,
-        BLOCK_W=_next_pow2(table.width),
-        WIDEN_BF16=table.dtype == torch.bfloat16 and out.dtype == torch.float32,
-        num_warps=config.gather_warps,
+        WIDTH=width,
+        BLOCK_P=pairs,
+        BLOCK_W=_next_pow2(width),
+        WIDEN_BF16=values_dtype == torch.bfloat16 and out.dtype == torch.float32,
+        num_warps=warps,
     )
-    return out
 
 
 # --------------------------------------------------------------------------
@@ -288,9 +311,33 @@ def ple_gate_norm(
     ``key`` and ``value`` are column ranges of one GEMM output)."""
     if backend == "reference":
         return ple_gate_norm_reference(key, value, hidden, weights, eps, token_mask)
-    hc, dim = weights.hc_count, weights.hidden_size
-    num_tokens = hidden.shape[0]
-    gated = torch.empty((num_tokens, hc * dim), dtype=weights.dtype, device=hidden.device)
+    hc = weights.hc_count
+    if torch.compiler.is_compiling():
+        return torch.ops.engramrt.ple_gate_norm(  # type: ignore[no-any-return]
+            key, value, hidden, weights.norm_key, weights.norm_query, weights.norm_conv,
+            token_mask, float(eps), hc, config.gate_warps,
+        )  # fmt: skip
+    return _gate_norm_launch(key, value, hidden, weights.norm_key, weights.norm_query,
+                             weights.norm_conv, token_mask, float(eps), hc,
+                             config.gate_warps)  # fmt: skip
+
+
+def _gate_norm_launch(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    hidden: torch.Tensor,
+    norm_key: torch.Tensor,
+    norm_query: torch.Tensor,
+    norm_conv: torch.Tensor,
+    token_mask: torch.Tensor | None,
+    eps: float,
+    hc: int,
+    warps: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(gated, normed)`` ``[T, hc*D]`` in the norms' dtype (the model dtype)."""
+    num_tokens, width = hidden.shape
+    dim = width // hc
+    gated = torch.empty((num_tokens, width), dtype=norm_conv.dtype, device=hidden.device)
     normed = torch.empty_like(gated)
     if num_tokens == 0:
         return gated, normed
@@ -302,21 +349,21 @@ def ple_gate_norm(
         key,
         value,
         hidden,
-        weights.norm_key,
-        weights.norm_query,
-        weights.norm_conv,
+        norm_key,
+        norm_query,
+        norm_conv,
         hidden if token_mask is None else token_mask,  # not read without a mask
         key.stride(0),
         value.stride(0),
         hidden.stride(0),
-        float(eps),
+        eps,
         float(dim) ** 0.5,
         HC=hc,
         DIM=dim,
         BLOCK_D=_next_pow2(dim),
-        ROUND=_KERNEL_DTYPES[weights.dtype],
+        ROUND=_KERNEL_DTYPES[norm_conv.dtype],
         HAS_MASK=token_mask is not None,
-        num_warps=config.gate_warps,
+        num_warps=warps,
     )
     return gated, normed
 
@@ -408,16 +455,41 @@ def ple_conv_varlen(
             )
         )
         return out
+    if torch.compiler.is_compiling():
+        torch.ops.engramrt.ple_conv_varlen(
+            out, gated, normed, conv_states, state_slots, query_start_loc, conv1d, ngram_size,
+            config.conv_tokens, config.conv_width, config.conv_warps,
+        )  # fmt: skip
+        return out
+    _conv_launch(out, gated, normed, conv_states, state_slots, query_start_loc, conv1d,
+                 ngram_size, config.conv_tokens, config.conv_width, config.conv_warps)  # fmt: skip
+    return out
+
+
+def _conv_launch(
+    out: torch.Tensor,
+    gated: torch.Tensor,
+    normed: torch.Tensor,
+    conv_states: torch.Tensor,
+    state_slots: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    conv1d: torch.Tensor,
+    ngram_size: int,
+    tokens: int,
+    width_tile: int,
+    warps: int,
+) -> None:
     num_tokens, width = normed.shape
     num_seqs = state_slots.shape[0]
     if num_tokens == 0:
-        return out
+        return
     if num_seqs == 0:
-        return out.zero_()
+        out.zero_()
+        return
     taps = conv1d.shape[2]
     # A multiple of 4 steps, so only a few variants compile as the batch size changes.
     search_steps = -(-(num_seqs - 1).bit_length() // 4) * 4
-    grid = (-(-num_tokens // config.conv_tokens), -(-width // config.conv_width))
+    grid = (-(-num_tokens // tokens), -(-width // width_tile))
     _launch(
         "_ple_conv_out_kernel",
         grid,
@@ -437,11 +509,10 @@ def ple_conv_varlen(
         SEARCH_STEPS=search_steps,
         ROUND=_KERNEL_DTYPES[normed.dtype],
         WIDE=normed.dtype == torch.float32,
-        BLOCK_T=config.conv_tokens,
-        BLOCK_W=config.conv_width,
-        num_warps=config.conv_warps,
+        BLOCK_T=tokens,
+        BLOCK_W=width_tile,
+        num_warps=warps,
     )
-    return out
 
 
 def update_ple_conv_states_reference(
@@ -484,14 +555,31 @@ def update_ple_conv_states(
     if backend == "reference":
         update_ple_conv_states_reference(conv_states, normed, state_slots, query_start_loc)
         return
+    if torch.compiler.is_compiling():
+        torch.ops.engramrt.ple_update_conv_states(
+            conv_states, normed, state_slots, query_start_loc, config.state_width,
+            config.state_warps,
+        )  # fmt: skip
+        return
+    _state_launch(conv_states, normed, state_slots, query_start_loc, config.state_width,
+                  config.state_warps)  # fmt: skip
+
+
+def _state_launch(
+    conv_states: torch.Tensor,
+    normed: torch.Tensor,
+    state_slots: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    width_tile: int,
+    warps: int,
+) -> None:
     num_seqs = state_slots.shape[0]
     num_tokens, width = normed.shape
     if num_seqs == 0 or num_tokens == 0:
         return
-    grid = (num_seqs, -(-width // config.state_width))
     _launch(
         "_ple_conv_state_kernel",
-        grid,
+        (num_seqs, -(-width // width_tile)),
         conv_states,
         normed,
         state_slots,
@@ -499,8 +587,8 @@ def update_ple_conv_states(
         num_tokens,
         WIDTH=width,
         S=conv_states.shape[1],
-        BLOCK_W=config.state_width,
-        num_warps=config.state_warps,
+        BLOCK_W=width_tile,
+        num_warps=warps,
     )
 
 
