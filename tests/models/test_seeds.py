@@ -106,6 +106,7 @@ def test_aggregate_leaves_out_what_a_seed_lacks() -> None:
         (["--seed", "4"], "--seed is set per seed"),
         (["--results", "x.json"], "--results is set per seed"),
         (["--steps", "0"], "--steps=0"),  # the training command's own check, up front
+        (["--jobs", "0"], "--jobs=0"),
     ],
 )
 def test_bad_flags_are_refused_before_any_work(
@@ -338,3 +339,74 @@ def test_heldout_figures_refuse_a_malformed_record(change, needle) -> None:
     change(record[seeds_mod.HELDOUT_SEEDS])
     with pytest.raises(CheckpointError, match=needle):
         seeds_mod.heldout_figures(record)
+
+
+STUB_TRAINING = """
+import json, sys, time
+from pathlib import Path
+
+args = sys.argv[1:]
+seed, results = int(args[args.index("--seed") + 1]), Path(args[args.index("--results") + 1])
+log = results.parent / "events.txt"
+with log.open("a") as f:
+    f.write(f"start {seed} {time.monotonic()}\\n")
+print(f"training seed {seed}", flush=True)
+time.sleep(0.5)
+with log.open("a") as f:
+    f.write(f"end {seed} {time.monotonic()}\\n")
+raise SystemExit(3 if seed == 5 else 0)
+"""
+
+
+def _run_stub(tmp_path: Path, seeds: tuple[int, ...], jobs: int) -> tuple[dict[int, int], Path]:
+    """``_run_in_processes`` with a stand-in training module (no torch: fast)."""
+    (tmp_path / "stub_training.py").write_text(STUB_TRAINING)
+    out = tmp_path / f"runs-{jobs}"
+    out.mkdir()
+    commands = [["--seed", str(s), "--results", str(out / f"seed-{s}.json")] for s in seeds]
+    statuses = seeds_mod._run_in_processes(
+        seeds, out, commands, jobs, module="stub_training", env_path=tmp_path
+    )
+    return statuses, out
+
+
+def _overlaps(events: str) -> int:
+    """The most seeds running at once, from the stub's start and end times."""
+    moments = []
+    for line in events.splitlines():
+        kind, _, when = line.split()
+        moments.append((float(when), 1 if kind == "start" else -1))
+    running = most = 0
+    for _, step in sorted(moments, key=lambda m: (m[0], m[1])):
+        running += step
+        most = max(most, running)
+    return most
+
+
+def test_jobs_run_seeds_at_once_and_keep_their_output(tmp_path: Path) -> None:
+    """``--jobs 2``: two seeds at a time (never three), each one's output in its log."""
+    statuses, out = _run_stub(tmp_path, (0, 1, 2, 3), jobs=2)
+    assert statuses == {0: 0, 1: 0, 2: 0, 3: 0}
+    assert _overlaps((out / "events.txt").read_text()) == 2
+    for seed in (0, 1, 2, 3):
+        assert (out / f"seed-{seed}.log").read_text() == f"training seed {seed}\n"
+    # Control: one job runs them one after another.
+    statuses, out = _run_stub(tmp_path, (0, 1, 2), jobs=1)
+    assert _overlaps((out / "events.txt").read_text()) == 1
+
+
+def test_jobs_stop_starting_seeds_after_a_failure(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A seed that fails (exit 3) lets the running seeds finish, starts no other, and the
+    command exits with its status, naming its log, without an aggregate."""
+    statuses, _ = _run_stub(tmp_path, (5, 1, 2, 3), jobs=2)
+    assert statuses[5] == 3 and statuses[1] == 0
+    assert 3 not in statuses
+    monkeypatch.setattr(seeds_mod, "_run_in_processes", lambda *a, **k: {0: 0, 1: 3})
+    runs = tmp_path / "runs"
+    status = seeds_mod.main(["--seeds", "0,1", "--out", str(runs), "--device", "cpu",
+                             "--jobs", "2"])  # fmt: skip
+    assert status == 3
+    assert "seed 1 failed (exit status 3, its output in seed-1.log)" in capsys.readouterr().err
+    assert not (runs / seeds_mod.AGGREGATE_JSON).exists()

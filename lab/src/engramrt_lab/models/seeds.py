@@ -3,7 +3,7 @@
 On a GPU (the training command's settings, once per seed)::
 
     python -m engramrt_lab.models.seeds --seeds 0,1,2 --out DIR --minutes 0.75 --device cuda \
-        --memory-sweep 1,4,12
+        --memory-sweep 2,4,8,16 --jobs 3
 
 Any flag of ``python -m engramrt_lab.models.train`` may follow, except ``--seed``,
 ``--out`` and ``--results``, which this command sets per seed. For each seed
@@ -30,6 +30,9 @@ initialisation and the order of the training windows. Then it writes
   that the directory shipped as the demo's model carries the spread it is
   reported with (:func:`heldout_figures`).
 
+With ``--jobs J`` up to J seeds train at once, each in a process of its own (a tiny
+model leaves most of a GPU idle), its output in ``DIR/seed-S.log``.
+
 Flags are checked for every seed before any training (a bad one: one line,
 exit status 2). A seed whose run fails stops the command with that run's exit
 status; the seeds already run keep their records, and no aggregate is written.
@@ -42,7 +45,10 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
+import subprocess
 import sys
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -80,6 +86,8 @@ HELDOUT_SEEDS = "heldout_seeds"
 MIN_SEEDS = 2
 """A sample standard deviation needs two values; the issue asks reports for three."""
 _SET_FLAGS = ("--seed", "--out", "--results")
+TRAIN_MODULE = "engramrt_lab.models.train"
+"""The training command each seed runs (``python -m``, with ``--jobs`` above 1)."""
 
 
 def spread(values: Sequence[float]) -> dict[str, float]:
@@ -383,7 +391,9 @@ def _seeds(text: str) -> tuple[int, ...]:
         ) from None
 
 
-def parse_args(argv: Sequence[str] | None) -> tuple[tuple[int, ...], Path, list[list[str]]]:
+def parse_args(
+    argv: Sequence[str] | None,
+) -> tuple[tuple[int, ...], Path, list[list[str]], int]:
     """The seeds, ``--out`` and each seed's training command line; every seed's flags
     are checked here by the training command's parser, before any work."""
     from engramrt_lab.models import train
@@ -396,7 +406,17 @@ def parse_args(argv: Sequence[str] | None) -> tuple[tuple[int, ...], Path, list[
     )
     parser.add_argument("--seeds", type=_seeds, default=(0, 1, 2), help="default 0,1,2")
     parser.add_argument("--out", type=Path, required=True, help="directory of every seed's run")
+    parser.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        help="seeds trained at once, each in its own process with its output in "
+        "DIR/seed-S.log (default 1: one after another, in this process); with --minutes "
+        "each seed's step count then reflects the shared device",
+    )
     args, rest = parser.parse_known_args(argv)
+    if args.jobs < 1:
+        parser.error(f"--jobs={args.jobs}; expected at least 1")
     taken = [a for a in rest if a.split("=")[0] in _SET_FLAGS]
     if taken:
         parser.error(f"{taken[0]} is set per seed by this command; leave it out")
@@ -421,23 +441,81 @@ def parse_args(argv: Sequence[str] | None) -> tuple[tuple[int, ...], Path, list[
         ]
         train.parse_args(command)  # exits 2, naming the flag, if it cannot work
         commands.append(command)
-    return seeds, out, commands
+    return seeds, out, commands, args.jobs
+
+
+def _run_in_processes(
+    seeds: Sequence[int],
+    out: Path,
+    commands: Sequence[list[str]],
+    jobs: int,
+    *,
+    module: str = TRAIN_MODULE,
+    env_path: Path | None = None,
+) -> dict[int, int]:
+    """Each seed's training command (``python -m module``) in a process of its own, at
+    most ``jobs`` at once, output to ``DIR/seed-S.log``: the exit status of every seed
+    started (all of them unless one fails: then no new seed starts and the running ones
+    finish). ``env_path`` goes first on the processes' ``PYTHONPATH``."""
+    env = None
+    if env_path is not None:
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+            p for p in (str(env_path), os.environ.get("PYTHONPATH", "")) if p
+        )}  # fmt: skip
+    pending = list(zip(seeds, commands, strict=True))
+    running: dict[int, tuple[subprocess.Popen[bytes], Any]] = {}
+    statuses: dict[int, int] = {}
+    while pending or running:
+        while pending and len(running) < jobs and all(v == 0 for v in statuses.values()):
+            seed, command = pending.pop(0)
+            log = (out / f"seed-{seed}.log").open("wb")
+            print(f"{PROG}: seed {seed} started (output in {log.name})", flush=True)
+            process = subprocess.Popen(
+                [sys.executable, "-m", module, *command],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+            )
+            running[seed] = (process, log)
+        if not running:
+            break
+        time.sleep(0.2)
+        for seed, (process, log) in list(running.items()):
+            status = process.poll()
+            if status is not None:
+                log.close()
+                del running[seed]
+                statuses[seed] = status
+                print(f"{PROG}: seed {seed} finished (exit status {status})", flush=True)
+    return statuses
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     from engramrt_lab.models import train
 
-    seeds, out, commands = parse_args(argv)
+    seeds, out, commands, jobs = parse_args(argv)
     out.mkdir(parents=True, exist_ok=True)
     records: dict[int, dict[str, Any]] = {}
-    for seed, command in zip(seeds, commands, strict=True):
-        print(f"{PROG}: seed {seed} ({len(records) + 1}/{len(seeds)})", flush=True)
-        status = train.main(command)
-        if status != 0:
+    if jobs > 1:
+        statuses = _run_in_processes(seeds, out, commands, jobs)
+        failed = {seed: status for seed, status in statuses.items() if status != 0}
+        if failed:
+            seed, status = next(iter(failed.items()))
             sys.stderr.write(
-                f"{PROG}: error: seed {seed} failed (exit status {status}); no aggregate written\n"
+                f"{PROG}: error: seed {seed} failed (exit status {status}, its output in "
+                f"seed-{seed}.log); no aggregate written\n"
             )
             return status
+    for seed, command in zip(seeds, commands, strict=True):
+        if jobs == 1:
+            print(f"{PROG}: seed {seed} ({len(records) + 1}/{len(seeds)})", flush=True)
+            status = train.main(command)
+            if status != 0:
+                sys.stderr.write(
+                    f"{PROG}: error: seed {seed} failed (exit status {status}); "
+                    f"no aggregate written\n"
+                )
+                return status
         records[seed] = json.loads(_seed_record(out, seed).read_text(encoding="utf-8"))
     summary = aggregate(records)
     summary["command"] = " ".join([PROG, *(sys.argv[1:] if argv is None else argv)])
