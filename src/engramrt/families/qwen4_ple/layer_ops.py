@@ -1,7 +1,8 @@
 """The PLE layer's kernels as custom operators, so that ``torch.compile`` keeps them opaque.
 
-Under ``torch.compile`` each launcher of :mod:`~engramrt.families.qwen4_ple.module` calls
-its operator here instead of launching: Inductor neither traces the Triton kernels (it
+The launchers of the layer's kernels live here. Under ``torch.compile``
+:mod:`~engramrt.families.qwen4_ple.module` calls each kernel's operator instead of its
+launcher: Inductor neither traces the Triton kernels (it
 cannot compile ``_ple_gate_norm_kernel``'s helpers, and it would re-fuse what the kernels
 round step by step) nor reorders them; the GEMM and everything else around them stays
 the compiler's. Eager calls launch directly (an operator's dispatch costs microseconds
@@ -20,17 +21,219 @@ operator                      writes
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
+from engramrt.families.qwen4_ple.layer import ple_conv_state_len
 from engramrt.lookup.mapped import MappedHostRows
 
 __all__ = [
+    "KERNEL_DTYPES",
+    "conv_launch",
+    "gate_norm_launch",
+    "gather_launch",
     "ple_conv_varlen_op",
     "ple_gate_norm_op",
     "ple_gather_mapped_rows_op",
     "ple_gather_rows_op",
     "ple_update_conv_states_op",
+    "state_launch",
 ]
+
+
+KERNEL_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+"""Model dtypes the kernels compute in, and their ``ROUND`` constexpr."""
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+# --------------------------------------------------------------------------
+# Launching: a CachedLauncher per kernel. Eager calls launch directly; under
+# torch.compile each launcher runs inside its custom operator (below), opaque to the
+# compiler: Inductor does not trace these kernels.
+# --------------------------------------------------------------------------
+
+_LAUNCHERS: dict[str, Any] = {}
+
+
+def _launch(name: str, grid: tuple[int, ...], *args: Any, **constexprs: Any) -> None:
+    from engramrt.families.qwen4_ple import layer_kernel
+
+    launcher = _LAUNCHERS.get(name)
+    if launcher is None:
+        from engramrt._launch import CachedLauncher
+
+        launcher = _LAUNCHERS[name] = CachedLauncher(getattr(layer_kernel, name))
+    launcher(grid, *args, **constexprs)
+
+
+# --------------------------------------------------------------------------
+# The launchers (checked by module's validation layer, not here)
+# --------------------------------------------------------------------------
+
+
+def gather_launch(
+    out: torch.Tensor,
+    values: Any,
+    row_ids: torch.Tensor,
+    row_begin: int,
+    row_stride: int,
+    width: int,
+    values_dtype: torch.dtype,
+    pairs: int,
+    warps: int,
+) -> None:
+    num_tokens, num_heads = row_ids.shape
+    num_pairs = num_tokens * num_heads
+    if num_pairs == 0:
+        return
+    _launch(
+        "_ple_gather_rows_kernel",
+        (-(-num_pairs // pairs),),
+        out,
+        values,
+        row_ids,
+        num_pairs,
+        row_begin,
+        row_ids.stride(0),
+        row_stride,
+        C=num_heads,
+        WIDTH=width,
+        BLOCK_P=pairs,
+        BLOCK_W=_next_pow2(width),
+        WIDEN_BF16=values_dtype == torch.bfloat16 and out.dtype == torch.float32,
+        num_warps=warps,
+    )
+
+
+def gate_norm_launch(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    hidden: torch.Tensor,
+    norm_key: torch.Tensor,
+    norm_query: torch.Tensor,
+    norm_conv: torch.Tensor,
+    token_mask: torch.Tensor | None,
+    eps: float,
+    hc: int,
+    warps: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(gated, normed)`` ``[T, hc*D]`` in the norms' dtype (the model dtype)."""
+    num_tokens, width = hidden.shape
+    dim = width // hc
+    gated = torch.empty((num_tokens, width), dtype=norm_conv.dtype, device=hidden.device)
+    normed = torch.empty_like(gated)
+    if num_tokens == 0:
+        return gated, normed
+    _launch(
+        "_ple_gate_norm_kernel",
+        (num_tokens * hc,),
+        gated,
+        normed,
+        key,
+        value,
+        hidden,
+        norm_key,
+        norm_query,
+        norm_conv,
+        hidden if token_mask is None else token_mask,  # not read without a mask
+        key.stride(0),
+        value.stride(0),
+        hidden.stride(0),
+        eps,
+        float(dim) ** 0.5,
+        HC=hc,
+        DIM=dim,
+        BLOCK_D=_next_pow2(dim),
+        ROUND=KERNEL_DTYPES[norm_conv.dtype],
+        HAS_MASK=token_mask is not None,
+        num_warps=warps,
+    )
+    return gated, normed
+
+
+def conv_launch(
+    out: torch.Tensor,
+    gated: torch.Tensor,
+    normed: torch.Tensor,
+    conv_states: torch.Tensor,
+    state_slots: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    conv1d: torch.Tensor,
+    ngram_size: int,
+    tokens: int,
+    width_tile: int,
+    warps: int,
+) -> None:
+    num_tokens, width = normed.shape
+    num_seqs = state_slots.shape[0]
+    if num_tokens == 0:
+        return
+    if num_seqs == 0:
+        out.zero_()
+        return
+    taps = conv1d.shape[2]
+    # A multiple of 4 steps, so only a few variants compile as the batch size changes.
+    search_steps = -(-(num_seqs - 1).bit_length() // 4) * 4
+    grid = (-(-num_tokens // tokens), -(-width // width_tile))
+    _launch(
+        "_ple_conv_out_kernel",
+        grid,
+        out,
+        gated,
+        normed,
+        conv_states,
+        state_slots,
+        query_start_loc,
+        conv1d,
+        num_tokens,
+        num_seqs,
+        WIDTH=width,
+        K=taps,
+        N=ngram_size,
+        S=ple_conv_state_len(taps, ngram_size),
+        SEARCH_STEPS=search_steps,
+        ROUND=KERNEL_DTYPES[normed.dtype],
+        WIDE=normed.dtype == torch.float32,
+        BLOCK_T=tokens,
+        BLOCK_W=width_tile,
+        num_warps=warps,
+    )
+
+
+def state_launch(
+    conv_states: torch.Tensor,
+    normed: torch.Tensor,
+    state_slots: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    width_tile: int,
+    warps: int,
+) -> None:
+    num_seqs = state_slots.shape[0]
+    num_tokens, width = normed.shape
+    if num_seqs == 0 or num_tokens == 0:
+        return
+    _launch(
+        "_ple_conv_state_kernel",
+        (num_seqs, -(-width // width_tile)),
+        conv_states,
+        normed,
+        state_slots,
+        query_start_loc,
+        num_tokens,
+        WIDTH=width,
+        S=conv_states.shape[1],
+        BLOCK_W=width_tile,
+        num_warps=warps,
+    )
+
+
+# --------------------------------------------------------------------------
+# The operators
+# --------------------------------------------------------------------------
 
 
 @torch.library.custom_op("engramrt::ple_gather_rows", mutates_args=("out",))
@@ -43,9 +246,7 @@ def ple_gather_rows_op(
     warps: int,
 ) -> None:
     """Rows ``values[row_ids - row_begin]`` of a device table ``[R, d]`` into ``out``."""
-    from engramrt.families.qwen4_ple import module
-
-    module._gather_launch(out, values, row_ids, row_begin, int(values.stride(0)),
+    gather_launch(out, values, row_ids, row_begin, int(values.stride(0)),
                           int(values.shape[1]), values.dtype, pairs, warps)  # fmt: skip
 
 
@@ -68,10 +269,8 @@ def ple_gather_mapped_rows_op(
 ) -> None:
     """Rows of bf16 host memory mapped for the device at ``address`` (``num_rows`` rows,
     ``row_stride`` values apart, ``width`` each) into ``out``."""
-    from engramrt.families.qwen4_ple import module
-
     rows = MappedHostRows(address, num_rows, torch.bfloat16)
-    module._gather_launch(out, rows, row_ids, row_begin, row_stride, width, torch.bfloat16,
+    gather_launch(out, rows, row_ids, row_begin, row_stride, width, torch.bfloat16,
                           pairs, warps)  # fmt: skip
 
 
@@ -94,9 +293,7 @@ def ple_gate_norm_op(
     warps: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(gated, normed)`` of :func:`~engramrt.families.qwen4_ple.module.ple_gate_norm`."""
-    from engramrt.families.qwen4_ple import module
-
-    return module._gate_norm_launch(key, value, hidden, norm_key, norm_query, norm_conv,
+    return gate_norm_launch(key, value, hidden, norm_key, norm_query, norm_conv,
                                     token_mask, eps, hc, warps)  # fmt: skip
 
 
@@ -122,9 +319,7 @@ def ple_conv_varlen_op(
 ) -> None:
     """:func:`~engramrt.families.qwen4_ple.module.ple_conv_varlen` into ``out`` (reads the
     pool, does not write it)."""
-    from engramrt.families.qwen4_ple import module
-
-    module._conv_launch(out, gated, normed, conv_states, state_slots, query_start_loc, conv1d,
+    conv_launch(out, gated, normed, conv_states, state_slots, query_start_loc, conv1d,
                         ngram_size, tokens, width, warps)  # fmt: skip
 
 
@@ -144,9 +339,7 @@ def ple_update_conv_states_op(
     warps: int,
 ) -> None:
     """:func:`~engramrt.families.qwen4_ple.module.update_ple_conv_states`, in place."""
-    from engramrt.families.qwen4_ple import module
-
-    module._state_launch(conv_states, normed, state_slots, query_start_loc, width, warps)
+    state_launch(conv_states, normed, state_slots, query_start_loc, width, warps)
 
 
 @ple_update_conv_states_op.register_fake

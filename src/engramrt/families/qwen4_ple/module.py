@@ -46,12 +46,18 @@ import torch.nn.functional as F
 
 from engramrt._backend import resolve_backend
 from engramrt.errors import ValidationError, describe_tensor
-from engramrt.families.qwen4_ple import layer_ops  # noqa: F401  (registers engramrt::ple_*)
 from engramrt.families.qwen4_ple.layer import (
     PleLayerWeights,
     accumulate_dtype,
     ple_conv_state_len,
     ple_gate_norm_reference,
+)
+from engramrt.families.qwen4_ple.layer_ops import (
+    KERNEL_DTYPES,
+    conv_launch,
+    gate_norm_launch,
+    gather_launch,
+    state_launch,
 )
 from engramrt.family import BF16
 from engramrt.lookup.tiers.base import RowStore
@@ -71,12 +77,6 @@ __all__ = [
 ]
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
-_KERNEL_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-"""Model dtypes the kernels compute in, and their ``ROUND`` constexpr."""
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
 
 
 @dataclass(frozen=True)
@@ -122,26 +122,6 @@ class PleKernelConfig:
 
 
 DEFAULT_KERNEL_CONFIG = PleKernelConfig()
-
-
-# --------------------------------------------------------------------------
-# Launching: a CachedLauncher per kernel. Under torch.compile each launcher runs inside
-# its custom operator (engramrt::ple_*, layer_ops), opaque to the compiler: Inductor
-# does not trace these kernels.
-# --------------------------------------------------------------------------
-
-_LAUNCHERS: dict[str, Any] = {}
-
-
-def _launch(name: str, grid: tuple[int, ...], *args: Any, **constexprs: Any) -> None:
-    from engramrt.families.qwen4_ple import layer_kernel
-
-    launcher = _LAUNCHERS.get(name)
-    if launcher is None:
-        from engramrt._launch import CachedLauncher
-
-        launcher = _LAUNCHERS[name] = CachedLauncher(getattr(layer_kernel, name))
-    launcher(grid, *args, **constexprs)
 
 
 # --------------------------------------------------------------------------
@@ -251,43 +231,9 @@ def gather_ple_rows(
                 table.width, config.gather_pairs, config.gather_warps,
             )  # fmt: skip
         return out
-    _gather_launch(out, table.values, row_ids, table.row_begin, table.row_stride, table.width,
+    gather_launch(out, table.values, row_ids, table.row_begin, table.row_stride, table.width,
                    table.dtype, config.gather_pairs, config.gather_warps)  # fmt: skip
     return out
-
-
-def _gather_launch(
-    out: torch.Tensor,
-    values: Any,
-    row_ids: torch.Tensor,
-    row_begin: int,
-    row_stride: int,
-    width: int,
-    values_dtype: torch.dtype,
-    pairs: int,
-    warps: int,
-) -> None:
-    num_tokens, num_heads = row_ids.shape
-    num_pairs = num_tokens * num_heads
-    if num_pairs == 0:
-        return
-    _launch(
-        "_ple_gather_rows_kernel",
-        (-(-num_pairs // pairs),),
-        out,
-        values,
-        row_ids,
-        num_pairs,
-        row_begin,
-        row_ids.stride(0),
-        row_stride,
-        C=num_heads,
-        WIDTH=width,
-        BLOCK_P=pairs,
-        BLOCK_W=_next_pow2(width),
-        WIDEN_BF16=values_dtype == torch.bfloat16 and out.dtype == torch.float32,
-        num_warps=warps,
-    )
 
 
 # --------------------------------------------------------------------------
@@ -317,55 +263,9 @@ def ple_gate_norm(
             key, value, hidden, weights.norm_key, weights.norm_query, weights.norm_conv,
             token_mask, float(eps), hc, config.gate_warps,
         )  # fmt: skip
-    return _gate_norm_launch(key, value, hidden, weights.norm_key, weights.norm_query,
+    return gate_norm_launch(key, value, hidden, weights.norm_key, weights.norm_query,
                              weights.norm_conv, token_mask, float(eps), hc,
                              config.gate_warps)  # fmt: skip
-
-
-def _gate_norm_launch(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    hidden: torch.Tensor,
-    norm_key: torch.Tensor,
-    norm_query: torch.Tensor,
-    norm_conv: torch.Tensor,
-    token_mask: torch.Tensor | None,
-    eps: float,
-    hc: int,
-    warps: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(gated, normed)`` ``[T, hc*D]`` in the norms' dtype (the model dtype)."""
-    num_tokens, width = hidden.shape
-    dim = width // hc
-    gated = torch.empty((num_tokens, width), dtype=norm_conv.dtype, device=hidden.device)
-    normed = torch.empty_like(gated)
-    if num_tokens == 0:
-        return gated, normed
-    _launch(
-        "_ple_gate_norm_kernel",
-        (num_tokens * hc,),
-        gated,
-        normed,
-        key,
-        value,
-        hidden,
-        norm_key,
-        norm_query,
-        norm_conv,
-        hidden if token_mask is None else token_mask,  # not read without a mask
-        key.stride(0),
-        value.stride(0),
-        hidden.stride(0),
-        eps,
-        float(dim) ** 0.5,
-        HC=hc,
-        DIM=dim,
-        BLOCK_D=_next_pow2(dim),
-        ROUND=_KERNEL_DTYPES[norm_conv.dtype],
-        HAS_MASK=token_mask is not None,
-        num_warps=warps,
-    )
-    return gated, normed
 
 
 # --------------------------------------------------------------------------
@@ -461,58 +361,9 @@ def ple_conv_varlen(
             config.conv_tokens, config.conv_width, config.conv_warps,
         )  # fmt: skip
         return out
-    _conv_launch(out, gated, normed, conv_states, state_slots, query_start_loc, conv1d,
+    conv_launch(out, gated, normed, conv_states, state_slots, query_start_loc, conv1d,
                  ngram_size, config.conv_tokens, config.conv_width, config.conv_warps)  # fmt: skip
     return out
-
-
-def _conv_launch(
-    out: torch.Tensor,
-    gated: torch.Tensor,
-    normed: torch.Tensor,
-    conv_states: torch.Tensor,
-    state_slots: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    conv1d: torch.Tensor,
-    ngram_size: int,
-    tokens: int,
-    width_tile: int,
-    warps: int,
-) -> None:
-    num_tokens, width = normed.shape
-    num_seqs = state_slots.shape[0]
-    if num_tokens == 0:
-        return
-    if num_seqs == 0:
-        out.zero_()
-        return
-    taps = conv1d.shape[2]
-    # A multiple of 4 steps, so only a few variants compile as the batch size changes.
-    search_steps = -(-(num_seqs - 1).bit_length() // 4) * 4
-    grid = (-(-num_tokens // tokens), -(-width // width_tile))
-    _launch(
-        "_ple_conv_out_kernel",
-        grid,
-        out,
-        gated,
-        normed,
-        conv_states,
-        state_slots,
-        query_start_loc,
-        conv1d,
-        num_tokens,
-        num_seqs,
-        WIDTH=width,
-        K=taps,
-        N=ngram_size,
-        S=ple_conv_state_len(taps, ngram_size),
-        SEARCH_STEPS=search_steps,
-        ROUND=_KERNEL_DTYPES[normed.dtype],
-        WIDE=normed.dtype == torch.float32,
-        BLOCK_T=tokens,
-        BLOCK_W=width_tile,
-        num_warps=warps,
-    )
 
 
 def update_ple_conv_states_reference(
@@ -561,35 +412,8 @@ def update_ple_conv_states(
             config.state_warps,
         )  # fmt: skip
         return
-    _state_launch(conv_states, normed, state_slots, query_start_loc, config.state_width,
+    state_launch(conv_states, normed, state_slots, query_start_loc, config.state_width,
                   config.state_warps)  # fmt: skip
-
-
-def _state_launch(
-    conv_states: torch.Tensor,
-    normed: torch.Tensor,
-    state_slots: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    width_tile: int,
-    warps: int,
-) -> None:
-    num_seqs = state_slots.shape[0]
-    num_tokens, width = normed.shape
-    if num_seqs == 0 or num_tokens == 0:
-        return
-    _launch(
-        "_ple_conv_state_kernel",
-        (num_seqs, -(-width // width_tile)),
-        conv_states,
-        normed,
-        state_slots,
-        query_start_loc,
-        num_tokens,
-        WIDTH=width,
-        S=conv_states.shape[1],
-        BLOCK_W=width_tile,
-        num_warps=warps,
-    )
 
 
 # --------------------------------------------------------------------------
@@ -686,13 +510,13 @@ class PleLayer:
         self.state_len = ple_conv_state_len(self.conv_kernel_size, ngram_size)
         self.validate = validate
         self.kernel_config = kernel_config or DEFAULT_KERNEL_CONFIG
-        if backend == "triton" and self.dtype not in _KERNEL_DTYPES:
+        if backend == "triton" and self.dtype not in KERNEL_DTYPES:
             raise ValidationError(
                 f"backend='triton' with model dtype {self.dtype}; the kernels compute in fp32 "
                 f"for bf16, fp16 and fp32 models (use backend='reference')"
             )
         resolved = resolve_backend(backend, self.device)
-        self.backend = resolved if self.dtype in _KERNEL_DTYPES else "reference"
+        self.backend = resolved if self.dtype in KERNEL_DTYPES else "reference"
         if (
             self.backend == "triton"
             and self.table is not None
