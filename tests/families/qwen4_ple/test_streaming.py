@@ -11,8 +11,9 @@ included: the model's init zeroes them) through :func:`ple_layer_reference_slots
 Every step, each request's kept tokens are checked against one computation over its whole
 accepted sequence from its start, which the pool took no part in: row ids from the numpy
 one-shot :func:`ple_row_ids`, layer outputs from :func:`ple_layer_reference` on the whole
-sequence, bit for bit (bf16; the reference is the same arithmetic per token whatever the
-chunking), and the state the pool now holds for the request (context and conv states).
+sequence, bit for bit (bf16; with the projections, the sigmoid and the SiLU evaluated by
+value, :func:`_arithmetic_by_value`, the reference is the same arithmetic per token whatever
+the chunking), and the state the pool now holds for the request (context and conv states).
 Negative controls break one rule each on the same seeds and must be caught.
 """
 
@@ -135,6 +136,39 @@ def make_model(seed: int = 0) -> Model:
 
 
 MODEL = make_model()
+
+
+def _by_value(function):
+    """``function`` of each row or element by its values alone: evaluated in float64 and
+    rounded to bf16 (the loop's model dtype), returned in the first input's dtype."""
+
+    def by_value(x: torch.Tensor, *args: torch.Tensor) -> torch.Tensor:
+        return function(x.double(), *(arg.double() for arg in args)).bfloat16().to(x.dtype)
+
+    return by_value
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _arithmetic_by_value():
+    """The reference's projections (``F.linear``), sigmoid (the gate) and SiLU (the conv)
+    computed from each token's values alone.
+
+    torch's CPU kernels can give a token's value bits that depend on how many tokens the
+    call holds: a bf16 GEMM picks its kernel (and so its summation) by the number of rows,
+    and an elementwise kernel evaluates most elements in a vectorised body and the last
+    few in a scalar tail, which on some CPUs disagree by an fp32 ulp (AVX-512: about one
+    value in eight for ``torch.sigmoid`` and ``F.silu``). Now and then that crosses a bf16
+    rounding boundary, and a chunked step differs from the one-shot sequence by an ulp.
+    The reference keeps torch's functions (it is bit for bit the oracle's on equal shapes);
+    this loop compares a step against the one-shot sequence, so both run these versions
+    (float64: the paths differ far below a bf16 ulp). Every other operation of the
+    reference is the same per token whatever the chunking.
+    """
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch, "sigmoid", _by_value(torch.sigmoid))
+        patch.setattr(torch.nn.functional, "silu", _by_value(torch.nn.functional.silu))
+        patch.setattr(torch.nn.functional, "linear", _by_value(torch.nn.functional.linear))
+        yield
 
 
 @dataclass(frozen=True, eq=False)
