@@ -168,6 +168,7 @@ def conv_launch(
     width_tile: int,
     warps: int,
 ) -> None:
+    """``out = a + SiLU(conv(b))`` ``[T, hc*D]`` (reads the pool, does not write it)."""
     num_tokens, width = normed.shape
     num_seqs = state_slots.shape[0]
     if num_tokens == 0:
@@ -212,6 +213,7 @@ def state_launch(
     width_tile: int,
     warps: int,
 ) -> None:
+    """Each sequence's pool row moves on by its tokens' ``b``, in place."""
     num_seqs = state_slots.shape[0]
     num_tokens, width = normed.shape
     if num_seqs == 0 or num_tokens == 0:
@@ -246,8 +248,8 @@ def ple_gather_rows_op(
     warps: int,
 ) -> None:
     """Rows ``values[row_ids - row_begin]`` of a device table ``[R, d]`` into ``out``."""
-    gather_launch(out, values, row_ids, row_begin, int(values.stride(0)),
-                          int(values.shape[1]), values.dtype, pairs, warps)  # fmt: skip
+    gather_launch(out, values, row_ids, row_begin, int(values.stride(0)), int(values.shape[1]),
+                  values.dtype, pairs, warps)  # fmt: skip
 
 
 @ple_gather_rows_op.register_fake
@@ -270,8 +272,8 @@ def ple_gather_mapped_rows_op(
     """Rows of bf16 host memory mapped for the device at ``address`` (``num_rows`` rows,
     ``row_stride`` values apart, ``width`` each) into ``out``."""
     rows = MappedHostRows(address, num_rows, torch.bfloat16)
-    gather_launch(out, rows, row_ids, row_begin, row_stride, width, torch.bfloat16,
-                          pairs, warps)  # fmt: skip
+    gather_launch(out, rows, row_ids, row_begin, row_stride, width, torch.bfloat16, pairs,
+                  warps)  # fmt: skip
 
 
 @ple_gather_mapped_rows_op.register_fake
@@ -279,22 +281,12 @@ def _(out, row_ids, address, num_rows, row_begin, row_stride, width, pairs, warp
     return None
 
 
-@torch.library.custom_op("engramrt::ple_gate_norm", mutates_args=())
-def ple_gate_norm_op(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    hidden: torch.Tensor,
-    norm_key: torch.Tensor,
-    norm_query: torch.Tensor,
-    norm_conv: torch.Tensor,
-    token_mask: torch.Tensor | None,
-    eps: float,
-    hc: int,
-    warps: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(gated, normed)`` of :func:`~engramrt.families.qwen4_ple.module.ple_gate_norm`."""
-    return gate_norm_launch(key, value, hidden, norm_key, norm_query, norm_conv,
-                                    token_mask, eps, hc, warps)  # fmt: skip
+# The launchers below are the operators' bodies as they are (their annotations give the
+# schemas); eager calls keep calling the plain functions.
+
+ple_gate_norm_op = torch.library.custom_op("engramrt::ple_gate_norm", mutates_args=())(
+    gate_norm_launch
+)
 
 
 @ple_gate_norm_op.register_fake
@@ -303,45 +295,22 @@ def _(key, value, hidden, norm_key, norm_query, norm_conv, token_mask, eps, hc, 
     return gated, torch.empty_like(gated)
 
 
-@torch.library.custom_op("engramrt::ple_conv_varlen", mutates_args=("out",))
-def ple_conv_varlen_op(
-    out: torch.Tensor,
-    gated: torch.Tensor,
-    normed: torch.Tensor,
-    conv_states: torch.Tensor,
-    state_slots: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    conv1d: torch.Tensor,
-    ngram_size: int,
-    tokens: int,
-    width: int,
-    warps: int,
-) -> None:
-    """:func:`~engramrt.families.qwen4_ple.module.ple_conv_varlen` into ``out`` (reads the
-    pool, does not write it)."""
-    conv_launch(out, gated, normed, conv_states, state_slots, query_start_loc, conv1d,
-                        ngram_size, tokens, width, warps)  # fmt: skip
+ple_conv_varlen_op = torch.library.custom_op("engramrt::ple_conv_varlen", mutates_args=("out",))(
+    conv_launch
+)
 
 
 @ple_conv_varlen_op.register_fake
 def _(out, gated, normed, conv_states, state_slots, query_start_loc, conv1d, ngram_size,
-      tokens, width, warps):  # fmt: skip
+      tokens, width_tile, warps):  # fmt: skip
     return None
 
 
-@torch.library.custom_op("engramrt::ple_update_conv_states", mutates_args=("conv_states",))
-def ple_update_conv_states_op(
-    conv_states: torch.Tensor,
-    normed: torch.Tensor,
-    state_slots: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    width: int,
-    warps: int,
-) -> None:
-    """:func:`~engramrt.families.qwen4_ple.module.update_ple_conv_states`, in place."""
-    state_launch(conv_states, normed, state_slots, query_start_loc, width, warps)
+ple_update_conv_states_op = torch.library.custom_op(
+    "engramrt::ple_update_conv_states", mutates_args=("conv_states",)
+)(state_launch)
 
 
 @ple_update_conv_states_op.register_fake
-def _(conv_states, normed, state_slots, query_start_loc, width, warps):  # fmt: skip
+def _(conv_states, normed, state_slots, query_start_loc, width_tile, warps):  # fmt: skip
     return None
