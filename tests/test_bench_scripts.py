@@ -987,3 +987,23 @@ def test_copy_engine_reads_addresses_rows_and_needs_a_gpu(capsys) -> None:
     if not torch.cuda.is_available():
         assert study.main(["--rows", "4"]) == 2
         assert "needs a CUDA device" in capsys.readouterr().err
+
+
+def test_profile_ple_layer_sweeps_valid_settings_and_needs_a_gpu(capsys) -> None:
+    """Every value the sweep tries is a valid launch setting of its field (the config
+    refuses others), each field's default among them; without CUDA the script refuses."""
+    from dataclasses import fields, replace
+
+    import torch
+
+    from engramrt.families.qwen4_ple.module import DEFAULT_KERNEL_CONFIG
+
+    study = _load("profile_ple_layer")
+    assert set(study.KNOBS) == {f.name for f in fields(DEFAULT_KERNEL_CONFIG)}
+    for knob, values in study.KNOBS.items():
+        assert getattr(DEFAULT_KERNEL_CONFIG, knob) in values, knob
+        for value in values:
+            assert getattr(replace(DEFAULT_KERNEL_CONFIG, **{knob: value}), knob) == value
+    if not torch.cuda.is_available():
+        assert study.main(["--no-sweep"]) == 2
+        assert "needs a CUDA device" in capsys.readouterr().err
