@@ -232,7 +232,7 @@ def gather_ple_rows(
             )  # fmt: skip
         return out
     gather_launch(out, table.values, row_ids, table.row_begin, table.row_stride, table.width,
-                   table.dtype, config.gather_pairs, config.gather_warps)  # fmt: skip
+                  table.dtype, config.gather_pairs, config.gather_warps)  # fmt: skip
     return out
 
 
@@ -264,8 +264,8 @@ def ple_gate_norm(
             token_mask, float(eps), hc, config.gate_warps,
         )  # fmt: skip
     return gate_norm_launch(key, value, hidden, weights.norm_key, weights.norm_query,
-                             weights.norm_conv, token_mask, float(eps), hc,
-                             config.gate_warps)  # fmt: skip
+                            weights.norm_conv, token_mask, float(eps), hc,
+                            config.gate_warps)  # fmt: skip
 
 
 # --------------------------------------------------------------------------
@@ -362,7 +362,7 @@ def ple_conv_varlen(
         )  # fmt: skip
         return out
     conv_launch(out, gated, normed, conv_states, state_slots, query_start_loc, conv1d,
-                 ngram_size, config.conv_tokens, config.conv_width, config.conv_warps)  # fmt: skip
+                ngram_size, config.conv_tokens, config.conv_width, config.conv_warps)  # fmt: skip
     return out
 
 
@@ -413,7 +413,7 @@ def update_ple_conv_states(
         )  # fmt: skip
         return
     state_launch(conv_states, normed, state_slots, query_start_loc, config.state_width,
-                  config.state_warps)  # fmt: skip
+                 config.state_warps)  # fmt: skip
 
 
 # --------------------------------------------------------------------------
