@@ -2,9 +2,9 @@
 
 The launchers of the layer's kernels live here. Under ``torch.compile``
 :mod:`~engramrt.families.qwen4_ple.module` calls each kernel's operator instead of its
-launcher: Inductor neither traces the Triton kernels (it
-cannot compile ``_ple_gate_norm_kernel``'s helpers, and it would re-fuse what the kernels
-round step by step) nor reorders them; the GEMM and everything else around them stays
+launcher: Inductor neither traces the Triton kernels (it cannot compile
+``_ple_gate_norm_kernel``'s helpers, and it would re-fuse what the kernels round step by
+step) nor reorders them; the GEMM and everything else around them stays
 the compiler's. Eager calls launch directly (an operator's dispatch costs microseconds
 a step). Each operator declares the tensors it writes; none returns an input.
 
