@@ -4,7 +4,7 @@
 
 On the inputs of the bench cases ``ple/layer decode 256`` and ``ple/layer prefill 8192``
 (:mod:`engramrt.bench.cases_ple`: the released sizes, a bf16 table of 2^24 rows on the
-device tier), for ``PleLayer`` eager and inside ``torch.compile``:
+device tier; made once per case), for ``PleLayer`` eager and inside ``torch.compile``:
 
 - ``kernels``: each GPU kernel's time per layer call (``torch.profiler``, 20 calls), the
   largest first; ``median_us``: the whole call (``triton.testing.do_bench``, L2 flushed);
@@ -30,7 +30,6 @@ from typing import Any
 
 import torch
 
-SHAPES = (("decode", 256, 1), ("prefill", 1, 8192))
 KNOBS = {
     "gather_pairs": (8, 16, 32, 64),
     "gather_warps": (2, 4, 8),
@@ -69,17 +68,14 @@ def kernel_times(fn: Callable[[], Any], calls: int = CALLS) -> list[dict[str, An
     return sorted(rows, key=lambda row: -row["us"])
 
 
-def profile_shape(n_req: int, per: int) -> dict[str, Any]:
+def profile_case(case: Any, s: dict[str, Any]) -> dict[str, Any]:
+    """The kernel breakdown and medians of ``case``'s engramrt implementations on its
+    inputs ``s``, and the key/value GEMM alone."""
     import torch.nn.functional as F
 
-    from engramrt.bench import cases_ple
-
-    s = cases_ple._layer_setup(torch.device("cuda"), n_req, per, cases_ple._config(1))
     record: dict[str, Any] = {}
-    for name, call in (
-        ("engramrt", cases_ple._layer_engramrt),
-        ("engramrt-inductor", cases_ple._layer_inductor),
-    ):
+    for name in ("engramrt", "engramrt-inductor"):
+        call = case.impls[name]
         record[name] = {
             "kernels": kernel_times(lambda call=call: call(s)),
             "median_us": _median_us(lambda call=call: call(s)),
@@ -93,17 +89,16 @@ def profile_shape(n_req: int, per: int) -> dict[str, Any]:
     return record
 
 
-def sweep_shape(n_req: int, per: int) -> dict[str, Any]:
-    from engramrt.bench import cases_ple
+def sweep_case(case: Any, s: dict[str, Any]) -> dict[str, Any]:
+    """The engramrt call's median with each launch setting moved alone, then together."""
     from engramrt.families.qwen4_ple.module import DEFAULT_KERNEL_CONFIG
 
-    s = cases_ple._layer_setup(torch.device("cuda"), n_req, per, cases_ple._config(1))
-    layer = s["layer"]
+    layer, call = s["layer"], case.impls["engramrt"]
 
     def median(config: Any) -> float:
         layer.kernel_config = config
-        cases_ple._layer_engramrt(s)
-        return _median_us(lambda: cases_ple._layer_engramrt(s))
+        call(s)
+        return _median_us(lambda: call(s))
 
     record: dict[str, Any] = {"default": median(DEFAULT_KERNEL_CONFIG), "knobs": {}}
     best = {}
@@ -114,6 +109,7 @@ def sweep_shape(n_req: int, per: int) -> dict[str, Any]:
     record["best_each"] = best
     record["combined"] = median(replace(DEFAULT_KERNEL_CONFIG, **best))
     record["default_again"] = median(DEFAULT_KERNEL_CONFIG)
+    layer.kernel_config = DEFAULT_KERNEL_CONFIG
     return record
 
 
@@ -135,13 +131,17 @@ def main(argv: list[str] | None = None) -> int:
         },
         "shapes": {},
     }
+    from engramrt.bench.cases_ple import ple_layer_cases
+
     failed = False
-    for kind, n_req, per in SHAPES:
-        label = f"{kind} {n_req}x{per}"
+    for case in ple_layer_cases(quick=False):
+        kind, shape = case.name.split()[1], case.params
+        label = f"{kind} {shape['requests']}x{shape['tokens_per_request']}"
         try:
-            record = profile_shape(n_req, per)
+            s = case.make(torch.device("cuda"))  # one set of inputs for both parts
+            record = profile_case(case, s)
             if not args.no_sweep:
-                record["sweep"] = sweep_shape(n_req, per)
+                record["sweep"] = sweep_case(case, s)
         except Exception:  # one shape's failure is reported; the other still runs
             traceback.print_exc()
             failed = True
