@@ -150,6 +150,9 @@ def test_bad_inputs_are_refused():
         lookup_master_rows(torch.zeros(3, 2, dtype=torch.int64), table, 0, 3)
     with pytest.raises(ValidationError, match="E must be > 0, got 0"):
         EngramTable(4, 0)
+    with pytest.raises(ValidationError, match="init_std must be a finite number >= 0, got -0.1"):
+        EngramTable(4, 8, init_std=-0.1)
+    assert torch.count_nonzero(EngramTable(4, 8, init_std=0.0).weight) == 0
 
 
 def test_packed_rows_serve_through_the_inference_lookup():

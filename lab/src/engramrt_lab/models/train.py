@@ -175,6 +175,9 @@ class TrainSettings:
     mlp_dim: int = LMConfig.mlp_dim
     lr: float = 2e-3
     table_lr: float = 1e-2
+    table_init_std: float = 0.02
+    """Standard deviation of the tables' normal initialisation; 0 starts every row at zero
+    (a row never touched in training then adds nothing: its key and value are zero)."""
     weight_decay: float = 0.1
     eval_sequences: int = 128
     val_sequences: int = 64
@@ -1052,7 +1055,8 @@ def _run_engram(run: _TrainRun, name: str, engram_cfg: EngramConfig) -> _Outcome
     torch.manual_seed(settings.seed)
     model = TinyLM(model_cfg).to(device)
     tables = [
-        EngramTable(rows, engram_cfg.head_dim, device=device) for rows in engram_cfg.num_embeddings
+        EngramTable(rows, engram_cfg.head_dim, init_std=settings.table_init_std, device=device)
+        for rows in engram_cfg.num_embeddings
     ]
     run.say(
         f"{name}: {sum(p.numel() for p in model.parameters()):,} dense parameters, "
@@ -1656,8 +1660,10 @@ def _settings_problem(args: argparse.Namespace) -> str | None:
         value = getattr(args, name)
         if not math.isfinite(value) or value <= 0:
             return f"{flag(name)}={value} must be a finite positive number"
-    if not math.isfinite(args.weight_decay) or args.weight_decay < 0:
-        return f"--weight-decay={args.weight_decay} must be a finite number >= 0"
+    for name in ("weight_decay", "table_init_std"):
+        value = getattr(args, name)
+        if not math.isfinite(value) or value < 0:
+            return f"{flag(name)}={value} must be a finite number >= 0"
     if args.head_dim % 32:
         return f"--head-dim={args.head_dim} must be a multiple of 32 (one fp8 scale per 32)"
     layer_sets = [("--engram-layers", args.engram_layers)]
@@ -1753,7 +1759,7 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainSettings:
             type=int,
             default=None if name == "vocab_k" else getattr(defaults, name),
         )
-    for name in ("lr", "table_lr", "weight_decay"):
+    for name in ("lr", "table_lr", "table_init_std", "weight_decay"):
         parser.add_argument(
             f"--{name.replace('_', '-')}", type=float, default=getattr(defaults, name)
         )

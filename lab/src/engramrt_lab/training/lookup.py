@@ -22,6 +22,8 @@ not CUDA-graph capturable; the forward is.
 
 from __future__ import annotations
 
+import math
+
 from typing import Any
 
 import torch
@@ -168,6 +170,11 @@ class EngramTable(nn.Module):
         expect(E > 0, ValidationError, f"E must be > 0, got {E}")
         expect(row_begin >= 0, ValidationError, f"row_begin must be >= 0, got {row_begin}")
         expect(col_begin >= 0, ValidationError, f"col_begin must be >= 0, got {col_begin}")
+        expect(
+            math.isfinite(init_std) and init_std >= 0,
+            ValidationError,
+            f"init_std must be a finite number >= 0, got {init_std}",
+        )
         self.row_begin = row_begin
         self.col_begin = col_begin
         self.col_end = col_end
