@@ -150,7 +150,7 @@ def test_bad_inputs_are_refused():
         lookup_master_rows(torch.zeros(3, 2, dtype=torch.int64), table, 0, 3)
     with pytest.raises(ValidationError, match="E must be > 0, got 0"):
         EngramTable(4, 0)
-    with pytest.raises(ValidationError, match="init_std must be a finite number >= 0, got -0.1"):
+    with pytest.raises(ValidationError, match=r"init_std must be a finite number >= 0, got -0\.1"):
         EngramTable(4, 8, init_std=-0.1)
     assert torch.count_nonzero(EngramTable(4, 8, init_std=0.0).weight) == 0
 

@@ -23,7 +23,6 @@ not CUDA-graph capturable; the forward is.
 from __future__ import annotations
 
 import math
-
 from typing import Any
 
 import torch
