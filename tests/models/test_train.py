@@ -54,7 +54,8 @@ def test_training_writes_every_artifact(trained_dir: Path) -> None:
     results = json.loads((trained_dir / "results.json").read_text())
     assert set(results["models"]) == {"engram", "baseline", "baseline_wide", "engram_x1"}
     sweep = results["memory_sweep"]
-    assert [p["name"] for p in sweep] == ["engram", "engram_x1"]
+    assert [p["name"] for p in sweep] == ["engram", "engram_x1"]  # x8 is "engram"
+    assert sweep[0]["multiple_of_tiny_buckets"] == 8
     assert sweep[1]["buckets_per_head"] == [6144, 4096, 2048]
     assert results["models"]["engram_x1"]["steps"] == 4
 

@@ -1306,6 +1306,12 @@ def _run_extras(run: _TrainRun, wins: Callable[[], dict[str, Any]]) -> None:
     extras: list[tuple[str, EngramConfig]] = []
     for multiple in settings.memory_sweep:
         buckets = sweep_buckets(settings.buckets, multiple)
+        if buckets == tuple(settings.buckets):
+            run.say(
+                f"memory sweep x{multiple:g}: the Engram model's own tables "
+                f"({list(buckets)} buckets per head); its point is that model, not trained again"
+            )
+            continue
         extras.append(
             (
                 f"engram_x{multiple:g}",
@@ -1780,7 +1786,8 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainSettings:
         type=_floats,
         default=(),
         help="after the three models, Engram models with tables of these multiples of the "
-        "tiny preset's buckets (e.g. 1,4,12; same steps and windows)",
+        "tiny preset's buckets (e.g. 1,4,12; same steps and windows); the multiple of "
+        "--buckets itself (8 by default) is the Engram model, not trained again",
     )
     parser.add_argument(
         "--compare-layers",
