@@ -34,6 +34,7 @@ BAD_FLAGS = [
     (["--weight-decay", "nan"], "--weight-decay=nan"),
     (["--table-init-std", "-0.5"], "--table-init-std=-0.5"),
     (["--table-init-std", "inf"], "--table-init-std=inf"),
+    (["--table-init-std", "0"], "--table-init-std=0.0 must be a finite positive number"),
     (["--seed", "-3"], "--seed=-3"),
     (["--head-dim", "48"], "--head-dim=48"),
     (["--engram-layers", "1,1"], "--engram-layers=1,1"),

@@ -176,8 +176,8 @@ class TrainSettings:
     lr: float = 2e-3
     table_lr: float = 1e-2
     table_init_std: float = 0.02
-    """Standard deviation of the tables' normal initialisation; 0 starts every row at zero
-    (a row never touched in training then adds nothing: its key and value are zero)."""
+    """Standard deviation of the tables' normal initialisation (> 0: rows at zero would get
+    no gradient while the value part of ``wkv`` starts at zero)."""
     weight_decay: float = 0.1
     eval_sequences: int = 128
     val_sequences: int = 64
@@ -1666,10 +1666,14 @@ def _settings_problem(args: argparse.Namespace) -> str | None:
         value = getattr(args, name)
         if not math.isfinite(value) or value <= 0:
             return f"{flag(name)}={value} must be a finite positive number"
-    for name in ("weight_decay", "table_init_std"):
-        value = getattr(args, name)
-        if not math.isfinite(value) or value < 0:
-            return f"{flag(name)}={value} must be a finite number >= 0"
+    if not math.isfinite(args.weight_decay) or args.weight_decay < 0:
+        return f"--weight-decay={args.weight_decay} must be a finite number >= 0"
+    if not math.isfinite(args.table_init_std) or args.table_init_std <= 0:
+        return (
+            f"--table-init-std={args.table_init_std} must be a finite positive number: rows "
+            f"that start at zero, with the value projection's zero start, get no gradient "
+            f"(zero keys give the gate no slope) and the tables never learn"
+        )
     if args.head_dim % 32:
         return f"--head-dim={args.head_dim} must be a multiple of 32 (one fp8 scale per 32)"
     layer_sets = [("--engram-layers", args.engram_layers)]
