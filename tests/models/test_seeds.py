@@ -410,3 +410,115 @@ def test_jobs_stop_starting_seeds_after_a_failure(
     assert status == 3
     assert "seed 1 failed (exit status 3, its output in seed-1.log)" in capsys.readouterr().err
     assert not (runs / seeds_mod.AGGREGATE_JSON).exists()
+
+
+def _shifted_record(record: dict[str, Any], seed: int, shift: float) -> dict[str, Any]:
+    """``record`` (a ``--results`` JSON) as seed ``seed`` trained it: its command with
+    ``--seed`` and every held-out loss ``shift`` higher."""
+    other = json.loads(json.dumps(record))
+    other["command"] = f"{record['command']} --seed {seed}"
+    for split in seeds_mod.HELDOUT_SETS:
+        for model in other[split]["losses"]:
+            other[split]["losses"][model] += shift
+    return other
+
+
+def test_aggregate_of_records_made_elsewhere(
+    trained_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--aggregate`` trains nothing: the records already in DIR (seed 0 with its model
+    directory, seed 3 without) give the aggregate computed here, folded into seed 0's
+    directory only."""
+    from engramrt_lab.models import artifacts
+
+    out = tmp_path / "runs"
+    shutil.copytree(trained_dir, out / "seed-0")
+    record = json.loads((out / "seed-0" / "results.json").read_text())
+    (out / "seed-0" / "results.json").unlink()
+    records = {0: record, 3: _shifted_record(record, 3, 0.25)}
+    for seed, value in records.items():
+        (out / f"seed-{seed}.json").write_text(json.dumps(value))
+    assert seeds_mod.main(["--seeds", "0,3", "--out", str(out), "--aggregate"]) == 0
+    assert "seed 3: no model directory in seed-3, nothing folded" in capsys.readouterr().out
+    summary = json.loads((out / seeds_mod.AGGREGATE_JSON).read_text())
+    _check_against_statistics(summary, records)
+    folded = artifacts.read_model_json(out / "seed-0")["training"][seeds_mod.HELDOUT_SEEDS]
+    assert folded["seeds"] == [0, 3]
+    assert not (out / "seed-3").exists()
+
+
+@pytest.mark.parametrize(
+    ("edit", "needle"),
+    [
+        (lambda r: r.update(command=r["command"] + " --steps 9"), "expected the same settings"),
+        (lambda r: r.update(command=r["command"].replace("--seed 3", "--seed 4")), "--seed 4"),
+    ],
+)
+def test_aggregate_refuses_records_not_trained_alike(
+    trained_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], edit, needle
+) -> None:
+    record = json.loads((trained_dir / "results.json").read_text())
+    other = _shifted_record(record, 3, 0.25)
+    edit(other)
+    out = tmp_path / "runs"
+    out.mkdir()
+    (out / "seed-0.json").write_text(json.dumps(record))
+    (out / "seed-3.json").write_text(json.dumps(other))
+    assert seeds_mod.main(["--seeds", "0,3", "--out", str(out), "--aggregate"]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and "no aggregate written" in err, err
+    assert not (out / seeds_mod.AGGREGATE_JSON).exists()
+    # The control: the same records, unedited, aggregate.
+    (out / "seed-3.json").write_text(json.dumps(_shifted_record(record, 3, 0.25)))
+    assert seeds_mod.main(["--seeds", "0,3", "--out", str(out), "--aggregate"]) == 0
+
+
+@pytest.mark.parametrize(
+    ("flags", "needle"),
+    [
+        ([], "seed-1.json' is missing"),
+        (["--steps", "4"], "takes no training flag; got '--steps'"),
+    ],
+)
+def test_aggregate_flags_are_checked(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], flags, needle
+) -> None:
+    out = tmp_path / "runs"
+    out.mkdir()
+    (out / "seed-0.json").write_text("{}")
+    if flags:
+        (out / "seed-1.json").write_text("{}")
+    with pytest.raises(SystemExit) as exc:
+        seeds_mod.main(["--seeds", "0,1", "--out", str(out), "--aggregate", *flags])
+    assert exc.value.code == 2
+    assert needle in capsys.readouterr().err
+    assert not (out / seeds_mod.AGGREGATE_JSON).exists()
+
+
+def test_aggregate_of_runs_stopped_early() -> None:
+    """A record of a run stopped after some models (no held-out summary, no
+    ``seconds_total``) gives each set's losses from its models, and is listed as stopped
+    early; a finished record is not."""
+    rng = np.random.default_rng(11)
+    finished = {**_record(rng), "seconds_total": 1.0}
+    stopped = {
+        "steps": {"steps": 4},
+        "models": {
+            m: {"losses": {"heldout": float(rng.uniform(1.5, 2.5)), "sample": 9.0}}
+            for m in ("engram", "baseline")
+        },
+    }
+    summary = seeds_mod.aggregate({0: finished, 5: stopped})
+    assert summary["stopped_early"] == [5]
+    assert set(summary["heldout_loss"]) == {"heldout"}  # the stopped run has no package set
+    for model in ("engram", "baseline"):
+        values = [
+            finished["heldout"]["losses"][model],
+            stopped["models"][model]["losses"]["heldout"],
+        ]
+        assert abs(summary["heldout_loss"]["heldout"][model] - statistics.fmean(values)) < TOL
+    assert "baseline_wide" not in summary["heldout_loss"]["heldout"]  # seed 5 lacks it
+    assert "stopped before its end" in seeds_mod.markdown(summary)
+    assert "stopped before" not in seeds_mod.markdown(
+        seeds_mod.aggregate({0: finished, 1: finished})
+    )

@@ -23,12 +23,19 @@ initialisation and the order of the training windows. Then it writes
   buckets, the main Engram model included) and for every where-it-wins
   category's losses and Engram gates (``unseen``: predictions split by
   whether their n-grams were seen in training, :mod:`engramrt_lab.models.wins`);
-  the per-seed values beside each; written atomically;
+  the per-seed values beside each; ``stopped_early``, the seeds whose record is of a
+  run stopped before its end (its finished models only); written atomically;
 - ``DIR/seeds.md``: the same as short Markdown tables (mean ± std [min, max]);
 - into every seed's ``model.json``, the per-seed held-out losses
   (:func:`fold_into_model_dir`: the training record's ``heldout_seeds``), so
   that the directory shipped as the demo's model carries the spread it is
   reported with (:func:`heldout_figures`).
+
+With ``--aggregate`` it trains nothing: it aggregates the records ``DIR/seed-S.json``
+already there (seeds trained at other times or on other machines, each by the training
+command with ``--seed S --out DIR/seed-S --results DIR/seed-S.json``), refused unless
+their training commands are the same but for ``--seed`` and each names its own seed,
+and folds into each ``DIR/seed-S`` that holds a model.
 
 With ``--jobs J`` up to J seeds train at once, each in a process of its own (a tiny
 model leaves most of a GPU idle), its output in ``DIR/seed-S.log``.
@@ -46,6 +53,7 @@ import argparse
 import json
 import math
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -125,10 +133,16 @@ def aggregate(records: Mapping[int, Mapping[str, Any]]) -> dict[str, Any]:
     if len(seeds) < MIN_SEEDS:
         raise ValueError(f"records holds {len(seeds)} seed(s); expected at least {MIN_SEEDS}")
 
-    # The sweep by point name, so that every value is reached by a path of keys.
+    # The sweep by point name, so that every value is reached by a path of keys; a record
+    # of a run stopped before its held-out summary gives each set's losses per model.
     views = {
         seed: {
             **record,
+            **{
+                split: _losses_by_model(record, split)
+                for split in HELDOUT_SETS
+                if not isinstance(record.get(split), Mapping)
+            },
             "sweep_by_name": {p["name"]: p for p in record.get("memory_sweep") or []},
         }
         for seed, record in records.items()
@@ -151,7 +165,7 @@ def aggregate(records: Mapping[int, Mapping[str, Any]]) -> dict[str, Any]:
 
     heldout_loss: dict[str, dict[str, float]] = {}
     heldout_spread: dict[str, dict[str, dict[str, Any]]] = {}
-    first = records[seeds[0]]
+    first = views[seeds[0]]
     for split in HELDOUT_SETS:
         models = ((first.get(split) or {}).get("losses") or {}).keys()
         for model in models:
@@ -185,6 +199,7 @@ def aggregate(records: Mapping[int, Mapping[str, Any]]) -> dict[str, Any]:
             unseen.setdefault(view, {})[category] = cell
     return {
         "seeds": len(seeds),
+        "stopped_early": [s for s in seeds if "seconds_total" not in records[s]],
         "seed_values": seeds,
         "spread": "std: sample standard deviation over the seeds (ddof = 1); min, max",
         "steps": {str(s): (records[s].get("steps") or {}).get("steps") for s in seeds},
@@ -193,6 +208,18 @@ def aggregate(records: Mapping[int, Mapping[str, Any]]) -> dict[str, Any]:
         "sweep": sweep,
         "unseen": unseen,
     }
+
+
+def _losses_by_model(record: Mapping[str, Any], split: str) -> dict[str, Any] | None:
+    """``{"losses": {model: loss}}`` of held-out set ``split`` from the models a record
+    holds (``models.NAME.losses``), for a run stopped before its summary of that set;
+    None when no model has it."""
+    losses = {
+        name: model["losses"][split]
+        for name, model in (record.get("models") or {}).items()
+        if isinstance(model, Mapping) and split in (model.get("losses") or {})
+    }
+    return {"losses": losses} if losses else None
 
 
 def heldout_seeds_record(summary: Mapping[str, Any]) -> dict[str, Any]:
@@ -337,6 +364,15 @@ def markdown(summary: Mapping[str, Any]) -> str:
         "",
         "mean ± std [min, max]; std is the sample standard deviation (ddof = 1).",
         "",
+        *(
+            [
+                f"Seeds whose run stopped before its end (the models it finished): "
+                f"{', '.join(map(str, summary['stopped_early']))}.",
+                "",
+            ]
+            if summary.get("stopped_early")
+            else []
+        ),
         "| model | stdlib held-out | package held-out |",
         "| --- | ---: | ---: |",
     ]
@@ -407,6 +443,13 @@ def parse_args(
     parser.add_argument("--seeds", type=_seeds, default=(0, 1, 2), help="default 0,1,2")
     parser.add_argument("--out", type=Path, required=True, help="directory of every seed's run")
     parser.add_argument(
+        "--aggregate",
+        action="store_true",
+        help="train nothing: aggregate the records DIR/seed-S.json already there (seeds "
+        "trained at other times or on other machines, each by the training command with "
+        "--seed S --out DIR/seed-S --results DIR/seed-S.json and the same other flags)",
+    )
+    parser.add_argument(
         "--jobs",
         type=int,
         default=1,
@@ -428,6 +471,18 @@ def parse_args(
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         parser.error(f"--out={str(out)!r} exists and is not a directory")
+    if args.aggregate:
+        if rest:
+            parser.error(
+                f"--aggregate trains nothing, so it takes no training flag; got {rest[0]!r}"
+            )
+        missing = [str(_seed_record(out, s)) for s in seeds if not _seed_record(out, s).is_file()]
+        if missing:
+            parser.error(
+                f"--aggregate needs every seed's record; {missing[0]!r} is missing (expected "
+                f"the --results of the training command run with --seed and --out DIR/seed-S)"
+            )
+        return seeds, out, [], args.jobs
     commands = []
     for seed in seeds:
         command = [
@@ -494,6 +549,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     from engramrt_lab.models import train
 
     seeds, out, commands, jobs = parse_args(argv)
+    if not commands:  # --aggregate: the records are there
+        found = {s: json.loads(_seed_record(out, s).read_text(encoding="utf-8")) for s in seeds}
+        return _write_aggregate(seeds, out, found, argv)
     out.mkdir(parents=True, exist_ok=True)
     records: dict[int, dict[str, Any]] = {}
     if jobs > 1:
@@ -517,13 +575,56 @@ def main(argv: Sequence[str] | None = None) -> int:
                 )
                 return status
         records[seed] = json.loads(_seed_record(out, seed).read_text(encoding="utf-8"))
+    return _write_aggregate(seeds, out, records, argv)
+
+
+def same_settings_but_seed(records: Mapping[int, Mapping[str, Any]]) -> str | None:
+    """The first way ``records`` (``--results`` JSONs by seed) were not trained alike: their
+    training commands (``command``, as :func:`~engramrt_lab.models.train.training_command`
+    writes it) must be the same once each one's ``--seed`` is taken out, and each must
+    name its own seed; None when they were."""
+    first: tuple[int, list[str]] | None = None
+    for seed, record in sorted(records.items()):
+        words = shlex.split(str(record.get("command", "")))
+        given = [words[i + 1] for i, w in enumerate(words[:-1]) if w == "--seed"]
+        allowed = ([], ["0"]) if seed == 0 else ([str(seed)],)  # 0 is the default
+        if given not in allowed:
+            return f"the record of seed {seed} was trained with --seed {' '.join(given) or 0}"
+        rest = [w for i, w in enumerate(words) if w != "--seed" and words[i - 1 : i] != ["--seed"]]
+        if first is None:
+            first = (seed, rest)
+        elif rest != first[1]:
+            return (
+                f"seed {seed} was trained by {shlex.join(rest)!r} but seed {first[0]} by "
+                f"{shlex.join(first[1])!r} (--seed aside); expected the same settings"
+            )
+    return None
+
+
+def _write_aggregate(
+    seeds: Sequence[int],
+    out: Path,
+    records: Mapping[int, Mapping[str, Any]],
+    argv: Sequence[str] | None,
+) -> int:
+    """``seeds.json`` and ``seeds.md`` of ``records``, folded into every seed's model
+    directory present (all of them after a run here; with ``--aggregate``, those that
+    were copied in)."""
+    problem = same_settings_but_seed(records)
+    if problem is not None:
+        sys.stderr.write(f"{PROG}: error: {problem}; no aggregate written\n")
+        return 2
     summary = aggregate(records)
     summary["command"] = " ".join([PROG, *(sys.argv[1:] if argv is None else argv)])
     summary["records"] = {str(s): _seed_record(out, s).name for s in seeds}
     artifacts.write_json(out / AGGREGATE_JSON, summary)
     atomic_write_bytes(out / SUMMARY_MD, markdown(summary).encode("utf-8"))
     for seed in seeds:
-        fold_into_model_dir(_seed_dir(out, seed), summary)
+        directory = _seed_dir(out, seed)
+        if (directory / artifacts.MODEL_JSON).is_file():
+            fold_into_model_dir(directory, summary)
+        else:
+            print(f"{PROG}: seed {seed}: no model directory in {directory.name}, nothing folded")
     print(markdown(summary), flush=True)
     return 0
 
