@@ -11,7 +11,9 @@ without a multiprocessor. This study times, on one GPU, medians over ``--reps``:
   table of ``--table-gib``) started beside it on a side stream, by
   - ``sm``: the ``uva`` tier's lookup kernel (rows dequantised to bf16, as served), and
   - ``ce``: ``cuMemcpyBatchAsync``, one 264 B copy per row into a staging buffer (the
-    packed rows, not dequantised), with ``CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE``;
+    packed rows, not dequantised), with ``CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE``
+    (a hint that discrete GPUs ignore), always on a stream of its own: the driver
+    refuses the legacy default stream with ``CUDA_ERROR_INVALID_VALUE``;
 - each read alone.
 
 It reports the loop's slowdown with each read beside it and each read's time. A batch
@@ -54,6 +56,11 @@ def _batch_copier(base: int, staging: torch.Tensor, ids: np.ndarray) -> Any:
     sizes = [ROW_BYTES] * len(ids)
 
     def copy(stream: torch.cuda.Stream) -> None:
+        if stream.cuda_stream == 0:
+            raise ValueError(
+                "cuMemcpyBatchAsync refuses the legacy default stream (CUDA_ERROR_INVALID_VALUE);"
+                " queue the batch on a stream of its own"
+            )
         result = driver.cuMemcpyBatchAsync(
             dsts, srcs, sizes, len(ids), [attr], [0], 1, stream.cuda_stream
         )
@@ -108,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     m, k, n = (int(v) for v in args.gemm.split(","))
     a = torch.randn(m, k, device=device, dtype=torch.bfloat16)
     b = torch.randn(k, n, device=device, dtype=torch.bfloat16)
-    side = torch.cuda.Stream(device)
+    side = torch.cuda.Stream(device)  # a batch copy needs a stream other than the default
     out = torch.empty((args.rows, 1, 256), dtype=torch.bfloat16, device=device)
 
     def blocks() -> None:
@@ -123,10 +130,18 @@ def main(argv: list[str] | None = None) -> int:
     note = ""
     try:
         copier = _batch_copier(int(table.data_ptr()), staging, ids)
-        copier(torch.cuda.current_stream())
+        copier(side)
         torch.cuda.synchronize()
     except Exception as error:  # the driver, the bindings or the store may refuse
         copier, note = None, f"{type(error).__name__}: {error}"
+
+    def alone(read: Any) -> Any:
+        def run() -> None:
+            side.wait_stream(torch.cuda.current_stream())
+            read(side)
+            torch.cuda.current_stream().wait_stream(side)
+
+        return run
 
     def beside(read: Any) -> Any:
         def run() -> None:
@@ -154,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     if copier is not None:
         copy = copier
-        result["ce_read_ms"] = _timed(lambda: copy(torch.cuda.current_stream()), args.reps)
+        result["ce_read_ms"] = _timed(alone(copy), args.reps)
         result["blocks_with_ce_read_ms"] = _timed(beside(copy), args.reps)
         got = staging.cpu()
         want = store.gather_packed(torch.from_numpy(ids)).cpu()
