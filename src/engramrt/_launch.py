@@ -26,7 +26,13 @@ import torch
 
 from engramrt._backend import interpreter_enabled
 
-__all__ = ["CachedLauncher"]
+__all__ = ["CachedLauncher", "next_pow2"]
+
+
+def next_pow2(n: int) -> int:
+    """The smallest power of two >= ``n`` (2 for ``n`` = 0): a Triton block size
+    covering ``n`` elements."""
+    return 1 << max(0, (n - 1).bit_length())
 
 
 def _raw_stream(device_index: int) -> int:

@@ -12,14 +12,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from engramrt._launch import next_pow2
 from engramrt.errors import ValidationError
 from engramrt.tuning import cached_choice, register_tuned, tuned_config
 
 __all__ = ["HashKernelConfig", "kernel_config_for"]
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
 
 
 @register_tuned("ngram_hash")
@@ -83,7 +80,7 @@ class HashKernelConfig:
 
         Powers of two from 16 up, so only a few variants ever compile.
         """
-        width = max(16, _next_pow2(num_requests))
+        width = max(16, next_pow2(num_requests))
         return width if self.block_t * width <= self.scan_tile else 0
 
 

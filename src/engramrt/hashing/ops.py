@@ -10,6 +10,7 @@ import torch
 
 from engramrt._backend import resolve_backend
 from engramrt._device import resolve_device
+from engramrt._launch import next_pow2
 from engramrt.errors import ValidationError
 from engramrt.hashing.config import HashKernelConfig, kernel_config_for
 from engramrt.hashing.history import RequestHistory, SlotHashCache
@@ -25,10 +26,6 @@ if TYPE_CHECKING:
 __all__ = ["HashKernelConfig", "NgramHasher", "kernel_config_for"]
 
 History = SlotHashCache | RequestHistory
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
 
 
 # Shared by the launchers of every n-gram hash kernel (this one and the PLE family's).
@@ -58,9 +55,9 @@ def hash_shape_constexprs(n_layers: int, ngram_size: int, heads: int) -> dict[st
         "L": n_layers,
         "N": ngram_size,
         "H": heads,
-        "L_PAD": _next_pow2(n_layers),
-        "N_PAD": _next_pow2(ngram_size),
-        "H_PAD": _next_pow2(heads),
+        "L_PAD": next_pow2(n_layers),
+        "N_PAD": next_pow2(ngram_size),
+        "H_PAD": next_pow2(heads),
     }
 
 

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from engramrt._launch import next_pow2
 from engramrt.families.qwen4_ple.layer import ple_conv_state_len
 from engramrt.lookup.mapped import MappedHostRows
 
@@ -44,10 +45,6 @@ __all__ = [
 
 KERNEL_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 """Model dtypes the kernels compute in, and their ``ROUND`` constexpr."""
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
 
 
 # --------------------------------------------------------------------------
@@ -103,7 +100,7 @@ def gather_launch(
         C=num_heads,
         WIDTH=width,
         BLOCK_P=pairs,
-        BLOCK_W=_next_pow2(width),
+        BLOCK_W=next_pow2(width),
         WIDEN_BF16=values_dtype == torch.bfloat16 and out.dtype == torch.float32,
         num_warps=warps,
     )
@@ -147,7 +144,7 @@ def gate_norm_launch(
         float(dim) ** 0.5,
         HC=hc,
         DIM=dim,
-        BLOCK_D=_next_pow2(dim),
+        BLOCK_D=next_pow2(dim),
         ROUND=KERNEL_DTYPES[norm_conv.dtype],
         HAS_MASK=token_mask is not None,
         num_warps=warps,
