@@ -2,8 +2,8 @@
 
 On a GPU (the training command's settings, once per seed)::
 
-    python -m engramrt_lab.models.seeds --seeds 0,1,2 --out DIR --minutes 0.75 --device cuda \
-        --memory-sweep 2,4,8,16 --jobs 3
+    python -m engramrt_lab.models.seeds --seeds 0,1,2 --out DIR --steps 842 --device cuda \
+        --eval-sequences 4096 --val-sequences 256 --memory-sweep 1,2,4,8,16
 
 Any flag of ``python -m engramrt_lab.models.train`` may follow, except ``--seed``,
 ``--out`` and ``--results``, which this command sets per seed. For each seed
@@ -37,8 +37,10 @@ command with ``--seed S --out DIR/seed-S --results DIR/seed-S.json``), refused u
 their training commands are the same but for ``--seed`` and each names its own seed,
 and folds into each ``DIR/seed-S`` that holds a model.
 
-With ``--jobs J`` up to J seeds train at once, each in a process of its own (a tiny
-model leaves most of a GPU idle), its output in ``DIR/seed-S.log``.
+With ``--jobs J`` up to J seeds train at once, each in a process of its own, its
+output in ``DIR/seed-S.log``. On one GPU that saves only the processes' start (the
+corpus, about a minute each): the tiny model's training keeps an H200 busy, and four
+processes side by side trained at a quarter of one alone's tokens per second each.
 
 Flags are checked for every seed before any training (a bad one: one line,
 exit status 2). A seed whose run fails stops the command with that run's exit
