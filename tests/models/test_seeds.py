@@ -522,3 +522,18 @@ def test_aggregate_of_runs_stopped_early() -> None:
     assert "stopped before" not in seeds_mod.markdown(
         seeds_mod.aggregate({0: finished, 1: finished})
     )
+
+
+@pytest.mark.parametrize(
+    ("text", "needle"), [("{", "not a readable JSON record"), ("[1]", "holds list")]
+)
+def test_aggregate_refuses_a_record_that_is_not_one(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], text: str, needle: str
+) -> None:
+    out = tmp_path / "runs"
+    out.mkdir()
+    (out / "seed-0.json").write_text("{}")
+    (out / "seed-1.json").write_text(text)
+    assert seeds_mod.main(["--seeds", "0,1", "--out", str(out), "--aggregate"]) == 2
+    assert needle in capsys.readouterr().err
+    assert not (out / seeds_mod.AGGREGATE_JSON).exists()

@@ -552,7 +552,23 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     seeds, out, commands, jobs = parse_args(argv)
     if not commands:  # --aggregate: the records are there
-        found = {s: json.loads(_seed_record(out, s).read_text(encoding="utf-8")) for s in seeds}
+        found = {}
+        for seed in seeds:
+            path = _seed_record(out, seed)
+            try:
+                found[seed] = json.loads(path.read_text(encoding="utf-8"))
+            except (OSError, ValueError) as error:
+                sys.stderr.write(
+                    f"{PROG}: error: {str(path)!r} is not a readable JSON record ({error}); "
+                    f"expected the --results of the training command; no aggregate written\n"
+                )
+                return 2
+            if not isinstance(found[seed], dict):
+                sys.stderr.write(
+                    f"{PROG}: error: {str(path)!r} holds {type(found[seed]).__name__}; expected "
+                    f"the JSON object the training command's --results writes\n"
+                )
+                return 2
         return _write_aggregate(seeds, out, found, argv)
     out.mkdir(parents=True, exist_ok=True)
     records: dict[int, dict[str, Any]] = {}
