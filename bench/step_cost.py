@@ -55,7 +55,10 @@ The report (``--out``, default ``bench/results/step-cost-<UTC>.json``, written
 atomically after every round) has a top-level ``cases`` list: ``mode``,
 ``placement``, ``table_gib``, ``workload``, ``loop``, ``ids``, ``rounds``,
 ``median_pct``, ``p25_pct``, ``p75_pct``, ``ref_ms`` (the reference's median step),
-``ms`` (the case's), and the per-round lists.
+``ms`` (the case's), and the per-round lists. With ``--process-per-mode`` each mode
+runs in a process of its own (pairing stays within a mode) and the report merges
+them (``process_per_mode`` lists the modes, ``rounds_completed`` is per mode): the
+control for costs that depend on what else ran in the process before.
 """
 
 from __future__ import annotations
@@ -64,6 +67,7 @@ import argparse
 import gc
 import json
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -424,6 +428,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         "memory, comma-separated ROWS:WARPS:PROGRAMS (rows per program, warps, max "
         "programs), each a placement named read-ROWS-WARPS-PROGRAMS",
     )
+    p.add_argument(
+        "--process-per-mode",
+        action="store_true",
+        help="run each mode in a process of its own (its cases still paired within it) and "
+        "merge the reports: no mode's threads, compiled code or memory outlive it into "
+        "another mode's timings",
+    )
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     args.modes = parse_list(args.modes, MODES, "modes")
@@ -454,11 +465,57 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def _without(argv: list[str], flags: tuple[str, ...], valued: tuple[str, ...]) -> list[str]:
+    """``argv`` without ``flags`` (switches) and ``valued`` options (``--x V`` or ``--x=V``)."""
+    kept: list[str] = []
+    skip = False
+    for word in argv:
+        if skip:
+            skip = False
+            continue
+        name = word.split("=", 1)[0]
+        if name in flags or (name in valued and "=" in word):
+            continue
+        if name in valued:
+            skip = True
+            continue
+        kept.append(word)
+    return kept
+
+
+def run_modes_in_processes(args: argparse.Namespace, argv: list[str]) -> dict:
+    """Each of ``args.modes`` by this script in a process of its own (``--modes M``), the
+    reports merged into one: every mode's cases, profiles and process facts."""
+    rest = _without(argv, ("--process-per-mode",), ("--modes", "--out"))
+    merged: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory() as scratch:
+        for mode in args.modes:
+            out = os.path.join(scratch, f"{mode}.json")
+            command = [sys.executable, os.path.abspath(__file__), *rest, "--modes", mode]
+            print(f"step_cost: mode {mode} in its own process", flush=True)
+            done = subprocess.run([*command, "--out", out], check=False)
+            if done.returncode != 0:
+                raise SystemExit(f"step_cost: mode {mode}'s process exited {done.returncode}")
+            with open(out) as f:
+                report = json.load(f)
+            if not merged:
+                merged = {**report, "cases": [], "rounds_completed": {}}
+            merged["cases"] += report["cases"]
+            merged["rounds_completed"][mode] = report["rounds_completed"]
+            if report.get("profiles"):
+                merged.setdefault("profiles", {}).update(report["profiles"])
+    merged["process_per_mode"] = list(args.modes)
+    ro.write_report(args.out, merged)
+    return merged
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
     if args.smoke:
         ro.use_smoke_backbone()
         args.modes = [m for m in args.modes if m == "eager"]  # no CUDA: eager only
+    if args.process_per_mode:
+        return run_modes_in_processes(args, list(sys.argv[1:] if argv is None else argv))
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if max(args.engram_blocks) >= ro.BLOCKS:
         raise SystemExit(f"--engram-blocks={args.engram_blocks}; the backbone has {ro.BLOCKS}")

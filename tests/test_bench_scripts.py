@@ -899,6 +899,34 @@ def test_step_cost_pairs_each_case_with_the_gpu_tables_of_its_round(tmp_path, mo
         assert case["ref_ms"] == pytest.approx(sum(ref["ms_rounds"]) / 2)
 
 
+def test_step_cost_runs_each_mode_in_a_process_of_its_own(tmp_path, monkeypatch) -> None:
+    """--process-per-mode: each mode by the script in a process of its own, its report's cases
+    merged into one (on a CPU, --smoke keeps eager alone: one process); the flags other than
+    --modes and --out reach it."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    step_cost = _load("step_cost")
+    out = tmp_path / "step-cost.json"
+    report = step_cost.main(
+        ["--smoke", "--table-gib", "0.001", "--rounds", "1", "--steps", "1", "--warmup-steps",
+         "0", "--placements", "aa", "--loops", "sync", "--modes=eager,graph",
+         "--process-per-mode", "--out", str(out)]
+    )  # fmt: skip
+    assert json.loads(out.read_text()) == report
+    assert report["process_per_mode"] == ["eager"] and report["rounds_completed"] == {"eager": 1}
+    assert {(c["placement"], c["mode"], c["loop"]) for c in report["cases"]} == {
+        ("device", "eager", "sync"),
+        ("aa", "eager", "sync"),
+    }
+    assert all(c["table_gib"] == 0.001 and c["check"]["passed"] for c in report["cases"])
+
+
+def test_step_cost_argument_filter() -> None:
+    step_cost = _load("step_cost")
+    argv = ["--modes", "a,b", "--x", "1", "--out=o.json", "--process-per-mode", "--modes=c"]
+    kept = step_cost._without(argv, ("--process-per-mode",), ("--modes", "--out"))
+    assert kept == ["--x", "1"]
+
+
 def test_step_cost_leaves_unpaired_rounds_out() -> None:
     step_cost = _load("step_cost")
     stats = step_cost.paired_case_stats([2.0, None, 4.0], [1.0, 1.0, None])
