@@ -6,7 +6,7 @@ For the Engram model and the same-backbone baseline of ``python -m
 engramrt_lab.models.train`` at its defaults (64 windows of 512 tokens, D = 256, 4
 blocks, hc = 4, Engram at blocks 1 and 2 with the default buckets, bf16 autocast on
 CUDA), one optimiser step exactly as the training command takes it
-(:func:`engramrt_lab.models.train._train_step`: forward, loss, backward, clipping,
+(:func:`engramrt_lab.models.train.train_step`: forward, loss, backward, clipping,
 AdamW, the tables' sparse Adam), on random tokens and row ids, the
 hyper-connections' weights moved off their start (a step's work does not depend on
 the values). For each hyper-connection implementation:
@@ -51,16 +51,16 @@ element; bf16 sub-layers after it can turn that into ~1e-4 of the loss)."""
 
 
 def _read_broadcast(self: Any, streams: torch.Tensor) -> torch.Tensor:
-    from engramrt_lab.models.lm import _no_autocast
+    from engramrt_lab.models.lm import no_autocast
 
-    with _no_autocast(streams.device.type):
+    with no_autocast(streams.device.type):
         return (streams.float() * self.read.float()[:, None]).sum(dim=-2)
 
 
 def _update_broadcast(self: Any, streams: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
-    from engramrt_lab.models.lm import _no_autocast
+    from engramrt_lab.models.lm import no_autocast
 
-    with _no_autocast(streams.device.type):
+    with no_autocast(streams.device.type):
         mixed = torch.matmul(self.mix.float().t(), streams.float())  # [..., j, d]
         return mixed + self.write.float()[:, None] * output.float().unsqueeze(-2)
 
@@ -109,7 +109,7 @@ def make_step(model_name: str, device: torch.device, batch: int, seq: int) -> di
         if model_name == "engram"
         else []
     )
-    optimizers = train._optimizers(model, tables, settings)
+    optimizers = train.make_optimizers(model, tables, settings)
     generator = torch.Generator().manual_seed(1)
     stream = batch * (seq + 1)
     tokens = torch.randint(0, vocab, (stream,), generator=generator).to(device)
@@ -127,7 +127,7 @@ def make_step(model_name: str, device: torch.device, batch: int, seq: int) -> di
     rows_of = lambda i, ids: tables[i](ids)  # noqa: E731
 
     def step() -> torch.Tensor:
-        return train._train_step(
+        return train.train_step(
             model,
             rows_of,
             optimizers,
@@ -141,7 +141,7 @@ def make_step(model_name: str, device: torch.device, batch: int, seq: int) -> di
     def loss() -> float:
         """The loss of the batch, no step taken."""
         fns = {} if row_ids is None else train.engram_fns(model, rows_of, row_ids[index[:, :-1]])
-        with torch.no_grad(), train._autocast(device):
+        with torch.no_grad(), train.autocast_for(device):
             logits = model(tokens[index[:, :-1]], engram=fns)
         return float(
             torch.nn.functional.cross_entropy(

@@ -66,10 +66,10 @@ def test_the_implementations_change_what_runs_and_restore_it() -> None:
 
 def test_a_wrong_mixing_is_caught(monkeypatch: pytest.MonkeyPatch, capsys) -> None:
     script = _script()
-    from engramrt_lab.models.lm import _no_autocast
+    from engramrt_lab.models.lm import no_autocast
 
     def untransposed(self, streams, output):  # mix[j, i] where the model has mix[i, j]
-        with _no_autocast(streams.device.type):
+        with no_autocast(streams.device.type):
             mixed = torch.matmul(self.mix.float(), streams.float())
             return mixed + self.write.float()[:, None] * output.float().unsqueeze(-2)
 

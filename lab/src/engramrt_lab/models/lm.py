@@ -65,6 +65,7 @@ __all__ = [
     "flops_per_token",
     "next_token_loss_sum",
     "next_token_losses",
+    "no_autocast",
 ]
 
 EngramFn = Callable[[torch.Tensor], torch.Tensor]
@@ -295,7 +296,8 @@ class MLP(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
-def _no_autocast(device_type: str) -> Any:
+def no_autocast(device_type: str) -> Any:
+    """A context in which ``device_type``'s autocast is off (the streams' fp32 arithmetic)."""
     return torch.autocast(device_type=device_type, enabled=False)
 
 
@@ -318,12 +320,12 @@ class HyperConnection(nn.Module):
 
     def read_input(self, streams: torch.Tensor) -> torch.Tensor:
         """``[..., hc, D] -> [..., D]`` (fp32)."""
-        with _no_autocast(streams.device.type):
+        with no_autocast(streams.device.type):
             return torch.einsum("...id,i->...d", streams.float(), self.read.float())
 
     def update(self, streams: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
         """Streams after the sub-layer: mixed streams plus the written output (fp32)."""
-        with _no_autocast(streams.device.type):
+        with no_autocast(streams.device.type):
             mixed = torch.einsum("...id,ij->...jd", streams.float(), self.mix.float())
             return mixed + self.write.float()[:, None] * output.float().unsqueeze(-2)
 
@@ -363,7 +365,7 @@ class TrainEngramHead(nn.Module):
         shape = streams.shape
         tokens = rows.shape[0]
         kv = self.wkv(rows.reshape(tokens, self.num_cols * self.head_dim))
-        with _no_autocast(streams.device.type):
+        with no_autocast(streams.device.type):
             inputs = GateInputs(
                 streams.reshape(tokens, shape[-2], shape[-1]).float(),
                 kv.float(),

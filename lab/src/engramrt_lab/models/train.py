@@ -103,12 +103,15 @@ from engramrt_lab.training import EngramTable, SparseRowAdam
 
 __all__ = [
     "TrainSettings",
+    "autocast_for",
     "main",
+    "make_optimizers",
     "segment_row_ids",
     "settings_record",
     "token_losses",
     "token_losses_and_gates",
     "train",
+    "train_step",
     "training_command",
 ]
 
@@ -349,13 +352,14 @@ def _batched_logits(
             if rows_of is None or row_ids is None
             else engram_fns(model, rows_of, row_ids[chunk], gates)
         )
-        with _autocast(tokens.device):
+        with autocast_for(tokens.device):
             logits = model(tokens[chunk], engram=fns)
         yield chunk, logits
     model.train()
 
 
-def _autocast(device: torch.device) -> Any:
+def autocast_for(device: torch.device) -> Any:
+    """The training command's autocast on ``device``: bf16 on CUDA, none elsewhere."""
     if device.type == "cuda":
         return torch.autocast(device_type="cuda", dtype=torch.bfloat16)
     return contextlib.nullcontext()
@@ -439,7 +443,7 @@ class TrainResult:
     last_heldout: float | None = None
 
 
-def _optimizers(
+def make_optimizers(
     model: TinyLM, tables: Sequence[EngramTable], settings: TrainSettings
 ) -> tuple[torch.optim.Optimizer, SparseRowAdam | None]:
     """AdamW for the dense weights, :class:`SparseRowAdam` for the tables (None without)."""
@@ -467,7 +471,7 @@ def _optimizers(
     return dense, sparse
 
 
-def _train_step(
+def train_step(
     model: TinyLM,
     rows_of: RowsOf,
     optimizers: tuple[torch.optim.Optimizer, SparseRowAdam | None],
@@ -491,7 +495,7 @@ def _train_step(
     fns = {}
     if train_row_ids is not None:
         fns = engram_fns(model, rows_of, train_row_ids[index[:, :-1]])
-    with _autocast(train_tokens.device):
+    with autocast_for(train_tokens.device):
         logits = model(inputs, engram=fns)
     loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
     loss.backward()
@@ -541,7 +545,7 @@ def train_model(
     windows = OnePassWindows(
         int(train_tokens.shape[0]), settings.seq_len, settings.batch_size, settings.seed, device
     )
-    dense, sparse = _optimizers(model, tables, settings)
+    dense, sparse = make_optimizers(model, tables, settings)
     # The schedule's length and the step to stop at: both ``steps`` when given; with
     # a budget, the schedule is fixed after the probe and the stop is its end (or the
     # hard stop); the baseline gets the Engram model's schedule and stop.
@@ -585,7 +589,7 @@ def train_model(
         if budget_s is not None and step > 0 and elapsed > 1.1 * budget_s:
             settings.say(f"{name}: hard stop at step {step} ({elapsed:.0f} s)")
             break
-        loss = _train_step(
+        loss = train_step(
             model,
             rows_of,
             (dense, sparse),
