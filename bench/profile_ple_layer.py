@@ -49,20 +49,38 @@ def _median_us(fn: Callable[[], Any]) -> float:
     return float(triton.testing.do_bench(fn, return_mode="median")) * 1e3
 
 
-def kernel_times(fn: Callable[[], Any], calls: int = CALLS) -> list[dict[str, Any]]:
-    """Each GPU kernel's time per call of ``fn``, the largest first."""
+def kernel_times(
+    fn: Callable[[], Any],
+    calls: int = CALLS,
+    *,
+    device: torch.device | None = None,
+    warmup: int = 5,
+) -> list[dict[str, Any]]:
+    """Each GPU kernel's time per call of ``fn`` (``count``: its launches over the
+    ``calls`` profiled calls), the largest first; on a CPU ``device``, each operator's
+    own time."""
     from torch.profiler import ProfilerActivity, profile
 
-    for _ in range(5):
+    on_gpu = device is None or device.type == "cuda"
+
+    def sync() -> None:
+        if on_gpu:
+            torch.cuda.synchronize(device)
+
+    for _ in range(warmup):
         fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    sync()
+    activity = ProfilerActivity.CUDA if on_gpu else ProfilerActivity.CPU
+    with profile(activities=[activity]) as prof:
         for _ in range(calls):
             fn()
-        torch.cuda.synchronize()
+        sync()
     rows = []
     for event in prof.key_averages():
-        total = getattr(event, "device_time_total", 0) or getattr(event, "cuda_time_total", 0)
+        if on_gpu:
+            total = getattr(event, "device_time_total", 0) or getattr(event, "cuda_time_total", 0)
+        else:
+            total = event.self_cpu_time_total
         if total and event.count:
             rows.append({"kernel": event.key[:120], "count": event.count, "us": total / calls})
     return sorted(rows, key=lambda row: -row["us"])

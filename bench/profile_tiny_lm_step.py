@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -42,6 +43,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import profile_ple_layer  # one profile of kernels for the bench scripts
 
 IMPLEMENTATIONS = ("einsum", "broadcast")
 AGREE_RELATIVE = 1e-3
@@ -179,31 +183,12 @@ def step_times_ms(step: Callable[[], Any], device: torch.device, steps: int) -> 
 
 
 def kernel_times(step: Callable[[], Any], device: torch.device, steps: int) -> list[dict[str, Any]]:
-    """Each kernel's (on a CPU: each operator's) time per step, the largest first."""
-    from torch.profiler import ProfilerActivity, profile
-
-    activity = ProfilerActivity.CUDA if device.type == "cuda" else ProfilerActivity.CPU
-    step()
-    _sync(device)
-    with profile(activities=[activity]) as prof:
-        for _ in range(steps):
-            step()
-        _sync(device)
-    rows = []
-    for event in prof.key_averages():
-        if device.type == "cuda":
-            total = getattr(event, "device_time_total", 0) or getattr(event, "cuda_time_total", 0)
-        else:
-            total = event.self_cpu_time_total
-        if total and event.count:
-            rows.append(
-                {
-                    "kernel": event.key[:120],
-                    "calls_per_step": event.count / steps,
-                    "us": total / steps,
-                }
-            )
-    return sorted(rows, key=lambda row: -row["us"])
+    """Each kernel's (on a CPU: each operator's) time per step, the largest first
+    (``bench/profile_ple_layer.py``'s profile, counted per step)."""
+    rows = profile_ple_layer.kernel_times(step, steps, device=device, warmup=1)
+    return [
+        {"kernel": r["kernel"], "calls_per_step": r["count"] / steps, "us": r["us"]} for r in rows
+    ]
 
 
 def run(
