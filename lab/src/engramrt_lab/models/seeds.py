@@ -548,30 +548,37 @@ def _run_in_processes(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    seeds, out, commands, jobs = parse_args(argv)
+    if commands:  # without --aggregate: train every seed first
+        status = _train_seeds(seeds, out, commands, jobs)
+        if status != 0:
+            return status
+    records = {}
+    for seed in seeds:
+        path = _seed_record(out, seed)
+        try:
+            records[seed] = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as error:
+            sys.stderr.write(
+                f"{PROG}: error: {str(path)!r} is not a readable JSON record ({error}); "
+                f"expected the --results of the training command; no aggregate written\n"
+            )
+            return 2
+        if not isinstance(records[seed], dict):
+            sys.stderr.write(
+                f"{PROG}: error: {str(path)!r} holds {type(records[seed]).__name__}; expected "
+                f"the JSON object the training command's --results writes\n"
+            )
+            return 2
+    return _write_aggregate(seeds, out, records, argv)
+
+
+def _train_seeds(seeds: Sequence[int], out: Path, commands: Sequence[list[str]], jobs: int) -> int:
+    """Every seed's training command (in this process with ``jobs`` 1, else in ``jobs``
+    processes at once): 0, or the exit status of the first seed that failed."""
     from engramrt_lab.models import train
 
-    seeds, out, commands, jobs = parse_args(argv)
-    if not commands:  # --aggregate: the records are there
-        found = {}
-        for seed in seeds:
-            path = _seed_record(out, seed)
-            try:
-                found[seed] = json.loads(path.read_text(encoding="utf-8"))
-            except (OSError, ValueError) as error:
-                sys.stderr.write(
-                    f"{PROG}: error: {str(path)!r} is not a readable JSON record ({error}); "
-                    f"expected the --results of the training command; no aggregate written\n"
-                )
-                return 2
-            if not isinstance(found[seed], dict):
-                sys.stderr.write(
-                    f"{PROG}: error: {str(path)!r} holds {type(found[seed]).__name__}; expected "
-                    f"the JSON object the training command's --results writes\n"
-                )
-                return 2
-        return _write_aggregate(seeds, out, found, argv)
     out.mkdir(parents=True, exist_ok=True)
-    records: dict[int, dict[str, Any]] = {}
     if jobs > 1:
         statuses = _run_in_processes(seeds, out, commands, jobs)
         failed = {seed: status for seed, status in statuses.items() if status != 0}
@@ -582,18 +589,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"seed-{seed}.log); no aggregate written\n"
             )
             return status
-    for seed, command in zip(seeds, commands, strict=True):
-        if jobs == 1:
-            print(f"{PROG}: seed {seed} ({len(records) + 1}/{len(seeds)})", flush=True)
-            status = train.main(command)
-            if status != 0:
-                sys.stderr.write(
-                    f"{PROG}: error: seed {seed} failed (exit status {status}); "
-                    f"no aggregate written\n"
-                )
-                return status
-        records[seed] = json.loads(_seed_record(out, seed).read_text(encoding="utf-8"))
-    return _write_aggregate(seeds, out, records, argv)
+        return 0
+    for number, (seed, command) in enumerate(zip(seeds, commands, strict=True), 1):
+        print(f"{PROG}: seed {seed} ({number}/{len(seeds)})", flush=True)
+        status = train.main(command)
+        if status != 0:
+            sys.stderr.write(
+                f"{PROG}: error: seed {seed} failed (exit status {status}); no aggregate written\n"
+            )
+            return status
+    return 0
 
 
 def same_settings_but_seed(records: Mapping[int, Mapping[str, Any]]) -> str | None:
