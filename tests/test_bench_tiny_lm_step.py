@@ -76,3 +76,13 @@ def test_a_wrong_mixing_is_caught(monkeypatch: pytest.MonkeyPatch, capsys) -> No
     monkeypatch.setattr(script, "_update_broadcast", untransposed)
     assert script.main(SMALL) == 1
     assert "disagree" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "flag", ["--steps", "--batch-size", "--seq-len", "--profile-steps", "--top"]
+)
+def test_a_count_below_one_is_refused(flag: str, capsys) -> None:
+    with pytest.raises(SystemExit) as exc:
+        _script().main(["--device", "cpu", flag, "0"])
+    assert exc.value.code == 2
+    assert f"{flag}=0; expected >= 1" in capsys.readouterr().err
