@@ -326,3 +326,54 @@ def test_engram_layers_start_as_the_identity() -> None:
     assert torch.equal(head(streams, rows), streams)
     model.reset_parameters(engram_identity=False)
     assert not torch.allclose(model.engram_head(1)(streams, rows), streams)
+
+
+@pytest.mark.parametrize("engram_init", ["rows-zero", "value-zero"])
+def test_rows_zero_learns_only_the_rows_training_reaches(engram_init: str) -> None:
+    """--engram-init rows-zero: the rows start at zero and the value projection normal, so
+    the layer starts as the identity; one training step moves every row the batch looked
+    up and leaves every other row exactly zero (its value is zero: the layer adds nothing
+    there). Control: value-zero with rows at zero moves no row at all (no gradient reaches
+    them), the reason value-zero needs --table-init-std > 0."""
+    from engramrt_lab.models import train
+    from engramrt_lab.models.lm import TinyLM
+    from engramrt_lab.training import EngramTable
+
+    settings = train.TrainSettings(
+        out=Path("."), batch_size=2, seq_len=16, dim=32, n_blocks=2, mlp_dim=32,
+        engram_init=engram_init, table_init_std=0.0,
+    )  # fmt: skip
+    cfg = train.engram_config(settings.dim, buckets=(7, 5, 3), layers=(1,))
+    lm_cfg = train.lm_configs(settings, 40, cfg)
+    torch.manual_seed(0)
+    model = TinyLM(lm_cfg)
+    if engram_init == "rows-zero":
+        model.engram_values_normal_()
+    head = model.engram_head(1)
+    hc, dim = lm_cfg.hc_mult, lm_cfg.dim
+    values = head.wkv.weight[hc * dim :]
+    assert (torch.count_nonzero(values) == values.numel()) == (engram_init == "rows-zero")
+    table = EngramTable(cfg.num_embeddings[0], cfg.head_dim, init_std=0.0)
+    streams = torch.randn(1, 4, hc, dim)
+    zero_rows = torch.zeros(4, lm_cfg.engram_cols, cfg.head_dim)
+    assert torch.equal(head(streams, zero_rows), streams)
+
+    generator = torch.Generator().manual_seed(1)
+    stream = settings.batch_size * (settings.seq_len + 1)
+    tokens = torch.randint(0, 40, (stream,), generator=generator)
+    num_rows = table.weight.shape[0]
+    reached = torch.randperm(num_rows, generator=generator)[: num_rows // 2]
+    pick = torch.randint(0, reached.numel(), (stream, 1, lm_cfg.engram_cols), generator=generator)
+    row_ids = reached[pick]  # [L, 1, C]: only rows of `reached`
+    index = torch.arange(stream).view(settings.batch_size, settings.seq_len + 1)
+    used = torch.zeros(num_rows, dtype=torch.bool)
+    used[row_ids[index[:, :-1]].flatten()] = True
+    optimizers = train.make_optimizers(model, [table], settings)
+    train.train_step(
+        model, lambda i, ids: table(ids), optimizers, tokens, row_ids, index,
+        lr_factor=1.0, settings=settings,
+    )  # fmt: skip
+    moved = table.weight.detach().abs().sum(dim=1) > 0
+    assert not moved[~used].any()
+    assert moved[used].all() == (engram_init == "rows-zero")
+    assert moved.any() == (engram_init == "rows-zero")

@@ -35,6 +35,11 @@ BAD_FLAGS = [
     (["--table-init-std", "-0.5"], "--table-init-std=-0.5"),
     (["--table-init-std", "inf"], "--table-init-std=inf"),
     (["--table-init-std", "0"], "--table-init-std=0.0 must be a finite positive number"),
+    (
+        ["--engram-init", "rows-zero", "--table-init-std", "0.5"],
+        "--table-init-std=0.5 with --engram-init=rows-zero",
+    ),
+    (["--engram-init", "zero"], "--engram-init: invalid choice: 'zero'"),
     (["--seed", "-3"], "--seed=-3"),
     (["--head-dim", "48"], "--head-dim=48"),
     (["--engram-layers", "1,1"], "--engram-layers=1,1"),
@@ -252,3 +257,20 @@ def test_flags_the_corpus_refuses_stop_before_training(
     assert code == 2 and needle in err, err
     assert len(err.strip().splitlines()) == 1 and not out.exists()
     assert not any(tmp_path.glob(".model.staging-*"))
+
+
+def test_engram_init_round_trips_through_the_recorded_command(tmp_path: Path) -> None:
+    """rows-zero implies rows at zero: --table-init-std defaults to 0 there (0.02 for
+    value-zero), and the recorded command parses back to the same settings."""
+    import shlex
+
+    from engramrt_lab.models.train import parse_args, settings_record, training_command
+
+    out = ["--out", str(tmp_path / "m")]
+    rows_zero = parse_args([*out, "--engram-init", "rows-zero"])
+    assert (rows_zero.engram_init, rows_zero.table_init_std) == ("rows-zero", 0.0)
+    assert parse_args(out).table_init_std == 0.02
+    words = shlex.split(training_command(rows_zero))
+    assert words[words.index("--engram-init") + 1] == "rows-zero"
+    again = parse_args([*words[3:], *out])
+    assert settings_record(again) == settings_record(rows_zero)

@@ -444,6 +444,15 @@ class TinyLM(nn.Module):
             wkv = self.engram_head(block).wkv.weight  # [(hc+1) D, C E]
             wkv[self.config.hc_mult * self.config.dim :].zero_()
 
+    @torch.no_grad()
+    def engram_values_normal_(self, std: float = 0.02) -> None:
+        """Normal(0, ``std``) value parts of every Engram ``wkv`` (its last ``D`` output
+        rows), for tables whose rows start at zero: the layer is then the identity
+        because the rows are, and a row that training never reaches stays so."""
+        for block in self.config.engram_layer_ids:
+            wkv = self.engram_head(block).wkv.weight  # [(hc+1) D, C E]
+            nn.init.normal_(wkv[self.config.hc_mult * self.config.dim :], 0.0, std)
+
     def engram_head(self, block: int) -> TrainEngramHead:
         """The Engram weights of block ``block`` (one of ``engram_layer_ids``)."""
         head = self.layers[block].engram

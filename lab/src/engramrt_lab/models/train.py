@@ -153,6 +153,9 @@ TOKENIZER_IDS = 129_280
 MAX_SEED = 2**63 - 1
 """--seed: torch's generators take a 64-bit seed."""
 
+ENGRAM_INITS = ("value-zero", "rows-zero")
+"""--engram-init: which of the value projection and the rows starts at zero."""
+
 RowsOf = Callable[[int, torch.Tensor], torch.Tensor]
 """``(engram layer index, row ids [T, C]) -> rows [T, C, E]`` float."""
 
@@ -178,9 +181,15 @@ class TrainSettings:
     mlp_dim: int = LMConfig.mlp_dim
     lr: float = 2e-3
     table_lr: float = 1e-2
+    engram_init: str = "value-zero"
+    """How an Engram layer starts as the identity: ``value-zero`` (the value part of ``wkv``
+    at zero, the rows normal with ``table_init_std``) or ``rows-zero`` (the rows at zero,
+    the value part normal like the other matrices): a row no training n-gram reaches then
+    stays zero, so its value is zero."""
     table_init_std: float = 0.02
-    """Standard deviation of the tables' normal initialisation (> 0: rows at zero would get
-    no gradient while the value part of ``wkv`` starts at zero)."""
+    """Standard deviation of the tables' normal initialisation (``value-zero``: > 0, since
+    rows at zero would get no gradient while the value part of ``wkv`` starts at zero;
+    ``rows-zero``: 0)."""
     weight_decay: float = 0.1
     eval_sequences: int = 128
     val_sequences: int = 64
@@ -1058,6 +1067,8 @@ def _run_engram(run: _TrainRun, name: str, engram_cfg: EngramConfig) -> _Outcome
     model_cfg = lm_configs(settings, run.vocab.size, engram_cfg)
     torch.manual_seed(settings.seed)
     model = TinyLM(model_cfg).to(device)
+    if settings.engram_init == "rows-zero":
+        model.engram_values_normal_()
     tables = [
         EngramTable(rows, engram_cfg.head_dim, init_std=settings.table_init_std, device=device)
         for rows in engram_cfg.num_embeddings
@@ -1672,7 +1683,14 @@ def _settings_problem(args: argparse.Namespace) -> str | None:
             return f"{flag(name)}={value} must be a finite positive number"
     if not math.isfinite(args.weight_decay) or args.weight_decay < 0:
         return f"--weight-decay={args.weight_decay} must be a finite number >= 0"
-    if not math.isfinite(args.table_init_std) or args.table_init_std <= 0:
+    if args.engram_init == "rows-zero" and args.table_init_std != 0:
+        return (
+            f"--table-init-std={args.table_init_std} with --engram-init=rows-zero: the rows "
+            f"start at zero there; expected 0 or no --table-init-std"
+        )
+    if args.engram_init == "value-zero" and (
+        not math.isfinite(args.table_init_std) or args.table_init_std <= 0
+    ):
         return (
             f"--table-init-std={args.table_init_std} must be a finite positive number: rows "
             f"that start at zero, with the value projection's zero start, get no gradient "
@@ -1775,8 +1793,18 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainSettings:
         )
     for name in ("lr", "table_lr", "table_init_std", "weight_decay"):
         parser.add_argument(
-            f"--{name.replace('_', '-')}", type=float, default=getattr(defaults, name)
+            f"--{name.replace('_', '-')}",
+            type=float,
+            default=None if name == "table_init_std" else getattr(defaults, name),
         )
+    parser.add_argument(
+        "--engram-init",
+        choices=ENGRAM_INITS,
+        default=defaults.engram_init,
+        help="value-zero (default): the value projection starts at zero, the rows normal "
+        "(--table-init-std, default 0.02); rows-zero: the rows start at zero, the value "
+        "projection normal, so rows no training n-gram reaches add nothing",
+    )
     parser.add_argument(
         "--engram-layers",
         type=_ints,
@@ -1831,6 +1859,8 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainSettings:
     )
     args = parser.parse_args(argv)
     args.vocab_k_given = args.vocab_k is not None
+    if args.table_init_std is None:
+        args.table_init_std = 0.0 if args.engram_init == "rows-zero" else defaults.table_init_std
     if args.vocab_k is None:
         args.vocab_k = defaults.vocab_k
     problem = _settings_problem(args)
