@@ -58,6 +58,11 @@ def test_training_writes_every_artifact(trained_dir: Path) -> None:
     assert sweep[0]["multiple_of_tiny_buckets"] == 8
     assert sweep[1]["buckets_per_head"] == [6144, 4096, 2048]
     assert results["models"]["engram_x1"]["steps"] == 4
+    # Four steps of 2 x 64 tokens reach a small share of each table, larger for the
+    # table an eighth the size.
+    reached = [p["rows_reached"] for p in sweep]
+    assert len(reached[0]) == len(record["engram"]["engram_layers"])
+    assert all(0 < r < 1 for r in reached[0]) and reached[1][0] > reached[0][0]
 
 
 def test_packaged_model_fits_the_size_budget() -> None:
@@ -377,3 +382,46 @@ def test_rows_zero_learns_only_the_rows_training_reaches(engram_init: str) -> No
     assert not moved[~used].any()
     assert moved[used].all() == (engram_init == "rows-zero")
     assert moved.any() == (engram_init == "rows-zero")
+
+
+def test_rows_reached_counts_the_rows_of_the_trained_windows_only() -> None:
+    """rows_reached: the share of rows looked up at the input positions of the batches
+    trained, against a brute-force set over the same positions. Control: the positions
+    of the windows not trained hold rows of their own, which must not count."""
+    from engramrt_lab.models.train import OnePassWindows, rows_reached
+
+    seq_len, batch, steps, cols = 4, 2, 2, 3
+    num_tokens = 8 * seq_len + 1  # 8 windows, 4 batches: half of them trained
+    windows = OnePassWindows(num_tokens, seq_len, batch, seed=5, device=torch.device("cpu"))
+    num_rows = (97, 50)
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.stack(
+        [torch.randint(0, r, (num_tokens, cols), generator=generator) for r in num_rows], dim=1
+    ).int()  # [T, L, C]
+    trained = {int(w) for w in windows.order[: steps * batch]}
+    want = []
+    for layer, rows in enumerate(num_rows):
+        seen = {
+            int(ids[w * seq_len + j, layer, c])
+            for w in trained
+            for j in range(seq_len)
+            for c in range(cols)
+        }
+        want.append(round(len(seen) / rows, 6))
+    assert rows_reached(ids, windows, steps, num_rows) == want
+    # The untrained windows' rows: a value only they hold is outside the share.
+    untrained = sorted(set(range(windows.num_windows)) - trained)
+    ids[untrained[0] * seq_len, 0, 0] = 96
+    ids[[w * seq_len + j for w in trained for j in range(seq_len)], 0, :] %= 96
+    got = rows_reached(ids, windows, steps, num_rows)[0]
+    assert got * 97 == pytest.approx(
+        len(
+            {
+                int(v)
+                for v in ids[
+                    [w * seq_len + j for w in trained for j in range(seq_len)], 0, :
+                ].flatten()
+            }
+        )
+    )
+    assert rows_reached(ids, windows, windows.steps, num_rows)[0] > got

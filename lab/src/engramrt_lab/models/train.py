@@ -810,6 +810,9 @@ class _Outcome:
     per_token_gates: dict[int, np.ndarray] = field(default_factory=dict)
     """Engram models: per block, the stdlib held-out gate per prediction (see
     :func:`token_losses_and_gates`)."""
+    rows_reached: list[float] | None = None
+    """Engram models: the share of each table's rows training looked up
+    (:func:`rows_reached`)."""
 
     def record(self, settings: TrainSettings) -> dict[str, Any]:
         from engramrt_lab.models.lm import flops_per_token
@@ -829,6 +832,7 @@ class _Outcome:
             data["engram_layers"] = list(self.cfg.layer_ids)
             data["buckets_per_head"] = list(self.cfg.vocab_size)
             data["head_dim"] = self.cfg.head_dim
+            data["rows_reached"] = self.rows_reached
         data["losses"] = dict(self.losses)
         return data
 
@@ -1039,6 +1043,27 @@ def _engram_row_ids(
     return train_ids, report, ids, val_ids
 
 
+def rows_reached(
+    train_row_ids: torch.Tensor, windows: OnePassWindows, steps: int, num_rows: Sequence[int]
+) -> list[float]:
+    """The share of each table's rows that training looked up: ``train_row_ids [T, L, C]``
+    (the training stream's row ids), the input positions of the first ``steps`` batches
+    of ``windows``, table ``l`` of ``num_rows[l]`` rows. A row outside that share got no
+    gradient; the rest is what n-grams the tables hold share with each other."""
+    chosen = windows.order[: steps * windows.batch_size].to(train_row_ids.device)
+    positions = (
+        chosen[:, None] * windows.seq_len
+        + torch.arange(windows.seq_len, device=train_row_ids.device)[None, :]
+    ).flatten()
+    shares = []
+    for layer, rows in enumerate(num_rows):
+        hit = torch.zeros(rows, dtype=torch.bool, device=train_row_ids.device)
+        for col in range(train_row_ids.shape[2]):
+            hit[train_row_ids[positions, layer, col].long()] = True
+        shares.append(round(float(hit.float().mean()), 6))
+    return shares
+
+
 def _finish(run: _TrainRun, outcome: _Outcome, rows: RowsOf | None, ids: Any) -> _Outcome:
     """Evaluate a trained model on every evaluation set (``ids``: their row ids, or None
     for a dense model)."""
@@ -1093,10 +1118,16 @@ def _run_engram(run: _TrainRun, name: str, engram_cfg: EngramConfig) -> _Outcome
         validate=lambda: evaluate(model, rows, validation, val_ids),
         heldout=lambda: evaluate(model, rows, heldout, ids["heldout"]),
     )
-    del train_ids
     if first:
         schedule.update(steps=result.steps, schedule_steps=result.schedule_steps)
+    windows = OnePassWindows(
+        run.train_tokens.shape[0], settings.seq_len, settings.batch_size, settings.seed, device
+    )
+    reached = rows_reached(train_ids, windows, result.steps, engram_cfg.num_embeddings)
+    del train_ids
+    run.say(f"{name}: training looked up {[f'{r:.1%}' for r in reached]} of each table's rows")
     outcome = _finish(run, _Outcome(name, model_cfg, engram_cfg, model, tables, result), rows, ids)
+    outcome.rows_reached = reached
     outcome.ids = ids  # type: ignore[attr-defined]
     return outcome
 
@@ -1310,6 +1341,7 @@ def _sweep_entry(run: _TrainRun, name: str, cfg: EngramConfig) -> dict[str, Any]
         / (TODAY_BUCKETS * len(run.settings.buckets)),
         "buckets_per_head": list(cfg.vocab_size),
         "table_bytes_fp8": run.results["models"][name]["table_bytes_fp8"],
+        "rows_reached": run.results["models"][name]["rows_reached"],
         "losses": run.results["models"][name]["losses"],
     }
 
