@@ -63,6 +63,14 @@ def test_training_writes_every_artifact(trained_dir: Path) -> None:
     reached = [p["rows_reached"] for p in sweep]
     assert len(reached[0]) == len(record["engram"]["engram_layers"])
     assert all(0 < r < 1 for r in reached[0]) and reached[1][0] > reached[0][0]
+    # The memory's state at every validation: one entry per point of the validation
+    # curve, a gate in [0, 1] per Engram block and a row RMS per table.
+    curve = engram["engram_curve"]
+    assert [step for step, _ in curve] == [step for step, _ in engram["validation_curve"]]
+    blocks = {str(b) for b in engram["engram_layers"]}
+    assert all(set(state["gate"]) == blocks for _, state in curve)
+    assert all(0 <= g <= 1 for _, state in curve for g in state["gate"].values())
+    assert all(len(state["row_rms"]) == len(blocks) for _, state in curve)
 
 
 def test_packaged_model_fits_the_size_budget() -> None:
@@ -425,3 +433,22 @@ def test_rows_reached_counts_the_rows_of_the_trained_windows_only() -> None:
         )
     )
     assert rows_reached(ids, windows, windows.steps, num_rows)[0] > got
+
+
+def test_engram_state_means_the_gates_of_predictions_only() -> None:
+    """engram_state: a block's gate is the mean over positions < length - 1 of every
+    sequence (two batches concatenated in order), against a hand sum; padding positions
+    hold a gate of 9, which would show if they counted. row_rms is the table's RMS."""
+    from engramrt_lab.models.train import engram_state
+    from engramrt_lab.training import EngramTable
+
+    lengths = torch.tensor([4, 2, 3])
+    first = torch.tensor([[0.1, 0.2, 0.3, 9.0], [0.5, 9.0, 9.0, 9.0]])
+    second = torch.tensor([[0.7, 0.9, 9.0, 9.0]])
+    table = EngramTable(10, 32, init_std=0.0)
+    with torch.no_grad():
+        table.weight.fill_(0.5)
+    state = engram_state({3: [first, second]}, lengths, [table])
+    want = (0.1 + 0.2 + 0.3 + 0.5 + 0.7 + 0.9) / 6
+    assert state["gate"] == {"3": pytest.approx(want, abs=1e-5)}
+    assert state["row_rms"] == [0.5]

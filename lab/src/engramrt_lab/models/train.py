@@ -73,7 +73,7 @@ import shlex
 import shutil
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -329,13 +329,20 @@ class _EvalSet:
 
 @torch.no_grad()
 def evaluate(
-    model: TinyLM, rows_of: RowsOf | None, data: _EvalSet, row_ids: torch.Tensor | None
+    model: TinyLM,
+    rows_of: RowsOf | None,
+    data: _EvalSet,
+    row_ids: torch.Tensor | None,
+    gates: dict[int, list[torch.Tensor]] | None = None,
 ) -> float:
     """Mean next-token loss (nats) of ``data``'s sequences over their valid predictions
-    (Engram rows from ``rows_of`` by ``row_ids [M, S, L, C]`` unless either is None)."""
+    (Engram rows from ``rows_of`` by ``row_ids [M, S, L, C]`` unless either is None);
+    with ``gates``, each Engram block's gate of every batch is appended as in
+    :func:`engram_fns`."""
     total = torch.zeros((), dtype=torch.float64, device=data.tokens.device)
     count = 0
-    for chunk, logits in _batched_logits(model, rows_of, data.tokens, row_ids, batch_size=16):
+    batches = _batched_logits(model, rows_of, data.tokens, row_ids, 16, gates)
+    for chunk, logits in batches:
         loss, n = next_token_loss_sum(logits, data.tokens[chunk], data.lengths[chunk])
         total += loss.double()
         count += n
@@ -813,6 +820,9 @@ class _Outcome:
     rows_reached: list[float] | None = None
     """Engram models: the share of each table's rows training looked up
     (:func:`rows_reached`)."""
+    engram_curve: list[list[Any]] | None = None
+    """Engram models: ``[[step, engram_state], ...]`` at every validation
+    (:func:`engram_state`: the mean gate per block, each table's row RMS)."""
 
     def record(self, settings: TrainSettings) -> dict[str, Any]:
         from engramrt_lab.models.lm import flops_per_token
@@ -833,6 +843,7 @@ class _Outcome:
             data["buckets_per_head"] = list(self.cfg.vocab_size)
             data["head_dim"] = self.cfg.head_dim
             data["rows_reached"] = self.rows_reached
+            data["engram_curve"] = self.engram_curve
         data["losses"] = dict(self.losses)
         return data
 
@@ -1043,6 +1054,29 @@ def _engram_row_ids(
     return train_ids, report, ids, val_ids
 
 
+def engram_state(
+    gates: Mapping[int, Sequence[torch.Tensor]],
+    lengths: torch.Tensor,
+    tables: Sequence[EngramTable],
+) -> dict[str, Any]:
+    """What an Engram model's memory looks like at one evaluation: ``gate``, each block's
+    mean gate over the predictions of the sequences evaluated (``gates``: that block's
+    ``[B, S]`` gates of each batch, in order; ``lengths [M]``: the sequences' valid
+    tokens, so positions ``< length - 1`` are predictions), and ``row_rms``, each table's
+    root mean square value."""
+    state: dict[str, Any] = {"gate": {}, "row_rms": []}
+    for block, parts in gates.items():
+        values = torch.cat(list(parts)).double()  # [M, S]
+        mask = torch.arange(values.shape[1], device=values.device)[None, :] < (
+            lengths.to(values.device)[:, None] - 1
+        )
+        state["gate"][str(block)] = round(float(values[mask].mean()), 5)
+    for table in tables:
+        weight = table.weight.detach()
+        state["row_rms"].append(round(float(weight.double().pow(2).mean().sqrt()), 6))
+    return state
+
+
 def rows_reached(
     train_row_ids: torch.Tensor, windows: OnePassWindows, steps: int, num_rows: Sequence[int]
 ) -> list[float]:
@@ -1104,6 +1138,14 @@ def _run_engram(run: _TrainRun, name: str, engram_cfg: EngramConfig) -> _Outcome
         f"{list(engram_cfg.vocab_size)}, tables {[tuple(t.weight.shape) for t in tables]}"
     )
     rows: RowsOf = lambda index, ids_: tables[index](ids_)  # noqa: E731
+    states: list[dict[str, Any]] = []
+
+    def validate() -> float:
+        gates: dict[int, list[torch.Tensor]] = {}
+        loss = evaluate(model, rows, validation, val_ids, gates)
+        states.append(engram_state(gates, validation.lengths, tables))
+        return loss
+
     first = not schedule
     result = train_model(
         name,
@@ -1115,7 +1157,7 @@ def _run_engram(run: _TrainRun, name: str, engram_cfg: EngramConfig) -> _Outcome
         steps=settings.steps if first else schedule["steps"],
         budget_s=run.budget if first else None,
         schedule_steps=None if first else schedule["schedule_steps"],
-        validate=lambda: evaluate(model, rows, validation, val_ids),
+        validate=validate,
         heldout=lambda: evaluate(model, rows, heldout, ids["heldout"]),
     )
     if first:
@@ -1128,6 +1170,9 @@ def _run_engram(run: _TrainRun, name: str, engram_cfg: EngramConfig) -> _Outcome
     run.say(f"{name}: training looked up {[f'{r:.1%}' for r in reached]} of each table's rows")
     outcome = _finish(run, _Outcome(name, model_cfg, engram_cfg, model, tables, result), rows, ids)
     outcome.rows_reached = reached
+    outcome.engram_curve = [
+        [step, state] for (step, _), state in zip(result.val_curve, states, strict=True)
+    ]
     outcome.ids = ids  # type: ignore[attr-defined]
     return outcome
 
