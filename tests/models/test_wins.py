@@ -92,3 +92,30 @@ def test_where_it_wins_script_on_a_trained_directory(trained_dir, tiny_sources, 
     assert a["trained_windows"] == 4 * 2  # 4 steps of 2 windows
     rows = a["categories"]["longest_seen"].values()
     assert sum(r["predictions"] for r in rows) == a["heldout_predictions"]
+
+
+def test_file_masks_partition_predictions_by_the_file_of_each_sequence() -> None:
+    """Three sequences cut from two files (the second and third from file b): each
+    file's mask holds exactly its sequences' valid predictions, the masks partition
+    the valid predictions, and a file no sequence comes from is left out. Offsets
+    outside the split and a doc_starts of the wrong length are refused, by name."""
+    from engramrt.errors import ValidationError
+    from engramrt_lab.models.wins import file_masks
+
+    files = ["a.py", "b.py", "c.py"]
+    doc_starts = np.array([0, 10, 30, 40])
+    lengths = np.array([4, 2, 5])
+    starts = np.array([3, 10, 22])
+    masks = file_masks(6, lengths, starts, doc_starts[:3], files[:2])
+    assert list(masks) == ["a.py", "b.py"]
+    assert masks["a.py"].shape == (3, 5)
+    assert masks["a.py"].sum() == 3 and masks["a.py"][0, :3].all()
+    assert masks["b.py"].sum() == 1 + 4 and not masks["b.py"][0].any()
+    valid = np.arange(1, 6)[None, :] < lengths[:, None]
+    assert np.array_equal(masks["a.py"] | masks["b.py"], valid)
+    assert not (masks["a.py"] & masks["b.py"]).any()
+    assert list(file_masks(6, lengths, starts, doc_starts, files)) == ["a.py", "b.py"]
+    with pytest.raises(ValidationError, match=r"starts holds offsets in \[3, 40\]"):
+        file_masks(6, lengths, np.array([3, 10, 40]), doc_starts, files)
+    with pytest.raises(ValidationError, match=r"doc_starts has shape \(2,\)"):
+        file_masks(6, lengths, starts, doc_starts[:2], files[:2])

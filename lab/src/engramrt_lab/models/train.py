@@ -1205,7 +1205,12 @@ def _run_dense(run: _TrainRun, name: str, model_cfg: LMConfig) -> _Outcome:
 def _where_it_wins(run: _TrainRun) -> Callable[[], dict[str, Any]]:
     """The held-out predictions by what the trained windows held: returns the function that
     computes the losses per category for the models trained so far."""
-    from engramrt_lab.models.wins import category_losses, category_masks, training_ngrams
+    from engramrt_lab.models.wins import (
+        category_losses,
+        category_masks,
+        file_masks,
+        training_ngrams,
+    )
 
     settings, segments = run.settings, run.heldout.segments
     windows = OnePassWindows(
@@ -1218,6 +1223,10 @@ def _where_it_wins(run: _TrainRun) -> Callable[[], dict[str, Any]]:
     used = windows.order[: run.schedule["steps"] * settings.batch_size].numpy() * settings.seq_len
     seen = training_ngrams(run.corpus.train.tokens[used[:, None] + np.arange(settings.seq_len + 1)])
     masks = category_masks(segments.tokens, segments.lengths, segments.lookback, seen)
+    split = run.corpus.heldout
+    masks["file"] = file_masks(
+        segments.tokens.shape[1], segments.lengths, segments.starts, split.doc_starts, split.files
+    )
 
     def wins() -> dict[str, Any]:
         return category_losses(

@@ -7,7 +7,7 @@ tokens before the sequence included through its lookback ids). Training
 windows the models trained on (every model of a run trains on the same
 windows).
 
-Two views, each a partition of the predictions:
+Three views, each a partition of the predictions:
 
 - ``longest_seen``: the longest ``n`` in 4, 3, 2 such that the n-gram
   ending at the target (``n - 1`` context tokens and the continuation) was
@@ -17,6 +17,9 @@ Two views, each a partition of the predictions:
 - ``context``: the 3-token context (the n-gram Engram's 4-gram head hashes at
   ``t``): ``"context seen, continuation seen"`` (its 4-gram was seen),
   ``"context seen, continuation new"``, ``"context unseen"``.
+- ``file``: the held-out file a prediction's sequence was cut from
+  (:func:`file_masks`): a set's mean over a few files can hang on one of
+  them, and this view shows which.
 
 :func:`category_masks` gives the masks; :func:`category_losses` the count,
 share and each model's mean loss per category and, beside them, each Engram
@@ -29,13 +32,20 @@ see the target, so the ``context`` view is the one it can answer to; in
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
 from engramrt.errors import ValidationError
 
-__all__ = ["category_losses", "category_masks", "gate_column", "ngram_keys", "training_ngrams"]
+__all__ = [
+    "category_losses",
+    "category_masks",
+    "file_masks",
+    "gate_column",
+    "ngram_keys",
+    "training_ngrams",
+]
 
 _MULT = np.uint64(0x9E3779B97F4A7C15)
 
@@ -117,6 +127,40 @@ def category_masks(
     return {
         view: {name: mask & valid for name, mask in cats.items()} for view, cats in views.items()
     }
+
+
+def file_masks(
+    width: int,
+    lengths: np.ndarray,
+    starts: np.ndarray,
+    doc_starts: np.ndarray,
+    files: Sequence[str],
+) -> dict[str, np.ndarray]:
+    """The ``file`` view: masks ``[M, S-1]`` of each file's valid predictions, in the
+    order of ``files`` (files no sequence comes from are left out).
+
+    ``width`` is ``S``, the sequences' padded length; ``lengths [M]`` and ``starts [M]`` as in
+    :class:`~engramrt_lab.models.corpus.EvalSegments`, ``doc_starts [D+1]`` and
+    ``files [D]`` as in :class:`~engramrt_lab.models.corpus.Split` (the split the
+    sequences were cut from): sequence ``i`` lies inside the document that holds
+    token ``starts[i]``.
+    """
+    lengths = np.asarray(lengths)
+    starts = np.asarray(starts)
+    doc_starts = np.asarray(doc_starts)
+    if doc_starts.shape != (len(files) + 1,):
+        raise ValidationError(
+            f"doc_starts has shape {doc_starts.shape}; expected ({len(files) + 1},), one "
+            f"offset per file and the end"
+        )
+    if starts.size and (starts.min() < 0 or starts.max() >= doc_starts[-1]):
+        raise ValidationError(
+            f"starts holds offsets in [{starts.min()}, {starts.max()}]; expected offsets in "
+            f"[0, {doc_starts[-1]}), the split's tokens"
+        )
+    doc = np.searchsorted(doc_starts, starts, side="right") - 1
+    valid = np.arange(1, width)[None, :] < lengths[:, None]
+    return {files[d]: valid & (doc == d)[:, None] for d in np.unique(doc)}
 
 
 def gate_column(model: str, block: int) -> str:
