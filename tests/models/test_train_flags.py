@@ -40,6 +40,8 @@ BAD_FLAGS = [
         "--table-init-std=0.5 with --engram-init=rows-zero",
     ),
     (["--engram-init", "zero"], "--engram-init: invalid choice: 'zero'"),
+    (["--gate-slope-floor", "0"], "--gate-slope-floor=0.0 must be a finite number >= 1e-06"),
+    (["--gate-slope-floor", "nan"], "--gate-slope-floor=nan"),
     (["--seed", "-3"], "--seed=-3"),
     (["--head-dim", "48"], "--head-dim=48"),
     (["--engram-layers", "1,1"], "--engram-layers=1,1"),
@@ -274,3 +276,29 @@ def test_engram_init_round_trips_through_the_recorded_command(tmp_path: Path) ->
     assert words[words.index("--engram-init") + 1] == "rows-zero"
     again = parse_args([*words[3:], *out])
     assert settings_record(again) == settings_record(rows_zero)
+
+
+def test_gate_slope_floor_reaches_every_engram_gate(
+    tmp_path: Path, tiny_sources, monkeypatch
+) -> None:
+    """--gate-slope-floor is the floor every Engram layer's training gate is called with
+    (the default's, 1e-6, when not given: the control that the recording reads the flag)."""
+    from engramrt_lab.models import lm
+    from engramrt_lab.models.train import main
+
+    from .conftest import TRAIN_ARGS
+
+    real = lm.engram_gate_train
+    floors: list[float] = []
+
+    def recording(inputs, *, slope_floor):
+        floors.append(slope_floor)
+        return real(inputs, slope_floor=slope_floor)
+
+    monkeypatch.setattr(lm, "engram_gate_train", recording)
+    stdlib, site = tiny_sources
+    for given, want in ((["--gate-slope-floor", "0.25"], 0.25), ([], 1e-6)):
+        floors.clear()
+        args = [*TRAIN_ARGS, "--steps", "1", "--stdlib-root", str(stdlib), "--site-dirs", str(site)]
+        assert main(["--out", str(tmp_path / f"m{want}"), *args, *given]) == 0
+        assert floors and set(floors) == {want}

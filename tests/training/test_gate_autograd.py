@@ -211,3 +211,60 @@ def test_bad_inputs_are_refused():
         engram_gate_train(
             GateInputs(hidden, kv, q_weight, k_weight, EPS, torch.ones(2, dtype=torch.int64))
         )
+
+
+def _reference_slope_floor(hidden, kv, q_weight, k_weight, eps, floor):
+    """The reference's forward with the backward slope of sign(dot) sqrt(|dot|) held at
+    0.5 / sqrt(floor) below |dot| = floor (straight-through: the value is the reference's,
+    the gradient a linear branch's below the floor), float64, for autograd."""
+    num_tokens, hc, dim = hidden.shape
+    keys = kv[:, : hc * dim].reshape(num_tokens, hc, dim)
+    value = kv[:, hc * dim :]
+    x_n = hidden * torch.rsqrt(hidden.square().mean(dim=-1, keepdim=True) + eps)
+    k_n = keys * torch.rsqrt(keys.square().mean(dim=-1, keepdim=True) + eps)
+    dot = (x_n * q_weight * k_weight * k_n).sum(dim=-1) / math.sqrt(dim)
+    exact = torch.sign(dot) * torch.sqrt(dot.abs().clamp_min(1e-6))
+    surrogate = torch.where(
+        dot.abs() >= floor,
+        torch.sign(dot) * torch.sqrt(dot.abs().clamp_min(floor)),
+        dot / (2 * math.sqrt(floor)),
+    )
+    s = exact.detach() + surrogate - surrogate.detach()
+    return hidden + torch.sigmoid(s).unsqueeze(-1) * value.unsqueeze(1)
+
+
+def test_slope_floor_bounds_the_backward_and_keeps_the_forward():
+    """slope_floor: the forward is the reference's bit for bit; the gradients equal
+    autograd of a straight-through reference whose slope is held at 0.5 / sqrt(floor)
+    below the floor. Control: a floor of 0.3 puts some of these tokens below it, and
+    there the exact backward (the default floor) differs."""
+    floor = 0.3
+    inputs = _inputs(12, 3, 8, torch.float64, seed=11, min_abs_dot=1e-3)
+    dots = _dots(*inputs)
+    assert bool((dots.abs() < floor).any()) and bool((dots.abs() >= floor).any())
+    grad_out = torch.randn(
+        12, 3, 8, generator=torch.Generator().manual_seed(2), dtype=torch.float64
+    )
+
+    def train(floor_):
+        return lambda h, kv, q, k: engram_gate_train(
+            GateInputs(h, kv, q, k, EPS), slope_floor=floor_
+        )
+
+    with torch.no_grad():
+        assert torch.equal(train(floor)(*inputs), train(1e-6)(*inputs))
+    got = _grads(train(floor), inputs, grad_out)
+    want = _grads(lambda *a: _reference_slope_floor(*a, EPS, floor), inputs, grad_out)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12)
+    exact = _grads(train(1e-6), inputs, grad_out)
+    assert not torch.allclose(got[1], exact[1])
+
+
+@pytest.mark.parametrize("floor", [0.0, 1e-7, float("nan"), float("inf")])
+def test_slope_floor_below_the_clamp_is_refused(floor):
+    inputs = _inputs(2, 1, 4, torch.float64, seed=1)
+    with pytest.raises(
+        ValidationError, match=f"slope_floor must be a finite number >= 1e-06.*got {floor}"
+    ):
+        engram_gate_train(GateInputs(*inputs, EPS), slope_floor=floor)

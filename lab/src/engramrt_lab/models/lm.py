@@ -52,6 +52,7 @@ from torch import nn
 
 from engramrt.errors import ValidationError
 from engramrt.gate import GateInputs, gate_values_reference
+from engramrt.gate.reference import MIN_ABS_DOT
 from engramrt_lab.training import engram_gate_train
 
 __all__ = [
@@ -347,6 +348,9 @@ class TrainEngramHead(nn.Module):
         self.wkv = nn.Linear(self.num_cols * self.head_dim, (hc + 1) * dim, bias=False)
         self.q_weight = nn.Parameter(torch.ones(hc, dim))
         self.k_weight = nn.Parameter(torch.ones(hc, dim))
+        self.slope_floor = MIN_ABS_DOT
+        """Training only: :func:`~engramrt_lab.training.engram_gate_train`'s
+        ``slope_floor`` (the default is the exact gradient); not a weight."""
 
     def forward(
         self,
@@ -373,7 +377,7 @@ class TrainEngramHead(nn.Module):
                 self.k_weight.float(),
                 self.eps,
             )
-            out = engram_gate_train(inputs)
+            out = engram_gate_train(inputs, slope_floor=self.slope_floor)
             if gates is not None:
                 with torch.no_grad():
                     values = gate_values_reference(*inputs[:5])  # [T, hc]

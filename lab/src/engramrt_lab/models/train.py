@@ -190,6 +190,10 @@ class TrainSettings:
     """Standard deviation of the tables' normal initialisation (``value-zero``: > 0, since
     rows at zero would get no gradient while the value part of ``wkv`` starts at zero;
     ``rows-zero``: 0)."""
+    gate_slope_floor: float = 1e-6
+    """The Engram gate's backward holds the slope of ``sqrt(|dot|)`` at
+    ``0.5 / sqrt(floor)`` below ``|dot| = floor`` (the default, the clamp's, is exact;
+    :func:`~engramrt_lab.training.engram_gate_train`)."""
     weight_decay: float = 0.1
     eval_sequences: int = 128
     val_sequences: int = 64
@@ -1128,6 +1132,8 @@ def _run_engram(run: _TrainRun, name: str, engram_cfg: EngramConfig) -> _Outcome
     model = TinyLM(model_cfg).to(device)
     if settings.engram_init == "rows-zero":
         model.engram_values_normal_()
+    for block in engram_cfg.layer_ids:
+        model.engram_head(block).slope_floor = settings.gate_slope_floor
     tables = [
         EngramTable(rows, engram_cfg.head_dim, init_std=settings.table_init_std, device=device)
         for rows in engram_cfg.num_embeddings
@@ -1769,6 +1775,11 @@ def _settings_problem(args: argparse.Namespace) -> str | None:
             return f"{flag(name)}={value} must be a finite positive number"
     if not math.isfinite(args.weight_decay) or args.weight_decay < 0:
         return f"--weight-decay={args.weight_decay} must be a finite number >= 0"
+    if not math.isfinite(args.gate_slope_floor) or args.gate_slope_floor < 1e-6:
+        return (
+            f"--gate-slope-floor={args.gate_slope_floor} must be a finite number >= 1e-06 "
+            f"(the gate's clamp of |dot|)"
+        )
     if args.engram_init == "rows-zero" and args.table_init_std != 0:
         return (
             f"--table-init-std={args.table_init_std} with --engram-init=rows-zero: the rows "
@@ -1883,6 +1894,13 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainSettings:
             type=float,
             default=None if name == "table_init_std" else getattr(defaults, name),
         )
+    parser.add_argument(
+        "--gate-slope-floor",
+        type=float,
+        default=defaults.gate_slope_floor,
+        help="the Engram gate's backward: below |dot| = this, the slope of sqrt(|dot|) is "
+        "held at 0.5/sqrt(this) (default 1e-6, the forward's clamp: the exact gradient)",
+    )
     parser.add_argument(
         "--engram-init",
         choices=ENGRAM_INITS,

@@ -25,6 +25,13 @@ Non-differentiable points, defined as torch's autograd of the reference
 ``|dot| >= 1e-6`` (at the floor itself too) and blocks it below. Below the
 floor the gate is the constant ``sigmoid(±1e-3)``, so its gradient is 0.
 
+With ``slope_floor`` above ``1e-6`` (training only; the forward is unchanged),
+the backward uses ``0.5 / sqrt(max(|dot|, slope_floor))`` for ``d s / d dot``:
+the exact slope where ``|dot| >= slope_floor`` and at most
+``0.5 / sqrt(slope_floor)`` below it, where the exact one grows to 500. A
+token whose key and query are nearly orthogonal then cannot send one step's
+gradient norm (and so the clipping of every dense gradient) through the gate.
+
 Math is in fp32 for fp32/bf16/fp16 inputs (float64 inputs stay float64, for
 gradcheck). The output is unrounded (the compute dtype), unlike the inference
 gate's bf16 store; gradients come back in each input's dtype.
@@ -76,6 +83,7 @@ class _EngramGate(torch.autograd.Function):
         k_weight: torch.Tensor,
         eps: float,
         token_mask: torch.Tensor | None,
+        slope_floor: float,
     ) -> torch.Tensor:
         num_tokens, hc, dim = hidden.shape
         dtype = _compute_dtype(hidden, kv, q_weight, k_weight)
@@ -94,6 +102,7 @@ class _EngramGate(torch.autograd.Function):
             x, keys, value, q_weight, k_weight, x_inv_rms, k_inv_rms, dot, gate, token_mask
         )
         ctx.input_dtypes = (hidden.dtype, kv.dtype, q_weight.dtype, k_weight.dtype)
+        ctx.slope_floor = slope_floor
         return out
 
     @staticmethod
@@ -116,8 +125,11 @@ class _EngramGate(torch.autograd.Function):
         # d s / d dot = sign(dot) * sign(dot) / (2 sqrt(|dot|)) (the outer sign's and
         # |dot|'s) where the clamp passes (|dot| >= floor, as torch's clamp_min
         # backward), else 0; dot != 0 there, so the two signs multiply to 1.
+        # A slope floor above the clamp's bounds the slope below it (training only).
         slope = torch.where(
-            abs_dot >= MIN_ABS_DOT, 0.5 / torch.sqrt(abs_dot.clamp_min(MIN_ABS_DOT)), 0.0
+            abs_dot >= MIN_ABS_DOT,
+            0.5 / torch.sqrt(abs_dot.clamp_min(max(ctx.slope_floor, MIN_ABS_DOT))),
+            0.0,
         )
         grad_dot = grad_gate * gate * (1 - gate) * slope / math.sqrt(dim)  # [T, hc]
         x_normed = x * x_inv_rms
@@ -137,10 +149,11 @@ class _EngramGate(torch.autograd.Function):
             (grad_weight * q_w).to(k_dtype),
             None,
             None,
+            None,
         )
 
 
-def engram_gate_train(inputs: GateInputs) -> torch.Tensor:
+def engram_gate_train(inputs: GateInputs, *, slope_floor: float = MIN_ABS_DOT) -> torch.Tensor:
     """The gated residual ``x + g * value`` of SPEC §8, differentiable in
     ``hidden``, ``kv``, ``q_weight`` and ``k_weight``.
 
@@ -150,6 +163,9 @@ def engram_gate_train(inputs: GateInputs) -> torch.Tensor:
             ``hc`` keys, one per stream, then the value; ``q_weight``,
             ``k_weight`` ``[hc, D]``; ``eps`` > 0; ``token_mask`` optional
             bool ``[T]``, False forces the token's gate to 0.
+        slope_floor: ``|dot|`` below which the backward holds the slope of the gate's
+            square root at ``0.5 / sqrt(slope_floor)`` (see the module docstring);
+            the default, the clamp's ``1e-6``, is the exact gradient.
 
     Returns:
         ``[T, hc, D]`` in the compute dtype (fp32, or float64 for float64 inputs).
@@ -188,6 +204,12 @@ def engram_gate_train(inputs: GateInputs) -> torch.Tensor:
             f"token_mask must be a bool tensor of shape [T] = ({num_tokens},), got shape "
             f"{tuple(token_mask.shape)} dtype {token_mask.dtype}",
         )
+    expect(
+        math.isfinite(slope_floor) and slope_floor >= MIN_ABS_DOT,
+        ValidationError,
+        f"slope_floor must be a finite number >= {MIN_ABS_DOT} (the clamp's floor), got "
+        f"{slope_floor}",
+    )
     # apply takes the fields one by one: autograd tracks only tensors passed directly.
-    out: torch.Tensor = _EngramGate.apply(*inputs)
+    out: torch.Tensor = _EngramGate.apply(*inputs, slope_floor)
     return out
