@@ -21,14 +21,20 @@ from engramrt_lab.training import gate as gate_module
 EPS = 1e-6
 
 
-def _reference_float64(hidden, kv, q_weight, k_weight, eps, token_mask=None):
-    """SPEC §8 transcribed in the inputs' dtype (float64 here), for autograd."""
+def _dot_and_value(hidden, kv, q_weight, k_weight, eps):
+    """SPEC §8's ``dot [T, hc]`` and the value ``[T, D]``, in the inputs' dtype."""
     num_tokens, hc, dim = hidden.shape
     keys = kv[:, : hc * dim].reshape(num_tokens, hc, dim)
-    value = kv[:, hc * dim :]
     x_n = hidden * torch.rsqrt(hidden.square().mean(dim=-1, keepdim=True) + eps)
     k_n = keys * torch.rsqrt(keys.square().mean(dim=-1, keepdim=True) + eps)
     dot = (x_n * q_weight * k_weight * k_n).sum(dim=-1) / math.sqrt(dim)
+    return dot, kv[:, hc * dim :]
+
+
+def _reference_float64(hidden, kv, q_weight, k_weight, eps, token_mask=None):
+    """SPEC §8 transcribed in the inputs' dtype (float64 here), for autograd."""
+    num_tokens = hidden.shape[0]
+    dot, value = _dot_and_value(hidden, kv, q_weight, k_weight, eps)
     gate = torch.sigmoid(torch.sign(dot) * torch.sqrt(dot.abs().clamp_min(1e-6)))
     out = hidden + gate.unsqueeze(-1) * value.unsqueeze(1)
     if token_mask is not None:
@@ -51,12 +57,8 @@ def _inputs(num_tokens, hc, dim, dtype, seed, min_abs_dot=1e-2):
 
 
 def _dots(hidden, kv, q_weight, k_weight):
-    num_tokens, hc, dim = hidden.shape
     with torch.no_grad():
-        keys = kv[:, : hc * dim].reshape(num_tokens, hc, dim)
-        x_n = hidden * torch.rsqrt(hidden.square().mean(dim=-1, keepdim=True) + EPS)
-        k_n = keys * torch.rsqrt(keys.square().mean(dim=-1, keepdim=True) + EPS)
-        return (x_n * q_weight * k_weight * k_n).sum(dim=-1) / math.sqrt(dim)
+        return _dot_and_value(hidden, kv, q_weight, k_weight, EPS)[0]
 
 
 def _grads(fn, inputs, grad_out):
@@ -217,12 +219,7 @@ def _reference_slope_floor(hidden, kv, q_weight, k_weight, eps, floor):
     """The reference's forward with the backward slope of sign(dot) sqrt(|dot|) held at
     0.5 / sqrt(floor) below |dot| = floor (straight-through: the value is the reference's,
     the gradient a linear branch's below the floor), float64, for autograd."""
-    num_tokens, hc, dim = hidden.shape
-    keys = kv[:, : hc * dim].reshape(num_tokens, hc, dim)
-    value = kv[:, hc * dim :]
-    x_n = hidden * torch.rsqrt(hidden.square().mean(dim=-1, keepdim=True) + eps)
-    k_n = keys * torch.rsqrt(keys.square().mean(dim=-1, keepdim=True) + eps)
-    dot = (x_n * q_weight * k_weight * k_n).sum(dim=-1) / math.sqrt(dim)
+    dot, value = _dot_and_value(hidden, kv, q_weight, k_weight, eps)
     exact = torch.sign(dot) * torch.sqrt(dot.abs().clamp_min(1e-6))
     surrogate = torch.where(
         dot.abs() >= floor,
