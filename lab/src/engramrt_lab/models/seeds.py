@@ -403,7 +403,7 @@ def markdown(summary: Mapping[str, Any]) -> str:
             "",
             f"where it wins, {view} (stdlib held-out):",
             "",
-            "| category | " + " | ".join(columns) + " |",
+            f"| {'file' if view == 'file' else 'category'} | " + " | ".join(columns) + " |",
             "| --- | " + " | ".join("---:" for _ in columns) + " |",
         ]
         for category, cell in categories.items():
