@@ -86,6 +86,7 @@ from engramrt._device import resolve_device
 from engramrt._io import staged_directory
 from engramrt.config import PRESETS, EngramConfig
 from engramrt.errors import ValidationError
+from engramrt.gate.reference import MIN_ABS_DOT
 from engramrt.hashing import HashBatch, HashConstants
 from engramrt.hashing.vectorized import hash_batch_torch
 from engramrt_lab.models import artifacts
@@ -190,7 +191,7 @@ class TrainSettings:
     """Standard deviation of the tables' normal initialisation (``value-zero``: > 0, since
     rows at zero would get no gradient while the value part of ``wkv`` starts at zero;
     ``rows-zero``: 0)."""
-    gate_slope_floor: float = 1e-6
+    gate_slope_floor: float = MIN_ABS_DOT
     """The Engram gate's backward holds the slope of ``sqrt(|dot|)`` at
     ``0.5 / sqrt(floor)`` below ``|dot| = floor`` (the default, the clamp's, is exact;
     :func:`~engramrt_lab.training.engram_gate_train`)."""
@@ -436,6 +437,10 @@ class OnePassWindows:
             raise ValidationError(f"step={step}; one pass has steps [0, {self.steps})")
         chosen = self.order[step * self.batch_size : (step + 1) * self.batch_size]
         return chosen * self.seq_len
+
+    def trained_starts(self, steps: int) -> torch.Tensor:
+        """``[steps B]`` first token of every window of the first ``steps`` batches."""
+        return self.order[: steps * self.batch_size] * self.seq_len
 
     def batch(self, step: int) -> torch.Tensor:
         """``[B, S+1]`` token indices of batch ``step``."""
@@ -1088,10 +1093,9 @@ def rows_reached(
     (the training stream's row ids), the input positions of the first ``steps`` batches
     of ``windows``, table ``l`` of ``num_rows[l]`` rows. A row outside that share got no
     gradient; the rest is what n-grams the tables hold share with each other."""
-    chosen = windows.order[: steps * windows.batch_size].to(train_row_ids.device)
+    starts = windows.trained_starts(steps).to(train_row_ids.device)
     positions = (
-        chosen[:, None] * windows.seq_len
-        + torch.arange(windows.seq_len, device=train_row_ids.device)[None, :]
+        starts[:, None] + torch.arange(windows.seq_len, device=train_row_ids.device)[None, :]
     ).flatten()
     shares = []
     for layer, rows in enumerate(num_rows):
@@ -1226,7 +1230,7 @@ def _where_it_wins(run: _TrainRun) -> Callable[[], dict[str, Any]]:
         settings.seed,
         torch.device("cpu"),
     )
-    used = windows.order[: run.schedule["steps"] * settings.batch_size].numpy() * settings.seq_len
+    used = windows.trained_starts(run.schedule["steps"]).numpy()
     seen = training_ngrams(run.corpus.train.tokens[used[:, None] + np.arange(settings.seq_len + 1)])
     masks = category_masks(segments.tokens, segments.lengths, segments.lookback, seen)
     split = run.corpus.heldout
@@ -1775,9 +1779,9 @@ def _settings_problem(args: argparse.Namespace) -> str | None:
             return f"{flag(name)}={value} must be a finite positive number"
     if not math.isfinite(args.weight_decay) or args.weight_decay < 0:
         return f"--weight-decay={args.weight_decay} must be a finite number >= 0"
-    if not math.isfinite(args.gate_slope_floor) or args.gate_slope_floor < 1e-6:
+    if not math.isfinite(args.gate_slope_floor) or args.gate_slope_floor < MIN_ABS_DOT:
         return (
-            f"--gate-slope-floor={args.gate_slope_floor} must be a finite number >= 1e-06 "
+            f"--gate-slope-floor={args.gate_slope_floor} must be a finite number >= {MIN_ABS_DOT} "
             f"(the gate's clamp of |dot|)"
         )
     if args.engram_init == "rows-zero" and args.table_init_std != 0:
