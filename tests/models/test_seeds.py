@@ -537,3 +537,63 @@ def test_aggregate_refuses_a_record_that_is_not_one(
     assert seeds_mod.main(["--seeds", "0,1", "--out", str(out), "--aggregate"]) == 2
     assert needle in capsys.readouterr().err
     assert not (out / seeds_mod.AGGREGATE_JSON).exists()
+
+
+def test_runs_of_some_models_merge_into_the_whole_run(
+    trained_dir: Path, tiny_sources: tuple[Path, Path], tmp_path: Path, capsys
+) -> None:
+    """Seeds 0 and 5 as two runs of ``--models`` into one DIR (the Engram model with the
+    x1 sweep point, then the two baselines): seed 0's merged record holds the models,
+    losses, sweep and where-it-wins split of the whole run of seed 0 (``trained_dir``),
+    value for value: a model of a run of some is the whole run's model. The aggregate is
+    over the merged records. Controls: a run trained otherwise, or a model in two runs,
+    is refused with the seed and what differs."""
+    from engramrt_lab.models.train import MODEL_NAMES
+
+    stdlib, site = tiny_sources
+    out = tmp_path / "runs"
+    args = ["--seeds", "0,5", "--out", str(out), *TRAIN_ARGS, "--stdlib-root", str(stdlib)]
+    args += ["--site-dirs", str(site)]
+    assert seeds_mod.main([*args, "--models", "engram", "--memory-sweep", "1,8"]) == 0
+    assert seeds_mod.main([*args, "--models", "baseline_wide,baseline"]) == 0
+    both = ["seed-{}-baseline+baseline_wide.json", "seed-{}-engram.json"]
+    assert sorted(p.name for p in out.glob("seed-*.json")) == [
+        name.format(seed) for seed in (0, 5) for name in both
+    ]
+    assert not list(out.glob("seed-*/")), "a run of some models writes no model directory"
+    whole = json.loads((trained_dir / "results.json").read_text())
+    parts = [json.loads((out / name.format(0)).read_text()) for name in both]
+    merged = seeds_mod.merge_records(parts)
+    assert set(merged["models"]) == set(whole["models"]) == {*MODEL_NAMES, "engram_x1"}
+    for name, model in whole["models"].items():
+        assert merged["models"][name]["losses"] == model["losses"], name
+    assert merged["where_it_wins"] == whole["where_it_wins"]
+    assert [p["losses"] for p in merged["memory_sweep"]] == [
+        p["losses"] for p in whole["memory_sweep"]
+    ]
+    summary = json.loads((out / seeds_mod.AGGREGATE_JSON).read_text())
+    assert summary["records"]["0"] == [name.format(0) for name in both]
+    for split in ("heldout", "package_heldout"):
+        for name in MODEL_NAMES:
+            got = summary["heldout_spread"][split][name]["per_seed"][0]
+            assert got == whole["models"][name]["losses"][split], (split, name)
+    assert summary["stopped_early"] == []
+
+    # Controls: seed 5's baselines trained with another learning rate; then the Engram
+    # model in both of seed 5's runs.
+    path = out / both[0].format(5)
+    good = path.read_text()
+    edited = json.loads(good)
+    edited["command"] += " --lr 0.01"
+    path.write_text(json.dumps(edited))
+    capsys.readouterr()
+    assert seeds_mod.main(["--seeds", "0,5", "--out", str(out), "--aggregate"]) == 2
+    err = capsys.readouterr().err
+    assert "seed 5" in err and "--lr 0.01" in err and "expected the same settings" in err, err
+    edited = json.loads(good)
+    edited["models"]["engram"] = parts[1]["models"]["engram"]
+    path.write_text(json.dumps(edited))
+    assert seeds_mod.main(["--seeds", "0,5", "--out", str(out), "--aggregate"]) == 2
+    assert "model 'engram' is in two runs of this seed" in capsys.readouterr().err
+    path.write_text(good)
+    assert seeds_mod.main(["--seeds", "0,5", "--out", str(out), "--aggregate"]) == 0

@@ -302,3 +302,48 @@ def test_gate_slope_floor_reaches_every_engram_gate(
         args = [*TRAIN_ARGS, "--steps", "1", "--stdlib-root", str(stdlib), "--site-dirs", str(site)]
         assert main(["--out", str(tmp_path / f"m{want}"), *args, *given]) == 0
         assert floors and set(floors) == {want}
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        ([], "--out is required: the model directory of the three models"),
+        (["--models", "engram,mamba"], "--models=engram,mamba names 'mamba'; expected distinct"),
+        (["--models", "baseline,baseline"], "--models=baseline,baseline is empty or repeats"),
+        (["--models", "engram", "--out", "m"], "--out='m' with --models=engram: a run of fewer"),
+        (["--models", "engram", "--steps", "4"], "--models=engram needs --results"),
+        (["--models", "engram", "--results", "r.json"], "--models=engram needs --steps"),
+        (
+            ["--models", "baseline", "--steps", "4", "--results", "r.json", "--memory-sweep", "1"],
+            "--memory-sweep with --models=baseline: the sweep's points are Engram models",
+        ),
+    ],
+)
+def test_models_flag_is_checked(capsys, tmp_path: Path, monkeypatch, args, needle) -> None:
+    """--models: which models, and what a run of some of them needs (one line, exit 2)."""
+    from engramrt_lab.models.train import parse_args
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exc:
+        parse_args(args)
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and needle in err, err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_models_round_trip_through_the_recorded_command(tmp_path: Path) -> None:
+    """A run of some models records --models (in training order) and parses back to the
+    same settings with --results; all three (the control) record no --models."""
+    import shlex
+
+    from engramrt_lab.models.train import MODEL_NAMES, parse_args, settings_record
+    from engramrt_lab.models.train import training_command as command
+
+    results = ["--results", str(tmp_path / "r.json")]
+    some = parse_args(["--models", "baseline_wide,engram", "--steps", "9", *results])
+    assert some.models == ("engram", "baseline_wide") and some.out is None
+    words = shlex.split(command(some))
+    assert words[words.index("--models") + 1] == "engram,baseline_wide"
+    assert settings_record(parse_args([*words[3:], *results])) == settings_record(some)
+    whole = parse_args(["--models", ",".join(MODEL_NAMES), "--out", str(tmp_path / "m")])
+    assert whole.models == MODEL_NAMES and "--models" not in command(whole)

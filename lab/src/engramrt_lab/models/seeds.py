@@ -37,6 +37,18 @@ command with ``--seed S --out DIR/seed-S --results DIR/seed-S.json``), refused u
 their training commands are the same but for ``--seed`` and each names its own seed,
 and folds into each ``DIR/seed-S`` that holds a model.
 
+With ``--models M1,M2`` (the training command's: some of ``engram``, ``baseline``,
+``baseline_wide``; ``--steps`` required) each seed's run trains only those models and
+writes no model directory: its record is ``DIR/seed-S-M1+M2.json``. The records of a
+seed's runs in DIR (``seed-S.json`` and every ``seed-S-*.json``) are merged before the
+aggregate (:func:`merge_records`: refused unless trained by the same command but for
+``--models``, with no model in two of them), so the models of one comparison can train
+in separate runs, at other times or on other machines::
+
+    python -m engramrt_lab.models.seeds --seeds 0,1,2 --out DIR --models engram --steps 1321 ...
+    python -m engramrt_lab.models.seeds --seeds 0,1,2 --out DIR --models baseline,baseline_wide \
+        --steps 1321 ...
+
 With ``--jobs J`` up to J seeds train at once, each in a process of its own, its
 output in ``DIR/seed-S.log``. On one GPU that saves only the processes' start (the
 corpus, about a minute each): the tiny model's training keeps an H200 busy, and four
@@ -116,8 +128,86 @@ def _seed_dir(out: Path, seed: int) -> Path:
     return out / f"seed-{seed}"
 
 
-def _seed_record(out: Path, seed: int) -> Path:
-    return out / f"seed-{seed}.json"
+def _seed_record(out: Path, seed: int, models: Sequence[str] | None = None) -> Path:
+    """``DIR/seed-S.json``, or ``DIR/seed-S-M1+M2.json`` for a run of some models."""
+    return out / (f"seed-{seed}.json" if not models else f"seed-{seed}-{'+'.join(models)}.json")
+
+
+def _seed_records(out: Path, seed: int) -> list[Path]:
+    """Every record of seed ``seed`` in ``out``: its run of all three models and its runs
+    of some (``seed-S-*.json``), sorted."""
+    whole = _seed_record(out, seed)
+    return ([whole] if whole.is_file() else []) + sorted(out.glob(f"seed-{seed}-*.json"))
+
+
+_WHICH_MODELS = ("--models", "--memory-sweep", "--compare-layers")
+"""The training command's flags that choose which models a run trains, not how."""
+
+
+def _without_models(command: str) -> list[str]:
+    """A training command's words without the flags of :data:`_WHICH_MODELS`."""
+    words = shlex.split(command)
+    return [
+        w
+        for i, w in enumerate(words)
+        if w not in _WHICH_MODELS and not (i and words[i - 1] in _WHICH_MODELS)
+    ]
+
+
+def merge_records(parts: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """One seed's record from the records of its runs of some models (``--models``):
+    their models, where-it-wins columns and memory-sweep points together. Refused
+    (:class:`ValueError`, naming what differs) unless the runs were trained alike: the
+    same command but for the flags that choose models (``--models``, ``--memory-sweep``,
+    ``--compare-layers``; so the same seed, steps and windows), models that
+    no two runs share, and the same predictions in every where-it-wins category. The
+    held-out summaries of a run of all three models are left out (each model's losses
+    stay in ``models``); the merged record is finished when every run is."""
+    if len(parts) == 1:
+        return dict(parts[0])
+    command = _without_models(str(parts[0].get("command", "")))
+    merged: dict[str, Any] = {
+        "command": shlex.join(command),
+        "steps": parts[0].get("steps"),
+        "models": {},
+        "where_it_wins": {},
+        "memory_sweep": [],
+    }
+    for part in parts:
+        other = _without_models(str(part.get("command", "")))
+        if other != command:
+            raise ValueError(
+                f"a run of this seed was trained by {shlex.join(other)!r}, another by "
+                f"{shlex.join(command)!r} (--models and the sweep aside); expected the same "
+                f"settings"
+            )
+        if part.get("steps") != merged["steps"]:
+            raise ValueError(
+                f"runs of this seed trained {part.get('steps')} and {merged['steps']} steps; "
+                f"expected one schedule"
+            )
+        for name, model in (part.get("models") or {}).items():
+            if name in merged["models"]:
+                raise ValueError(f"model {name!r} is in two runs of this seed; expected one")
+            merged["models"][name] = model
+        for view, categories in (part.get("where_it_wins") or {}).items():
+            for category, row in categories.items():
+                cell = merged["where_it_wins"].setdefault(view, {}).setdefault(category, {})
+                for column, value in row.items():
+                    if column in cell and cell[column] != value:
+                        raise ValueError(
+                            f"where it wins, {view} / {category}: {column} is {value} in one "
+                            f"run and {cell[column]} in another; expected the same predictions"
+                        )
+                    cell[column] = value
+        named = {p["name"] for p in merged["memory_sweep"]}
+        for point in part.get("memory_sweep") or []:
+            if point["name"] in named:
+                raise ValueError(f"sweep point {point['name']!r} is in two runs of this seed")
+            merged["memory_sweep"].append(point)
+    if all("seconds_total" in part for part in parts):
+        merged["seconds_total"] = sum(float(part["seconds_total"]) for part in parts)
+    return merged
 
 
 def _sweep_key(point: Mapping[str, Any], taken: Mapping[str, Any]) -> str:
@@ -452,6 +542,13 @@ def parse_args(
         "--seed S --out DIR/seed-S --results DIR/seed-S.json and the same other flags)",
     )
     parser.add_argument(
+        "--models",
+        default=None,
+        help="the training command's --models: a run of some models writes each seed's "
+        "record as DIR/seed-S-M1+M2.json (no model directory); the records of one seed's "
+        "runs are merged for the aggregate, so models trained at other times join it",
+    )
+    parser.add_argument(
         "--jobs",
         type=int,
         default=1,
@@ -474,28 +571,29 @@ def parse_args(
     if out.exists() and not out.is_dir():
         parser.error(f"--out={str(out)!r} exists and is not a directory")
     if args.aggregate:
-        if rest:
-            parser.error(
-                f"--aggregate trains nothing, so it takes no training flag; got {rest[0]!r}"
-            )
-        missing = [str(_seed_record(out, s)) for s in seeds if not _seed_record(out, s).is_file()]
+        if rest or args.models is not None:
+            flag = rest[0] if rest else "--models"
+            parser.error(f"--aggregate trains nothing, so it takes no training flag; got {flag!r}")
+        missing = [str(_seed_record(out, s)) for s in seeds if not _seed_records(out, s)]
         if missing:
             parser.error(
                 f"--aggregate needs every seed's record; {missing[0]!r} is missing (expected "
-                f"the --results of the training command run with --seed and --out DIR/seed-S)"
+                f"the --results of the training command run with --seed and --out DIR/seed-S, "
+                f"or seed-S-M1+M2.json of its runs of some --models)"
             )
         return seeds, out, [], args.jobs
+    given = [] if args.models is None else ["--models", args.models]
+    named = [n.strip() for n in (args.models or "").split(",")]
+    some = tuple(n for n in train.MODEL_NAMES if n in named)
+    some = () if some == train.MODEL_NAMES else some
     commands = []
     for seed in seeds:
-        command = [
-            *rest,
-            "--seed",
-            str(seed),
-            "--out",
-            str(_seed_dir(out, seed)),
-            "--results",
-            str(_seed_record(out, seed)),
-        ]
+        where = (
+            ["--results", str(_seed_record(out, seed, some))]
+            if some
+            else ["--out", str(_seed_dir(out, seed)), "--results", str(_seed_record(out, seed))]
+        )
+        command = [*rest, *given, "--seed", str(seed), *where]
         train.parse_args(command)  # exits 2, naming the flag, if it cannot work
         commands.append(command)
     return seeds, out, commands, args.jobs
@@ -555,19 +653,29 @@ def main(argv: Sequence[str] | None = None) -> int:
             return status
     records = {}
     for seed in seeds:
-        path = _seed_record(out, seed)
+        parts = []
+        for path in _seed_records(out, seed):
+            try:
+                part = json.loads(path.read_text(encoding="utf-8"))
+            except (OSError, ValueError) as error:
+                sys.stderr.write(
+                    f"{PROG}: error: {str(path)!r} is not a readable JSON record ({error}); "
+                    f"expected the --results of the training command; no aggregate written\n"
+                )
+                return 2
+            if not isinstance(part, dict):
+                sys.stderr.write(
+                    f"{PROG}: error: {str(path)!r} holds {type(part).__name__}; expected "
+                    f"the JSON object the training command's --results writes\n"
+                )
+                return 2
+            parts.append(part)
         try:
-            records[seed] = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, ValueError) as error:
+            records[seed] = merge_records(parts)
+        except ValueError as error:
+            names = ", ".join(p.name for p in _seed_records(out, seed))
             sys.stderr.write(
-                f"{PROG}: error: {str(path)!r} is not a readable JSON record ({error}); "
-                f"expected the --results of the training command; no aggregate written\n"
-            )
-            return 2
-        if not isinstance(records[seed], dict):
-            sys.stderr.write(
-                f"{PROG}: error: {str(path)!r} holds {type(records[seed]).__name__}; expected "
-                f"the JSON object the training command's --results writes\n"
+                f"{PROG}: error: seed {seed} ({names}): {error}; no aggregate written\n"
             )
             return 2
     return _write_aggregate(seeds, out, records, argv)
@@ -639,7 +747,7 @@ def _write_aggregate(
         return 2
     summary = aggregate(records)
     summary["command"] = " ".join([PROG, *(sys.argv[1:] if argv is None else argv)])
-    summary["records"] = {str(s): _seed_record(out, s).name for s in seeds}
+    summary["records"] = {str(s): [p.name for p in _seed_records(out, s)] for s in seeds}
     artifacts.write_json(out / AGGREGATE_JSON, summary)
     atomic_write_bytes(out / SUMMARY_MD, markdown(summary).encode("utf-8"))
     for seed in seeds:

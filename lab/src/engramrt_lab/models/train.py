@@ -49,6 +49,14 @@ What it does, in order (every stage prints a line, flushed):
 8. ``--memory-sweep`` and ``--compare-layers``: more Engram models, the same
    steps and windows, their results in ``--results`` (tables not kept).
 
+With ``--models`` naming fewer than all three models (e.g. ``--models engram
+--steps 1321 --results FILE``) a run trains only those (stages 1-5), then the
+where-it-wins split of them and, with the Engram model among them, stage 8; it
+writes no model directory (stages 6-7 need all three), so ``--out`` is left out
+and ``--results`` is its output. ``--steps`` is required there: runs of different
+models compare only on one schedule (:mod:`engramrt_lab.models.seeds` merges
+their records per seed).
+
 Every flag is checked before any work (a bad one: one line, exit status 2);
 a non-finite training loss stops the run (exit status 1) and no model is
 written. The model directory is written into a hidden staging directory
@@ -154,6 +162,10 @@ TOKENIZER_IDS = 129_280
 MAX_SEED = 2**63 - 1
 """--seed: torch's generators take a 64-bit seed."""
 
+MODEL_NAMES = ("engram", "baseline", "baseline_wide")
+"""The models of a run, in the order they train (``--models``): the Engram model, the same
+backbone without Engram, and the FLOP-matched wide baseline."""
+
 ENGRAM_INITS = ("value-zero", "rows-zero")
 """--engram-init: which of the value projection and the rows starts at zero."""
 
@@ -165,7 +177,9 @@ RowsOf = Callable[[int, torch.Tensor], torch.Tensor]
 class TrainSettings:
     """Everything the command line sets (see ``--help``)."""
 
-    out: Path
+    out: Path | None
+    """The model directory; None only for a run of fewer than all three models
+    (``models``), whose one output is the ``results`` record."""
     device: str = "auto"
     minutes: float = 1.5
     steps: int | None = None
@@ -204,6 +218,11 @@ class TrainSettings:
     engram_layers: tuple[int, ...] = (1, 2)
     buckets: tuple[int, ...] = (49_152, 32_768, 16_384)
     head_dim: int = 32
+    models: tuple[str, ...] = MODEL_NAMES
+    """The models to train, of :data:`MODEL_NAMES`, in that order; fewer than all three:
+    no model directory (it holds all three and the fp8 check), ``steps`` fixed and
+    ``results`` the record, so that runs of different models at different times compare
+    (:mod:`engramrt_lab.models.seeds` merges their records per seed)."""
     memory_sweep: tuple[float, ...] = ()
     compare_layers: tuple[int, ...] | None = None
     results: Path | None = None
@@ -863,7 +882,8 @@ class _TrainRun:
 
     settings: TrainSettings
     device: torch.device
-    out: Path
+    out: Path | None
+    """The model directory being written (None: a run of some models, no directory)."""
     began: float
     results: dict[str, Any]
     token_map: Any
@@ -891,6 +911,31 @@ class _TrainRun:
         if self.settings.results is not None:
             self.results["seconds_so_far"] = round(time.perf_counter() - self.began, 1)
             artifacts.write_json(Path(self.settings.results), self.results)
+
+    def model_dir(self) -> Path:
+        """The model directory being written; only a run of all three models has one."""
+        if self.out is None:
+            raise ValueError(
+                f"this run trains models {list(self.settings.models)}, not all of "
+                f"{list(MODEL_NAMES)}, and writes no model directory"
+            )
+        return self.out
+
+    def schedule_args(self) -> dict[str, Any]:
+        """``train_model``'s schedule arguments: the first model's from the settings (its
+        steps, or the ``--minutes`` budget), every later one's from the first's."""
+        if not self.schedule:
+            return {"steps": self.settings.steps, "budget_s": self.budget, "schedule_steps": None}
+        return {
+            "steps": self.schedule["steps"],
+            "budget_s": None,
+            "schedule_steps": self.schedule["schedule_steps"],
+        }
+
+    def fix_schedule(self, result: TrainResult) -> None:
+        """Keep the first model's schedule for the rest (no-op after it)."""
+        if not self.schedule:
+            self.schedule.update(steps=result.steps, schedule_steps=result.schedule_steps)
 
     def keep(self, outcome: _Outcome) -> None:
         self.outcomes[outcome.name] = outcome
@@ -920,18 +965,21 @@ def _compare_with_packaged_corpus(
         say(f"corpus: no packaged record to compare with ({type(exc).__name__})")
 
 
-def _prepare(settings: TrainSettings, began: float, out: Path) -> _TrainRun:
+def _prepare(settings: TrainSettings, began: float, out: Path | None) -> _TrainRun:
     """The corpus, the vocabulary and the evaluation sets of a run that writes its model
-    directory into ``out`` (the staging directory of ``settings.out``)."""
+    directory into ``out`` (the staging directory of ``settings.out``; None: a run of
+    some models, whose output is its record)."""
     from engramrt.tokenmap import TokenMap, load_tokenizer
 
     device = _resolve_device(settings.device)
     torch.manual_seed(settings.seed)
     say = settings.say
-    say(
-        f"engramrt_lab.models.train: out {settings.out} (written in {out.name}, swapped in when "
-        f"complete), device {device}, torch {torch.__version__}"
+    written = (
+        f"out {settings.out} (written in {out.name}, swapped in when complete)"
+        if out is not None
+        else f"models {','.join(settings.models)}, their record {settings.results}"
     )
+    say(f"engramrt_lab.models.train: {written}, device {device}, torch {torch.__version__}")
     results: dict[str, Any] = {"command": training_command(settings), "models": {}}
     tokenizer = load_tokenizer()
     token_map = TokenMap.from_tokenizer_file(use_cache=False)
@@ -1122,8 +1170,9 @@ def _finish(run: _TrainRun, outcome: _Outcome, rows: RowsOf | None, ids: Any) ->
 
 
 def _run_engram(run: _TrainRun, name: str, engram_cfg: EngramConfig) -> _Outcome:
-    """Train (and evaluate) an Engram model; the first one sets the schedule of the rest."""
-    settings, device, schedule = run.settings, run.device, run.schedule
+    """Train (and evaluate) an Engram model; the run's first model sets the schedule of the
+    rest."""
+    settings, device = run.settings, run.device
     validation, heldout = run.validation, run.heldout
     t0 = time.perf_counter()
     consts = HashConstants.from_config(engram_cfg, run.token_map)
@@ -1156,7 +1205,6 @@ def _run_engram(run: _TrainRun, name: str, engram_cfg: EngramConfig) -> _Outcome
         states.append(engram_state(gates, validation.lengths, tables))
         return loss
 
-    first = not schedule
     result = train_model(
         name,
         model,
@@ -1164,14 +1212,11 @@ def _run_engram(run: _TrainRun, name: str, engram_cfg: EngramConfig) -> _Outcome
         run.train_tokens,
         train_ids,
         settings,
-        steps=settings.steps if first else schedule["steps"],
-        budget_s=run.budget if first else None,
-        schedule_steps=None if first else schedule["schedule_steps"],
+        **run.schedule_args(),
         validate=validate,
         heldout=lambda: evaluate(model, rows, heldout, ids["heldout"]),
     )
-    if first:
-        schedule.update(steps=result.steps, schedule_steps=result.schedule_steps)
+    run.fix_schedule(result)
     windows = OnePassWindows(
         run.train_tokens.shape[0], settings.seq_len, settings.batch_size, settings.seed, device
     )
@@ -1188,7 +1233,8 @@ def _run_engram(run: _TrainRun, name: str, engram_cfg: EngramConfig) -> _Outcome
 
 
 def _run_dense(run: _TrainRun, name: str, model_cfg: LMConfig) -> _Outcome:
-    """Train (and evaluate) a model without Engram on the first model's schedule."""
+    """Train (and evaluate) a model without Engram; the run's first model sets the schedule
+    of the rest."""
     settings, validation, heldout = run.settings, run.validation, run.heldout
     torch.manual_seed(settings.seed)
     model = TinyLM(model_cfg).to(run.device)
@@ -1203,12 +1249,11 @@ def _run_dense(run: _TrainRun, name: str, model_cfg: LMConfig) -> _Outcome:
         run.train_tokens,
         None,
         settings,
-        steps=run.schedule["steps"],
-        budget_s=None,
-        schedule_steps=run.schedule["schedule_steps"],
+        **run.schedule_args(),
         validate=lambda: evaluate(model, None, validation, None),
         heldout=lambda: evaluate(model, None, heldout, None),
     )
+    run.fix_schedule(result)
     return _finish(run, _Outcome(name, model_cfg, None, model, [], result), None, None)
 
 
@@ -1262,7 +1307,7 @@ def _fp8_losses(run: _TrainRun) -> dict[str, float]:
     )
     from engramrt.lookup.tiers import DeviceOptions, TablePlacement
 
-    cfg, out, device, token_map = run.cfg, run.out, run.device, run.token_map
+    cfg, out, device, token_map = run.cfg, run.model_dir(), run.device, run.token_map
     engram = run.outcomes["engram"]
     work = out / "_work"
     work.mkdir(exist_ok=True)
@@ -1297,15 +1342,12 @@ def _fp8_losses(run: _TrainRun) -> dict[str, float]:
     return fp8
 
 
-_MODEL_NAMES = ("engram", "baseline", "baseline_wide")
-
-
 def _training_record(run: _TrainRun, fp8: dict[str, float], fp8_rel: float) -> dict[str, Any]:
     """The ``training`` record of ``model.json``."""
     outcomes, settings, segments = run.outcomes, run.settings, run.heldout.segments
 
     def losses_of(key: str) -> dict[str, float]:
-        values = {name: outcomes[name].losses[key] for name in _MODEL_NAMES}
+        values = {name: outcomes[name].losses[key] for name in MODEL_NAMES}
         values["engram_fp8"] = fp8[key]
         return values
 
@@ -1315,7 +1357,7 @@ def _training_record(run: _TrainRun, fp8: dict[str, float], fp8_rel: float) -> d
         "torch": torch.__version__,
         "corpus": run.corpus_record,
         "settings": settings_record(settings),
-        **{name: outcomes[name].record(settings) for name in _MODEL_NAMES},
+        **{name: outcomes[name].record(settings) for name in MODEL_NAMES},
         "heldout": {
             "sequences": segments.num_sequences,
             "predictions": segments.num_predictions,
@@ -1323,7 +1365,7 @@ def _training_record(run: _TrainRun, fp8: dict[str, float], fp8_rel: float) -> d
             "fp8_vs_float_relative": fp8_rel,
             "weights": "each model at its step of lowest validation loss (early stopping "
             "as a guard; one pass)",
-            "last_step_losses": {name: outcomes[name].run.last_heldout for name in _MODEL_NAMES},
+            "last_step_losses": {name: outcomes[name].run.last_heldout for name in MODEL_NAMES},
             "sample_sequences": run.sample.num_sequences,
             "sample_predictions": run.sample.num_predictions,
             "sample_losses": losses_of("sample"),
@@ -1343,7 +1385,7 @@ def _training_record(run: _TrainRun, fp8: dict[str, float], fp8_rel: float) -> d
 
 def _write_model_dir(run: _TrainRun, record: dict[str, Any], wide_cfg: LMConfig) -> None:
     """The weights, the held-out sample, ``model.json`` and the curves, into ``run.out``."""
-    out, outcomes, cfg, lm_cfg = run.out, run.outcomes, run.cfg, run.lm_cfg
+    out, outcomes, cfg, lm_cfg = run.model_dir(), run.outcomes, run.cfg, run.lm_cfg
     artifacts.save_weights(out / artifacts.ENGRAM_WEIGHTS, outcomes["engram"].model)
     artifacts.save_weights(out / artifacts.BASELINE_WEIGHTS, outcomes["baseline"].model)
     artifacts.save_weights(out / artifacts.BASELINE_WIDE_WEIGHTS, outcomes["baseline_wide"].model)
@@ -1383,16 +1425,16 @@ def _write_model_dir(run: _TrainRun, record: dict[str, Any], wide_cfg: LMConfig)
     run.save_results()
     _plot(
         out / artifacts.LOSS_CURVES,
-        {name: outcomes[name].run.losses for name in _MODEL_NAMES},
+        {name: outcomes[name].run.losses for name in MODEL_NAMES},
         record["heldout"]["losses"],
-        {name: outcomes[name].run.val_curve for name in _MODEL_NAMES},
+        {name: outcomes[name].run.val_curve for name in MODEL_NAMES},
     )
     run.say(f"model directory written in {record['seconds_total']} s")
     artifacts.write_json(
         out / artifacts.TRAIN_LOG,
         {
             "log": run.settings.log,
-            "losses": {name: outcomes[name].run.losses for name in _MODEL_NAMES},
+            "losses": {name: outcomes[name].run.losses for name in MODEL_NAMES},
             "record": record,
         },
     )
@@ -1459,9 +1501,12 @@ def train(settings: TrainSettings) -> dict[str, Any]:
     The model directory is written into a staging directory beside ``settings.out``
     (:func:`engramrt._io.staged_directory`) and put in its place in one rename once it
     is complete; a run that fails (or is killed) before that leaves ``settings.out``
-    as it was, an earlier model included.
+    as it was, an earlier model included. A run of some of the models
+    (``settings.models``) writes no directory: it returns its ``--results`` record.
     """
     began = time.perf_counter()
+    if settings.out is None:
+        return _train_some(settings, began)
     with staged_directory(settings.out) as staging:
         run = _prepare(settings, began, staging)
         record, wins = _train_and_write(run)
@@ -1474,12 +1519,40 @@ def train(settings: TrainSettings) -> dict[str, Any]:
     return record
 
 
+def _train_some(settings: TrainSettings, began: float) -> dict[str, Any]:
+    """``settings.models`` (some of the three) and the where-it-wins split of them, then
+    the memory sweep and the placement comparison when the Engram model is among them;
+    every stage rewrites the record (``settings.results``), which is returned."""
+    run = _prepare(settings, began, None)
+    for name in settings.models:
+        run.keep(_run_model(run, name))
+    wins = _where_it_wins(run)
+    run.results["where_it_wins"] = wins()
+    run.save_results()
+    if "engram" in settings.models:
+        _run_extras(run, wins)
+    run.results["seconds_total"] = round(time.perf_counter() - run.began, 1)
+    run.save_results()
+    run.say(f"done in {run.results['seconds_total']} s")
+    return run.results
+
+
+def _wide_cfg(run: _TrainRun) -> LMConfig:
+    """The FLOP-matched baseline: the backbone without Engram, its MLP widened."""
+    return dataclasses.replace(run.lm_cfg.baseline(), mlp_dim=wide_mlp_dim(run.lm_cfg))
+
+
+def _run_model(run: _TrainRun, name: str) -> _Outcome:
+    """Train (and evaluate) model ``name`` of :data:`MODEL_NAMES`."""
+    if name == "engram":
+        return _run_engram(run, name, run.cfg)
+    return _run_dense(run, name, run.lm_cfg.baseline() if name == "baseline" else _wide_cfg(run))
+
+
 def _train_and_write(run: _TrainRun) -> tuple[dict[str, Any], Callable[[], dict[str, Any]]]:
     """The three models, their fp8 check and the model directory, into ``run.out``."""
-    run.keep(_run_engram(run, "engram", run.cfg))
-    run.keep(_run_dense(run, "baseline", run.lm_cfg.baseline()))
-    wide_cfg = dataclasses.replace(run.lm_cfg.baseline(), mlp_dim=wide_mlp_dim(run.lm_cfg))
-    run.keep(_run_dense(run, "baseline_wide", wide_cfg))
+    for name in MODEL_NAMES:
+        run.keep(_run_model(run, name))
 
     t0 = time.perf_counter()
     wins = _where_it_wins(run)
@@ -1499,7 +1572,7 @@ def _train_and_write(run: _TrainRun) -> tuple[dict[str, Any], Callable[[], dict[
         f"(relative {fp8_rel:+.4%}), {time.perf_counter() - t0:.1f} s"
     )
     record = _training_record(run, fp8, fp8_rel)
-    _write_model_dir(run, record, wide_cfg)
+    _write_model_dir(run, record, _wide_cfg(run))
     return record, wins
 
 
@@ -1538,8 +1611,9 @@ def training_command(settings: TrainSettings) -> str:
     engramrt_lab.models.train`` and every flag whose setting differs from its default, but
     ``--out`` and ``--results`` (where this machine put the files); ``--stdlib-root`` and
     ``--site-dirs`` name their directories in angle brackets (``'<python3.12>'``),
-    placeholders for where they are on another machine. With ``--out DIR`` added it
-    trains the same models (the tests parse it back)."""
+    placeholders for where they are on another machine. With ``--out DIR`` added (``--results
+    FILE`` for a run of some ``--models``) it trains the same models (the tests parse it
+    back)."""
     defaults = TrainSettings(out=Path("."))
     words = [*PROG.split()]
     for item in dataclasses.fields(TrainSettings):
@@ -1622,6 +1696,10 @@ class _Parser(argparse.ArgumentParser):
 
 def _ints(text: str) -> tuple[int, ...]:
     return tuple(int(part) for part in text.split(","))
+
+
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(part.strip() for part in text.split(","))
 
 
 def _floats(text: str) -> tuple[float, ...]:
@@ -1750,6 +1828,40 @@ def _foreign_entries(out: Path, results: Path | None) -> list[str]:
     return foreign
 
 
+def _models_problem(args: argparse.Namespace) -> str | None:
+    """What ``--models`` cannot do with the other flags (and puts ``args.models`` in the
+    order of :data:`MODEL_NAMES`)."""
+    given = ",".join(args.models)
+    unknown = [name for name in args.models if name not in MODEL_NAMES]
+    if unknown or not args.models or len(set(args.models)) != len(args.models):
+        what = f"names {unknown[0]!r}" if unknown else "is empty or repeats a name"
+        return (
+            f"--models={given} {what}; expected distinct comma-separated names of "
+            f"{', '.join(MODEL_NAMES)}"
+        )
+    args.models = tuple(name for name in MODEL_NAMES if name in args.models)
+    if args.models == MODEL_NAMES:
+        if args.out is None:
+            return "--out is required: the model directory of the three models"
+        return None
+    if args.out is not None:
+        return (
+            f"--out={str(args.out)!r} with --models={given}: a run of fewer than all three "
+            f"models writes no model directory; leave --out out (its record is --results)"
+        )
+    if args.results is None:
+        return f"--models={given} needs --results: the record is the run's only output"
+    if args.steps is None:
+        return (
+            f"--models={given} needs --steps: models trained in separate runs compare only on "
+            f"one schedule, and --minutes fixes it from each run's own timing"
+        )
+    if "engram" not in args.models and (args.memory_sweep or args.compare_layers is not None):
+        flag = "--memory-sweep" if args.memory_sweep else "--compare-layers"
+        return f"{flag} with --models={given}: the sweep's points are Engram models; add engram"
+    return None
+
+
 def _settings_problem(args: argparse.Namespace) -> str | None:
     """The first flag that cannot work, as one sentence naming it and its value."""
 
@@ -1758,6 +1870,9 @@ def _settings_problem(args: argparse.Namespace) -> str | None:
 
     if args.steps is not None and args.steps < 1:
         return f"--steps={args.steps} must be at least 1"
+    problem = _models_problem(args)
+    if problem is not None:
+        return problem
     if args.eval_every < 1:
         return f"--eval-every={args.eval_every} must be at least 1"
     if not math.isfinite(args.minutes) or args.minutes <= 0:
@@ -1872,7 +1987,21 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainSettings:
         description="Train the tiny Engram LM and its baselines; write the model directory.",
     )
     defaults = TrainSettings(out=Path("."))
-    parser.add_argument("--out", type=Path, required=True, help="the model directory to write")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="the model directory to write (required but with --models of fewer than all "
+        "three, which write none)",
+    )
+    parser.add_argument(
+        "--models",
+        type=_names,
+        default=defaults.models,
+        help=f"the models to train, comma-separated, of {','.join(MODEL_NAMES)} (default all "
+        "three); fewer: no model directory, and --steps and --results are required (the "
+        "record is the run's output; the seeds command merges such records per seed)",
+    )
     parser.add_argument("--device", default="auto", help="auto, cpu or cuda[:i]")
     parser.add_argument(
         "--minutes",
@@ -1988,9 +2117,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stderr.write(f"python -m engramrt_lab.models.train: error: {exc}\n")
         return 2
     except OSError as exc:  # a full or read-only disk, mid-run: the staged model is dropped
+        kept = (
+            f"--out={str(settings.out)!r} is left as it was"
+            if settings.out is not None
+            else f"--results={str(settings.results)!r} holds the last complete record, if any"
+        )
         sys.stderr.write(
-            f"python -m engramrt_lab.models.train: error: writing the model failed: {exc}; "
-            f"--out={str(settings.out)!r} is left as it was\n"
+            f"python -m engramrt_lab.models.train: error: writing the model failed: {exc}; {kept}\n"
         )
         return 1
     return 0
