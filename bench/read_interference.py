@@ -91,13 +91,15 @@ def _spin_kernel() -> Any:
 
     @triton.jit
     def spin(out_ptr, ns):
+        # The clock read inline: a jit function takes no string held in a variable.
         pid = tl.program_id(0)
-        asm = "mov.u64 $0, %globaltimer;"
-        start = tl.inline_asm_elementwise(asm, "=l,r", [pid], dtype=tl.int64, is_pure=False, pack=1)
+        start = tl.inline_asm_elementwise(
+            "mov.u64 $0, %globaltimer;", "=l,r", [pid], dtype=tl.int64, is_pure=False, pack=1
+        )
         now = start
         while now - start < ns:
             now = tl.inline_asm_elementwise(
-                asm, "=l,r", [pid], dtype=tl.int64, is_pure=False, pack=1
+                "mov.u64 $0, %globaltimer;", "=l,r", [pid], dtype=tl.int64, is_pure=False, pack=1
             )
         tl.store(out_ptr + pid, now - start)
 
@@ -265,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps({k: v for k, v in result.items() if k != "cases"}, indent=1))
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=1) + "\n")
+        ro.write_report(str(args.out), result)
     return 0
 
 

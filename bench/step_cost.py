@@ -22,7 +22,11 @@ shapes, tables scaled to ``--table-gib`` GiB per layer, run through an
 
 Loops: ``sync`` waits for each step before planning the next (the next tokens come
 from this step's sampling); ``queued`` plans each step as soon as the last was
-launched. Workloads: ``decode`` (256 requests x 1 token, ``--ids`` random, text or
+launched; ``sync-prefetch`` waits for each step as ``sync`` does, but plans the next
+one right after launching this one, before the wait (an engine that calls
+``runtime.prefetch`` right after sampling, the next step's tokens being the sampler's
+output on the device: its hashing and lookups queue behind this step's kernels and run
+while the host waits). Workloads: ``decode`` (256 requests x 1 token, ``--ids`` random, text or
 Zipf) and ``prefill`` (8,192-token chunks of 512 sequences, eager and compiled
 only, the next chunk prefetched).
 
@@ -37,7 +41,11 @@ by the GPU: ``EngramRuntime(gpu_reads="all")``), ``default-worker`` and ``gpu-re
 (the same two with GPU-read batches sent through the worker thread, as the runtime did before
 it started them beside it), ``first`` and ``queued-first`` (host memory, GPU reads for the
 first Engram layer only and the CPU's gather, on a worker or queued, for the later ones:
-``EngramRuntime(gpu_reads="first")``, the default before 2026-12-04), and with ``--read-kernels``
+``EngramRuntime(gpu_reads="first")``, the default before 2026-12-04), ``default-high`` and
+``queued-first-high`` (``default`` and ``queued-first`` with their lookups on side streams of the
+highest CUDA priority: ``EngramRuntime(lookup_priority=...)``), ``inline`` (``default`` with
+its lookups on the step's stream inside ``plan``, before the blocks:
+``EngramRuntime(lookup_overlap="none")``), and with ``--read-kernels``
 ``read-R-W-P`` (the default with other settings for the GPU's reads: ``R`` rows per program,
 ``W`` warps, at most ``P`` programs). The host placements share one copy of the tables in host
 memory.
@@ -95,14 +103,23 @@ from engramrt.tokenmap import TokenMap
 MODES = ("eager", "compiled", "piecewise", "graph")
 PLACEMENTS = (
     "aa", "default", "thread", "queued", "queued-cpu", "gpu-reads", "default-worker",
-    "gpu-reads-worker", "first", "queued-first",
+    "gpu-reads-worker", "first", "queued-first", "default-high", "queued-first-high", "inline",
 )  # fmt: skip
 # EngramRuntime(gpu_reads=...) of the placements that set it (the others take the default).
 GPU_READS_OF = {
     "gpu-reads": "all", "gpu-reads-worker": "all", "first": "first", "queued-first": "first",
-    "queued-cpu": "sources",
+    "queued-cpu": "sources", "queued-first-high": "first",
 }  # fmt: skip
-LOOPS = ("sync", "queued")
+# Placements whose lookups run on side streams of the highest CUDA priority
+# (EngramRuntime(lookup_priority=...)); the others take the default, 0, the lowest. torch maps
+# a priority beyond the device's range to the nearest valid one, so this is the highest.
+HIGH_PRIORITY, HIGHEST_PRIORITY = ("default-high", "queued-first-high"), -100
+# Placements whose lookups run on the step's stream inside plan, before the blocks
+# (EngramRuntime(lookup_overlap="none")); the others beside the blocks.
+INLINE = ("inline",)
+
+
+LOOPS = ("sync", "queued", "sync-prefetch")
 WORKLOADS = ("decode", "prefill")
 IDS = ("random", "text", "zipf")
 PREFILL_MODES = ("eager", "compiled")
@@ -262,8 +279,8 @@ def synchronize() -> None:
 
 
 def run_steps(runner: Runner, batches: list[HashBatch], loop: str, prefetch: bool) -> float:
-    """ms per step of ``runner`` over ``batches``."""
-    sync = loop == "sync"
+    """ms per step of ``runner`` over ``batches`` (``loop``: see the module doc)."""
+    sync, early = loop in ("sync", "sync-prefetch"), loop == "sync-prefetch"
     synchronize()
     gc.collect()
     gc.disable()  # a collection inside a block is noise, not the placement's cost
@@ -276,6 +293,8 @@ def run_steps(runner: Runner, batches: list[HashBatch], loop: str, prefetch: boo
         else:
             runner.step()
         if i + 1 < len(batches):
+            if early and nxt is None:  # queued behind this step's kernels, before the wait
+                nxt = runner.plan(batches[i + 1])
             if sync:
                 synchronize()
             plan = nxt if nxt is not None else runner.plan(batches[i + 1])
@@ -555,7 +574,14 @@ def main(argv=None) -> dict:
     base = None
     for name in host_names:
         gather = "queued" if name.startswith("queued") else "thread"
-        if name in ("default", "gpu-reads", "default-worker", "gpu-reads-worker", "first"):
+        if name in (
+            "default",
+            "gpu-reads",
+            "default-worker",
+            "gpu-reads-worker",
+            "first",
+            "default-high",
+        ):
             gather = HostOptions().gather  # as shipped
         if name in args.read_kernels:
             gather = HostOptions().gather
@@ -603,6 +629,8 @@ def main(argv=None) -> dict:
                     max_requests=512,
                     validate=False,
                     **({"gpu_reads": GPU_READS_OF[placement]} if placement in GPU_READS_OF else {}),
+                    lookup_priority=HIGHEST_PRIORITY if placement in HIGH_PRIORITY else 0,
+                    lookup_overlap="none" if placement in INLINE else "side",
                 )
                 runtimes.append(runtime)
                 runner, skipped, check = None, None, {}

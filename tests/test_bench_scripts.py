@@ -920,6 +920,37 @@ def test_step_cost_runs_each_mode_in_a_process_of_its_own(tmp_path, monkeypatch)
     assert all(c["table_gib"] == 0.001 and c["check"]["passed"] for c in report["cases"])
 
 
+def test_step_cost_loops_order_plans_steps_and_waits(monkeypatch) -> None:
+    """Each loop's order of plans, steps and waits over two steps: ``sync`` plans the next
+    step after the wait, ``sync-prefetch`` before it (right after launching this one),
+    ``queued`` never waits between steps."""
+    step_cost = _load("step_cost")
+    events: list[str] = []
+
+    class Recorder(step_cost.Runner):
+        def __init__(self) -> None:
+            pass
+
+        def plan(self, batch):
+            events.append(f"plan{batch}")
+            return batch
+
+        def step(self) -> None:
+            events.append("step")
+
+    monkeypatch.setattr(step_cost, "synchronize", lambda: events.append("wait"))
+    expected = {
+        "sync": ["wait", "plan0", "step", "wait", "plan1", "step", "wait"],
+        "sync-prefetch": ["wait", "plan0", "step", "plan1", "wait", "step", "wait"],
+        "queued": ["wait", "plan0", "step", "plan1", "step", "wait"],
+    }
+    assert set(expected) == set(step_cost.LOOPS)
+    for loop, order in expected.items():
+        events.clear()
+        step_cost.run_steps(Recorder(), [0, 1], loop, prefetch=False)
+        assert events == order, loop
+
+
 def test_step_cost_argument_filter() -> None:
     step_cost = _load("step_cost")
     argv = ["--modes", "a,b", "--x", "1", "--out=o.json", "--process-per-mode", "--modes=c"]
@@ -1014,6 +1045,31 @@ def test_copy_engine_reads_addresses_rows_and_needs_a_gpu(capsys) -> None:
     assert study.row_addresses(4096, ids) == [4096, 4096 + 3 * 264, 4096 + 1_000_000_007 * 264]
     if not torch.cuda.is_available():
         assert study.main(["--rows", "4"]) == 2
+        assert "needs a CUDA device" in capsys.readouterr().err
+
+
+def test_read_interference_parses_its_sides_and_needs_a_gpu(capsys) -> None:
+    """Every default side parses to a kind and valid settings; bad specs are refused by
+    name before any table is filled; without CUDA the study refuses."""
+    import torch
+
+    from engramrt.lookup.settings import LookupKernelConfig
+
+    study = _load("read_interference")
+    default = LookupKernelConfig(rows_per_program=16)
+    kinds = [study.parse_side(s)[0] for s in study.DEFAULT_SIDES]
+    assert set(kinds) == {"uva", "device", "spin"}
+    assert study.kernel_config("default", default) is default
+    got = study.kernel_config("8:1:-", default)
+    assert (got.rows_per_program, got.num_warps, got.max_programs) == (8, 1, None)
+    assert study.kernel_config("32:4:16", default).max_programs == 16
+    assert study.spin_args("132:50") == (132, 50.0)
+    for bad, word in (("uva[1:2]", "R:W:P"), ("spin[0:5]", "P >= 1"), ("disk[1:1:1]", "expected")):
+        with pytest.raises(SystemExit):
+            study.main(["--sides", bad])
+        assert word in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        assert study.main(["--sides", "spin[1:5]"]) == 2
         assert "needs a CUDA device" in capsys.readouterr().err
 
 
