@@ -20,8 +20,8 @@ shapes, tables scaled to ``--table-gib`` GiB per layer, run through an
   placements whose sources need no host thread can be captured; the others are
   reported as skipped, with the reason.
 
-Loops: ``sync`` waits for each step before planning the next (the next tokens come
-from this step's sampling); ``queued`` plans each step as soon as the last was
+Loops: ``sync`` waits for each step (its stream, where an engine's sampled tokens are)
+before planning the next (the next tokens come from this step's sampling); ``queued`` plans each step as soon as the last was
 launched; ``sync-prefetch`` waits for each step as ``sync`` does, but plans the next
 one right after launching this one, before the wait (an engine that calls
 ``runtime.prefetch`` right after sampling, the next step's tokens being the sampler's
@@ -117,6 +117,10 @@ HIGH_PRIORITY, HIGHEST_PRIORITY = ("default-high", "queued-first-high"), -100
 # Placements whose lookups run on the step's stream inside plan, before the blocks
 # (EngramRuntime(lookup_overlap="none")); the others beside the blocks.
 INLINE = ("inline",)
+# Host placements whose host tier gathers as shipped (HostOptions().gather).
+AS_SHIPPED = (
+    "default", "gpu-reads", "default-worker", "gpu-reads-worker", "first", "default-high", "inline",
+)  # fmt: skip
 
 
 LOOPS = ("sync", "queued", "sync-prefetch")
@@ -278,6 +282,30 @@ def synchronize() -> None:
         torch.cuda.synchronize()
 
 
+def wait_for_step() -> None:
+    """What a synchronous engine waits for between steps: the step's stream, where its
+    sampled tokens are (lookups queued on side streams for the next step run on)."""
+    if torch.cuda.is_available():
+        torch.cuda.current_stream().synchronize()
+
+
+def host_gather_of(name: str, read_kernels: dict) -> str:
+    """The host tier's gather of host placement ``name``: the shipped one, in stream order
+    for the ``queued*`` placements, or on a worker thread."""
+    if name in AS_SHIPPED or name in read_kernels:
+        return HostOptions().gather
+    return "queued" if name.startswith("queued") else "thread"
+
+
+def runtime_options(placement: str) -> dict[str, Any]:
+    """The :class:`EngramRuntime` arguments that ``placement`` sets (the others as shipped)."""
+    return {
+        **({"gpu_reads": GPU_READS_OF[placement]} if placement in GPU_READS_OF else {}),
+        "lookup_priority": HIGHEST_PRIORITY if placement in HIGH_PRIORITY else 0,
+        "lookup_overlap": "none" if placement in INLINE else "side",
+    }
+
+
 def run_steps(runner: Runner, batches: list[HashBatch], loop: str, prefetch: bool) -> float:
     """ms per step of ``runner`` over ``batches`` (``loop``: see the module doc)."""
     sync, early = loop in ("sync", "sync-prefetch"), loop == "sync-prefetch"
@@ -295,8 +323,8 @@ def run_steps(runner: Runner, batches: list[HashBatch], loop: str, prefetch: boo
         if i + 1 < len(batches):
             if early and nxt is None:  # queued behind this step's kernels, before the wait
                 nxt = runner.plan(batches[i + 1])
-            if sync:
-                synchronize()
+            if sync:  # the host waits for the step's stream (its sampled tokens), not the device
+                wait_for_step()
             plan = nxt if nxt is not None else runner.plan(batches[i + 1])
     synchronize()
     elapsed = time.perf_counter() - start
@@ -573,18 +601,7 @@ def main(argv=None) -> dict:
     host_names = sorted((p for p in args.placements if p != "aa"), key="queued-cpu".__eq__)
     base = None
     for name in host_names:
-        gather = "queued" if name.startswith("queued") else "thread"
-        if name in (
-            "default",
-            "gpu-reads",
-            "default-worker",
-            "gpu-reads-worker",
-            "first",
-            "default-high",
-        ):
-            gather = HostOptions().gather  # as shipped
-        if name in args.read_kernels:
-            gather = HostOptions().gather
+        gather = host_gather_of(name, args.read_kernels)
         stores[name] = host_stores(
             layout,
             device,
@@ -628,9 +645,7 @@ def main(argv=None) -> dict:
                     max_tokens=T,
                     max_requests=512,
                     validate=False,
-                    **({"gpu_reads": GPU_READS_OF[placement]} if placement in GPU_READS_OF else {}),
-                    lookup_priority=HIGHEST_PRIORITY if placement in HIGH_PRIORITY else 0,
-                    lookup_overlap="none" if placement in INLINE else "side",
+                    **runtime_options(placement),
                 )
                 runtimes.append(runtime)
                 runner, skipped, check = None, None, {}

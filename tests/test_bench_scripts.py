@@ -922,8 +922,8 @@ def test_step_cost_runs_each_mode_in_a_process_of_its_own(tmp_path, monkeypatch)
 
 def test_step_cost_loops_order_plans_steps_and_waits(monkeypatch) -> None:
     """Each loop's order of plans, steps and waits over two steps: ``sync`` plans the next
-    step after the wait, ``sync-prefetch`` before it (right after launching this one),
-    ``queued`` never waits between steps."""
+    step after waiting for the step's stream, ``sync-prefetch`` before it (right after
+    launching this one), ``queued`` never waits between steps."""
     step_cost = _load("step_cost")
     events: list[str] = []
 
@@ -938,11 +938,12 @@ def test_step_cost_loops_order_plans_steps_and_waits(monkeypatch) -> None:
         def step(self) -> None:
             events.append("step")
 
-    monkeypatch.setattr(step_cost, "synchronize", lambda: events.append("wait"))
-    expected = {
-        "sync": ["wait", "plan0", "step", "wait", "plan1", "step", "wait"],
-        "sync-prefetch": ["wait", "plan0", "step", "plan1", "wait", "step", "wait"],
-        "queued": ["wait", "plan0", "step", "plan1", "step", "wait"],
+    monkeypatch.setattr(step_cost, "synchronize", lambda: events.append("device"))
+    monkeypatch.setattr(step_cost, "wait_for_step", lambda: events.append("wait"))
+    expected = {  # timed from an idle device to an idle device; between steps, the step's stream
+        "sync": ["device", "plan0", "step", "wait", "plan1", "step", "device"],
+        "sync-prefetch": ["device", "plan0", "step", "plan1", "wait", "step", "device"],
+        "queued": ["device", "plan0", "step", "plan1", "step", "device"],
     }
     assert set(expected) == set(step_cost.LOOPS)
     for loop, order in expected.items():
