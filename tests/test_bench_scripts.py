@@ -1074,6 +1074,25 @@ def test_read_interference_parses_its_sides_and_needs_a_gpu(capsys) -> None:
         assert "needs a CUDA device" in capsys.readouterr().err
 
 
+def test_host_inline_reads_parses_its_variants_and_needs_a_gpu(capsys) -> None:
+    """The reference comes first whatever the order given, repeats drop, and a variant it
+    does not know or a host gather with no thread is refused by name; without CUDA the
+    study refuses."""
+    import torch
+
+    study = _load("host_inline_reads")
+    assert study.parse_variants("uva,host16,device,uva") == ["device", "uva", "host16"]
+    for bad, word in (("uva,gpu", "'gpu'"), ("host0", "at least one thread"), ("hostx", "hostN")):
+        with pytest.raises(ValueError, match=word):
+            study.parse_variants(bad)
+    with pytest.raises(SystemExit):
+        study.main(["--variants", "host0"])
+    assert "at least one thread" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        assert study.main(["--variants", "uva"]) == 2
+        assert "needs a CUDA device" in capsys.readouterr().err
+
+
 def test_profile_ple_layer_sweeps_valid_settings_and_needs_a_gpu(capsys) -> None:
     """Every value the sweep tries is a valid launch setting of its field (the config
     refuses others), each field's default among them; without CUDA the script refuses."""
