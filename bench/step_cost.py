@@ -21,14 +21,14 @@ shapes, tables scaled to ``--table-gib`` GiB per layer, run through an
   reported as skipped, with the reason.
 
 Loops: ``sync`` waits for each step (its stream, where an engine's sampled tokens are)
-before planning the next (the next tokens come from this step's sampling); ``queued`` plans each step as soon as the last was
-launched; ``sync-prefetch`` waits for each step as ``sync`` does, but plans the next
-one right after launching this one, before the wait (an engine that calls
-``runtime.prefetch`` right after sampling, the next step's tokens being the sampler's
-output on the device: its hashing and lookups queue behind this step's kernels and run
-while the host waits). Workloads: ``decode`` (256 requests x 1 token, ``--ids`` random, text or
-Zipf) and ``prefill`` (8,192-token chunks of 512 sequences, eager and compiled
-only, the next chunk prefetched).
+before planning the next (the next tokens come from this step's sampling); ``queued``
+plans each step as soon as the last was launched; ``sync-prefetch`` waits for each step
+as ``sync`` does, but plans the next one right after launching this one, before the wait
+(an engine that calls ``runtime.prefetch`` right after sampling, the next step's tokens
+being the sampler's output on the device: its hashing and lookups queue behind this
+step's kernels and run while the host waits). Workloads: ``decode`` (256 requests x 1
+token, ``--ids`` random, text or Zipf) and ``prefill`` (8,192-token chunks of 512
+sequences, eager and compiled only, the next chunk prefetched).
 
 Placements, each a runtime over its own tables: ``device`` (GPU memory, the
 reference), ``aa`` (a second runtime over the same GPU tables: the A/A control),
@@ -121,8 +121,6 @@ INLINE = ("inline",)
 AS_SHIPPED = (
     "default", "gpu-reads", "default-worker", "gpu-reads-worker", "first", "default-high", "inline",
 )  # fmt: skip
-
-
 LOOPS = ("sync", "queued", "sync-prefetch")
 WORKLOADS = ("decode", "prefill")
 IDS = ("random", "text", "zipf")

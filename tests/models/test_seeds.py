@@ -88,6 +88,53 @@ def test_aggregate_equals_independent_mean_and_sample_std() -> None:
     assert "± " in text and "x1" in text and "context unseen" in text
 
 
+def test_the_seen_view_weighs_the_unseen_categories_by_their_predictions() -> None:
+    """The aggregate's ``seen`` view: "4-gram seen" as the record has it, "4-gram unseen"
+    every other ``longest_seen`` category, each column their prediction-weighted mean
+    (an empty category left out), over seeds like any category; a record without
+    ``longest_seen`` gets no such view."""
+    column = gate_column("engram", 3)
+    sizes = {"4-gram seen": 50, "3-gram seen, 4-gram not": 30, "2-gram seen, 3-gram not": 10,
+             "bigram unseen": 0}  # fmt: skip
+    records: dict[int, Any] = {}
+    rng = np.random.default_rng(11)
+    for seed in (0, 1, 2):
+        record = _record(rng)
+        view = {}
+        for name, n in sizes.items():
+            row: dict[str, Any] = {"predictions": n, "share": n / 90}
+            for key in ("engram", "baseline", column):
+                row[key] = float(rng.uniform(1, 3)) if n else None
+            view[name] = row
+        record["where_it_wins"]["longest_seen"] = view
+        records[seed] = record
+    summary = seeds_mod.aggregate(records)
+    assert next(iter(summary["unseen"])) == "seen"
+    seen = summary["unseen"]["seen"]
+    for key in ("engram", "baseline", column):
+        per_seed = []
+        for seed in (0, 1, 2):
+            view = records[seed]["where_it_wins"]["longest_seen"]
+            per_seed.append((30 * view["3-gram seen, 4-gram not"][key]
+                             + 10 * view["2-gram seen, 3-gram not"][key]) / 40)  # fmt: skip
+            # Negative control: the categories' plain mean is not it.
+            plain = (
+                view["3-gram seen, 4-gram not"][key] + view["2-gram seen, 3-gram not"][key]
+            ) / 2
+            assert abs(per_seed[-1] - plain) > 1e-9
+        got = seen["4-gram unseen"][key]
+        assert got["per_seed"] == pytest.approx(per_seed, abs=TOL)
+        assert abs(got["mean"] - statistics.fmean(per_seed)) < TOL
+        assert seen["4-gram seen"][key]["per_seed"] == [
+            records[s]["where_it_wins"]["longest_seen"]["4-gram seen"][key] for s in (0, 1, 2)
+        ]
+    assert seen["4-gram unseen"]["predictions"]["per_seed"] == [40.0, 40.0, 40.0]
+    assert "4-gram unseen" in seeds_mod.markdown(summary)
+    for record in records.values():
+        del record["where_it_wins"]["longest_seen"]
+    assert "seen" not in seeds_mod.aggregate(records)["unseen"]
+
+
 def test_aggregate_leaves_out_what_a_seed_lacks() -> None:
     rng = np.random.default_rng(4)
     records = {0: _record(rng), 1: _record(rng, package=False)}

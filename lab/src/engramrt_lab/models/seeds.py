@@ -22,7 +22,9 @@ initialisation and the order of the training windows. Then it writes
   memory-sweep point (``sweep``, keyed by its multiple of the ``tiny`` preset's
   buckets, the main Engram model included) and for every where-it-wins
   category's losses and Engram gates (``unseen``: predictions split by
-  whether their n-grams were seen in training, :mod:`engramrt_lab.models.wins`);
+  whether their n-grams were seen in training, :mod:`engramrt_lab.models.wins`,
+  first the ``seen`` view: the predictions whose 4-gram training saw and the
+  rest, :func:`seen_view`);
   the per-seed values beside each; ``stopped_early``, the seeds whose record is of a
   run stopped before its end (its finished models only); written atomically;
 - ``DIR/seeds.md``: the same as short Markdown tables (mean ± std [min, max]);
@@ -215,6 +217,48 @@ def _sweep_key(point: Mapping[str, Any], taken: Mapping[str, Any]) -> str:
     return key if key not in taken else f"{key} ({point['name']})"
 
 
+SEEN_VIEW, SEEN, UNSEEN = "seen", "4-gram seen", "4-gram unseen"
+"""The aggregate's view of each record's ``longest_seen`` categories folded in two
+(:func:`seen_view`): the predictions whose 4-gram (three context tokens and the
+continuation) training saw, and the rest."""
+
+
+def seen_view(longest: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[str, Any]] | None:
+    """One record's ``longest_seen`` view (:mod:`engramrt_lab.models.wins`) folded into
+    :data:`SEEN` (that category as it is) and :data:`UNSEEN` (every other category:
+    ``predictions`` and ``share`` summed, every other column the prediction-weighted mean
+    of the categories' means, a category with no predictions left out); None when the
+    view has no :data:`SEEN` category, or another category no count. A column some
+    non-empty category lacks is left out."""
+    if SEEN not in longest:
+        return None
+    others = [row for name, row in longest.items() if name != SEEN]
+    if not others or not all(isinstance(row.get("predictions"), int) for row in others):
+        return None
+    counted = [row for row in others if row["predictions"] > 0]
+    total = sum(row["predictions"] for row in counted)
+    unseen: dict[str, Any] = {
+        "predictions": total,
+        "share": round(sum(float(row.get("share") or 0.0) for row in others), 4),
+    }
+    for column in dict.fromkeys(c for row in counted for c in row):
+        values = [row.get(column) for row in counted]
+        if column in unseen or not all(isinstance(v, (int, float)) for v in values):
+            continue
+        unseen[column] = (
+            sum(r["predictions"] * v for r, v in zip(counted, values, strict=True)) / total
+        )
+    return {SEEN: dict(longest[SEEN]), UNSEEN: unseen}
+
+
+def _with_seen_view(wins: Any) -> Any:
+    """A record's ``where_it_wins`` with :data:`SEEN_VIEW` first, where it can be made."""
+    if not isinstance(wins, Mapping) or not isinstance(wins.get("longest_seen"), Mapping):
+        return wins
+    view = seen_view(wins["longest_seen"])
+    return wins if view is None else {SEEN_VIEW: view, **wins}
+
+
 def aggregate(records: Mapping[int, Mapping[str, Any]]) -> dict[str, Any]:
     """The aggregate of per-seed records (``--results`` JSONs of the training command,
     by seed): means and spreads (:func:`spread`) of every held-out loss, sweep point and
@@ -236,6 +280,7 @@ def aggregate(records: Mapping[int, Mapping[str, Any]]) -> dict[str, Any]:
                 if not isinstance(record.get(split), Mapping)
             },
             "sweep_by_name": {p["name"]: p for p in record.get("memory_sweep") or []},
+            "where_it_wins": _with_seen_view(record.get("where_it_wins")),
         }
         for seed, record in records.items()
     }
