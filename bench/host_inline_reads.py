@@ -68,6 +68,60 @@ def quartiles(values: list[float]) -> dict[str, float]:
     return {"p25_pct": round(q[0], 2), "median_pct": round(q[1], 2), "p75_pct": round(q[2], 2)}
 
 
+def capture_pieces(
+    device: torch.device, n_blocks: int, rows: torch.Tensor
+) -> list[torch.cuda.CUDAGraph]:
+    """The decode blocks as CUDA graphs split at :data:`SPLITS`, each piece after the first
+    starting with its Engram layer's rows (``rows[layer]``) folded into the hidden state."""
+    weights = [
+        tuple(
+            torch.randn(shape, device=device, dtype=torch.bfloat16) * 0.02
+            for shape in ((ro.D, 3 * ro.D), (ro.D, ro.D), (ro.D, 2 * ro.FFN), (ro.FFN, ro.D))
+        )
+        for _ in range(n_blocks)
+    ]
+
+    def blocks(h: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+        for b in range(lo, hi):
+            h = ro.run_block(h, weights[b])
+            h = h * torch.rsqrt(h.float().square().mean(-1, keepdim=True) + 1e-6).to(h.dtype)
+        return h
+
+    bounds = [0, *SPLITS, n_blocks]
+    graphs: list[torch.cuda.CUDAGraph] = []
+    h_in = torch.randn(TOKENS, ro.D, device=device, dtype=torch.bfloat16)
+    for piece in range(len(bounds) - 1):
+        lo, hi = bounds[piece], bounds[piece + 1]
+
+        def run(h_in=h_in, lo=lo, hi=hi, piece=piece) -> torch.Tensor:
+            h = h_in
+            if piece > 0:  # the Engram layer at block lo: its rows folded in
+                h = h + rows[piece - 1].view(TOKENS, -1)[:, : ro.D]
+            return blocks(h, lo, hi)
+
+        graph, h_in = ro.capture(run)
+        graphs.append(graph)
+    return graphs
+
+
+def summary(
+    variants: list[str], ms: dict[str, list[float]], host_us: dict[str, list[float]]
+) -> dict[str, dict[str, Any]]:
+    """Per variant: its median ms per step, its cost against ``device`` (median and
+    quartiles of the per-round costs) and the host's median µs per layer (``hostN``)."""
+    out: dict[str, dict[str, Any]] = {}
+    for variant in variants:
+        entry: dict[str, Any] = {"ms": round(statistics.median(ms[variant]), 4)}
+        if variant != "device":
+            pct = [100 * (1 - d / v) for v, d in zip(ms[variant], ms["device"], strict=True)]
+            entry.update(quartiles(pct))
+        for key, values in host_us.items():
+            if key.startswith(variant + "/"):
+                entry[f"host_us_{key.split('/')[1]}"] = round(statistics.median(values), 1)
+        out[variant] = entry
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--table-gib", type=float, default=8.0)
@@ -111,35 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     stage = torch.empty((len(SPLITS), ROWS, ROW_BYTES), dtype=torch.uint8).pin_memory()
     rows = torch.empty((len(SPLITS), ROWS, 1, E), dtype=torch.bfloat16, device=device)
 
-    weights = [
-        tuple(
-            torch.randn(shape, device=device, dtype=torch.bfloat16) * 0.02
-            for shape in ((ro.D, 3 * ro.D), (ro.D, ro.D), (ro.D, 2 * ro.FFN), (ro.FFN, ro.D))
-        )
-        for _ in range(args.blocks)
-    ]
-    x = torch.randn(TOKENS, ro.D, device=device, dtype=torch.bfloat16)
-
-    def blocks(h: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
-        for b in range(lo, hi):
-            h = ro.run_block(h, weights[b])
-            h = h * torch.rsqrt(h.float().square().mean(-1, keepdim=True) + 1e-6).to(h.dtype)
-        return h
-
-    bounds = [0, *SPLITS, args.blocks]
-    graphs: list[torch.cuda.CUDAGraph] = []
-    h_in = x
-    for piece in range(len(bounds) - 1):
-        lo, hi = bounds[piece], bounds[piece + 1]
-
-        def run(h_in=h_in, lo=lo, hi=hi, piece=piece) -> torch.Tensor:
-            h = h_in
-            if piece > 0:  # the Engram layer at block lo: its rows folded in
-                h = h + rows[piece - 1].view(TOKENS, -1)[:, : ro.D]
-            return blocks(h, lo, hi)
-
-        graph, h_in = ro.capture(run)
-        graphs.append(graph)
+    graphs = capture_pieces(device, args.blocks, rows)
 
     main_stream = torch.cuda.current_stream()
     side = torch.cuda.Stream(device)
@@ -225,17 +251,9 @@ def main(argv: list[str] | None = None) -> int:
         "method": "synchronous loop (the host waits for the step's stream after each step), "
         "wall ms per step; cost per round against device, median and quartiles over rounds",
         "rows_equal": checks,
-        "variants": {},
+        "variants": summary(variants, ms, host_us),
     }
-    for variant in variants:
-        entry: dict[str, Any] = {"ms": round(statistics.median(ms[variant]), 4)}
-        if variant != "device":
-            pct = [100 * (1 - d / v) for v, d in zip(ms[variant], ms["device"], strict=True)]
-            entry.update(quartiles(pct))
-        for key, values in host_us.items():
-            if key.startswith(variant + "/"):
-                entry[f"host_us_{key.split('/')[1]}"] = round(statistics.median(values), 1)
-        result["variants"][variant] = entry
+    for variant, entry in result["variants"].items():
         print(variant, entry, flush=True)
     print({"rows_equal": checks})
     if args.out is not None:

@@ -1088,6 +1088,17 @@ def test_host_inline_reads_parses_its_variants_and_needs_a_gpu(capsys) -> None:
     with pytest.raises(SystemExit):
         study.main(["--variants", "host0"])
     assert "at least one thread" in capsys.readouterr().err
+    # Each variant's cost is per round against the reference of that round.
+    got = study.summary(
+        ["device", "host4"],
+        {"device": [1.0, 2.0, 1.0], "host4": [1.1, 2.0, 1.25]},
+        {"host4/layer0": [10.0, 30.0, 20.0], "host16/layer0": [99.0]},
+    )
+    assert got["device"] == {"ms": 1.0}
+    assert got["host4"]["median_pct"] == pytest.approx(100 * (1 - 1 / 1.1), abs=0.01)
+    assert got["host4"]["p25_pct"] == pytest.approx(100 * (1 - 1 / 1.1) / 2, abs=0.01)
+    assert got["host4"]["p75_pct"] == pytest.approx((100 * (1 - 1 / 1.1) + 20) / 2, abs=0.01)
+    assert got["host4"]["host_us_layer0"] == 20.0 and got["host4"]["ms"] == 1.25
     if not torch.cuda.is_available():
         assert study.main(["--variants", "uva"]) == 2
         assert "needs a CUDA device" in capsys.readouterr().err
