@@ -46,8 +46,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import runtime_overhead as ro
+from read_interference import ROW_BYTES, E, filled_store
 
-ROW_BYTES, E, TOKENS, COLS = 264, 256, 256, 24
+TOKENS, COLS = 256, 24
 ROWS = TOKENS * COLS  # a decode-256 step's rows per layer
 SPLITS = (1, 14)  # the Engram layers' blocks
 
@@ -145,13 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cuda", torch.cuda.current_device())
     num_rows = int(args.table_gib * 2**30) // ROW_BYTES
     rng = np.random.default_rng(0)
-    fill = torch.from_numpy(rng.integers(0, 120, (1 << 20, ROW_BYTES), dtype=np.uint8))
-    tables = {}
-    for tier in ("device", "uva"):
-        tables[tier] = make_store(TablePlacement(tier, device=device), num_rows=num_rows, E=E)
-        for start in range(0, num_rows, fill.shape[0]):
-            count = min(fill.shape[0], num_rows - start)
-            tables[tier].write_rows(start, fill[:count])
+    tables = {tier: filled_store(tier, device, num_rows) for tier in ("device", "uva")}
     host_table = tables["uva"].source  # the pinned rows the GPU reads and the CPU gathers
     staged = [
         make_store(TablePlacement("device", device=device), num_rows=ROWS, E=E) for _ in SPLITS

@@ -50,6 +50,20 @@ DEFAULT_SIDES = (
 )  # fmt: skip
 
 
+def filled_store(tier: str, device: torch.device, num_rows: int) -> Any:
+    """A store of tier ``tier`` holding ``num_rows`` packed rows (E = 256): one pattern of
+    2**20 pseudo-random rows (seed 0) repeated, the same bytes for every tier."""
+    from engramrt.lookup.tiers import TablePlacement, make_store
+
+    store = make_store(TablePlacement(tier, device=device), num_rows=num_rows, E=E)
+    rng = np.random.default_rng(0)
+    fill = torch.from_numpy(rng.integers(0, 120, (1 << 20, ROW_BYTES), dtype=np.uint8))
+    for start in range(0, num_rows, fill.shape[0]):
+        count = min(fill.shape[0], num_rows - start)
+        store.write_rows(start, fill[:count])
+    return store
+
+
 def parse_side(text: str) -> tuple[str, str]:
     """``KIND[ARGS]`` -> (kind, args), kind one of uva, device, spin."""
     kind, _, rest = text.partition("[")
@@ -171,13 +185,11 @@ def main(argv: list[str] | None = None) -> int:
         print("read_interference: needs a CUDA device (none here)", file=sys.stderr)
         return 2
     from engramrt.lookup.settings import check_kernel_config
-    from engramrt.lookup.tiers import TablePlacement, make_store
     from engramrt.lookup.tiers.uva import UVA_KERNEL
 
     device = torch.device("cuda", torch.cuda.current_device())
     num_rows = int(args.table_gib * 2**30) // ROW_BYTES
     rng = np.random.default_rng(0)
-    fill = torch.from_numpy(rng.integers(0, 120, (1 << 20, ROW_BYTES), dtype=np.uint8))
     row_ids = torch.from_numpy(rng.integers(0, num_rows, args.rows)).to(device).view(-1, 1)
     out = torch.empty((args.rows, 1, E), dtype=torch.bfloat16, device=device)
     stores: dict[str, Any] = {}
@@ -186,11 +198,7 @@ def main(argv: list[str] | None = None) -> int:
         """The ``kind`` tier's one store (filled once), its kernel set to ``spec``'s (a
         kernel store reads its ``kernel`` at every lookup)."""
         if kind not in stores:
-            store = make_store(TablePlacement(kind, device=device), num_rows=num_rows, E=E)
-            for start in range(0, num_rows, fill.shape[0]):
-                count = min(fill.shape[0], num_rows - start)
-                store.write_rows(start, fill[:count])
-            stores[kind] = store
+            stores[kind] = filled_store(kind, device, num_rows)
         stores[kind].kernel = check_kernel_config(kernel_config(spec, UVA_KERNEL))
         return stores[kind]
 
