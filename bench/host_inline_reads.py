@@ -47,6 +47,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import runtime_overhead as ro
 from read_interference import ROW_BYTES, E, filled_store
+from step_cost import Backbone
 
 TOKENS, COLS = 256, 24
 ROWS = TOKENS * COLS  # a decode-256 step's rows per layer
@@ -74,20 +75,7 @@ def capture_pieces(
 ) -> list[torch.cuda.CUDAGraph]:
     """The decode blocks as CUDA graphs split at :data:`SPLITS`, each piece after the first
     starting with its Engram layer's rows (``rows[layer]``) folded into the hidden state."""
-    weights = [
-        tuple(
-            torch.randn(shape, device=device, dtype=torch.bfloat16) * 0.02
-            for shape in ((ro.D, 3 * ro.D), (ro.D, ro.D), (ro.D, 2 * ro.FFN), (ro.FFN, ro.D))
-        )
-        for _ in range(n_blocks)
-    ]
-
-    def blocks(h: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
-        for b in range(lo, hi):
-            h = ro.run_block(h, weights[b])
-            h = h * torch.rsqrt(h.float().square().mean(-1, keepdim=True) + 1e-6).to(h.dtype)
-        return h
-
+    backbone = Backbone(ro.block_weights(n_blocks, device))
     bounds = [0, *SPLITS, n_blocks]
     graphs: list[torch.cuda.CUDAGraph] = []
     h_in = torch.randn(TOKENS, ro.D, device=device, dtype=torch.bfloat16)
@@ -98,7 +86,7 @@ def capture_pieces(
             h = h_in
             if piece > 0:  # the Engram layer at block lo: its rows folded in
                 h = h + rows[piece - 1].view(TOKENS, -1)[:, : ro.D]
-            return blocks(h, lo, hi)
+            return backbone.blocks(h, lo, hi)
 
         graph, h_in = ro.capture(run)
         graphs.append(graph)

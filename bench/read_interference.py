@@ -202,13 +202,7 @@ def main(argv: list[str] | None = None) -> int:
         stores[kind].kernel = check_kernel_config(kernel_config(spec, UVA_KERNEL))
         return stores[kind]
 
-    weights = [
-        tuple(
-            torch.randn(shape, device=device, dtype=torch.bfloat16) * 0.02
-            for shape in ((ro.D, 3 * ro.D), (ro.D, ro.D), (ro.D, 2 * ro.FFN), (ro.FFN, ro.D))
-        )
-        for _ in range(args.blocks)
-    ]
+    weights = ro.block_weights(args.blocks, device)
     x = torch.randn(args.tokens, ro.D, device=device, dtype=torch.bfloat16)
 
     def blocks() -> None:

@@ -210,6 +210,16 @@ def scaled_config(table_gib: float, layer_ids: tuple[int, ...] | None = None):
     return cfg.replace(num_embeddings=needed)
 
 
+def block_weights(count, device, generator=None):
+    """``count`` dense blocks' weights (QKV, output, gated FFN in and out): normal * 0.02,
+    bf16, drawn from ``generator`` (None: torch's default)."""
+
+    def w(*shape):
+        return (torch.randn(*shape, device=device, generator=generator) * 0.02).bfloat16()
+
+    return [(w(D, 3 * D), w(D, D), w(D, 2 * FFN), w(FFN, D)) for _ in range(count)]
+
+
 def make_backbone(cfg, device):
     """The dense blocks' weights and the two Engram heads (random weights, no checks)."""
     g = torch.Generator(device=device).manual_seed(0)
@@ -217,7 +227,7 @@ def make_backbone(cfg, device):
     def w(*shape):
         return (torch.randn(*shape, device=device, generator=g) * 0.02).bfloat16()
 
-    blocks = [(w(D, 3 * D), w(D, D), w(D, 2 * FFN), w(FFN, D)) for _ in range(BLOCKS)]
+    blocks = block_weights(BLOCKS, device, g)
     heads = []
     for _ in range(2):
         # On a CPU (a smoke run) the plain torch gate: Triton's interpreter is far too slow.
