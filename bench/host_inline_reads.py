@@ -1,9 +1,9 @@
-"""Rows from host memory with no multiprocessor held: a decode step's cost, prototyped.
+"""Rows from host memory with no kernel beside the blocks: a decode step's cost, prototyped.
 
-BENCHMARKS.md ("What slows the blocks beside a GPU read"): a GPU read of host rows beside
-the blocks costs them its duration plus a GEMM tile's, whatever it reads. A lookup that
-holds no multiprocessor while a GEMM runs is the CPU's gather into pinned memory and a
-copy by a copy engine. This study times that design in a synchronous decode loop before
+BENCHMARKS.md ("What slows the blocks beside a GPU read"): any kernel beside the blocks
+slows them, whatever it reads, however few multiprocessors it holds and however long it
+runs. A lookup that runs no kernel beside the blocks is the CPU's gather into pinned
+memory and a copy by a copy engine (whether such a copy slows them is what this measures). This study times that design in a synchronous decode loop before
 it goes into the runtime. The step bench's 30 decode blocks (256 tokens, hidden 4096) are
 three CUDA graphs around two Engram layers at blocks 1 and 14, as in V4.1-Flash, each
 layer's rows (6,144 random rows of 264 B from a ``--table-gib`` table, dequantised by

@@ -1,9 +1,9 @@
 """What slows the blocks when the GPU reads host rows beside them?
 
 BENCHMARKS.md ("Step cost in every mode and loop", "Copy engines for the host reads"): a
-decode step's read of 6,144 host rows takes 44-49 us alone but 226-317 us beside the
-blocks, and costs the step about as much whatever the read kernel's grid (4 to 132
-programs). This study separates the candidate causes on one GPU. It times ``--blocks``
+decode step's read of 6,144 host rows takes several times longer beside the blocks than
+alone, and costs the step about as much whatever the read kernel's grid. This study
+separates the candidate causes on one GPU. It times ``--blocks``
 decode blocks (the step bench's block at ``--tokens`` tokens: QKV, output, gated FFN)
 alone, then with one of these started beside them on a side stream at the same moment:
 
