@@ -589,8 +589,9 @@ def test_aggregate_refuses_a_record_that_is_not_one(
 def test_runs_of_some_models_merge_into_the_whole_run(
     trained_dir: Path, tiny_sources: tuple[Path, Path], tmp_path: Path, capsys
 ) -> None:
-    """Seeds 0 and 5 as two runs of ``--models`` into one DIR (the Engram model with the
-    x1 sweep point, then the two baselines): seed 0's merged record holds the models,
+    """Seeds 0 and 5 as three runs of ``--models`` into one DIR (the Engram model, the
+    memory sweep's x1 point alone (``sweep``; its x8 point is the Engram model), then the
+    two baselines): seed 0's merged record holds the models,
     losses, sweep and where-it-wins split of the whole run of seed 0 (``trained_dir``),
     value for value: a model of a run of some is the whole run's model. The aggregate is
     over the merged records. Controls: a run trained otherwise, or a model in two runs,
@@ -601,22 +602,28 @@ def test_runs_of_some_models_merge_into_the_whole_run(
     out = tmp_path / "runs"
     args = ["--seeds", "0,5", "--out", str(out), *TRAIN_ARGS, "--stdlib-root", str(stdlib)]
     args += ["--site-dirs", str(site)]
-    assert seeds_mod.main([*args, "--models", "engram", "--memory-sweep", "1,8"]) == 0
+    assert seeds_mod.main([*args, "--models", "engram"]) == 0
+    assert seeds_mod.main([*args, "--models", "sweep", "--memory-sweep", "1,8"]) == 0
     assert seeds_mod.main([*args, "--models", "baseline_wide,baseline"]) == 0
-    both = ["seed-{}-baseline+baseline_wide.json", "seed-{}-engram.json"]
+    both = [
+        "seed-{}-baseline+baseline_wide.json",
+        "seed-{}-engram.json",
+        "seed-{}-sweep+x1+x8.json",
+    ]
     assert sorted(p.name for p in out.glob("seed-*.json")) == [
         name.format(seed) for seed in (0, 5) for name in both
     ]
     assert not list(out.glob("seed-*/")), "a run of some models writes no model directory"
     whole = json.loads((trained_dir / "results.json").read_text())
     parts = [json.loads((out / name.format(0)).read_text()) for name in both]
+    assert set(parts[2]["models"]) == {"engram_x1"}, "a sweep run trains only its points"
     merged = seeds_mod.merge_records(parts)
     assert set(merged["models"]) == set(whole["models"]) == {*MODEL_NAMES, "engram_x1"}
     for name, model in whole["models"].items():
         assert merged["models"][name]["losses"] == model["losses"], name
     assert merged["where_it_wins"] == whole["where_it_wins"]
-    assert [p["losses"] for p in merged["memory_sweep"]] == [
-        p["losses"] for p in whole["memory_sweep"]
+    assert [(p["name"], p["losses"]) for p in merged["memory_sweep"]] == [
+        (p["name"], p["losses"]) for p in whole["memory_sweep"]
     ]
     summary = json.loads((out / seeds_mod.AGGREGATE_JSON).read_text())
     assert summary["records"]["0"] == [name.format(0) for name in both]

@@ -317,6 +317,14 @@ def test_gate_slope_floor_reaches_every_engram_gate(
             ["--models", "baseline", "--steps", "4", "--results", "r.json", "--memory-sweep", "1"],
             "--memory-sweep with --models=baseline: the sweep's points are Engram models",
         ),
+        (
+            ["--models", "sweep", "--steps", "4", "--results", "r.json"],
+            "--models=sweep trains only the Engram models of --memory-sweep",
+        ),
+        (
+            ["--models", "sweep,engram", "--steps", "4", "--results", "r.json"],
+            "--models=sweep,engram names 'sweep'; expected distinct",
+        ),
     ],
 )
 def test_models_flag_is_checked(capsys, tmp_path: Path, monkeypatch, args, needle) -> None:

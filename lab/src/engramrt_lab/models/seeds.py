@@ -41,7 +41,10 @@ and folds into each ``DIR/seed-S`` that holds a model.
 
 With ``--models M1,M2`` (the training command's: some of ``engram``, ``baseline``,
 ``baseline_wide``; ``--steps`` required) each seed's run trains only those models and
-writes no model directory: its record is ``DIR/seed-S-M1+M2.json``. The records of a
+writes no model directory: its record is ``DIR/seed-S-M1+M2.json``. ``--models sweep``
+trains only the Engram models of ``--memory-sweep`` (and ``--compare-layers``), into
+``DIR/seed-S-sweep+x1+x2.json`` (named by its points), beside a run of ``--models
+engram`` that gives the curve its point at the main model's size. The records of a
 seed's runs in DIR (``seed-S.json`` and every ``seed-S-*.json``) are merged before the
 aggregate (:func:`merge_records`: refused unless trained by the same command but for
 ``--models``, with no model in two of them), so the models of one comparison can train
@@ -631,6 +634,9 @@ def parse_args(
     named = [n.strip() for n in (args.models or "").split(",")]
     some = tuple(n for n in train.MODEL_NAMES if n in named)
     some = () if some == train.MODEL_NAMES else some
+    if named == [train.SWEEP_ONLY]:
+        probe = [*rest, *given, "--seed", str(seeds[0]), "--results", "-"]
+        some = _sweep_names(train.parse_args(probe))  # exits 2 if it cannot work
     commands = []
     for seed in seeds:
         where = (
@@ -642,6 +648,15 @@ def parse_args(
         train.parse_args(command)  # exits 2, naming the flag, if it cannot work
         commands.append(command)
     return seeds, out, commands, args.jobs
+
+
+def _sweep_names(settings: Any) -> tuple[str, ...]:
+    """A ``--models sweep`` run's part of its record's name: ``sweep`` and its points
+    (``seed-S-sweep+x1+x2.json``), so that runs of other points do not share a record."""
+    points = [f"x{m:g}" for m in settings.memory_sweep]
+    if settings.compare_layers is not None:
+        points.append("blocks_" + "_".join(str(b) for b in settings.compare_layers))
+    return ("sweep", *points)
 
 
 def _run_in_processes(

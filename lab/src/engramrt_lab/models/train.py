@@ -55,7 +55,9 @@ where-it-wins split of them and, with the Engram model among them, stage 8; it
 writes no model directory (stages 6-7 need all three), so ``--out`` is left out
 and ``--results`` is its output. ``--steps`` is required there: runs of different
 models compare only on one schedule (:mod:`engramrt_lab.models.seeds` merges
-their records per seed).
+their records per seed). ``--models sweep`` trains stage 8 alone: the memory
+curve's other points beside a run of ``--models engram`` (whose model is the
+curve's point at its own ``--buckets``).
 
 Every flag is checked before any work (a bad one: one line, exit status 2);
 a non-finite training loss stops the run (exit status 1) and no model is
@@ -165,6 +167,11 @@ MAX_SEED = 2**63 - 1
 MODEL_NAMES = ("engram", "baseline", "baseline_wide")
 """The models of a run, in the order they train (``--models``): the Engram model, the same
 backbone without Engram, and the FLOP-matched wide baseline."""
+
+SWEEP_ONLY = "sweep"
+"""``--models sweep``: only the Engram models of ``--memory-sweep`` and ``--compare-layers``
+(the main Engram model's point comes from a run of ``--models engram``; the seeds command
+merges the two records)."""
 
 ENGRAM_INITS = ("value-zero", "rows-zero")
 """--engram-init: which of the value projection and the rows starts at zero."""
@@ -1259,7 +1266,8 @@ def _run_dense(run: _TrainRun, name: str, model_cfg: LMConfig) -> _Outcome:
 
 def _where_it_wins(run: _TrainRun) -> Callable[[], dict[str, Any]]:
     """The held-out predictions by what the trained windows held: returns the function that
-    computes the losses per category for the models trained so far."""
+    computes the losses per category for the models trained so far (the categories from
+    the windows of the run's schedule, so first called after a model has trained)."""
     from engramrt_lab.models.wins import (
         category_losses,
         category_masks,
@@ -1268,22 +1276,30 @@ def _where_it_wins(run: _TrainRun) -> Callable[[], dict[str, Any]]:
     )
 
     settings, segments = run.settings, run.heldout.segments
-    windows = OnePassWindows(
-        run.corpus.train.num_tokens,
-        settings.seq_len,
-        settings.batch_size,
-        settings.seed,
-        torch.device("cpu"),
-    )
-    used = windows.trained_starts(run.schedule["steps"]).numpy()
-    seen = training_ngrams(run.corpus.train.tokens[used[:, None] + np.arange(settings.seq_len + 1)])
-    masks = category_masks(segments.tokens, segments.lengths, segments.lookback, seen)
-    split = run.corpus.heldout
-    masks["file"] = file_masks(
-        segments.tokens.shape[1], segments.lengths, segments.starts, split.doc_starts, split.files
-    )
+    masks: dict[str, Any] = {}
+
+    def categories() -> dict[str, Any]:
+        windows = OnePassWindows(
+            run.corpus.train.num_tokens,
+            settings.seq_len,
+            settings.batch_size,
+            settings.seed,
+            torch.device("cpu"),
+        )
+        used = windows.trained_starts(run.schedule["steps"]).numpy()
+        starts = used[:, None] + np.arange(settings.seq_len + 1)
+        seen = training_ngrams(run.corpus.train.tokens[starts])
+        found = category_masks(segments.tokens, segments.lengths, segments.lookback, seen)
+        split = run.corpus.heldout
+        found["file"] = file_masks(
+            segments.tokens.shape[1], segments.lengths, segments.starts, split.doc_starts,
+            split.files,
+        )  # fmt: skip
+        return found
 
     def wins() -> dict[str, Any]:
+        if not masks:
+            masks.update(categories())
         return category_losses(
             masks,
             {k: v.per_token for k, v in run.outcomes.items() if v.per_token is not None},
@@ -1480,7 +1496,9 @@ def _run_extras(run: _TrainRun, wins: Callable[[], dict[str, Any]]) -> None:
                 ),
             )
         )
-    run.results["memory_sweep"] = [_sweep_entry(run, "engram", run.cfg)]
+    run.results["memory_sweep"] = (
+        [_sweep_entry(run, "engram", run.cfg)] if "engram" in run.results["models"] else []
+    )
     for name, extra_cfg in extras:
         outcome = _run_engram(run, name, extra_cfg)
         outcome.model.cpu()
@@ -1521,15 +1539,17 @@ def train(settings: TrainSettings) -> dict[str, Any]:
 
 def _train_some(settings: TrainSettings, began: float) -> dict[str, Any]:
     """``settings.models`` (some of the three) and the where-it-wins split of them, then
-    the memory sweep and the placement comparison when the Engram model is among them;
-    every stage rewrites the record (``settings.results``), which is returned."""
+    the memory sweep and the placement comparison when the Engram model is among them
+    (only those: ``--models sweep``, :data:`SWEEP_ONLY`); every stage rewrites the record
+    (``settings.results``), which is returned."""
     run = _prepare(settings, began, None)
-    for name in settings.models:
-        run.keep(_run_model(run, name))
     wins = _where_it_wins(run)
-    run.results["where_it_wins"] = wins()
-    run.save_results()
-    if "engram" in settings.models:
+    if settings.models != (SWEEP_ONLY,):
+        for name in settings.models:
+            run.keep(_run_model(run, name))
+        run.results["where_it_wins"] = wins()
+        run.save_results()
+    if "engram" in settings.models or settings.models == (SWEEP_ONLY,):
         _run_extras(run, wins)
     run.results["seconds_total"] = round(time.perf_counter() - run.began, 1)
     run.save_results()
@@ -1832,14 +1852,22 @@ def _models_problem(args: argparse.Namespace) -> str | None:
     """What ``--models`` cannot do with the other flags (and puts ``args.models`` in the
     order of :data:`MODEL_NAMES`)."""
     given = ",".join(args.models)
+    sweep_only = args.models == (SWEEP_ONLY,)
     unknown = [name for name in args.models if name not in MODEL_NAMES]
-    if unknown or not args.models or len(set(args.models)) != len(args.models):
+    if sweep_only:
+        if not args.memory_sweep and args.compare_layers is None:
+            return (
+                f"--models={SWEEP_ONLY} trains only the Engram models of --memory-sweep and "
+                f"--compare-layers; expected at least one of them"
+            )
+    elif unknown or not args.models or len(set(args.models)) != len(args.models):
         what = f"names {unknown[0]!r}" if unknown else "is empty or repeats a name"
         return (
             f"--models={given} {what}; expected distinct comma-separated names of "
-            f"{', '.join(MODEL_NAMES)}"
+            f"{', '.join(MODEL_NAMES)}, or {SWEEP_ONLY} alone"
         )
-    args.models = tuple(name for name in MODEL_NAMES if name in args.models)
+    else:
+        args.models = tuple(name for name in MODEL_NAMES if name in args.models)
     if args.models == MODEL_NAMES:
         if args.out is None:
             return "--out is required: the model directory of the three models"
@@ -1856,9 +1884,14 @@ def _models_problem(args: argparse.Namespace) -> str | None:
             f"--models={given} needs --steps: models trained in separate runs compare only on "
             f"one schedule, and --minutes fixes it from each run's own timing"
         )
-    if "engram" not in args.models and (args.memory_sweep or args.compare_layers is not None):
+    if not sweep_only and "engram" not in args.models and (
+        args.memory_sweep or args.compare_layers is not None
+    ):
         flag = "--memory-sweep" if args.memory_sweep else "--compare-layers"
-        return f"{flag} with --models={given}: the sweep's points are Engram models; add engram"
+        return (
+            f"{flag} with --models={given}: the sweep's points are Engram models; add engram "
+            f"(or run them alone: --models {SWEEP_ONLY})"
+        )
     return None
 
 
@@ -2000,7 +2033,8 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainSettings:
         default=defaults.models,
         help=f"the models to train, comma-separated, of {','.join(MODEL_NAMES)} (default all "
         "three); fewer: no model directory, and --steps and --results are required (the "
-        "record is the run's output; the seeds command merges such records per seed)",
+        "record is the run's output; the seeds command merges such records per seed); "
+        f"{SWEEP_ONLY}: only the Engram models of --memory-sweep and --compare-layers",
     )
     parser.add_argument("--device", default="auto", help="auto, cpu or cuda[:i]")
     parser.add_argument(
