@@ -1884,8 +1884,10 @@ def _models_problem(args: argparse.Namespace) -> str | None:
             f"--models={given} needs --steps: models trained in separate runs compare only on "
             f"one schedule, and --minutes fixes it from each run's own timing"
         )
-    if not sweep_only and "engram" not in args.models and (
-        args.memory_sweep or args.compare_layers is not None
+    if (
+        not sweep_only
+        and "engram" not in args.models
+        and (args.memory_sweep or args.compare_layers is not None)
     ):
         flag = "--memory-sweep" if args.memory_sweep else "--compare-layers"
         return (
