@@ -45,7 +45,10 @@ first Engram layer only and the CPU's gather, on a worker or queued, for the lat
 ``queued-first-high`` (``default`` and ``queued-first`` with their lookups on side streams of the
 highest CUDA priority: ``EngramRuntime(lookup_priority=...)``), ``inline`` (``default`` with
 its lookups on the step's stream inside ``plan``, before the blocks:
-``EngramRuntime(lookup_overlap="none")``), and with ``--read-kernels``
+``EngramRuntime(lookup_overlap="none")``), ``deferred`` (host memory, each layer's rows
+gathered by the CPU when the layer runs, by the thread launching the step, copied on a copy
+stream and dequantised on the step's stream: ``EngramRuntime(lookup_overlap="deferred")``
+with ``HostOptions(gather="thread")``), and with ``--read-kernels``
 ``read-R-W-P`` (the default with other settings for the GPU's reads: ``R`` rows per program,
 ``W`` warps, at most ``P`` programs). The host placements share one copy of the tables in host
 memory.
@@ -104,6 +107,7 @@ MODES = ("eager", "compiled", "piecewise", "graph")
 PLACEMENTS = (
     "aa", "default", "thread", "queued", "queued-cpu", "gpu-reads", "default-worker",
     "gpu-reads-worker", "first", "queued-first", "default-high", "queued-first-high", "inline",
+    "deferred",
 )  # fmt: skip
 # EngramRuntime(gpu_reads=...) of the placements that set it (the others take the default).
 GPU_READS_OF = {
@@ -117,6 +121,9 @@ HIGH_PRIORITY, HIGHEST_PRIORITY = ("default-high", "queued-first-high"), -100
 # Placements whose lookups run on the step's stream inside plan, before the blocks
 # (EngramRuntime(lookup_overlap="none")); the others beside the blocks.
 INLINE = ("inline",)
+# Placements whose host-tier lookups run at their layer, on the thread that launches the
+# step (EngramRuntime(lookup_overlap="deferred")).
+DEFERRED = ("deferred",)
 # Host placements whose host tier gathers as shipped (HostOptions().gather).
 AS_SHIPPED = (
     "default", "gpu-reads", "default-worker", "gpu-reads-worker", "first", "default-high", "inline",
@@ -300,7 +307,9 @@ def runtime_options(placement: str) -> dict[str, Any]:
     return {
         **({"gpu_reads": GPU_READS_OF[placement]} if placement in GPU_READS_OF else {}),
         "lookup_priority": HIGHEST_PRIORITY if placement in HIGH_PRIORITY else 0,
-        "lookup_overlap": "none" if placement in INLINE else "side",
+        "lookup_overlap": (
+            "none" if placement in INLINE else "deferred" if placement in DEFERRED else "side"
+        ),
     }
 
 

@@ -45,6 +45,7 @@ A scheduler may also ask a source how to read small batches from host memory
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -66,6 +67,9 @@ class PendingRows:
         future: a worker thread's lookup to join first, or None.
         keep_alive: tensors the lookup still reads (the row ids), held so the
             caching allocator cannot hand their memory out before the wait.
+        deferred: the lookup itself, not started yet: the first :meth:`wait`
+            runs it on the waiting thread and current stream (a scheduler's
+            deferred lookups, ``EngramRuntime(lookup_overlap="deferred")``).
     """
 
     rows: torch.Tensor
@@ -73,14 +77,19 @@ class PendingRows:
     event: Any = None
     future: Future[Any] | None = None
     keep_alive: tuple[torch.Tensor, ...] = field(default_factory=tuple)
+    deferred: Callable[[], Any] | None = None
 
     def wait(self) -> torch.Tensor:
         """The rows, once the caller's current stream is ordered after them.
 
-        Joins the worker thread (when there is one: its host work must have
-        issued the copies), then makes the current stream wait for the event.
-        No host synchronisation on the device work itself.
+        Runs a deferred lookup first (once), then joins the worker thread
+        (when there is one: its host work must have issued the copies), then
+        makes the current stream wait for the event. No host synchronisation
+        on the device work itself, but for what a deferred lookup does.
         """
+        if self.deferred is not None:
+            lookup, self.deferred = self.deferred, None
+            lookup()
         if self.future is not None:
             self.future.result()
         if self.event is not None:

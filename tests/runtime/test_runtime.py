@@ -640,7 +640,7 @@ def test_gpu_read_batches_start_beside_the_worker(layout, token_map, device, mon
 
 def test_lookup_overlap_is_checked(layout, token_map, device) -> None:
     with pytest.raises(
-        ValidationError, match=r"lookup_overlap='after'; expected one of side, none"
+        ValidationError, match=r"lookup_overlap='after'; expected one of side, none, deferred"
     ):
         _runtime(layout, token_map, device, lookup_overlap="after")
 
@@ -742,3 +742,56 @@ def test_host_mirror_needs_an_id_maker_that_hashes_on_host(layout, token_map, de
         runtime.plan(batch.with_host(host))
     runtime.close()
     base.close()
+
+
+def test_deferred_lookups_run_at_their_layer(layout, token_map, device, monkeypatch) -> None:
+    """``lookup_overlap="deferred"``: a host-tier layer's lookup starts nowhere at plan (no
+    worker, no side stream) and runs once, on the thread that first waits for its rows; the
+    rows are the reference's for steps gathered in pieces and whole, planned into both
+    slots before either is waited for, and for a step with a host mirror. Control: a
+    device-tier runtime defers nothing."""
+    import threading
+
+    assert not any(
+        p.deferred is not None
+        for p in _runtime(layout, token_map, device, lookup_overlap="deferred")
+        .plan(HashBatch.single(np.arange(5), device=device))
+        .pending
+    )
+    runtime = _runtime(layout, token_map, device, tier="host", lookup_overlap="deferred")
+    assert runtime._worker_of == {} and runtime._side_layers == ()
+    calls: list[tuple[int, threading.Thread]] = []
+    for li, store in enumerate(runtime.sources):
+        store.chunk_rows = 48  # 19 tokens x 12 columns: gathered in five pieces
+
+        def fetch(row_ids, out=None, li=li, inner=store.fetch):
+            calls.append((li, threading.current_thread()))
+            return inner(row_ids, out)
+
+        monkeypatch.setattr(store, "fetch", fetch)
+    rng = np.random.default_rng(14)
+
+    def check(step) -> None:
+        for li, store in enumerate(runtime.sources):
+            want = lookup_rows_reference(
+                step.row_ids[:, li].cpu(), _packed(store), CFG.head_dim, row_begin=store.row_begin
+            )
+            assert torch.equal(step.rows(li).cpu().view(torch.int16), want.view(torch.int16))
+
+    steps = [
+        runtime.plan(HashBatch.single(rng.integers(0, token_map.vocab_size, n), device=device))
+        for n in (19, 4)
+    ]
+    assert calls == [], "nothing is looked up at plan"
+    assert all(p.future is None and p.deferred is not None for s in steps for p in s.pending)
+    for step in steps:
+        check(step)
+    check(steps[0])  # a second wait does not look up again
+    assert calls == [(0, threading.current_thread()), (1, threading.current_thread())] * 2
+    batch, host = _decode_step(token_map, device)
+    plain = runtime.plan(batch)
+    want = [plain.rows(li).clone() for li in range(2)]
+    got = runtime.plan(batch.with_host(host))
+    for li in range(2):
+        assert torch.equal(got.rows(li).view(torch.int16), want[li].view(torch.int16))
+    runtime.close()

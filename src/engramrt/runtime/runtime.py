@@ -83,6 +83,7 @@ Custom operators (:mod:`engramrt.custom_ops`) reach the same object through
 
 from __future__ import annotations
 
+import functools
 import itertools
 import threading
 import warnings
@@ -104,11 +105,13 @@ from engramrt.step import EngineStep
 
 __all__ = [
     "GPU_READS",
+    "LOOKUP_OVERLAP",
     "LOOKUP_WORKERS",
     "VIEW_CACHE_SIZE",
     "EngramRuntime",
     "RuntimeLayer",
     "StepPlan",
+    "deferrable",
     "runtime_from_handle",
     "worker_jobs",
     "worker_plan",
@@ -125,7 +128,7 @@ LOOKUP_WORKERS = ("per-layer", "shared")
 GPU_READS = ("first", "all", "sources")
 """Which layers' small batches the GPU reads from host memory itself (see
 :class:`EngramRuntime`, ``gpu_reads``)."""
-LOOKUP_OVERLAP = ("side", "none")
+LOOKUP_OVERLAP = ("side", "none", "deferred")
 """Where the lookups of sources without a worker thread run (see :class:`EngramRuntime`,
 ``lookup_overlap``)."""
 
@@ -156,6 +159,15 @@ def worker_plan(sources: Sequence[RowSource], *, shared: bool = False) -> dict[i
         elif source.host_sync:
             plan[index] = _SHARED_WORKER if shared else index
     return plan
+
+
+def deferrable(source: RowSource) -> bool:
+    """Whether ``source``'s lookups can be deferred to its layer
+    (``EngramRuntime(lookup_overlap="deferred")``): it gathers rows on the CPU from ids
+    it may be given on the host (:attr:`~engramrt.source.RowSource.host_ids`, the host
+    and disk tiers), makes the host wait for them otherwise, and has no update to run
+    after a lookup and no collective to order."""
+    return source.host_ids and source.host_sync and not source.has_update and not source.collective
 
 
 def worker_jobs(sources: Sequence[RowSource], plan: dict[int, int]) -> list[tuple[str, int]]:
@@ -415,6 +427,12 @@ class EngramRuntime:
         self.sources = list(sources)
         self.gpu_reads = gpu_reads
         self.lookup_overlap = lookup_overlap
+        # Layers whose CPU gather runs at the layer, on the thread that waits for its rows.
+        self._deferred_layers = frozenset(
+            index
+            for index, s in enumerate(self.sources)
+            if lookup_overlap == "deferred" and deferrable(s)
+        )
         if gpu_reads != "sources":
             for index, source in enumerate(self.sources):
                 source.use_gpu_reads(gpu_reads == "all" or index == 0)
@@ -456,12 +474,30 @@ class EngramRuntime:
         cuda = self.device.type == "cuda"
         self._lookup_stream = (
             torch.cuda.Stream(self.device, priority=lookup_priority)
-            if cuda and lookup_overlap == "side"
+            if cuda and lookup_overlap != "none"
             else None  # lookups on the step's stream, in order
         )
         self.lookup_workers = lookup_workers
-        self._worker_of = (
-            worker_plan(self.sources, shared=lookup_workers == "shared") if cuda else {}
+        self._worker_of = {
+            index: key
+            for index, key in (
+                worker_plan(self.sources, shared=lookup_workers == "shared") if cuda else {}
+            ).items()
+            if index not in self._deferred_layers
+        }
+        # Deferred layers' row ids on the host, per slot: copied from the device when
+        # the step is planned, read by the CPU's gather at the layer.
+        self._host_row_ids = (
+            [
+                torch.empty(
+                    (max_tokens, self.n_layers, self.n_cols),
+                    dtype=hasher.out_dtype,
+                    pin_memory=True,
+                )
+                for _ in range(num_slots)
+            ]
+            if cuda and self._deferred_layers
+            else None
         )
         self._workers = {
             key: ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"engramrt-rows-{key}")
@@ -473,7 +509,11 @@ class EngramRuntime:
         self._jobs = worker_jobs(self.sources, self._worker_of)
         # Layers started on the side stream (no worker thread), in layer order.
         self._side_layers = (
-            tuple(index for index in range(n_layers) if index not in self._worker_of)
+            tuple(
+                index
+                for index in range(n_layers)
+                if index not in self._worker_of and index not in self._deferred_layers
+            )
             if self._lookup_stream is not None
             else ()
         )
@@ -658,9 +698,11 @@ class EngramRuntime:
             ready.record(torch.cuda.current_stream(self.device))
         host_ids = self._host_ids(host) if host is not None else {}
         pending: list[PendingRows | None] = [None] * self.n_layers
+        if self._deferred_layers:
+            self._defer(slot, row_ids, host_ids, outs, pending)
         side = list(self._side_layers)
         for index, source in enumerate(self.sources):
-            if index not in self._side_layers:
+            if index not in self._side_layers and index not in self._deferred_layers:
                 ids = host_ids.get(index, layer_ids[index])
                 if self._beside(index, source, ids):
                     side.append(index)
@@ -879,6 +921,53 @@ class EngramRuntime:
         ids = self.hasher.hash_on_host(host_batch, layers)  # type: ignore[attr-defined]
         return {index: torch.from_numpy(ids[:, at]) for at, index in enumerate(layers)}
 
+    def _defer(
+        self,
+        slot: int,
+        row_ids: torch.Tensor,
+        host_ids: dict[int, torch.Tensor],
+        outs: list[torch.Tensor],
+        pending: list[PendingRows | None],
+    ) -> None:
+        """The deferred layers' lookups (``lookup_overlap="deferred"``), into ``pending``:
+        each runs when its rows are first waited for. Their ids come to the host now, in
+        one copy queued after the hashing (none when the step's host mirror hashed them,
+        or on a CPU device), and the lookup waits for that copy only."""
+        landed = None
+        on_host = row_ids
+        if self._host_row_ids is not None and any(
+            index not in host_ids for index in self._deferred_layers
+        ):
+            on_host = self._host_row_ids[slot][: row_ids.shape[0]]
+            on_host.copy_(row_ids, non_blocking=True)
+            landed = torch.cuda.Event()
+            landed.record(torch.cuda.current_stream(self.device))
+        for index in self._deferred_layers:
+            ids = host_ids.get(index)
+            if ids is None:
+                ids = on_host[:, index]
+            pending[index] = PendingRows(
+                outs[index],
+                row_ids.shape[0],
+                deferred=functools.partial(
+                    self._deferred_lookup, self.sources[index], ids, outs[index], landed
+                ),
+            )
+
+    @staticmethod
+    def _deferred_lookup(
+        source: RowSource,
+        ids: torch.Tensor,
+        out: torch.Tensor,
+        landed: torch.cuda.Event | None,
+    ) -> None:
+        """A deferred layer's lookup, on the thread and stream that wait for its rows:
+        the ids' copy to the host joined, the CPU's gather, its copies to the device on
+        the source's copy stream and the dequantisation on the current stream."""
+        if landed is not None:
+            landed.synchronize()
+        source.fetch(ids, out)
+
     def _beside(self, index: int, source: RowSource, ids: torch.Tensor) -> bool:
         """Whether layer ``index``, whose source has a worker thread, starts this batch on
         the side stream from the planning thread: the batch makes the host wait for
@@ -977,5 +1066,7 @@ class EngramRuntime:
         self._worker_of = {}
         self._jobs = []
         if self._lookup_stream is not None:  # later plans start every layer on the side stream
-            self._side_layers = tuple(range(self.n_layers))
+            self._side_layers = tuple(
+                index for index in range(self.n_layers) if index not in self._deferred_layers
+            )
         self._raise_failed_updates()

@@ -312,6 +312,13 @@ class HostGatherRowStore(KernelRowStore):
         self._staging: torch.Tensor | None = None
         self._copy_stream: torch.cuda.Stream | None = None
         self._staging_free: torch.cuda.Event | None = None
+        # Where rows gathered from ids given on the host land on the device, kept across
+        # lookups, and an event marking when its last reader (the previous such lookup's
+        # dequantisation) is done: the copies into it wait for that event only, not for
+        # everything queued on the lookup's stream (which, for a lookup run at its layer
+        # on the step's stream, is the blocks before the layer).
+        self._landing: torch.Tensor | None = None
+        self._landing_free: torch.cuda.Event | None = None
         # The queued gather (gather="queued" on a CUDA device): fixed buffers and the
         # host function that gathers into them.
         self._queued: _QueuedGather | None = None
@@ -642,9 +649,14 @@ class HostGatherRowStore(KernelRowStore):
             out = torch.empty(
                 (num_tokens, num_cols, self.E), dtype=torch.bfloat16, device=self.device
             )
-        rows = torch.empty((count, self.row_bytes), dtype=torch.uint8, device=self.device)
+        landing = row_ids.device.type == "cpu" and self.device.type == "cuda"
+        if landing:
+            rows, after = self._landing_for(count)
+        else:
+            rows = torch.empty((count, self.row_bytes), dtype=torch.uint8, device=self.device)
+            after = None
         tokens_per_piece = max(1, self.chunk_rows // owned_cols)
-        with self._piece_copies(count) as copy_piece:
+        with self._piece_copies(count, after) as copy_piece:
             for first in range(0, num_tokens, tokens_per_piece):
                 last = min(num_tokens, first + tokens_per_piece)
                 lo, hi = first * owned_cols, last * owned_cols
@@ -660,16 +672,33 @@ class HostGatherRowStore(KernelRowStore):
                     backend=self.backend,
                     validate=False,  # checked once, by lookup()
                 )
+        if landing:
+            assert self._landing_free is not None
+            self._landing_free.record(torch.cuda.current_stream(self.device))
         return out
+
+    def _landing_for(self, count: int) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """``[count, row_bytes]`` of the device buffer rows gathered from host ids land
+        in, and the event the copies into it wait for (None: a buffer just allocated on
+        the current stream, which the copies wait for instead)."""
+        if self._landing is None or self._landing.shape[0] < count:
+            self._landing = torch.empty(
+                (max(count, 1024), self.row_bytes), dtype=torch.uint8, device=self.device
+            )
+            self._landing_free = torch.cuda.Event()
+            return self._landing[:count], None
+        return self._landing[:count], self._landing_free
 
     @contextlib.contextmanager
     def _piece_copies(
-        self, count: int
+        self, count: int, after: torch.cuda.Event | None = None
     ) -> Iterator[Callable[[torch.Tensor, torch.Tensor, int], None]]:
         """A function ``copy_piece(local_ids, rows, offset)`` that gathers rows
         ``source[local_ids]`` into ``rows`` on :attr:`device`, after which work queued
         on the current stream may read them; ``offset``: where the piece starts in
-        the batch (its place in the staging buffer of ``count`` rows)."""
+        the batch (its place in the staging buffer of ``count`` rows). The copies
+        start after ``after`` (the rows' last reader), else after the work queued on
+        the current stream so far."""
         source = _word_view(self.source)
         threads = _intra_op_threads(self._gather_threads(count))
         if self.device.type != "cuda":
@@ -687,9 +716,12 @@ class HostGatherRowStore(KernelRowStore):
         staging = self._staging_for(count)
         copy_stream = self._copy_stream
         assert copy_stream is not None and self._staging_free is not None
-        # The rows may reuse memory whose last reader is still queued on the
-        # compute stream: the copies must start after it.
-        copy_stream.wait_stream(compute)
+        if after is not None:
+            copy_stream.wait_event(after)
+        else:
+            # The rows may reuse memory whose last reader is still queued on the
+            # compute stream: the copies must start after it.
+            copy_stream.wait_stream(compute)
 
         def staged_copy(local_ids: torch.Tensor, rows: torch.Tensor, offset: int) -> None:
             piece = staging[offset : offset + local_ids.shape[0]]
