@@ -53,6 +53,10 @@ How a layer's rows are started depends on its source's capability flags
   the source has no update and no lookup of it is still on its worker: the
   hand-off to the thread and back would cost the step more than the read
   (BENCHMARKS.md, "Step cost in each engine mode");
+- with ``lookup_overlap="deferred"``, sources that gather rows on the CPU
+  (:func:`deferrable`) start nowhere at plan: ``plan`` queues one copy of
+  the step's ids to the host, and a layer's lookup runs on the thread that
+  first waits for its rows, at the layer;
 - :attr:`~engramrt.source.RowSource.collective` (exchanges): every rank
   must issue the collectives in the same order, so all collective sources
   run in layer order on one side stream, or, when any of them needs a host
@@ -358,7 +362,18 @@ class EngramRuntime:
             lookups' time and their host work to the step but keeps GPU reads of
             host memory from running beside the blocks, whose kernels those reads
             slow; at decode the first costs more than the second saves
-            (BENCHMARKS.md#step-cost-with-host-memory-tables).
+            (BENCHMARKS.md#step-cost-with-host-memory-tables). ``"deferred"``: as
+            ``"side"``, but the lookups of sources that gather rows on the CPU
+            (:func:`deferrable`: the host and disk tiers with ``gather="thread"``)
+            start nowhere at plan: their ids are copied to the host when the step is
+            planned, and each layer's lookup runs when its rows are first waited
+            for (:meth:`run`, :meth:`StepPlan.rows`), on the waiting thread (the one
+            launching the model, after it has launched the blocks before the
+            layer): the CPU's gather, its copies to the device on the source's copy
+            stream and the dequantisation on the current stream, so no kernel of
+            the lookup runs beside the blocks and no worker thread runs beside the
+            launching one. Such layers take no GPU reads (``gpu_reads`` does not
+            apply to them).
 
     Attributes:
         layers: the Engram layers as modules (empty without ``heads``).
