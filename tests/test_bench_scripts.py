@@ -868,19 +868,20 @@ def test_step_cost_pairs_each_case_with_the_gpu_tables_of_its_round(tmp_path, mo
     out = tmp_path / "step-cost.json"
     report = step_cost.main(
         ["--smoke", "--table-gib", "0.001", "--rounds", "2", "--steps", "1", "--warmup-steps",
-         "0", "--placements", "aa,queued", "--loops", "sync,queued", "--profile-steps", "1",
+         "0", "--placements", "aa,queued,deferred", "--loops", "sync,queued", "--profile-steps",
+         "1",
          "--out", str(out)]
     )  # fmt: skip
     assert json.loads(out.read_text()) == report
     assert sorted(report["profiles"]) == [
-        f"{p}/eager/decode/sync/random" for p in ("aa", "device", "queued")
+        f"{p}/eager/decode/sync/random" for p in ("aa", "deferred", "device", "queued")
     ]
     for profile in report["profiles"].values():
         assert profile["steps"] == 1 and profile["ms_per_step_profiled"] > 0
         assert any(op["name"] == "aten::mm" for op in profile["host"])  # the blocks' matmuls
     cases = report["cases"]
     assert {(c["placement"], c["loop"]) for c in cases} == {
-        (p, loop) for p in ("device", "aa", "queued") for loop in ("sync", "queued")
+        (p, loop) for p in ("device", "aa", "queued", "deferred") for loop in ("sync", "queued")
     }
     by = {(c["placement"], c["loop"]): c for c in cases}
     for case in cases:
