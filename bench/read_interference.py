@@ -77,14 +77,9 @@ def kernel_config(args: str, default: LookupKernelConfig) -> LookupKernelConfig:
     if args == "default":
         return default
     try:
-        rows, warps, programs = args.split(":")
-        return LookupKernelConfig(
-            rows_per_program=int(rows),
-            num_warps=int(warps),
-            max_programs=None if programs == "-" else int(programs),
-        )
-    except (TypeError, ValueError) as exc:
-        raise ValueError(f"--sides: [{args}] ({exc}); expected R:W:P, P a count or -") from exc
+        return ro.read_kernel_config(args)
+    except ValueError as exc:
+        raise ValueError(f"--sides: {exc}") from exc
 
 
 def spin_args(args: str) -> tuple[int, float]:
@@ -230,7 +225,9 @@ def main(argv: list[str] | None = None) -> int:
     alone = timed_pair(blocks, None, torch.cuda.current_stream(), args.reps)
     result["blocks_alone_ms"] = alone["blocks_ms"]
     for priority in priorities:
-        stream = torch.cuda.Stream(device, priority=-100 if priority == "high" else int(priority))
+        stream = torch.cuda.Stream(
+            device, priority=ro.HIGHEST_PRIORITY if priority == "high" else int(priority)
+        )
         for kind, spec in sides:
             case: dict[str, Any] = {"side": f"{kind}[{spec}]", "priority": priority}
             try:

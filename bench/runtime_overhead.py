@@ -210,6 +210,27 @@ def scaled_config(table_gib: float, layer_ids: tuple[int, ...] | None = None):
     return cfg.replace(num_embeddings=needed)
 
 
+HIGHEST_PRIORITY = -100
+"""A CUDA stream priority beyond any device's range: torch maps it to the highest."""
+
+
+def read_kernel_config(spec: str):
+    """``R:W:P`` (``P`` a count of programs, or ``-`` for no bound) -> the lookup kernel's
+    settings (a ``LookupKernelConfig``); ValueError naming ``spec`` otherwise."""
+    from engramrt.errors import ValidationError
+    from engramrt.lookup.settings import LookupKernelConfig
+
+    try:
+        rows, warps, programs = spec.split(":")
+        return LookupKernelConfig(
+            rows_per_program=int(rows),
+            num_warps=int(warps),
+            max_programs=None if programs == "-" else int(programs),
+        )
+    except (TypeError, ValueError, ValidationError) as exc:
+        raise ValueError(f"{spec!r} ({exc}); expected R:W:P, P a count or -") from exc
+
+
 def block_weights(count, device, generator=None):
     """``count`` dense blocks' weights (QKV, output, gated FFN in and out): normal * 0.02,
     bf16, drawn from ``generator`` (None: torch's default)."""

@@ -94,7 +94,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import runtime_overhead as ro
 from engramrt import custom_ops
 from engramrt.distributed.stores import SharedRows
-from engramrt.errors import ValidationError
 from engramrt.hashing import HashBatch, HashConstants, NgramHasher
 from engramrt.layer import EngramHead
 from engramrt.layout import EngramLayout
@@ -117,7 +116,7 @@ GPU_READS_OF = {
 # Placements whose lookups run on side streams of the highest CUDA priority
 # (EngramRuntime(lookup_priority=...)); the others take the default, 0, the lowest. torch maps
 # a priority beyond the device's range to the nearest valid one, so this is the highest.
-HIGH_PRIORITY, HIGHEST_PRIORITY = ("default-high", "queued-first-high"), -100
+HIGH_PRIORITY, HIGHEST_PRIORITY = ("default-high", "queued-first-high"), ro.HIGHEST_PRIORITY
 # Placements whose lookups run on the step's stream inside plan, before the blocks
 # (EngramRuntime(lookup_overlap="none")); the others beside the blocks.
 INLINE = ("inline",)
@@ -427,15 +426,11 @@ def parse_read_kernels(text: str) -> dict[str, LookupKernelConfig]:
     kernels = {}
     for spec in (v for v in text.split(",") if v):
         try:
-            rows, warps, programs = (int(x) for x in spec.split(":"))
-            kernel = LookupKernelConfig(
-                rows_per_program=rows, num_warps=warps, max_programs=programs
-            )
-        except (ValueError, ValidationError) as exc:
-            raise SystemExit(
-                f"--read-kernels={text!r}: {spec!r} ({exc}); expected ROWS:WARPS:PROGRAMS"
-            ) from None
-        kernels[f"read-{rows}-{warps}-{programs}"] = kernel
+            kernel = ro.read_kernel_config(spec)
+        except ValueError as exc:
+            raise SystemExit(f"--read-kernels={text!r}: {exc}") from None
+        programs = "-" if kernel.max_programs is None else kernel.max_programs
+        kernels[f"read-{kernel.rows_per_program}-{kernel.num_warps}-{programs}"] = kernel
     return kernels
 
 

@@ -977,7 +977,7 @@ def test_step_cost_read_kernels_are_placements_of_their_own() -> None:
     assert args.placements == ["aa", "read-128-16-8", "read-8-2-132"]
     kernel = args.read_kernels["read-128-16-8"]
     assert (kernel.rows_per_program, kernel.num_warps, kernel.max_programs) == (128, 16, 8)
-    with pytest.raises(SystemExit, match=r"'32:4'.*expected ROWS:WARPS:PROGRAMS"):
+    with pytest.raises(SystemExit, match=r"'32:4'.*expected R:W:P"):
         step_cost.parse_args(["--smoke", "--read-kernels", "32:4"])
     with pytest.raises(SystemExit, match=r"'32:3:16'.*num_warps"):
         step_cost.parse_args(["--smoke", "--read-kernels", "32:3:16"])
