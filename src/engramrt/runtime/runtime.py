@@ -486,52 +486,7 @@ class EngramRuntime:
             head.reserve(source.local_tokens(max_tokens))
         self._planned: list[StepPlan] = []  # plans with unconsumed layers, oldest first
         self._next_slot = 0
-        cuda = self.device.type == "cuda"
-        self._lookup_stream = (
-            torch.cuda.Stream(self.device, priority=lookup_priority)
-            if cuda and lookup_overlap != "none"
-            else None  # lookups on the step's stream, in order
-        )
-        self.lookup_workers = lookup_workers
-        self._worker_of = {
-            index: key
-            for index, key in (
-                worker_plan(self.sources, shared=lookup_workers == "shared") if cuda else {}
-            ).items()
-            if index not in self._deferred_layers
-        }
-        # Deferred layers' row ids on the host, per slot: copied from the device when
-        # the step is planned, read by the CPU's gather at the layer.
-        self._host_row_ids = (
-            [
-                torch.empty(
-                    (max_tokens, self.n_layers, self.n_cols),
-                    dtype=hasher.out_dtype,
-                    pin_memory=True,
-                )
-                for _ in range(num_slots)
-            ]
-            if cuda and self._deferred_layers
-            else None
-        )
-        self._workers = {
-            key: ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"engramrt-rows-{key}")
-            for key in set(self._worker_of.values())
-        }
-        self._worker_streams = {
-            key: torch.cuda.Stream(self.device, priority=lookup_priority) for key in self._workers
-        }
-        self._jobs = worker_jobs(self.sources, self._worker_of)
-        # Layers started on the side stream (no worker thread), in layer order.
-        self._side_layers = (
-            tuple(
-                index
-                for index in range(n_layers)
-                if index not in self._worker_of and index not in self._deferred_layers
-            )
-            if self._lookup_stream is not None
-            else ()
-        )
+        self._schedule_lookups(lookup_priority, lookup_workers)
         self._waits_for_hash = bool(self._workers or self._side_layers)
         # (slot, tokens) -> the step's views of the fixed buffers (a decode step repeats
         # its size; slicing them again costs microseconds per tensor).
@@ -645,6 +600,56 @@ class EngramRuntime:
                 f"(oldest: Engram layers {waiting}); a new plan would overwrite them "
                 f"(num_slots={self.num_slots}): run every layer once per step"
             )
+
+    def _schedule_lookups(self, lookup_priority: int, lookup_workers: str) -> None:
+        """Where each layer's lookups run: the side stream, the worker threads and their
+        streams, or deferred to the layer (see the module doc)."""
+        cuda = self.device.type == "cuda"
+        self._lookup_stream = (
+            torch.cuda.Stream(self.device, priority=lookup_priority)
+            if cuda and self.lookup_overlap != "none"
+            else None  # lookups on the step's stream, in order
+        )
+        self.lookup_workers = lookup_workers
+        self._worker_of = {
+            index: key
+            for index, key in (
+                worker_plan(self.sources, shared=lookup_workers == "shared") if cuda else {}
+            ).items()
+            if index not in self._deferred_layers
+        }
+        # Deferred layers' row ids on the host, per slot: copied from the device when
+        # the step is planned, read by the CPU's gather at the layer.
+        self._host_row_ids = (
+            [
+                torch.empty(
+                    (self.max_tokens, self.n_layers, self.n_cols),
+                    dtype=self.hasher.out_dtype,
+                    pin_memory=True,
+                )
+                for _ in range(self.num_slots)
+            ]
+            if cuda and self._deferred_layers
+            else None
+        )
+        self._workers = {
+            key: ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"engramrt-rows-{key}")
+            for key in set(self._worker_of.values())
+        }
+        self._worker_streams = {
+            key: torch.cuda.Stream(self.device, priority=lookup_priority) for key in self._workers
+        }
+        self._jobs = worker_jobs(self.sources, self._worker_of)
+        # Layers started on the side stream (no worker thread), in layer order.
+        self._side_layers = (
+            tuple(
+                index
+                for index in range(self.n_layers)
+                if index not in self._worker_of and index not in self._deferred_layers
+            )
+            if self._lookup_stream is not None
+            else ()
+        )
 
     def plan(
         self,
