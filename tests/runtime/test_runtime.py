@@ -63,6 +63,15 @@ def _packed(store) -> torch.Tensor:
     raise AssertionError(f"cannot read the rows of {store!r}")
 
 
+def _check_step_rows(runtime, step) -> None:
+    """Every layer's rows of ``step`` equal the reference lookup of its row ids, bit for bit."""
+    for li, store in enumerate(runtime.sources):
+        want = lookup_rows_reference(
+            step.row_ids[:, li].cpu(), _packed(store), CFG.head_dim, row_begin=store.row_begin
+        )
+        assert torch.equal(step.rows(li).cpu().view(torch.int16), want.view(torch.int16))
+
+
 def test_streaming_through_runtime_matches_one_shot(layout, token_map, device) -> None:
     cache = SlotHashCache(32 * 4, 4, device)
     runtime = _runtime(layout, token_map, device, history=cache)
@@ -597,11 +606,7 @@ def test_gpu_read_batches_start_beside_the_worker(layout, token_map, device, mon
     rng = np.random.default_rng(13)
 
     def check(step) -> None:
-        for li, store in enumerate(runtime.sources):
-            want = lookup_rows_reference(
-                step.row_ids[:, li].cpu(), _packed(store), CFG.head_dim, row_begin=store.row_begin
-            )
-            assert torch.equal(step.rows(li).cpu().view(torch.int16), want.view(torch.int16))
+        _check_step_rows(runtime, step)
 
     def batch(n: int) -> HashBatch:
         return HashBatch.single(rng.integers(0, token_map.vocab_size, n), device=device)
@@ -772,11 +777,7 @@ def test_deferred_lookups_run_at_their_layer(layout, token_map, device, monkeypa
     rng = np.random.default_rng(14)
 
     def check(step) -> None:
-        for li, store in enumerate(runtime.sources):
-            want = lookup_rows_reference(
-                step.row_ids[:, li].cpu(), _packed(store), CFG.head_dim, row_begin=store.row_begin
-            )
-            assert torch.equal(step.rows(li).cpu().view(torch.int16), want.view(torch.int16))
+        _check_step_rows(runtime, step)
 
     steps = [
         runtime.plan(HashBatch.single(rng.integers(0, token_map.vocab_size, n), device=device))
