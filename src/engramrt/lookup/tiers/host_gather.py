@@ -682,6 +682,10 @@ class HostGatherRowStore(KernelRowStore):
         in, and the event the copies into it wait for (None: a buffer just allocated on
         the current stream, which the copies wait for instead)."""
         if self._landing is None or self._landing.shape[0] < count:
+            if self._landing is not None and self._landing_free is not None:
+                # Its last reader may be queued on another stream than the one it was
+                # allocated on: done before the allocator may hand its memory out again.
+                self._landing_free.synchronize()
             self._landing = torch.empty(
                 (max(count, 1024), self.row_bytes), dtype=torch.uint8, device=self.device
             )
