@@ -46,7 +46,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import runtime_overhead as ro
-from read_interference import ROW_BYTES, E, filled_store
+from read_interference import ROW_BYTES, E, filled_store, study_device, table_rows
 from step_cost import Backbone
 
 TOKENS, COLS = 256, 24
@@ -126,13 +126,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(exc))
     if args.blocks <= max(SPLITS) or args.rounds < 1 or args.steps < 1:
         parser.error(f"expected --blocks > {max(SPLITS)}, --rounds >= 1 and --steps >= 1")
-    if not torch.cuda.is_available():
-        print("host_inline_reads: needs a CUDA device (none here)", file=sys.stderr)
+    device = study_device("host_inline_reads")
+    if device is None:
         return 2
     from engramrt.lookup.tiers import TablePlacement, make_store
 
-    device = torch.device("cuda", torch.cuda.current_device())
-    num_rows = int(args.table_gib * 2**30) // ROW_BYTES
+    num_rows = table_rows(args.table_gib)
     rng = np.random.default_rng(0)
     tables = {tier: filled_store(tier, device, num_rows) for tier in ("device", "uva")}
     host_table = tables["uva"].source  # the pinned rows the GPU reads and the CPU gathers

@@ -50,6 +50,19 @@ DEFAULT_SIDES = (
 )  # fmt: skip
 
 
+def study_device(prog: str) -> torch.device | None:
+    """The current CUDA device, or None after saying on stderr that ``prog`` needs one."""
+    if not torch.cuda.is_available():
+        print(f"{prog}: needs a CUDA device (none here)", file=sys.stderr)
+        return None
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def table_rows(table_gib: float) -> int:
+    """Rows of :data:`ROW_BYTES` in a table of ``table_gib`` GiB."""
+    return int(table_gib * 2**30) // ROW_BYTES
+
+
 def filled_store(tier: str, device: torch.device, num_rows: int) -> Any:
     """A store of tier ``tier`` holding ``num_rows`` packed rows (E = 256): one pattern of
     2**20 pseudo-random rows (seed 0) repeated, the same bytes for every tier."""
@@ -176,14 +189,13 @@ def main(argv: list[str] | None = None) -> int:
                 raise ValueError(f"--priorities: {p!r}; expected integers or high")
     except ValueError as exc:
         parser.error(str(exc))
-    if not torch.cuda.is_available():
-        print("read_interference: needs a CUDA device (none here)", file=sys.stderr)
+    device = study_device("read_interference")
+    if device is None:
         return 2
     from engramrt.lookup.settings import check_kernel_config
     from engramrt.lookup.tiers.uva import UVA_KERNEL
 
-    device = torch.device("cuda", torch.cuda.current_device())
-    num_rows = int(args.table_gib * 2**30) // ROW_BYTES
+    num_rows = table_rows(args.table_gib)
     rng = np.random.default_rng(0)
     row_ids = torch.from_numpy(rng.integers(0, num_rows, args.rows)).to(device).view(-1, 1)
     out = torch.empty((args.rows, 1, E), dtype=torch.bfloat16, device=device)

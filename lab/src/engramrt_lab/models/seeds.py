@@ -653,10 +653,12 @@ def parse_args(
 def _sweep_names(settings: Any) -> tuple[str, ...]:
     """A ``--models sweep`` run's part of its record's name: ``sweep`` and its points
     (``seed-S-sweep+x1+x2.json``), so that runs of other points do not share a record."""
-    points = [f"x{m:g}" for m in settings.memory_sweep]
+    from engramrt_lab.models.train import SWEEP_ONLY, layers_model_name, sweep_model_name
+
+    names = [sweep_model_name(m) for m in settings.memory_sweep]
     if settings.compare_layers is not None:
-        points.append("blocks_" + "_".join(str(b) for b in settings.compare_layers))
-    return ("sweep", *points)
+        names.append(layers_model_name(settings.compare_layers))
+    return (SWEEP_ONLY, *(name.removeprefix("engram_") for name in names))
 
 
 def _run_in_processes(

@@ -1468,6 +1468,16 @@ def _sweep_entry(run: _TrainRun, name: str, cfg: EngramConfig) -> dict[str, Any]
     }
 
 
+def sweep_model_name(multiple: float) -> str:
+    """The model name of the memory sweep's point ``multiple`` (``engram_x4``)."""
+    return f"engram_x{multiple:g}"
+
+
+def layers_model_name(blocks: Sequence[int]) -> str:
+    """The model name of the placement comparison at ``blocks`` (``engram_blocks_1_3``)."""
+    return "engram_blocks_" + "_".join(str(b) for b in blocks)
+
+
 def _run_extras(run: _TrainRun, wins: Callable[[], dict[str, Any]]) -> None:
     """The memory curve and the placement comparison: more Engram models, the same steps,
     windows and schedule; their tables are not kept."""
@@ -1483,14 +1493,14 @@ def _run_extras(run: _TrainRun, wins: Callable[[], dict[str, Any]]) -> None:
             continue
         extras.append(
             (
-                f"engram_x{multiple:g}",
+                sweep_model_name(multiple),
                 engram_config(settings.dim, buckets, settings.engram_layers, settings.head_dim),
             )
         )
     if settings.compare_layers is not None:
         extras.append(
             (
-                "engram_blocks_" + "_".join(str(b) for b in settings.compare_layers),
+                layers_model_name(settings.compare_layers),
                 engram_config(
                     settings.dim, settings.buckets, settings.compare_layers, settings.head_dim
                 ),
