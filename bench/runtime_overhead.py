@@ -157,6 +157,7 @@ from engramrt.runtime import EngramRuntime, synthetic_stores
 from engramrt.tokenmap import TokenMap
 
 D, FFN, BLOCKS, HC = 4096, 11008, 30, 4
+PREFILL_CHUNK = 8192  # tokens per prefill chunk (--smoke: fewer)
 ENGRAM_AT = {1: 0, 14: 1}  # block -> Engram layer index run at its start (V4.1-Flash: [1, 14])
 READS = (
     "host",
@@ -981,9 +982,11 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def use_smoke_backbone() -> None:
-    """A backbone small enough for a CPU (``--smoke``): the plumbing, not the timings."""
-    global D, FFN, BLOCKS
+    """A backbone and prefill chunks small enough for a CPU (``--smoke``): the
+    plumbing, not the timings."""
+    global D, FFN, BLOCKS, PREFILL_CHUNK
     D, FFN, BLOCKS = 64, 128, 16
+    PREFILL_CHUNK = 1024
 
 
 def build_workloads(
@@ -1015,7 +1018,9 @@ def build_workloads(
                 raise SystemExit(f"--ids: {ids!r}; expected random, text or zipf")
             workloads["decode 256x1" + ("" if ids == "random" else f" {ids}")] = batches
     if "prefill" in args.workloads and not warm:
-        workloads["prefill 512 seqs 100-1024"] = prefill_batches(rng, vocab_size, device)
+        workloads["prefill 512 seqs 100-1024"] = prefill_batches(
+            rng, vocab_size, device, chunk=PREFILL_CHUNK
+        )
     return workloads
 
 
