@@ -317,7 +317,9 @@ def aggregate(records: Mapping[int, Mapping[str, Any]]) -> dict[str, Any]:
                 k: stats[k] for k in ("std", "min", "max", "per_seed")
             }
     sweep: dict[str, dict[str, Any]] = {}
-    for point in first.get("memory_sweep") or []:
+    points = first.get("memory_sweep") or []
+    # By table size, whatever order the runs that trained them were merged in.
+    for point in sorted(points, key=lambda p: p["multiple_of_tiny_buckets"]):
         entry: dict[str, Any] = {
             "name": point["name"],
             "multiple_of_tiny_buckets": point["multiple_of_tiny_buckets"],
