@@ -152,6 +152,16 @@ class RowSource(ABC):
         """
         return False
 
+    def use_waited_gathers(self, on: bool) -> bool:
+        """Tell the source whether its CPU gathers run on the thread that waits for their
+        rows (``on``: a lookup deferred to its layer, ``EngramRuntime(lookup_overlap=
+        "deferred")``, which that thread runs while it does nothing else) or beside the
+        thread launching the model (off: a worker thread); returns whether the source has
+        that choice. A gather on several CPU threads takes as many as the batch can use
+        when on; off, decode batches take few, as they would compete with the launching
+        thread (the ``host`` tier: :data:`~engramrt.lookup.tiers.host_gather.ROWS_PER_WAITED_GATHER_THREAD`)."""
+        return False
+
     def waits_on_host(self, row_ids: torch.Tensor) -> bool:
         """Whether a lookup of ``row_ids [T, C]`` makes the host wait for the device
         (:attr:`host_sync` for this batch); reads shapes and settings only. A source whose

@@ -749,6 +749,46 @@ def test_host_mirror_needs_an_id_maker_that_hashes_on_host(layout, token_map, de
     base.close()
 
 
+def test_deferred_gathers_take_the_threads_their_batch_can_use(
+    layout, token_map, device, monkeypatch
+) -> None:
+    """A deferred layer's CPU gather runs on the thread that waits for its rows, which does
+    nothing else meanwhile: one intra-op thread per ``ROWS_PER_WAITED_GATHER_THREAD`` rows
+    (64 tokens x 12 columns = 768 rows: 2 threads, on a host of 16 CPUs). Control: the
+    same step gathered at plan, beside the launching thread, takes one per
+    ``ROWS_PER_GATHER_THREAD`` rows (1); the runtime resets the store's setting."""
+    from engramrt.lookup.tiers import host_gather
+
+    monkeypatch.setattr(host_gather, "_cpu_count", lambda: 16)
+    threads: list[int] = []
+    index_select = torch.index_select
+
+    def counting(*args, **kwargs):
+        threads.append(torch.get_num_threads())
+        return index_select(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "index_select", counting)
+    ids = np.random.default_rng(3).integers(0, token_map.vocab_size, 64)
+    stores = None
+    for overlap, want in (("deferred", 2), ("side", 1)):
+        consts = HashConstants.from_layout(layout, token_map.pad_id(CFG))
+        hasher = NgramHasher(consts, token_map, device)
+        if stores is None:
+            stores = synthetic_stores(layout, TablePlacement("host", device), seed=3)
+        runtime = EngramRuntime(
+            hasher, stores, max_tokens=64, max_requests=8, lookup_overlap=overlap,
+            gpu_reads="sources",
+        )  # fmt: skip
+        for store in stores:
+            store.use_gpu_reads(False)  # every batch gathered by the CPU
+        threads.clear()
+        step = runtime.plan(HashBatch.single(ids, device=device))
+        for li in range(len(stores)):
+            step.rows(li)
+        assert threads and set(threads) == {want}, (overlap, threads)
+        runtime.close()
+
+
 def test_deferred_lookups_run_at_their_layer(layout, token_map, device, monkeypatch) -> None:
     """``lookup_overlap="deferred"``: a host-tier layer's lookup starts nowhere at plan (no
     worker, no side stream) and runs once, on the thread that first waits for its rows; the

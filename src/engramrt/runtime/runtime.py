@@ -451,6 +451,10 @@ class EngramRuntime:
         if gpu_reads != "sources":
             for index, source in enumerate(self.sources):
                 source.use_gpu_reads(gpu_reads == "all" or index == 0)
+        for index, source in enumerate(self.sources):
+            # A deferred layer's gather runs on the thread that waits for its rows, which
+            # does nothing else meanwhile: as many CPU threads as help.
+            source.use_waited_gathers(index in self._deferred_layers)
         self.device = hasher.device
         self.max_tokens = max_tokens
         self.max_requests = max_requests

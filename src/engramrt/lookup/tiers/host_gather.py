@@ -133,6 +133,15 @@ model and competes with it, so decode batches get one thread and prefill
 chunks many. Chosen by measurement:
 BENCHMARKS.md#what-keeping-the-tables-off-the-gpu-costs (runs B, C)."""
 
+ROWS_PER_WAITED_GATHER_THREAD = 384
+"""With ``num_threads=None`` and :meth:`HostGatherRowStore.use_waited_gathers` on (a
+lookup deferred to its layer, gathered by the thread that waits for its rows), the gather
+uses one intra-op thread per this many rows, at most the CPUs this process may use: the
+waiting thread does nothing else meanwhile, and fewer threads lengthen the step's path.
+A decode-256 layer's 6,144 rows take 16 threads, the setting measured: on an H100 host the
+CPU's gather at the layer cost the step +0.8% on 16 threads, +0.4% on 4 and +3.5% on one
+(BENCHMARKS.md#deferred-lookups-first-measured-2026-12-07, ``bench/host_inline_reads.py``)."""
+
 HOST_READ_KERNEL = tuned_lookup_config("host")
 """The lookup kernel's settings for the host tier's GPU reads of a small batch, from
 the default ``lookup_rows`` file (a store on a GPU with a file of its own takes
@@ -210,8 +219,10 @@ class HostOptions(KernelTierOptions):
         chunk_rows: rows per pipelined piece (gather of one piece overlaps
             the copy of the previous); an int >= 1.
         num_threads: torch intra-op threads for the gather; None picks one
-            per :data:`ROWS_PER_GATHER_THREAD` unique rows, at most the
-            number of CPUs this process may use.
+            per :data:`ROWS_PER_GATHER_THREAD` unique rows (per
+            :data:`ROWS_PER_WAITED_GATHER_THREAD` rows for a gather on the thread
+            that waits for them: ``use_waited_gathers``), at most the number of
+            CPUs this process may use.
         gpu_reads: page-lock the rows and map them for the device
             (``cudaHostRegister``) so that the GPU reads rows itself: whole
             batches below ``dedup_min_rows`` owned ids (the lookup kernel
@@ -292,6 +303,7 @@ class HostGatherRowStore(KernelRowStore):
         assert isinstance(options, HostOptions)
         self.chunk_rows = options.chunk_rows
         self.num_threads = options.num_threads
+        self._waited = False  # use_waited_gathers
         self.gpu_share = float(options.gpu_share)
         self.dedup = options.dedup
         self.dedup_min_rows = DEDUP_MIN_ROWS
@@ -501,7 +513,17 @@ class HostGatherRowStore(KernelRowStore):
     def _gather_threads(self, count: int) -> int:
         if self.num_threads is not None:
             return self.num_threads
-        return max(1, min(_cpu_count(), count // ROWS_PER_GATHER_THREAD))
+        per_thread = ROWS_PER_WAITED_GATHER_THREAD if self._waited else ROWS_PER_GATHER_THREAD
+        return max(1, min(_cpu_count(), count // per_thread))
+
+    def use_waited_gathers(self, on: bool) -> bool:
+        """Size the CPU's gathers for the thread that waits for their rows (``on``:
+        :data:`ROWS_PER_WAITED_GATHER_THREAD`) or for a thread beside the one launching
+        the model (off, the default: :data:`ROWS_PER_GATHER_THREAD`); see
+        :meth:`engramrt.source.RowSource.use_waited_gathers`. ``num_threads`` overrides
+        both. Returns True."""
+        self._waited = bool(on)
+        return True
 
     def _cpu_gather(self, local_ids: torch.Tensor, rows: torch.Tensor) -> None:
         with _intra_op_threads(self._gather_threads(local_ids.shape[0])):
