@@ -5,7 +5,7 @@
 
 Every rank builds its column shard of one layer (SPEC §7) of a V4.1 layout
 scaled to ``--table-gib`` GiB per layer (``runtime_overhead.scaled_config``: C = 24,
-E = 256, hidden size 4096; random rows that depend only on the global row id) and, as the reference, the whole table on its own GPU.
+E = 256, hidden size 4096, 64 with ``--cpu``; random rows that depend only on the global row id) and, as the reference, the whole table on its own GPU.
 For each T it checks, bit for bit against that single-GPU lookup, and then
 times (the report also holds a SHA-256 of the all-gather's rows on rank 0,
 for a check outside this script) (median wall time of synchronised calls; every rank calls together):
@@ -41,6 +41,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+import runtime_overhead as ro  # bench/ is on the path when run as a script
 from engramrt.bench.runner import median_seconds
 from engramrt.distributed import SharedHostTable, shared_store
 from engramrt.exchange import (
@@ -55,7 +56,6 @@ from engramrt.layout import EngramLayout
 from engramrt.lookup.tiers import TablePlacement
 from engramrt.packed import row_bytes_for
 from engramrt.runtime import synthetic_rows, synthetic_stores
-from runtime_overhead import scaled_config  # bench/ is on the path when run as a script
 
 
 def random_ids(layout: EngramLayout, num_tokens: int, seed: int) -> torch.Tensor:
@@ -218,11 +218,12 @@ def main() -> None:
     if args.cpu:
         device = torch.device("cpu")
         dist.init_process_group("gloo")
+        ro.use_smoke_backbone()  # a hidden size a CPU runs the layer at quickly
     else:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
         torch.cuda.set_device(device)
         dist.init_process_group("nccl", device_id=device)
-    layout = EngramLayout(scaled_config(args.table_gib))
+    layout = EngramLayout(ro.scaled_config(args.table_gib))
     on_rank = TablePlacement("device", device, tp=world, rank=rank)
     (shard_store,) = synthetic_stores(layout, on_rank, seed=1)[:1]
     (full_store,) = synthetic_stores(layout, TablePlacement("device", device), seed=1)[:1]
