@@ -48,7 +48,9 @@ its lookups on the step's stream inside ``plan``, before the blocks:
 ``EngramRuntime(lookup_overlap="none")``), ``deferred`` (host memory, each layer's rows
 gathered by the CPU when the layer runs, by the thread launching the step, copied on a copy
 stream and dequantised on the step's stream: ``EngramRuntime(lookup_overlap="deferred")``
-with ``HostOptions(gather="thread")``), and with ``--read-kernels``
+with ``HostOptions(gather="thread")``; its gathers take one CPU thread per 384 rows, 16 for a
+decode layer on a 16-CPU host), ``deferred-4`` (the same on 4 threads:
+``HostOptions(num_threads=4)``), and with ``--read-kernels``
 ``read-R-W-P`` (the default with other settings for the GPU's reads: ``R`` rows per program,
 ``W`` warps, at most ``P`` programs). The host placements share one copy of the tables in host
 memory.
@@ -106,7 +108,7 @@ MODES = ("eager", "compiled", "piecewise", "graph")
 PLACEMENTS = (
     "aa", "default", "thread", "queued", "queued-cpu", "gpu-reads", "default-worker",
     "gpu-reads-worker", "first", "queued-first", "default-high", "queued-first-high", "inline",
-    "deferred",
+    "deferred", "deferred-4",
 )  # fmt: skip
 # EngramRuntime(gpu_reads=...) of the placements that set it (the others take the default).
 GPU_READS_OF = {
@@ -122,7 +124,10 @@ HIGH_PRIORITY, HIGHEST_PRIORITY = ("default-high", "queued-first-high"), ro.HIGH
 INLINE = ("inline",)
 # Placements whose host-tier lookups run at their layer, on the thread that launches the
 # step (EngramRuntime(lookup_overlap="deferred")).
-DEFERRED = ("deferred",)
+DEFERRED = ("deferred", "deferred-4")
+# Host placements whose gather takes a fixed count of CPU threads (HostOptions(num_threads=));
+# the others take the store's own count.
+GATHER_THREADS = {"deferred-4": 4}
 # Host placements whose host tier gathers as shipped (HostOptions().gather).
 AS_SHIPPED = (
     "default", "gpu-reads", "default-worker", "gpu-reads-worker", "first", "default-high", "inline",
@@ -398,13 +403,16 @@ def host_stores(
     base: list | None,
     gpu_reads: bool = True,
     kernel: LookupKernelConfig | None = None,
+    num_threads: int | None = None,
 ) -> list:
     """Each layer's host store with ``gather`` (and ``kernel`` for the GPU's reads, when
-    given), over ``base``'s rows when given."""
+    given; ``num_threads`` CPU threads for its gathers, when given), over ``base``'s rows
+    when given."""
     options = HostOptions(
         gather=gather,
         queued_rows=PREFILL_TOKENS * layout.config.n_cols,
         gpu_reads=None if gpu_reads else False,
+        num_threads=num_threads,
         **({"kernel": kernel} if kernel is not None else {}),
     )
     if base is None:
@@ -611,6 +619,7 @@ def main(argv=None) -> dict:
             base,
             gpu_reads=name != "queued-cpu",
             kernel=args.read_kernels.get(name),
+            num_threads=GATHER_THREADS.get(name),
         )
         base = base or stores[name]
     checker = EngramRuntime(

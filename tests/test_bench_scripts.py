@@ -900,6 +900,28 @@ def test_step_cost_pairs_each_case_with_the_gpu_tables_of_its_round(tmp_path, mo
         assert case["ref_ms"] == pytest.approx(sum(ref["ms_rounds"]) / 2)
 
 
+def test_step_cost_deferred_placements_differ_in_gather_threads_only() -> None:
+    """``deferred`` and ``deferred-4``: both defer their lookups to the layer; the second's
+    stores gather on 4 CPU threads, the first's take the store's own count. Control: a
+    placement that is not deferred keeps its lookups beside the blocks."""
+    import torch
+
+    from engramrt.config import PRESETS
+    from engramrt.layout import EngramLayout
+
+    step_cost = _load("step_cost")
+    assert step_cost.runtime_options("deferred") == step_cost.runtime_options("deferred-4")
+    assert step_cost.runtime_options("deferred")["lookup_overlap"] == "deferred"
+    assert step_cost.runtime_options("default")["lookup_overlap"] == "side"
+    layout = EngramLayout(PRESETS["tiny"])
+    for name, want in (("deferred", None), ("deferred-4", 4)):
+        stores = step_cost.host_stores(
+            layout, torch.device("cpu"), "thread", None,
+            num_threads=step_cost.GATHER_THREADS.get(name),
+        )  # fmt: skip
+        assert [s.num_threads for s in stores] == [want] * len(stores), name
+
+
 def test_step_cost_runs_each_mode_in_a_process_of_its_own(tmp_path, monkeypatch) -> None:
     """--process-per-mode: each mode by the script in a process of its own, its report's cases
     merged into one (on a CPU, --smoke keeps eager alone: one process); the flags other than
