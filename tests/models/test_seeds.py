@@ -494,6 +494,38 @@ def test_aggregate_of_records_made_elsewhere(
     assert not (out / "seed-3").exists()
 
 
+def _part(command: str, *models: str) -> dict[str, Any]:
+    """A run's record with the fields :func:`merge_records` reads: ``models`` trained by
+    ``command``."""
+    return {
+        "command": command,
+        "steps": {"steps": 4, "schedule_steps": 4},
+        "models": {m: {"losses": {"heldout": 2.0}} for m in models},
+        "where_it_wins": {},
+        "memory_sweep": [],
+    }
+
+
+def test_a_run_of_baselines_merges_whatever_the_tables_size() -> None:
+    """The baselines train the same whatever ``--buckets`` says, so a run of them merges with
+    an Engram run of other tables, and the merged command is the Engram run's. Controls: two
+    Engram runs of different tables, and a run of baselines that differs in another flag,
+    are refused."""
+    engram = _part("train --steps 4 --buckets 12,8,4 --models engram", "engram")
+    baselines = _part(
+        "train --steps 4 --models baseline,baseline_wide", "baseline", "baseline_wide"
+    )
+    merged = seeds_mod.merge_records([baselines, engram])
+    assert merged["command"] == "train --steps 4 --buckets 12,8,4"
+    assert set(merged["models"]) == {"engram", "baseline", "baseline_wide"}
+    sweep = _part("train --steps 4 --models sweep --memory-sweep 1", "engram_x1")
+    with pytest.raises(ValueError, match="expected the same settings"):
+        seeds_mod.merge_records([baselines, engram, sweep])  # an Engram run of other --buckets
+    other = _part("train --steps 4 --lr 0.01 --models baseline", "baseline")
+    with pytest.raises(ValueError, match=r"--lr 0\.01"):
+        seeds_mod.merge_records([other, engram])
+
+
 @pytest.mark.parametrize(
     ("edit", "needle"),
     [

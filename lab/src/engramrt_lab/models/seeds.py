@@ -149,14 +149,24 @@ _WHICH_MODELS = ("--models", "--memory-sweep", "--compare-layers")
 """The training command's flags that choose which models a run trains, not how."""
 
 
+_TABLES_ONLY = ("--buckets",)
+"""The training command's flags that change only the Engram models' tables: a run that
+trains no Engram model (the baselines) is the same whatever they say."""
+
+
+def _without(words: list[str], flags: tuple[str, ...]) -> list[str]:
+    """``words`` without each of ``flags`` and the value after it."""
+    return [w for i, w in enumerate(words) if w not in flags and not (i and words[i - 1] in flags)]
+
+
 def _without_models(command: str) -> list[str]:
     """A training command's words without the flags of :data:`_WHICH_MODELS`."""
-    words = shlex.split(command)
-    return [
-        w
-        for i, w in enumerate(words)
-        if w not in _WHICH_MODELS and not (i and words[i - 1] in _WHICH_MODELS)
-    ]
+    return _without(shlex.split(command), _WHICH_MODELS)
+
+
+def _trains_engram(part: Mapping[str, Any]) -> bool:
+    """Whether a run's record holds an Engram model (``engram``, a sweep point, ...)."""
+    return any(name.startswith("engram") for name in part.get("models") or {})
 
 
 def merge_records(parts: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
@@ -164,13 +174,18 @@ def merge_records(parts: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     their models, where-it-wins columns and memory-sweep points together. Refused
     (:class:`ValueError`, naming what differs) unless the runs were trained alike: the
     same command but for the flags that choose models (``--models``, ``--memory-sweep``,
-    ``--compare-layers``; so the same seed, steps and windows), models that
-    no two runs share, and the same predictions in every where-it-wins category. The
-    held-out summaries of a run of all three models are left out (each model's losses
-    stay in ``models``); the merged record is finished when every run is."""
+    ``--compare-layers``; so the same seed, steps and windows) and, for a run that trains
+    no Engram model, but for the Engram tables' size (``--buckets``: its baselines are the
+    same whatever it says), models that no two runs share, and the same predictions in
+    every where-it-wins category. The merged record's ``command`` is its first Engram
+    run's (else its first run's). The held-out summaries of a run of all three models are
+    left out (each model's losses stay in ``models``); the merged record is finished when
+    every run is."""
     if len(parts) == 1:
         return dict(parts[0])
-    command = _without_models(str(parts[0].get("command", "")))
+    commands = [_without_models(str(part.get("command", ""))) for part in parts]
+    engram = [c for c, part in zip(commands, parts, strict=True) if _trains_engram(part)]
+    command = (engram or commands)[0]
     merged: dict[str, Any] = {
         "command": shlex.join(command),
         "steps": parts[0].get("steps"),
@@ -178,13 +193,16 @@ def merge_records(parts: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         "where_it_wins": {},
         "memory_sweep": [],
     }
-    for part in parts:
-        other = _without_models(str(part.get("command", "")))
-        if other != command:
+    for part, other in zip(parts, commands, strict=True):
+        if _trains_engram(part):
+            same = other == command
+        else:
+            same = _without(other, _TABLES_ONLY) == _without(command, _TABLES_ONLY)
+        if not same:
             raise ValueError(
                 f"a run of this seed was trained by {shlex.join(other)!r}, another by "
-                f"{shlex.join(command)!r} (--models and the sweep aside); expected the same "
-                f"settings"
+                f"{shlex.join(command)!r} (--models and the sweep aside, and --buckets for a "
+                f"run of baselines); expected the same settings"
             )
         if part.get("steps") != merged["steps"]:
             raise ValueError(
