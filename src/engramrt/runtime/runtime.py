@@ -448,10 +448,9 @@ class EngramRuntime:
             for index, s in enumerate(self.sources)
             if lookup_overlap == "deferred" and deferrable(s)
         )
-        if gpu_reads != "sources":
-            for index, source in enumerate(self.sources):
-                source.use_gpu_reads(gpu_reads == "all" or index == 0)
         for index, source in enumerate(self.sources):
+            if gpu_reads != "sources":
+                source.use_gpu_reads(gpu_reads == "all" or index == 0)
             # A deferred layer's gather runs on the thread that waits for its rows, which
             # does nothing else meanwhile: as many CPU threads as help.
             source.use_waited_gathers(index in self._deferred_layers)

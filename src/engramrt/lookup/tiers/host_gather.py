@@ -138,8 +138,8 @@ ROWS_PER_WAITED_GATHER_THREAD = 384
 lookup deferred to its layer, gathered by the thread that waits for its rows), the gather
 uses one intra-op thread per this many rows, at most the CPUs this process may use: the
 waiting thread does nothing else meanwhile, and fewer threads lengthen the step's path.
-A decode-256 layer's 6,144 rows take 16 threads, the setting measured: on an H100 host the
-CPU's gather at the layer cost the step +0.8% on 16 threads, +0.4% on 4 and +3.5% on one
+A decode-256 layer's 6,144 rows take 16 threads, the prototype's setting with the
+shortest host time; one thread left the step waiting for its first Engram layer
 (BENCHMARKS.md#deferred-lookups-first-measured-2026-12-07, ``bench/host_inline_reads.py``)."""
 
 HOST_READ_KERNEL = tuned_lookup_config("host")
