@@ -184,8 +184,8 @@ def merge_records(parts: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     if len(parts) == 1:
         return dict(parts[0])
     commands = [_without_models(str(part.get("command", ""))) for part in parts]
-    engram = [c for c, part in zip(commands, parts, strict=True) if _trains_engram(part)]
-    command = (engram or commands)[0]
+    engram = [_trains_engram(part) for part in parts]
+    command = commands[engram.index(True) if True in engram else 0]
     merged: dict[str, Any] = {
         "command": shlex.join(command),
         "steps": parts[0].get("steps"),
@@ -193,8 +193,8 @@ def merge_records(parts: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         "where_it_wins": {},
         "memory_sweep": [],
     }
-    for part, other in zip(parts, commands, strict=True):
-        if _trains_engram(part):
+    for part, other, trains_engram in zip(parts, commands, engram, strict=True):
+        if trains_engram:
             same = other == command
         else:
             same = _without(other, _TABLES_ONLY) == _without(command, _TABLES_ONLY)
