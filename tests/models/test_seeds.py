@@ -86,6 +86,40 @@ def test_aggregate_equals_independent_mean_and_sample_std() -> None:
     assert "ddof = 1" in summary["spread"]
     text = seeds_mod.markdown(summary)
     assert "± " in text and "x1" in text and "context unseen" in text
+    assert summary["unseen_package"] == {} and "(package held-out)" not in text
+
+
+def test_aggregate_splits_each_held_out_set_on_its_own() -> None:
+    """A record's package split (``where_it_wins_package``) is aggregated beside the
+    stdlib one, from its own values, and merged runs keep both."""
+    rng = np.random.default_rng(7)
+    records = {seed: _record(rng) for seed in (0, 1, 2)}
+    column = gate_column("engram", 1)
+    for record in records.values():
+        row = dict(record["where_it_wins"]["context"]["context unseen"])
+        row[column] = float(rng.uniform(0, 1))
+        record["where_it_wins_package"] = {"context": {"context unseen": row}}
+    summary = seeds_mod.aggregate(records)
+    for field, key in (("unseen", "where_it_wins"), ("unseen_package", "where_it_wins_package")):
+        gates = [records[s][key]["context"]["context unseen"][column] for s in (0, 1, 2)]
+        got = summary[field]["context"]["context unseen"][column]
+        assert got["per_seed"] == gates
+    # Negative control: the two sets' gates differ, so neither field copies the other.
+    assert (summary["unseen"]["context"]["context unseen"][column]["per_seed"]
+            != summary["unseen_package"]["context"]["context unseen"][column]["per_seed"])  # fmt: skip
+    text = seeds_mod.markdown(summary)
+    assert "where it wins, context (stdlib held-out):" in text
+    assert "where it wins, context (package held-out):" in text
+    # Two runs of one seed (each model in one of them) merge both splits.
+    first, second = dict(records[0]), dict(records[0])
+    first["models"], second["models"] = {"engram": {}}, {"baseline": {}}
+    second["memory_sweep"] = []
+    first["command"] = second["command"] = "python -m engramrt_lab.models.train --seed 0"
+    merged = seeds_mod.merge_records([first, second])
+    assert merged["where_it_wins_package"] == records[0]["where_it_wins_package"]
+    second["where_it_wins_package"] = {"context": {"context unseen": {**row, column: -1.0}}}
+    with pytest.raises(ValueError, match=r"package held-out.*expected the same predictions"):
+        seeds_mod.merge_records([first, second])
 
 
 def test_the_seen_view_weighs_the_unseen_categories_by_their_predictions() -> None:

@@ -65,13 +65,19 @@ def test_training_writes_every_artifact(trained_dir: Path) -> None:
     assert all(0 < r < 1 for r in reached[0]) and reached[1][0] > reached[0][0]
     # The file view partitions the same predictions as the others; its per-file means,
     # weighted by predictions, give back the held-out loss evaluated separately.
-    wins = results["where_it_wins"]
-    by_file = wins["file"]
-    total = sum(row["predictions"] for row in wins["context"].values())
-    assert sum(row["predictions"] for row in by_file.values()) == total
-    for model in ("engram", "baseline", "baseline_wide"):
-        mean = sum(row["predictions"] * row[model] for row in by_file.values()) / total
-        assert mean == pytest.approx(record["heldout"]["losses"][model], abs=1e-4)
+    # The same on the held-out packages, against that set's own losses.
+    for key, split in (("where_it_wins", "heldout"), ("where_it_wins_package", "package_heldout")):
+        wins = results[key]
+        by_file = wins["file"]
+        total = sum(row["predictions"] for row in wins["context"].values())
+        assert total > 0 and sum(row["predictions"] for row in by_file.values()) == total
+        for model in ("engram", "baseline", "baseline_wide"):
+            mean = sum(row["predictions"] * row[model] for row in by_file.values()) / total
+            assert mean == pytest.approx(record[split]["losses"][model], abs=1e-4), key
+    # Negative control: the two sets' splits are of different predictions.
+    assert (
+        results["where_it_wins"]["file"].keys() != results["where_it_wins_package"]["file"].keys()
+    )
     # The memory's state at every validation: one entry per point of the validation
     # curve, a gate in [0, 1] per Engram block and a row RMS per table.
     curve = engram["engram_curve"]

@@ -24,7 +24,7 @@ initialisation and the order of the training windows. Then it writes
   category's losses and Engram gates (``unseen``: predictions split by
   whether their n-grams were seen in training, :mod:`engramrt_lab.models.wins`,
   first the ``seen`` view: the predictions whose 4-gram training saw and the
-  rest, :func:`seen_view`);
+  rest, :func:`seen_view`; ``unseen_package``: the same on the held-out packages);
   the per-seed values beside each; ``stopped_early``, the seeds whose record is of a
   run stopped before its end (its finished models only); written atomically;
 - ``DIR/seeds.md``: the same as short Markdown tables (mean ± std [min, max]);
@@ -190,7 +190,7 @@ def merge_records(parts: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         "command": shlex.join(command),
         "steps": parts[0].get("steps"),
         "models": {},
-        "where_it_wins": {},
+        **{key: {} for key in WINS},
         "memory_sweep": [],
     }
     for part, other, trains_engram in zip(parts, commands, engram, strict=True):
@@ -213,16 +213,18 @@ def merge_records(parts: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
             if name in merged["models"]:
                 raise ValueError(f"model {name!r} is in two runs of this seed; expected one")
             merged["models"][name] = model
-        for view, categories in (part.get("where_it_wins") or {}).items():
-            for category, row in categories.items():
-                cell = merged["where_it_wins"].setdefault(view, {}).setdefault(category, {})
-                for column, value in row.items():
-                    if column in cell and cell[column] != value:
-                        raise ValueError(
-                            f"where it wins, {view} / {category}: {column} is {value} in one "
-                            f"run and {cell[column]} in another; expected the same predictions"
-                        )
-                    cell[column] = value
+        for key, (_, label) in WINS.items():
+            for view, categories in (part.get(key) or {}).items():
+                for category, row in categories.items():
+                    cell = merged[key].setdefault(view, {}).setdefault(category, {})
+                    for column, value in row.items():
+                        if column in cell and cell[column] != value:
+                            raise ValueError(
+                                f"where it wins ({label}), {view} / {category}: {column} is "
+                                f"{value} in one run and {cell[column]} in another; expected "
+                                f"the same predictions"
+                            )
+                        cell[column] = value
         named = {p["name"] for p in merged["memory_sweep"]}
         for point in part.get("memory_sweep") or []:
             if point["name"] in named:
@@ -237,6 +239,14 @@ def _sweep_key(point: Mapping[str, Any], taken: Mapping[str, Any]) -> str:
     key = f"{point['multiple_of_tiny_buckets']:g}"
     return key if key not in taken else f"{key} ({point['name']})"
 
+
+WINS = {
+    "where_it_wins": ("unseen", "stdlib held-out"),
+    "where_it_wins_package": ("unseen_package", "package held-out"),
+}
+"""Each record key of a where-it-wins split (the training command's
+:data:`~engramrt_lab.models.train.WHERE_IT_WINS`): the aggregate's field for it and the
+held-out set it splits."""
 
 SEEN_VIEW, SEEN, UNSEEN = "seen", "4-gram seen", "4-gram unseen"
 """The aggregate's view of each record's ``longest_seen`` categories folded in two
@@ -301,7 +311,7 @@ def aggregate(records: Mapping[int, Mapping[str, Any]]) -> dict[str, Any]:
                 if not isinstance(record.get(split), Mapping)
             },
             "sweep_by_name": {p["name"]: p for p in record.get("memory_sweep") or []},
-            "where_it_wins": _with_seen_view(record.get("where_it_wins")),
+            **{key: _with_seen_view(record.get(key)) for key in WINS},
         }
         for seed, record in records.items()
     }
@@ -348,15 +358,17 @@ def aggregate(records: Mapping[int, Mapping[str, Any]]) -> dict[str, Any]:
             if stats is not None:
                 entry[split] = stats
         sweep[_sweep_key(point, sweep)] = entry
-    unseen: dict[str, dict[str, dict[str, Any]]] = {}
-    for view, categories in (first.get("where_it_wins") or {}).items():
-        for category, row in categories.items():
-            cell: dict[str, Any] = {}
-            for column in row:
-                stats = over_seeds("where_it_wins", view, category, column)
-                if stats is not None:
-                    cell[column] = stats
-            unseen.setdefault(view, {})[category] = cell
+    unseen: dict[str, dict[str, dict[str, dict[str, Any]]]] = {}
+    for key, (field_name, _) in WINS.items():
+        views_of_set = unseen.setdefault(field_name, {})
+        for view, categories in (first.get(key) or {}).items():
+            for category, row in categories.items():
+                cell: dict[str, Any] = {}
+                for column in row:
+                    stats = over_seeds(key, view, category, column)
+                    if stats is not None:
+                        cell[column] = stats
+                views_of_set.setdefault(view, {})[category] = cell
     return {
         "seeds": len(seeds),
         "stopped_early": [s for s in seeds if "seconds_total" not in records[s]],
@@ -366,7 +378,7 @@ def aggregate(records: Mapping[int, Mapping[str, Any]]) -> dict[str, Any]:
         "heldout_loss": heldout_loss,
         "heldout_spread": heldout_spread,
         "sweep": sweep,
-        "unseen": unseen,
+        **unseen,
     }
 
 
@@ -551,7 +563,15 @@ def markdown(summary: Mapping[str, Any]) -> str:
         for key, entry in summary["sweep"].items():
             cells = [_cell(entry.get(s)) for s in HELDOUT_SETS]
             lines.append(f"| x{key} | " + " | ".join(cells) + " |")
-    for view, categories in summary["unseen"].items():
+    for field_name, label in WINS.values():
+        lines += _wins_tables(summary.get(field_name) or {}, label)
+    return "\n".join(lines) + "\n"
+
+
+def _wins_tables(views: Mapping[str, Mapping[str, Any]], label: str) -> list[str]:
+    """The Markdown tables of one held-out set's where-it-wins views."""
+    lines: list[str] = []
+    for view, categories in views.items():
         columns = list(
             dict.fromkeys(
                 c for cell in categories.values() for c in cell if c not in ("predictions",)
@@ -559,7 +579,7 @@ def markdown(summary: Mapping[str, Any]) -> str:
         )
         lines += [
             "",
-            f"where it wins, {view} (stdlib held-out):",
+            f"where it wins, {view} ({label}):",
             "",
             f"| {'file' if view == 'file' else 'category'} | " + " | ".join(columns) + " |",
             "| --- | " + " | ".join("---:" for _ in columns) + " |",
@@ -567,7 +587,7 @@ def markdown(summary: Mapping[str, Any]) -> str:
         for category, cell in categories.items():
             cells = [_cell(cell.get(c)) for c in columns]
             lines.append(f"| {category} | " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 class _Parser(argparse.ArgumentParser):

@@ -852,6 +852,10 @@ class _Outcome:
     per_token_gates: dict[int, np.ndarray] = field(default_factory=dict)
     """Engram models: per block, the stdlib held-out gate per prediction (see
     :func:`token_losses_and_gates`)."""
+    package_per_token: np.ndarray | None = None
+    package_per_token_gates: dict[int, np.ndarray] = field(default_factory=dict)
+    """:attr:`per_token` and :attr:`per_token_gates` on the package held-out set (when
+    the run has one)."""
     rows_reached: list[float] | None = None
     """Engram models: the share of each table's rows training looked up
     (:func:`rows_reached`)."""
@@ -1171,6 +1175,15 @@ def _finish(run: _TrainRun, outcome: _Outcome, rows: RowsOf | None, ids: Any) ->
     outcome.per_token, outcome.per_token_gates = token_losses_and_gates(
         model, rows, heldout.tokens, heldout.lengths, None if ids is None else ids["heldout"]
     )
+    if run.package is not None:
+        package = run.package
+        outcome.package_per_token, outcome.package_per_token_gates = token_losses_and_gates(
+            model,
+            rows,
+            package.tokens,
+            package.lengths,
+            None if ids is None else ids["package_heldout"],
+        )
     outcome.losses["last_step_heldout"] = outcome.run.last_heldout  # type: ignore[assignment]
     run.say(f"{outcome.name}: held-out losses {_rounded(outcome.losses)}")
     return outcome
@@ -1264,10 +1277,16 @@ def _run_dense(run: _TrainRun, name: str, model_cfg: LMConfig) -> _Outcome:
     return _finish(run, _Outcome(name, model_cfg, None, model, [], result), None, None)
 
 
+WHERE_IT_WINS = {"heldout": "where_it_wins", "package_heldout": "where_it_wins_package"}
+"""The record's key of the where-it-wins split of each held-out set (stdlib, packages)."""
+
+
 def _where_it_wins(run: _TrainRun) -> Callable[[], dict[str, Any]]:
     """The held-out predictions by what the trained windows held: returns the function that
-    computes the losses per category for the models trained so far (the categories from
-    the windows of the run's schedule, so first called after a model has trained)."""
+    computes, for the models trained so far, the losses per category of each held-out set
+    (``{record key: split}``, keys :data:`WHERE_IT_WINS`; the package set's only when the
+    run has one). The categories come from the windows of the run's schedule, so it is
+    first called after a model has trained."""
     from engramrt_lab.models.wins import (
         category_losses,
         category_masks,
@@ -1275,10 +1294,13 @@ def _where_it_wins(run: _TrainRun) -> Callable[[], dict[str, Any]]:
         training_ngrams,
     )
 
-    settings, segments = run.settings, run.heldout.segments
-    masks: dict[str, Any] = {}
+    settings = run.settings
+    sets = {"heldout": (run.heldout, run.corpus.heldout)}
+    if run.package is not None:
+        sets["package_heldout"] = (run.package, run.corpus.package_heldout)
+    masks: dict[str, dict[str, Any]] = {}
 
-    def categories() -> dict[str, Any]:
+    def categories() -> dict[str, dict[str, Any]]:
         windows = OnePassWindows(
             run.corpus.train.num_tokens,
             settings.seq_len,
@@ -1289,22 +1311,31 @@ def _where_it_wins(run: _TrainRun) -> Callable[[], dict[str, Any]]:
         used = windows.trained_starts(run.schedule["steps"]).numpy()
         starts = used[:, None] + np.arange(settings.seq_len + 1)
         seen = training_ngrams(run.corpus.train.tokens[starts])
-        found = category_masks(segments.tokens, segments.lengths, segments.lookback, seen)
-        split = run.corpus.heldout
-        found["file"] = file_masks(
-            segments.tokens.shape[1], segments.lengths, segments.starts, split.doc_starts,
-            split.files,
-        )  # fmt: skip
+        found = {}
+        for key, (data, split) in sets.items():
+            segments = data.segments
+            found[key] = category_masks(segments.tokens, segments.lengths, segments.lookback, seen)
+            found[key]["file"] = file_masks(
+                segments.tokens.shape[1], segments.lengths, segments.starts, split.doc_starts,
+                split.files,
+            )  # fmt: skip
         return found
 
     def wins() -> dict[str, Any]:
         if not masks:
             masks.update(categories())
-        return category_losses(
-            masks,
-            {k: v.per_token for k, v in run.outcomes.items() if v.per_token is not None},
-            {k: v.per_token_gates for k, v in run.outcomes.items() if v.per_token_gates},
-        )
+        outcomes = run.outcomes.values()
+        per_set = {
+            "heldout": (
+                {o.name: o.per_token for o in outcomes if o.per_token is not None},
+                {o.name: o.per_token_gates for o in outcomes if o.per_token_gates},
+            ),
+            "package_heldout": (
+                {o.name: o.package_per_token for o in outcomes if o.package_per_token is not None},
+                {o.name: o.package_per_token_gates for o in outcomes if o.package_per_token_gates},
+            ),
+        }
+        return {WHERE_IT_WINS[key]: category_losses(masks[key], *per_set[key]) for key in masks}
 
     return wins
 
@@ -1386,7 +1417,7 @@ def _training_record(run: _TrainRun, fp8: dict[str, float], fp8_rel: float) -> d
             "sample_predictions": run.sample.num_predictions,
             "sample_losses": losses_of("sample"),
         },
-        "where_it_wins": run.results["where_it_wins"],
+        **{key: run.results[key] for key in WHERE_IT_WINS.values() if key in run.results},
         "vocab_coverage_train": run.covered,
     }
     if run.package is not None:
@@ -1515,7 +1546,7 @@ def _run_extras(run: _TrainRun, wins: Callable[[], dict[str, Any]]) -> None:
         run.keep(outcome)
         if name.startswith("engram_x"):
             run.results["memory_sweep"].append(_sweep_entry(run, name, extra_cfg))
-        run.results["where_it_wins"] = wins()
+        run.results.update(wins())
         run.outcomes[name].tables = []
         run.outcomes[name].model = outcome.model
         run.save_results()
@@ -1557,7 +1588,7 @@ def _train_some(settings: TrainSettings, began: float) -> dict[str, Any]:
     if settings.models != (SWEEP_ONLY,):
         for name in settings.models:
             run.keep(_run_model(run, name))
-        run.results["where_it_wins"] = wins()
+        run.results.update(wins())
         run.save_results()
     if "engram" in settings.models or settings.models == (SWEEP_ONLY,):
         _run_extras(run, wins)
@@ -1586,7 +1617,7 @@ def _train_and_write(run: _TrainRun) -> tuple[dict[str, Any], Callable[[], dict[
 
     t0 = time.perf_counter()
     wins = _where_it_wins(run)
-    run.results["where_it_wins"] = wins()
+    run.results.update(wins())
     run.save_results()
     run.say(
         f"where it wins: {run.results['where_it_wins']['longest_seen']}, "
