@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -757,9 +759,8 @@ def test_deferred_gathers_take_the_threads_their_batch_can_use(
     (64 tokens x 12 columns = 768 rows: 2 threads, on a host of 16 CPUs). Control: the
     same step gathered at plan, beside the launching thread, takes one per
     ``ROWS_PER_GATHER_THREAD`` rows (1); the runtime resets the store's setting."""
-    from engramrt.lookup.tiers import host_gather
-
-    monkeypatch.setattr(host_gather, "_cpu_count", lambda: 16)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     threads: list[int] = []
     index_select = torch.index_select
 
