@@ -58,6 +58,7 @@ import numpy as np
 import torch
 
 from engramrt._io import atomic_write_bytes
+from engramrt.bench.runner import environment
 from engramrt.cache import MISS, SetAssociativeLfu
 from engramrt.config import PRESETS
 from engramrt.hashing import HashBatch, HashConstants
@@ -310,13 +311,15 @@ def zipf_fit(row_ids: torch.Tensor, n_heads: int) -> dict[str, float]:
 
 def markdown(result: dict[str, Any]) -> str:
     corpus, layout = result["corpus"], result["layout"]
+    # Records written before the environment key name the date at the top level.
+    date = result["environment"]["date"] if "environment" in result else result["date"]
     lines = [
         f"Corpus: {corpus['files']} files of the CPython {corpus['python']} standard library "
         f"(`{corpus['source']}`), {corpus['bytes'] / 1e6:.1f} MB, {corpus['tokens']:,} tokens "
         f"(DeepSeek-V4 tokenizer), one request per file; layer {layout['layer_id']} of "
         f"`dsv41-flash` ({layout['table_rows']:,} rows); steps of "
         f"{result['batch_tokens']:,} tokens; 8-way sets. Generated "
-        f"{result['date']} by `{result['command']}` ({result['runtime_s']:.0f} s on "
+        f"{date[:10]} by `{result['command']}` ({result['runtime_s']:.0f} s on "
         f"{result['cpu_threads']} CPU threads).",
         "",
         "Hit rate per lookup by n-gram order, and host (PCIe) traffic cut = 1 - distinct missed "
@@ -441,14 +444,13 @@ def main() -> None:
             )
     bound = {kind: unbounded(stream, n_heads) for kind, stream in streams.items()}
 
-    today = dt.datetime.now(dt.timezone.utc)
+    env = environment(torch.device("cpu"))  # the study runs on the CPU only
     command = "python bench/cache_hit_study.py" + (
         " " + " ".join(sys.argv[1:]) if sys.argv[1:] else ""
     )
     result = {
-        "date": today.date().isoformat(),
+        "environment": env,
         "command": command,
-        "torch": torch.__version__,
         "cpu_threads": torch.get_num_threads(),
         "batch_tokens": args.batch_tokens,
         "corpus": corpus,
@@ -460,7 +462,8 @@ def main() -> None:
         "unbounded": bound,
     }
     result["runtime_s"] = round(time.perf_counter() - began, 1)
-    out = args.out or ROOT / "bench" / "results" / f"cache-hit-study-{today:%Y%m%d}.json"
+    day = dt.datetime.fromisoformat(env["date"])
+    out = args.out or ROOT / "bench" / "results" / f"cache-hit-study-{day:%Y%m%d}.json"
     atomic_write_bytes(out, json.dumps(result, indent=1).encode())
     table = markdown(result)
     print(table)

@@ -50,6 +50,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from engramrt import custom_ops
+from engramrt.bench.runner import environment
 from engramrt.hashing import HashConstants, NgramHasher
 from engramrt.layout import EngramLayout
 from engramrt.lookup.tiers import TablePlacement
@@ -203,6 +204,7 @@ def main(argv=None) -> None:
         )
         raise SystemExit(2)
     device = torch.device("cuda", torch.cuda.current_device())
+    env = environment(device)
     torch._inductor.config.graph_partition = True  # split Inductor's CUDA graphs at run_layer
     cfg, token_map, setups = build(args, device)
     rng = np.random.default_rng(args.seed)
@@ -247,7 +249,7 @@ def main(argv=None) -> None:
             )
             ms[(tier, mode)].append(value)
             print(f"round {round_index:2d} {tier:12s} {mode:8s} {value:.3f} ms/step")
-        report = summarize(args, ms, checks, round_index + 1)
+        report = summarize(args, env, ms, checks, round_index + 1)
         if args.out:
             write_report(args.out, report)
     for row in report["results"]:
@@ -258,7 +260,7 @@ def main(argv=None) -> None:
         print(f"compiled - eager, {name}: {value:+.2f} points")
 
 
-def summarize(args, ms, checks, rounds_done: int) -> dict:
+def summarize(args, env, ms, checks, rounds_done: int) -> dict:
     results = []
     for (tier, mode), values in ms.items():
         row = {"tier": tier, "mode": mode, "ms_per_step": float(np.median(values))}
@@ -274,10 +276,7 @@ def summarize(args, ms, checks, rounds_done: int) -> dict:
     }
     return {
         "bench": "compiled_step",
-        "date": time.strftime("%Y-%m-%d", time.gmtime()),
-        "device": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "triton": __import__("triton").__version__,
+        "environment": env,
         "table_gib_per_layer": args.table_gib,
         "decode_tokens": 256,
         "prefetch": args.prefetch,

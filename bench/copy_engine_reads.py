@@ -98,6 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("copy_engine_reads: needs a CUDA device (none here)", file=sys.stderr)
         return 2
+    from engramrt.bench.runner import environment
     from engramrt.lookup.tiers import TablePlacement, make_store
 
     device = torch.device("cuda", torch.cuda.current_device())
@@ -153,8 +154,7 @@ def main(argv: list[str] | None = None) -> int:
         return run
 
     result: dict[str, Any] = {
-        "device": torch.cuda.get_device_name(device),
-        "torch": torch.__version__,
+        "environment": environment(device),
         "rows": args.rows,
         "row_bytes": ROW_BYTES,
         "table_gib": args.table_gib,

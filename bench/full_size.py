@@ -80,7 +80,7 @@ import torch.distributed as dist
 
 from engramrt import memory
 from engramrt._io import atomic_write_bytes
-from engramrt.bench.runner import median_seconds
+from engramrt.bench.runner import environment, median_seconds
 from engramrt.config import PRESETS
 from engramrt.distributed import SharedHostTable, default_directory, shared_store
 from engramrt.distributed.fill import (
@@ -212,18 +212,15 @@ def preflight(directory: Path, specs: list[TableSpec]) -> dict[str, Any]:
     return report
 
 
-def environment(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
-    import triton
-
+def host_environment(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+    """The runner's :func:`environment` and this host's: its name, CPUs, NUMA nodes and huge
+    pages, with the command that ran."""
     return {
-        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        **environment(device),
         "host": socket.gethostname(),
-        "torch": torch.__version__,
-        "triton": triton.__version__,
         "cpus": os.cpu_count(),
         "numa_nodes": numa_nodes(),
         "hugepages": hugepage_state(args.shared_dir),
-        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "command": " ".join(sys.argv),
         "args": vars(args),
     }
@@ -778,7 +775,7 @@ def main() -> None:
             for spec in specs + extra:
                 SharedHostTable.remove(spec.name, args.shared_dir)
         everything = {
-            "environment": environment(args, device),
+            "environment": host_environment(args, device),
             "world": world,
             "tables": [asdict(s) | {"nbytes": s.nbytes} for s in specs + extra],
             "ranks": [item["report"] for item in gathered],

@@ -114,10 +114,10 @@ def main(argv: list[str] | None = None) -> int:
     torch.cuda.init()
     rows = [_measure_store("host", num_rows), _measure_store("uva", num_rows)]
     rows.append(_measure_pinned_control(nbytes))
+    from engramrt.bench.runner import environment
+
     record = {
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "torch": torch.__version__,
-        "device": torch.cuda.get_device_name(),
+        "environment": environment(torch.device("cuda", torch.cuda.current_device())),
         "num_rows": num_rows,
         "row_bytes": ROW_BYTES,
         "next_power_of_two": 1 << (nbytes - 1).bit_length(),

@@ -129,6 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     device = study_device("host_inline_reads")
     if device is None:
         return 2
+    from engramrt.bench.runner import environment
     from engramrt.lookup.tiers import TablePlacement, make_store
 
     num_rows = table_rows(args.table_gib)
@@ -221,9 +222,7 @@ def main(argv: list[str] | None = None) -> int:
         for vi in order.permutation(len(variants)):
             ms[variants[vi]].append(timed(variants[vi]))
     result: dict[str, Any] = {
-        "device": torch.cuda.get_device_name(device),
-        "torch": torch.__version__,
-        "triton": __import__("triton").__version__,
+        "environment": environment(device),
         "table_gib": args.table_gib,
         "rows_per_layer": ROWS,
         "engram_blocks": list(SPLITS),

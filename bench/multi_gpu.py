@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 import runtime_overhead as ro  # bench/ is on the path when run as a script
-from engramrt.bench.runner import median_seconds
+from engramrt.bench.runner import environment, median_seconds
 from engramrt.distributed import SharedHostTable, shared_store
 from engramrt.exchange import (
     AllGatherExchange,
@@ -288,15 +288,13 @@ def main() -> None:
         layer_steps(layout, shard_store, full_store, args, device, record)
 
     if rank == 0 and args.out:
-        import triton
-
-        report = {
-            "date": time.strftime("%Y-%m-%d"),
-            "torch": torch.__version__,
-            "triton": triton.__version__,
-            "devices": [torch.cuda.get_device_name(i) for i in range(world)]
+        devices = (
+            [torch.cuda.get_device_name(i) for i in range(world)]
             if device.type == "cuda"
-            else ["cpu"] * world,
+            else ["cpu"] * world
+        )
+        report = {
+            "environment": {**environment(device), "devices": devices},
             "backend": dist.get_backend(),
             "tp": world,
             "table_gib": args.table_gib,

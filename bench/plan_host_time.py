@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from engramrt._io import atomic_write_bytes
+from engramrt.bench.runner import environment
 from engramrt.hashing import HashConstants, NgramHasher
 from engramrt.layout import EngramLayout
 from engramrt.lookup.tiers import TablePlacement, tier_class
@@ -181,14 +182,8 @@ def main(argv=None) -> dict:
             f"plan + rows, drained {step['median']:8.1f} us [{step['p25']:.1f}, {step['p75']:.1f}]"
         )
         print(timed["profile_text"])
-    import triton
-
     report = {
-        "date": time.strftime("%Y-%m-%d"),
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "none",
-        "device": str(device),
+        "environment": environment(device),
         "table_gib_per_layer": args.table_gib,
         "tokens_per_step": batches[0].num_tokens,
         "calls": args.calls,

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from collections import Counter
 
 import torch
@@ -33,6 +32,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 from engramrt._io import atomic_write_bytes
 from engramrt.bench.cases_cache import ZipfRows
+from engramrt.bench.runner import environment
 from engramrt.cache import CachedRowStore
 from engramrt.lookup.synthetic import random_packed_rows
 from engramrt.lookup.tiers import HostOptions, TablePlacement, make_store
@@ -218,13 +218,8 @@ def main(argv=None) -> dict:
     for kernel in work["busiest"]:
         print(f"    {kernel['us_per_step']:8.1f} us  x{kernel['per_step']:.1f}  {kernel['kernel']}")
     print(f"lookup to rows {res['lookup_to_rows_us']} us (median), hit rate {res['hit_rate']:.2f}")
-    import triton
-
     report = {
-        "date": time.strftime("%Y-%m-%d"),
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "none",
+        "environment": environment(device),
         "table_gib": args.table_gib,
         "cache_fraction": args.cache_fraction,
         "update_every": args.update_every,

@@ -139,24 +139,18 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("profile_ple_layer: needs a CUDA device (none here)", file=sys.stderr)
         return 2
-    import triton
-
-    report: dict[str, Any] = {
-        "environment": {
-            "gpu": torch.cuda.get_device_name(),
-            "torch": torch.__version__,
-            "triton": triton.__version__,
-        },
-        "shapes": {},
-    }
     from engramrt.bench.cases_ple import ple_layer_cases
+    from engramrt.bench.runner import environment
+
+    device = torch.device("cuda")
+    report: dict[str, Any] = {"environment": environment(device), "shapes": {}}
 
     failed = False
     for case in ple_layer_cases(quick=False):
         kind, shape = case.name.split()[1], case.params
         label = f"{kind} {shape['requests']}x{shape['tokens_per_request']}"
         try:
-            s = case.make(torch.device("cuda"))  # one set of inputs for both parts
+            s = case.make(device)  # one set of inputs for both parts
             record = profile_case(case, s)
             if not args.no_sweep:
                 record["sweep"] = sweep_case(case, s)

@@ -239,11 +239,10 @@ def main(argv: list[str] | None = None) -> int:
             "profile_tiny_lm_step: --device cuda needs a CUDA device (none here)", file=sys.stderr
         )
         return 2
-    environment = {"torch": torch.__version__, "device": str(device)}
-    if device.type == "cuda":
-        environment["gpu"] = torch.cuda.get_device_name(device)
+    from engramrt.bench.runner import environment
+
     report = {
-        "environment": environment,
+        "environment": environment(device),
         **run(device, args.batch_size, args.seq_len, args.steps, args.profile_steps, args.top),
     }
     for model_name, case in report["models"].items():

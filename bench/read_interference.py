@@ -192,6 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     device = study_device("read_interference")
     if device is None:
         return 2
+    from engramrt.bench.runner import environment
     from engramrt.lookup.settings import check_kernel_config
     from engramrt.lookup.tiers.uva import UVA_KERNEL
 
@@ -220,9 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     spin_out = torch.empty(1024, dtype=torch.int64, device=device)
     spin = None
     result: dict[str, Any] = {
-        "device": torch.cuda.get_device_name(device),
-        "torch": torch.__version__,
-        "triton": __import__("triton").__version__,
+        "environment": environment(device),
         "rows": args.rows,
         "row_bytes": ROW_BYTES,
         "table_gib": args.table_gib,

@@ -147,6 +147,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
+from engramrt.bench.runner import environment
 from engramrt.cache import CachedRowStore
 from engramrt.config import PRESETS
 from engramrt.hashing import HashBatch, HashConstants, NgramHasher
@@ -1583,14 +1584,8 @@ def summarize(
 
 
 def report(args, cfg, device, engram_at, results: list[dict], rounds_completed: int) -> dict:
-    import triton
-
     return {
-        "date": time.strftime("%Y-%m-%d"),
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "gpu": torch.cuda.get_device_name() if device.type == "cuda" else "none",
-        "device": str(device),
+        "environment": environment(device),
         "smoke": args.smoke,
         "table_gib_per_layer": args.table_gib,
         "engram_at_blocks": sorted(engram_at),

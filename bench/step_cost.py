@@ -95,6 +95,7 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import runtime_overhead as ro
 from engramrt import custom_ops
+from engramrt.bench.runner import environment
 from engramrt.distributed.stores import SharedRows
 from engramrt.hashing import HashBatch, HashConstants, NgramHasher
 from engramrt.layer import EngramHead
@@ -574,6 +575,7 @@ def main(argv=None) -> dict:
     if args.process_per_mode:
         return run_modes_in_processes(args, list(sys.argv[1:] if argv is None else argv))
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    env = environment(device)
     if max(args.engram_blocks) >= ro.BLOCKS:
         raise SystemExit(f"--engram-blocks={args.engram_blocks}; the backbone has {ro.BLOCKS}")
     ro.ENGRAM_AT = {b: li for li, b in enumerate(args.engram_blocks)}
@@ -698,7 +700,7 @@ def main(argv=None) -> dict:
         for case in cases:
             if case.skipped is not None or len(case.ms) <= round_index:
                 case.ms.append(None)
-        report = summarize(args, cfg, cases, round_index + 1)
+        report = summarize(args, cfg, env, cases, round_index + 1)
         if profiles:
             report["profiles"] = profiles
         ro.write_report(args.out, report)
@@ -893,7 +895,7 @@ def check_case(runner: Runner, checker: EngramRuntime, batch: HashBatch) -> dict
     return {"rows_equal": rows_equal, "finite": finite, "passed": rows_equal and finite}
 
 
-def summarize(args, cfg, cases: list[Case], rounds_done: int) -> dict:
+def summarize(args, cfg, env: dict, cases: list[Case], rounds_done: int) -> dict:
     refs = {c.key: c for c in cases if c.placement == "device"}
     rows = []
     for case in cases:
@@ -919,10 +921,7 @@ def summarize(args, cfg, cases: list[Case], rounds_done: int) -> dict:
         rows.append(row)
     return {
         "bench": "step_cost",
-        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-        "torch": torch.__version__,
-        "triton": __import__("triton").__version__,
+        "environment": env,
         "table_gib_per_layer": args.table_gib,
         "config": cfg.name,
         "engram_at_blocks": sorted(ro.ENGRAM_AT),

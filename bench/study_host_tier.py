@@ -31,7 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
-from engramrt.bench.runner import median_seconds
+from engramrt.bench.runner import environment, median_seconds
 from engramrt.lookup.tiers import HostOptions, TablePlacement, make_store
 from engramrt.lookup.tiers.host_gather import DEFAULT_CHUNK_ROWS
 
@@ -546,16 +546,13 @@ def finish(args, report, records) -> None:
     torch.set_num_threads(len(os.sched_getaffinity(0)))
     print("\n".join(report))
     if args.out:
-        import triton
-
         with open(args.out, "w") as f:
             json.dump(
                 {
-                    "date": time.strftime("%Y-%m-%d"),
-                    "torch": torch.__version__,
-                    "triton": triton.__version__,
-                    "gpu": torch.cuda.get_device_name(),
-                    "cpus": len(os.sched_getaffinity(0)),
+                    "environment": {
+                        **environment(torch.device("cuda", torch.cuda.current_device())),
+                        "cpus": len(os.sched_getaffinity(0)),
+                    },
                     "table_gib": args.table_gib,
                     "results": records,
                 },

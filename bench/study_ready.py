@@ -36,6 +36,7 @@ from pathlib import Path
 
 import torch
 
+from engramrt.bench.runner import environment
 from engramrt.distributed.fill import fill_synthetic_rows
 from engramrt.lookup.mapped import MappedHostRows, gather_mapped_rows
 from engramrt.packed import row_bytes_for, word_dtype_for
@@ -247,9 +248,7 @@ def main() -> None:
     finally:
         path.unlink(missing_ok=True)
     report["stages"] = lines
-    report["torch"] = torch.__version__
-    report["gpu"] = torch.cuda.get_device_name()
-    report["date"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    report["environment"] = environment(device)
     print(json.dumps({k: v for k, v in report.items() if k != "stages"}))
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1))

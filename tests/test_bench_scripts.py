@@ -22,6 +22,14 @@ def _load(name: str):
     return module
 
 
+def _assert_runner_environment(record: dict, device: str) -> None:
+    """A bench script's record says where it ran as ``engramrt bench`` does, under
+    ``environment`` (:func:`engramrt.bench.runner.environment`), and nowhere else."""
+    env = record["environment"]
+    assert env["device"] == device and {"date", "torch", "triton", "python"} <= set(env)
+    assert not {"date", "torch", "triton", "gpu", "python"} & set(record)
+
+
 def _report(date: str, cases: list[tuple[str, float]], quick: bool = False) -> dict:
     return {
         "environment": {"date": date, "device": "cuda", "gpu": "GPU", "torch": "t", "triton": "t"},
@@ -186,12 +194,15 @@ def test_cache_hit_study_writes_docs_only_when_told(tmp_path) -> None:
     quick = ["--max-tokens", "20000", "--fractions", "0.001", "--uniform-fractions", "0.001"]
     printed = _run_script(script, *quick, "--threads", "1", "--out", str(out))
     assert docs.read_text() == before  # the default: no docs written
-    assert "| natural | 0.1% |" in printed and json.loads(out.read_text())["runs"]["natural"]
+    record = json.loads(out.read_text())
+    assert "| natural | 0.1% |" in printed and record["runs"]["natural"]
+    _assert_runner_environment(record, "cpu")
     printed = _run_script(script, "--render", str(out))
     assert docs.read_text() == before and "| natural | 0.1% |" in printed
     _run_script(script, "--render", str(out), "--write-docs")
     written = docs.read_text()
     assert written.startswith("# Cache\n\n<!-- hit-study:begin -->\nCorpus: ")
+    assert f"Generated {record['environment']['date'][:10]} by" in written
     assert "| natural | 0.1% |" in written and written.endswith("<!-- hit-study:end -->\ntail\n")
     recorded = ROOT / "bench" / "results" / "cache-hit-study-20261129.json"  # docs/cache.md's run
     assert "| natural | 5% | 19,200,304 |" in _run_script(script, "--render", str(recorded))
@@ -221,6 +232,8 @@ def test_multi_gpu_script_on_gloo(tmp_path) -> None:
         )
     report = json.loads(out.read_text())
     assert report["tp"] == 2 and report["backend"] == "gloo" and report["failures"] == []
+    _assert_runner_environment(report, "cpu")
+    assert report["environment"]["devices"] == ["cpu", "cpu"]
     what = {r["what"] for r in report["results"]}
     assert {
         "AllGatherExchange all_gather",
@@ -429,6 +442,7 @@ def test_runtime_bench_smoke_on_cpu(tmp_path) -> None:
         "2",
     )
     assert report["engram_at_blocks"] == [1, 14] and report["smoke"] is True
+    _assert_runner_environment(report, "cpu")
     assert report["cache_update_every"] == 2
     assert report["rounds_completed"] == 1
     results = report["results"]
@@ -743,6 +757,7 @@ def test_plan_host_time_runs_on_cpu(tmp_path) -> None:
         ]
     )  # fmt: skip
     assert json.loads(out.read_text()) == json.loads(json.dumps(report))
+    _assert_runner_environment(report, "cpu")
     assert [r["tier"] for r in report["results"]] == ["device", "host"]
     for r in report["results"]:
         assert r["lookup_workers"] == "shared"
@@ -774,6 +789,7 @@ def test_profile_cache_update_runs_on_cpu(tmp_path) -> None:
     assert 0.0 <= report["hit_rate"] <= 1.0 and report["lookup_to_rows_us"] is None
     assert report["policy"] == "kernels"
     assert report["device"]["kernels_per_step"] == 0  # no device in the trace on a CPU
+    _assert_runner_environment(report, "cpu")
     assert not list(tmp_path.glob("*.tmp"))
     torch_policy = bench.main(
         ["--device", "cpu", "--table-gib", "0.001", "--steps", "2", "--warmup", "1",

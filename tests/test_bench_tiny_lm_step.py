@@ -32,6 +32,7 @@ def test_record_of_both_models_and_implementations(tmp_path: Path) -> None:
     assert script.main([*SMALL, "--out", str(out)]) == 0
     record = json.loads(out.read_text())
     assert record["batch_size"] == 2 and record["seq_len"] == 16
+    assert record["environment"]["device"] == "cpu" and "torch" in record["environment"]
     assert set(record["models"]) == {"engram", "baseline"}
     for case in record["models"].values():
         assert case["agrees"]["relative"] <= case["agrees"]["bound"]
