@@ -58,7 +58,7 @@ def _expected_heldout(record: dict) -> dict[str, dict[str, float]]:
     }
 
 
-def test_model_demo_json_matches_an_independent_reading(full_run) -> None:
+def test_model_demo_json_matches_an_independent_reading(full_run, monkeypatch) -> None:
     code, result, _, chart = full_run
     record = _record()
     from engramrt_lab.cli.demo_model import NOT_SERVED
@@ -101,12 +101,32 @@ def test_model_demo_json_matches_an_independent_reading(full_run) -> None:
     assert abs(fp8 - float_loss) / float_loss <= 0.005
     assert not result["training"]["command"].startswith("/")
 
+    # The seen / unseen split, from the record's categories: the seen row as recorded, the
+    # unseen one the prediction-weighted mean of the other categories, for each set; both
+    # rows' predictions add up to the set's.
+    assert set(result["heldout_seen"]) == {"stdlib", "site-packages"}
+    for name, key in (("stdlib", "where_it_wins"), ("site-packages", "where_it_wins_package")):
+        categories = record[key]["longest_seen"]
+        seen, unseen = (
+            result["heldout_seen"][name]["4-gram seen"],
+            result["heldout_seen"][name]["4-gram unseen"],
+        )
+        assert seen == categories["4-gram seen"]
+        rest = [row for label, row in categories.items() if label != "4-gram seen"]
+        count = sum(row["predictions"] for row in rest)
+        assert unseen["predictions"] == count
+        assert seen["predictions"] + count == sets[name]["predictions"]
+        for model in ("engram", "baseline", "baseline_wide", "engram gate (block 3)"):
+            mean = sum(row[model] * row["predictions"] for row in rest) / count
+            assert unseen[model] == pytest.approx(mean, rel=1e-12), (name, model)
+
     # The continuation, recomputed here by the eager reference (no runtime, no demo code).
     from engramrt.lookup.tiers import TablePlacement
     from engramrt_lab.cli.demo_model import DEFAULT_PROMPT
     from engramrt_lab.models.packaged import packaged_model_dir
     from engramrt_lab.models.serve import load_model
 
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # the torch references, as the demo runs
     model = load_model(
         packaged_model_dir(), TablePlacement("device", device="cpu"), load_baseline=False
     )
@@ -132,8 +152,12 @@ def test_model_demo_json_matches_an_independent_reading(full_run) -> None:
     masked = kept.clone()
     masked[:, bos_trimmed] = float("-inf")
     assert [int(t) for t in model.vocab.untrim(masked.argmax(-1).numpy())] == want
-    # Control: unmasked, the shipped model would have emitted it (the 9th token).
-    assert bos_trimmed in kept.argmax(-1).tolist()
+    # Control: where a file ends, the shipped model's most likely token is the next
+    # file's start; the generation takes the best token but that one.
+    ending = model.encode('if __name__ == "__main__":\n    main()\n')
+    last, _ = model.reference_forward(ending)
+    assert int(last[-1, : model.vocab.num_kept].argmax()) == bos_trimmed
+    assert BOS_TOKEN_ID not in model.reference_generate(ending, 4).tokens
 
 
 def test_model_demo_says_what_it_does_first_and_reports_each_stage(full_run) -> None:
@@ -230,6 +254,9 @@ def test_quick_default_with_a_one_token_prompt(tmp_path, monkeypatch) -> None:
     from engramrt_lab.models.packaged import packaged_model_dir
     from engramrt_lab.models.serve import load_model
 
+    # The same arithmetic as the demo's (the torch references): greedy tokens of a
+    # kernel's result, equal only within its tolerance, may part at a near tie.
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
     model = load_model(
         packaged_model_dir(), TablePlacement("device", device="cpu"), load_baseline=False
     )
@@ -297,3 +324,19 @@ def test_model_demo_bad_input(capsys, args, needle) -> None:
     assert info.value.code == 2 and needle in err and "Traceback" not in err
     lines = err.strip().splitlines()  # at most the line saying what the demo does, then the error
     assert len(lines) <= 2 and lines[-1].startswith("error:")
+
+
+def test_heldout_seen_leaves_out_a_set_the_record_does_not_split() -> None:
+    """A record without a set's where-it-wins split (or without its ``4-gram seen``
+    category) gives no row for that set, rather than an empty or made-up one."""
+    from engramrt_lab.cli.demo_model import _heldout_seen
+
+    record = _record()
+    assert set(_heldout_seen(record)) == {"stdlib", "site-packages"}
+    assert set(_heldout_seen({**record, "where_it_wins_package": None})) == {"stdlib"}
+    stdlib = {
+        "longest_seen": {
+            k: v for k, v in record["where_it_wins"]["longest_seen"].items() if k != "4-gram seen"
+        }
+    }
+    assert _heldout_seen({"where_it_wins": stdlib}) == {}

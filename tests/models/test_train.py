@@ -148,17 +148,22 @@ def test_absolute_paths_are_found() -> None:
 def test_the_shipped_model_json_holds_no_absolute_path() -> None:
     """The shipped record says how the model was trained, not where: its command is the
     training command without --out and --results, its corpus roots are names."""
+    import shlex
+
     from engramrt_lab.models.packaged import packaged_model_dir
+    from engramrt_lab.models.train import parse_args, settings_record
 
     data = json.loads((packaged_model_dir() / artifacts.MODEL_JSON).read_text())
     assert _absolute_paths(data) == []
     record = data["training"]
-    # The command as it ran: the module was engramrt.models.train before the lab became a
-    # distribution of its own (engramrt_lab.models.train); model.json is kept as trained.
-    assert record["command"] == (
-        "python -m engramrt.models.train --device cuda --minutes 0.75 --memory-sweep 1,4,12 "
-        "--compare-layers 1,3"
-    )
+    words = shlex.split(record["command"])
+    assert words[:3] == ["python", "-m", "engramrt_lab.models.train"]
+    assert "--out" not in words and "--results" not in words
+    # It parses back to the settings recorded (on this CPU once --device says cpu).
+    words[words.index("--device") + 1] = "cpu"
+    again = settings_record(parse_args([*words[3:], "--out", "unused"]))
+    assert again.pop("device") == "cpu" and record["settings"]["device"] == "cuda"
+    assert again == {k: v for k, v in record["settings"].items() if k != "device"}
     assert record["corpus"]["stdlib_root"] == "python3.12"
     assert record["corpus"]["site_dirs"] == ["site-packages"]
 

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import tempfile
 import time
 from collections.abc import Iterator
@@ -123,7 +124,8 @@ def run_model_demo(
     ``heldout_loss_here`` (the models evaluated on this machine, on
     ``heldout_here["sequences"]`` sequences of the shipped stdlib sample),
     ``heldout_sample_recorded`` (the record's losses on the whole sample),
-    ``gates``, ``tier``, ``history``, ``device``, ``data`` (what is real),
+    ``heldout_seen`` (each set's losses and gates where training saw the predicted
+    token's 4-gram and where not: :func:`_heldout_seen`), ``gates``, ``tier``, ``history``, ``device``, ``data`` (what is real),
     ``training`` (the record: its path-free command, the corpus, the steps),
     ``plot`` (the chart's absolute path, with ``--plot``) and ``seconds``.
     """
@@ -439,6 +441,7 @@ def _report(
             "checked_against_record": full_eval,
         },
         "heldout_sample_recorded": {k: float(v) for k, v in recorded_sample.items()},
+        "heldout_seen": _heldout_seen(record),
         "gates": {
             "layers": layer_ids,
             "tokens": pieces,
@@ -454,6 +457,25 @@ def _report(
             "seconds": {name: record[name].get("seconds") for name in trained},
         },
     }
+
+
+def _heldout_seen(record: dict[str, Any]) -> dict[str, dict[str, dict[str, Any]]]:
+    """``{set: {"4-gram seen" | "4-gram unseen": {predictions, share, model: loss,
+    "engram gate (block B)": gate}}}``: each held-out set's predictions split by whether
+    training saw the 4-gram ending at the predicted token, from the record's where-it-wins
+    split of that set (this model's seed; :func:`~engramrt_lab.models.seeds.seen_view`);
+    a set whose split the record lacks is left out."""
+    from engramrt_lab.models.seeds import HELDOUT_SET_NAMES, seen_view
+    from engramrt_lab.models.train import WHERE_IT_WINS
+
+    split = {}
+    for key, name in HELDOUT_SET_NAMES.items():
+        wins = record.get(WHERE_IT_WINS[key])
+        longest = wins.get("longest_seen") if isinstance(wins, dict) else None
+        view = seen_view(longest) if isinstance(longest, dict) else None
+        if view is not None:
+            split[name] = view
+    return split
 
 
 def _heldout_sets(record: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -629,6 +651,7 @@ def print_losses(out: dict[str, Any]) -> None:
             f"({_mean_and_spread(losses[lowest], spreads[name][lowest])}"
             f"{f', {seeds} seeds' if seeds > 1 else ''}); then {others}"
         )
+    _print_seen(out["heldout_seen"], seeds)
     if here:
         best_here = min(here, key=here.__getitem__)
         console.print(
@@ -641,6 +664,54 @@ def print_losses(out: dict[str, Any]) -> None:
             "sample; --full-eval evaluates all of it and checks each model within "
             f"{LOSS_TOLERANCE:.0%}"
         )
+
+
+def _print_seen(split: dict[str, dict[str, dict[str, Any]]], seeds: int) -> None:
+    """The held-out losses split by whether training saw the predicted token's 4-gram,
+    with the Engram model's gates (mean of its streams) at each Engram block."""
+    from rich.table import Table
+
+    from engramrt.cli._console import console
+
+    if not split:
+        return
+    rows = [row for view in split.values() for row in view.values()]
+    columns = dict.fromkeys(c for row in rows for c in row if c not in ("predictions", "share"))
+    models = [c for c in columns if "gate" not in c]
+    gates = [c for c in columns if "gate" in c]
+    table = Table(
+        title="held-out loss where training saw the 4-gram ending at the predicted token, "
+        f"and where it did not{' (seed of this model)' if seeds > 1 else ''}",
+        title_justify="left",
+    )
+    for name in ("set", "4-gram", "share", *models):
+        table.add_column(name, justify="left" if name in ("set", "4-gram") else "right")
+    if gates:
+        blocks = " / ".join(re.sub(r"\D", "", gate) or gate for gate in gates)
+        table.add_column(f"gate, block {blocks}", justify="right")
+    for name, view in split.items():
+        total = sum(row["predictions"] for row in view.values())
+        for category, row in view.items():
+            lowest = min((m for m in models if m in row), key=row.__getitem__, default=None)
+            table.add_row(
+                name,
+                category.removeprefix("4-gram "),
+                f"{row['predictions'] / total:.1%}",
+                *(
+                    "—"
+                    if m not in row
+                    else f"[bold]{row[m]:.4f}[/]"
+                    if m == lowest
+                    else f"{row[m]:.4f}"
+                    for m in models
+                ),
+                *(
+                    [" / ".join(f"{row[g]:.2f}" if g in row else "—" for g in gates)]
+                    if gates
+                    else []
+                ),
+            )
+    console.print(table)
 
 
 def _mean_and_spread(mean: float | None, std: float | None) -> str:

@@ -1,10 +1,12 @@
 """Train the tiny Engram LM and its two baselines on Python sources; write the model directory.
 
-One command (on one H200, about 3.5 minutes for the three models; the sweep
-and the placement comparison add about a minute per model)::
+One command (the shipped model's: on one H100, about 5 minutes for the three
+models; ``--memory-sweep`` and ``--compare-layers`` add about as long as the
+Engram model's training per model)::
 
-    python -m engramrt_lab.models.train --out DIR --minutes 0.75 --device cuda \
-        --memory-sweep 1,4,12 --compare-layers 1,3 --results DIR.json
+    python -m engramrt_lab.models.train --out DIR --steps 1321 --device cuda \
+        --eval-sequences 4096 --val-sequences 256 --engram-layers 1,3 \
+        --buckets 12288,8192,4096 --results DIR.json
 
 A small end-to-end run on a CPU (what the tests do, on a tiny source tree)::
 
