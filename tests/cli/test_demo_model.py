@@ -340,3 +340,31 @@ def test_heldout_seen_leaves_out_a_set_the_record_does_not_split() -> None:
         }
     }
     assert _heldout_seen({"where_it_wins": stdlib}) == {}
+
+
+def test_the_seen_table_shows_the_engram_gates_only(monkeypatch) -> None:
+    """The printed split has a column per model and one for the Engram model's gates; a
+    memory-sweep model's losses get a column, its gates none."""
+    from engramrt.cli._console import console
+    from engramrt_lab.cli.demo_model import _print_seen
+
+    def row(n: int, loss: float) -> dict:
+        return {
+            "predictions": n,
+            "share": 0.5,
+            "engram": loss,
+            "engram_x1": loss + 0.5,
+            "engram gate (block 1)": 0.61,
+            "engram gate (block 3)": 0.37,
+            "engram_x1 gate (block 1)": 0.99,
+        }
+
+    split = {"stdlib": {"4-gram seen": row(30, 1.25), "4-gram unseen": row(10, 2.75)}}
+    monkeypatch.setattr(console, "width", 160)  # no column cut short, whatever the terminal
+    with console.capture() as captured:
+        _print_seen(split, seeds=1)
+    text = captured.get()
+    assert "engram_x1" in text and "gate, block 1 / 3" in text
+    assert "0.61 / 0.37" in text and "0.99" not in text
+    assert "75.0%" in text and "25.0%" in text  # shares from the counts
+    assert "1.7500" in text and "3.2500" in text

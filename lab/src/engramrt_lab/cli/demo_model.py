@@ -125,7 +125,8 @@ def run_model_demo(
     ``heldout_here["sequences"]`` sequences of the shipped stdlib sample),
     ``heldout_sample_recorded`` (the record's losses on the whole sample),
     ``heldout_seen`` (each set's losses and gates where training saw the predicted
-    token's 4-gram and where not: :func:`_heldout_seen`), ``gates``, ``tier``, ``history``, ``device``, ``data`` (what is real),
+    token's 4-gram and where not: :func:`_heldout_seen`), ``gates``, ``tier``,
+    ``history``, ``device``, ``data`` (what is real),
     ``training`` (the record: its path-free command, the corpus, the steps),
     ``plot`` (the chart's absolute path, with ``--plot``) and ``seconds``.
     """
@@ -668,7 +669,8 @@ def print_losses(out: dict[str, Any]) -> None:
 
 def _print_seen(split: dict[str, dict[str, dict[str, Any]]], seeds: int) -> None:
     """The held-out losses split by whether training saw the predicted token's 4-gram,
-    with the Engram model's gates (mean of its streams) at each Engram block."""
+    with the Engram model's gates (mean of its streams) at each Engram block; the gates of
+    other Engram models a record may hold (a memory sweep's) are left out."""
     from rich.table import Table
 
     from engramrt.cli._console import console
@@ -677,8 +679,8 @@ def _print_seen(split: dict[str, dict[str, dict[str, Any]]], seeds: int) -> None
         return
     rows = [row for view in split.values() for row in view.values()]
     columns = dict.fromkeys(c for row in rows for c in row if c not in ("predictions", "share"))
-    models = [c for c in columns if "gate" not in c]
-    gates = [c for c in columns if "gate" in c]
+    models = [c for c in columns if " gate (block " not in c]
+    gates = {c: block for c in columns if (block := _gate_block(c)) is not None}
     table = Table(
         title="held-out loss where training saw the 4-gram ending at the predicted token, "
         f"and where it did not{' (seed of this model)' if seeds > 1 else ''}",
@@ -687,8 +689,7 @@ def _print_seen(split: dict[str, dict[str, dict[str, Any]]], seeds: int) -> None
     for name in ("set", "4-gram", "share", *models):
         table.add_column(name, justify="left" if name in ("set", "4-gram") else "right")
     if gates:
-        blocks = " / ".join(re.sub(r"\D", "", gate) or gate for gate in gates)
-        table.add_column(f"gate, block {blocks}", justify="right")
+        table.add_column(f"gate, block {' / '.join(gates.values())}", justify="right")
     for name, view in split.items():
         total = sum(row["predictions"] for row in view.values())
         for category, row in view.items():
@@ -712,6 +713,12 @@ def _print_seen(split: dict[str, dict[str, dict[str, Any]]], seeds: int) -> None
                 ),
             )
     console.print(table)
+
+
+def _gate_block(column: str) -> str | None:
+    """The block of an ``engram gate (block B)`` column of a where-it-wins split, else None."""
+    match = re.fullmatch(r"engram gate \(block (\d+)\)", column)
+    return match.group(1) if match else None
 
 
 def _mean_and_spread(mean: float | None, std: float | None) -> str:
