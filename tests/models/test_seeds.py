@@ -181,8 +181,8 @@ def test_aggregate_leaves_out_what_a_seed_lacks() -> None:
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
-        (["--seeds", "3"], "at least 2 distinct seeds"),
-        (["--seeds", "1,1"], "at least 2 distinct seeds"),
+        (["--seeds", "1,1"], "distinct seeds"),
+        (["--seeds", "3", "--aggregate"], "at least 2 distinct seeds to aggregate"),
         (["--seeds", "a,b"], "--seeds"),
         (["--seed", "4"], "--seed is set per seed"),
         (["--results", "x.json"], "--results is set per seed"),
@@ -717,3 +717,39 @@ def test_runs_of_some_models_merge_into_the_whole_run(
     assert "model 'engram' is in two runs of this seed" in capsys.readouterr().err
     path.write_text(good)
     assert seeds_mod.main(["--seeds", "0,5", "--out", str(out), "--aggregate"]) == 0
+
+
+def test_one_seed_trains_into_the_layout_and_writes_no_aggregate(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--seeds S`` runs the training command for that seed into ``DIR/seed-S`` with its
+    record ``DIR/seed-S.json`` (where ``--aggregate`` looks later) and aggregates nothing.
+    Control: two seeds with the same stand-in training go on to the aggregate."""
+    calls: list[tuple[list[int], list[list[str]]]] = []
+
+    def stand_in(seeds, out, commands, jobs) -> int:
+        calls.append((list(seeds), [list(c) for c in commands]))
+        return 0
+
+    monkeypatch.setattr(seeds_mod, "_train_seeds", stand_in)
+    out = tmp_path / "runs"
+    assert (
+        seeds_mod.main(["--seeds", "3", "--out", str(out), "--device", "cpu", "--steps", "2"]) == 0
+    )
+    [(seeds, [command])] = calls
+    assert seeds == [3]
+    for flag, value in (("--seed", "3"), ("--out", str(out / "seed-3"))):
+        assert command[command.index(flag) + 1] == value
+    assert command[command.index("--results") + 1] == str(out / "seed-3.json")
+    assert "no aggregate" in capsys.readouterr().out
+    assert not (out / seeds_mod.AGGREGATE_JSON).exists()
+
+    # Control: two seeds go on to the aggregate, which stops at the first seed with no
+    # record (the stand-in wrote none), naming it.
+    status = seeds_mod.main(
+        ["--seeds", "3,4", "--out", str(out), "--device", "cpu", "--steps", "2"]
+    )
+    assert len(calls) == 2 and calls[1][0] == [3, 4]
+    printed = capsys.readouterr()
+    assert status == 2 and "no aggregate:" not in printed.out
+    assert "seed 3 has no record" in printed.err and "seed-3.json" in printed.err

@@ -59,6 +59,9 @@ output in ``DIR/seed-S.log``. On one GPU that saves only the processes' start (t
 corpus, about a minute each): the tiny model's training keeps an H200 busy, and four
 processes side by side trained at a quarter of one alone's tokens per second each.
 
+One seed (``--seeds S``) trains into the same layout and writes no aggregate, so that
+seeds can join one at a time before an ``--aggregate`` (which needs at least two).
+
 Flags are checked for every seed before any training (a bad one: one line,
 exit status 2). A seed whose run fails stops the command with that run's exit
 status; the seeds already run keep their records, and no aggregate is written.
@@ -651,9 +654,12 @@ def parse_args(
     if taken:
         parser.error(f"{taken[0]} is set per seed by this command; leave it out")
     seeds = args.seeds
-    if len(seeds) < MIN_SEEDS or len(set(seeds)) != len(seeds):
+    fewest = MIN_SEEDS if args.aggregate else 1  # one seed trains; an aggregate needs two
+    if len(seeds) < fewest or len(set(seeds)) != len(seeds):
         parser.error(
-            f"--seeds={','.join(map(str, seeds))}; expected at least {MIN_SEEDS} distinct seeds"
+            f"--seeds={','.join(map(str, seeds))}; expected "
+            + (f"at least {fewest} distinct seeds" if fewest > 1 else "distinct seeds")
+            + (" to aggregate" if args.aggregate else "")
         )
     out = Path(args.out)
     if out.exists() and not out.is_dir():
@@ -753,6 +759,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         status = _train_seeds(seeds, out, commands, jobs)
         if status != 0:
             return status
+        if len(seeds) < MIN_SEEDS:
+            print(
+                f"{PROG}: seed {seeds[0]} trained into {str(out)!r}; no aggregate: it needs "
+                f"at least {MIN_SEEDS} seeds (train others into the same directory, then "
+                f"--aggregate)",
+                flush=True,
+            )
+            return 0
     records = {}
     for seed in seeds:
         parts = []
@@ -772,6 +786,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                 )
                 return 2
             parts.append(part)
+        if not parts:
+            sys.stderr.write(
+                f"{PROG}: error: seed {seed} has no record in {str(out)!r} (expected "
+                f"{_seed_record(out, seed).name}, the training command's --results, or "
+                f"seed-{seed}-M1+M2.json of its runs of some --models); no aggregate written\n"
+            )
+            return 2
         try:
             records[seed] = merge_records(parts)
         except ValueError as error:
