@@ -889,6 +889,7 @@ def test_step_cost_pairs_each_case_with_the_gpu_tables_of_its_round(tmp_path, mo
          "--out", str(out)]
     )  # fmt: skip
     assert json.loads(out.read_text()) == report
+    _assert_runner_environment(report, "cpu")
     assert sorted(report["profiles"]) == [
         f"{p}/eager/decode/sync/random" for p in ("aa", "deferred", "device", "queued")
     ]

@@ -329,24 +329,24 @@ def test_model_demo_bad_input(capsys, args, needle) -> None:
 def test_heldout_seen_leaves_out_a_set_the_record_does_not_split() -> None:
     """A record without a set's where-it-wins split (or without its ``4-gram seen``
     category) gives no row for that set, rather than an empty or made-up one."""
-    from engramrt_lab.cli.demo_model import _heldout_seen
+    from engramrt_lab.cli.demo_model import heldout_seen
 
     record = _record()
-    assert set(_heldout_seen(record)) == {"stdlib", "site-packages"}
-    assert set(_heldout_seen({**record, "where_it_wins_package": None})) == {"stdlib"}
+    assert set(heldout_seen(record)) == {"stdlib", "site-packages"}
+    assert set(heldout_seen({**record, "where_it_wins_package": None})) == {"stdlib"}
     stdlib = {
         "longest_seen": {
             k: v for k, v in record["where_it_wins"]["longest_seen"].items() if k != "4-gram seen"
         }
     }
-    assert _heldout_seen({"where_it_wins": stdlib}) == {}
+    assert heldout_seen({"where_it_wins": stdlib}) == {}
 
 
 def test_the_seen_table_shows_the_engram_gates_only(monkeypatch) -> None:
     """The printed split has a column per model and one for the Engram model's gates; a
     memory-sweep model's losses get a column, its gates none."""
     from engramrt.cli._console import console
-    from engramrt_lab.cli.demo_model import _print_seen
+    from engramrt_lab.cli.demo_model import print_seen
 
     def row(n: int, loss: float) -> dict:
         return {
@@ -362,7 +362,7 @@ def test_the_seen_table_shows_the_engram_gates_only(monkeypatch) -> None:
     split = {"stdlib": {"4-gram seen": row(30, 1.25), "4-gram unseen": row(10, 2.75)}}
     monkeypatch.setattr(console, "width", 160)  # no column cut short, whatever the terminal
     with console.capture() as captured:
-        _print_seen(split, seeds=1)
+        print_seen(split, seeds=1)
     text = captured.get()
     assert "engram_x1" in text and "gate, block 1 / 3" in text
     assert "0.61 / 0.37" in text and "0.99" not in text

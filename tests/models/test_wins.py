@@ -119,3 +119,14 @@ def test_file_masks_partition_predictions_by_the_file_of_each_sequence() -> None
         file_masks(6, lengths, np.array([3, 10, 40]), doc_starts, files)
     with pytest.raises(ValidationError, match=r"doc_starts has shape \(2,\)"):
         file_masks(6, lengths, starts, doc_starts[:2], files[:2])
+
+
+def test_gate_column_parts_reads_back_gate_column() -> None:
+    """Every gate key parses back to its model and block (names with spaces and digits
+    included); a model's loss key and a count are not gate keys."""
+    from engramrt_lab.models.wins import gate_column, gate_column_parts
+
+    for model, block in (("engram", 1), ("engram_x2", 14), ("engram (layers 1, 2)", 2)):
+        assert gate_column_parts(gate_column(model, block)) == (model, block)
+    for other in ("engram", "baseline_wide", "predictions", "share", "engram gate (block x)"):
+        assert gate_column_parts(other) is None

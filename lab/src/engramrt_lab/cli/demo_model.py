@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import re
 import tempfile
 import time
 from collections.abc import Iterator
@@ -125,7 +124,7 @@ def run_model_demo(
     ``heldout_here["sequences"]`` sequences of the shipped stdlib sample),
     ``heldout_sample_recorded`` (the record's losses on the whole sample),
     ``heldout_seen`` (each set's losses and gates where training saw the predicted
-    token's 4-gram and where not: :func:`_heldout_seen`), ``gates``, ``tier``,
+    token's 4-gram and where not: :func:`heldout_seen`), ``gates``, ``tier``,
     ``history``, ``device``, ``data`` (what is real),
     ``training`` (the record: its path-free command, the corpus, the steps),
     ``plot`` (the chart's absolute path, with ``--plot``) and ``seconds``.
@@ -442,7 +441,7 @@ def _report(
             "checked_against_record": full_eval,
         },
         "heldout_sample_recorded": {k: float(v) for k, v in recorded_sample.items()},
-        "heldout_seen": _heldout_seen(record),
+        "heldout_seen": heldout_seen(record),
         "gates": {
             "layers": layer_ids,
             "tokens": pieces,
@@ -460,7 +459,7 @@ def _report(
     }
 
 
-def _heldout_seen(record: dict[str, Any]) -> dict[str, dict[str, dict[str, Any]]]:
+def heldout_seen(record: dict[str, Any]) -> dict[str, dict[str, dict[str, Any]]]:
     """``{set: {"4-gram seen" | "4-gram unseen": {predictions, share, model: loss,
     "engram gate (block B)": gate}}}``: each held-out set's predictions split by whether
     training saw the 4-gram ending at the predicted token, from the record's where-it-wins
@@ -652,7 +651,7 @@ def print_losses(out: dict[str, Any]) -> None:
             f"({_mean_and_spread(losses[lowest], spreads[name][lowest])}"
             f"{f', {seeds} seeds' if seeds > 1 else ''}); then {others}"
         )
-    _print_seen(out["heldout_seen"], seeds)
+    print_seen(out["heldout_seen"], seeds)
     if here:
         best_here = min(here, key=here.__getitem__)
         console.print(
@@ -667,20 +666,22 @@ def print_losses(out: dict[str, Any]) -> None:
         )
 
 
-def _print_seen(split: dict[str, dict[str, dict[str, Any]]], seeds: int) -> None:
+def print_seen(split: dict[str, dict[str, dict[str, Any]]], seeds: int) -> None:
     """The held-out losses split by whether training saw the predicted token's 4-gram,
     with the Engram model's gates (mean of its streams) at each Engram block; the gates of
     other Engram models a record may hold (a memory sweep's) are left out."""
     from rich.table import Table
 
     from engramrt.cli._console import console
+    from engramrt_lab.models.wins import gate_column_parts
 
     if not split:
         return
     rows = [row for view in split.values() for row in view.values()]
     columns = dict.fromkeys(c for row in rows for c in row if c not in ("predictions", "share"))
-    models = [c for c in columns if " gate (block " not in c]
-    gates = {c: block for c in columns if (block := _gate_block(c)) is not None}
+    parts = {c: gate_column_parts(c) for c in columns}
+    models = [c for c, gate in parts.items() if gate is None]
+    gates = {c: str(gate[1]) for c, gate in parts.items() if gate and gate[0] == "engram"}
     table = Table(
         title="held-out loss where training saw the 4-gram ending at the predicted token, "
         f"and where it did not{' (seed of this model)' if seeds > 1 else ''}",
@@ -713,12 +714,6 @@ def _print_seen(split: dict[str, dict[str, dict[str, Any]]], seeds: int) -> None
                 ),
             )
     console.print(table)
-
-
-def _gate_block(column: str) -> str | None:
-    """The block of an ``engram gate (block B)`` column of a where-it-wins split, else None."""
-    match = re.fullmatch(r"engram gate \(block (\d+)\)", column)
-    return match.group(1) if match else None
 
 
 def _mean_and_spread(mean: float | None, std: float | None) -> str:

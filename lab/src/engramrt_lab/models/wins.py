@@ -32,6 +32,7 @@ see the target, so the ``context`` view is the one it can answer to; in
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -43,6 +44,7 @@ __all__ = [
     "category_masks",
     "file_masks",
     "gate_column",
+    "gate_column_parts",
     "ngram_keys",
     "training_ngrams",
 ]
@@ -166,6 +168,16 @@ def file_masks(
 def gate_column(model: str, block: int) -> str:
     """The key of ``model``'s mean gate at Engram block ``block`` in a category row."""
     return f"{model} gate (block {block})"
+
+
+_GATE_COLUMN = re.compile(r"(.+) gate \(block (\d+)\)")
+
+
+def gate_column_parts(column: str) -> tuple[str, int] | None:
+    """The model and block of a :func:`gate_column` key; None for any other key (a
+    model's loss, ``predictions``, ``share``)."""
+    match = _GATE_COLUMN.fullmatch(column)
+    return None if match is None else (match.group(1), int(match.group(2)))
 
 
 def category_losses(
