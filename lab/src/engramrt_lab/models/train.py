@@ -1,8 +1,8 @@
 """Train the tiny Engram LM and its two baselines on Python sources; write the model directory.
 
-One command (the shipped model's: on one H100, about 5 minutes for the three
-models; ``--memory-sweep`` and ``--compare-layers`` add about as long as the
-Engram model's training per model)::
+One command (the shipped model's; how long it takes: BENCHMARKS.md, "The shipped
+model: ×2 tables, one full pass"; ``--memory-sweep`` and ``--compare-layers`` add
+one Engram model's training per model)::
 
     python -m engramrt_lab.models.train --out DIR --steps 1321 --device cuda \
         --eval-sequences 4096 --val-sequences 256 --engram-layers 1,3 \
