@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import statistics
 
 import pytest
 
@@ -78,26 +79,43 @@ def test_model_demo_json_matches_an_independent_reading(full_run, monkeypatch) -
     assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert result["plot"] == str(chart.resolve())
 
-    # The recorded losses, read straight from the shipped model.json: every model it holds,
-    # on both held-out sets; one seed, so no spread.
-    expected = _expected_heldout(record)
-    assert "heldout_seeds" not in record
-    assert result["heldout_loss"] == expected
-    assert {"engram", "baseline", "baseline_wide"} <= set(expected["site-packages"])
-    assert result["seeds"] == 1
-    assert result["heldout_spread"] == {
-        name: dict.fromkeys(models) for name, models in expected.items()
+    # The recorded losses, read straight from the shipped model.json: the shipped package
+    # holds several seeds' losses (``heldout_seeds``), so each model's figure is their mean
+    # and its spread their sample standard deviation, computed here with the statistics module.
+    folded = record["heldout_seeds"]
+    seeds = len(folded["seeds"])
+    assert seeds >= 2 and result["seeds"] == seeds
+    names = {"heldout": "stdlib", "package_heldout": "site-packages"}
+    per_seed = {names[split]: models for split, models in folded["losses"].items()}
+    assert set(per_seed) == {"stdlib", "site-packages"}
+    for models in per_seed.values():
+        assert {"engram", "baseline", "baseline_wide"} <= set(models)
+        assert all(len(values) == seeds for values in models.values())
+    expected = {
+        name: {model: statistics.mean(values) for model, values in models.items()}
+        for name, models in per_seed.items()
     }
+    assert set(result["heldout_loss"]) == set(result["heldout_spread"]) == set(per_seed)
+    for name, models in per_seed.items():
+        assert result["heldout_loss"][name] == pytest.approx(expected[name], rel=1e-12)
+        assert result["heldout_spread"][name] == pytest.approx(
+            {model: statistics.stdev(values) for model, values in models.items()}, rel=1e-12
+        )
     assert result["heldout_lowest"] == {
         name: min(models, key=models.get) for name, models in expected.items()
     }
+    # The shipped seed's own run is one of the seeds folded in.
+    own = _expected_heldout(record)
+    for name, models in per_seed.items():
+        for model, values in models.items():
+            assert own[name][model] in values, (name, model)
     sets = result["heldout_sets"]
     assert sets["stdlib"]["predictions"] == record["heldout"]["predictions"]
     assert sets["site-packages"]["predictions"] == record["package_heldout"]["predictions"]
     assert "click, rich, typer" in sets["site-packages"]["what"]
     assert set(result["heldout_loss_here"]) == set(served)
     assert result["heldout_here"]["sequences"] == 32 and result["heldout_here"]["predictions"] > 0
-    fp8, float_loss = expected["stdlib"]["engram_fp8"], expected["stdlib"]["engram"]
+    fp8, float_loss = own["stdlib"]["engram_fp8"], own["stdlib"]["engram"]
     assert abs(fp8 - float_loss) / float_loss <= 0.005
     assert not result["training"]["command"].startswith("/")
 
@@ -173,13 +191,27 @@ def test_model_demo_says_what_it_does_first_and_reports_each_stage(full_run) -> 
 
 
 def test_the_loss_table_names_every_model_and_the_lowest(full_run, capsys) -> None:
-    """The text output of the same result: each recorded model and, in words, the lowest."""
+    """The text output of a one-seed record (the shipped record without its folded seeds):
+    each recorded model and, in words, the lowest; no spread."""
     from engramrt_lab.cli.demo_model import print_losses
+    from engramrt_lab.models.seeds import heldout_figures
 
-    result = full_run[1]
+    record = _record()
+    del record["heldout_seeds"]
+    figures = heldout_figures(record)
+    assert figures["seeds"] == 1
+    result = {
+        **full_run[1],
+        "heldout_loss": figures["loss"],
+        "heldout_spread": figures["spread"],
+        "seeds": 1,
+        "heldout_lowest": {
+            name: min(models, key=models.get) for name, models in figures["loss"].items()
+        },
+    }
     print_losses(result)
     text = " ".join(capsys.readouterr().out.split())
-    for name, losses in _expected_heldout(_record()).items():
+    for name, losses in _expected_heldout(record).items():
         lowest = min(losses, key=losses.get)
         for model, value in losses.items():
             assert model in text and f"{value:.4f}" in text
