@@ -36,7 +36,9 @@ reference), ``aa`` (a second runtime over the same GPU tables: the A/A control),
 CPU's gathers driven by a worker thread: ``HostOptions(gather="thread")``),
 ``queued`` (host memory, gathers queued in stream order:
 ``HostOptions(gather="queued")``), ``queued-cpu`` (the same with no GPU reads: every
-layer's rows gathered by the CPU in stream order), ``gpu-reads`` (host memory, every layer read
+layer's rows gathered by the CPU in stream order), ``queued-cpu-6`` and ``queued-cpu-16``
+(``queued-cpu`` with its gathers on 6 and 16 CPU threads, ``HostOptions(num_threads=)``:
+a decode layer's gather on the store's own count takes one thread), ``gpu-reads`` (host memory, every layer read
 by the GPU: ``EngramRuntime(gpu_reads="all")``), ``default-worker`` and ``gpu-reads-worker``
 (the same two with GPU-read batches sent through the worker thread, as the runtime did before
 it started them beside it), ``first`` and ``queued-first`` (host memory, GPU reads for the
@@ -107,15 +109,19 @@ from engramrt.tokenmap import TokenMap
 
 MODES = ("eager", "compiled", "piecewise", "graph")
 PLACEMENTS = (
-    "aa", "default", "thread", "queued", "queued-cpu", "gpu-reads", "default-worker",
+    "aa", "default", "thread", "queued", "queued-cpu", "queued-cpu-6", "queued-cpu-16",
+    "gpu-reads", "default-worker",
     "gpu-reads-worker", "first", "queued-first", "default-high", "queued-first-high", "inline",
     "deferred", "deferred-4",
 )  # fmt: skip
 # EngramRuntime(gpu_reads=...) of the placements that set it (the others take the default).
 GPU_READS_OF = {
     "gpu-reads": "all", "gpu-reads-worker": "all", "first": "first", "queued-first": "first",
-    "queued-cpu": "sources", "queued-first-high": "first",
+    "queued-cpu": "sources", "queued-cpu-6": "sources", "queued-cpu-16": "sources",
+    "queued-first-high": "first",
 }  # fmt: skip
+# Host placements whose stores the GPU never reads (no mapping of the rows for the device).
+CPU_ONLY = ("queued-cpu", "queued-cpu-6", "queued-cpu-16")
 # Placements whose lookups run on side streams of the highest CUDA priority
 # (EngramRuntime(lookup_priority=...)); the others take the default, 0, the lowest. torch maps
 # a priority beyond the device's range to the nearest valid one, so this is the highest.
@@ -128,7 +134,7 @@ INLINE = ("inline",)
 DEFERRED = ("deferred", "deferred-4")
 # Host placements whose gather takes a fixed count of CPU threads (HostOptions(num_threads=));
 # the others take the store's own count.
-GATHER_THREADS = {"deferred-4": 4}
+GATHER_THREADS = {"deferred-4": 4, "queued-cpu-6": 6, "queued-cpu-16": 16}
 # Host placements whose host tier gathers as shipped (HostOptions().gather).
 AS_SHIPPED = (
     "default", "gpu-reads", "default-worker", "gpu-reads-worker", "first", "default-high", "inline",
@@ -609,8 +615,8 @@ def main(argv=None) -> dict:
 
     device_stores = synthetic_stores(layout, TablePlacement("device", device), seed=1)
     stores: dict[str, list] = {"device": device_stores, "aa": device_stores}
-    # The first host placement maps the shared rows for GPU reads; queued-cpu reads none.
-    host_names = sorted((p for p in args.placements if p != "aa"), key="queued-cpu".__eq__)
+    # The first host placement maps the shared rows for GPU reads; the CPU_ONLY ones read none.
+    host_names = sorted((p for p in args.placements if p != "aa"), key=CPU_ONLY.__contains__)
     base = None
     for name in host_names:
         gather = host_gather_of(name, args.read_kernels)
@@ -619,7 +625,7 @@ def main(argv=None) -> dict:
             device,
             gather,
             base,
-            gpu_reads=name != "queued-cpu",
+            gpu_reads=name not in CPU_ONLY,
             kernel=args.read_kernels.get(name),
             num_threads=GATHER_THREADS.get(name),
         )

@@ -939,6 +939,30 @@ def test_step_cost_deferred_placements_differ_in_gather_threads_only() -> None:
         assert [s.num_threads for s in stores] == [want] * len(stores), name
 
 
+def test_step_cost_cpu_only_placements_gather_in_stream_order_on_their_threads() -> None:
+    """``queued-cpu``, ``queued-cpu-6`` and ``queued-cpu-16``: gathers queued in stream order,
+    no GPU reads, the last two on 6 and 16 CPU threads (the first on the store's own count).
+    Control: ``queued`` keeps the GPU's reads and the store's thread count."""
+    import torch
+
+    from engramrt.config import PRESETS
+    from engramrt.layout import EngramLayout
+
+    step_cost = _load("step_cost")
+    layout = EngramLayout(PRESETS["tiny"])
+    for name, threads in (("queued-cpu", None), ("queued-cpu-6", 6), ("queued-cpu-16", 16)):
+        assert name in step_cost.PLACEMENTS and name in step_cost.CPU_ONLY
+        assert step_cost.host_gather_of(name, {}) == "queued"
+        assert step_cost.runtime_options(name)["gpu_reads"] == "sources"
+        assert step_cost.GATHER_THREADS.get(name) == threads
+        stores = step_cost.host_stores(
+            layout, torch.device("cpu"), "queued", None, num_threads=threads
+        )
+        assert [s.num_threads for s in stores] == [threads] * len(stores), name
+    assert "queued" not in step_cost.CPU_ONLY and "queued" not in step_cost.GATHER_THREADS
+    assert "gpu_reads" not in step_cost.runtime_options("queued")
+
+
 def test_step_cost_runs_each_mode_in_a_process_of_its_own(tmp_path, monkeypatch) -> None:
     """--process-per-mode: each mode by the script in a process of its own, its report's cases
     merged into one (on a CPU, --smoke keeps eager alone: one process); the flags other than
@@ -1162,3 +1186,73 @@ def test_profile_ple_layer_sweeps_valid_settings_and_needs_a_gpu(capsys) -> None
     if not torch.cuda.is_available():
         assert study.main(["--no-sweep"]) == 2
         assert "needs a CUDA device" in capsys.readouterr().err
+
+
+def _trace_event(name: str, cat: str, ts: float, dur: float) -> dict:
+    return {"ph": "X", "name": name, "cat": cat, "ts": ts, "dur": dur, "pid": 0, "tid": 0}
+
+
+def _synthetic_trace(idle_after_block: list[float]) -> list[dict]:
+    """Steps of 1,000 us between waits: a block kernel from 100 to 300, a copy starting
+    ``idle`` after it (20 us), then a kernel from the copy's end to 900; the host launches
+    a graph at 50 and gathers at 120 for 80 us."""
+    events = [_trace_event("cudaStreamSynchronize", "cuda_runtime", -10.0, 10.0)]
+    for i, idle in enumerate(idle_after_block):
+        t = 1000.0 * i
+        copy_at = t + 300 + idle
+        events += [
+            _trace_event("cudaGraphLaunch", "cuda_runtime", t + 50, 30),
+            _trace_event("aten::index_select", "cpu_op", t + 120, 80),
+            _trace_event("block", "kernel", t + 100, 200),
+            _trace_event("Memcpy HtoD (Pinned -> Device)", "gpu_memcpy", copy_at, 20),
+            _trace_event("tail", "kernel", copy_at + 20, t + 900 - copy_at - 20),
+            _trace_event("cudaStreamSynchronize", "cuda_runtime", t + 950, 50),
+        ]
+    return events
+
+
+def test_trace_timeline_finds_each_steps_gaps_and_host_calls(tmp_path) -> None:
+    """Steps are cut at the ends of the loop's waits (the first and last dropped); the GPU's
+    gap before the copy and the host's calls are found in every step, with their medians.
+    Control: a gap below --gap-us is not listed, and a trace with no waits is refused."""
+    import gzip
+
+    trace_timeline = _load("trace_timeline")
+    idle = [40.0, 50.0, 60.0, 70.0, 80.0]  # steps 1..3 are whole: 50, 60, 70
+    path = tmp_path / "trace.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": _synthetic_trace(idle)}, f)
+    out = tmp_path / "timeline.json"
+    result = trace_timeline.main([str(path), "--json", str(out)])
+    assert json.loads(out.read_text()) == result
+    steps = result["steps"]
+    assert len(steps) == 3 and result["summary"]["steps"] == 3
+    for step, gap in zip(steps, (50.0, 60.0, 70.0), strict=True):
+        assert step["span_us"] == 1000.0
+        # Steps start at the previous wait's end (t = 1000 i): the block begins at 100.
+        assert step["gpu_first_us"] == 100.0
+        assert step["gaps"][0] == {"at": 300.0, "us": gap, "next": "Memcpy HtoD (Pinned -> Device)"}
+        # Idle: before the block, the gap, after the tail.
+        assert step["gpu_idle_us"] == pytest.approx(100.0 + gap + 100.0)
+        assert [(op["name"], op["at"], op["us"]) for op in step["host"]] == [
+            ("cudaGraphLaunch", 50.0, 30.0),
+            ("aten::index_select", 120.0, 80.0),
+        ]
+        assert step["copies"][0]["at"] == 300.0 + gap
+    summary = result["summary"]
+    assert summary["gaps"] == [
+        {"k": 0, "at": 300.0, "us": 60.0, "next": "Memcpy HtoD (Pinned -> Device)"}
+    ]
+    assert summary["gpu_idle_us"] == pytest.approx(260.0)
+    assert [(op["name"], op["us"]) for op in summary["host"]] == [
+        ("cudaGraphLaunch", 30.0),
+        ("aten::index_select", 80.0),
+    ]
+    quiet = trace_timeline.main([str(path), "--gap-us", "100"])
+    assert all(step["gaps"] == [] for step in quiet["steps"])
+    plain = tmp_path / "nowaits.json"
+    plain.write_text(
+        json.dumps([e for e in _synthetic_trace(idle) if "Synchronize" not in e["name"]])
+    )
+    with pytest.raises(SystemExit, match="fewer than three cudaStreamSynchronize"):
+        trace_timeline.main([str(plain)])
