@@ -50,9 +50,9 @@ its lookups on the step's stream inside ``plan``, before the blocks:
 ``EngramRuntime(lookup_overlap="none")``), ``deferred`` (host memory, each layer's rows
 gathered by the CPU when the layer runs, by the thread launching the step, copied on a copy
 stream and dequantised on the step's stream: ``EngramRuntime(lookup_overlap="deferred")``
-with ``HostOptions(gather="thread")``; its gathers take one CPU thread per 384 rows, 16 for a
-decode layer on a 16-CPU host), ``deferred-4`` (the same on 4 threads:
-``HostOptions(num_threads=4)``), and with ``--read-kernels``
+with ``HostOptions(gather="thread")``; its gathers take the store's own count of CPU threads,
+one per 1,536 rows: 4 for a decode layer), ``deferred-4`` and ``deferred-16`` (the same on 4
+and 16 threads: ``HostOptions(num_threads=)``), and with ``--read-kernels``
 ``read-R-W-P`` (the default with other settings for the GPU's reads: ``R`` rows per program,
 ``W`` warps, at most ``P`` programs). The host placements share one copy of the tables in host
 memory.
@@ -112,7 +112,7 @@ PLACEMENTS = (
     "aa", "default", "thread", "queued", "queued-cpu", "queued-cpu-6", "queued-cpu-16",
     "gpu-reads", "default-worker",
     "gpu-reads-worker", "first", "queued-first", "default-high", "queued-first-high", "inline",
-    "deferred", "deferred-4",
+    "deferred", "deferred-4", "deferred-16",
 )  # fmt: skip
 # EngramRuntime(gpu_reads=...) of the placements that set it (the others take the default).
 GPU_READS_OF = {
@@ -131,10 +131,10 @@ HIGH_PRIORITY, HIGHEST_PRIORITY = ("default-high", "queued-first-high"), ro.HIGH
 INLINE = ("inline",)
 # Placements whose host-tier lookups run at their layer, on the thread that launches the
 # step (EngramRuntime(lookup_overlap="deferred")).
-DEFERRED = ("deferred", "deferred-4")
+DEFERRED = ("deferred", "deferred-4", "deferred-16")
 # Host placements whose gather takes a fixed count of CPU threads (HostOptions(num_threads=));
 # the others take the store's own count.
-GATHER_THREADS = {"deferred-4": 4, "queued-cpu-6": 6, "queued-cpu-16": 16}
+GATHER_THREADS = {"deferred-4": 4, "deferred-16": 16, "queued-cpu-6": 6, "queued-cpu-16": 16}
 # Host placements whose host tier gathers as shipped (HostOptions().gather).
 AS_SHIPPED = (
     "default", "gpu-reads", "default-worker", "gpu-reads-worker", "first", "default-high", "inline",

@@ -918,9 +918,9 @@ def test_step_cost_pairs_each_case_with_the_gpu_tables_of_its_round(tmp_path, mo
 
 
 def test_step_cost_deferred_placements_differ_in_gather_threads_only() -> None:
-    """``deferred`` and ``deferred-4``: both defer their lookups to the layer; the second's
-    stores gather on 4 CPU threads, the first's take the store's own count. Control: a
-    placement that is not deferred keeps its lookups beside the blocks."""
+    """``deferred``, ``deferred-4`` and ``deferred-16``: all defer their lookups to the layer;
+    the last two's stores gather on 4 and 16 CPU threads, the first's take the store's own
+    count. Control: a placement that is not deferred keeps its lookups beside the blocks."""
     import torch
 
     from engramrt.config import PRESETS
@@ -928,10 +928,11 @@ def test_step_cost_deferred_placements_differ_in_gather_threads_only() -> None:
 
     step_cost = _load("step_cost")
     assert step_cost.runtime_options("deferred") == step_cost.runtime_options("deferred-4")
+    assert step_cost.runtime_options("deferred") == step_cost.runtime_options("deferred-16")
     assert step_cost.runtime_options("deferred")["lookup_overlap"] == "deferred"
     assert step_cost.runtime_options("default")["lookup_overlap"] == "side"
     layout = EngramLayout(PRESETS["tiny"])
-    for name, want in (("deferred", None), ("deferred-4", 4)):
+    for name, want in (("deferred", None), ("deferred-4", 4), ("deferred-16", 16)):
         stores = step_cost.host_stores(
             layout, torch.device("cpu"), "thread", None,
             num_threads=step_cost.GATHER_THREADS.get(name),

@@ -14,6 +14,7 @@ from engramrt.hashing import HashBatch, HashConstants, NgramHasher, SlotHashCach
 from engramrt.layout import EngramLayout
 from engramrt.lookup import lookup_rows_reference
 from engramrt.lookup.tiers import TablePlacement
+from engramrt.lookup.tiers.host_gather import ROWS_PER_WAITED_GATHER_THREAD
 from engramrt.runtime import EngramRuntime, synthetic_stores
 
 CFG = PRESETS["tiny"]
@@ -756,7 +757,7 @@ def test_deferred_gathers_take_the_threads_their_batch_can_use(
 ) -> None:
     """A deferred layer's CPU gather runs on the thread that waits for its rows, which does
     nothing else meanwhile: one intra-op thread per ``ROWS_PER_WAITED_GATHER_THREAD`` rows
-    (64 tokens x 12 columns = 768 rows: 2 threads, on a host of 16 CPUs). Control: the
+    (256 tokens x 12 columns = 3,072 rows: 2 threads, on a host of 16 CPUs). Control: the
     same step gathered at plan, beside the launching thread, takes one per
     ``ROWS_PER_GATHER_THREAD`` rows (1); the runtime resets the store's setting."""
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
@@ -769,7 +770,8 @@ def test_deferred_gathers_take_the_threads_their_batch_can_use(
         return index_select(*args, **kwargs)
 
     monkeypatch.setattr(torch, "index_select", counting)
-    ids = np.random.default_rng(3).integers(0, token_map.vocab_size, 64)
+    ids = np.random.default_rng(3).integers(0, token_map.vocab_size, 256)
+    assert len(ids) * layout.config.n_cols // ROWS_PER_WAITED_GATHER_THREAD == 2
     stores = None
     for overlap, want in (("deferred", 2), ("side", 1)):
         consts = HashConstants.from_layout(layout, token_map.pad_id(CFG))
@@ -777,7 +779,7 @@ def test_deferred_gathers_take_the_threads_their_batch_can_use(
         if stores is None:
             stores = synthetic_stores(layout, TablePlacement("host", device), seed=3)
         runtime = EngramRuntime(
-            hasher, stores, max_tokens=64, max_requests=8, lookup_overlap=overlap,
+            hasher, stores, max_tokens=256, max_requests=8, lookup_overlap=overlap,
             gpu_reads="sources",
         )  # fmt: skip
         for store in stores:

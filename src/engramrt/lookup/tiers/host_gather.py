@@ -133,14 +133,17 @@ model and competes with it, so decode batches get one thread and prefill
 chunks many. Chosen by measurement:
 BENCHMARKS.md#what-keeping-the-tables-off-the-gpu-costs (runs B, C)."""
 
-ROWS_PER_WAITED_GATHER_THREAD = 384
+ROWS_PER_WAITED_GATHER_THREAD = 1536
 """With ``num_threads=None`` and :meth:`HostGatherRowStore.use_waited_gathers` on (a
 lookup deferred to its layer, gathered by the thread that waits for its rows), the gather
 uses one intra-op thread per this many rows, at most the CPUs this process may use: the
-waiting thread does nothing else meanwhile, and fewer threads lengthen the step's path.
-A decode-256 layer's 6,144 rows take 16 threads, the prototype's setting with the
-shortest host time; one thread left the step waiting for its first Engram layer
-(BENCHMARKS.md#deferred-lookups-first-measured-2026-12-07, ``bench/host_inline_reads.py``)."""
+waiting thread does nothing else meanwhile, and one thread left the step waiting for its
+first Engram layer. A decode-256 layer's 6,144 rows take 4 threads: in the prototype and
+in the runtime's step alike, 4 threads cost the step less than 16 (an ``index_select``
+of a decode layer's rows splits into a few pieces, and threads beyond them only wait
+beside the launching thread). Chosen by measurement:
+BENCHMARKS.md#deferred-lookups-on-4-and-16-threads-and-where-the-layers-time-goes-2026-12-07-afternoon,
+``bench/host_inline_reads.py``."""
 
 HOST_READ_KERNEL = tuned_lookup_config("host")
 """The lookup kernel's settings for the host tier's GPU reads of a small batch, from
