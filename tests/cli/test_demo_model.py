@@ -190,6 +190,20 @@ def test_model_demo_says_what_it_does_first_and_reports_each_stage(full_run) -> 
     assert len(evaluated) == len([name for name in recorded if name not in NOT_SERVED])
 
 
+def _result_with(full_run_result: dict, figures: dict) -> dict:
+    """The full run's JSON with the held-out figures of another record (what the demo
+    would report from it): its losses, spread, seed count and lowest model per set."""
+    return {
+        **full_run_result,
+        "heldout_loss": figures["loss"],
+        "heldout_spread": figures["spread"],
+        "seeds": figures["seeds"],
+        "heldout_lowest": {
+            name: min(models, key=models.get) for name, models in figures["loss"].items()
+        },
+    }
+
+
 def test_the_loss_table_names_every_model_and_the_lowest(full_run, capsys) -> None:
     """The text output of a one-seed record (the shipped record without its folded seeds):
     each recorded model and, in words, the lowest; no spread."""
@@ -200,16 +214,7 @@ def test_the_loss_table_names_every_model_and_the_lowest(full_run, capsys) -> No
     del record["heldout_seeds"]
     figures = heldout_figures(record)
     assert figures["seeds"] == 1
-    result = {
-        **full_run[1],
-        "heldout_loss": figures["loss"],
-        "heldout_spread": figures["spread"],
-        "seeds": 1,
-        "heldout_lowest": {
-            name: min(models, key=models.get) for name, models in figures["loss"].items()
-        },
-    }
-    print_losses(result)
+    print_losses(_result_with(full_run[1], figures))
     text = " ".join(capsys.readouterr().out.split())
     for name, losses in _expected_heldout(record).items():
         lowest = min(losses, key=losses.get)
@@ -244,16 +249,7 @@ def test_the_loss_table_shows_the_spread_over_seeds(full_run, capsys) -> None:
             assert figures["spread"][name][model] == pytest.approx(
                 statistics.stdev(values), abs=1e-12
             )
-    result = {
-        **full_run[1],
-        "heldout_loss": figures["loss"],
-        "heldout_spread": figures["spread"],
-        "seeds": 3,
-        "heldout_lowest": {
-            name: min(models, key=models.get) for name, models in figures["loss"].items()
-        },
-    }
-    print_losses(result)
+    print_losses(_result_with(full_run[1], figures))
     text = " ".join(capsys.readouterr().out.split())
     assert "mean ± sample std over 3 seeds" in text
     for name, models in figures["loss"].items():
