@@ -50,12 +50,18 @@ GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 
 
 def load_events(path: Path) -> list[dict[str, Any]]:
-    """The complete events (``ph == "X"``) of a Chrome trace, plain or gzipped."""
+    """The complete events (``ph == "X"``) of a Chrome trace, plain or gzipped, in the
+    order they start."""
+    if not path.is_file():
+        raise SystemExit(
+            f"trace={str(path)!r}: no such file; expected a Chrome trace (.json or .json.gz)"
+        )
     opener = gzip.open if path.suffix == ".gz" else open
     with opener(path, "rt") as f:
         trace = json.load(f)
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
-    return [e for e in events if e.get("ph") == "X" and "ts" in e and "dur" in e]
+    complete = [e for e in events if e.get("ph") == "X" and "ts" in e and "dur" in e]
+    return sorted(complete, key=lambda e: e["ts"])
 
 
 def steps_of(events: list[dict[str, Any]]) -> list[tuple[float, float]]:
@@ -69,11 +75,9 @@ def steps_of(events: list[dict[str, Any]]) -> list[tuple[float, float]]:
 def step_timeline(
     events: list[dict[str, Any]], start: float, end: float, ops: tuple[str, ...], gap_us: float
 ) -> dict[str, Any]:
-    """One step's GPU gaps, named host operations and copies, times relative to ``start``."""
-    gpu = sorted(
-        (e for e in events if e.get("cat") in GPU_CATEGORIES and start <= e["ts"] < end),
-        key=lambda e: e["ts"],
-    )
+    """One step's GPU gaps, named host operations and copies, times relative to ``start``
+    (``events`` in the order they start, as :func:`load_events` gives them)."""
+    gpu = [e for e in events if e.get("cat") in GPU_CATEGORIES and start <= e["ts"] < end]
     busy_until = None
     busy = 0.0
     gaps = []
@@ -92,7 +96,7 @@ def step_timeline(
         busy_until = e_end if busy_until is None else max(busy_until, e_end)
     host = [
         {"name": e["name"], "at": e["ts"] - start, "us": e["dur"]}
-        for e in sorted(events, key=lambda e: e["ts"])
+        for e in events
         if e.get("cat") in HOST_CATEGORIES and e["name"] in ops and start <= e["ts"] < end
     ]
     copies = [

@@ -1257,3 +1257,7 @@ def test_trace_timeline_finds_each_steps_gaps_and_host_calls(tmp_path) -> None:
     )
     with pytest.raises(SystemExit, match="fewer than three cudaStreamSynchronize"):
         trace_timeline.main([str(plain)])
+    with pytest.raises(SystemExit, match=r"--gap-us=-1.0; expected >= 0"):
+        trace_timeline.main([str(path), "--gap-us", "-1"])
+    with pytest.raises(SystemExit, match=r"missing\.json'. no such file"):
+        trace_timeline.main([str(tmp_path / "missing.json")])
