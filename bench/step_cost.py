@@ -30,10 +30,10 @@ step's kernels and run while the host waits). Workloads: ``decode`` (256 request
 token, ``--ids`` random, text or Zipf) and ``prefill`` (8,192-token chunks of 512
 sequences, eager and compiled only, the next chunk prefetched).
 
-Placements, each a runtime over its own tables: ``device`` (GPU memory, the
-reference), ``aa`` (a second runtime over the same GPU tables: the A/A control),
-``default`` (host memory, everything as shipped), ``thread`` (host memory, the
-CPU's gathers driven by a worker thread: ``HostOptions(gather="thread")``),
+Placements, each a runtime over its own tables (a :class:`Placement` in ``PLACEMENTS``):
+``device`` (GPU memory, the reference), ``aa`` (a second runtime over the same GPU
+tables: the A/A control), ``default`` (host memory, everything as shipped), ``thread``
+(host memory, the CPU's gathers driven by a worker thread: ``HostOptions(gather="thread")``),
 ``queued`` (host memory, gathers queued in stream order:
 ``HostOptions(gather="queued")``), ``queued-cpu`` (the same with no GPU reads: every
 layer's rows gathered by the CPU in stream order), ``queued-cpu-6`` and ``queued-cpu-16``
@@ -87,7 +87,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -108,37 +108,107 @@ from engramrt.runtime import EngramRuntime, synthetic_stores
 from engramrt.tokenmap import TokenMap
 
 MODES = ("eager", "compiled", "piecewise", "graph")
-PLACEMENTS = (
-    "aa", "default", "thread", "queued", "queued-cpu", "queued-cpu-6", "queued-cpu-16",
-    "gpu-reads", "default-worker",
-    "gpu-reads-worker", "first", "queued-first", "default-high", "queued-first-high", "inline",
-    "deferred", "deferred-4", "deferred-16",
-)  # fmt: skip
-# EngramRuntime(gpu_reads=...) of the placements that set it (the others take the default).
-GPU_READS_OF = {
-    "gpu-reads": "all", "gpu-reads-worker": "all", "first": "first", "queued-first": "first",
-    "queued-cpu": "sources", "queued-cpu-6": "sources", "queued-cpu-16": "sources",
-    "queued-first-high": "first",
-}  # fmt: skip
-# Host placements whose stores the GPU never reads (no mapping of the rows for the device).
-CPU_ONLY = ("queued-cpu", "queued-cpu-6", "queued-cpu-16")
-# Placements whose lookups run on side streams of the highest CUDA priority
-# (EngramRuntime(lookup_priority=...)); the others take the default, 0, the lowest. torch maps
-# a priority beyond the device's range to the nearest valid one, so this is the highest.
-HIGH_PRIORITY, HIGHEST_PRIORITY = ("default-high", "queued-first-high"), ro.HIGHEST_PRIORITY
-# Placements whose lookups run on the step's stream inside plan, before the blocks
-# (EngramRuntime(lookup_overlap="none")); the others beside the blocks.
-INLINE = ("inline",)
-# Placements whose host-tier lookups run at their layer, on the thread that launches the
-# step (EngramRuntime(lookup_overlap="deferred")).
-DEFERRED = ("deferred", "deferred-4", "deferred-16")
-# Host placements whose gather takes a fixed count of CPU threads (HostOptions(num_threads=));
-# the others take the store's own count.
-GATHER_THREADS = {"deferred-4": 4, "deferred-16": 16, "queued-cpu-6": 6, "queued-cpu-16": 16}
-# Host placements whose host tier gathers as shipped (HostOptions().gather).
-AS_SHIPPED = (
-    "default", "gpu-reads", "default-worker", "gpu-reads-worker", "first", "default-high", "inline",
-)  # fmt: skip
+# torch maps a stream priority beyond the device's range to the nearest valid one, so this
+# is the highest.
+HIGHEST_PRIORITY = ro.HIGHEST_PRIORITY
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a case's tables are and how its runtime looks rows up in them: what it passes to
+    :class:`~engramrt.runtime.EngramRuntime` and, over host memory, to its stores'
+    :class:`~engramrt.lookup.tiers.HostOptions`. A setting left at ``None`` (or its default
+    here) is the one the runtime or the host tier ships with."""
+
+    name: str
+    # The tables in host memory (one copy shared by every host placement), else the GPU's.
+    host: bool = True
+    # EngramRuntime(gpu_reads=...): the layers the GPU reads from host memory.
+    gpu_reads: str | None = None
+    # A host store the GPU never reads (no mapping of its rows for the device):
+    # HostOptions(gpu_reads=False).
+    cpu_only: bool = False
+    # Lookups on side streams of the highest CUDA priority
+    # (EngramRuntime(lookup_priority=HIGHEST_PRIORITY)), else the default, 0, the lowest.
+    high_priority: bool = False
+    # EngramRuntime(lookup_overlap=...): "side" (beside the blocks), "none" (on the step's
+    # stream inside plan, before the blocks) or "deferred" (the host tier's lookups at their
+    # layer, on the thread that launches the step).
+    overlap: str = "side"
+    # HostOptions(gather=...): "thread" (driven by a worker thread) or "queued" (in stream
+    # order).
+    gather: str | None = None
+    # HostOptions(num_threads=): a fixed count of CPU threads for the gathers, else the
+    # store's own count.
+    gather_threads: int | None = None
+    # GPU-read batches sent through the source's worker thread (:class:`WorkerRuntime`), as
+    # the runtime did before it started them beside it.
+    worker: bool = False
+    # HostOptions(kernel=...): settings for the GPU's reads of host memory (--read-kernels).
+    kernel: LookupKernelConfig | None = None
+
+    def runtime_options(self) -> dict[str, Any]:
+        """The :class:`EngramRuntime` arguments this placement sets (the others as shipped)."""
+        return {
+            **({"gpu_reads": self.gpu_reads} if self.gpu_reads is not None else {}),
+            "lookup_priority": HIGHEST_PRIORITY if self.high_priority else 0,
+            "lookup_overlap": self.overlap,
+        }
+
+    def host_options(self, queued_rows: int) -> HostOptions:
+        """Its host stores' settings, the queued gather's fixed buffers holding
+        ``queued_rows`` rows from the start."""
+        return HostOptions(
+            gather=HostOptions().gather if self.gather is None else self.gather,
+            queued_rows=queued_rows,
+            gpu_reads=False if self.cpu_only else None,
+            num_threads=self.gather_threads,
+            **({"kernel": self.kernel} if self.kernel is not None else {}),
+        )
+
+
+# The reference every case is paired with: a runtime over the tables in GPU memory.
+DEVICE = Placement("device", host=False)
+PLACEMENTS: dict[str, Placement] = {
+    p.name: p
+    for p in (
+        # A second runtime over the same GPU tables: the A/A control.
+        Placement("aa", host=False),
+        # Host memory, everything as shipped.
+        Placement("default"),
+        Placement("thread", gather="thread"),
+        Placement("queued", gather="queued"),
+        # queued with no GPU reads: every layer's rows gathered by the CPU in stream order;
+        # then on 6 and 16 CPU threads (a decode layer's gather on the store's own count
+        # takes one thread).
+        Placement("queued-cpu", gpu_reads="sources", cpu_only=True, gather="queued"),
+        Placement(
+            "queued-cpu-6", gpu_reads="sources", cpu_only=True, gather="queued", gather_threads=6
+        ),
+        Placement(
+            "queued-cpu-16", gpu_reads="sources", cpu_only=True, gather="queued", gather_threads=16
+        ),
+        # Every layer read by the GPU.
+        Placement("gpu-reads", gpu_reads="all"),
+        # default and gpu-reads with GPU-read batches sent through the worker thread.
+        Placement("default-worker", worker=True),
+        Placement("gpu-reads-worker", gpu_reads="all", worker=True),
+        # GPU reads for the first Engram layer only, the CPU's gather (on a worker or queued)
+        # for the later ones: the default before 2026-12-04.
+        Placement("first", gpu_reads="first"),
+        Placement("queued-first", gpu_reads="first", gather="queued"),
+        # default and queued-first with their lookups at the highest priority.
+        Placement("default-high", high_priority=True),
+        Placement("queued-first-high", gpu_reads="first", gather="queued", high_priority=True),
+        # default with its lookups on the step's stream inside plan, before the blocks.
+        Placement("inline", overlap="none"),
+        # Each layer's rows gathered by the CPU when the layer runs, on the store's own count
+        # of CPU threads, then on 4 and 16.
+        Placement("deferred", overlap="deferred", gather="thread"),
+        Placement("deferred-4", overlap="deferred", gather="thread", gather_threads=4),
+        Placement("deferred-16", overlap="deferred", gather="thread", gather_threads=16),
+    )
+}
 LOOPS = ("sync", "queued", "sync-prefetch")
 WORKLOADS = ("decode", "prefill")
 IDS = ("random", "text", "zipf")
@@ -305,25 +375,6 @@ def wait_for_step() -> None:
         torch.cuda.current_stream().synchronize()
 
 
-def host_gather_of(name: str, read_kernels: dict) -> str:
-    """The host tier's gather of host placement ``name``: the shipped one, in stream order
-    for the ``queued*`` placements, or on a worker thread."""
-    if name in AS_SHIPPED or name in read_kernels:
-        return HostOptions().gather
-    return "queued" if name.startswith("queued") else "thread"
-
-
-def runtime_options(placement: str) -> dict[str, Any]:
-    """The :class:`EngramRuntime` arguments that ``placement`` sets (the others as shipped)."""
-    return {
-        **({"gpu_reads": GPU_READS_OF[placement]} if placement in GPU_READS_OF else {}),
-        "lookup_priority": HIGHEST_PRIORITY if placement in HIGH_PRIORITY else 0,
-        "lookup_overlap": (
-            "none" if placement in INLINE else "deferred" if placement in DEFERRED else "side"
-        ),
-    }
-
-
 def run_steps(runner: Runner, batches: list[HashBatch], loop: str, prefetch: bool) -> float:
     """ms per step of ``runner`` over ``batches`` (``loop``: see the module doc)."""
     sync, early = loop in ("sync", "sync-prefetch"), loop == "sync-prefetch"
@@ -403,25 +454,10 @@ class AlreadyMapped(SharedRows):
         return None
 
 
-def host_stores(
-    layout,
-    device,
-    gather: str,
-    base: list | None,
-    gpu_reads: bool = True,
-    kernel: LookupKernelConfig | None = None,
-    num_threads: int | None = None,
-) -> list:
-    """Each layer's host store with ``gather`` (and ``kernel`` for the GPU's reads, when
-    given; ``num_threads`` CPU threads for its gathers, when given), over ``base``'s rows
-    when given."""
-    options = HostOptions(
-        gather=gather,
-        queued_rows=PREFILL_TOKENS * layout.config.n_cols,
-        gpu_reads=None if gpu_reads else False,
-        num_threads=num_threads,
-        **({"kernel": kernel} if kernel is not None else {}),
-    )
+def host_stores(layout, device, placement: Placement, base: list | None) -> list:
+    """Each layer's host store as ``placement`` sets it (:meth:`Placement.host_options`, the
+    queued gather's buffers sized for a prefill chunk), over ``base``'s rows when given."""
+    options = placement.host_options(queued_rows=PREFILL_TOKENS * layout.config.n_cols)
     if base is None:
         return synthetic_stores(layout, TablePlacement(options, device), seed=1)
     return [
@@ -436,17 +472,19 @@ def host_stores(
     ]
 
 
-def parse_read_kernels(text: str) -> dict[str, LookupKernelConfig]:
-    """``--read-kernels``: placement name -> the GPU-read kernel settings it uses."""
-    kernels = {}
+def parse_read_kernels(text: str) -> dict[str, Placement]:
+    """``--read-kernels``: placement name -> the placement, ``default`` with these settings
+    for the GPU's reads."""
+    placements = {}
     for spec in (v for v in text.split(",") if v):
         try:
             kernel = ro.read_kernel_config(spec)
         except ValueError as exc:
             raise SystemExit(f"--read-kernels={text!r}: {exc}") from None
         programs = "-" if kernel.max_programs is None else kernel.max_programs
-        kernels[f"read-{kernel.rows_per_program}-{kernel.num_warps}-{programs}"] = kernel
-    return kernels
+        name = f"read-{kernel.rows_per_program}-{kernel.num_warps}-{programs}"
+        placements[name] = replace(PLACEMENTS["default"], name=name, kernel=kernel)
+    return placements
 
 
 def parse_list(text: str, choices: tuple[str, ...], name: str) -> list[str]:
@@ -502,9 +540,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     args.modes = parse_list(args.modes, MODES, "modes")
-    args.placements = parse_list(args.placements, PLACEMENTS, "placements")
+    names = parse_list(args.placements, tuple(PLACEMENTS), "placements")
     args.read_kernels = parse_read_kernels(args.read_kernels)
-    args.placements += list(args.read_kernels)
+    args.placements = [PLACEMENTS[name] for name in names] + list(args.read_kernels.values())
     args.workloads = parse_list(args.workloads, WORKLOADS, "workloads")
     args.loops = parse_list(args.loops, LOOPS, "loops")
     args.ids = parse_list(args.ids, IDS, "ids")
@@ -614,22 +652,13 @@ def main(argv=None) -> dict:
         heads.append(head)
 
     device_stores = synthetic_stores(layout, TablePlacement("device", device), seed=1)
-    stores: dict[str, list] = {"device": device_stores, "aa": device_stores}
-    # The first host placement maps the shared rows for GPU reads; the CPU_ONLY ones read none.
-    host_names = sorted((p for p in args.placements if p != "aa"), key=CPU_ONLY.__contains__)
+    placements = [DEVICE, *args.placements]
+    stores: dict[str, list] = {p.name: device_stores for p in placements if not p.host}
+    # The first host placement maps the shared rows for GPU reads; the CPU-only ones read none.
     base = None
-    for name in host_names:
-        gather = host_gather_of(name, args.read_kernels)
-        stores[name] = host_stores(
-            layout,
-            device,
-            gather,
-            base,
-            gpu_reads=name not in CPU_ONLY,
-            kernel=args.read_kernels.get(name),
-            num_threads=GATHER_THREADS.get(name),
-        )
-        base = base or stores[name]
+    for placement in sorted((p for p in placements if p.host), key=lambda p: p.cpu_only):
+        stores[placement.name] = host_stores(layout, device, placement, base)
+        base = base or stores[placement.name]
     checker = EngramRuntime(
         NgramHasher(consts, token_map, device), device_stores,
         max_tokens=PREFILL_TOKENS, max_requests=512, validate=False,
@@ -654,17 +683,17 @@ def main(argv=None) -> dict:
         modes = (
             args.modes if workload == "decode" else [m for m in args.modes if m in PREFILL_MODES]
         )
-        for placement in ["device", *args.placements]:
+        for placement in placements:
             for mode in modes:
-                kind = WorkerRuntime if placement.endswith("-worker") else EngramRuntime
+                kind = WorkerRuntime if placement.worker else EngramRuntime
                 runtime = kind(
                     NgramHasher(consts, token_map, device),
-                    stores[placement],
+                    stores[placement.name],
                     heads=heads,
                     max_tokens=T,
                     max_requests=512,
                     validate=False,
-                    **runtime_options(placement),
+                    **placement.runtime_options(),
                 )
                 runtimes.append(runtime)
                 runner, skipped, check = None, None, {}
@@ -678,10 +707,12 @@ def main(argv=None) -> dict:
                     except Exception as error:  # a mode this placement cannot run: say why
                         skipped = f"{type(error).__name__}: {error}"[:400]
                         runtime.abandon()
-                label = f"{placement}/{mode}/{workload}/{ids}"
+                label = f"{placement.name}/{mode}/{workload}/{ids}"
                 print(f"check {label}: {skipped} {check}", flush=True)
                 for loop in args.loops:
-                    cases.append(Case(placement, mode, workload, loop, ids, runner, skipped, check))
+                    cases.append(
+                        Case(placement.name, mode, workload, loop, ids, runner, skipped, check)
+                    )
 
     timed = [c for c in cases if c.skipped is None]
     profiles = profile_cases(args, timed, workloads) if args.profile_steps else {}
@@ -902,7 +933,7 @@ def check_case(runner: Runner, checker: EngramRuntime, batch: HashBatch) -> dict
 
 
 def summarize(args, cfg, env: dict, cases: list[Case], rounds_done: int) -> dict:
-    refs = {c.key: c for c in cases if c.placement == "device"}
+    refs = {c.key: c for c in cases if c.placement == DEVICE.name}
     rows = []
     for case in cases:
         row: dict[str, Any] = {
@@ -918,7 +949,7 @@ def summarize(args, cfg, env: dict, cases: list[Case], rounds_done: int) -> dict
         if case.skipped is not None:
             row["skipped"] = case.skipped
         ref = refs[case.key]
-        if case.placement == "device":
+        if case.placement == DEVICE.name:
             timed = [m for m in case.ms if m is not None]
             row.update({"rounds": len(timed), "ms": float(np.median(timed)) if timed else None})
             row["ms_rounds"] = case.ms

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import sys
@@ -927,16 +928,15 @@ def test_step_cost_deferred_placements_differ_in_gather_threads_only() -> None:
     from engramrt.layout import EngramLayout
 
     step_cost = _load("step_cost")
-    assert step_cost.runtime_options("deferred") == step_cost.runtime_options("deferred-4")
-    assert step_cost.runtime_options("deferred") == step_cost.runtime_options("deferred-16")
-    assert step_cost.runtime_options("deferred")["lookup_overlap"] == "deferred"
-    assert step_cost.runtime_options("default")["lookup_overlap"] == "side"
+    placements = step_cost.PLACEMENTS
+    deferred = placements["deferred"].runtime_options()
+    assert deferred == placements["deferred-4"].runtime_options()
+    assert deferred == placements["deferred-16"].runtime_options()
+    assert deferred["lookup_overlap"] == "deferred"
+    assert placements["default"].runtime_options()["lookup_overlap"] == "side"
     layout = EngramLayout(PRESETS["tiny"])
     for name, want in (("deferred", None), ("deferred-4", 4), ("deferred-16", 16)):
-        stores = step_cost.host_stores(
-            layout, torch.device("cpu"), "thread", None,
-            num_threads=step_cost.GATHER_THREADS.get(name),
-        )  # fmt: skip
+        stores = step_cost.host_stores(layout, torch.device("cpu"), placements[name], None)
         assert [s.num_threads for s in stores] == [want] * len(stores), name
 
 
@@ -952,16 +952,15 @@ def test_step_cost_cpu_only_placements_gather_in_stream_order_on_their_threads()
     step_cost = _load("step_cost")
     layout = EngramLayout(PRESETS["tiny"])
     for name, threads in (("queued-cpu", None), ("queued-cpu-6", 6), ("queued-cpu-16", 16)):
-        assert name in step_cost.PLACEMENTS and name in step_cost.CPU_ONLY
-        assert step_cost.host_gather_of(name, {}) == "queued"
-        assert step_cost.runtime_options(name)["gpu_reads"] == "sources"
-        assert step_cost.GATHER_THREADS.get(name) == threads
-        stores = step_cost.host_stores(
-            layout, torch.device("cpu"), "queued", None, num_threads=threads
-        )
+        placement = step_cost.PLACEMENTS[name]
+        assert placement.cpu_only and placement.gather == "queued"
+        assert placement.runtime_options()["gpu_reads"] == "sources"
+        assert placement.gather_threads == threads
+        stores = step_cost.host_stores(layout, torch.device("cpu"), placement, None)
         assert [s.num_threads for s in stores] == [threads] * len(stores), name
-    assert "queued" not in step_cost.CPU_ONLY and "queued" not in step_cost.GATHER_THREADS
-    assert "gpu_reads" not in step_cost.runtime_options("queued")
+    queued = step_cost.PLACEMENTS["queued"]
+    assert not queued.cpu_only and queued.gather_threads is None
+    assert "gpu_reads" not in queued.runtime_options()
 
 
 def test_step_cost_runs_each_mode_in_a_process_of_its_own(tmp_path, monkeypatch) -> None:
@@ -1038,9 +1037,12 @@ def test_step_cost_read_kernels_are_placements_of_their_own() -> None:
     args = step_cost.parse_args(
         ["--smoke", "--placements", "aa", "--read-kernels", "128:16:8,8:2:132"]
     )
-    assert args.placements == ["aa", "read-128-16-8", "read-8-2-132"]
-    kernel = args.read_kernels["read-128-16-8"]
+    assert [p.name for p in args.placements] == ["aa", "read-128-16-8", "read-8-2-132"]
+    placement = args.read_kernels["read-128-16-8"]
+    kernel = placement.kernel
     assert (kernel.rows_per_program, kernel.num_warps, kernel.max_programs) == (128, 16, 8)
+    default = step_cost.PLACEMENTS["default"]
+    assert dataclasses.replace(placement, name="default", kernel=None) == default
     with pytest.raises(SystemExit, match=r"'32:4'.*expected R:W:P"):
         step_cost.parse_args(["--smoke", "--read-kernels", "32:4"])
     with pytest.raises(SystemExit, match=r"'32:3:16'.*num_warps"):
