@@ -38,7 +38,11 @@ tables: the A/A control), ``default`` (host memory, everything as shipped), ``th
 ``HostOptions(gather="queued")``), ``queued-cpu`` (the same with no GPU reads: every
 layer's rows gathered by the CPU in stream order), ``queued-cpu-6`` and ``queued-cpu-16``
 (``queued-cpu`` with its gathers on 6 and 16 CPU threads, ``HostOptions(num_threads=)``:
-a decode layer's gather on the store's own count takes one thread), ``gpu-reads`` (host memory, every layer read
+a decode layer's gather on the store's own count takes one thread), ``thread-cpu`` (no GPU
+reads: every layer's rows gathered by the CPU on the lookup worker thread) and
+``thread-cpu-pinned`` (the same with the thread launching the step pinned to the process's
+first CPU while the case runs and the lookup worker, with its gathers, on the others:
+``EngramRuntime(lookup_cpus=...)``), ``gpu-reads`` (host memory, every layer read
 by the GPU: ``EngramRuntime(gpu_reads="all")``), ``default-worker`` and ``gpu-reads-worker``
 (the same two with GPU-read batches sent through the worker thread, as the runtime did before
 it started them beside it), ``first`` and ``queued-first`` (host memory, GPU reads for the
@@ -79,6 +83,7 @@ control for costs that depend on what else ran in the process before.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -86,7 +91,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -111,6 +116,17 @@ MODES = ("eager", "compiled", "piecewise", "graph")
 # torch maps a stream priority beyond the device's range to the nearest valid one, so this
 # is the highest.
 HIGHEST_PRIORITY = ro.HIGHEST_PRIORITY
+
+
+def launcher_cpus() -> tuple[set[int], set[int]]:
+    """A pinned placement's CPUs: the process's first CPU for the thread launching the step,
+    the others (all of them on a one-CPU machine) for the lookups."""
+    allowed = os.sched_getaffinity(0)
+    first = {min(allowed)}
+    return first, (allowed - first) or allowed
+
+
+LAUNCHER_CPUS = launcher_cpus()
 
 
 @dataclass(frozen=True)
@@ -146,6 +162,10 @@ class Placement:
     worker: bool = False
     # HostOptions(kernel=...): settings for the GPU's reads of host memory (--read-kernels).
     kernel: LookupKernelConfig | None = None
+    # The thread launching the step pinned to the process's first CPU while the case runs,
+    # and the lookup workers, with the gathers they start, kept off it on the other CPUs
+    # (EngramRuntime(lookup_cpus=...)).
+    pinned: bool = False
 
     def runtime_options(self) -> dict[str, Any]:
         """The :class:`EngramRuntime` arguments this placement sets (the others as shipped)."""
@@ -153,6 +173,7 @@ class Placement:
             **({"gpu_reads": self.gpu_reads} if self.gpu_reads is not None else {}),
             "lookup_priority": HIGHEST_PRIORITY if self.high_priority else 0,
             "lookup_overlap": self.overlap,
+            **({"lookup_cpus": sorted(LAUNCHER_CPUS[1])} if self.pinned else {}),
         }
 
     def host_options(self, queued_rows: int) -> HostOptions:
@@ -202,6 +223,12 @@ PLACEMENTS: dict[str, Placement] = {
         Placement("queued-first-high", gpu_reads="first", gather="queued", high_priority=True),
         # default with its lookups on the step's stream inside plan, before the blocks.
         Placement("inline", overlap="none"),
+        # No GPU reads: every layer's rows gathered by the CPU on the lookup worker thread,
+        # then with the launching thread and the lookups on CPUs of their own.
+        Placement("thread-cpu", gpu_reads="sources", cpu_only=True, gather="thread"),
+        Placement(
+            "thread-cpu-pinned", gpu_reads="sources", cpu_only=True, gather="thread", pinned=True
+        ),
         # Each layer's rows gathered by the CPU when the layer runs, on the store's own count
         # of CPU threads, then on 4 and 16.
         Placement("deferred", overlap="deferred", gather="thread"),
@@ -729,9 +756,10 @@ def main(argv=None) -> dict:
             warm, window = ro.block_window(len(batches), round_index, steps, args.warmup_steps)
             prefetch = case.workload == "prefill"
             assert case.runner is not None
-            if warm:
-                run_steps(case.runner, [batches[i] for i in warm], case.loop, prefetch)
-            ms = run_steps(case.runner, [batches[i] for i in window], case.loop, prefetch)
+            with launching_cpus(PLACEMENTS.get(case.placement)):
+                if warm:
+                    run_steps(case.runner, [batches[i] for i in warm], case.loop, prefetch)
+                ms = run_steps(case.runner, [batches[i] for i in window], case.loop, prefetch)
             case.ms.append(ms)
             print(f"round {round_index:2d} {case.label():45s} {ms:.3f} ms/step", flush=True)
         for case in cases:
@@ -753,6 +781,20 @@ def main(argv=None) -> dict:
     return report
 
 
+@contextlib.contextmanager
+def launching_cpus(placement: Placement | None) -> Iterator[None]:
+    """The launching thread on its own CPU while a pinned placement's case runs."""
+    if placement is None or not placement.pinned:
+        yield
+        return
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, LAUNCHER_CPUS[0])
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
+
+
 def profile_cases(args: argparse.Namespace, timed: list[Case], workloads: dict) -> dict:
     """``--profile-steps`` synchronous steps of every timed synchronous case, profiled
     (:func:`profile_case`); each Chrome trace kept under ``--trace-dir`` when given."""
@@ -769,7 +811,8 @@ def profile_cases(args: argparse.Namespace, timed: list[Case], workloads: dict) 
             if args.trace_dir
             else None
         )
-        profiles[case.label()] = profile_case(case.runner, batches, trace_path=trace)
+        with launching_cpus(PLACEMENTS.get(case.placement)):
+            profiles[case.label()] = profile_case(case.runner, batches, trace_path=trace)
         print(f"profile {case.label()}: {profiles[case.label()]['timeline']}", flush=True)
     return profiles
 

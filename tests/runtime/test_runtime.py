@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 
 import numpy as np
 import pytest
@@ -16,6 +17,7 @@ from engramrt.lookup import lookup_rows_reference
 from engramrt.lookup.tiers import TablePlacement
 from engramrt.lookup.tiers.host_gather import ROWS_PER_WAITED_GATHER_THREAD
 from engramrt.runtime import EngramRuntime, synthetic_stores
+from engramrt.runtime.runtime import _cpu_ranges, lookup_worker
 
 CFG = PRESETS["tiny"]
 
@@ -651,6 +653,56 @@ def test_lookup_overlap_is_checked(layout, token_map, device) -> None:
         ValidationError, match=r"lookup_overlap='after'; expected one of side, none, deferred"
     ):
         _runtime(layout, token_map, device, lookup_overlap="after")
+
+
+def test_lookup_cpus_is_checked(layout, token_map, device) -> None:
+    allowed = os.sched_getaffinity(0)
+    beyond = max(allowed) + 1
+    for value, message in (
+        ([], r"lookup_cpus is empty; expected at least one of the CPUs this process may use"),
+        ([beyond], rf"lookup_cpus names CPUs {beyond}, which this process may not use"),
+        (["0"], r"lookup_cpus holds '0'; expected CPU numbers"),
+        ([True], r"lookup_cpus holds True; expected CPU numbers"),
+        ("0-3", r"lookup_cpus='0-3'; expected a collection of CPU numbers"),
+        (3, r"lookup_cpus=3; expected a collection of CPU numbers"),
+    ):
+        with pytest.raises(ValidationError, match=message):
+            _runtime(layout, token_map, device, lookup_cpus=value)
+    runtime = _runtime(layout, token_map, device, lookup_cpus=sorted(allowed))
+    assert runtime.lookup_cpus == frozenset(allowed)
+    runtime.close()
+    assert _runtime(layout, token_map, device).lookup_cpus is None
+
+
+def test_cpu_ranges_are_named_compactly() -> None:
+    assert _cpu_ranges({0, 1, 2, 3, 8, 10, 11}) == "0-3,8,10-11"
+    assert _cpu_ranges([5]) == "5"
+
+
+def test_lookup_workers_run_on_their_cpus() -> None:
+    """A worker given CPUs runs there, and so does every thread it starts (a gather's
+    intra-op threads); the thread that made it keeps its own; a worker given none runs on
+    the process's CPUs (the control)."""
+    allowed = os.sched_getaffinity(0)
+    one = frozenset({min(allowed)})
+
+    def started_thread_cpus() -> set[int]:
+        seen: list[set[int]] = []
+        thread = threading.Thread(target=lambda: seen.append(os.sched_getaffinity(0)))
+        thread.start()
+        thread.join()
+        return seen[0]
+
+    pinned, free = lookup_worker("test-pinned", one), lookup_worker("test-free")
+    try:
+        assert pinned.submit(os.sched_getaffinity, 0).result() == one
+        assert pinned.submit(started_thread_cpus).result() == one
+        assert free.submit(os.sched_getaffinity, 0).result() == allowed
+        assert free.submit(started_thread_cpus).result() == allowed
+    finally:
+        pinned.shutdown()
+        free.shutdown()
+    assert os.sched_getaffinity(0) == allowed
 
 
 def test_sources_without_the_choice_ignore_gpu_reads(layout, token_map, device) -> None:

@@ -89,10 +89,11 @@ from __future__ import annotations
 
 import functools
 import itertools
+import os
 import threading
 import warnings
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -116,6 +117,8 @@ __all__ = [
     "RuntimeLayer",
     "StepPlan",
     "deferrable",
+    "lookup_cpu_set",
+    "lookup_worker",
     "runtime_from_handle",
     "worker_jobs",
     "worker_plan",
@@ -298,6 +301,56 @@ class RuntimeLayer(nn.Module):
         return f"index={self.index}"
 
 
+def lookup_cpu_set(cpus: Collection[int], name: str = "lookup_cpus") -> frozenset[int]:
+    """``cpus`` checked as a set of CPUs a thread of this process may be moved to: a
+    non-empty collection of CPU numbers, each one this process may run on
+    (``os.sched_getaffinity``; Linux only)."""
+    if not hasattr(os, "sched_setaffinity"):  # pragma: no cover - not Linux
+        raise ValidationError(f"{name} needs os.sched_setaffinity (Linux); leave it None here")
+    if isinstance(cpus, (str, bytes)) or not isinstance(cpus, Collection):
+        raise ValidationError(
+            f"{name}={cpus!r}; expected a collection of CPU numbers, e.g. range(1, 16)"
+        )
+    wrong = [c for c in cpus if isinstance(c, bool) or not isinstance(c, int)]
+    if wrong:
+        raise ValidationError(f"{name} holds {wrong[0]!r}; expected CPU numbers (ints)")
+    allowed = os.sched_getaffinity(0)
+    chosen = frozenset(cpus)
+    if not chosen:
+        raise ValidationError(
+            f"{name} is empty; expected at least one of the CPUs this process may use "
+            f"({_cpu_ranges(allowed)})"
+        )
+    outside = sorted(chosen - allowed)
+    if outside:
+        raise ValidationError(
+            f"{name} names CPUs {_cpu_ranges(outside)}, which this process may not use; "
+            f"expected CPUs of {_cpu_ranges(allowed)}"
+        )
+    return chosen
+
+
+def _cpu_ranges(cpus: Collection[int]) -> str:
+    """``0-3,8`` for {0, 1, 2, 3, 8}."""
+    runs: list[list[int]] = []
+    for cpu in sorted(cpus):
+        if runs and runs[-1][1] == cpu - 1:
+            runs[-1][1] = cpu
+        else:
+            runs.append([cpu, cpu])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
+def lookup_worker(name: str, cpus: frozenset[int] | None = None) -> ThreadPoolExecutor:
+    """A lookup worker: one thread named ``name``, run on ``cpus`` when given (moved there
+    before its first job, so every thread it starts, a gather's included, starts there)."""
+    if cpus is None:
+        return ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+    return ThreadPoolExecutor(
+        max_workers=1, thread_name_prefix=name, initializer=os.sched_setaffinity, initargs=(0, cpus)
+    )
+
+
 class EngramRuntime:
     """Hash ids, rows and (with heads) the Engram layers of one model.
 
@@ -374,6 +427,15 @@ class EngramRuntime:
             the lookup runs beside the blocks and no worker thread runs beside the
             launching one. Such layers take no GPU reads (``gpu_reads`` does not
             apply to them).
+        lookup_cpus: the CPUs the lookup worker threads run on, and with them the
+            CPU gathers those threads run (a gather's intra-op threads are started
+            by the worker and take its CPUs): for an engine that pins the thread
+            launching the model to CPUs of its own, pass the others, so that no
+            gather thread competes with it. None (default): the process's CPUs.
+            Lookups on the launching thread (``lookup_overlap="deferred"``) and
+            gathers queued in stream order (``HostOptions(gather="queued")``, run
+            by a thread of the CUDA driver) stay where they are. See
+            :func:`lookup_cpu_set`.
 
     Attributes:
         layers: the Engram layers as modules (empty without ``heads``).
@@ -396,6 +458,7 @@ class EngramRuntime:
         lookup_workers: str = "shared",
         gpu_reads: str = "all",
         lookup_overlap: str = "side",
+        lookup_cpus: Collection[int] | None = None,
     ) -> None:
         if not isinstance(hasher, RowIdMaker):
             raise ValidationError(
@@ -423,6 +486,7 @@ class EngramRuntime:
         check_choice("lookup_workers", lookup_workers, LOOKUP_WORKERS)
         check_choice("gpu_reads", gpu_reads, GPU_READS)
         check_choice("lookup_overlap", lookup_overlap, LOOKUP_OVERLAP)
+        self.lookup_cpus = None if lookup_cpus is None else lookup_cpu_set(lookup_cpus)
         devices = {s.device for s in sources}
         if devices != {hasher.device}:
             raise ValidationError(
@@ -636,7 +700,7 @@ class EngramRuntime:
             else None
         )
         self._workers = {
-            key: ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"engramrt-rows-{key}")
+            key: lookup_worker(f"engramrt-rows-{key}", self.lookup_cpus)
             for key in set(self._worker_of.values())
         }
         self._worker_streams = {
