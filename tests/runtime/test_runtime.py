@@ -15,7 +15,7 @@ from engramrt.hashing import HashBatch, HashConstants, NgramHasher, SlotHashCach
 from engramrt.layout import EngramLayout
 from engramrt.lookup import lookup_rows_reference
 from engramrt.lookup.tiers import TablePlacement
-from engramrt.lookup.tiers.host_gather import ROWS_PER_WAITED_GATHER_THREAD
+from engramrt.lookup.tiers.host_gather import ROWS_PER_WAITED_GATHER_THREAD, _intra_op_threads
 from engramrt.runtime import EngramRuntime, synthetic_stores
 from engramrt.runtime.runtime import _cpu_ranges, lookup_worker
 
@@ -693,16 +693,37 @@ def test_lookup_workers_run_on_their_cpus() -> None:
         thread.join()
         return seen[0]
 
+    def gather_thread_cpus() -> set[frozenset[int]]:
+        """The CPUs of the threads a two-thread gather starts (torch's intra-op threads)."""
+        before = set(os.listdir("/proc/self/task"))
+        with _intra_op_threads(2):
+            rows = torch.zeros(4096, 33, dtype=torch.int64)
+            torch.index_select(rows, 0, torch.randint(0, 4096, (1 << 20,)))
+        return {_task_cpus(t) for t in set(os.listdir("/proc/self/task")) - before}
+
     pinned, free = lookup_worker("test-pinned", one), lookup_worker("test-free")
     try:
         assert pinned.submit(os.sched_getaffinity, 0).result() == one
         assert pinned.submit(started_thread_cpus).result() == one
+        assert pinned.submit(gather_thread_cpus).result() == {one}
         assert free.submit(os.sched_getaffinity, 0).result() == allowed
         assert free.submit(started_thread_cpus).result() == allowed
+        assert free.submit(gather_thread_cpus).result() == {frozenset(allowed)}
     finally:
         pinned.shutdown()
         free.shutdown()
     assert os.sched_getaffinity(0) == allowed
+
+
+def _task_cpus(task: str) -> frozenset[int]:
+    """CPUs thread ``task`` of this process may run on (``Cpus_allowed_list``)."""
+    with open(f"/proc/self/task/{task}/status") as f:
+        text = next(line for line in f if line.startswith("Cpus_allowed_list:")).split()[1]
+    cpus: set[int] = set()
+    for part in text.split(","):
+        first, _, last = part.partition("-")
+        cpus.update(range(int(first), int(last or first) + 1))
+    return frozenset(cpus)
 
 
 def test_sources_without_the_choice_ignore_gpu_reads(layout, token_map, device) -> None:
