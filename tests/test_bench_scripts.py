@@ -963,6 +963,32 @@ def test_step_cost_cpu_only_placements_gather_in_stream_order_on_their_threads()
     assert "gpu_reads" not in queued.runtime_options()
 
 
+def test_step_cost_pinned_placement_keeps_lookups_off_the_launching_cpu() -> None:
+    """``thread-cpu-pinned``: ``thread-cpu`` with the lookups on every CPU but the first,
+    the launching thread on the first while its case runs and on its own CPUs again after.
+    Control: ``thread-cpu`` sets no CPUs and leaves the launching thread where it is."""
+    import os
+
+    step_cost = _load("step_cost")
+    pinned, free = step_cost.PLACEMENTS["thread-cpu-pinned"], step_cost.PLACEMENTS["thread-cpu"]
+    allowed = os.sched_getaffinity(0)
+    first = {min(allowed)}
+    assert pinned.runtime_options() == {
+        **free.runtime_options(),
+        "lookup_cpus": sorted(allowed - first or allowed),
+    }
+    assert "lookup_cpus" not in free.runtime_options()
+    assert pinned.host_options(8) == free.host_options(8)
+    with step_cost.launching_cpus(pinned):
+        assert os.sched_getaffinity(0) == first
+    assert os.sched_getaffinity(0) == allowed
+    with step_cost.launching_cpus(free):
+        assert os.sched_getaffinity(0) == allowed
+    with pytest.raises(RuntimeError, match="inside"), step_cost.launching_cpus(pinned):
+        raise RuntimeError("inside")
+    assert os.sched_getaffinity(0) == allowed
+
+
 def test_step_cost_runs_each_mode_in_a_process_of_its_own(tmp_path, monkeypatch) -> None:
     """--process-per-mode: each mode by the script in a process of its own, its report's cases
     merged into one (on a CPU, --smoke keeps eager alone: one process); the flags other than
