@@ -27,9 +27,7 @@ The two records of a seed must have scored the same predictions (every category'
 
 from __future__ import annotations
 
-import argparse
 import json
-import re
 import shlex
 import sys
 from collections.abc import Mapping, Sequence
@@ -38,14 +36,15 @@ from typing import Any
 
 from engramrt._io import atomic_write_bytes
 from engramrt.errors import ValidationError
+from engramrt_lab.models.cli_parser import OneLineParser
 from engramrt_lab.models.seeds import HELDOUT_SET_NAMES, MIN_SEEDS, spread
+from engramrt_lab.models.wins import gate_column, gate_column_parts
 
 __all__ = ["compare", "main", "markdown", "record_seed"]
 
 PROG = "python -m engramrt_lab.models.pairs"
 SETS = {"heldout": "where_it_wins", "package_heldout": "where_it_wins_package"}
 """Each held-out set's loss key and the record field of its categories."""
-_GATE = re.compile(r"^(?P<model>.+) gate \(block (?P<block>\d+)\)$")
 
 
 def record_seed(record: Mapping[str, Any]) -> int:
@@ -178,12 +177,10 @@ def compare(
 def _gates(model: str, rows: Sequence[Mapping[str, Any]]) -> dict[str, float]:
     """``model``'s mean gate per block over ``rows`` (one category's row per seed)."""
     blocks = sorted(
-        int(m["block"])
-        for key in rows[0]
-        if (m := _GATE.match(key)) is not None and m["model"] == model
+        parts[1] for key in rows[0] if (parts := gate_column_parts(key)) and parts[0] == model
     )
     return {
-        str(block): sum(row[f"{model} gate (block {block})"] for row in rows) / len(rows)
+        str(block): sum(row[gate_column(model, block)] for row in rows) / len(rows)
         for block in blocks
     }
 
@@ -227,15 +224,7 @@ def _difference(stats: Mapping[str, float]) -> str:
     return f"{stats['mean']:+.4f} ± {stats['std']:.4f} [{stats['min']:+.4f}, {stats['max']:+.4f}]"
 
 
-class _Parser(argparse.ArgumentParser):
-    """Errors as one line on stderr and exit status 2."""
-
-    def error(self, message: str) -> Any:  # type: ignore[override]
-        sys.stderr.write(f"{self.prog}: error: {message}\n")
-        raise SystemExit(2)
-
-
-def _side(parser: _Parser, flag: str, values: Sequence[str]) -> tuple[str, dict[str, Any]]:
+def _side(parser: OneLineParser, flag: str, values: Sequence[str]) -> tuple[str, dict[str, Any]]:
     if len(values) < 2:
         parser.error(f"{flag} takes a model and its records; got {' '.join(values)!r}")
     model, paths = values[0], values[1:]
@@ -249,7 +238,7 @@ def _side(parser: _Parser, flag: str, values: Sequence[str]) -> tuple[str, dict[
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = _Parser(prog=PROG, description=__doc__.split("\n")[0])
+    parser = OneLineParser(prog=PROG, description=__doc__.split("\n")[0])
     parser.add_argument("--from", dest="first", nargs="+", required=True, metavar="MODEL RECORD")
     parser.add_argument("--to", dest="second", nargs="+", required=True, metavar="MODEL RECORD")
     parser.add_argument("--view", default="longest_seen", help="default longest_seen")

@@ -88,6 +88,7 @@ import numpy as np
 from engramrt._io import atomic_write_bytes
 from engramrt.errors import CheckpointError
 from engramrt_lab.models import artifacts
+from engramrt_lab.models.cli_parser import OneLineParser
 
 __all__ = [
     "HELDOUT_SEEDS",
@@ -593,14 +594,6 @@ def _wins_tables(views: Mapping[str, Mapping[str, Any]], label: str) -> list[str
     return lines
 
 
-class _Parser(argparse.ArgumentParser):
-    """Errors as one line on stderr and exit status 2 (as the training command)."""
-
-    def error(self, message: str) -> Any:  # type: ignore[override]
-        sys.stderr.write(f"{self.prog}: error: {message}\n")
-        raise SystemExit(2)
-
-
 def _seeds(text: str) -> tuple[int, ...]:
     try:
         return tuple(int(part) for part in text.split(","))
@@ -617,7 +610,7 @@ def parse_args(
     are checked here by the training command's parser, before any work."""
     from engramrt_lab.models import train
 
-    parser = _Parser(
+    parser = OneLineParser(
         prog=PROG,
         description="Train the tiny Engram LM and its baselines once per seed; aggregate.",
         epilog="Any other flag goes to python -m engramrt_lab.models.train (see its --help).",

@@ -102,6 +102,7 @@ from engramrt.gate.reference import MIN_ABS_DOT
 from engramrt.hashing import HashBatch, HashConstants
 from engramrt.hashing.vectorized import hash_batch_torch
 from engramrt_lab.models import artifacts
+from engramrt_lab.models.cli_parser import OneLineParser
 from engramrt_lab.models.corpus import (
     Corpus,
     EvalSegments,
@@ -1749,14 +1750,6 @@ def _run_record(run: TrainResult, settings: TrainSettings) -> dict[str, Any]:
     }
 
 
-class _Parser(argparse.ArgumentParser):
-    """Errors as one line on stderr and exit status 2 (no usage block)."""
-
-    def error(self, message: str) -> Any:  # type: ignore[override]
-        sys.stderr.write(f"{self.prog}: error: {message}\n")
-        raise SystemExit(2)
-
-
 def _ints(text: str) -> tuple[int, ...]:
     return tuple(int(part) for part in text.split(","))
 
@@ -2060,7 +2053,7 @@ def _settings_problem(args: argparse.Namespace) -> str | None:
 def parse_args(argv: Sequence[str] | None = None) -> TrainSettings:
     """The settings of a command line; every flag is checked here, before any work (a
     bad one: one line on stderr, exit status 2)."""
-    parser = _Parser(
+    parser = OneLineParser(
         prog="python -m engramrt_lab.models.train",
         description="Train the tiny Engram LM and its baselines; write the model directory.",
     )
