@@ -15,9 +15,9 @@ from engramrt.hashing import HashBatch, HashConstants, NgramHasher, SlotHashCach
 from engramrt.layout import EngramLayout
 from engramrt.lookup import lookup_rows_reference
 from engramrt.lookup.tiers import TablePlacement
-from engramrt.lookup.tiers.host_gather import ROWS_PER_WAITED_GATHER_THREAD, _intra_op_threads
+from engramrt.lookup.tiers.host_gather import ROWS_PER_WAITED_GATHER_THREAD
 from engramrt.runtime import EngramRuntime, synthetic_stores
-from engramrt.runtime.runtime import _cpu_ranges, lookup_worker
+from engramrt.runtime.runtime import lookup_worker
 
 CFG = PRESETS["tiny"]
 
@@ -661,6 +661,10 @@ def test_lookup_cpus_is_checked(layout, token_map, device) -> None:
     for value, message in (
         ([], r"lookup_cpus is empty; expected at least one of the CPUs this process may use"),
         ([beyond], rf"lookup_cpus names CPUs {beyond}, which this process may not use"),
+        (
+            [beyond + 5, beyond, beyond + 2, beyond + 1],
+            rf"lookup_cpus names CPUs {beyond}-{beyond + 2},{beyond + 5}, which",
+        ),
         (["0"], r"lookup_cpus holds '0'; expected CPU numbers"),
         ([True], r"lookup_cpus holds True; expected CPU numbers"),
         ("0-3", r"lookup_cpus='0-3'; expected a collection of CPU numbers"),
@@ -672,11 +676,6 @@ def test_lookup_cpus_is_checked(layout, token_map, device) -> None:
     assert runtime.lookup_cpus == frozenset(allowed)
     runtime.close()
     assert _runtime(layout, token_map, device).lookup_cpus is None
-
-
-def test_cpu_ranges_are_named_compactly() -> None:
-    assert _cpu_ranges({0, 1, 2, 3, 8, 10, 11}) == "0-3,8,10-11"
-    assert _cpu_ranges([5]) == "5"
 
 
 def test_lookup_workers_run_on_their_cpus() -> None:
@@ -696,9 +695,13 @@ def test_lookup_workers_run_on_their_cpus() -> None:
     def gather_thread_cpus() -> set[frozenset[int]]:
         """The CPUs of the threads a two-thread gather starts (torch's intra-op threads)."""
         before = set(os.listdir("/proc/self/task"))
-        with _intra_op_threads(2):
+        threads = torch.get_num_threads()
+        torch.set_num_threads(2)
+        try:
             rows = torch.zeros(4096, 33, dtype=torch.int64)
             torch.index_select(rows, 0, torch.randint(0, 4096, (1 << 20,)))
+        finally:
+            torch.set_num_threads(threads)
         return {_task_cpus(t) for t in set(os.listdir("/proc/self/task")) - before}
 
     pinned, free = lookup_worker("test-pinned", one), lookup_worker("test-free")
