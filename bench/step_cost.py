@@ -148,8 +148,9 @@ class Placement:
     # (EngramRuntime(lookup_priority=HIGHEST_PRIORITY)), else the default, 0, the lowest.
     high_priority: bool = False
     # EngramRuntime(lookup_overlap=...): "side" (beside the blocks), "none" (on the step's
-    # stream inside plan, before the blocks) or "deferred" (the host tier's lookups at their
-    # layer, on the thread that launches the step).
+    # stream inside plan, before the blocks), "deferred" (the host tier's lookups at their
+    # layer, on the thread that launches the step) or "copies" (a queued gather's copies and
+    # host function beside the blocks, its kernel at the layer on the step's stream).
     overlap: str = "side"
     # HostOptions(gather=...): "thread" (driven by a worker thread) or "queued" (in stream
     # order).
@@ -234,6 +235,20 @@ PLACEMENTS: dict[str, Placement] = {
         Placement("deferred", overlap="deferred", gather="thread"),
         Placement("deferred-4", overlap="deferred", gather="thread", gather_threads=4),
         Placement("deferred-16", overlap="deferred", gather="thread", gather_threads=16),
+        # Queued gathers whose transfers start at plan and whose dequantisation runs at the
+        # layer: nothing but copies and the CPU's gather beside the blocks; on the store's
+        # own thread count (one for a decode layer) and on 4.
+        Placement(
+            "queued-copies", gpu_reads="sources", cpu_only=True, gather="queued", overlap="copies"
+        ),
+        Placement(
+            "queued-copies-4",
+            gpu_reads="sources",
+            cpu_only=True,
+            gather="queued",
+            overlap="copies",
+            gather_threads=4,
+        ),
     )
 }
 LOOPS = ("sync", "queued", "sync-prefetch")

@@ -38,6 +38,13 @@ caller needs to know which class it holds:
   hash a step on the host hands them over (a step's host mirror,
   :attr:`~engramrt.step.EngineStep.host`).
 
+- :attr:`RowSource.splits_lookup`: a lookup's transfers (copies, host
+  functions) can be queued apart from its kernels:
+  :meth:`RowSource.queue_copies` queues the first on the current stream and
+  returns the function that queues the second on the caller's (the host tiers'
+  queued gather). A scheduler then keeps the kernels off the streams beside the
+  model's blocks (``EngramRuntime(lookup_overlap="copies")``).
+
 A scheduler may also ask a source how to read small batches from host memory
 (:meth:`RowSource.use_gpu_reads`); sources with one way ignore it.
 """
@@ -103,7 +110,8 @@ class RowSource(ABC):
     Attributes:
         E: values per row (``engram_head_dim``).
         device: the device the rows are written on.
-        host_sync, has_update, collective, host_ids: capability flags (see the module doc).
+        host_sync, has_update, collective, host_ids, splits_lookup: capability flags (see
+            the module doc).
     """
 
     E: int
@@ -112,6 +120,7 @@ class RowSource(ABC):
     has_update: bool = False
     collective: bool = False
     host_ids: bool = False
+    splits_lookup: bool = False
 
     def served_columns(self, num_cols: int) -> tuple[int, int]:
         """Hash columns ``[begin, end)`` of ``num_cols`` whose rows this source returns
@@ -130,6 +139,20 @@ class RowSource(ABC):
         ``out``, when given, is contiguous bf16 ``[local_tokens(T), C, E]`` on
         :attr:`device`; returns it (or a new tensor).
         """
+
+    def queue_copies(
+        self, row_ids: torch.Tensor, out: torch.Tensor | None = None, *, in_flight: int = 1
+    ) -> Callable[[], torch.Tensor]:
+        """:meth:`fetch` in two halves (a source with :attr:`splits_lookup`): queue its
+        copies and host functions on the current stream now, no kernel among them, and
+        return the function that queues the rest, its kernels, on the stream current
+        when it is called, which must be ordered after the stream current now (after
+        waiting for an event recorded there). The same arguments and checks as
+        :meth:`fetch`; the function returns what :meth:`fetch` would. ``in_flight``: how
+        many of this source's lookups may be queued whose functions have not been
+        called yet (the source keeps buffers for each). A source without the
+        capability runs the whole of :meth:`fetch` in the returned function."""
+        return lambda: self.fetch(row_ids, out)
 
     def update(self, stream: torch.cuda.Stream | None = None) -> None:  # noqa: B027
         """Work due after a lookup, off the layer's path (see :attr:`has_update`)."""

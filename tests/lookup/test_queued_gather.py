@@ -209,3 +209,70 @@ def test_calls_queued_after_a_failure_still_run() -> None:
     with pytest.raises(HostFunctionError, match="KeyError: 3"):
         function.raise_failure()
     function.raise_failure()  # raised once
+
+
+@pytest.mark.parametrize("T", [1, 6])
+@pytest.mark.parametrize("cols", [(0, None), (2, 5)])
+def test_a_layer_view_of_the_step_ids_is_read_where_it_lies(
+    T: int, cols: tuple[int, int | None], tmp_path: Path
+) -> None:
+    """A runtime hands each layer a strided view of the step's ``[T, layers, C]`` ids; the
+    queued gather copies the span that holds the owned columns as it lies and reads the
+    layer's ids out of it on the host. The other layer holds other valid ids, so a span
+    read at the wrong offset or stride would gather other rows, not fail."""
+    E, num_rows, C = 32, 300, 6
+    table = random_packed_table(num_rows, E, seed=T)
+    col_begin, col_end = cols
+    store = build("host", table, tmp_path, col_begin=col_begin, col_end=col_end)
+    step_ids = torch.randint(0, num_rows, (T, 2, C), generator=torch.Generator().manual_seed(T))
+    for layer in (0, 1):
+        ids = step_ids.to(DEVICE)[:, layer]
+        assert not ids.is_contiguous() or T == 1
+        expected = lookup_rows_reference(step_ids[:, layer], table, E, col_begin, col_end)
+        assert_same_bits(store.lookup(ids), expected)
+    # Control: the two layers' rows differ, so reading the wrong layer would show.
+    assert not torch.equal(
+        lookup_rows_reference(step_ids[:, 0], table, E, col_begin, col_end),
+        lookup_rows_reference(step_ids[:, 1], table, E, col_begin, col_end),
+    )
+
+
+def test_queue_copies_keeps_the_rows_of_each_lookup_in_flight(tmp_path: Path) -> None:
+    """``queue_copies``: the transfers now, the dequantisation when the returned function
+    is called; with ``in_flight=2`` two lookups queued before either is finished each
+    read their own rows. Negative control: with one buffer (``in_flight=1``) the second
+    lookup's rows land where the first one's are still unread, and the first returns the
+    second's rows."""
+    table = random_packed_table(80, 32, seed=11)
+    g = torch.Generator().manual_seed(12)
+    first, second = (torch.randint(0, 80, (5, 4), generator=g) for _ in range(2))
+    want = [lookup_rows_reference(ids, table, 32) for ids in (first, second)]
+    store = build("host", table, tmp_path)
+    assert store.splits_lookup
+    finish = [store.queue_copies(ids.to(DEVICE), in_flight=2) for ids in (first, second)]
+    assert_same_bits(finish[1](), want[1])
+    assert_same_bits(finish[0](), want[0])
+
+    single = build("host", table, tmp_path / "single")
+    finish = [single.queue_copies(ids.to(DEVICE), in_flight=1) for ids in (first, second)]
+    finish[1]()
+    assert_same_bits(finish[0](), want[1])  # the first lookup read the second's rows
+
+
+def test_queue_copies_of_a_store_that_cannot_split_runs_the_whole_lookup(tmp_path: Path) -> None:
+    table = random_packed_table(40, 32, seed=13)
+    threaded = store_of("host", table, device=DEVICE)
+    assert not threaded.splits_lookup
+    ids = torch.randint(0, 40, (3, 4), generator=torch.Generator().manual_seed(14))
+    calls: list[int] = []
+    lookup = threaded.lookup
+
+    def counting(row_ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        calls.append(1)
+        return lookup(row_ids, out)
+
+    threaded.lookup = counting  # type: ignore[method-assign]
+    finish = threaded.queue_copies(ids.to(DEVICE))
+    assert calls == []  # nothing queued: the lookup runs when the function is called
+    assert_same_bits(finish(), lookup_rows_reference(ids, table, 32))
+    assert calls == [1]

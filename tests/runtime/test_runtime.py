@@ -14,7 +14,7 @@ from engramrt.errors import ValidationError
 from engramrt.hashing import HashBatch, HashConstants, NgramHasher, SlotHashCache, hash_sequence
 from engramrt.layout import EngramLayout
 from engramrt.lookup import lookup_rows_reference
-from engramrt.lookup.tiers import TablePlacement
+from engramrt.lookup.tiers import HostOptions, TablePlacement
 from engramrt.lookup.tiers.host_gather import ROWS_PER_WAITED_GATHER_THREAD
 from engramrt.runtime import EngramRuntime, synthetic_stores
 from engramrt.runtime.runtime import lookup_worker
@@ -650,7 +650,8 @@ def test_gpu_read_batches_start_beside_the_worker(layout, token_map, device, mon
 
 def test_lookup_overlap_is_checked(layout, token_map, device) -> None:
     with pytest.raises(
-        ValidationError, match=r"lookup_overlap='after'; expected one of side, none, deferred"
+        ValidationError,
+        match=r"lookup_overlap='after'; expected one of side, none, deferred, copies",
     ):
         _runtime(layout, token_map, device, lookup_overlap="after")
 
@@ -914,3 +915,48 @@ def test_deferred_lookups_run_at_their_layer(layout, token_map, device, monkeypa
     for li in range(2):
         assert torch.equal(got.rows(li).view(torch.int16), want[li].view(torch.int16))
     runtime.close()
+
+
+def test_copies_overlap_queues_transfers_at_plan_and_kernels_at_the_layer(
+    layout, token_map, device, monkeypatch
+) -> None:
+    """``lookup_overlap="copies"`` over queued host gathers: plan queues each layer's ids'
+    copy, CPU gather and rows' copy (the gathers run at plan on a CPU device, in stream
+    order on a GPU) and no dequantisation; each layer's dequantisation runs when its rows
+    are first waited for. Two steps planned into both slots before either is read get
+    the reference's rows (the store keeps one device buffer per slot). Control: with
+    ``"side"`` the same stores dequantise at plan."""
+    import engramrt.lookup.tiers.host_gather as host_gather
+
+    dequantised: list[int] = []
+    lookup_rows = host_gather.lookup_rows
+
+    def counting(*args, **kwargs):
+        dequantised.append(1)
+        return lookup_rows(*args, **kwargs)
+
+    monkeypatch.setattr(host_gather, "lookup_rows", counting)
+    stores = synthetic_stores(layout, TablePlacement(HostOptions(gather="queued"), device), seed=3)
+    assert all(store.splits_lookup for store in stores)
+    rng = np.random.default_rng(21)
+
+    def step(runtime):
+        ids = rng.integers(0, token_map.vocab_size, int(rng.integers(1, 20)))
+        return runtime.plan(HashBatch.single(ids, device=device))
+
+    for overlap, at_plan in (("copies", 0), ("side", 2)):
+        consts = HashConstants.from_layout(layout, token_map.pad_id(CFG))
+        hasher = NgramHasher(consts, token_map, device)
+        runtime = EngramRuntime(
+            hasher, stores, max_tokens=64, max_requests=8, lookup_overlap=overlap
+        )
+        dequantised.clear()
+        steps = [step(runtime), step(runtime)]
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        assert len(dequantised) == 2 * at_plan, overlap
+        assert all((p.deferred is not None) == (overlap == "copies") for p in steps[0].pending)
+        for planned in steps:
+            _check_step_rows(runtime, planned)
+        assert len(dequantised) == 4
+        runtime.close()

@@ -57,6 +57,12 @@ How a layer's rows are started depends on its source's capability flags
   (:func:`deferrable`) start nowhere at plan: ``plan`` queues one copy of
   the step's ids to the host, and a layer's lookup runs on the thread that
   first waits for its rows, at the layer;
+- with ``lookup_overlap="copies"``, sources that can split a lookup
+  (:attr:`~engramrt.source.RowSource.splits_lookup`: the host tiers' queued
+  gather) queue only its copies and host functions on the side stream at
+  plan (:meth:`~engramrt.source.RowSource.queue_copies`), and a layer's
+  kernel (the dequantisation) runs on the thread and stream that first wait
+  for its rows, at the layer;
 - :attr:`~engramrt.source.RowSource.collective` (exchanges): every rank
   must issue the collectives in the same order, so all collective sources
   run in layer order on one side stream, or, when any of them needs a host
@@ -135,7 +141,7 @@ LOOKUP_WORKERS = ("per-layer", "shared")
 GPU_READS = ("first", "all", "sources")
 """Which layers' small batches the GPU reads from host memory itself (see
 :class:`EngramRuntime`, ``gpu_reads``)."""
-LOOKUP_OVERLAP = ("side", "none", "deferred")
+LOOKUP_OVERLAP = ("side", "none", "deferred", "copies")
 """Where the lookups of sources without a worker thread run (see :class:`EngramRuntime`,
 ``lookup_overlap``)."""
 
@@ -426,7 +432,16 @@ class EngramRuntime:
             stream and the dequantisation on the current stream, so no kernel of
             the lookup runs beside the blocks and no worker thread runs beside the
             launching one. Such layers take no GPU reads (``gpu_reads`` does not
-            apply to them).
+            apply to them). ``"copies"``: as ``"side"``, but sources that can split
+            a lookup into its transfers and its kernels
+            (:attr:`~engramrt.source.RowSource.splits_lookup`: the host and disk
+            tiers with ``HostOptions(gather="queued")``) queue the transfers on the
+            side stream at plan, the ids' copy to the host, the CPU's gather (a host
+            function, run by a thread of the CUDA driver) and the rows' copy back,
+            and their dequantising kernel runs when the layer's rows are first
+            waited for, on the step's stream: no kernel of theirs runs beside the
+            blocks, and the launching thread neither gathers nor waits. Such layers
+            take no GPU reads either. Capturable in one CUDA graph with the step.
         lookup_cpus: the CPUs the lookup worker threads run on, and with them the
             CPU gathers those threads run (a gather's intra-op threads are started
             by the worker and take its CPUs): for an engine that pins the thread
@@ -512,8 +527,16 @@ class EngramRuntime:
             for index, s in enumerate(self.sources)
             if lookup_overlap == "deferred" and deferrable(s)
         )
+        # Layers whose transfers start at plan and whose kernels run at the layer.
+        self._split_layers = frozenset(
+            index
+            for index, s in enumerate(self.sources)
+            if lookup_overlap == "copies" and s.splits_lookup
+        )
         for index, source in enumerate(self.sources):
-            if gpu_reads != "sources":
+            if index in self._split_layers:
+                source.use_gpu_reads(False)  # a GPU read is a kernel beside the blocks
+            elif gpu_reads != "sources":
                 source.use_gpu_reads(gpu_reads == "all" or index == 0)
             # A deferred layer's gather runs on the thread that waits for its rows, which
             # does nothing else meanwhile: as many CPU threads as help.
@@ -791,7 +814,9 @@ class EngramRuntime:
         for index, source in enumerate(self.sources):
             if index not in self._side_layers and index not in self._deferred_layers:
                 ids = host_ids.get(index, layer_ids[index])
-                if self._beside(index, source, ids):
+                if index in self._split_layers:  # no side stream (a CPU device): in order
+                    pending[index] = self._queue_copies(source, ids, outs[index])
+                elif self._beside(index, source, ids):
                     side.append(index)
                 else:
                     pending[index] = self._start(index, source, ids, outs[index], ready)
@@ -804,7 +829,10 @@ class EngramRuntime:
             with torch.cuda.stream(stream):
                 for index in sorted(side):
                     ids = host_ids.get(index, layer_ids[index])
-                    pending[index] = self.sources[index].start_on(ids, outs[index], stream)
+                    if index in self._split_layers:
+                        pending[index] = self._queue_copies(self.sources[index], ids, outs[index])
+                    else:
+                        pending[index] = self.sources[index].start_on(ids, outs[index], stream)
         for job, index in self._jobs:
             if job == "update":  # after every threaded lookup of the step; nobody joins it
                 key = self._worker_of[index]
@@ -1054,6 +1082,29 @@ class EngramRuntime:
         if landed is not None:
             landed.synchronize()
         source.fetch(ids, out)
+
+    def _queue_copies(self, source: RowSource, ids: torch.Tensor, out: torch.Tensor) -> PendingRows:
+        """A split layer's transfers, queued on the current (side) stream now; its kernels
+        when its rows are first waited for (``lookup_overlap="copies"``)."""
+        finish = source.queue_copies(ids, out, in_flight=self.num_slots)
+        copied = None
+        if self.device.type == "cuda":
+            copied = torch.cuda.Event()
+            copied.record(torch.cuda.current_stream(self.device))
+        return PendingRows(
+            out,
+            ids.shape[0],
+            keep_alive=(ids,),
+            deferred=functools.partial(self._finish_split, finish, copied),
+        )
+
+    def _finish_split(
+        self, finish: Callable[[], torch.Tensor], copied: torch.cuda.Event | None
+    ) -> None:
+        """A split layer's kernels, on the waiting thread's stream, after its copies."""
+        if copied is not None:
+            torch.cuda.current_stream(self.device).wait_event(copied)
+        finish()
 
     def _beside(self, index: int, source: RowSource, ids: torch.Tensor) -> bool:
         """Whether layer ``index``, whose source has a worker thread, starts this batch on

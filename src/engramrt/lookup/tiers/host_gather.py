@@ -84,6 +84,7 @@ staging buffer).
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import warnings
 from collections.abc import Callable, Iterator
@@ -341,6 +342,7 @@ class HostGatherRowStore(KernelRowStore):
             if self.device.type == "cpu" or host_functions_available(self.device):
                 self._queued = _QueuedGather(self, options.queued_rows)
                 self.host_sync = False  # every lookup is queued: nothing waits for the device
+                self.splits_lookup = self._dequantises  # queue_copies: copies, then a kernel
             else:
                 warnings.warn(
                     f"gather='queued' on {self.device}, where CUDA host functions are not "
@@ -393,6 +395,37 @@ class HostGatherRowStore(KernelRowStore):
         if self._queued is None:
             return None
         return self._queued.buffers
+
+    def queue_copies(
+        self,
+        row_ids: torch.Tensor,
+        out: torch.Tensor | None = None,
+        *,
+        in_flight: int = 1,
+    ) -> Callable[[], torch.Tensor]:
+        """:meth:`lookup` in two halves (see :meth:`engramrt.source.RowSource.queue_copies`):
+        with a queued gather (:attr:`queued`), the ids' copy to the host, the CPU's gather
+        and the rows' copy to the device are queued on the current stream now, and the
+        returned function queues the dequantising kernel on its caller's stream. A batch
+        with no row to gather (the GPU reads it, ids given on the host, nothing owned) is
+        looked up whole by the returned function. ``in_flight``: how many lookups of this
+        store may be queued whose functions have not been called yet (each holds device
+        buffers of its rows until then; a scheduler of ``num_slots`` steps passes that)."""
+        if self._queued is None or not self._dequantises:
+            return super().queue_copies(row_ids, out)
+        col_end = self._checked(row_ids, out)
+        num_tokens, num_cols = row_ids.shape
+        owned = num_tokens * max(0, col_end - self.col_begin)
+        if (
+            row_ids.device.type != self.device.type
+            or not (self.num_rows and owned)
+            or self._gpu_reads_batch(owned)
+        ):
+            return functools.partial(self._lookup, row_ids, col_end, out)
+        queued = self._queued
+        queued.allow_in_flight(in_flight)
+        turn, rows = queued.queue_rows(row_ids, col_end)
+        return functools.partial(queued.dequantise, turn, rows, num_tokens, num_cols, col_end, out)
 
     def waits_on_host(self, row_ids: torch.Tensor) -> bool:
         """No wait for a batch the GPU reads itself (below :attr:`dedup_min_rows` owned ids,
@@ -576,7 +609,7 @@ class HostGatherRowStore(KernelRowStore):
             if self._gpu_reads_batch(owned.numel()):
                 assert self._mapped is not None
                 return self._read_mapped(self._mapped, row_ids, col_end, out)
-            return self._queued.lookup(row_ids, owned, col_end, out)
+            return self._queued.lookup(row_ids, col_end, out)
         if self._gpu_reads_batch(owned.numel()):
             assert self._mapped is not None
             # Small batches: the lookup kernel reads the rows from host
@@ -775,99 +808,232 @@ class HostGatherRowStore(KernelRowStore):
         return torch.zeros((1, self.row_bytes), dtype=torch.uint8, device=self.device)
 
 
+@dataclass(frozen=True)
+class _QueuedJob:
+    """What the queued gather's host function reads and writes for one shape of batch."""
+
+    ids: torch.Tensor  # [T, owned columns] strided view of the pinned ids' span
+    local: torch.Tensor  # [T * owned columns] int64, the local ids (CPU)
+    staged: torch.Tensor  # [T * owned columns, words] view of the pinned staging
+
+
 class _QueuedGather:
     """The queued gather of a :class:`HostGatherRowStore` (``gather="queued"``).
 
-    One lookup queues, on the current stream: the owned ids made local (ids outside
-    the shard point at row 0 and their slots read zeros), their copy into pinned
-    memory, the host function that gathers those rows into pinned staging, the
-    staging's copy to the device and the lookup kernel that dequantises and
-    scatters them. Buffers sit at fixed addresses (capturable) and are reused in
-    stream order.
+    One lookup queues, on the current stream, copies and one host function only,
+    then one kernel:
+
+    1. the copy of the ids to pinned memory: the span of the row-id buffer that holds
+       the owned columns, in one copy as they lie (a layer's ids are a strided view of
+       the step's row ids; making them contiguous on the device would be a kernel);
+    2. the host function (CUDA's thread, once the ids have landed): the owned ids
+       made contiguous and local on the CPU, the rows gathered into pinned staging
+       by one ``index_select``, and the rows of ids outside the shard zeroed (they
+       read as zeros, as on every tier; a batch with none pays one ``aminmax``);
+    3. the staging's copy to the device;
+    4. the lookup kernel, which dequantises and scatters row ``i`` to slot ``i``
+       (its index a view of a fixed buffer, made when the buffers grow).
+
+    So the thread that queues a lookup launches four things, and nothing but the
+    last is a kernel: in a step, only that one runs beside the model's blocks.
+    :meth:`queue_rows` (steps 1-3) and :meth:`dequantise` (step 4) can be queued
+    apart, the kernel at the layer on the model's stream
+    (:meth:`HostGatherRowStore.queue_copies`). Buffers sit at fixed addresses
+    (capturable) and are reused in stream order; the device rows are a ring of
+    buffers, one per lookup that may be queued and not yet dequantised (one, until
+    a caller asks for more), each reused once the stream that dequantised it has
+    (an event; a whole step captured in one graph replays in order and needs none).
     """
 
     def __init__(self, store: HostGatherRowStore, rows: int | None) -> None:
         self.store = store
-        self.capacity = 0
+        self.capacity = 0  # rows the staging holds
+        self._span_capacity = 0  # ids the pinned id buffers hold
         self._source = _word_view(store.source)
-        # count -> (ids, staged words) views for the host function, made on the queuing
-        # thread so the function itself only indexes a dict and gathers.
-        self._views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        # key -> what the host function reads and writes for one shape of batch, made
+        # on the queuing thread so the function itself only indexes a dict.
+        self._jobs: dict[int, _QueuedJob] = {}
+        self._job_keys: dict[tuple[int, int, int, torch.dtype], int] = {}
         self._gather = HostFunction(self._gather_rows, name=f"the {store.tier} tier's gather")
-        self._ids_host = self._staging = self._rows = self._positions = torch.empty(0)
+        self._staging = self._positions = self._local = torch.empty(0)
+        self._rows: list[torch.Tensor] = []  # the ring of device buffers
+        self._rows_free: list[torch.cuda.Event | None] = []  # each one's last dequantisation
+        self._turn = 0  # the ring's next buffer
+        self._in_flight = 1
+        self._ids_host: dict[torch.dtype, torch.Tensor] = {}  # pinned spans of row ids
+        # num_cols -> [capacity // owned columns, num_cols] slot of each (token, column),
+        # zeros in the columns this shard does not serve.
+        self._compact: dict[int, torch.Tensor] = {}
         if rows is not None:
             self._grow(rows)
 
+    def _refuse_in_capture(self, what: str) -> None:
+        """Buffers are made only outside a CUDA graph's capture (making them synchronises,
+        and a graph must keep reading the buffers it captured)."""
+        if self.store.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise ValidationError(
+                f"a queued host gather needs {what} during CUDA-graph capture; expected a "
+                f"capture after a step of the largest size and of this shape, or "
+                f"HostOptions(queued_rows=) at least the step's rows"
+            )
+
+    def _drain(self) -> None:
+        """No queued gather still uses the buffers about to be replaced."""
+        if self.store.device.type == "cuda":
+            torch.cuda.synchronize(self.store.device)
+
     def _grow(self, count: int) -> None:
         """Buffers for ``count`` rows (called outside any capture: it synchronises)."""
+        self._refuse_in_capture(f"buffers for {count} rows (they hold {self.capacity})")
         store = self.store
         cuda = store.device.type == "cuda"
-        if cuda and torch.cuda.is_current_stream_capturing():
-            raise ValidationError(
-                f"a queued host gather of {count} rows during CUDA-graph capture, but its "
-                f"buffers hold {self.capacity}; expected a capture after a step of the largest "
-                f"size, or HostOptions(queued_rows=) at least {count}"
-            )
-        if cuda:
-            torch.cuda.synchronize(store.device)  # no queued gather still uses the old buffers
+        self._drain()
         self.capacity = count
-        self._views.clear()
-        self._ids_host = torch.empty(count, dtype=torch.int64, pin_memory=cuda)
+        self._jobs.clear()
+        self._job_keys.clear()
+        self._compact.clear()
+        self._local = torch.empty(count, dtype=torch.int64)
         self._staging = torch.empty((count, store.row_bytes), dtype=torch.uint8, pin_memory=cuda)
-        self._rows = torch.empty((count, store.row_bytes), dtype=torch.uint8, device=store.device)
+        self._rows = [
+            torch.empty((count, store.row_bytes), dtype=torch.uint8, device=store.device)
+            for _ in range(self._in_flight)
+        ]
+        self._rows_free = [None] * self._in_flight
+        self._turn = 0
         self._positions = torch.arange(count, dtype=torch.int64, device=store.device)
+
+    def _ids_buffer(self, dtype: torch.dtype, span: int) -> torch.Tensor:
+        """The pinned buffer the ids' span of ``dtype`` is copied into (grown to ``span``)."""
+        held = self._ids_host.get(dtype)
+        if held is None or held.shape[0] < span:
+            self._refuse_in_capture(f"a buffer for {span} row ids of {dtype}")
+            self._drain()
+            self._span_capacity = max(self._span_capacity, span)
+            self._ids_host[dtype] = torch.empty(
+                self._span_capacity, dtype=dtype, pin_memory=self.store.device.type == "cuda"
+            )
+            self._jobs.clear()
+            self._job_keys.clear()
+        return self._ids_host[dtype]
+
+    def allow_in_flight(self, lookups: int) -> None:
+        """Keep device buffers for ``lookups`` lookups queued and not yet dequantised."""
+        if lookups > self._in_flight:
+            self._in_flight = lookups
+            if self.capacity:
+                self._grow(self.capacity)
 
     @property
     def buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._staging, self._rows
+        return self._staging, self._rows[0]
 
-    def _gather_rows(self, count: int) -> None:
+    def _gather_rows(self, key: int) -> None:
         """The host function: rows ``source[ids]`` into the staging (CUDA's thread).
 
         A gather that fails leaves all-ones bytes in the staging (NaN in fp8 e4m3, in the
         ue8m0 scales and in bf16), so the step's rows are NaN rather than another step's;
         the error is raised at the store's next lookup."""
-        ids, staged = self._views[count]
+        job = self._jobs[key]
+        store = self.store
         try:
-            with _intra_op_threads(self.store._gather_threads(count)):
-                torch.index_select(self._source, 0, ids, out=staged)
+            local = job.local
+            local.view(job.ids.shape).copy_(job.ids)  # contiguous, int64
+            if store.row_begin:
+                local -= store.row_begin
+            lowest, highest = torch.aminmax(local)
+            outside = None
+            if int(lowest) < 0 or int(highest) >= store.num_rows:
+                outside = (local < 0) | (local >= store.num_rows)
+                local.masked_fill_(outside, 0)
+            with _intra_op_threads(store._gather_threads(local.shape[0])):
+                torch.index_select(self._source, 0, local, out=job.staged)
+            if outside is not None:
+                job.staged[outside] = 0  # zero bytes: a row of zeros, as the tiers read them
         except BaseException:
-            self._staging[:count].fill_(255)
+            job.staged.fill_(-1)
             raise
 
-    def lookup(
-        self, row_ids: torch.Tensor, owned: torch.Tensor, col_end: int, out: torch.Tensor | None
-    ) -> torch.Tensor:
+    def _job(self, ids_host: torch.Tensor, num_tokens: int, owned_cols: int, stride: int) -> int:
+        """The key of the host function's job for a batch of this shape."""
+        shape = (num_tokens, owned_cols, stride, ids_host.dtype)
+        key = self._job_keys.get(shape)
+        if key is None:
+            key = self._job_keys[shape] = len(self._job_keys)
+            count = num_tokens * owned_cols
+            self._jobs[key] = _QueuedJob(
+                ids=ids_host.as_strided((num_tokens, owned_cols), (stride, 1)),
+                local=self._local[:count],
+                staged=_word_view(self._staging[:count]),
+            )
+        return key
+
+    def queue_rows(self, row_ids: torch.Tensor, col_end: int) -> tuple[int, torch.Tensor]:
+        """Queue, on the current stream, the copies and the host function that bring the
+        owned rows of ``row_ids`` (on the device) to the device, slot ``i`` at row ``i``;
+        returns the ring buffer's index and those packed rows ``[T * owned columns,
+        row_bytes]``, for :meth:`dequantise`."""
         store = self.store
-        num_tokens, num_cols = row_ids.shape
+        num_tokens = row_ids.shape[0]
         owned_cols = col_end - store.col_begin
         count = num_tokens * owned_cols
         if count > self.capacity:
             self._grow(count)
-        if count not in self._views:
-            self._views[count] = (self._ids_host[:count], _word_view(self._staging[:count]))
-        flat = owned.reshape(-1)
-        inside = (flat >= store.row_begin) & (flat < store.row_end)
-        local = torch.where(inside, flat - store.row_begin, 0)
-        # Slot ``i`` reads row ``i`` of the gathered rows; a slot outside the shard reads
-        # past their end, which the kernel reads as zeros.
-        positions = torch.where(inside, self._positions[:count], count).view(num_tokens, -1)
-        if store.col_begin == 0 and col_end == num_cols:
-            compact_ids = positions
-        else:
-            compact_ids = torch.zeros(
-                (num_tokens, num_cols), dtype=torch.int64, device=store.device
-            )
-            compact_ids[:, store.col_begin : col_end] = positions
-        self._ids_host[:count].copy_(local, non_blocking=True)
+        if row_ids.stride(1) != 1:
+            row_ids = row_ids.contiguous()
+        # The owned columns' span of the id buffer, from the first token's first owned
+        # id to the last token's last: one contiguous copy, whatever the row stride.
+        stride = row_ids.stride(0) if num_tokens > 1 else owned_cols
+        span = (num_tokens - 1) * stride + owned_cols
+        ids_host = self._ids_buffer(row_ids.dtype, span)
+        key = self._job(ids_host, num_tokens, owned_cols, stride)
+        on_device = row_ids.as_strided((span,), (1,), row_ids.storage_offset() + store.col_begin)
+        ids_host[:span].copy_(on_device, non_blocking=True)
         if store.device.type == "cuda":
-            self._gather.launch(torch.cuda.current_stream(store.device), count)
+            self._gather.launch(torch.cuda.current_stream(store.device), key)
         else:  # no stream to queue on: the same function, now
-            self._gather.call_now(count)
-        rows = self._rows[:count]
+            self._gather.call_now(key)
+        turn = self._turn
+        self._turn = (turn + 1) % len(self._rows)
+        free = self._rows_free[turn]
+        cuda = store.device.type == "cuda"
+        if free is not None and not (cuda and torch.cuda.is_current_stream_capturing()):
+            torch.cuda.current_stream(store.device).wait_event(free)
+        rows = self._rows[turn][:count]
         rows.copy_(self._staging[:count], non_blocking=True)
-        return lookup_rows(
-            compact_ids,
+        return turn, rows
+
+    def compact_ids(self, num_tokens: int, num_cols: int, col_end: int) -> torch.Tensor:
+        """``[T, num_cols]``: the row of :meth:`queue_rows`'s result each (token, column)
+        reads (zeros in the columns this shard does not serve): a view of a buffer."""
+        store = self.store
+        owned_cols = col_end - store.col_begin
+        if store.col_begin == 0 and col_end == num_cols:
+            return self._positions[: num_tokens * owned_cols].view(num_tokens, owned_cols)
+        compact = self._compact.get(num_cols)
+        if compact is None:
+            self._refuse_in_capture(f"the slots of a step of {num_cols} columns")
+            tokens = self.capacity // owned_cols
+            compact = torch.zeros((tokens, num_cols), dtype=torch.int64, device=store.device)
+            compact[:, store.col_begin : col_end] = self._positions[: tokens * owned_cols].view(
+                tokens, owned_cols
+            )
+            self._compact[num_cols] = compact
+        return compact[:num_tokens]
+
+    def dequantise(
+        self,
+        turn: int,
+        rows: torch.Tensor,
+        num_tokens: int,
+        num_cols: int,
+        col_end: int,
+        out: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """The lookup kernel over :meth:`queue_rows`'s ``rows`` (ring buffer ``turn``), on
+        the current stream."""
+        store = self.store
+        out = lookup_rows(
+            self.compact_ids(num_tokens, num_cols, col_end),
             rows,
             col_begin=store.col_begin,
             col_end=col_end,
@@ -876,6 +1042,16 @@ class _QueuedGather:
             backend=store.backend,
             validate=False,  # checked once, by lookup()
         )
+        if store.device.type == "cuda" and not torch.cuda.is_current_stream_capturing():
+            free = self._rows_free[turn]
+            if free is None:
+                free = self._rows_free[turn] = torch.cuda.Event()
+            free.record(torch.cuda.current_stream(store.device))
+        return out
+
+    def lookup(self, row_ids: torch.Tensor, col_end: int, out: torch.Tensor | None) -> torch.Tensor:
+        turn, rows = self.queue_rows(row_ids, col_end)
+        return self.dequantise(turn, rows, row_ids.shape[0], row_ids.shape[1], col_end, out)
 
     def raise_failure(self) -> None:
         self._gather.raise_failure()
