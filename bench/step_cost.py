@@ -155,6 +155,9 @@ class Placement:
     # HostOptions(gather=...): "thread" (driven by a worker thread) or "queued" (in stream
     # order).
     gather: str | None = None
+    # The Engram layers (0, 1, ...) whose stores take ``gather``; the others keep the
+    # host tier's default. None: every layer.
+    gather_layers: tuple[int, ...] | None = None
     # HostOptions(num_threads=): a fixed count of CPU threads for the gathers, else the
     # store's own count.
     gather_threads: int | None = None
@@ -177,11 +180,12 @@ class Placement:
             **({"lookup_cpus": sorted(LAUNCHER_CPUS[1])} if self.pinned else {}),
         }
 
-    def host_options(self, queued_rows: int) -> HostOptions:
-        """Its host stores' settings, the queued gather's fixed buffers holding
-        ``queued_rows`` rows from the start."""
+    def host_options(self, queued_rows: int, layer: int = 0) -> HostOptions:
+        """Its host store's settings for Engram layer ``layer``, the queued gather's fixed
+        buffers holding ``queued_rows`` rows from the start."""
+        chosen = self.gather_layers is None or layer in self.gather_layers
         return HostOptions(
-            gather=HostOptions().gather if self.gather is None else self.gather,
+            gather=HostOptions().gather if self.gather is None or not chosen else self.gather,
             queued_rows=queued_rows,
             gpu_reads=False if self.cpu_only else None,
             num_threads=self.gather_threads,
@@ -248,6 +252,11 @@ PLACEMENTS: dict[str, Placement] = {
             gather="queued",
             overlap="copies",
             gather_threads=4,
+        ),
+        # Layer 0 (one block to hide behind) read by the GPU, layer 1 (thirteen) a queued
+        # gather split at its kernel, on 4 threads.
+        Placement(
+            "copies-last", gather="queued", gather_layers=(1,), overlap="copies", gather_threads=4
         ),
     )
 }
@@ -499,18 +508,22 @@ class AlreadyMapped(SharedRows):
 def host_stores(layout, device, placement: Placement, base: list | None) -> list:
     """Each layer's host store as ``placement`` sets it (:meth:`Placement.host_options`, the
     queued gather's buffers sized for a prefill chunk), over ``base``'s rows when given."""
-    options = placement.host_options(queued_rows=PREFILL_TOKENS * layout.config.n_cols)
+    queued_rows = PREFILL_TOKENS * layout.config.n_cols
     if base is None:
-        return synthetic_stores(layout, TablePlacement(options, device), seed=1)
+        options = placement.host_options(queued_rows)
+        first = synthetic_stores(layout, TablePlacement(options, device), seed=1)
+        if all(placement.host_options(queued_rows, li) == options for li in range(len(first))):
+            return first
+        base = first  # the rows made once, each layer's store over them as the placement sets
     return [
         HostGatherRowStore(
             store.num_rows,
             store.E,
-            options,
+            placement.host_options(queued_rows, li),
             device=device,
             host_rows=AlreadyMapped(store.source, owner=store),
         )
-        for store in base
+        for li, store in enumerate(base)
     ]
 
 
