@@ -1289,3 +1289,31 @@ def test_trace_timeline_finds_each_steps_gaps_and_host_calls(tmp_path) -> None:
         trace_timeline.main([str(path), "--gap-us", "-1"])
     with pytest.raises(SystemExit, match=r"missing\.json'. no such file"):
         trace_timeline.main([str(tmp_path / "missing.json")])
+
+
+def test_step_cost_copies_placements_split_queued_gathers_on_their_layers() -> None:
+    """``queued-copies`` and ``queued-copies-4``: every layer a queued gather, split at its
+    kernel (``lookup_overlap="copies"``), no GPU reads, the second on 4 threads;
+    ``copies-last``: only layer 1 so (layer 0 keeps the default store, whose small batches
+    the GPU reads). Control: ``queued-cpu`` queues every layer without the split."""
+    import torch
+
+    from engramrt.config import PRESETS
+    from engramrt.layout import EngramLayout
+
+    step_cost = _load("step_cost")
+    placements = step_cost.PLACEMENTS
+    layout = EngramLayout(PRESETS["tiny"])
+    for name, threads in (("queued-copies", None), ("queued-copies-4", 4)):
+        placement = placements[name]
+        assert placement.runtime_options()["lookup_overlap"] == "copies"
+        stores = step_cost.host_stores(layout, torch.device("cpu"), placement, None)
+        assert [(s.splits_lookup, s.num_threads) for s in stores] == [(True, threads)] * 2
+    last = placements["copies-last"]
+    assert last.runtime_options()["lookup_overlap"] == "copies" and not last.cpu_only
+    stores = step_cost.host_stores(layout, torch.device("cpu"), last, None)
+    assert [s.splits_lookup for s in stores] == [False, True]
+    assert [s.queued for s in stores] == [False, True]
+    control = placements["queued-cpu"]
+    assert control.runtime_options()["lookup_overlap"] == "side"
+    assert all(s.queued for s in step_cost.host_stores(layout, torch.device("cpu"), control, None))
