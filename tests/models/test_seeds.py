@@ -753,3 +753,18 @@ def test_one_seed_trains_into_the_layout_and_writes_no_aggregate(
     printed = capsys.readouterr()
     assert status == 2 and "no aggregate:" not in printed.out
     assert "seed 3 has no record" in printed.err and "seed-3.json" in printed.err
+
+
+def test_a_run_of_baselines_merges_whatever_the_unseen_rate() -> None:
+    """``--unseen-rate`` changes how the Engram models train only: baselines trained without
+    it merge with an Engram run that used it. Control: two Engram runs that differ in it
+    are refused."""
+    engram = _part("train --steps 4 --unseen-rate 0.1 --models engram", "engram")
+    baselines = _part(
+        "train --steps 4 --models baseline,baseline_wide", "baseline", "baseline_wide"
+    )
+    merged = seeds_mod.merge_records([baselines, engram])
+    assert merged["command"] == "train --steps 4 --unseen-rate 0.1"
+    sweep = _part("train --steps 4 --models sweep --memory-sweep 1", "engram_x1")
+    with pytest.raises(ValueError, match="expected the same settings"):
+        seeds_mod.merge_records([engram, sweep])

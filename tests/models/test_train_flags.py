@@ -42,6 +42,9 @@ BAD_FLAGS = [
     (["--engram-init", "zero"], "--engram-init: invalid choice: 'zero'"),
     (["--gate-slope-floor", "0"], "--gate-slope-floor=0.0 must be a finite number >= 1e-06"),
     (["--gate-slope-floor", "nan"], "--gate-slope-floor=nan"),
+    (["--unseen-rate", "1"], "--unseen-rate=1.0 must be a number in [0, 1)"),
+    (["--unseen-rate", "-0.1"], "--unseen-rate=-0.1 must be a number in [0, 1)"),
+    (["--unseen-rate", "nan"], "--unseen-rate=nan"),
     (["--seed", "-3"], "--seed=-3"),
     (["--head-dim", "48"], "--head-dim=48"),
     (["--engram-layers", "1,1"], "--engram-layers=1,1"),
@@ -357,3 +360,31 @@ def test_models_round_trip_through_the_recorded_command(tmp_path: Path) -> None:
     assert settings_record(parse_args([*words[3:], *results])) == settings_record(some)
     whole = parse_args(["--models", ",".join(MODEL_NAMES), "--out", str(tmp_path / "m")])
     assert whole.models == MODEL_NAMES and "--models" not in command(whole)
+
+
+def test_unseen_rate_reaches_the_engram_training_steps(
+    tmp_path: Path, tiny_sources, monkeypatch
+) -> None:
+    """--unseen-rate: every training step of the Engram model splits its batch's ids at that
+    rate (:class:`UnseenNgrams`), and evaluation reads the plain ids; without the flag no
+    step splits (the control that the recording reads the flag)."""
+    from engramrt_lab.models import train as train_mod
+    from engramrt_lab.models.train import main
+
+    from .conftest import TRAIN_ARGS
+
+    real = train_mod.UnseenNgrams.split
+    rates: list[float] = []
+
+    def recording(self, row_ids):
+        rates.append(self.rate)
+        return real(self, row_ids)
+
+    monkeypatch.setattr(train_mod.UnseenNgrams, "split", recording)
+    stdlib, site = tiny_sources
+    for given, want in ((["--unseen-rate", "0.5"], [0.5, 0.5]), ([], [])):
+        rates.clear()
+        args = [*TRAIN_ARGS, "--steps", "2", "--stdlib-root", str(stdlib), "--site-dirs", str(site)]
+        results = ["--models", "engram", "--results", str(tmp_path / f"r{len(want)}.json")]
+        assert main([*results, *args, *given]) == 0
+        assert rates == want

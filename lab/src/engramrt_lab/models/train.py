@@ -220,6 +220,9 @@ class TrainSettings:
     ``0.5 / sqrt(floor)`` below ``|dot| = floor`` (the default, the clamp's, is exact;
     :func:`~engramrt_lab.training.engram_gate_train`)."""
     weight_decay: float = 0.1
+    unseen_rate: float = 0.0
+    """Training only, Engram models only: the share of training positions shown as if their
+    n-gram were new (:class:`UnseenNgrams`); 0 (default) shows every position its own rows."""
     eval_sequences: int = 128
     val_sequences: int = 64
     eval_every: int = 25
@@ -525,6 +528,81 @@ def make_optimizers(
     return dense, sparse
 
 
+@dataclass
+class UnseenNgrams:
+    """Positions shown to an Engram model in training as if their n-grams were new.
+
+    At a held-out position whose n-gram of order ``n`` training never saw, neither were
+    the longer ones, and each of their hash heads lands in a bucket some other n-gram
+    wrote. Training sees almost none of that: every training n-gram wrote its own rows.
+    So, at a share ``rate`` of the positions of a batch (the same positions for every
+    Engram layer: they see the same tokens), an order ``n`` is drawn uniformly from
+    2..N and every column of order ``n`` and above reads a uniformly drawn bucket of its
+    own hash head instead. Those rows give no gradient to the tables (no other n-gram's
+    row learns from this context); the gate, the keys and values do learn, so that they
+    can tell a row that belongs to the context from one that does not. Evaluation and
+    serving are unchanged (SPEC §8 holds).
+
+    Attributes:
+        rate: the share of positions, in [0, 1).
+        offsets, primes: ``[L, C]`` int64: each hash column's first row and bucket count.
+        order_of_col: ``[C]`` int64: each column's n-gram order, from 0 (the 2-gram).
+        generator: the draws' random stream (seeded: a run repeats).
+    """
+
+    rate: float
+    offsets: torch.Tensor
+    primes: torch.Tensor
+    order_of_col: torch.Tensor
+    generator: torch.Generator
+
+    @classmethod
+    def of(
+        cls, rate: float, consts: HashConstants, seed: int, device: torch.device
+    ) -> UnseenNgrams:
+        cols = consts.col_primes.shape[1]
+        generator = torch.Generator(device=device)
+        generator.manual_seed(seed)
+        return cls(
+            rate,
+            torch.as_tensor(consts.offsets, dtype=torch.int64, device=device),
+            torch.as_tensor(consts.col_primes, dtype=torch.int64, device=device),
+            torch.arange(cols, device=device) // consts.n_heads,
+            generator,
+        )
+
+    def split(self, row_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``row_ids [B, S, L, C]`` -> ``(own, other)``, each ``[B, S, L, C]`` int64: the
+        ids whose rows train with the context, -1 at the columns made new (read as zeros,
+        no gradient), and the drawn buckets there, -1 elsewhere."""
+        batch, seq, layers, cols = row_ids.shape
+        device, g = row_ids.device, self.generator
+        hit = torch.rand((batch, seq, 1, 1), generator=g, device=device) < self.rate
+        orders = int(self.order_of_col.max()) + 1
+        first = torch.randint(0, orders, (batch, seq, 1, 1), generator=g, device=device)
+        new = hit & (self.order_of_col >= first)  # [B, S, 1, C]
+        draw = torch.rand(
+            (batch, seq, layers, cols), generator=g, device=device, dtype=torch.float64
+        )
+        drawn = self.offsets + torch.minimum((draw * self.primes).long(), self.primes - 1)
+        own = torch.where(new, -1, row_ids.long())
+        other = torch.where(new, drawn, -1)
+        return own, other
+
+
+def unseen_rows_of(rows_of: RowsOf, other: torch.Tensor) -> RowsOf:
+    """``rows_of`` for the ids :meth:`UnseenNgrams.split` kept, plus, without gradient,
+    the rows of the buckets it drew (``other [B, S, L, C]``): the two never overlap."""
+    cols = other.shape[-1]
+
+    def rows(index: int, own: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            drawn = rows_of(index, other[:, :, index].reshape(-1, cols))
+        return rows_of(index, own) + drawn
+
+    return rows
+
+
 def train_step(
     model: TinyLM,
     rows_of: RowsOf,
@@ -535,9 +613,11 @@ def train_step(
     *,
     lr_factor: float,
     settings: TrainSettings,
+    unseen: UnseenNgrams | None = None,
 ) -> torch.Tensor:
     """One optimiser step on the windows ``index`` ``[B, S+1]``; returns the loss (on the
-    device, not read)."""
+    device, not read). ``unseen``: some positions read other n-grams' rows (see
+    :class:`UnseenNgrams`)."""
     dense, sparse = optimizers
     for group in dense.param_groups:
         group["lr"] = settings.lr * lr_factor
@@ -548,7 +628,11 @@ def train_step(
     inputs, targets = window[:, :-1], window[:, 1:]
     fns = {}
     if train_row_ids is not None:
-        fns = engram_fns(model, rows_of, train_row_ids[index[:, :-1]])
+        batch_ids = train_row_ids[index[:, :-1]]
+        if unseen is not None:
+            batch_ids, other = unseen.split(batch_ids)
+            rows_of = unseen_rows_of(rows_of, other)
+        fns = engram_fns(model, rows_of, batch_ids)
     with autocast_for(train_tokens.device):
         logits = model(inputs, engram=fns)
     loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
@@ -576,6 +660,7 @@ def train_model(
     validate: Callable[[], float] | None = None,
     heldout: Callable[[], float] | None = None,
     clock: Callable[[], float] = time.perf_counter,
+    unseen: UnseenNgrams | None = None,
 ) -> TrainResult:
     """Train ``model`` (and its ``tables``) on one pass of the training stream.
 
@@ -652,6 +737,7 @@ def train_model(
             windows.batch(step),
             lr_factor=_lr_factor(step, min(100, max(1, (total or 1000) // 10)), total or 10**9),
             settings=settings,
+            unseen=unseen,
         )
         losses.append(loss.detach())
         step += 1
@@ -1238,6 +1324,11 @@ def _run_engram(run: _TrainRun, name: str, engram_cfg: EngramConfig) -> _Outcome
         **run.schedule_args(),
         validate=validate,
         heldout=lambda: evaluate(model, rows, heldout, ids["heldout"]),
+        unseen=(
+            UnseenNgrams.of(settings.unseen_rate, consts, settings.seed, device)
+            if settings.unseen_rate
+            else None
+        ),
     )
     run.fix_schedule(result)
     windows = OnePassWindows(
@@ -1965,6 +2056,8 @@ def _settings_problem(args: argparse.Namespace) -> str | None:
             return f"{flag(name)}={value} must be a finite positive number"
     if not math.isfinite(args.weight_decay) or args.weight_decay < 0:
         return f"--weight-decay={args.weight_decay} must be a finite number >= 0"
+    if not (math.isfinite(args.unseen_rate) and 0 <= args.unseen_rate < 1):
+        return f"--unseen-rate={args.unseen_rate} must be a number in [0, 1)"
     if not math.isfinite(args.gate_slope_floor) or args.gate_slope_floor < MIN_ABS_DOT:
         return (
             f"--gate-slope-floor={args.gate_slope_floor} must be a finite number >= {MIN_ABS_DOT} "
@@ -2105,6 +2198,14 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainSettings:
         default=defaults.gate_slope_floor,
         help="the Engram gate's backward: below |dot| = this, the slope of sqrt(|dot|) is "
         "held at 0.5/sqrt(this) (default 1e-6, the forward's clamp: the exact gradient)",
+    )
+    parser.add_argument(
+        "--unseen-rate",
+        type=float,
+        default=defaults.unseen_rate,
+        help="Engram models: the share of training positions that read, from their first "
+        "n-gram order drawn at random up, buckets of other n-grams, with no gradient to "
+        "those rows, as a held-out position with a new n-gram does (default 0: none)",
     )
     parser.add_argument(
         "--engram-init",
