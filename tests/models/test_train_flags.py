@@ -3,6 +3,7 @@ written), and a run whose loss is not finite writes no model."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -385,6 +386,8 @@ def test_unseen_rate_reaches_the_engram_training_steps(
     for given, want in ((["--unseen-rate", "0.5"], [0.5, 0.5]), ([], [])):
         rates.clear()
         args = [*TRAIN_ARGS, "--steps", "2", "--stdlib-root", str(stdlib), "--site-dirs", str(site)]
-        results = ["--models", "engram", "--results", str(tmp_path / f"r{len(want)}.json")]
-        assert main([*results, *args, *given]) == 0
+        record = tmp_path / f"r{len(want)}.json"
+        assert main(["--models", "engram", "--results", str(record), *args, *given]) == 0
         assert rates == want
+        # The record's command says it (and only when used): runs of it merge and compare.
+        assert ("--unseen-rate 0.5" in json.loads(record.read_text())["command"]) == bool(want)

@@ -646,6 +646,12 @@ def train_step(
     return loss
 
 
+def _drain(device: torch.device) -> None:
+    """Wait for the work queued on ``device`` (a CUDA device; nothing to wait for elsewhere)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def train_model(
     name: str,
     model: TinyLM,
@@ -746,12 +752,10 @@ def train_model(
         if step == 1:
             budget_began = clock()
         if step == 5:
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
+            _drain(device)
             probe_began = clock()
         if total is None and step == probe:
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
+            _drain(device)
             per_step = (clock() - probe_began) / (probe - 5)
             remaining = budget_s - (clock() - budget_began) if budget_s else 0.0
             total = min(windows.steps, max(probe, probe + int(remaining / per_step)))
@@ -769,8 +773,7 @@ def train_model(
                 f"{name}: step {step}/{end or '?'} loss {recent:.4f} "
                 f"({step * batch * seq / (now - began):,.0f} tok/s, {now - began:.0f} s)"
             )
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    _drain(device)
     seconds = clock() - began
     values = torch.stack(losses).float().cpu().tolist() if losses else []
     bad = [i for i, v in enumerate(values) if not math.isfinite(v)]
@@ -1286,8 +1289,7 @@ def _run_engram(run: _TrainRun, name: str, engram_cfg: EngramConfig) -> _Outcome
     t0 = time.perf_counter()
     consts = HashConstants.from_config(engram_cfg, run.token_map)
     train_ids, report, ids, val_ids = _engram_row_ids(run, consts)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    _drain(device)
     run.say(f"{name}: row ids {report}, {time.perf_counter() - t0:.1f} s")
     model_cfg = lm_configs(settings, run.vocab.size, engram_cfg)
     torch.manual_seed(settings.seed)
@@ -1738,12 +1740,22 @@ _ROOTS = ("stdlib_root", "site_dirs")
 """Settings a training record keeps by directory name only (:func:`~engramrt_lab.models.corpus.root_name`)."""
 
 
+_RECORDED_WHEN_USED = ("unseen_rate",)
+"""Settings added after models were shipped: a record holds them only when they differ
+from their defaults, so a record without one was trained at its default and the records
+of the same training read alike before and after."""
+
+
 def settings_record(settings: TrainSettings) -> dict[str, Any]:
     """The ``settings`` of a training record: every setting as JSON but ``out``,
-    ``results`` and the log; the source roots by name (:func:`~engramrt_lab.models.corpus.root_name`)."""
+    ``results`` and the log, and but the settings of :data:`_RECORDED_WHEN_USED` at their
+    defaults; the source roots by name (:func:`~engramrt_lab.models.corpus.root_name`)."""
     record: dict[str, Any] = {}
+    defaults = TrainSettings(out=None)
     for name, value in vars(settings).items():
         if name in (*_WHERE_FILES_GO, "log"):
+            continue
+        if name in _RECORDED_WHEN_USED and value == getattr(defaults, name):
             continue
         if name == "stdlib_root" and value is not None:
             value = root_name(value)
