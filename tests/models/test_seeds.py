@@ -540,21 +540,22 @@ def _part(command: str, *models: str) -> dict[str, Any]:
     }
 
 
-def test_a_run_of_baselines_merges_whatever_the_tables_size() -> None:
-    """The baselines train the same whatever ``--buckets`` says, so a run of them merges with
-    an Engram run of other tables, and the merged command is the Engram run's. Controls: two
-    Engram runs of different tables, and a run of baselines that differs in another flag,
-    are refused."""
-    engram = _part("train --steps 4 --buckets 12,8,4 --models engram", "engram")
+@pytest.mark.parametrize("engram_flags", ["--buckets 12,8,4", "--unseen-rate 0.1"])
+def test_a_run_of_baselines_merges_whatever_the_engram_only_flags(engram_flags: str) -> None:
+    """The baselines train the same whatever ``--buckets`` and ``--unseen-rate`` say, so a
+    run of them merges with an Engram run that sets them, and the merged command is the
+    Engram run's. Controls: two Engram runs that differ in them, and a run of baselines
+    that differs in another flag, are refused."""
+    engram = _part(f"train --steps 4 {engram_flags} --models engram", "engram")
     baselines = _part(
         "train --steps 4 --models baseline,baseline_wide", "baseline", "baseline_wide"
     )
     merged = seeds_mod.merge_records([baselines, engram])
-    assert merged["command"] == "train --steps 4 --buckets 12,8,4"
+    assert merged["command"] == f"train --steps 4 {engram_flags}"
     assert set(merged["models"]) == {"engram", "baseline", "baseline_wide"}
     sweep = _part("train --steps 4 --models sweep --memory-sweep 1", "engram_x1")
     with pytest.raises(ValueError, match="expected the same settings"):
-        seeds_mod.merge_records([baselines, engram, sweep])  # an Engram run of other --buckets
+        seeds_mod.merge_records([baselines, engram, sweep])  # Engram runs that differ
     other = _part("train --steps 4 --lr 0.01 --models baseline", "baseline")
     with pytest.raises(ValueError, match=r"--lr 0\.01"):
         seeds_mod.merge_records([other, engram])
@@ -753,18 +754,3 @@ def test_one_seed_trains_into_the_layout_and_writes_no_aggregate(
     printed = capsys.readouterr()
     assert status == 2 and "no aggregate:" not in printed.out
     assert "seed 3 has no record" in printed.err and "seed-3.json" in printed.err
-
-
-def test_a_run_of_baselines_merges_whatever_the_unseen_rate() -> None:
-    """``--unseen-rate`` changes how the Engram models train only: baselines trained without
-    it merge with an Engram run that used it. Control: two Engram runs that differ in it
-    are refused."""
-    engram = _part("train --steps 4 --unseen-rate 0.1 --models engram", "engram")
-    baselines = _part(
-        "train --steps 4 --models baseline,baseline_wide", "baseline", "baseline_wide"
-    )
-    merged = seeds_mod.merge_records([baselines, engram])
-    assert merged["command"] == "train --steps 4 --unseen-rate 0.1"
-    sweep = _part("train --steps 4 --models sweep --memory-sweep 1", "engram_x1")
-    with pytest.raises(ValueError, match="expected the same settings"):
-        seeds_mod.merge_records([engram, sweep])
