@@ -936,7 +936,9 @@ def test_copies_overlap_queues_transfers_at_plan_and_kernels_at_the_layer(
         return lookup_rows(*args, **kwargs)
 
     monkeypatch.setattr(host_gather, "lookup_rows", counting)
-    stores = synthetic_stores(layout, TablePlacement(HostOptions(gather="queued"), device), seed=3)
+    # No GPU reads: on a GPU the control's small batches would be read, not gathered.
+    options = HostOptions(gather="queued", gpu_reads=False)
+    stores = synthetic_stores(layout, TablePlacement(options, device), seed=3)
     assert all(store.splits_lookup for store in stores)
     rng = np.random.default_rng(21)
 
@@ -948,8 +950,9 @@ def test_copies_overlap_queues_transfers_at_plan_and_kernels_at_the_layer(
         consts = HashConstants.from_layout(layout, token_map.pad_id(CFG))
         hasher = NgramHasher(consts, token_map, device)
         runtime = EngramRuntime(
-            hasher, stores, max_tokens=64, max_requests=8, lookup_overlap=overlap
-        )
+            hasher, stores, max_tokens=64, max_requests=8, lookup_overlap=overlap,
+            gpu_reads="sources",
+        )  # fmt: skip
         dequantised.clear()
         steps = [step(runtime), step(runtime)]
         if device.type == "cuda":
