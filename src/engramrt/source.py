@@ -37,7 +37,6 @@ caller needs to know which class it holds:
   from ids it already has (the host and disk tiers). A scheduler that can
   hash a step on the host hands them over (a step's host mirror,
   :attr:`~engramrt.step.EngineStep.host`).
-
 - :attr:`RowSource.splits_lookup`: a lookup's transfers (copies, host
   functions) can be queued apart from its kernels:
   :meth:`RowSource.queue_copies` queues the first on the current stream and
