@@ -547,6 +547,7 @@ class UnseenNgrams:
         rate: the share of positions, in [0, 1).
         offsets, primes: ``[L, C]`` int64: each hash column's first row and bucket count.
         order_of_col: ``[C]`` int64: each column's n-gram order, from 0 (the 2-gram).
+        orders: how many orders there are (``N - 1``).
         generator: the draws' random stream (seeded: a run repeats).
     """
 
@@ -554,6 +555,7 @@ class UnseenNgrams:
     offsets: torch.Tensor
     primes: torch.Tensor
     order_of_col: torch.Tensor
+    orders: int
     generator: torch.Generator
 
     @classmethod
@@ -568,6 +570,7 @@ class UnseenNgrams:
             torch.as_tensor(consts.offsets, dtype=torch.int64, device=device),
             torch.as_tensor(consts.col_primes, dtype=torch.int64, device=device),
             torch.arange(cols, device=device) // consts.n_heads,
+            cols // consts.n_heads,
             generator,
         )
 
@@ -578,8 +581,7 @@ class UnseenNgrams:
         batch, seq, layers, cols = row_ids.shape
         device, g = row_ids.device, self.generator
         hit = torch.rand((batch, seq, 1, 1), generator=g, device=device) < self.rate
-        orders = int(self.order_of_col.max()) + 1
-        first = torch.randint(0, orders, (batch, seq, 1, 1), generator=g, device=device)
+        first = torch.randint(0, self.orders, (batch, seq, 1, 1), generator=g, device=device)
         new = hit & (self.order_of_col >= first)  # [B, S, 1, C]
         draw = torch.rand(
             (batch, seq, layers, cols), generator=g, device=device, dtype=torch.float64
