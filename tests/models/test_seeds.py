@@ -754,3 +754,14 @@ def test_one_seed_trains_into_the_layout_and_writes_no_aggregate(
     printed = capsys.readouterr()
     assert status == 2 and "no aggregate:" not in printed.out
     assert "seed 3 has no record" in printed.err and "seed-3.json" in printed.err
+
+
+def test_command_seeds_reads_both_forms_of_the_flag() -> None:
+    """``--seed N`` and ``--seed=N`` both name a seed, and the other words stay in order;
+    ``--seeds`` (the seeds command's own flag) and a bare trailing ``--seed`` do not."""
+    words = ["train", "--seed", "3", "--steps", "4", "--seed=5", "--seeds", "0,1", "--seed"]
+    assert seeds_mod.command_seeds(words) == (
+        ["3", "5"],
+        ["train", "--steps", "4", "--seeds", "0,1", "--seed"],
+    )
+    assert seeds_mod.command_seeds(["train", "--steps", "4"]) == ([], ["train", "--steps", "4"])

@@ -37,7 +37,7 @@ from typing import Any
 from engramrt._io import atomic_write_bytes
 from engramrt.errors import ValidationError
 from engramrt_lab.models.cli_parser import OneLineParser
-from engramrt_lab.models.seeds import HELDOUT_SET_NAMES, MIN_SEEDS, spread
+from engramrt_lab.models.seeds import HELDOUT_SET_NAMES, MIN_SEEDS, command_seeds, spread
 from engramrt_lab.models.wins import gate_column, gate_column_parts
 
 __all__ = ["compare", "main", "markdown", "record_seed"]
@@ -49,13 +49,8 @@ SETS = {"heldout": "where_it_wins", "package_heldout": "where_it_wins_package"}
 
 def record_seed(record: Mapping[str, Any]) -> int:
     """The ``--seed`` of the command that wrote ``record`` (0, the default, without one)."""
-    words = shlex.split(str(record.get("command", "")))
-    for index, word in enumerate(words):
-        if word == "--seed" and index + 1 < len(words):
-            return int(words[index + 1])
-        if word.startswith("--seed="):
-            return int(word.split("=", 1)[1])
-    return 0
+    given, _ = command_seeds(shlex.split(str(record.get("command", ""))))
+    return int(given[0]) if given else 0
 
 
 def _by_seed(model: str, records: Mapping[str, Mapping[str, Any]], side: str) -> dict[int, Any]:

@@ -826,6 +826,25 @@ def _train_seeds(seeds: Sequence[int], out: Path, commands: Sequence[list[str]],
     return 0
 
 
+def command_seeds(words: Sequence[str]) -> tuple[list[str], list[str]]:
+    """A training command's words split into the values it gives ``--seed`` (``--seed N``
+    or ``--seed=N``, in order) and the other words."""
+    given: list[str] = []
+    rest: list[str] = []
+    skip = False
+    for index, word in enumerate(words):
+        if skip:
+            skip = False
+        elif word == "--seed" and index + 1 < len(words):
+            given.append(words[index + 1])
+            skip = True
+        elif word.startswith("--seed="):
+            given.append(word.split("=", 1)[1])
+        else:
+            rest.append(word)
+    return given, rest
+
+
 def same_settings_but_seed(records: Mapping[int, Mapping[str, Any]]) -> str | None:
     """The first way ``records`` (``--results`` JSONs by seed) were not trained alike: their
     training commands (``command``, as :func:`~engramrt_lab.models.train.training_command`
@@ -833,12 +852,10 @@ def same_settings_but_seed(records: Mapping[int, Mapping[str, Any]]) -> str | No
     name its own seed; None when they were."""
     first: tuple[int, list[str]] | None = None
     for seed, record in sorted(records.items()):
-        words = shlex.split(str(record.get("command", "")))
-        given = [words[i + 1] for i, w in enumerate(words[:-1]) if w == "--seed"]
+        given, rest = command_seeds(shlex.split(str(record.get("command", ""))))
         allowed = ([], ["0"]) if seed == 0 else ([str(seed)],)  # 0 is the default
         if given not in allowed:
             return f"the record of seed {seed} was trained with --seed {' '.join(given) or 0}"
-        rest = [w for i, w in enumerate(words) if w != "--seed" and words[i - 1 : i] != ["--seed"]]
         if first is None:
             first = (seed, rest)
         elif rest != first[1]:
