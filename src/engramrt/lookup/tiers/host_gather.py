@@ -848,11 +848,10 @@ class _QueuedGather:
     def __init__(self, store: HostGatherRowStore, rows: int | None) -> None:
         self.store = store
         self.capacity = 0  # rows the staging holds
-        self._span_capacity = 0  # ids the pinned id buffers hold
         self._source = _word_view(store.source)
-        # key -> what the host function reads and writes for one shape of batch, made
-        # on the queuing thread so the function itself only indexes a dict.
-        self._jobs: dict[int, _QueuedJob] = {}
+        # What the host function reads and writes for each shape of batch (its argument
+        # is the index here), made on the queuing thread so the function only indexes.
+        self._jobs: list[_QueuedJob] = []
         self._job_keys: dict[tuple[int, int, int, torch.dtype], int] = {}
         self._gather = HostFunction(self._gather_rows, name=f"the {store.tier} tier's gather")
         self._staging = self._positions = self._local = torch.empty(0)
@@ -908,9 +907,9 @@ class _QueuedGather:
         if held is None or held.shape[0] < span:
             self._refuse_in_capture(f"a buffer for {span} row ids of {dtype}")
             self._drain()
-            self._span_capacity = max(self._span_capacity, span)
+            size = max([span, *(ids.shape[0] for ids in self._ids_host.values())])
             self._ids_host[dtype] = torch.empty(
-                self._span_capacity, dtype=dtype, pin_memory=self.store.device.type == "cuda"
+                size, dtype=dtype, pin_memory=self.store.device.type == "cuda"
             )
             self._jobs.clear()
             self._job_keys.clear()
@@ -958,12 +957,14 @@ class _QueuedGather:
         shape = (num_tokens, owned_cols, stride, ids_host.dtype)
         key = self._job_keys.get(shape)
         if key is None:
-            key = self._job_keys[shape] = len(self._job_keys)
+            key = self._job_keys[shape] = len(self._jobs)
             count = num_tokens * owned_cols
-            self._jobs[key] = _QueuedJob(
-                ids=ids_host.as_strided((num_tokens, owned_cols), (stride, 1)),
-                local=self._local[:count],
-                staged=_word_view(self._staging[:count]),
+            self._jobs.append(
+                _QueuedJob(
+                    ids=ids_host.as_strided((num_tokens, owned_cols), (stride, 1)),
+                    local=self._local[:count],
+                    staged=_word_view(self._staging[:count]),
+                )
             )
         return key
 
