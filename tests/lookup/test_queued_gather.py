@@ -253,6 +253,10 @@ def test_queue_copies_keeps_the_rows_of_each_lookup_in_flight(tmp_path: Path) ->
     assert_same_bits(finish[1](), want[1])
     assert_same_bits(finish[0](), want[0])
 
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValidationError, match=rf"in_flight={bad!r}; expected an int >= 1"):
+            store.queue_copies(first.to(DEVICE), in_flight=bad)  # type: ignore[arg-type]
+
     single = build("host", table, tmp_path / "single")
     finish = [single.queue_copies(ids.to(DEVICE), in_flight=1) for ids in (first, second)]
     finish[1]()

@@ -411,6 +411,8 @@ class HostGatherRowStore(KernelRowStore):
         looked up whole by the returned function. ``in_flight``: how many lookups of this
         store may be queued whose functions have not been called yet (each holds device
         buffers of its rows until then; a scheduler of ``num_slots`` steps passes that)."""
+        if isinstance(in_flight, bool) or not isinstance(in_flight, int) or in_flight < 1:
+            raise ValidationError(f"in_flight={in_flight!r}; expected an int >= 1")
         if self._queued is None or not self._dequantises:
             return super().queue_copies(row_ids, out)
         col_end = self._checked(row_ids, out)
