@@ -149,8 +149,9 @@ class Placement:
     high_priority: bool = False
     # EngramRuntime(lookup_overlap=...): "side" (beside the blocks), "none" (on the step's
     # stream inside plan, before the blocks), "deferred" (the host tier's lookups at their
-    # layer, on the thread that launches the step) or "copies" (a queued gather's copies and
-    # host function beside the blocks, its kernel at the layer on the step's stream).
+    # layer, on the thread that launches the step), "copies" (a queued gather's copies and
+    # host function beside the blocks, its kernel at the layer on the step's stream) or
+    # "layer" (as "copies", and GPU reads whole at the layer on the step's stream).
     overlap: str = "side"
     # HostOptions(gather=...): "thread" (driven by a worker thread) or "queued" (in stream
     # order).
@@ -257,6 +258,19 @@ PLACEMENTS: dict[str, Placement] = {
         # gather split at its kernel, on 4 threads.
         Placement(
             "copies-last", gather="queued", gather_layers=(1,), overlap="copies", gather_threads=4
+        ),
+        # No lookup kernel beside the blocks (EngramRuntime(lookup_overlap="layer")): every
+        # decode layer read by the GPU at its layer, on the step's stream, with the host
+        # tier's worker for large batches, then with queued gathers (capturable); then
+        # layer 0 so and layer 1 a queued gather split at its kernel, on 4 threads.
+        Placement("at-layer", overlap="layer"),
+        Placement("at-layer-queued", gather="queued", overlap="layer"),
+        Placement(
+            "at-layer-copies",
+            gpu_reads="first",
+            gather="queued",
+            overlap="layer",
+            gather_threads=4,
         ),
     )
 }

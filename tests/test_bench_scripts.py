@@ -1317,3 +1317,31 @@ def test_step_cost_copies_placements_split_queued_gathers_on_their_layers() -> N
     control = placements["queued-cpu"]
     assert control.runtime_options()["lookup_overlap"] == "side"
     assert all(s.queued for s in step_cost.host_stores(layout, torch.device("cpu"), control, None))
+
+
+def test_step_cost_at_layer_placements_keep_lookup_kernels_off_the_blocks() -> None:
+    """``at-layer``, ``at-layer-queued``, ``at-layer-copies``: ``lookup_overlap="layer"``
+    over the default stores, over queued gathers with every layer's GPU reads, and over
+    queued gathers with layer 0's only (layer 1 then split at its kernel, on 4 threads).
+    Control: ``default`` keeps its lookups beside the blocks."""
+    import torch
+
+    from engramrt.config import PRESETS
+    from engramrt.layout import EngramLayout
+
+    step_cost = _load("step_cost")
+    placements = step_cost.PLACEMENTS
+    layout = EngramLayout(PRESETS["tiny"])
+    cpu = torch.device("cpu")
+    expected = {  # name: (gpu_reads, queued stores, gather threads)
+        "at-layer": ("all", False, None),
+        "at-layer-queued": ("all", True, None),
+        "at-layer-copies": ("first", True, 4),
+    }
+    for name, (reads, queued, threads) in expected.items():
+        options = placements[name].runtime_options()
+        assert options["lookup_overlap"] == "layer", name
+        assert options.get("gpu_reads", "all") == reads, name
+        stores = step_cost.host_stores(layout, cpu, placements[name], None)
+        assert [(s.queued, s.num_threads) for s in stores] == [(queued, threads)] * 2, name
+    assert placements["default"].runtime_options()["lookup_overlap"] == "side"

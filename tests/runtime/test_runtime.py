@@ -917,6 +917,83 @@ def test_deferred_lookups_run_at_their_layer(layout, token_map, device, monkeypa
     runtime.close()
 
 
+def _counting_fetches(runtime, monkeypatch) -> list[tuple[int, threading.Thread]]:
+    """(layer, thread) of every ``fetch`` of ``runtime``'s sources, in call order."""
+    calls: list[tuple[int, threading.Thread]] = []
+    for li, store in enumerate(runtime.sources):
+
+        def fetch(row_ids, out=None, li=li, inner=store.fetch):
+            calls.append((li, threading.current_thread()))
+            return inner(row_ids, out)
+
+        monkeypatch.setattr(store, "fetch", fetch)
+    return calls
+
+
+@pytest.mark.parametrize("tier", ["device", "host"])
+def test_layer_overlap_runs_lookups_that_wait_for_nothing_at_their_layer(
+    tier, layout, token_map, device, monkeypatch
+) -> None:
+    """``lookup_overlap="layer"``: a lookup that makes the host wait for nothing (GPU memory,
+    the host tier's GPU reads of a small batch on a GPU) starts nowhere at plan and runs
+    whole on the thread that first waits for its rows; two steps planned into both slots
+    before either is read get the reference's rows. A host-tier lookup that waits for the
+    ids (every host lookup on a CPU device) is started at plan as before. Control: with
+    ``"side"`` every lookup is started at plan."""
+    rng = np.random.default_rng(31)
+    for overlap in ("layer", "side"):
+        runtime = _runtime(layout, token_map, device, tier=tier, lookup_overlap=overlap)
+        calls = _counting_fetches(runtime, monkeypatch)
+        steps = [
+            runtime.plan(HashBatch.single(rng.integers(0, token_map.vocab_size, n), device=device))
+            for n in (11, 3)
+        ]
+        waits = [runtime.sources[li].waits_on_host(steps[0].row_ids[:, li]) for li in range(2)]
+        at_layer = [overlap == "layer" and not wait for wait in waits]
+        if device.type == "cuda" or tier == "device":
+            assert at_layer == [overlap == "layer"] * 2  # GPU memory, or a GPU read
+        else:
+            assert at_layer == [False, False]  # the CPU's gather waits for the ids
+        for step in steps:
+            assert [p.deferred is not None for p in step.pending] == at_layer, overlap
+        runtime.close()  # the workers' lookups started at plan have been issued
+        started = [li for li, _ in calls]
+        assert started == [li for _ in steps for li in range(2) if not at_layer[li]], overlap
+        calls.clear()
+        for step in steps:
+            _check_step_rows(runtime, step)
+        assert calls == [
+            (li, threading.current_thread()) for _ in steps for li in range(2) if at_layer[li]
+        ], overlap
+
+
+def test_layer_overlap_splits_queued_gathers_and_keeps_their_gpu_reads(
+    layout, token_map, device
+) -> None:
+    """``lookup_overlap="layer"`` over queued host gathers splits them as ``"copies"`` does,
+    but keeps the GPU reads ``gpu_reads`` asks for (layer 0's, with ``"first"``), where
+    ``"copies"`` turns every split layer's off; the rows equal the reference's either way."""
+    rng = np.random.default_rng(33)
+    for overlap, reads in (("layer", [True, False]), ("copies", [False, False])):
+        options = HostOptions(gather="queued")
+        stores = synthetic_stores(layout, TablePlacement(options, device), seed=3)
+        consts = HashConstants.from_layout(layout, token_map.pad_id(CFG))
+        runtime = EngramRuntime(
+            NgramHasher(consts, token_map, device), stores, max_tokens=64, max_requests=8,
+            lookup_overlap=overlap, gpu_reads="first",
+        )  # fmt: skip
+        mapped = device.type == "cuda"  # rows mapped for the GPU: GPU reads can be on
+        assert [s.gpu_reads for s in stores] == [r and mapped for r in reads], overlap
+        steps = [
+            runtime.plan(HashBatch.single(rng.integers(0, token_map.vocab_size, n), device=device))
+            for n in (7, 13)
+        ]
+        assert all(p.deferred is not None for s in steps for p in s.pending), overlap
+        for step in steps:
+            _check_step_rows(runtime, step)
+        runtime.close()
+
+
 def test_copies_overlap_queues_transfers_at_plan_and_kernels_at_the_layer(
     layout, token_map, device, monkeypatch
 ) -> None:

@@ -63,6 +63,10 @@ How a layer's rows are started depends on its source's capability flags
   plan (:meth:`~engramrt.source.RowSource.queue_copies`), and a layer's
   kernel (the dequantisation) runs on the thread and stream that first wait
   for its rows, at the layer;
+- with ``lookup_overlap="layer"``, split sources as with ``"copies"`` (their
+  GPU reads kept), and a lookup that makes the host wait for nothing (GPU memory, the host tier's
+  GPU reads of a decode step) runs whole on the thread and stream that first
+  wait for its rows, at the layer: no lookup kernel runs beside the blocks;
 - :attr:`~engramrt.source.RowSource.collective` (exchanges): every rank
   must issue the collectives in the same order, so all collective sources
   run in layer order on one side stream, or, when any of them needs a host
@@ -141,7 +145,7 @@ LOOKUP_WORKERS = ("per-layer", "shared")
 GPU_READS = ("first", "all", "sources")
 """Which layers' small batches the GPU reads from host memory itself (see
 :class:`EngramRuntime`, ``gpu_reads``)."""
-LOOKUP_OVERLAP = ("side", "none", "deferred", "copies")
+LOOKUP_OVERLAP = ("side", "none", "deferred", "copies", "layer")
 """Where the lookups of sources without a worker thread run (see :class:`EngramRuntime`,
 ``lookup_overlap``)."""
 
@@ -442,6 +446,16 @@ class EngramRuntime:
             waited for, on the step's stream: no kernel of theirs runs beside the
             blocks, and the launching thread neither gathers nor waits. Such layers
             take no GPU reads either. Capturable in one CUDA graph with the step.
+            ``"layer"``: as ``"copies"`` for sources that split a lookup, but their
+            GPU reads kept as ``gpu_reads`` says, and every lookup that makes the host
+            wait for nothing (GPU memory, the GPU's reads of host memory, from a source
+            with no update and no collective) runs whole when its rows are first waited
+            for, on the step's stream: no lookup kernel
+            runs beside the blocks, and each such lookup adds its own time to the step
+            instead of slowing the blocks it would run beside (a kernel beside them
+            cost them as much as the read took alone or more: BENCHMARKS.md, "What
+            slows the blocks beside a GPU read"). Large batches that make the host
+            wait (prefill) keep their worker.
         lookup_cpus: the CPUs the lookup worker threads run on, and with them the
             CPU gathers those threads run (a gather's intra-op threads are started
             by the worker and take its CPUs): for an engine that pins the thread
@@ -531,10 +545,10 @@ class EngramRuntime:
         self._split_layers = frozenset(
             index
             for index, s in enumerate(self.sources)
-            if lookup_overlap == "copies" and s.splits_lookup
+            if lookup_overlap in ("copies", "layer") and s.splits_lookup
         )
         for index, source in enumerate(self.sources):
-            if index in self._split_layers:
+            if index in self._split_layers and lookup_overlap == "copies":
                 source.use_gpu_reads(False)  # a GPU read is a kernel beside the blocks
             elif gpu_reads != "sources":
                 source.use_gpu_reads(gpu_reads == "all" or index == 0)
@@ -810,16 +824,28 @@ class EngramRuntime:
         pending: list[PendingRows | None] = [None] * self.n_layers
         if self._deferred_layers:
             self._defer(slot, row_ids, host_ids, outs, pending)
-        side = list(self._side_layers)
+        side: list[int] = []
         for index, source in enumerate(self.sources):
-            if index not in self._side_layers and index not in self._deferred_layers:
-                ids = host_ids.get(index, layer_ids[index])
-                if index in self._split_layers:  # no side stream (a CPU device): in order
-                    pending[index] = self._queue_copies(source, ids, outs[index])
-                elif self._beside(index, source, ids):
-                    side.append(index)
-                else:
-                    pending[index] = self._start(index, source, ids, outs[index], ready)
+            if index in self._deferred_layers:
+                continue
+            ids = host_ids.get(index, layer_ids[index])
+            if self._at_layer(index, source, ids):
+                pending[index] = PendingRows(
+                    outs[index],
+                    ids.shape[0],
+                    keep_alive=(ids,),
+                    deferred=functools.partial(
+                        self._deferred_lookup, source, ids, outs[index], None
+                    ),
+                )
+            elif index in self._side_layers:
+                side.append(index)
+            elif index in self._split_layers:  # no side stream (a CPU device): in order
+                pending[index] = self._queue_copies(source, ids, outs[index])
+            elif self._beside(index, source, ids):
+                side.append(index)
+            else:
+                pending[index] = self._start(index, source, ids, outs[index], ready)
         if side:
             # Every side-stream lookup behind one wait, in one stream context: on a slow
             # host each costs about as much as a launch.
@@ -1105,6 +1131,22 @@ class EngramRuntime:
         if copied is not None:
             torch.cuda.current_stream(self.device).wait_event(copied)
         finish()
+
+    def _at_layer(self, index: int, source: RowSource, ids: torch.Tensor) -> bool:
+        """Whether layer ``index``'s lookup of ``ids`` waits, whole, for its layer
+        (``lookup_overlap="layer"``): a lookup that makes the host wait for nothing (GPU
+        memory, the GPU's reads of host memory), from a source with no update to queue
+        behind it and no collective to keep in order. Such a lookup reads no state a
+        worker's lookup of the same source writes (the GPU's reads use no staging), so it
+        may run on the launching thread while the worker serves a later step."""
+        return (
+            self.lookup_overlap == "layer"
+            and index not in self._split_layers
+            and not source.has_update
+            and not source.collective
+            and ids.device.type == self.device.type
+            and not source.waits_on_host(ids)
+        )
 
     def _beside(self, index: int, source: RowSource, ids: torch.Tensor) -> bool:
         """Whether layer ``index``, whose source has a worker thread, starts this batch on
