@@ -64,9 +64,10 @@ How a layer's rows are started depends on its source's capability flags
   kernel (the dequantisation) runs on the thread and stream that first wait
   for its rows, at the layer;
 - with ``lookup_overlap="layer"``, split sources as with ``"copies"`` (their
-  GPU reads kept), and a lookup that makes the host wait for nothing (GPU memory, the host tier's
-  GPU reads of a decode step) runs whole on the thread and stream that first
-  wait for its rows, at the layer: no lookup kernel runs beside the blocks;
+  GPU reads kept), and a lookup that makes the host wait for nothing (GPU
+  memory, the host tier's GPU reads of a decode step) runs whole on the
+  thread and stream that first wait for its rows, at the layer: no lookup
+  kernel runs beside the blocks;
 - :attr:`~engramrt.source.RowSource.collective` (exchanges): every rank
   must issue the collectives in the same order, so all collective sources
   run in layer order on one side stream, or, when any of them needs a host
@@ -450,12 +451,12 @@ class EngramRuntime:
             GPU reads kept as ``gpu_reads`` says, and every lookup that makes the host
             wait for nothing (GPU memory, the GPU's reads of host memory, from a source
             with no update and no collective) runs whole when its rows are first waited
-            for, on the step's stream: no lookup kernel
-            runs beside the blocks, and each such lookup adds its own time to the step
-            instead of slowing the blocks it would run beside (a kernel beside them
-            cost them as much as the read took alone or more: BENCHMARKS.md, "What
-            slows the blocks beside a GPU read"). Large batches that make the host
-            wait (prefill) keep their worker.
+            for, on the step's stream: no lookup kernel runs beside the blocks, and
+            each such lookup adds its own time to the step instead of slowing the
+            blocks it would run beside (a kernel beside them cost them as much as the
+            read took alone or more: BENCHMARKS.md, "What slows the blocks beside a
+            GPU read"). Large batches that make the host wait (prefill) keep their
+            worker.
         lookup_cpus: the CPUs the lookup worker threads run on, and with them the
             CPU gathers those threads run (a gather's intra-op threads are started
             by the worker and take its CPUs): for an engine that pins the thread
