@@ -681,6 +681,7 @@ def run_modes_in_processes(args: argparse.Namespace, argv: list[str]) -> dict:
 
 
 def main(argv=None) -> dict:
+    begun = time.perf_counter()
     args = parse_args(argv)
     if args.smoke:
         ro.use_smoke_backbone()
@@ -787,6 +788,7 @@ def main(argv=None) -> dict:
     profiles = profile_cases(args, timed, workloads) if args.profile_steps else {}
     order_rng = np.random.default_rng(1)
     started = time.perf_counter()
+    print(f"step_cost: {len(timed)} cases ready in {started - begun:.0f} s", flush=True)
     report: dict = {}
     for round_index in range(args.rounds):
         if round_index and args.max_seconds and time.perf_counter() - started > args.max_seconds:
