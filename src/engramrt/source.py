@@ -191,8 +191,7 @@ class RowSource(ABC):
         :meth:`use_gpu_reads`) waits for large batches only; a scheduler may run a
         lookup that does not wait where it likes (``EngramRuntime(lookup_overlap="none")``
         runs it on the step's stream at plan, ``"layer"`` on the step's stream at its
-        layer), and on another thread than the one running the source's other lookups:
-        such a lookup writes no state of the source."""
+        layer)."""
         return self.host_sync
 
     def start(
