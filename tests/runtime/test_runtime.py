@@ -394,9 +394,11 @@ def test_negative_control_layers_fed_the_wrong_step_differ(layout, token_map, de
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
-def test_graph_capture_of_a_model_step(layout, token_map) -> None:
+@pytest.mark.parametrize("overlap", ["side", "layer"])
+def test_graph_capture_of_a_model_step(overlap, layout, token_map) -> None:
     """Capture runtime.step + both layers (device tier), replay over fresh batches: the
-    outputs equal eager steps of a runtime with the same heads, bit for bit."""
+    outputs equal eager steps of a runtime with the same heads, bit for bit; with the
+    lookups beside the blocks and at their layers (``lookup_overlap``)."""
     from tests.layer.common import random_hidden
 
     device = torch.device("cuda", torch.cuda.current_device())
@@ -408,7 +410,9 @@ def test_graph_capture_of_a_model_step(layout, token_map) -> None:
         lookback_token_ids=torch.full((2, 3), -1, dtype=torch.int64, device=device),
     )
     heads, _ = _heads(device)
-    captured = _runtime(layout, token_map, device, heads=heads, validate=False)
+    captured = _runtime(
+        layout, token_map, device, heads=heads, validate=False, lookup_overlap=overlap
+    )
     eager = _runtime(layout, token_map, device, heads=heads)
     hidden = [random_hidden(t_len, seed=li, config=CFG).to(device) for li in range(2)]
     outs = [torch.empty_like(h) for h in hidden]
