@@ -453,8 +453,8 @@ class EngramRuntime:
             with no update and no collective) runs whole when its rows are first waited
             for, on the step's stream: no lookup kernel runs beside the blocks, and
             each such lookup adds its own time to the step instead of slowing the
-            blocks it would run beside (a kernel beside them cost them as much as the
-            read took alone or more: BENCHMARKS.md, "What slows the blocks beside a
+            blocks it would run beside (a kernel beside them cost them about as much as
+            the read took alone, or more: BENCHMARKS.md, "What slows the blocks beside a
             GPU read"). Large batches that make the host wait (prefill) keep their
             worker.
         lookup_cpus: the CPUs the lookup worker threads run on, and with them the
