@@ -181,11 +181,11 @@ def merge_records(parts: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     same command but for the flags that choose models (``--models``, ``--memory-sweep``,
     ``--compare-layers``; so the same seed, steps and windows) and, for a run that trains
     no Engram model, but for the flags that change only the Engram models (``--buckets``,
-    ``--unseen-rate``: its baselines are the same whatever they say), models that no two runs share, and the same predictions in
-    every where-it-wins category. The merged record's ``command`` is its first Engram
-    run's (else its first run's). The held-out summaries of a run of all three models are
-    left out (each model's losses stay in ``models``); the merged record is finished when
-    every run is."""
+    ``--unseen-rate``: its baselines are the same whatever they say), models that no two
+    runs share, and the same predictions in every where-it-wins category. The merged
+    record's ``command`` is its first Engram run's (else its first run's). The held-out
+    summaries of a run of all three models are left out (each model's losses stay in
+    ``models``); the merged record is finished when every run is."""
     if len(parts) == 1:
         return dict(parts[0])
     commands = [_without_models(str(part.get("command", ""))) for part in parts]
@@ -206,8 +206,8 @@ def merge_records(parts: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         if not same:
             raise ValueError(
                 f"a run of this seed was trained by {shlex.join(other)!r}, another by "
-                f"{shlex.join(command)!r} (--models and the sweep aside, and --buckets and --unseen-rate "
-                f"for a run of baselines); expected the same settings"
+                f"{shlex.join(command)!r} (--models and the sweep aside, and --buckets and "
+                f"--unseen-rate for a run of baselines); expected the same settings"
             )
         if part.get("steps") != merged["steps"]:
             raise ValueError(

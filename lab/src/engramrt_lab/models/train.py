@@ -1750,7 +1750,7 @@ of the same training read alike before and after."""
 
 def settings_record(settings: TrainSettings) -> dict[str, Any]:
     """The ``settings`` of a training record: every setting as JSON but ``out``,
-    ``results`` and the log, and but the settings of :data:`_RECORDED_WHEN_USED` at their
+    ``results``, the log and the settings of :data:`_RECORDED_WHEN_USED` at their
     defaults; the source roots by name (:func:`~engramrt_lab.models.corpus.root_name`)."""
     record: dict[str, Any] = {}
     defaults = TrainSettings(out=None)
