@@ -42,7 +42,7 @@ caller needs to know which class it holds:
   :meth:`RowSource.queue_copies` queues the first on the current stream and
   returns the function that queues the second on the caller's (the host tiers'
   queued gather). A scheduler then keeps the kernels off the streams beside the
-  model's blocks (``EngramRuntime(lookup_overlap="copies")``).
+  model's blocks (``EngramRuntime(lookup_overlap="copies")`` or ``"layer"``).
 
 A scheduler may also ask a source how to read small batches from host memory
 (:meth:`RowSource.use_gpu_reads`); sources with one way ignore it.

@@ -1112,7 +1112,7 @@ class EngramRuntime:
 
     def _queue_copies(self, source: RowSource, ids: torch.Tensor, out: torch.Tensor) -> PendingRows:
         """A split layer's transfers, queued on the current (side) stream now; its kernels
-        when its rows are first waited for (``lookup_overlap="copies"``)."""
+        when its rows are first waited for (``lookup_overlap="copies"`` or ``"layer"``)."""
         finish = source.queue_copies(ids, out, in_flight=self.num_slots)
         copied = None
         if self.device.type == "cuda":

@@ -868,10 +868,14 @@ class _QueuedGather:
         if rows is not None:
             self._grow(rows)
 
+    def _capturing(self) -> bool:
+        """Whether the current stream is being captured into a CUDA graph."""
+        return self.store.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
     def _refuse_in_capture(self, what: str) -> None:
         """Buffers are made only outside a CUDA graph's capture (making them synchronises,
         and a graph must keep reading the buffers it captured)."""
-        if self.store.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        if self._capturing():
             raise ValidationError(
                 f"a queued host gather needs {what} during CUDA-graph capture; expected a "
                 f"capture after a step of the largest size and of this shape, or "
@@ -998,8 +1002,7 @@ class _QueuedGather:
         turn = self._turn
         self._turn = (turn + 1) % len(self._rows)
         free = self._rows_free[turn]
-        cuda = store.device.type == "cuda"
-        if free is not None and not (cuda and torch.cuda.is_current_stream_capturing()):
+        if free is not None and not self._capturing():
             torch.cuda.current_stream(store.device).wait_event(free)
         rows = self._rows[turn][:count]
         rows.copy_(self._staging[:count], non_blocking=True)
@@ -1045,7 +1048,7 @@ class _QueuedGather:
             backend=store.backend,
             validate=False,  # checked once, by lookup()
         )
-        if store.device.type == "cuda" and not torch.cuda.is_current_stream_capturing():
+        if store.device.type == "cuda" and not self._capturing():
             free = self._rows_free[turn]
             if free is None:
                 free = self._rows_free[turn] = torch.cuda.Event()
