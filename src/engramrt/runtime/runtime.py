@@ -456,7 +456,9 @@ class EngramRuntime:
             blocks it would run beside (a kernel beside them cost them about as much as
             the read took alone, or more: BENCHMARKS.md, "What slows the blocks beside a
             GPU read"). Large batches that make the host wait (prefill) keep their
-            worker.
+            worker. Not the default: on an H100 the reads' own time cost a compiled
+            decode step more than the default's reads beside the blocks did
+            (BENCHMARKS.md, "Lookups at their layer").
         lookup_cpus: the CPUs the lookup worker threads run on, and with them the
             CPU gathers those threads run (a gather's intra-op threads are started
             by the worker and take its CPUs): for an engine that pins the thread
