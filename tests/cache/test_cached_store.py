@@ -164,6 +164,49 @@ def test_warm_up_then_serve(tier: str, tmp_path: Path, device: torch.device) -> 
         cache.warm_up([torch.tensor([[0, 300]])])
 
 
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_frozen_cache_serves_its_warm_up_and_admits_nothing(
+    backend: str, device: torch.device
+) -> None:
+    """A static set of hot rows: filled by warm_up, it serves bit for bit the backing's
+    rows, counts hits and misses, and no lookup or update changes what it holds. The
+    same stream through an unfrozen cache admits its misses (the control)."""
+    table = random_packed_table(300, 64, seed=21)
+    backing = make_store(TablePlacement("device", device=device), packed=table)
+    g = torch.Generator().manual_seed(22)
+    corpus = [skewed_ids((16, 4), 0, 300, g, power=4.0) for _ in range(12)]
+    stream = [skewed_ids((20, 4), 0, 300, g, power=1.0).to(device) for _ in range(6)]
+    caches = {
+        frozen: CachedRowStore(backing, 16 * 8 * 66, ways=8, backend=backend, frozen=frozen)
+        for frozen in (True, False)
+    }
+    for cache in caches.values():
+        assert cache.warm_up(corpus) > 0
+    frozen = caches[True]
+    tags, rows = frozen.policy.tags.clone(), frozen.cache_rows.clone()
+    for row_ids in stream:
+        for cache in caches.values():
+            assert_same_bits(cache.lookup(row_ids), backing.lookup(row_ids))
+            cache.update()
+    assert torch.equal(frozen.policy.tags, tags) and torch.equal(frozen.cache_rows, rows)
+    assert not torch.equal(caches[False].policy.tags, tags)  # the control admitted rows
+    counted = frozen.stats()
+    assert counted.lookups == sum(ids.numel() for ids in stream)
+    assert 0 < sum(counted.hits) < counted.lookups and counted.admitted == 0
+    # Flags a scheduler reads: no update; a host wait only where misses take the miss path.
+    assert (frozen.has_update, caches[False].has_update) == (False, True)
+    assert frozen.host_sync is not frozen.probe_reads_misses
+    assert caches[False].host_sync
+
+
+def test_frozen_must_be_a_bool(device: torch.device) -> None:
+    backing = make_store(
+        TablePlacement("device", device=device), packed=random_packed_table(10, 32, seed=23)
+    )
+    with pytest.raises(ValidationError, match=r"frozen = 'yes'; expected a bool"):
+        CachedRowStore(backing, 2**16, frozen="yes")  # type: ignore[arg-type]
+
+
 def test_write_rows_reaches_backing_and_drops_cached_copies(device: torch.device) -> None:
     E = 32
     table = random_packed_table(40, E, seed=7)

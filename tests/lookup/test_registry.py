@@ -345,4 +345,6 @@ def test_capability_flags_of_every_tier() -> None:
         "host": (True, False, False),
         "disk": (True, False, False),
     }
-    assert (CachedRowStore.host_sync, CachedRowStore.has_update) == (True, True)
+    backing = TIERS["device"](4, 32, device="cpu")
+    cache = CachedRowStore(backing, 2**16, backend="reference")
+    assert (cache.host_sync, cache.has_update) == (True, True)

@@ -17,7 +17,7 @@ from engramrt.lookup import lookup_rows_reference
 from engramrt.lookup.tiers import HostOptions, TablePlacement
 from engramrt.lookup.tiers.host_gather import ROWS_PER_WAITED_GATHER_THREAD
 from engramrt.runtime import EngramRuntime, synthetic_stores
-from engramrt.runtime.runtime import lookup_worker
+from engramrt.runtime.runtime import lookup_worker, worker_jobs
 
 CFG = PRESETS["tiny"]
 
@@ -298,6 +298,46 @@ def test_cached_layers_are_updated_and_report_stats(layout, token_map, device) -
     assert stats[0].rows_fetched == 24 * CFG.n_cols * (2 if reads_in_probe else 1)
     runtime.close()
     reference.close()
+
+
+def test_frozen_cached_layers_serve_their_warm_up_and_queue_no_update(
+    layout, token_map, device
+) -> None:
+    """A frozen cache in front of a layer: the runtime queues no update behind its lookups,
+    the rows stay the backing's bit for bit, and what the cache holds is its warm-up's.
+    The unfrozen cache of the test above admits the same steps' rows (the control)."""
+    from engramrt.cache import CachedRowStore
+
+    consts = HashConstants.from_layout(layout, token_map.pad_id(CFG))
+    backing = synthetic_stores(layout, TablePlacement("host", device), seed=3)
+    plain = synthetic_stores(layout, TablePlacement("host", device), seed=3)
+    cache = CachedRowStore(backing[0], 64 * 1024, frozen=True)
+    rng = np.random.default_rng(6)
+    profile = EngramRuntime(
+        NgramHasher(consts, token_map, device), plain, max_tokens=64, max_requests=8
+    )
+    warm = profile.plan(HashBatch.single(rng.integers(0, token_map.vocab_size, 24), device=device))
+    assert cache.warm_up([warm.row_ids[:, 0]]) > 0
+    tags = cache.policy.tags.clone()
+    runtime = EngramRuntime(
+        NgramHasher(consts, token_map, device), [cache, backing[1]], max_tokens=64, max_requests=8
+    )
+    # The jobs a step gives worker threads (CUDA): no update behind the frozen cache's
+    # lookups; an unfrozen cache of the same rows gets one.
+    fetches = [("fetch", 0), ("fetch", 1)]
+    assert worker_jobs(runtime.sources, {0: 0, 1: 0}) == fetches
+    unfrozen = CachedRowStore(backing[0], 64 * 1024)
+    assert worker_jobs([unfrozen, backing[1]], {0: 0, 1: 0}) == [*fetches, ("update", 0)]
+    for _ in range(3):
+        batch = HashBatch.single(rng.integers(0, token_map.vocab_size, 24), device=device)
+        handle, want = runtime.plan(batch), profile.plan(batch)
+        for li in range(2):
+            assert torch.equal(handle.rows(li).view(torch.int16), want.rows(li).view(torch.int16))
+    assert torch.equal(cache.policy.tags, tags)
+    stats = runtime.cache_stats()[0]
+    assert stats.admitted == 0 and stats.lookups == 3 * 24 * CFG.n_cols
+    runtime.close()
+    profile.close()
 
 
 # --- the composed path: the runtime's rows feed the model's Engram layers ------------

@@ -57,6 +57,15 @@ cache's probes. Tags, bytes and counters change nowhere else, except
 :meth:`~CachedRowStore.write_rows` (invalidates first) and
 :meth:`~CachedRowStore.warm_up` (the same three phases).
 
+A frozen cache (``frozen=True``) is a static set of hot rows: filled off the serving
+path (:meth:`CachedRowStore.warm_up` over a corpus profile, or
+:meth:`~CachedRowStore.write_rows`), it admits nothing while serving. Its lookups leave
+no record for an update (:attr:`~CachedRowStore.has_update` is False, so a runtime
+queues no update job behind them), and when the probe reads its misses a lookup is one
+launch with no host synchronisation (:attr:`~CachedRowStore.host_sync` False): a
+scheduler runs it where it runs GPU-memory tables, and a whole-step CUDA graph can hold
+it. Its hit and miss counts cover the lookups run eagerly, not graph replays.
+
 Rows of any :class:`~engramrt.family.RowFormat` (the backing's): slots hold
 ``row_bytes`` opaque bytes and every fill (update, warm-up) copies them whole.
 The probe above dequantises fp8 rows; rows of another format (bf16) are read
@@ -180,6 +189,9 @@ class CachedRowStore(RowStore):
             None (default) follows ``backend``; ``"reference"`` runs the
             policy's torch definition (about 110 small launches per update
             on a GPU instead of a few: the same tags, counters and rows).
+        frozen: a static cache (see the module doc): lookups admit nothing and
+            keep nothing for :meth:`update`; fill it with :meth:`warm_up` or
+            :meth:`write_rows` before serving.
 
     Raises:
         CapacityError: ``capacity_bytes`` below one set, or not enough memory.
@@ -188,8 +200,6 @@ class CachedRowStore(RowStore):
 
     tier = "cached"
     _update_every = 1
-    host_sync = True  # planning an admission reads the missed ids on the host
-    has_update = True
 
     def __init__(
         self,
@@ -209,6 +219,7 @@ class CachedRowStore(RowStore):
         kernel: LookupKernelConfig = DEFAULT_KERNEL,
         read_misses: bool | None = None,
         policy_backend: str | None = None,
+        frozen: bool = False,
     ) -> None:
         if not isinstance(backing, RowStore):
             raise ValidationError(
@@ -242,6 +253,9 @@ class CachedRowStore(RowStore):
             raise ValidationError(f"n_heads = {n_heads!r}; expected a positive int")
         if not isinstance(max_pending, int) or max_pending < 1:
             raise ValidationError(f"max_pending = {max_pending!r}; expected >= 1")
+        if not isinstance(frozen, bool):
+            raise ValidationError(f"frozen = {frozen!r}; expected a bool")
+        self.frozen = frozen
         resolve_backend(backend, self.device)  # an unknown backend fails here, not mid-step
         if policy_backend is not None and policy_backend not in BACKENDS:
             raise ValidationError(
@@ -309,6 +323,20 @@ class CachedRowStore(RowStore):
         self._pending: list[_Pending] = []
         self._update_done: torch.cuda.Event | None = None
         self.reset_stats()
+
+    # -- capabilities --------------------------------------------------------
+
+    @property
+    def has_update(self) -> bool:  # type: ignore[override]  # a class attribute elsewhere
+        """Whether :meth:`update` has work after a lookup: False for a frozen cache."""
+        return not self.frozen
+
+    @property
+    def host_sync(self) -> bool:  # type: ignore[override]  # a class attribute elsewhere
+        """Whether a lookup or its update makes the host wait for the device: planning an
+        admission reads the missed ids on the host, and the miss path gathers them there.
+        False only for a frozen cache whose probe reads its misses (one launch)."""
+        return not (self.frozen and self._miss_source is not None)
 
     # -- geometry ----------------------------------------------------------
 
@@ -511,6 +539,13 @@ class CachedRowStore(RowStore):
         return out
 
     def _remember(self, record: _Pending) -> None:
+        if self.frozen:  # nothing to admit: the record only counts hits and misses
+            capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+            if not capturing:  # a graph's replays run no Python to count them
+                self._queue_for_counting([record])
+                if len(self._unfolded) >= FOLD_BATCH:
+                    self._fold()
+            return
         self._pending.append(record)
         if len(self._pending) > self.max_pending:  # forgotten, but still counted
             self._queue_for_counting(self._pending[: -self.max_pending])
