@@ -171,6 +171,12 @@ class Placement:
     # and the lookup workers, with the gathers they start, kept off it on the other CPUs
     # (EngramRuntime(lookup_cpus=...)).
     pinned: bool = False
+    # A frozen hot-row cache (CachedRowStore(frozen=True)) holding this share of each layer
+    # of ``frozen_layers``'s table in GPU memory, in front of its host store, filled before
+    # the rounds from a profile of other requests of the run's ids kinds (no update while
+    # serving). 0: none.
+    frozen_cache: float = 0.0
+    frozen_layers: tuple[int, ...] = (0,)
 
     def runtime_options(self) -> dict[str, Any]:
         """The :class:`EngramRuntime` arguments this placement sets (the others as shipped)."""
@@ -272,6 +278,12 @@ PLACEMENTS: dict[str, Placement] = {
             overlap="layer",
             gather_threads=4,
         ),
+        # Layer 0 (one block to hide behind) behind a frozen cache of 5% of its table, built
+        # from a profile: hits read from GPU memory, misses by the GPU from host memory,
+        # in one launch; then with layer 1's gather queued (capturable), then at the layer.
+        Placement("frozen-first", frozen_cache=0.05),
+        Placement("frozen-first-queued", frozen_cache=0.05, gpu_reads="first", gather="queued"),
+        Placement("frozen-first-layer", frozen_cache=0.05, overlap="layer"),
     )
 }
 LOOPS = ("sync", "queued", "sync-prefetch")
@@ -541,6 +553,36 @@ def host_stores(layout, device, placement: Placement, base: list | None) -> list
     ]
 
 
+def frozen_profile(args, checker: EngramRuntime, vocab_size: int, device) -> list[torch.Tensor]:
+    """The row ids ``[T, L, C]`` that fill the frozen caches: ``--frozen-profile-steps``
+    decode steps of each ``--ids`` kind, other requests than the timed ones (the runtime
+    bench's warm-up draws: other Zipf draws, the second half of each request's text)."""
+    ns = argparse.Namespace(
+        workloads=["decode"], ids=",".join(args.ids), cache_warm_steps=args.frozen_profile_steps
+    )
+    ids = []
+    for batches in ro.build_workloads(ns, vocab_size, device, warm=True).values():
+        for batch in batches:
+            ids.append(checker.plan(batch).row_ids.clone())  # the slots are reused
+    return ids
+
+
+def frozen_caches(stores: list, placement: Placement, profile: list[torch.Tensor]) -> list:
+    """``stores`` with each layer of ``placement.frozen_layers`` behind a frozen cache of
+    ``placement.frozen_cache`` of its table, filled from ``profile``."""
+    from engramrt.cache import CachedRowStore
+
+    cached = list(stores)
+    for li in placement.frozen_layers:
+        store = stores[li]
+        cache = CachedRowStore(
+            store, int(store.num_rows * store.row_bytes * placement.frozen_cache), frozen=True
+        )
+        cache.warm_up(ids[:, li] for ids in profile)
+        cached[li] = cache
+    return cached
+
+
 def parse_read_kernels(text: str) -> dict[str, Placement]:
     """``--read-kernels``: placement name -> the placement, ``default`` with these settings
     for the GPU's reads."""
@@ -606,6 +648,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         "merge the reports: no mode's threads, compiled code or memory outlive it into "
         "another mode's timings",
     )
+    p.add_argument(
+        "--frozen-profile-steps",
+        type=int,
+        default=256,
+        help="decode steps of other requests, per --ids kind, that fill the frozen-cache "
+        "placements' caches before the rounds",
+    )
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     args.modes = parse_list(args.modes, MODES, "modes")
@@ -615,7 +664,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.workloads = parse_list(args.workloads, WORKLOADS, "workloads")
     args.loops = parse_list(args.loops, LOOPS, "loops")
     args.ids = parse_list(args.ids, IDS, "ids")
-    for name in ("rounds", "steps", "prefill_steps"):
+    for name in ("rounds", "steps", "prefill_steps", "frozen_profile_steps"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')}={getattr(args, name)}; expected >= 1")
     try:
@@ -734,6 +783,11 @@ def main(argv=None) -> dict:
         max_tokens=PREFILL_TOKENS, max_requests=512, validate=False,
     )  # fmt: skip
 
+    frozen = [p for p in placements if p.frozen_cache]
+    if frozen:
+        profile = frozen_profile(args, checker, token_map.vocab_size, device)
+        for placement in frozen:
+            stores[placement.name] = frozen_caches(stores[placement.name], placement, profile)
     rng = np.random.default_rng(0)
     workloads: dict[tuple[str, str], list[HashBatch]] = {}
     decode_steps = args.rounds * args.steps + args.warmup_steps + 4

@@ -1345,3 +1345,44 @@ def test_step_cost_at_layer_placements_keep_lookup_kernels_off_the_blocks() -> N
         stores = step_cost.host_stores(layout, cpu, placements[name], None)
         assert [(s.queued, s.num_threads) for s in stores] == [(queued, threads)] * 2, name
     assert placements["default"].runtime_options()["lookup_overlap"] == "side"
+
+
+def test_step_cost_frozen_cache_placements_front_layer_0_with_a_filled_frozen_cache(
+    tmp_path, monkeypatch
+) -> None:
+    """``frozen-first*``: layer 0's host store behind a frozen cache of 5% of its table,
+    filled from the profile (its rows held, nothing admitted while serving); layer 1 as the
+    placement sets it. Then the placement through the smoke harness: its rows pass the
+    check against the GPU tables. Control: the plain host store of layer 1."""
+    import torch
+
+    from engramrt.cache import CachedRowStore
+    from engramrt.config import PRESETS
+    from engramrt.layout import EngramLayout
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    step_cost = _load("step_cost")
+    placement = step_cost.PLACEMENTS["frozen-first"]
+    layout = EngramLayout(PRESETS["tiny"])
+    stores = step_cost.host_stores(layout, torch.device("cpu"), placement, None)
+    g = torch.Generator().manual_seed(0)
+    rows = min(s.num_rows for s in stores)
+    profile = [(torch.rand(8, 2, layout.config.n_cols, generator=g) ** 4 * rows).long()]
+    cached = step_cost.frozen_caches(stores, placement, profile)
+    cache = cached[0]
+    assert isinstance(cache, CachedRowStore) and cache.frozen and cache.backing is stores[0]
+    assert cache.num_slots == stores[0].num_rows * 5 // 100 // cache.ways * cache.ways
+    assert int((cache.policy.tags >= 0).sum()) > 0  # filled from the profile
+    assert cached[1] is stores[1] and not isinstance(cached[1], CachedRowStore)
+    queued = step_cost.PLACEMENTS["frozen-first-queued"]
+    assert queued.runtime_options()["gpu_reads"] == "first" and queued.gather == "queued"
+    assert step_cost.PLACEMENTS["frozen-first-layer"].runtime_options()["lookup_overlap"] == (
+        "layer"
+    )
+    report = step_cost.main(
+        ["--smoke", "--table-gib", "0.001", "--rounds", "1", "--steps", "1", "--warmup-steps",
+         "0", "--placements", "aa,frozen-first", "--loops", "sync", "--frozen-profile-steps",
+         "2", "--out", str(tmp_path / "step-cost.json")]
+    )  # fmt: skip
+    checks = {c["placement"]: c["check"] for c in report["cases"]}
+    assert checks["frozen-first"]["passed"] and checks["frozen-first"]["rows_equal"]
