@@ -199,6 +199,39 @@ def test_frozen_cache_serves_its_warm_up_and_admits_nothing(
     assert caches[False].host_sync
 
 
+def test_use_gpu_reads_switches_how_misses_are_read(device: torch.device) -> None:
+    """A runtime's ``gpu_reads`` reaches the backing through the cache: off, the misses take
+    the miss path (no GPU read of host memory), on, the probe reads them again; the rows
+    are the backing's either way, and the lookups made before a switch are counted, not
+    planned from. A backing with one way, or ``read_misses=True``, keeps its way."""
+    table = random_packed_table(40, 32, seed=24)
+    backing = make_store(TablePlacement("device", device=device), packed=table)
+    assert not CachedRowStore(backing, 2**16, backend="triton").use_gpu_reads(False)
+    rows = backing.device_rows()
+    reads = {"on": True}  # a backing whose GPU reads can be switched, as the host tier's
+
+    def use_gpu_reads(on: bool) -> bool:
+        reads["on"] = on
+        return True
+
+    backing.use_gpu_reads = use_gpu_reads  # type: ignore[method-assign]
+    backing.device_rows = lambda: rows if reads["on"] else None  # type: ignore[method-assign]
+    row_ids = torch.tensor([[0, 3, 7, 9], [3, 3, 1, 39]], device=device)
+    for frozen in (False, True):
+        cache = CachedRowStore(backing, 2**16, backend="triton", frozen=frozen)
+        assert cache.probe_reads_misses and cache.host_sync is not frozen
+        assert_same_bits(cache.lookup(row_ids), backing.lookup(row_ids))
+        assert cache.use_gpu_reads(False) and not reads["on"]
+        assert not cache.probe_reads_misses and cache.host_sync
+        assert_same_bits(cache.lookup(row_ids), backing.lookup(row_ids))
+        cache.update()  # plans from the lookup made after the switch only
+        assert cache.stats().lookups == 2 * row_ids.numel()
+        assert cache.use_gpu_reads(True) and reads["on"] and cache.probe_reads_misses
+        assert_same_bits(cache.lookup(row_ids), backing.lookup(row_ids))
+    required = CachedRowStore(backing, 2**16, backend="triton", read_misses=True)
+    assert not required.use_gpu_reads(False) and reads["on"] and required.probe_reads_misses
+
+
 def test_frozen_must_be_a_bool(device: torch.device) -> None:
     backing = make_store(
         TablePlacement("device", device=device), packed=random_packed_table(10, 32, seed=23)

@@ -276,21 +276,14 @@ class CachedRowStore(RowStore):
         self.max_pending = max_pending
         self.kernel = check_kernel_config(kernel)
         self._read_packed = packed_row_reader(backing)
-        # The backing's rows as the probe kernel can read them (misses read
-        # in the probe), or None (the miss path gathers them).
-        self._miss_source = None
-        self._miss_words = None  # the same rows as words, for the update's row reads
-        if read_misses is not False:
-            triton = resolve_backend(backend, self.device) == "triton"
-            self._miss_source = backing.device_rows() if triton else None
-            if self._miss_source is not None:  # a device tensor or mapped host rows
-                self._miss_words = self._miss_source.view(word_dtype_for(self.row_bytes))
-            if read_misses and self._miss_source is None:
-                raise ValidationError(
-                    f"read_misses=True with backing tier={backing.tier!r} and backend={backend!r}; "
-                    f"expected the Triton probe over a backing whose rows the device reads in "
-                    f"place (device, uva, or host with gpu_reads)"
-                )
+        self._read_misses = read_misses
+        self._bind_miss_source()
+        if read_misses and self._miss_source is None:
+            raise ValidationError(
+                f"read_misses=True with backing tier={backing.tier!r} and backend={backend!r}; "
+                f"expected the Triton probe over a backing whose rows the device reads in "
+                f"place (device, uva, or host with gpu_reads)"
+            )
         # Sized before anything is allocated: the policy's tags, counters and sketch
         # are as large as the cache can make them (capacity_bytes=2**62 would fail
         # inside torch's allocator otherwise).
@@ -372,6 +365,33 @@ class CachedRowStore(RowStore):
                 f"{self.max_pending}]"
             )
         self._update_every = count
+
+    def _bind_miss_source(self) -> None:
+        """The backing's rows as the probe kernel can read them (misses read in the
+        probe), or None (the miss path gathers them)."""
+        self._miss_source = None
+        self._miss_words = None  # the same rows as words, for the update's row reads
+        if self._read_misses is not False:
+            triton = resolve_backend(self.backend, self.device) == "triton"
+            self._miss_source = self.backing.device_rows() if triton else None
+            if self._miss_source is not None:  # a device tensor or mapped host rows
+                self._miss_words = self._miss_source.view(word_dtype_for(self.row_bytes))
+
+    def use_gpu_reads(self, on: bool) -> bool:
+        """Switch the backing's GPU reads of host memory (see
+        :meth:`engramrt.source.RowSource.use_gpu_reads`), and with them whether the probe
+        reads the misses (a read of host memory beside the model) or the miss path
+        gathers them on the CPU; returns whether the cache has that choice (not with
+        ``read_misses=True``, nor over a backing with one way: GPU memory, UVA, disk).
+        Lookups not yet consumed by an update are counted and dropped: an update plans
+        from one kind of record."""
+        if self._read_misses or not self.backing.use_gpu_reads(on):
+            return False
+        self._wait_for_update()
+        self._queue_for_counting(self._pending)
+        self._pending.clear()
+        self._bind_miss_source()
+        return True
 
     @property
     def probe_reads_misses(self) -> bool:
