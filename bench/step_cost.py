@@ -583,6 +583,27 @@ def frozen_caches(stores: list, placement: Placement, profile: list[torch.Tensor
     return cached
 
 
+def frozen_cache_report(stores: dict[str, list], frozen: list[Placement]) -> dict:
+    """Per frozen-cache placement and cached layer, what the cache holds and its hits over
+    every eager lookup so far (its checks, warm-up and timed steps, all modes; not the
+    replays of a CUDA graph)."""
+    report: dict = {}
+    for placement in frozen:
+        layers = {}
+        for li in placement.frozen_layers:
+            cache = stores[placement.name][li]
+            stats = cache.stats()
+            layers[str(li)] = {
+                "share": placement.frozen_cache,
+                "slots": cache.num_slots,
+                "rows_held": int((cache.policy.tags >= 0).sum()),
+                "lookups": stats.lookups,
+                "hit_rate": stats.hit_rate,
+            }
+        report[placement.name] = layers
+    return report
+
+
 def parse_read_kernels(text: str) -> dict[str, Placement]:
     """``--read-kernels``: placement name -> the placement, ``default`` with these settings
     for the GPU's reads."""
@@ -866,6 +887,8 @@ def main(argv=None) -> dict:
         report = summarize(args, cfg, env, cases, round_index + 1)
         if profiles:
             report["profiles"] = profiles
+        if frozen:
+            report["frozen_caches"] = frozen_cache_report(stores, frozen)
         ro.write_report(args.out, report)
     for row in report.get("cases", []):
         if row.get("median_pct") is not None:

@@ -1386,3 +1386,6 @@ def test_step_cost_frozen_cache_placements_front_layer_0_with_a_filled_frozen_ca
     )  # fmt: skip
     checks = {c["placement"]: c["check"] for c in report["cases"]}
     assert checks["frozen-first"]["passed"] and checks["frozen-first"]["rows_equal"]
+    (held,) = report["frozen_caches"]["frozen-first"].values()  # layer 0 only
+    assert held["share"] == 0.05 and 0 < held["rows_held"] <= held["slots"]
+    assert held["lookups"] > 0 and 0 <= held["hit_rate"] <= 1
