@@ -56,7 +56,14 @@ gathered by the CPU when the layer runs, by the thread launching the step, copie
 stream and dequantised on the step's stream: ``EngramRuntime(lookup_overlap="deferred")``
 with ``HostOptions(gather="thread")``; its gathers take the store's own count of CPU threads,
 one per 1,536 rows: 4 for a decode layer), ``deferred-4`` and ``deferred-16`` (the same on 4
-and 16 threads: ``HostOptions(num_threads=)``), and with ``--read-kernels``
+and 16 threads: ``HostOptions(num_threads=)``), ``queued-copies``, ``queued-copies-4`` and
+``copies-last`` (queued gathers split at their kernel: ``EngramRuntime(lookup_overlap=
+"copies")``), ``at-layer``, ``at-layer-queued`` and ``at-layer-copies`` (no lookup kernel
+beside the blocks: ``EngramRuntime(lookup_overlap="layer")``), ``frozen-first``,
+``frozen-first-queued`` and ``frozen-first-layer`` (layer 0 behind a frozen hot-row cache of
+5% of its table, ``CachedRowStore(frozen=True)``, filled before the rounds from
+``--frozen-profile-steps`` decode steps of other requests of the run's ``--ids``; the report's
+``frozen_caches`` gives what each holds and its hit rate), and with ``--read-kernels``
 ``read-R-W-P`` (the default with other settings for the GPU's reads: ``R`` rows per program,
 ``W`` warps, at most ``P`` programs). The host placements share one copy of the tables in host
 memory.
