@@ -8,7 +8,7 @@ import torch
 
 from engramrt.errors import ValidationError
 
-__all__ = ["check_device", "default_compute_device", "resolve_device"]
+__all__ = ["capturing", "check_device", "default_compute_device", "resolve_device"]
 
 
 def default_compute_device() -> torch.device:
@@ -16,6 +16,12 @@ def default_compute_device() -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def capturing(device: torch.device) -> bool:
+    """Whether work queued now on ``device`` is being captured into a CUDA graph (never on
+    a CPU, where torch's capture query is not available)."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 def resolve_device(device: torch.device | str | None = None) -> torch.device:

@@ -83,6 +83,7 @@ import torch
 
 from engramrt import memory
 from engramrt._backend import BACKENDS, resolve_backend
+from engramrt._device import capturing
 from engramrt.cache.backing import packed_row_reader
 from engramrt.cache.policy import (
     EMPTY_TAG,
@@ -444,6 +445,13 @@ class CachedRowStore(RowStore):
         self._queue_for_counting(records)
         self._fold()
 
+    def _count_in_batches(self, records: Iterable[_Pending]) -> None:
+        """Queue records for the counters, folding them once :data:`FOLD_BATCH` are queued
+        (bounded memory, launches amortised; :meth:`stats` folds the rest)."""
+        self._queue_for_counting(records)
+        if len(self._unfolded) >= FOLD_BATCH:
+            self._fold()
+
     def _queue_for_counting(self, records: Iterable[_Pending]) -> None:
         for record in records:
             if not record.counted:
@@ -560,18 +568,13 @@ class CachedRowStore(RowStore):
 
     def _remember(self, record: _Pending) -> None:
         if self.frozen:  # nothing to admit: the record only counts hits and misses
-            capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-            if not capturing:  # a graph's replays run no Python to count them
-                self._queue_for_counting([record])
-                if len(self._unfolded) >= FOLD_BATCH:
-                    self._fold()
+            if not capturing(self.device):  # a graph's replays run no Python to count them
+                self._count_in_batches([record])
             return
         self._pending.append(record)
         if len(self._pending) > self.max_pending:  # forgotten, but still counted
-            self._queue_for_counting(self._pending[: -self.max_pending])
+            self._count_in_batches(self._pending[: -self.max_pending])
             del self._pending[: -self.max_pending]
-            if len(self._unfolded) >= FOLD_BATCH:  # bounded memory, launches amortised
-                self._fold()
 
     def gather_packed(self, local_ids: torch.Tensor) -> torch.Tensor:
         """Stored rows ``[U, row_bytes]`` uint8 of local ids ``[U]`` int64 (each in
@@ -661,9 +664,7 @@ class CachedRowStore(RowStore):
         pending, self._pending = self._pending, []
         # Hits and misses are folded in batches (stats() folds the rest): per update,
         # that sum costs more launches than the policy's kernels.
-        self._queue_for_counting(pending)
-        if len(self._unfolded) >= FOLD_BATCH:
-            self._fold()
+        self._count_in_batches(pending)
         for record in pending:
             self.policy.record(record.row_ids, record.slots)
         return pending

@@ -94,6 +94,7 @@ from typing import ClassVar
 import torch
 
 from engramrt import memory
+from engramrt._device import capturing
 from engramrt.errors import CapacityError, ValidationError
 from engramrt.lookup import lookup_rows
 from engramrt.lookup.host_function import HostFunction, host_functions_available
@@ -870,7 +871,7 @@ class _QueuedGather:
 
     def _capturing(self) -> bool:
         """Whether the current stream is being captured into a CUDA graph."""
-        return self.store.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        return capturing(self.store.device)
 
     def _refuse_in_capture(self, what: str) -> None:
         """Buffers are made only outside a CUDA graph's capture (making them synchronises,
