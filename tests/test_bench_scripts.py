@@ -1081,6 +1081,8 @@ def test_step_cost_refuses_bad_lists() -> None:
         step_cost.parse_args(["--smoke", "--modes", "eager,fast"])
     with pytest.raises(SystemExit, match="--rounds=0"):
         step_cost.parse_args(["--smoke", "--rounds", "0"])
+    with pytest.raises(SystemExit, match="--frozen-profile-steps=0; expected >= 1"):
+        step_cost.parse_args(["--smoke", "--frozen-profile-steps", "0"])
     with pytest.raises(SystemExit, match="--engram-blocks='1,x'"):
         step_cost.parse_args(["--smoke", "--engram-blocks", "1,x"])
     with pytest.raises(SystemExit, match=r"--engram-blocks=\[0\]; expected blocks in 1..29"):
