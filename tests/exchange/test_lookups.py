@@ -116,3 +116,37 @@ def test_stores_of_other_shards_are_refused(world_of_one) -> None:
     lookup = AllGatherExchange(shard_store(TINY, 1, 0), num_cols=C, group=world_of_one)
     with pytest.raises(ValidationError, match=r"expected \[T, C\] with C=12"):
         lookup.fetch(torch.zeros((3, 10), dtype=torch.int64))
+
+
+def test_an_exchanges_flags_follow_its_cache(world_of_one) -> None:
+    """A scheduler calls ``use_gpu_reads`` after the exchange is built: the exchange passes
+    it to its cache and reports the cache's flags as they are now (a frozen cache waits on
+    the host only while its misses take the miss path). The all-to-all waits either way."""
+    from engramrt.cache import CachedRowStore
+
+    backing = shard_store(C10, 1, 0)
+    rows = backing.device_rows()
+    reads = {"on": True}  # a backing whose GPU reads can be switched, as the host tier's
+
+    def use_gpu_reads(on: bool) -> bool:
+        reads["on"] = on
+        return True
+
+    backing.use_gpu_reads = use_gpu_reads  # type: ignore[method-assign]
+    backing.device_rows = lambda: rows if reads["on"] else None  # type: ignore[method-assign]
+    row_ids = random_row_ids(C10, 5, seed=11)
+    expected = reference_rows(C10, row_ids)
+    cache = CachedRowStore(backing, 2**16, frozen=True)
+    lookup = AllGatherExchange(cache, num_cols=C10.n_cols, group=world_of_one)
+    assert not lookup.host_sync and not lookup.has_update
+    assert lookup.use_gpu_reads(False) and not reads["on"]
+    assert lookup.host_sync and cache.host_sync
+    assert_same_bits(lookup.fetch(row_ids), expected, label="misses by the miss path")
+    assert lookup.use_gpu_reads(True) and reads["on"] and not lookup.host_sync
+    assert_same_bits(lookup.fetch(row_ids), expected, label="misses read by the probe")
+    a2a = AllToAllExchange(cache, num_cols=C10.n_cols, group=world_of_one)
+    assert a2a.host_sync and not cache.host_sync
+    updating = AllGatherExchange(
+        CachedRowStore(backing, 2**16), num_cols=C10.n_cols, group=world_of_one
+    )
+    assert updating.has_update and updating.host_sync

@@ -101,8 +101,12 @@ class AllToAllExchange(RowExchange):
 
     def __init__(self, store: RowStore, *, num_cols: int, group: Any = None) -> None:
         super().__init__(store, num_cols=num_cols, group=group)
-        self.host_sync = True  # the split sizes come to the host
         self.bounds = [owned_columns(num_cols, self.world, rank) for rank in range(self.world)]
+
+    @property
+    def host_sync(self) -> bool:  # type: ignore[override]  # a property of the base
+        """True: the split sizes come to the host."""
+        return True
 
     def fetch(self, row_ids: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """``row_ids [T_r, C]`` of this rank's batch -> ``[T_r, C, E]`` bf16 on the store's device.

@@ -4,7 +4,9 @@ An exchange holds this rank's shard store (a :class:`RowStore` built for
 the hash columns :func:`engramrt.layout.owned_columns` gives this rank, or a
 cache in front of one) and a process group; it checks once, at
 construction, that the store serves exactly those columns. Its capability
-flags are the store's, plus :attr:`~engramrt.source.RowSource.collective`.
+flags are the store's, read when asked (a cache's follow
+:meth:`~engramrt.source.RowSource.use_gpu_reads`, which the exchange passes on),
+plus :attr:`~engramrt.source.RowSource.collective`.
 """
 
 from __future__ import annotations
@@ -84,8 +86,22 @@ class RowExchange(RowSource):
         self.num_cols = num_cols
         self.E = store.E
         self.device: torch.device = store.device
-        self.host_sync = store.host_sync
-        self.has_update = store.has_update
+
+    @property
+    def host_sync(self) -> bool:  # type: ignore[override]  # a class attribute elsewhere
+        """The store's :attr:`~engramrt.source.RowSource.host_sync` (an exchange whose
+        collective needs the host adds its own)."""
+        return self.store.host_sync
+
+    @property
+    def has_update(self) -> bool:  # type: ignore[override]  # a class attribute elsewhere
+        """The store's :attr:`~engramrt.source.RowSource.has_update`."""
+        return self.store.has_update
+
+    def use_gpu_reads(self, on: bool) -> bool:
+        """Passed to the store, which reads this rank's rows (see
+        :meth:`~engramrt.source.RowSource.use_gpu_reads`)."""
+        return self.store.use_gpu_reads(on)
 
     @property
     def tp(self) -> int:
