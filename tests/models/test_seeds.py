@@ -540,9 +540,12 @@ def _part(command: str, *models: str) -> dict[str, Any]:
     }
 
 
-@pytest.mark.parametrize("engram_flags", ["--buckets 12,8,4", "--unseen-rate 0.1"])
+@pytest.mark.parametrize(
+    "engram_flags",
+    ["--buckets 12,8,4", "--unseen-rate 0.1", "--short-conv 4 --short-conv-dilation 2"],
+)
 def test_a_run_of_baselines_merges_whatever_the_engram_only_flags(engram_flags: str) -> None:
-    """The baselines train the same whatever ``--buckets`` and ``--unseen-rate`` say, so a
+    """The baselines train the same whatever the Engram-only flags say, so a
     run of them merges with an Engram run that sets them, and the merged command is the
     Engram run's. Controls: two Engram runs that differ in them, and a run of baselines
     that differs in another flag, are refused."""

@@ -60,6 +60,7 @@ __all__ = [
     "HyperConnection",
     "KVCache",
     "LMConfig",
+    "ShortConv",
     "TinyLM",
     "TrainEngramHead",
     "dense_parameters",
@@ -92,6 +93,10 @@ class LMConfig:
         engram_layer_ids: blocks with an Engram layer (empty: the baseline).
         engram_cols, engram_head_dim: C and E of the Engram layers.
         engram_eps: the gate's RMSNorm epsilon (the Engram config's ``rms_norm_eps``).
+        engram_conv_kernel: taps of the short convolution after each Engram gate
+            (:class:`ShortConv`); 0 (default): none, the layer is SPEC §8's alone.
+        engram_conv_dilation: positions between its taps (DeepSeek's demo: the largest
+            n-gram order).
     """
 
     vocab_size: int
@@ -109,6 +114,8 @@ class LMConfig:
     engram_cols: int = 0
     engram_head_dim: int = 0
     engram_eps: float = 1e-6
+    engram_conv_kernel: int = 0
+    engram_conv_dilation: int = 1
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "dim", "n_blocks", "n_heads", "n_kv_heads", "head_dim"):
@@ -132,6 +139,15 @@ class LMConfig:
                     f"engram_layer_ids={list(self.engram_layer_ids)} holds {layer}; expected "
                     f"block indices in [0, n_blocks={self.n_blocks})"
                 )
+        for name, least in (("engram_conv_kernel", 0), ("engram_conv_dilation", 1)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValidationError(f"{name}={value!r}; expected an integer >= {least}")
+        if self.engram_conv_kernel and not self.engram_layer_ids:
+            raise ValidationError(
+                f"engram_conv_kernel={self.engram_conv_kernel} without Engram layers; "
+                f"expected 0 when engram_layer_ids is empty"
+            )
         if self.engram_layer_ids and (self.engram_cols <= 0 or self.engram_head_dim <= 0):
             raise ValidationError(
                 f"engram_cols={self.engram_cols}, engram_head_dim={self.engram_head_dim}; "
@@ -140,11 +156,23 @@ class LMConfig:
 
     def baseline(self) -> LMConfig:
         """The same backbone without Engram."""
-        return dataclasses.replace(self, engram_layer_ids=(), engram_cols=0, engram_head_dim=0)
+        return dataclasses.replace(
+            self,
+            engram_layer_ids=(),
+            engram_cols=0,
+            engram_head_dim=0,
+            engram_conv_kernel=0,
+            engram_conv_dilation=1,
+        )
 
     def to_dict(self) -> dict[str, Any]:
+        """Every field as JSON but those of :data:`_WRITTEN_WHEN_USED` at their defaults
+        (a model written before they existed reads back the same)."""
         data = dataclasses.asdict(self)
         data["engram_layer_ids"] = list(self.engram_layer_ids)
+        for name in _WRITTEN_WHEN_USED:
+            if data[name] == getattr(LMConfig, name):
+                del data[name]
         return data
 
     @classmethod
@@ -159,6 +187,10 @@ class LMConfig:
         if "engram_layer_ids" in values:
             values["engram_layer_ids"] = tuple(values["engram_layer_ids"])
         return cls(**values)
+
+
+_WRITTEN_WHEN_USED = ("engram_conv_kernel", "engram_conv_dilation")
+""":class:`LMConfig` fields added after models were shipped, written only when set."""
 
 
 class RMSNorm(nn.Module):
@@ -197,7 +229,10 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 @dataclass
 class KVCache:
-    """Keys and values of one request, per block: ``[n_blocks, 2, n_kv, max_len, hd]``.
+    """Keys and values of one request, per block: ``[n_blocks, 2, n_kv, max_len, hd]``;
+    for a model with a short convolution after its Engram gates (:class:`ShortConv`),
+    also each Engram layer's gated values, ``conv [n_engram, max_len, hc, D]``, which
+    the convolutions of later positions read.
 
     Positions ``< length`` are valid. A forward at ``start`` writes
     positions ``[start, start + S)`` and attends to ``[0, start + S)``;
@@ -208,13 +243,18 @@ class KVCache:
 
     data: torch.Tensor
     length: int = 0
+    conv: torch.Tensor | None = None
 
     @classmethod
     def empty(
         cls, config: LMConfig, max_len: int, device: torch.device | str, dtype: torch.dtype
     ) -> KVCache:
         shape = (config.n_blocks, 2, config.n_kv_heads, max_len, config.head_dim)
-        return cls(torch.zeros(shape, device=device, dtype=dtype))
+        conv = None
+        if config.engram_conv_kernel:
+            conv_shape = (len(config.engram_layer_ids), max_len, config.hc_mult, config.dim)
+            conv = torch.zeros(conv_shape, device=device, dtype=dtype)
+        return cls(torch.zeros(shape, device=device, dtype=dtype), conv=conv)
 
     @property
     def max_len(self) -> int:
@@ -227,6 +267,13 @@ class KVCache:
                 f"num_tokens={num_tokens} exceeds the other cache's length {other.length}"
             )
         self.data[:, :, :, :num_tokens] = other.data[:, :, :, :num_tokens]
+        if (self.conv is None) != (other.conv is None):
+            raise ValidationError(
+                "the other cache is of a model with another short convolution; expected "
+                "caches of one model"
+            )
+        if self.conv is not None and other.conv is not None:
+            self.conv[:, :num_tokens] = other.conv[:, :num_tokens]
         self.length = num_tokens
 
 
@@ -331,6 +378,53 @@ class HyperConnection(nn.Module):
             return mixed + self.write.float()[:, None] * output.float().unsqueeze(-2)
 
 
+class ShortConv(nn.Module):
+    """The short convolution after the Engram gate (the Engram paper; ``ShortConv`` in
+    DeepSeek's demo code; DeepSeek-V4.1 has none).
+
+    Its input is the gated value ``y [B, S, hc, D]``, what SPEC §8 adds to the streams;
+    each position's ``y`` is RMS-normed per stream (weights ``norm_weight [hc, D]``), then
+    a causal depthwise convolution over positions with ``kernel`` taps ``dilation``
+    apart (``weight [kernel, hc, D]``: tap ``j`` reads position ``t - (kernel - 1 - j) *
+    dilation``; positions before a sequence's start read zero), then SiLU. The Engram
+    layer's output is its streams plus ``y`` plus this. The taps start at zero, so a new
+    layer is SPEC §8's alone.
+    """
+
+    def __init__(self, hc: int, dim: int, kernel: int, dilation: int, eps: float) -> None:
+        super().__init__()
+        self.kernel = kernel
+        self.dilation = dilation
+        self.eps = eps
+        self.norm_weight = nn.Parameter(torch.ones(hc, dim))
+        self.weight = nn.Parameter(torch.zeros(kernel, hc, dim))
+
+    @property
+    def context(self) -> int:
+        """Positions before the first one that the convolution reads."""
+        return (self.kernel - 1) * self.dilation
+
+    def forward(self, y: torch.Tensor, history: torch.Tensor | None = None) -> torch.Tensor:
+        """``y [B, S, hc, D]`` -> ``[B, S, hc, D]`` fp32.
+
+        ``history [B, context, hc, D]``: ``y`` at the :attr:`context` positions before
+        the first of ``y`` (zeros where they precede the sequence); None: all zeros, a
+        sequence's start (a training window's, whose earlier positions are not run).
+        """
+        batch, seq = y.shape[:2]
+        with no_autocast(y.device.type):
+            if history is None:
+                history = y.new_zeros((batch, self.context, *y.shape[2:]))
+            full = torch.cat((history.float(), y.float()), dim=1)  # [B, context + S, hc, D]
+            scale = torch.rsqrt(full.square().mean(dim=-1, keepdim=True) + self.eps)
+            normed = full * scale * self.norm_weight.float()
+            out = torch.zeros_like(full[:, :seq])
+            for tap in range(self.kernel):
+                begin = tap * self.dilation
+                out = out + normed[:, begin : begin + seq] * self.weight[tap].float()
+            return F.silu(out)
+
+
 class TrainEngramHead(nn.Module):
     """The Engram layer's weights and its differentiable computation on float rows.
 
@@ -351,6 +445,12 @@ class TrainEngramHead(nn.Module):
         self.slope_floor = MIN_ABS_DOT
         """Training only: :func:`~engramrt_lab.training.engram_gate_train`'s
         ``slope_floor`` (the default is the exact gradient); not a weight."""
+        self.conv = (
+            ShortConv(hc, dim, config.engram_conv_kernel, config.engram_conv_dilation, self.eps)
+            if config.engram_conv_kernel
+            else None
+        )
+        """The :class:`ShortConv` after the gate (``engram_conv_kernel``), or None."""
 
     def forward(
         self,
@@ -358,7 +458,9 @@ class TrainEngramHead(nn.Module):
         rows: torch.Tensor,
         gates: list[torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """``streams [B, S, hc, D]``, ``rows [B*S, C, E]`` float -> streams (fp32).
+        """``streams [B, S, hc, D]``, ``rows [B*S, C, E]`` float -> streams (fp32); with
+        :attr:`conv`, each of the ``B`` sequences of ``S`` positions starts its
+        convolution at zero.
 
         With ``gates`` (evaluation only), also appends the gate of every position,
         averaged over the ``hc`` streams: ``[B, S]`` fp32 in [0, 1], detached
@@ -382,6 +484,9 @@ class TrainEngramHead(nn.Module):
                 with torch.no_grad():
                     values = gate_values_reference(*inputs[:5])  # [T, hc]
                 gates.append(values.mean(dim=-1).view(shape[:-2]))
+            if self.conv is not None:  # y = g * value, what the gate added
+                y = (out - inputs.hidden).view(shape)
+                out = out + self.conv(y).reshape(out.shape)
         return out.view(shape)
 
 
@@ -436,7 +541,7 @@ class TinyLM(nn.Module):
         output rows) zero, so each Engram layer starts as the identity (its keys, and so
         its gates, still learn)."""
         for name, param in self.named_parameters():
-            if param.dim() != 2 or name.endswith(("q_weight", "k_weight", ".mix")):
+            if param.dim() != 2 or name.endswith(("q_weight", "k_weight", ".mix", "norm_weight")):
                 continue
             scale = (
                 std / math.sqrt(2 * self.config.n_blocks)
@@ -447,6 +552,11 @@ class TinyLM(nn.Module):
         for block in self.config.engram_layer_ids if engram_identity else ():
             wkv = self.engram_head(block).wkv.weight  # [(hc+1) D, C E]
             wkv[self.config.hc_mult * self.config.dim :].zero_()
+        for block in self.config.engram_layer_ids:
+            conv = self.engram_head(block).conv
+            if conv is not None:  # the layer starts without it
+                conv.weight.zero_()
+                conv.norm_weight.fill_(1.0)
 
     @torch.no_grad()
     def engram_values_normal_(self, std: float = 0.02) -> None:
@@ -568,8 +678,8 @@ def flops_per_token(config: LMConfig, seq_len: int | None = None) -> dict[str, i
     output; ``attention``: scores and weighted values at the mean causal context
     of a ``seq_len`` window (``(S+1)/2`` keys); ``engram_wkv``: the part of
     ``linear`` that is Engram's. Elementwise work (norms, gates, the
-    hyper-connections' mixing) is left out; the Engram gate adds about
-    ``6 hc D`` of it per layer.
+    hyper-connections' mixing, a short convolution's taps) is left out; the Engram
+    gate adds about ``6 hc D`` of it per layer, a short convolution ``2 kernel hc D``.
     """
     seq = config.max_seq_len if seq_len is None else seq_len
     with torch.device("meta"):

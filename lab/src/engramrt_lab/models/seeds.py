@@ -153,10 +153,10 @@ _WHICH_MODELS = ("--models", "--memory-sweep", "--compare-layers")
 """The training command's flags that choose which models a run trains, not how."""
 
 
-_ENGRAM_ONLY = ("--buckets", "--unseen-rate")
+_ENGRAM_ONLY = ("--buckets", "--unseen-rate", "--short-conv", "--short-conv-dilation")
 """The training command's flags that change only the Engram models (their tables' size, the
-positions they train on as new n-grams): a run that trains no Engram model (the baselines)
-is the same whatever they say."""
+positions they train on as new n-grams, the convolution after their gates): a run that
+trains no Engram model (the baselines) is the same whatever they say."""
 
 
 def _without(words: list[str], flags: tuple[str, ...]) -> list[str]:
@@ -180,8 +180,8 @@ def merge_records(parts: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     (:class:`ValueError`, naming what differs) unless the runs were trained alike: the
     same command but for the flags that choose models (``--models``, ``--memory-sweep``,
     ``--compare-layers``; so the same seed, steps and windows) and, for a run that trains
-    no Engram model, but for the flags that change only the Engram models (``--buckets``,
-    ``--unseen-rate``: its baselines are the same whatever they say), models that no two
+    no Engram model, but for the flags that change only the Engram models
+    (:data:`_ENGRAM_ONLY`: its baselines are the same whatever they say), models that no two
     runs share, and the same predictions in every where-it-wins category. The merged
     record's ``command`` is its first Engram run's (else its first run's). The held-out
     summaries of a run of all three models are left out (each model's losses stay in
@@ -206,8 +206,8 @@ def merge_records(parts: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         if not same:
             raise ValueError(
                 f"a run of this seed was trained by {shlex.join(other)!r}, another by "
-                f"{shlex.join(command)!r} (--models and the sweep aside, and --buckets and "
-                f"--unseen-rate for a run of baselines); expected the same settings"
+                f"{shlex.join(command)!r} (--models and the sweep aside, and "
+                f"{', '.join(_ENGRAM_ONLY)} for a run of baselines); expected the same settings"
             )
         if part.get("steps") != merged["steps"]:
             raise ValueError(

@@ -291,44 +291,98 @@ class TinyEngramModel:
         streams: torch.Tensor,
         rows: torch.Tensor,
         gates: list[torch.Tensor] | None,
+        cache: KVCache | None = None,
+        start: int = 0,
     ) -> torch.Tensor:
         shape = streams.shape
         hidden = streams.reshape(-1, shape[-2], shape[-1]).contiguous()
         head = self.heads[index]
         out, kv = head(hidden, rows.contiguous(), return_kv=True)
-        if gates is not None:
-            gates.append(self._gate(head, hidden, kv))
-        return out.float().view(shape)
+        return self._layer_output(index, head, shape, hidden, out, kv, gates, cache, start)
 
-    def _gate(self, head: EngramHead, hidden: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
-        """``[T]`` gate of each token, the mean over streams."""
+    def _layer_output(
+        self,
+        index: int,
+        head: EngramHead,
+        shape: torch.Size,
+        hidden: torch.Tensor,
+        out: torch.Tensor,
+        kv: torch.Tensor,
+        gates: list[torch.Tensor] | None,
+        cache: KVCache | None = None,
+        start: int = 0,
+    ) -> torch.Tensor:
+        """Engram layer ``index``'s streams ``[B, S, hc, D]`` fp32 from its head's ``out``
+        and ``kv`` for ``hidden [B*S, hc, D]``; appends the mean gate of each token to
+        ``gates`` (if given). A model with a short convolution after its gates
+        (:class:`~engramrt_lab.models.lm.ShortConv`) adds it here, over the gated values
+        ``g * value`` (the gate of :func:`~engramrt.gate.gate_values_reference`): with
+        ``cache`` (one request, the positions from ``start``) the values of the earlier
+        positions come from it, and these positions' are written there; without, each of
+        the ``B`` sequences starts at zero."""
         values = gate_values_reference(hidden, kv, head.q_weight, head.k_weight, head.eps)
-        return values.mean(dim=-1)
+        if gates is not None:
+            gates.append(values.mean(dim=-1))
+        streams = out.float().view(shape)
+        conv = self.lm.engram_head(self.lm_config.engram_layer_ids[index]).conv
+        if conv is None:
+            return streams
+        hc, dim = shape[-2], shape[-1]
+        y = (values[..., None] * kv[:, hc * dim :].float()[:, None, :]).view(shape)
+        history = None
+        if cache is not None:
+            assert cache.conv is not None  # KVCache.empty keeps them for such a model
+            end = start + shape[1]
+            cache.conv[index, start:end] = y[0]
+            history = y.new_zeros((1, conv.context, hc, dim))
+            first = max(0, start - conv.context)
+            history[0, conv.context - (start - first) :] = cache.conv[index, first:start]
+        return streams + conv(y, history)
 
     # -- eager reference -----------------------------------------------------
 
     @torch.no_grad()
-    def reference_forward(self, token_ids: Sequence[int]) -> tuple[torch.Tensor, np.ndarray]:
+    def reference_forward(
+        self, token_ids: Sequence[int], chunk: int | None = None
+    ) -> tuple[torch.Tensor, np.ndarray]:
         """Logits ``[T, K+1]`` and gates ``[T, L]`` of one whole sequence (tokenizer ids
         from position 0): reference hashing, reference lookups of the checkpoint's packed
-        rows, the heads, the backbone without KV cache."""
+        rows, the heads, the backbone in one forward; with ``chunk``, in forwards of that
+        many positions, each reading the earlier ones from the request's
+        :class:`~engramrt_lab.models.lm.KVCache` (keys, values, and the gated values a
+        short convolution reads)."""
         ids = np.asarray(token_ids, dtype=np.int64)
         row_ids = torch.as_tensor(hash_sequence(self.token_map.compress(ids), self.consts))
-        gates: list[torch.Tensor] = []
-        fns = {}
-        for index, block in enumerate(self.lm_config.engram_layer_ids):
-
-            def apply(streams: torch.Tensor, index: int = index) -> torch.Tensor:
-                rows = lookup_rows_reference(
-                    row_ids[:, index], self.packed_tables[index], self.config.head_dim
-                )
-                return self._head(index, streams, rows.to(self.device), gates)
-
-            fns[block] = apply
         tokens = self._trim[torch.as_tensor(ids, device=self.device)][None, :]
-        logits = self.lm(tokens, engram=fns, cache=self._cache(ids.size), start=0)
-        gate_array = torch.stack(gates, dim=-1).cpu().numpy() if gates else np.zeros((ids.size, 0))
-        return logits[0], gate_array
+        cache = self._cache(ids.size)
+        step = ids.size if chunk is None else chunk
+        if step < 1:
+            raise ValidationError(f"chunk={chunk!r}; expected a positive number of positions")
+        logits, gate_chunks = [], []
+        for start in range(0, ids.size, step):
+            end = min(start + step, ids.size)
+            gates: list[torch.Tensor] = []
+            fns = {}
+            for index, block in enumerate(self.lm_config.engram_layer_ids):
+
+                def apply(
+                    streams: torch.Tensor,
+                    index: int = index,
+                    start: int = start,
+                    end: int = end,
+                    gates: list[torch.Tensor] = gates,
+                ) -> torch.Tensor:
+                    rows = lookup_rows_reference(
+                        row_ids[start:end, index], self.packed_tables[index], self.config.head_dim
+                    )
+                    return self._head(index, streams, rows.to(self.device), gates, cache, start)
+
+                fns[block] = apply
+            logits.append(self.lm(tokens[:, start:end], engram=fns, cache=cache, start=start)[0])
+            gate_chunks.append(
+                torch.stack(gates, dim=-1) if gates else torch.zeros((end - start, 0))
+            )
+        return torch.cat(logits), torch.cat(gate_chunks).cpu().numpy()
 
     @torch.no_grad()
     def reference_check(self, prompt: Sequence[int], tokens: Sequence[int]) -> ReferenceResult:
@@ -484,8 +538,10 @@ class TinyEngramModel:
                 shape = streams.shape
                 hidden = streams.reshape(-1, shape[-2], shape[-1]).contiguous()
                 out, kv = runtime.run(index, hidden, return_kv=True)
-                gates.append(self._gate(runtime.heads[index], hidden, kv))
-                return out.float().view(shape)
+                head = runtime.heads[index]
+                return self._layer_output(
+                    index, head, shape, hidden, out, kv, gates, request.kv, chunk.start
+                )
 
             fns[block] = apply
         chunk_ids = sim.tokens[chunk.start : chunk.end]

@@ -223,6 +223,11 @@ class TrainSettings:
     unseen_rate: float = 0.0
     """Training only, Engram models only: the share of training positions shown as if their
     n-gram were new (:class:`UnseenNgrams`); 0 (default) shows every position its own rows."""
+    short_conv: int = 0
+    """Engram models: taps of the short convolution after each Engram gate
+    (:class:`~engramrt_lab.models.lm.ShortConv`); 0 (default): none."""
+    short_conv_dilation: int | None = None
+    """Positions between its taps; None: the largest n-gram order (DeepSeek's demo)."""
     eval_sequences: int = 128
     val_sequences: int = 64
     eval_every: int = 25
@@ -304,6 +309,12 @@ def lm_configs(settings: TrainSettings, vocab_size: int, cfg: EngramConfig) -> L
         engram_cols=cfg.n_cols,
         engram_head_dim=cfg.head_dim,
         engram_eps=cfg.rms_norm_eps,
+        engram_conv_kernel=settings.short_conv,
+        engram_conv_dilation=(
+            cfg.max_ngram_size
+            if settings.short_conv_dilation is None
+            else settings.short_conv_dilation
+        ),
     )
 
 
@@ -507,10 +518,13 @@ def make_optimizers(
     decay: list[torch.nn.Parameter] = []
     no_decay: list[torch.nn.Parameter] = []
     # Weight decay on the projection matrices and the embedding only: not on norm
-    # weights (the gate's q_weight/k_weight are [hc, D] norm weights) nor on the
-    # hyper-connections' read/mix/write weights.
+    # weights (the gate's q_weight/k_weight and the short convolution's norm_weight are
+    # [hc, D] norm weights), the convolution's taps, nor the hyper-connections'
+    # read/mix/write weights.
     for pname, param in model.named_parameters():
-        matrix = param.dim() == 2 and not pname.endswith((".mix", "q_weight", "k_weight"))
+        matrix = param.dim() == 2 and not pname.endswith(
+            (".mix", "q_weight", "k_weight", "norm_weight")
+        )
         (decay if matrix else no_decay).append(param)
     dense = torch.optim.AdamW(
         [
@@ -1742,7 +1756,7 @@ _ROOTS = ("stdlib_root", "site_dirs")
 """Settings a training record keeps by directory name only (:func:`~engramrt_lab.models.corpus.root_name`)."""
 
 
-_RECORDED_WHEN_USED = ("unseen_rate",)
+_RECORDED_WHEN_USED = ("unseen_rate", "short_conv", "short_conv_dilation")
 """Settings added after models were shipped: a record holds them only when they differ
 from their defaults, so a record without one was trained at its default and the records
 of the same training read alike before and after."""
@@ -2072,6 +2086,10 @@ def _settings_problem(args: argparse.Namespace) -> str | None:
         return f"--weight-decay={args.weight_decay} must be a finite number >= 0"
     if not (math.isfinite(args.unseen_rate) and 0 <= args.unseen_rate < 1):
         return f"--unseen-rate={args.unseen_rate} must be a number in [0, 1)"
+    if args.short_conv < 0:
+        return f"--short-conv={args.short_conv} must be at least 0 (0: no convolution)"
+    if args.short_conv_dilation is not None and args.short_conv_dilation < 1:
+        return f"--short-conv-dilation={args.short_conv_dilation} must be at least 1"
     if not math.isfinite(args.gate_slope_floor) or args.gate_slope_floor < MIN_ABS_DOT:
         return (
             f"--gate-slope-floor={args.gate_slope_floor} must be a finite number >= {MIN_ABS_DOT} "
@@ -2220,6 +2238,20 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainSettings:
         help="Engram models: the share of training positions that read, from their first "
         "n-gram order drawn at random up, buckets of other n-grams, with no gradient to "
         "those rows, as a held-out position with a new n-gram does (default 0: none)",
+    )
+    parser.add_argument(
+        "--short-conv",
+        type=int,
+        default=defaults.short_conv,
+        help="Engram models: taps of a short causal convolution after each Engram gate, "
+        "over the gated values, as the Engram paper's (starts at zero; default 0: none)",
+    )
+    parser.add_argument(
+        "--short-conv-dilation",
+        type=int,
+        default=None,
+        help="positions between the short convolution's taps (default: the largest "
+        "n-gram order, 4)",
     )
     parser.add_argument(
         "--engram-init",
