@@ -48,6 +48,7 @@ BAD_FLAGS = [
     (["--unseen-rate", "nan"], "--unseen-rate=nan"),
     (["--short-conv", "-1"], "--short-conv=-1 must be at least 0 (0: no convolution)"),
     (["--short-conv-dilation", "0"], "--short-conv-dilation=0 must be at least 1"),
+    (["--wkv-heads", "tied"], "--wkv-heads: invalid choice: 'tied'"),
     (["--seed", "-3"], "--seed=-3"),
     (["--head-dim", "48"], "--head-dim=48"),
     (["--engram-layers", "1,1"], "--engram-layers=1,1"),

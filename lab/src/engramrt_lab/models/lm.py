@@ -97,6 +97,11 @@ class LMConfig:
             (:class:`ShortConv`); 0 (default): none, the layer is SPEC §8's alone.
         engram_conv_dilation: positions between its taps (DeepSeek's demo: the largest
             n-gram order).
+        engram_summed_heads: ``K`` > 0: the rows of each run of ``K`` consecutive hash
+            columns (the hash heads of one n-gram order) are summed before the
+            projection, which then maps ``C / K`` rows instead of ``C`` (its blocks for the
+            heads of one order tied: :meth:`TrainEngramHead.served_wkv`); 0 (default):
+            every column's row projected apart, as DeepSeek's.
     """
 
     vocab_size: int
@@ -116,6 +121,7 @@ class LMConfig:
     engram_eps: float = 1e-6
     engram_conv_kernel: int = 0
     engram_conv_dilation: int = 1
+    engram_summed_heads: int = 0
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "dim", "n_blocks", "n_heads", "n_kv_heads", "head_dim"):
@@ -139,14 +145,24 @@ class LMConfig:
                     f"engram_layer_ids={list(self.engram_layer_ids)} holds {layer}; expected "
                     f"block indices in [0, n_blocks={self.n_blocks})"
                 )
-        for name, least in (("engram_conv_kernel", 0), ("engram_conv_dilation", 1)):
+        for name, least in (
+            ("engram_conv_kernel", 0),
+            ("engram_conv_dilation", 1),
+            ("engram_summed_heads", 0),
+        ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise ValidationError(f"{name}={value!r}; expected an integer >= {least}")
-        if self.engram_conv_kernel and not self.engram_layer_ids:
+        for name in ("engram_conv_kernel", "engram_summed_heads"):
+            if getattr(self, name) and not self.engram_layer_ids:
+                raise ValidationError(
+                    f"{name}={getattr(self, name)} without Engram layers; "
+                    f"expected 0 when engram_layer_ids is empty"
+                )
+        if self.engram_summed_heads and self.engram_cols % self.engram_summed_heads:
             raise ValidationError(
-                f"engram_conv_kernel={self.engram_conv_kernel} without Engram layers; "
-                f"expected 0 when engram_layer_ids is empty"
+                f"engram_summed_heads={self.engram_summed_heads} does not divide "
+                f"engram_cols={self.engram_cols}; expected the hash heads of one n-gram order"
             )
         if self.engram_layer_ids and (self.engram_cols <= 0 or self.engram_head_dim <= 0):
             raise ValidationError(
@@ -163,6 +179,7 @@ class LMConfig:
             engram_head_dim=0,
             engram_conv_kernel=0,
             engram_conv_dilation=1,
+            engram_summed_heads=0,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -189,7 +206,7 @@ class LMConfig:
         return cls(**values)
 
 
-_WRITTEN_WHEN_USED = ("engram_conv_kernel", "engram_conv_dilation")
+_WRITTEN_WHEN_USED = ("engram_conv_kernel", "engram_conv_dilation", "engram_summed_heads")
 """:class:`LMConfig` fields added after models were shipped, written only when set."""
 
 
@@ -429,8 +446,10 @@ class TrainEngramHead(nn.Module):
     """The Engram layer's weights and its differentiable computation on float rows.
 
     ``wkv``: ``[(hc+1)*D, C*E]`` (an ``nn.Linear`` weight, the checkpoint's
-    ``wkv.weight`` layout), ``q_weight``, ``k_weight``: ``[hc, D]``. The
-    serving :class:`~engramrt.layer.EngramHead` loads the same tensors.
+    ``wkv.weight`` layout; ``[(hc+1)*D, (C/K)*E]`` with ``engram_summed_heads`` K),
+    ``q_weight``, ``k_weight``: ``[hc, D]``. The serving
+    :class:`~engramrt.layer.EngramHead` loads the same tensors (``wkv`` as
+    :meth:`served_wkv`).
     """
 
     def __init__(self, config: LMConfig) -> None:
@@ -439,7 +458,9 @@ class TrainEngramHead(nn.Module):
         self.num_cols = config.engram_cols
         self.head_dim = config.engram_head_dim
         self.eps = config.engram_eps
-        self.wkv = nn.Linear(self.num_cols * self.head_dim, (hc + 1) * dim, bias=False)
+        self.summed_heads = config.engram_summed_heads
+        groups = self.num_cols // self.summed_heads if self.summed_heads else self.num_cols
+        self.wkv = nn.Linear(groups * self.head_dim, (hc + 1) * dim, bias=False)
         self.q_weight = nn.Parameter(torch.ones(hc, dim))
         self.k_weight = nn.Parameter(torch.ones(hc, dim))
         self.slope_floor = MIN_ABS_DOT
@@ -470,7 +491,9 @@ class TrainEngramHead(nn.Module):
         """
         shape = streams.shape
         tokens = rows.shape[0]
-        kv = self.wkv(rows.reshape(tokens, self.num_cols * self.head_dim))
+        if self.summed_heads:  # each order's heads' rows summed, then projected once
+            rows = rows.reshape(tokens, -1, self.summed_heads, self.head_dim).sum(dim=2)
+        kv = self.wkv(rows.reshape(tokens, -1))
         with no_autocast(streams.device.type):
             inputs = GateInputs(
                 streams.reshape(tokens, shape[-2], shape[-1]).float(),
@@ -488,6 +511,17 @@ class TrainEngramHead(nn.Module):
                 y = (out - inputs.hidden).view(shape)
                 out = out + self.conv(y).reshape(out.shape)
         return out.view(shape)
+
+    def served_wkv(self) -> torch.Tensor:
+        """``wkv`` as a serving head takes it, ``[(hc+1)*D, C*E]`` over every column's row:
+        with ``engram_summed_heads`` K, each block of K columns repeats the block its
+        summed row has (the same products, summed in another order)."""
+        weight = self.wkv.weight
+        if not self.summed_heads:
+            return weight
+        out = weight.shape[0]
+        blocks = weight.view(out, -1, 1, self.head_dim)
+        return blocks.expand(-1, -1, self.summed_heads, -1).reshape(out, -1)
 
 
 class Block(nn.Module):

@@ -156,7 +156,8 @@ _WHICH_MODELS = ("--models", "--memory-sweep", "--compare-layers")
 _ENGRAM_ONLY = ("--buckets", "--unseen-rate", "--short-conv", "--short-conv-dilation")
 """The training command's flags that change only the Engram models (their tables' size, the
 positions they train on as new n-grams, the convolution after their gates): a run that
-trains no Engram model (the baselines) is the same whatever they say."""
+trains no Engram model (the baselines) is the same whatever they say. Not ``--wkv-heads``:
+the FLOP-matched baseline's width follows the Engram projection's size."""
 
 
 def _without(words: list[str], flags: tuple[str, ...]) -> list[str]:

@@ -212,7 +212,7 @@ class TinyEngramModel:
         for head, block in zip(self.heads, self.lm_config.engram_layer_ids, strict=True):
             trained = self.lm.engram_head(block)
             head.load_weights(
-                wkv=trained.wkv.weight.detach().to(torch.bfloat16),
+                wkv=trained.served_wkv().detach().to(torch.bfloat16),
                 q_weight=trained.q_weight.detach().to(torch.bfloat16),
                 k_weight=trained.k_weight.detach().to(torch.bfloat16),
             )

@@ -179,6 +179,9 @@ merges the two records)."""
 ENGRAM_INITS = ("value-zero", "rows-zero")
 """--engram-init: which of the value projection and the rows starts at zero."""
 
+WKV_HEADS = ("separate", "summed")
+"""--wkv-heads: each hash head's row projected apart, or each order's heads' rows summed."""
+
 RowsOf = Callable[[int, torch.Tensor], torch.Tensor]
 """``(engram layer index, row ids [T, C]) -> rows [T, C, E]`` float."""
 
@@ -228,6 +231,10 @@ class TrainSettings:
     (:class:`~engramrt_lab.models.lm.ShortConv`); 0 (default): none."""
     short_conv_dilation: int | None = None
     """Positions between its taps; None: the largest n-gram order (DeepSeek's demo)."""
+    wkv_heads: str = "separate"
+    """Engram models: ``separate`` (default) projects every hash column's row apart, as
+    DeepSeek's layer; ``summed`` sums the rows of one n-gram order's hash heads first
+    (``LMConfig.engram_summed_heads``)."""
     eval_sequences: int = 128
     val_sequences: int = 64
     eval_every: int = 25
@@ -290,10 +297,14 @@ def sweep_buckets(buckets: Sequence[int], multiple: float) -> tuple[int, ...]:
 def wide_mlp_dim(lm_cfg: LMConfig) -> int:
     """The MLP width at which the baseline's dense parameters (and matmul FLOPs per
     token) match the Engram model's: the Engram heads' parameters spread over the
-    blocks' SwiGLU (3 D parameters per unit of width per block)."""
+    blocks' SwiGLU (3 D parameters per unit of width per block). A short convolution's
+    parameters (``(kernel + 1) hc D`` a layer, elementwise work) are left out, so the
+    wide baseline is the same with or without one (``--short-conv`` changes the Engram
+    model only)."""
     from engramrt_lab.models.lm import dense_parameters
 
-    extra = dense_parameters(lm_cfg) - dense_parameters(lm_cfg.baseline())
+    matched = dataclasses.replace(lm_cfg, engram_conv_kernel=0, engram_conv_dilation=1)
+    extra = dense_parameters(matched) - dense_parameters(lm_cfg.baseline())
     return lm_cfg.mlp_dim + round(extra / (3 * lm_cfg.dim * lm_cfg.n_blocks))
 
 
@@ -315,6 +326,7 @@ def lm_configs(settings: TrainSettings, vocab_size: int, cfg: EngramConfig) -> L
             if settings.short_conv_dilation is None
             else settings.short_conv_dilation
         ),
+        engram_summed_heads=cfg.n_heads if settings.wkv_heads == "summed" else 0,
     )
 
 
@@ -1756,7 +1768,7 @@ _ROOTS = ("stdlib_root", "site_dirs")
 """Settings a training record keeps by directory name only (:func:`~engramrt_lab.models.corpus.root_name`)."""
 
 
-_RECORDED_WHEN_USED = ("unseen_rate", "short_conv", "short_conv_dilation")
+_RECORDED_WHEN_USED = ("unseen_rate", "short_conv", "short_conv_dilation", "wkv_heads")
 """Settings added after models were shipped: a record holds them only when they differ
 from their defaults, so a record without one was trained at its default and the records
 of the same training read alike before and after."""
@@ -2252,6 +2264,14 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainSettings:
         default=None,
         help="positions between the short convolution's taps (default: the largest "
         "n-gram order, 4)",
+    )
+    parser.add_argument(
+        "--wkv-heads",
+        choices=WKV_HEADS,
+        default=defaults.wkv_heads,
+        help="Engram models: separate (default) projects each hash head's row apart, as "
+        "DeepSeek's layer; summed adds the rows of one n-gram order's heads first (a "
+        "projection a quarter as wide, its blocks tied across the heads)",
     )
     parser.add_argument(
         "--engram-init",
