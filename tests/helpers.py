@@ -122,3 +122,19 @@ def assert_import_is_lean(*modules: str) -> None:
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+
+
+def switchable_gpu_reads(backing: RowStore) -> dict[str, bool]:
+    """Give a device-memory ``backing`` the host tier's switch of GPU reads: its
+    ``use_gpu_reads(on)`` is recorded in the returned ``{"on": ...}`` (True at first) and
+    ``device_rows()`` offers its rows to a probe only while it is on."""
+    rows = backing.device_rows()
+    reads = {"on": True}
+
+    def use_gpu_reads(on: bool) -> bool:
+        reads["on"] = on
+        return True
+
+    backing.use_gpu_reads = use_gpu_reads  # type: ignore[method-assign]
+    backing.device_rows = lambda: rows if reads["on"] else None  # type: ignore[method-assign]
+    return reads

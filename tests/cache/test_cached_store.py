@@ -10,7 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 from tests.cache.helpers import skewed_ids
-from tests.helpers import TIERS, assert_same_bits, random_packed_table, tier_store
+from tests.helpers import (
+    TIERS,
+    assert_same_bits,
+    random_packed_table,
+    switchable_gpu_reads,
+    tier_store,
+)
 from tests.lookup.stores import store_of
 
 from engramrt.cache import CachedRowStore, CacheStats, SetAssociativeLfu
@@ -207,15 +213,7 @@ def test_use_gpu_reads_switches_how_misses_are_read(device: torch.device) -> Non
     table = random_packed_table(40, 32, seed=24)
     backing = make_store(TablePlacement("device", device=device), packed=table)
     assert not CachedRowStore(backing, 2**16, backend="triton").use_gpu_reads(False)
-    rows = backing.device_rows()
-    reads = {"on": True}  # a backing whose GPU reads can be switched, as the host tier's
-
-    def use_gpu_reads(on: bool) -> bool:
-        reads["on"] = on
-        return True
-
-    backing.use_gpu_reads = use_gpu_reads  # type: ignore[method-assign]
-    backing.device_rows = lambda: rows if reads["on"] else None  # type: ignore[method-assign]
+    reads = switchable_gpu_reads(backing)
     row_ids = torch.tensor([[0, 3, 7, 9], [3, 3, 1, 39]], device=device)
     for frozen in (False, True):
         cache = CachedRowStore(backing, 2**16, backend="triton", frozen=frozen)

@@ -22,7 +22,9 @@ from tests.distributed.common import (
     reference_rows,
     shard_store,
 )
+from tests.helpers import switchable_gpu_reads
 
+from engramrt.cache import CachedRowStore
 from engramrt.errors import ShardingError, ValidationError
 from engramrt.exchange import AllGatherExchange, AllToAllExchange, all_to_all_lookup_reference
 from engramrt.layout import EngramLayout, owned_columns
@@ -122,18 +124,8 @@ def test_an_exchanges_flags_follow_its_cache(world_of_one) -> None:
     """A scheduler calls ``use_gpu_reads`` after the exchange is built: the exchange passes
     it to its cache and reports the cache's flags as they are now (a frozen cache waits on
     the host only while its misses take the miss path). The all-to-all waits either way."""
-    from engramrt.cache import CachedRowStore
-
     backing = shard_store(C10, 1, 0)
-    rows = backing.device_rows()
-    reads = {"on": True}  # a backing whose GPU reads can be switched, as the host tier's
-
-    def use_gpu_reads(on: bool) -> bool:
-        reads["on"] = on
-        return True
-
-    backing.use_gpu_reads = use_gpu_reads  # type: ignore[method-assign]
-    backing.device_rows = lambda: rows if reads["on"] else None  # type: ignore[method-assign]
+    reads = switchable_gpu_reads(backing)
     row_ids = random_row_ids(C10, 5, seed=11)
     expected = reference_rows(C10, row_ids)
     cache = CachedRowStore(backing, 2**16, frozen=True)
