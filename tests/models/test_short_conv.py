@@ -272,3 +272,5 @@ def test_a_chunk_reads_the_earlier_positions_values(
     assert apart(model) > 10 * bound
     with pytest.raises(ValidationError, match="chunk=0; expected a positive"):
         model.reference_forward(tokens, chunk=0)
+    with pytest.raises(ValidationError, match="token_ids is empty"):
+        model.reference_forward([])

@@ -283,12 +283,12 @@ class KVCache:
             raise ValidationError(
                 f"num_tokens={num_tokens} exceeds the other cache's length {other.length}"
             )
-        self.data[:, :, :, :num_tokens] = other.data[:, :, :, :num_tokens]
         if (self.conv is None) != (other.conv is None):
             raise ValidationError(
                 "the other cache is of a model with another short convolution; expected "
                 "caches of one model"
             )
+        self.data[:, :, :, :num_tokens] = other.data[:, :, :, :num_tokens]
         if self.conv is not None and other.conv is not None:
             self.conv[:, :num_tokens] = other.conv[:, :num_tokens]
         self.length = num_tokens

@@ -320,11 +320,13 @@ class TinyEngramModel:
         ``cache`` (one request, the positions from ``start``) the values of the earlier
         positions come from it, and these positions' are written there; without, each of
         the ``B`` sequences starts at zero."""
+        streams = out.float().view(shape)
+        conv = self.lm.engram_head(self.lm_config.engram_layer_ids[index]).conv
+        if gates is None and conv is None:
+            return streams
         values = gate_values_reference(hidden, kv, head.q_weight, head.k_weight, head.eps)
         if gates is not None:
             gates.append(values.mean(dim=-1))
-        streams = out.float().view(shape)
-        conv = self.lm.engram_head(self.lm_config.engram_layer_ids[index]).conv
         if conv is None:
             return streams
         hc, dim = shape[-2], shape[-1]
@@ -354,10 +356,12 @@ class TinyEngramModel:
         ids = np.asarray(token_ids, dtype=np.int64)
         row_ids = torch.as_tensor(hash_sequence(self.token_map.compress(ids), self.consts))
         tokens = self._trim[torch.as_tensor(ids, device=self.device)][None, :]
-        cache = self._cache(ids.size)
+        if not ids.size:
+            raise ValidationError("token_ids is empty; expected at least one token")
         step = ids.size if chunk is None else chunk
         if step < 1:
             raise ValidationError(f"chunk={chunk!r}; expected a positive number of positions")
+        cache = self._cache(ids.size)
         logits, gate_chunks = [], []
         for start in range(0, ids.size, step):
             end = min(start + step, ids.size)

@@ -2187,6 +2187,55 @@ def _settings_problem(args: argparse.Namespace) -> str | None:
     return None
 
 
+def _add_engram_layer_flags(parser: argparse.ArgumentParser, defaults: TrainSettings) -> None:
+    """The flags that change how the Engram models' layers start, train and compute."""
+    parser.add_argument(
+        "--gate-slope-floor",
+        type=float,
+        default=defaults.gate_slope_floor,
+        help="the Engram gate's backward: below |dot| = this, the slope of sqrt(|dot|) is "
+        "held at 0.5/sqrt(this) (default 1e-6, the forward's clamp: the exact gradient)",
+    )
+    parser.add_argument(
+        "--unseen-rate",
+        type=float,
+        default=defaults.unseen_rate,
+        help="Engram models: the share of training positions that read, from their first "
+        "n-gram order drawn at random up, buckets of other n-grams, with no gradient to "
+        "those rows, as a held-out position with a new n-gram does (default 0: none)",
+    )
+    parser.add_argument(
+        "--short-conv",
+        type=int,
+        default=defaults.short_conv,
+        help="Engram models: taps of a short causal convolution after each Engram gate, "
+        "over the gated values, as the Engram paper's (starts at zero; default 0: none)",
+    )
+    parser.add_argument(
+        "--short-conv-dilation",
+        type=int,
+        default=None,
+        help="positions between the short convolution's taps (default: the largest "
+        "n-gram order, 4)",
+    )
+    parser.add_argument(
+        "--wkv-heads",
+        choices=WKV_HEADS,
+        default=defaults.wkv_heads,
+        help="Engram models: separate (default) projects each hash head's row apart, as "
+        "DeepSeek's layer; summed adds the rows of one n-gram order's heads first (a "
+        "projection a quarter as wide, its blocks tied across the heads)",
+    )
+    parser.add_argument(
+        "--engram-init",
+        choices=ENGRAM_INITS,
+        default=defaults.engram_init,
+        help="value-zero (default): the value projection starts at zero, the rows normal "
+        "(--table-init-std, default 0.02); rows-zero: the rows start at zero, the value "
+        "projection normal, so rows no training n-gram reaches add nothing",
+    )
+
+
 def parse_args(argv: Sequence[str] | None = None) -> TrainSettings:
     """The settings of a command line; every flag is checked here, before any work (a
     bad one: one line on stderr, exit status 2)."""
@@ -2236,51 +2285,7 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainSettings:
             type=float,
             default=None if name == "table_init_std" else getattr(defaults, name),
         )
-    parser.add_argument(
-        "--gate-slope-floor",
-        type=float,
-        default=defaults.gate_slope_floor,
-        help="the Engram gate's backward: below |dot| = this, the slope of sqrt(|dot|) is "
-        "held at 0.5/sqrt(this) (default 1e-6, the forward's clamp: the exact gradient)",
-    )
-    parser.add_argument(
-        "--unseen-rate",
-        type=float,
-        default=defaults.unseen_rate,
-        help="Engram models: the share of training positions that read, from their first "
-        "n-gram order drawn at random up, buckets of other n-grams, with no gradient to "
-        "those rows, as a held-out position with a new n-gram does (default 0: none)",
-    )
-    parser.add_argument(
-        "--short-conv",
-        type=int,
-        default=defaults.short_conv,
-        help="Engram models: taps of a short causal convolution after each Engram gate, "
-        "over the gated values, as the Engram paper's (starts at zero; default 0: none)",
-    )
-    parser.add_argument(
-        "--short-conv-dilation",
-        type=int,
-        default=None,
-        help="positions between the short convolution's taps (default: the largest "
-        "n-gram order, 4)",
-    )
-    parser.add_argument(
-        "--wkv-heads",
-        choices=WKV_HEADS,
-        default=defaults.wkv_heads,
-        help="Engram models: separate (default) projects each hash head's row apart, as "
-        "DeepSeek's layer; summed adds the rows of one n-gram order's heads first (a "
-        "projection a quarter as wide, its blocks tied across the heads)",
-    )
-    parser.add_argument(
-        "--engram-init",
-        choices=ENGRAM_INITS,
-        default=defaults.engram_init,
-        help="value-zero (default): the value projection starts at zero, the rows normal "
-        "(--table-init-std, default 0.02); rows-zero: the rows start at zero, the value "
-        "projection normal, so rows no training n-gram reaches add nothing",
-    )
+    _add_engram_layer_flags(parser, defaults)
     parser.add_argument(
         "--engram-layers",
         type=_ints,
