@@ -63,6 +63,16 @@ def test_chunks_with_their_history_equal_the_whole_sequence(kernel, dilation, cu
     torch.testing.assert_close(torch.cat(parts, dim=1), whole, rtol=0, atol=0)
 
 
+def test_a_history_of_the_wrong_length_is_refused() -> None:
+    conv = _conv(4, 2)
+    with pytest.raises(
+        ValidationError,
+        match=r"history has shape \(1, 5, 4, 8\); expected "
+        r"\(1, 6, 4, 8\), y's 6 earlier positions \(kernel 4, dilation 2\)",
+    ):
+        conv(torch.zeros((1, 3, HC, D)), torch.zeros((1, 5, HC, D)))
+
+
 def test_the_taps_read_the_positions_they_name() -> None:
     """One tap at a time: tap ``j`` of ``kernel`` moves position ``t - (kernel-1-j) *
     dilation`` to ``t``; a later position never reaches an earlier one."""

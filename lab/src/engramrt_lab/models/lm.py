@@ -429,9 +429,16 @@ class ShortConv(nn.Module):
         sequence's start (a training window's, whose earlier positions are not run).
         """
         batch, seq = y.shape[:2]
+        expected = (batch, self.context, *y.shape[2:])
+        if history is not None and tuple(history.shape) != expected:
+            raise ValidationError(
+                f"history has shape {tuple(history.shape)}; expected {expected}, y's "
+                f"{self.context} earlier positions (kernel {self.kernel}, dilation "
+                f"{self.dilation})"
+            )
         with no_autocast(y.device.type):
             if history is None:
-                history = y.new_zeros((batch, self.context, *y.shape[2:]))
+                history = y.new_zeros(expected)
             full = torch.cat((history.float(), y.float()), dim=1)  # [B, context + S, hc, D]
             scale = torch.rsqrt(full.square().mean(dim=-1, keepdim=True) + self.eps)
             normed = full * scale * self.norm_weight.float()
