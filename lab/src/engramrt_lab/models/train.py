@@ -166,6 +166,9 @@ TOKENIZER_IDS = 129_280
 """Ids of the DeepSeek-V4 tokenizer: --vocab-k keeps at most that many."""
 MAX_SEED = 2**63 - 1
 """--seed: torch's generators take a 64-bit seed."""
+MAX_SHORT_CONV = 64
+"""--short-conv: taps (DeepSeek's demo uses 4); --short-conv-dilation is at most
+:data:`MAX_SEQ_LEN`."""
 
 MODEL_NAMES = ("engram", "baseline", "baseline_wide")
 """The models of a run, in the order they train (``--models``): the Engram model, the same
@@ -2098,10 +2101,13 @@ def _settings_problem(args: argparse.Namespace) -> str | None:
         return f"--weight-decay={args.weight_decay} must be a finite number >= 0"
     if not (math.isfinite(args.unseen_rate) and 0 <= args.unseen_rate < 1):
         return f"--unseen-rate={args.unseen_rate} must be a number in [0, 1)"
-    if args.short_conv < 0:
-        return f"--short-conv={args.short_conv} must be at least 0 (0: no convolution)"
-    if args.short_conv_dilation is not None and args.short_conv_dilation < 1:
-        return f"--short-conv-dilation={args.short_conv_dilation} must be at least 1"
+    if not 0 <= args.short_conv <= MAX_SHORT_CONV:
+        return (
+            f"--short-conv={args.short_conv} must be in [0, {MAX_SHORT_CONV}] (0: no convolution)"
+        )
+    dilation = args.short_conv_dilation
+    if dilation is not None and not 1 <= dilation <= MAX_SEQ_LEN:
+        return f"--short-conv-dilation={dilation} must be in [1, {MAX_SEQ_LEN:,}]"
     if not math.isfinite(args.gate_slope_floor) or args.gate_slope_floor < MIN_ABS_DOT:
         return (
             f"--gate-slope-floor={args.gate_slope_floor} must be a finite number >= {MIN_ABS_DOT} "
