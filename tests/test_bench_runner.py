@@ -173,3 +173,18 @@ def test_median_seconds_times_each_call_with_its_sync(monkeypatch: pytest.Monkey
     assert seconds == 6.0
     with pytest.raises(ValueError, match="calls=0"):
         median_seconds(fn, 0)
+
+
+def test_the_environment_names_the_host_threads_settings(monkeypatch) -> None:
+    """A record says how the host's threads ran: the intra-op count, the CPUs, and the
+    thread settings that were set (only those: an unset one is absent, not empty)."""
+    from engramrt.bench.runner import environment
+
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    monkeypatch.delenv("KMP_BLOCKTIME", raising=False)
+    env = environment(torch.device("cpu"))
+    assert env["thread_settings"]["OMP_WAIT_POLICY"] == "PASSIVE"
+    assert "KMP_BLOCKTIME" not in env["thread_settings"]
+    assert env["intra_op_threads"] == torch.get_num_threads() and env["cpus"] >= 1
+    monkeypatch.delenv("OMP_WAIT_POLICY")
+    assert "OMP_WAIT_POLICY" not in environment(torch.device("cpu"))["thread_settings"]

@@ -28,6 +28,8 @@ def _assert_runner_environment(record: dict, device: str) -> None:
     ``environment`` (:func:`engramrt.bench.runner.environment`), and nowhere else."""
     env = record["environment"]
     assert env["device"] == device and {"date", "torch", "triton", "python"} <= set(env)
+    assert env["intra_op_threads"] >= 1 and env["cpus"] >= 1
+    assert isinstance(env["thread_settings"], dict)
     assert not {"date", "torch", "triton", "gpu", "python"} & set(record)
 
 

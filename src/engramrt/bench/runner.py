@@ -28,6 +28,7 @@ from __future__ import annotations
 import datetime as _dt
 import fnmatch
 import json
+import os
 import platform
 import time
 import traceback
@@ -207,7 +208,17 @@ def tuning_record(tuning: Tuning) -> dict[str, Any]:
     }
 
 
+THREAD_SETTINGS = (
+    "OMP_NUM_THREADS", "OMP_WAIT_POLICY", "OMP_PROC_BIND", "OMP_PLACES", "GOMP_SPINCOUNT",
+    "KMP_BLOCKTIME", "MKL_NUM_THREADS",
+)  # fmt: skip
+"""Environment variables that change how the host's threads run (the intra-op pool's
+size and how its idle threads wait): a record names those that were set."""
+
+
 def environment(device: torch.device) -> dict[str, Any]:
+    """Where a benchmark ran: date, versions, device, and the host's threads (torch's
+    intra-op count, the CPUs the process may use, the :data:`THREAD_SETTINGS` set)."""
     import triton
 
     env = {
@@ -216,6 +227,11 @@ def environment(device: torch.device) -> dict[str, Any]:
         "triton": triton.__version__,
         "python": platform.python_version(),
         "device": str(device),
+        "intra_op_threads": torch.get_num_threads(),
+        "cpus": len(os.sched_getaffinity(0))
+        if hasattr(os, "sched_getaffinity")
+        else os.cpu_count(),
+        "thread_settings": {k: os.environ[k] for k in THREAD_SETTINGS if k in os.environ},
     }
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
