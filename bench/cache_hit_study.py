@@ -33,7 +33,11 @@ Reported, per cache size and per n-gram order (columns ``col // 8 + 2``):
   (the second half of the stream, after the first half filled the cache);
 - the same for uniform random ids (per column, uniform over the column's
   rows, same count), and an *unbounded* cache (a row hits when any earlier
-  step used it: the compulsory-miss bound no cache size can beat).
+  step used it: the compulsory-miss bound no cache size can beat);
+- *frozen* caches (``CachedRowStore(frozen=True)``, ``--frozen-fractions``):
+  filled as its ``warm_up`` fills one, by the policy over the first half of
+  the stream (the profile: other files), then only probed over the second
+  half, never updated (the *warm* window; no *cold* one).
 
 Writes ``bench/results/cache-hit-study-<date>.json`` (or ``--out``) and prints
 the table; only with ``--write-docs`` does it also replace the table between
@@ -60,6 +64,7 @@ import torch
 from engramrt._io import atomic_write_bytes
 from engramrt.bench.runner import environment
 from engramrt.cache import MISS, SetAssociativeLfu
+from engramrt.cache.policy import EMPTY_TAG
 from engramrt.config import PRESETS
 from engramrt.hashing import HashBatch, HashConstants
 from engramrt.hashing.vectorized import hash_batch_torch
@@ -263,6 +268,37 @@ def simulate(stream: Stream, num_slots: int, n_heads: int) -> dict[str, Any]:
     }
 
 
+def simulate_frozen(stream: Stream, num_slots: int, n_heads: int) -> dict[str, Any]:
+    """A frozen cache: the policy fills it over the stream's first half (``warm_up``'s
+    pass: lookups and updates on tags alone), then the second half only probes it."""
+    policy = SetAssociativeLfu(num_slots // WAYS, WAYS)
+    half = len(stream.bounds) // 2
+    num_cols = stream.row_ids.shape[1]
+    warm = Tally(num_cols)
+    tenths = [Tally(num_cols) for _ in range(10)]
+    start = time.perf_counter()
+    for lo, hi in stream.bounds[:half]:
+        policy.access(stream.row_ids[lo:hi])
+    held = int((policy.tags != EMPTY_TAG).sum())
+    for i, (lo, hi) in enumerate(stream.bounds[half:], start=half):
+        step_ids = stream.row_ids[lo:hi]
+        hit = (policy.probe(step_ids) != MISS).view(step_ids.shape)
+        cached = distinct_per_col(step_ids[~hit], stream.offsets)
+        hits = hit.sum(dim=0).numpy()
+        warm.add(hi - lo, hits, stream.uncached[i], cached)
+        tenths[i * 10 // len(stream.bounds)].add(hi - lo, hits, stream.uncached[i], cached)
+    return {
+        "slots": policy.num_slots,
+        "sets": policy.num_sets,
+        "ways": WAYS,
+        "cache_bytes": policy.num_slots * ROW_BYTES,
+        "rows_held": held,
+        "seconds": round(time.perf_counter() - start, 1),
+        "warm": warm.report(n_heads),
+        **by_tenth(tenths, n_heads),
+    }
+
+
 def unbounded(stream: Stream, n_heads: int) -> dict[str, Any]:
     """An infinite cache: a lookup hits when an earlier step used the same row."""
     row_ids = stream.row_ids
@@ -325,7 +361,9 @@ def markdown(result: dict[str, Any]) -> str:
         "Hit rate per lookup by n-gram order, and host (PCIe) traffic cut = 1 - distinct missed "
         "rows / distinct rows per step (the host tier already fetches each distinct row of a "
         "step once). *warm*: second half of the stream, after the first half filled the cache; "
-        "*cold*: whole stream from empty; *last tenth*: the final 10 % of the stream.",
+        "*cold*: whole stream from empty; *last tenth*: the final 10 % of the stream; "
+        "*frozen*: filled over the first half, then probed and never updated over the "
+        "second (its *warm* window).",
         "",
         "| ids | cache (% of table) | slots | hit 2-gram | hit 3-gram | hit 4-gram | hit all "
         "| traffic cut warm | traffic cut cold | traffic cut, last tenth | GB saved (warm) |",
@@ -333,15 +371,16 @@ def markdown(result: dict[str, Any]) -> str:
     ]
 
     def row(ids: str, label: str, slots: str, entry: dict[str, Any]) -> str:
-        warm, cold = entry["warm"], entry["cold"]
+        warm, cold = entry["warm"], entry.get("cold")  # a frozen cache has no cold window
         by = warm["by_order"]
         tenths = [t for t in entry.get("traffic_cut_by_tenth", []) if t is not None]
         last = f"{100 * tenths[-1]:.1f}%" if tenths else "-"
+        cold_cut = f"{100 * cold['all']['host_traffic_cut']:.1f}%" if cold else "-"
         return (
             f"| {ids} | {label} | {slots} | "
             + " | ".join(f"{100 * by[o]['hit_rate']:.1f}%" for o in sorted(by))
             + f" | {100 * warm['all']['hit_rate']:.1f}% | {100 * warm['all']['host_traffic_cut']:.1f}% "
-            f"| {100 * cold['all']['host_traffic_cut']:.1f}% | {last} "
+            f"| {cold_cut} | {last} "
             f"| {warm['all']['host_bytes_saved'] / 1e9:.2f} |"
         )
 
@@ -349,6 +388,9 @@ def markdown(result: dict[str, Any]) -> str:
         for entry in result["runs"][kind]:
             lines.append(row(kind, f"{100 * entry['fraction']:g}%", f"{entry['slots']:,}", entry))
         lines.append(row(kind, "unbounded", "-", result["unbounded"][kind]))
+    for entry in result["runs"].get("frozen", []):  # records before frozen caches have none
+        label = f"{100 * entry['fraction']:g}%, frozen"
+        lines.append(row("natural", label, f"{entry['slots']:,}", entry))
     fits = result["zipf_exponent_fit"]
     lines += [
         "",
@@ -382,6 +424,14 @@ def main() -> None:
         nargs="+",
         default=[0.01, 0.05, 0.1],
         help="cache sizes for the uniform stream",
+    )
+    parser.add_argument(
+        "--frozen-fractions",
+        type=float,
+        nargs="*",
+        default=[0.01, 0.05, 0.1],
+        help="frozen cache sizes for the natural stream (filled over its first half, then "
+        "only probed); none: no frozen caches",
     )
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument(
@@ -428,7 +478,7 @@ def main() -> None:
         flush=True,
     )
 
-    runs: dict[str, list[dict[str, Any]]] = {"natural": [], "uniform": []}
+    runs: dict[str, list[dict[str, Any]]] = {"natural": [], "uniform": [], "frozen": []}
     fractions = {"natural": args.fractions, "uniform": args.uniform_fractions}
     for kind, stream in streams.items():
         for fraction in fractions[kind]:
@@ -442,6 +492,17 @@ def main() -> None:
                 f"({entry['seconds']} s)",
                 flush=True,
             )
+    for fraction in args.frozen_fractions:
+        num_slots = int(fraction * table_rows) // WAYS * WAYS
+        entry = {"fraction": fraction, **simulate_frozen(streams["natural"], num_slots, n_heads)}
+        runs["frozen"].append(entry)
+        w = entry["warm"]["all"]
+        print(
+            f"frozen   {100 * fraction:5.1f}% {num_slots:>11,} slots: hit "
+            f"{100 * w['hit_rate']:5.1f}%  traffic cut {100 * w['host_traffic_cut']:5.1f}%  "
+            f"({entry['seconds']} s)",
+            flush=True,
+        )
     bound = {kind: unbounded(stream, n_heads) for kind, stream in streams.items()}
 
     env = environment(torch.device("cpu"))  # the study runs on the CPU only

@@ -195,10 +195,16 @@ def test_cache_hit_study_writes_docs_only_when_told(tmp_path) -> None:
     docs.write_text(before)
     out = tmp_path / "study.json"
     quick = ["--max-tokens", "20000", "--fractions", "0.001", "--uniform-fractions", "0.001"]
+    quick += ["--frozen-fractions", "0.001"]
     printed = _run_script(script, *quick, "--threads", "1", "--out", str(out))
     assert docs.read_text() == before  # the default: no docs written
     record = json.loads(out.read_text())
     assert "| natural | 0.1% |" in printed and record["runs"]["natural"]
+    assert "| natural | 0.1%, frozen |" in printed
+    # A frozen cache hits only rows an earlier step used: never above the unbounded cache.
+    (frozen,) = record["runs"]["frozen"]
+    unbounded = record["unbounded"]["natural"]["warm"]["all"]
+    assert 0 < frozen["warm"]["all"]["hit_rate"] <= unbounded["hit_rate"]
     _assert_runner_environment(record, "cpu")
     printed = _run_script(script, "--render", str(out))
     assert docs.read_text() == before and "| natural | 0.1% |" in printed
@@ -207,8 +213,28 @@ def test_cache_hit_study_writes_docs_only_when_told(tmp_path) -> None:
     assert written.startswith("# Cache\n\n<!-- hit-study:begin -->\nCorpus: ")
     assert f"Generated {record['environment']['date'][:10]} by" in written
     assert "| natural | 0.1% |" in written and written.endswith("<!-- hit-study:end -->\ntail\n")
-    recorded = ROOT / "bench" / "results" / "cache-hit-study-20261129.json"  # docs/cache.md's run
-    assert "| natural | 5% | 19,200,304 |" in _run_script(script, "--render", str(recorded))
+    recorded = ROOT / "bench" / "results" / "cache-hit-study-20261208.json"  # docs/cache.md's run
+    table = _run_script(script, "--render", str(recorded))
+    assert "| natural | 5% | 19,200,304 |" in table and "| natural | 5%, frozen |" in table
+    assert table.split("\n", 1)[1] in (ROOT / "docs" / "cache.md").read_text()
+    earlier = ROOT / "bench" / "results" / "cache-hit-study-20261129.json"  # before frozen caches
+    assert "frozen" not in _run_script(script, "--render", str(earlier)).split("|", 1)[1]
+
+
+def test_cache_hit_study_frozen_caches_hit_only_what_their_profile_held() -> None:
+    """Steps 0-1 (the profile) use rows 1 and 2, steps 2-3 rows 1 and 3: the frozen cache
+    hits row 1 in both later steps and never row 3, which an updating cache (the
+    control) admits after step 2 and hits in step 3."""
+    import torch
+
+    study = _load("cache_hit_study")
+    ids = torch.tensor([[1, 2], [1, 2], [1, 3], [1, 3]], dtype=torch.int64)
+    stream = study.Stream(ids, 1, torch.tensor([0, 0]))
+    frozen = study.simulate_frozen(stream, 64, n_heads=1)
+    assert frozen["rows_held"] == 2
+    assert frozen["warm"]["all"]["hits"] == 2 and frozen["warm"]["all"]["lookups"] == 4
+    updating = study.simulate(stream, 64, n_heads=1)
+    assert updating["warm"]["all"]["hits"] == 3
 
 
 def test_multi_gpu_script_on_gloo(tmp_path) -> None:
