@@ -237,6 +237,16 @@ def by_tenth(tenths: list[Tally], n_heads: int) -> dict[str, list[float | None]]
     }
 
 
+def geometry(policy: SetAssociativeLfu) -> dict[str, int]:
+    """A simulated cache's slots, sets, ways and bytes of rows."""
+    return {
+        "slots": policy.num_slots,
+        "sets": policy.num_sets,
+        "ways": WAYS,
+        "cache_bytes": policy.num_slots * ROW_BYTES,
+    }
+
+
 def simulate(stream: Stream, num_slots: int, n_heads: int) -> dict[str, Any]:
     """Run the cache policy over the stream; tallies for the cold and warm windows,
     and the hit rate of each tenth of the stream."""
@@ -255,10 +265,7 @@ def simulate(stream: Stream, num_slots: int, n_heads: int) -> dict[str, Any]:
             tally.add(hi - lo, hits, stream.uncached[i], cached)
         tenths[i * 10 // len(stream.bounds)].add(hi - lo, hits, stream.uncached[i], cached)
     return {
-        "slots": policy.num_slots,
-        "sets": policy.num_sets,
-        "ways": WAYS,
-        "cache_bytes": policy.num_slots * ROW_BYTES,
+        **geometry(policy),
         "sketch": [policy.sketch_depth, policy.sketch_width],
         "decay_period": policy.decay_period,
         "seconds": round(time.perf_counter() - start, 1),
@@ -288,10 +295,7 @@ def simulate_frozen(stream: Stream, num_slots: int, n_heads: int) -> dict[str, A
         warm.add(hi - lo, hits, stream.uncached[i], cached)
         tenths[i * 10 // len(stream.bounds)].add(hi - lo, hits, stream.uncached[i], cached)
     return {
-        "slots": policy.num_slots,
-        "sets": policy.num_sets,
-        "ways": WAYS,
-        "cache_bytes": policy.num_slots * ROW_BYTES,
+        **geometry(policy),
         "rows_held": held,
         "seconds": round(time.perf_counter() - start, 1),
         "warm": warm.report(n_heads),

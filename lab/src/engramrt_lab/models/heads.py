@@ -23,8 +23,6 @@ contributions are that block times each head's row. ``MODEL``: a model directory
 
 from __future__ import annotations
 
-import json
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -32,12 +30,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from engramrt._io import atomic_write_bytes
 from engramrt.errors import EngramError
 from engramrt.hashing import HashBatch
 from engramrt.lookup import lookup_rows_reference
 from engramrt.lookup.tiers import TablePlacement
-from engramrt_lab.models.cli_parser import OneLineParser
+from engramrt_lab.models.cli_parser import OneLineParser, report
 from engramrt_lab.models.packaged import PACKAGED_MODEL
 
 __all__ = ["agreement", "contributions", "head_agreement", "main"]
@@ -156,10 +153,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (EngramError, OSError) as exc:
         parser.error(f"model {args.model!r} cannot be loaded: {exc}")
     result = head_agreement(model, args.random_sequences)
-    if args.json is not None:
-        atomic_write_bytes(args.json, (json.dumps(result, indent=1) + "\n").encode())
-    sys.stdout.write(markdown(result))
-    return 0
+    return report(result, args.json, markdown(result))
 
 
 if __name__ == "__main__":

@@ -29,14 +29,12 @@ from __future__ import annotations
 
 import json
 import shlex
-import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from engramrt._io import atomic_write_bytes
 from engramrt.errors import ValidationError
-from engramrt_lab.models.cli_parser import OneLineParser
+from engramrt_lab.models.cli_parser import OneLineParser, report
 from engramrt_lab.models.seeds import HELDOUT_SET_NAMES, MIN_SEEDS, command_seeds, spread
 from engramrt_lab.models.wins import gate_column, gate_column_parts
 
@@ -244,10 +242,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         result = compare(*first, *second, view=args.view)
     except ValidationError as exc:
         parser.error(str(exc))
-    if args.json is not None:
-        atomic_write_bytes(args.json, (json.dumps(result, indent=1) + "\n").encode())
-    sys.stdout.write(markdown(result))
-    return 0
+    return report(result, args.json, markdown(result))
 
 
 if __name__ == "__main__":
