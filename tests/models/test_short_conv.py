@@ -122,7 +122,12 @@ def test_a_new_convolution_leaves_the_model_as_without() -> None:
         with_conv.engram_head(1).wkv.weight.normal_()  # the memory must matter
         plain.engram_head(1).wkv.weight.copy_(with_conv.engram_head(1).wkv.weight)
         assert torch.equal(logits(with_conv), logits(plain))
-        with_conv.engram_head(1).conv.weight.normal_()
+    # The taps at zero still learn: SiLU's slope at 0 is 1/2.
+    logits(with_conv).square().mean().backward()
+    conv = with_conv.engram_head(1).conv
+    assert conv.weight.grad is not None and bool(conv.weight.grad.abs().sum() > 0)
+    with torch.no_grad():
+        conv.weight.normal_()
         assert not torch.allclose(logits(with_conv), logits(plain))
 
 
