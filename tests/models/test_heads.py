@@ -38,7 +38,7 @@ def test_contributions_are_each_columns_row_times_its_value_block(trained_dir: P
         trained_dir, TablePlacement("device", device="cpu"), load_baseline=False,
         head_backend="reference",
     )  # fmt: skip
-    row_ids = model._segment_row_ids(model.sample)[:7, 1].cpu()  # layer index 1, 7 positions
+    row_ids = model.segment_row_ids(model.sample)[:7, 1].cpu()  # layer index 1, 7 positions
     found = contributions(model, 1, row_ids)  # [7, 3, 4, D]
     E, D, hc = model.config.head_dim, model.lm_config.dim, model.lm_config.hc_mult
     wkv = model.lm.engram_head(model.lm_config.engram_layer_ids[1]).wkv.weight.detach()

@@ -570,6 +570,21 @@ class EvalSegments:
     def num_predictions(self) -> int:
         return int((self.lengths - 1).sum())
 
+    def hash_batch(self, device: torch.device | str) -> HashBatch:
+        """The sequences as one engine step on ``device``: each a request at its position
+        in its document, with its lookback ids (hashing it gives the ids it has there)."""
+        count, seq = self.tokens.shape
+        return HashBatch(
+            input_ids=torch.as_tensor(self.tokens.reshape(-1), device=device),
+            positions=torch.as_tensor(
+                (self.positions[:, None] + np.arange(seq)[None, :]).reshape(-1), device=device
+            ),
+            query_start_loc=torch.arange(
+                0, (count + 1) * seq, seq, device=device, dtype=torch.int32
+            ),
+            lookback_token_ids=torch.as_tensor(self.lookback, device=device),
+        )
+
     def subset(self, index: np.ndarray | Sequence[int]) -> EvalSegments:
         idx = np.asarray(index, dtype=np.int64)
         return EvalSegments(

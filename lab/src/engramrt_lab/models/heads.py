@@ -89,7 +89,7 @@ def head_agreement(model: Any, random_sequences: int = 64, seed: int = 0) -> dic
     (see the module docstring)."""
     sample = model.sample
     seq = sample.tokens.shape[1]
-    row_ids = model._segment_row_ids(sample).cpu()  # [M*S, L, C], hashed in their documents
+    row_ids = model.segment_row_ids(sample).cpu()  # [M*S, L, C], hashed in their documents
     keep = torch.as_tensor(np.arange(seq)[None, :] < sample.lengths[:, None] - 1).reshape(-1)
     rng = np.random.default_rng(seed)
     kept = model.vocab.untrim(np.arange(model.vocab.num_kept))

@@ -63,7 +63,6 @@ from engramrt.config import EngramConfig
 from engramrt.errors import CheckpointError, ValidationError
 from engramrt.gate import gate_values_reference
 from engramrt.hashing import (
-    HashBatch,
     HashConstants,
     NgramHasher,
     hash_sequence,
@@ -249,27 +248,17 @@ class TinyEngramModel:
             if model != "engram":
                 logits = self.baselines[model](tokens)
             else:
-                fns = self._eager_engram(self._segment_row_ids(part), tokens.shape, None)
+                fns = self._eager_engram(self.segment_row_ids(part), tokens.shape, None)
                 logits = self.lm(tokens, engram=fns)
             loss, n = next_token_loss_sum(logits, tokens, lengths)
             total += float(loss)
             count += n
         return total / max(count, 1)
 
-    def _segment_row_ids(self, part: EvalSegments) -> torch.Tensor:
-        count, seq = part.tokens.shape
-        batch = HashBatch(
-            input_ids=torch.as_tensor(part.tokens.reshape(-1), device=self.device),
-            positions=torch.as_tensor(
-                (part.positions[:, None] + np.arange(seq)[None, :]).reshape(-1),
-                device=self.device,
-            ),
-            query_start_loc=torch.arange(
-                0, (count + 1) * seq, seq, device=self.device, dtype=torch.int32
-            ),
-            lookback_token_ids=torch.as_tensor(part.lookback, device=self.device),
-        )
-        return self.hasher(batch)  # [M*S, L, C]
+    def segment_row_ids(self, part: EvalSegments) -> torch.Tensor:
+        """Row ids ``[M*S, L, C]`` of held-out sequences ``part`` (``M`` of ``S`` tokens),
+        each hashed inside its document (its lookback ids)."""
+        return self.hasher(part.hash_batch(self.device))  # [M*S, L, C]
 
     def _eager_engram(
         self, row_ids: torch.Tensor, shape: torch.Size, gates: list[torch.Tensor] | None

@@ -99,7 +99,7 @@ from engramrt._io import staged_directory
 from engramrt.config import PRESETS, EngramConfig
 from engramrt.errors import ValidationError
 from engramrt.gate.reference import MIN_ABS_DOT
-from engramrt.hashing import HashBatch, HashConstants
+from engramrt.hashing import HashConstants
 from engramrt.hashing.vectorized import hash_batch_torch
 from engramrt_lab.models import artifacts
 from engramrt_lab.models.cli_parser import OneLineParser
@@ -369,14 +369,7 @@ def segment_row_ids(
     """Row ids ``[M, S, L, C]`` int32 of held-out sequences, each hashed as one
     request with its lookback ids (so: the ids it has in its document)."""
     count, seq = segments.tokens.shape
-    batch = HashBatch(
-        input_ids=torch.as_tensor(segments.tokens.reshape(-1), device=device),
-        positions=torch.as_tensor(
-            (segments.positions[:, None] + np.arange(seq)[None, :]).reshape(-1), device=device
-        ),
-        query_start_loc=torch.arange(0, (count + 1) * seq, seq, device=device, dtype=torch.int32),
-        lookback_token_ids=torch.as_tensor(segments.lookback, device=device),
-    )
+    batch = segments.hash_batch(device)
     ids = hash_batch_torch(batch, consts, token_map.to(device), out_dtype=torch.int32)
     return ids.view(count, seq, consts.n_layers, consts.n_cols)
 
