@@ -454,6 +454,10 @@ def main() -> None:
     )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
+    for flag in ("fractions", "uniform_fractions", "frozen_fractions"):
+        bad = [f for f in getattr(args, flag) if not 0 < f <= 1]
+        if bad:
+            parser.error(f"--{flag.replace('_', '-')} holds {bad}; expected fractions in (0, 1]")
     if args.render is not None:
         table = markdown(json.loads(args.render.read_text()))
         print(table)

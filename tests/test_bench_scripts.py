@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -168,15 +170,17 @@ def test_targets_summary_takes_the_newest_and_checks_its_section() -> None:
             )
 
 
-def _run_script(script: Path, *args: str) -> str:
-    """``python SCRIPT ARGS`` with this checkout's package; its stdout, or a failure."""
-    import os
-    import subprocess
-
+def _script_process(script: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """``python SCRIPT ARGS`` with this checkout's package, run to its end."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)])}
-    done = subprocess.run(
+    return subprocess.run(
         [sys.executable, str(script), *args], capture_output=True, text=True, env=env, timeout=300
     )
+
+
+def _run_script(script: Path, *args: str) -> str:
+    """``python SCRIPT ARGS`` with this checkout's package; its stdout, or a failure."""
+    done = _script_process(script, *args)
     if done.returncode != 0:
         pytest.fail(f"{script.name} {args} exited {done.returncode}:\n{done.stderr[-3000:]}")
     return done.stdout
@@ -219,6 +223,13 @@ def test_cache_hit_study_writes_docs_only_when_told(tmp_path) -> None:
     assert table.split("\n", 1)[1] in (ROOT / "docs" / "cache.md").read_text()
     earlier = ROOT / "bench" / "results" / "cache-hit-study-20261129.json"  # before frozen caches
     assert "frozen" not in _run_script(script, "--render", str(earlier)).split("|", 1)[1]
+
+
+def test_cache_hit_study_refuses_fractions_outside_the_table() -> None:
+    for flag in ("--fractions", "--frozen-fractions"):
+        done = _script_process(ROOT / "bench" / "cache_hit_study.py", flag, "0.05", "0")
+        assert done.returncode == 2, done.stderr
+        assert f"{flag} holds [0.0]; expected fractions in (0, 1]" in done.stderr
 
 
 def test_cache_hit_study_frozen_caches_hit_only_what_their_profile_held() -> None:
