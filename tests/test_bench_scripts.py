@@ -1006,8 +1006,6 @@ def test_step_cost_pinned_placement_keeps_lookups_off_the_launching_cpu() -> Non
     """``thread-cpu-pinned``: ``thread-cpu`` with the lookups on every CPU but the first,
     the launching thread on the first while its case runs and on its own CPUs again after.
     Control: ``thread-cpu`` sets no CPUs and leaves the launching thread where it is."""
-    import os
-
     step_cost = _load("step_cost")
     pinned, free = step_cost.PLACEMENTS["thread-cpu-pinned"], step_cost.PLACEMENTS["thread-cpu"]
     allowed = os.sched_getaffinity(0)
