@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from tests.families.qwen4_ple.conftest import ORACLE_MODEL_FIELDS
 from tests.helpers import assert_same_bits
@@ -409,20 +409,32 @@ def split_points(num_tokens: int, cuts: list[int]) -> list[tuple[int, int]]:
     padding=st.integers(0, 4),
     seed=st.integers(0, 2**16),
 )
+@example(num_tokens=9, cuts=[3, 5], padding=0, seed=65536)  # the oracle's states differ here
 def test_streaming_carries_the_state_bit_for_bit(
     num_tokens: int, cuts: list[int], padding: int, seed: int
 ) -> None:
     """Chunks with the state carried (zero-length chunks included) equal one shot, and equal
     the oracle driven with a ``DynamicCache`` over the same (non-empty) chunks; the carried
-    state is the cache's. ``padding`` left-pads the sequence (masked, ids EOS)."""
+    state is the cache's. ``padding`` left-pads the sequence (masked, ids EOS).
+
+    The final state equals the one-shot state wherever the oracle's own do: in bf16 the
+    oracle's projections round by the shape of the chunk (CPU matrix products block by
+    rows), so its chunked state can differ from its one-shot state by an ulp (seen:
+    9 tokens cut at 3 and 5, seed 65536, 3 values). There the state must be the oracle's
+    chunked one, checked after every chunk; the one-shot state is the oracle's one-shot
+    one."""
     o = oracle(3, 48)
     hidden, ids, _ = draw_inputs(3, num_tokens, torch.bfloat16, seed=seed)
     mask = torch.arange(num_tokens) >= padding
     ids = torch.where(mask, ids, EOS)
     token_mask = None if padding == 0 else mask
-    whole, rows = run_oracle(o.layers[torch.bfloat16], hidden, ids, conv_mask=token_mask)
+    one_shot_cache = transformers.DynamicCache(config=o.config)
+    whole, rows = run_oracle(
+        o.layers[torch.bfloat16], hidden, ids, one_shot_cache, conv_mask=token_mask
+    )
     one_shot, one_shot_state = reference(o, torch.bfloat16, hidden, rows, token_mask=token_mask)
     assert_same_bits(one_shot, whole, "one shot vs oracle")
+    assert_same_bits(one_shot_state, oracle_state(one_shot_cache), "one-shot state vs oracle")
 
     cache = transformers.DynamicCache(config=o.config)
     state = None
@@ -444,7 +456,9 @@ def test_streaming_carries_the_state_bit_for_bit(
             assert_same_bits(chunk_rows, rows[start:stop], "oracle rows, chunked vs one shot")
             assert_same_bits(out, expected, f"chunk [{start}, {stop}) vs oracle")
             assert_same_bits(state, oracle_state(cache), "state vs oracle cache")
-    assert_same_bits(state, one_shot_state, "final state vs one shot")
+    oracle_chunked, oracle_one_shot = oracle_state(cache), oracle_state(one_shot_cache)
+    if torch.equal(oracle_chunked.view(torch.int16), oracle_one_shot.view(torch.int16)):
+        assert_same_bits(state, one_shot_state, "final state vs one shot")
 
 
 def test_streaming_without_the_state_fails() -> None:
